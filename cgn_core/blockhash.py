@@ -1,0 +1,72 @@
+"""Block identities shared by the router, the engines and the KV daemon (ARCHITECTURE.md §4).
+
+A prompt's token ids (after templating and tokenization) are cut into blocks
+of BLOCK_SIZE = 16 consecutive tokens; only full blocks are hashed. Hashes
+chain, so a block's identity covers every token before it:
+
+    h_0 = 32 zero bytes
+    h_i = BLAKE3(b"cognitora.kv.v1\\0" + namespace + b"\\0" + h_{i-1}
+                 + tokens_i as uint32 little-endian)
+
+`namespace` is the model name, plus "|" + salt where a tenant or adapter salt
+is configured, so two models (or two tenants) never share a block identity.
+Published vectors: cgn_core/testdata/blockhash_vectors.json.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from typing import NewType
+
+from blake3 import blake3
+
+BlockHash = NewType("BlockHash", bytes)
+
+BLOCK_SIZE = 16
+DOMAIN = b"cognitora.kv.v1\0"
+ROOT = BlockHash(bytes(32))
+_PACK = struct.Struct(f"<{BLOCK_SIZE}I")
+
+
+def namespace(model: str, salt: str | None = None) -> str:
+    """The hash namespace for `model`, salted per tenant or adapter when `salt` is set."""
+    if not model:
+        raise ValueError("block-hash namespace needs a model name")
+    return f"{model}|{salt}" if salt else model
+
+
+def block_hash(parent: BlockHash, tokens: Sequence[int], ns: str) -> BlockHash:
+    """The hash of one full block of BLOCK_SIZE token ids following `parent`."""
+    if len(tokens) != BLOCK_SIZE:
+        raise ValueError(f"a block holds exactly {BLOCK_SIZE} tokens, got {len(tokens)}")
+    return _hash(_prefix(ns), parent, tokens)
+
+
+def block_hashes(tokens: Sequence[int], ns: str, parent: BlockHash = ROOT) -> list[BlockHash]:
+    """Chained hashes of every full block of `tokens`; a trailing partial block is ignored."""
+    return list(iter_block_hashes(tokens, ns, parent))
+
+
+def iter_block_hashes(
+    tokens: Sequence[int], ns: str, parent: BlockHash = ROOT
+) -> Iterator[BlockHash]:
+    """Lazily yield the chained block hashes (stop early once a lookup misses)."""
+    prefix = _prefix(ns)
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = _hash(prefix, parent, tokens[start : start + BLOCK_SIZE])
+        yield parent
+
+
+def _prefix(ns: str) -> bytes:
+    return DOMAIN + ns.encode("utf-8") + b"\0"
+
+
+def _hash(prefix: bytes, parent: bytes, block: Sequence[int]) -> BlockHash:
+    if len(parent) != 32:
+        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+    try:
+        packed = _PACK.pack(*block)
+    except struct.error:
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
+    return BlockHash(blake3(prefix + parent + packed).digest())

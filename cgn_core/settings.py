@@ -1,0 +1,269 @@
+"""Typed, frozen settings trees, loaded as flag > env > YAML > defaults.
+
+A service declares its tree as frozen, slotted dataclasses whose fields all
+have defaults. `load_settings` builds it from four layers, each overriding the
+one before:
+
+1. the dataclass defaults;
+2. a YAML file (`yaml.safe_load`), whose keys must mirror the tree;
+3. environment variables `CGN_<SERVICE>_<PATH>`, where nested fields are joined
+   with a double underscore: `CGN_ROUTER_HTTP__PORT=8081`,
+   `CGN_ROUTER_ETCD__ENDPOINTS=10.0.0.1:2379,10.0.0.2:2379`;
+4. flags, as dotted paths (`http.port=8081`), from a CLI.
+
+An unknown key or a value of the wrong type in any layer is a `SettingsError`
+that names where it came from: the YAML file and path, the variable, or the
+flag. Values from the environment and from flags are strings and are parsed
+to the field's type (`true/false/1/0/yes/no/on/off` for booleans, commas for
+tuples); YAML values must already have the right type.
+
+Supported field types: bool, int, float, str, Path, Literal[...] of strings,
+`X | None`, `tuple[X, ...]`, `dict[str, str]` and nested settings dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from cgn_core.errors import ConfigError
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ConfigError):
+    """A settings layer holds an unknown key or a value of the wrong type."""
+
+
+# ---- common sub-trees shared by the services ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """Files for (mutual) TLS; all empty means plaintext (a development default)."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca_file is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EtcdSettings:
+    """How to reach etcd."""
+
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    timeout_s: float = 5.0
+    tls: TlsSettings = TlsSettings()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogSettings:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListenSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+# ---- loading -----------------------------------------------------------------
+
+
+def load_settings(
+    cls: type[T],
+    service: str,
+    *,
+    yaml_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, str] | None = None,
+    reserved_env: frozenset[str] = frozenset({"CONFIG"}),
+) -> T:
+    """Build `cls` from defaults, then `yaml_path`, then `env`, then `flags`.
+
+    `service` names the environment prefix (`router` → `CGN_ROUTER_`).
+    `reserved_env` lists variable suffixes the loader ignores because a CLI
+    owns them (e.g. `CGN_ROUTER_CONFIG` for the config file's path).
+    """
+    raw: dict[str, Any] = {}
+    if yaml_path is not None:
+        _merge_yaml(cls, raw, yaml_path)
+    prefix = f"CGN_{service.upper()}_"
+    for name, value in sorted((env or {}).items()):
+        if not name.startswith(prefix) or name[len(prefix) :] in reserved_env:
+            continue
+        path = name[len(prefix) :].lower().split("__")
+        _set_path(cls, raw, path, _Str(value), f"environment variable {name}")
+    for dotted, value in (flags or {}).items():
+        _set_path(cls, raw, dotted.split("."), _Str(value), f"flag {dotted}={value}")
+    return _build(cls, raw)
+
+
+def settings_to_dict(obj: Any) -> Any:
+    """Plain data (for `config show`, JSON and YAML output) from a settings tree."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: settings_to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [settings_to_dict(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {k: settings_to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+class _Str(str):
+    """A string from the environment or a flag: parsed to the field's type."""
+
+
+def _merge_yaml(cls: type, raw: dict[str, Any], path: Path) -> None:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read settings file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise SettingsError(f"{path}: not valid YAML{where}") from None
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: the top level must be a mapping, got {_kind(data)}")
+
+    def walk(node_cls: type, node: Mapping[str, Any], trail: list[str]) -> None:
+        hints = _hints(node_cls)
+        for key, value in node.items():
+            where = f"{path}: {'.'.join([*trail, str(key)])}"
+            if key not in hints:
+                raise SettingsError(f"{where}: unknown key (known: {', '.join(sorted(hints))})")
+            sub = _dataclass_of(hints[key])
+            if sub is not None and isinstance(value, dict):
+                walk(sub, value, [*trail, key])
+            else:
+                _set_path(cls, raw, [*trail, key], value, where)
+
+    walk(cls, data, [])
+
+
+def _set_path(cls: type, raw: dict[str, Any], path: list[str], value: Any, where: str) -> None:
+    node_cls, node = cls, raw
+    for i, key in enumerate(path):
+        hints = _hints(node_cls)
+        if key not in hints:
+            raise SettingsError(f"{where}: unknown setting '{'.'.join(path[: i + 1])}'")
+        if i == len(path) - 1:
+            # Parse now so the error names this layer, not the final build.
+            node[key] = _coerce(hints[key], value, where)
+            return
+        sub = _dataclass_of(hints[key])
+        if sub is None:
+            raise SettingsError(f"{where}: '{'.'.join(path[: i + 1])}' has no sub-settings")
+        node_cls, node = sub, node.setdefault(key, {})
+
+
+def _build(cls: type[T], raw: Mapping[str, Any]) -> T:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        sub = _dataclass_of(hints[name])
+        if sub is not None and isinstance(value, dict):
+            kwargs[name] = _build(sub, value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        members = [a for a in args if a is not type(None)]
+        is_null = value is None or (isinstance(value, _Str) and value in ("", "none", "null"))
+        if is_null and type(None) in args:
+            return None
+        return _coerce(members[0], value, where)
+    if origin is Literal:
+        if value in args:
+            return str(value)
+        raise SettingsError(f"{where}: expected one of {', '.join(map(str, args))}, got {value!r}")
+    if origin is tuple:
+        item = args[0]
+        if isinstance(value, _Str):
+            parts = [p.strip() for p in value.split(",") if p.strip()]
+            return tuple(_coerce(item, _Str(p), where) for p in parts)
+        if isinstance(value, list):
+            return tuple(_coerce(item, v, where) for v in value)
+        raise SettingsError(f"{where}: expected a list, got {_kind(value)}")
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
+        raise SettingsError(f"{where}: expected a mapping of strings, got {_kind(value)}")
+    if _dataclass_of(tp) is not None:
+        raise SettingsError(f"{where}: expected a mapping of settings, got {_kind(value)}")
+    return _scalar(tp, value, where)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    from_text = isinstance(value, _Str)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise SettingsError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise SettingsError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if from_text:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise SettingsError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return str(value)
+        raise SettingsError(f"{where}: expected a string, got {_kind(value)} {value!r}")
+    if tp is Path:
+        if isinstance(value, str) and value:
+            return Path(value)
+        raise SettingsError(f"{where}: expected a path, got {value!r}")
+    raise TypeError(f"settings field type {tp!r} is not supported")  # a bug in a tree
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )

@@ -1,0 +1,1 @@
+"""cgn-metrics."""

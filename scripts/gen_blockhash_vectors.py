@@ -1,0 +1,46 @@
+"""Write cgn_core/testdata/blockhash_vectors.json (run once; the file is committed).
+
+The vectors pin the block-hash contract of ARCHITECTURE.md §4 so that every
+implementation (router, engines, KV daemon, other languages) can check itself.
+tests/test_blockhash.py recomputes them with an independent reference.
+"""
+
+import json
+from pathlib import Path
+
+from cgn_core.blockhash import block_hashes, namespace
+
+CASES = [
+    ("empty prompt", "SmolLM2-135M-Instruct", None, []),
+    ("partial block only", "SmolLM2-135M-Instruct", None, list(range(15))),
+    ("one block", "SmolLM2-135M-Instruct", None, list(range(16))),
+    ("two blocks and a tail", "SmolLM2-135M-Instruct", None, [i * 7 % 49152 for i in range(40)]),
+    ("tenant salt", "SmolLM2-135M-Instruct", "tenant-a", list(range(16))),
+    ("other model", "qwen2.5-coder-0.5b", None, list(range(16))),
+    ("max token id", "m", None, [2**32 - 1] * 16 + [0] * 16),
+    ("unicode model name", "модель-7b", "adapter:é", [1, 2, 3, 4] * 12),
+]
+
+out = []
+for name, model, salt, tokens in CASES:
+    ns = namespace(model, salt)
+    out.append(
+        {
+            "name": name,
+            "model": model,
+            "salt": salt,
+            "namespace": ns,
+            "tokens": tokens,
+            "hashes": [h.hex() for h in block_hashes(tokens, ns)],
+        }
+    )
+path = Path(__file__).resolve().parent.parent / "cgn_core/testdata/blockhash_vectors.json"
+path.write_text(
+    json.dumps(
+        {"scheme": "cognitora.kv.v1", "block_size": 16, "vectors": out},
+        indent=1,
+        ensure_ascii=False,
+    )
+    + "\n"
+)
+print(f"wrote {len(out)} vectors to {path}")

@@ -1,0 +1,1 @@
+"""Cognitora tests."""

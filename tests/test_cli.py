@@ -1,0 +1,86 @@
+"""All seven executables: real console scripts, --help, --version, config, and honest stubs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cgn_core import __version__
+from cgn_core.cli import EXIT_NOT_BUILT, EXIT_USAGE
+
+from .conftest import REPO
+
+SERVICES = ["router", "agent", "ctl", "kvcached", "metrics", "operator", "infer"]
+# Commands that are designed but not built yet: each must say so and exit 3.
+NOT_BUILT = [
+    ("router", "serve"),
+    ("agent", "run"),
+    ("kvcached", "serve"),
+    ("metrics", "serve"),
+    ("operator", "run"),
+    ("infer", "serve"),
+    ("ctl", "up"),
+]
+
+
+def exe(service: str) -> str:
+    found = shutil.which(f"cgn-{service}", path=str(Path(sys.executable).parent))
+    assert found, f"cgn-{service} is not installed beside {sys.executable}"
+    return found
+
+
+def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_help_and_version(service: str) -> None:
+    help_ = run(exe(service), "--help")
+    assert help_.returncode == 0, help_.stderr
+    assert f"cgn-{service}" in help_.stdout and "config" in help_.stdout
+    version = run(exe(service), "--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"cgn-{service} {__version__}"
+
+
+@pytest.mark.parametrize(("service", "command"), NOT_BUILT)
+def test_unbuilt_commands_say_so(service: str, command: str) -> None:
+    res = run(exe(service), command, "--some-flag", "x")
+    assert res.returncode == EXIT_NOT_BUILT
+    assert "not built yet" in res.stderr and "Traceback" not in res.stderr
+    assert "[NOT BUILT YET]" in run(exe(service), "--help").stdout
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_config_shows_effective_settings(service: str) -> None:
+    res = run(
+        exe(service),
+        "config",
+        "--json",
+        "-c",
+        str(REPO / "configs" / f"{service}.yaml"),
+        "--set",
+        "log.level=debug",
+        env={f"CGN_{service.upper()}_LOG__FORMAT": "json"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["log"] == {"level": "debug", "format": "json"}
+
+
+def test_config_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("http: {port: nope}\n")
+    res = run(exe("router"), "config", "-c", str(bad))
+    assert res.returncode == EXIT_USAGE
+    assert res.stderr.strip() == f"error: {bad}: http.port: expected an integer, got 'nope'"
+    res = run(exe("router"), "config", env={"CGN_ROUTER_CONFIG": str(tmp_path / "none.yaml")})
+    assert res.returncode == EXIT_USAGE and "cannot read settings file" in res.stderr
+    res = run(exe("router"), "config", "--set", "novalue")
+    assert res.returncode == EXIT_USAGE and "--set expects KEY=VALUE" in res.stderr

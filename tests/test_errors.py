@@ -1,0 +1,44 @@
+"""The error hierarchy and its single HTTP / OpenAI mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from cgn_core import errors as e
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "kind", "retryable"),
+    [
+        (e.InvalidRequest("bad"), 400, "invalid_request_error", False),
+        (e.Unauthorized("who"), 401, "authentication_error", False),
+        (e.Forbidden("no"), 403, "permission_error", False),
+        (e.NotFound("none"), 404, "not_found_error", False),
+        (e.PayloadTooLarge("big"), 413, "invalid_request_error", False),
+        (e.ConfigError("cfg"), 500, "server_error", False),
+        (e.RateLimited("slow", retry_after_s=2.4), 429, "rate_limit_error", True),
+        (e.Overloaded("busy"), 503, "server_overloaded", True),
+        (e.EtcdUnavailable("down"), 503, "service_unavailable", True),
+        (e.UpstreamTimeout("late"), 504, "timeout", True),
+    ],
+)
+def test_mapping(err: e.CognitoraError, status: int, kind: str, retryable: bool) -> None:
+    got_status, headers, body = e.http_response_parts(err)
+    assert got_status == status
+    assert body == {"error": {"message": err.message, "type": kind, "param": None, "code": None}}
+    assert err.retryable is retryable
+    assert isinstance(err, e.RetryableError if retryable else e.PermanentError)
+    assert ("Retry-After" in headers) is isinstance(err, e.RateLimited)
+
+
+def test_retry_after_is_whole_seconds_at_least_one() -> None:
+    assert e.http_response_parts(e.RateLimited("x", retry_after_s=0.2))[1] == {"Retry-After": "1"}
+    assert e.http_response_parts(e.RateLimited("x", retry_after_s=2.6))[1] == {"Retry-After": "3"}
+
+
+def test_code_and_param_carried() -> None:
+    err = e.InvalidRequest(
+        "max_tokens too large", code="context_length_exceeded", param="max_tokens"
+    )
+    body = e.openai_error_body(err)["error"]
+    assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
