@@ -1,11 +1,66 @@
 """cgn-infer command line (typer; see cgn_core.cli for the shared parts)."""
 
-from cgn_core.cli import make_app, not_built, run
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cgn_core.cli import load_service_settings, make_app, parse_overrides, run
+from cgn_core.logs import setup_logging
 from cgn_infer.settings import InferSettings
 
 app = make_app(
     "infer", "Cognitora's native engine: GGUF models behind the OpenAI API.", InferSettings
 )
-not_built(app, "serve", "serve a GGUF model over the OpenAI API", 3)
+
+
+def _flag(name: str, help_: str, envvar: str | None = None) -> Any:
+    return typer.Option(name, help=help_, envvar=envvar, show_default=False)
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        Path | None, _flag("--model", "GGUF file to serve.", "CGN_INFER_MODEL")
+    ] = None,
+    host: Annotated[str | None, _flag("--host", "Listen address (default 127.0.0.1).")] = None,
+    port: Annotated[
+        int | None, _flag("--port", "Listen port (0: any free port) (default 8001).")
+    ] = None,
+    ctx: Annotated[int | None, _flag("--ctx", "Context length in tokens (default 4096).")] = None,
+    threads: Annotated[int | None, _flag("--threads", "CPU threads (0: one per core).")] = None,
+    backend: Annotated[str | None, _flag("--backend", "torch | mlx (default torch).")] = None,
+    device: Annotated[
+        str | None, _flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
+    ] = None,
+    weights: Annotated[
+        str | None,
+        _flag("--dtype", "Weight storage: bfloat16 | float16 | float32 | int8 (default bfloat16)."),
+    ] = None,
+    model_name: Annotated[
+        str | None, _flag("--model-name", "Name clients use (default: the file's stem).")
+    ] = None,
+    config: Annotated[
+        Path | None, _flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
+    ] = None,
+    set_: Annotated[list[str] | None, _flag("--set", "Override a setting: --set ctx=8192.")] = None,
+    ready_file: Annotated[
+        Path | None, _flag("--ready-file", "Write {pid, ports} here once serving.")
+    ] = None,
+) -> None:
+    """Serve a GGUF model over the OpenAI API (/v1/chat/completions, /v1/completions)."""
+    flags = parse_overrides(set_)
+    for key, value in {
+        "model": model, "http.host": host, "http.port": port, "ctx": ctx, "threads": threads,
+        "backend": backend, "device": device, "weights": weights, "model_name": model_name,
+    }.items():  # fmt: skip
+        if value is not None:
+            flags[key] = str(value)
+    settings = load_service_settings(InferSettings, "infer", config, flags)
+    setup_logging("infer", settings.log)
+    from cgn_infer.daemon import run as run_daemon
+
+    run_daemon(settings, ready_file)
+
 
 main = run(app)

@@ -11,8 +11,14 @@ from cgn_core.settings import ListenSettings, LogSettings
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
     pipeline: ListenSettings = ListenSettings(port=9101)
-    model: Path | None = None
+    model: Path | None = None  # a GGUF file
+    model_name: str = ""  # the name clients ask for; empty: the GGUF file's stem
     backend: Literal["torch", "mlx", "sim"] = "torch"
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
+    # Weight storage: bfloat16 matches llama.cpp's logits closely; int8 decodes
+    # faster on CPU at a small fidelity cost (see docs/cgn-infer.md).
+    weights: Literal["bfloat16", "float16", "float32", "int8"] = "bfloat16"
     ctx: int = 4096
-    threads: int = 0  # 0: one per physical core
+    threads: int = 0  # 0: torch's default (one per core)
+    prefill_chunk: int = 512
     log: LogSettings = LogSettings()

@@ -24,7 +24,6 @@ NOT_BUILT = [
     ("kvcached", "serve"),
     ("metrics", "serve"),
     ("operator", "run"),
-    ("infer", "serve"),
     ("ctl", "up"),
 ]
 

@@ -1,0 +1,209 @@
+"""The llama-family transformer in PyTorch (CPU here, CUDA where present).
+
+Weights are dequantized from GGUF once at load and stored per `weights`:
+`int8` (per-row symmetric int8 + scale; the fastest at small batch on CPU,
+through torch's int8 weight-only GEMM), `bfloat16`, `float16` or `float32`.
+Activations, norms, RoPE and the residual stream run in float32 on CPU. The
+KV cache is created by the backend but passed in explicitly on every call.
+
+RoPE always rotates adjacent pairs (one complex multiply): for NEOX-layout
+models (qwen2) the q/k rows are permuted at load so that halves become
+pairs. Attention scores are unchanged, since q and k are permuted alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cgn_infer.gguf_file import GGUFError, GGUFFile
+from cgn_infer.models.args import Args
+from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
+
+WEIGHT_FORMATS = ("int8", "bfloat16", "float16", "float32")
+_FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Above this many rows the int8 GEMV kernel loses to a float GEMM on dequantized weights.
+_INT8_MAX_ROWS = 8
+
+
+class Linear:
+    """One weight matrix [out, in] in the chosen storage format; `self(x)` = x @ W.T."""
+
+    __slots__ = ("kind", "scale", "w")
+    scale: torch.Tensor | None
+
+    def __init__(self, w: torch.Tensor, kind: str, act_dtype: torch.dtype):
+        self.kind = kind
+        if kind == "int8":
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+            self.w = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            self.scale = scale.to(torch.bfloat16)
+        else:
+            self.w = w.to(_FLOAT[kind])
+            self.scale = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] float32 -> [T, out] float32
+        if self.kind == "int8":
+            assert self.scale is not None
+            if x.shape[0] <= _INT8_MAX_ROWS:
+                return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
+            return F.linear(x, self.w.float() * self.scale.float()[:, None])
+        return F.linear(x.to(self.w.dtype), self.w).float()
+
+    def nbytes(self) -> int:
+        extra = self.scale.numel() * 2 if self.scale is not None else 0
+        return self.w.numel() * self.w.element_size() + extra
+
+
+@dataclass(slots=True)
+class ContiguousKVCache:
+    """One sequence's keys and values: [layers, max_tokens, KVH, hd] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[0]
+        if end > self.k.shape[1]:
+            raise ValueError(f"KV cache holds {self.k.shape[1]} tokens, asked for {end}")
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        return self.k[layer, :end], self.v[layer, :end]  # [S, KVH, hd]
+
+
+def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
+    """Complex rotations [max_pos, hd/2] for adjacent-pair RoPE."""
+    exps = torch.arange(0, args.rope_dim, 2, dtype=torch.float64) / args.rope_dim
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), args.rope_theta**-exps)
+    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(device)
+
+
+class TorchBackend:
+    """A llama-family model on torch."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        args: Args,
+        *,
+        device: str = "cpu",
+        weights: str = "int8",
+        kv_dtype: str = "bfloat16",
+        threads: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+    ):
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}")
+        if args.rope_dim != args.head_dim:
+            raise GGUFError(
+                f"{gguf.path}: partial RoPE (rope_dim {args.rope_dim}) is not supported"
+            )
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.args = args
+        self.device = torch.device(device)
+        self.kv_dtype = _FLOAT[kv_dtype]
+        act = torch.float32
+
+        def convert(a: np.ndarray, role: Role) -> torch.Tensor | Linear:
+            t = torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
+            # The embedding is looked up by row, so it stays float32 like the vectors.
+            return Linear(t, weights, act) if role == "matrix" else t.float()
+
+        self.w: ModelWeights[torch.Tensor | Linear] = load_weights(
+            gguf, args, convert, progress, rope_pairs=True
+        )
+        self.tok_embd = _t(self.w.tok_embd)
+        self.rope = rope_table(args, args.ctx_len, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the weight matrices (what a decode step streams from memory)."""
+        total = 0
+        for layer in self.w.layers:
+            for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                total += m.nbytes() if isinstance(m, Linear) else 0
+        out = self.w.output
+        return total + (out.nbytes() if isinstance(out, Linear) else 0)
+
+    def new_cache(self, max_tokens: int) -> ContiguousKVCache:
+        a = self.args
+        shape = (a.n_layers, max_tokens, a.n_kv_heads, a.head_dim)
+        return ContiguousKVCache(
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[int],
+        start_pos: int,
+        cache: ContiguousKVCache,
+        *,
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        a, w = self.args, self.w
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        n = ids.shape[0]
+        rot = self.rope[start_pos : start_pos + n, None, :]  # [T, 1, hd/2]
+        mask = None
+        if n > 1:  # causal within the chunk, full view of the cached past
+            q_pos = torch.arange(start_pos, start_pos + n, device=self.device)[:, None]
+            mask = torch.arange(start_pos + n, device=self.device)[None, :] <= q_pos
+        x = self.tok_embd[ids]  # [T, D] float32
+        for i, layer in enumerate(w.layers):
+            h = F.rms_norm(x, (a.dim,), _t(layer.attn_norm), a.norm_eps)
+            x = x + self._attention(layer, i, h, rot, mask, start_pos, cache)
+            h = F.rms_norm(x, (a.dim,), _t(layer.ffn_norm), a.norm_eps)
+            gate, up = _l(layer.w_gate_up)(h).chunk(2, dim=-1)  # [T, F] each
+            x = x + _l(layer.w_down)(F.silu(gate) * up)  # [T, D]
+        x = x if all_logits else x[-1:]
+        logits = _l(w.output)(F.rms_norm(x, (a.dim,), _t(w.out_norm), a.norm_eps))  # [T, V]
+        return logits.cpu().numpy() if all_logits else logits[0].cpu().numpy()
+
+    def _attention(
+        self,
+        layer: LayerWeights[torch.Tensor | Linear],
+        index: int,
+        h: torch.Tensor,
+        rot: torch.Tensor,
+        mask: torch.Tensor | None,
+        start_pos: int,
+        cache: ContiguousKVCache,
+    ) -> torch.Tensor:
+        a = self.args
+        n = h.shape[0]
+        qkv = _l(layer.wqkv)(h)  # [T, (H+2KVH)*hd]
+        if layer.bqkv is not None:
+            qkv = qkv + _t(layer.bqkv)
+        qk = qkv[:, : a.q_size + a.kv_size].reshape(n, a.n_heads + a.n_kv_heads, -1, 2)
+        qk = torch.view_as_real(torch.view_as_complex(qk.contiguous()) * rot).flatten(-2)
+        q, k = torch.split(qk, [a.n_heads, a.n_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, a.q_size + a.kv_size :].view(n, a.n_kv_heads, a.head_dim)
+        keys, values = cache.update(index, k.to(self.kv_dtype), v.to(self.kv_dtype), start_pos)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].to(self.kv_dtype),  # [1, H, T, hd]
+            keys.transpose(0, 1)[None],  # [1, KVH, S, hd]
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )  # [1, H, T, hd]
+        return _l(layer.wo)(out[0].transpose(0, 1).reshape(n, a.q_size).float())  # [T, D]
+
+
+def _t(x: torch.Tensor | Linear | None) -> torch.Tensor:
+    assert isinstance(x, torch.Tensor)
+    return x
+
+
+def _l(x: torch.Tensor | Linear | None) -> Linear:
+    assert isinstance(x, Linear)
+    return x

@@ -1,0 +1,102 @@
+"""`cgn-infer serve`: bind, load the model in the background, serve, shut down cleanly.
+
+The HTTP listener comes up first, so /health answers 503 while the weights
+load; the `--ready-file` is written once the model is loaded and serving.
+SIGTERM/SIGINT only set an event; shutdown then stops accepting, lets the
+engine finish its current step and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_infer.engine import Engine
+from cgn_infer.loader import load_model
+from cgn_infer.metrics import EngineMetrics
+from cgn_infer.server import InferenceService, Loaded, build_app
+from cgn_infer.settings import InferSettings
+
+log = logging.getLogger(__name__)
+
+
+def model_name(settings: InferSettings) -> str:
+    if settings.model_name:
+        return settings.model_name
+    return settings.model.stem if settings.model else "model"
+
+
+async def serve(settings: InferSettings, ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    name = model_name(settings)
+    svc = InferenceService(name, EngineMetrics(name), settings.ctx)
+    sock = bind_tcp(settings.http.host, settings.http.port)
+    port = sock.getsockname()[1]
+    runner = web.AppRunner(build_app(svc), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    log.info("listening on http://%s:%d (model %s loading)", settings.http.host, port, name)
+
+    started = time.monotonic()
+    with _progress() as progress:
+        task = progress.add_task(f"loading {settings.model}", total=None)
+        loaded = await asyncio.to_thread(
+            load_model,
+            settings,
+            lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    svc.metrics.load_seconds.set(time.monotonic() - started)
+    engine = Engine(
+        loaded.backend,
+        loaded.tokenizer,
+        svc.metrics,
+        ctx=settings.ctx,
+        prefill_chunk=settings.prefill_chunk,
+    )
+    engine.start()
+    svc.ctx = engine.ctx
+    svc.loaded = Loaded(engine, loaded.tokenizer, loaded.template)
+    log.info("model %s loaded in %.1fs; serving on port %d", name, time.monotonic() - started, port)
+    if ready_file is not None:
+        write_ready_file(ready_file, ports={"http": port}, model=name)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await runner.cleanup()
+        await asyncio.to_thread(engine.stop)
+        if ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                await asyncio.to_thread(ready_file.unlink)
+
+
+def _progress() -> Progress:
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+    )
+    return Progress(*columns, TimeElapsedColumn(), transient=True, disable=not sys.stderr.isatty())
+
+
+def run(settings: InferSettings, ready_file: Path | None) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # not on every platform
+        pass
+    asyncio.run(serve(settings, ready_file))

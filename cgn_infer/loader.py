@@ -1,0 +1,58 @@
+"""Open a GGUF and build the backend, tokenizer and chat template it describes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cgn_core.errors import ConfigError
+from cgn_infer.backends.base import Backend
+from cgn_infer.chat_template import ChatTemplate
+from cgn_infer.gguf_file import GGUFFile
+from cgn_infer.models import args_from_gguf
+from cgn_infer.settings import InferSettings
+from cgn_infer.tokenizer import GGUFTokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    backend: Backend
+    tokenizer: GGUFTokenizer
+    template: ChatTemplate
+
+
+def load_model(
+    settings: InferSettings, progress: Callable[[int, int], None] | None = None
+) -> LoadedModel:
+    """Everything needed to serve `settings.model`; errors name the file and the problem."""
+    if settings.model is None:
+        raise ConfigError("no model given: pass --model PATH (a GGUF file)")
+    gguf = GGUFFile(settings.model)
+    args = args_from_gguf(gguf)
+    tokenizer = GGUFTokenizer(gguf)  # before the weights: a bad vocabulary fails fast
+    pieces = tokenizer.pieces
+
+    def piece(key: str) -> str:
+        idx = gguf.get(key)
+        return pieces[int(idx)] if idx is not None and 0 <= int(idx) < len(pieces) else ""
+
+    template = ChatTemplate(
+        gguf.get("tokenizer.chat_template"),
+        bos_token=piece("tokenizer.ggml.bos_token_id"),
+        eos_token=piece("tokenizer.ggml.eos_token_id"),
+    )
+    backend: Backend
+    if settings.backend == "torch":
+        from cgn_infer.backends.torch_backend import TorchBackend
+
+        backend = TorchBackend(
+            gguf, args, device=settings.device, weights=settings.weights,
+            threads=settings.threads, progress=progress,
+        )  # fmt: skip
+    elif settings.backend == "mlx":
+        from cgn_infer.backends.mlx_backend import MlxBackend
+
+        backend = MlxBackend(gguf, args, progress=progress)
+    else:
+        raise ConfigError("the sim backend is not built yet (issue #4)")
+    return LoadedModel(backend, tokenizer, template)

@@ -1,0 +1,75 @@
+"""cgn-infer's Prometheus metrics, under vLLM's names so routers read it like vLLM.
+
+vLLM names (ARCHITECTURE.md §5): requests running/waiting, KV-cache usage,
+prompt and generation token counters, TTFT, inter-token latency and
+end-to-end latency histograms, finished requests by reason. Cognitora's own
+additions start with `cgn_infer_`. One registry per engine (no globals).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class EngineMetrics:
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        running = gauge("vllm:num_requests_running", "Requests being generated.")
+        waiting = gauge("vllm:num_requests_waiting", "Requests queued, not yet started.")
+        kv = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).")
+        self.running, self.waiting, self.kv_usage = (
+            m.labels(model) for m in (running, waiting, kv)
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(model)
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(
+            model
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY
+        ).labels(model)
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY
+        ).labels(model)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", _E2E).labels(model)
+        self._success = counter("vllm:request_success", "Finished requests.", ["finished_reason"])
+        self._model = model
+        self.load_seconds = gauge(
+            "cgn_infer_model_load_seconds", "Time to load the weights."
+        ).labels(model)
+        self.rejected = counter(
+            "cgn_infer_requests_rejected", "Requests refused with a 4xx."
+        ).labels(model)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._model, reason).inc()

@@ -1,0 +1,143 @@
+"""OpenAI response bodies and SSE chunks for chat and text completions (pure functions)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgn_infer.engine import FinishEvent, TokenEvent
+from cgn_infer.protocol import Kind
+
+_OBJECT = {
+    ("chat", False): "chat.completion",
+    ("chat", True): "chat.completion.chunk",
+    ("completion", False): "text_completion",
+    ("completion", True): "text_completion",
+}
+
+
+@dataclass(slots=True)
+class ResponseBuilder:
+    kind: Kind
+    model: str
+    token_text: Any  # Callable[[int], str]
+    logprobs: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    lp_items: list[Any] = field(default_factory=list)
+    _offset: int = 0
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
+
+    def _envelope(self, stream: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": _OBJECT[(self.kind, stream)],
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprob_entry(self, ev: TokenEvent) -> Any:
+        s = ev.sampled
+        tok = self.token_text(s.token)
+        if self.kind == "chat":
+            return {
+                "token": tok,
+                "logprob": s.logprob,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.token_text(i)), "logprob": lp, "bytes": list(t.encode())}
+                    for i, lp in s.top
+                ],
+            }
+        entry = (tok, s.logprob, {self.token_text(i): lp for i, lp in s.top}, self._offset)
+        self._offset += len(tok)
+        return entry
+
+    def _lp_block(self, items: list[Any]) -> Any:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": items}
+        return {
+            "tokens": [t for t, _, _, _ in items],
+            "token_logprobs": [lp for _, lp, _, _ in items],
+            "top_logprobs": [top for _, _, top, _ in items],
+            "text_offset": [off for _, _, _, off in items],
+        }
+
+    def _choice(
+        self, text: str, finish: str | None, lp: list[Any], first: bool, stream: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            if stream:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if text or not first:
+                    delta["content"] = text
+                elif first:
+                    delta["content"] = ""
+                choice["delta"] = delta
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._lp_block(lp)
+        choice["finish_reason"] = finish
+        return choice
+
+    # ---- streaming ---------------------------------------------------------------
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with a role-only delta, as OpenAI's do."""
+        if self.kind != "chat":
+            return None
+        return self._envelope(True, [self._choice("", None, [], True, True)])
+
+    def token_chunk(self, ev: TokenEvent) -> dict[str, Any] | None:
+        lp = [self._logprob_entry(ev)] if self.logprobs else []
+        if not ev.text and not lp:
+            return None
+        return self._envelope(True, [self._choice(ev.text, None, lp, False, True)])
+
+    def finish_chunk(self, ev: FinishEvent) -> dict[str, Any]:
+        choice = self._choice(ev.text, _reason(ev), [], False, True)
+        choice["logprobs"] = None
+        return self._envelope(True, [choice])
+
+    def usage_chunk(self, ev: FinishEvent) -> dict[str, Any]:
+        body = self._envelope(True, [])
+        body["usage"] = usage(ev)
+        return body
+
+    # ---- whole responses ------------------------------------------------------------
+
+    def add(self, ev: TokenEvent) -> None:
+        self.text.append(ev.text)
+        if self.logprobs:
+            self.lp_items.append(self._logprob_entry(ev))
+
+    def final(self, ev: FinishEvent) -> dict[str, Any]:
+        text = "".join(self.text) + ev.text
+        body = self._envelope(False, [self._choice(text, _reason(ev), self.lp_items, True, False)])
+        body["usage"] = usage(ev)
+        return body
+
+
+def _reason(ev: FinishEvent) -> str:
+    return "length" if ev.reason == "length" else "stop"
+
+
+def usage(ev: FinishEvent, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": ev.prompt_tokens,
+        "completion_tokens": ev.completion_tokens,
+        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

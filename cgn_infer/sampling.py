@@ -1,0 +1,110 @@
+"""Token sampling from one logits vector: penalties, temperature, top-k, top-p, min-p.
+
+Order (as vLLM applies them): repetition penalty (over prompt and output),
+presence and frequency penalties (output only), then greedy if temperature is
+0, else temperature scaling, top-k, top-p (nucleus), min-p, and a draw from
+the renormalised distribution with the request's own seeded generator (so a
+`seed` reproduces a generation). Log-probabilities reported to the client are
+those of the model's distribution after penalties, before temperature and
+truncation (OpenAI's and vLLM's convention).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: the sampled token's only; n: plus top n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Sampler:
+    """Stateful per request: its random generator and its output-token counts."""
+
+    params: SamplingParams
+    prompt: Sequence[int] = ()
+    rng: np.random.Generator = field(init=False)
+    counts: Counter[int] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def sample(self, logits: np.ndarray) -> Sampled:
+        """Pick the next token from float32 `logits` [vocab] and record it."""
+        p = self.params
+        x = logits.astype(np.float32, copy=True)
+        if p.repetition_penalty != 1.0:
+            seen = np.fromiter(set(self.prompt) | set(self.counts), dtype=np.int64)
+            if seen.size:
+                vals = x[seen]
+                x[seen] = np.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts.keys(), dtype=np.int64)
+            freq = np.fromiter(self.counts.values(), dtype=np.float32)
+            x[ids] -= p.presence_penalty + p.frequency_penalty * freq
+        logprobs = _log_softmax(x) if p.logprobs is not None else None
+        token = int(np.argmax(x)) if p.greedy else self._draw(x)
+        self.counts[token] += 1
+        if logprobs is None:
+            return Sampled(token)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs:
+            k = min(p.logprobs, x.size)
+            idx = np.argpartition(-logprobs, k - 1)[:k]
+            idx = idx[np.argsort(-logprobs[idx], kind="stable")]
+            top = tuple((int(i), float(logprobs[i])) for i in idx)
+        return Sampled(token, float(logprobs[token]), top)
+
+    def _draw(self, x: np.ndarray) -> int:
+        p = self.params
+        x = x / p.temperature
+        idx = np.arange(x.size)
+        if 0 < p.top_k < x.size:
+            keep = np.argpartition(-x, p.top_k - 1)[: p.top_k]
+            x, idx = x[keep], idx[keep]
+        order = np.argsort(-x, kind="stable")
+        x, idx = x[order], idx[order]
+        probs = np.exp(x - x[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            probs, idx = probs[:cut], idx[:cut]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            probs, idx = probs[keep], idx[keep]
+        probs = probs / probs.sum()
+        return int(idx[self.rng.choice(probs.size, p=probs)])
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    out: np.ndarray = x - m - np.log(np.exp(x - m).sum())
+    return out

@@ -1,0 +1,246 @@
+"""cgn-infer's HTTP edge: the OpenAI surface, /health and /metrics on aiohttp.
+
+The model runs on the engine's worker thread; handlers only parse, queue and
+relay. A client that disconnects cancels its generation. Every error reaches
+the client as an OpenAI-style JSON body with a 4xx/5xx status, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cgn_core.errors import (
+    CognitoraError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+    http_response_parts,
+)
+from cgn_infer.chat_template import ChatTemplate
+from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
+from cgn_infer.metrics import EngineMetrics
+from cgn_infer.protocol import Kind, ParsedRequest, parse_request
+from cgn_infer.responses import ResponseBuilder
+from cgn_infer.tokenizer import GGUFTokenizer
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class Loaded:
+    """Everything that exists once the weights are loaded."""
+
+    engine: Engine
+    tokenizer: GGUFTokenizer
+    template: ChatTemplate
+
+
+@dataclass(slots=True)
+class InferenceService:
+    model_name: str
+    metrics: EngineMetrics
+    ctx: int
+    loaded: Loaded | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def prepare(self, req: ParsedRequest) -> GenerationRequest:
+        """Template, tokenize and bound a validated request."""
+        if req.model != self.model_name:
+            raise NotFound(
+                f"model '{req.model}' is not served here (this engine serves '{self.model_name}')",
+                code="model_not_found",
+                param="model",
+            )
+        if self.loaded is None:
+            raise Unavailable("the model is still loading")
+        tok = self.loaded.tokenizer
+        if req.kind == "chat":
+            prompt = tok.encode(self.loaded.template.render(req.messages), add_bos=False)
+        elif req.prompt_text is not None:
+            prompt = tok.encode(req.prompt_text)
+        else:
+            prompt = list(req.prompt_ids or ())
+            if any(not 0 <= t < tok.vocab_size for t in prompt):
+                raise InvalidRequest(
+                    f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt"
+                )
+        room = self.ctx - len(prompt)
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.ctx}",
+                code="context_length_exceeded",
+                param="messages" if req.kind == "chat" else "prompt",
+            )
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens={req.max_tokens} plus the {len(prompt)}-token prompt exceeds "
+                f"the context of {self.ctx} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        return GenerationRequest(
+            prompt=tuple(prompt),
+            params=req.params,
+            max_tokens=req.max_tokens or room,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+        )
+
+    async def generate(self, gen: GenerationRequest) -> AsyncIterator[Event]:
+        """Run `gen` on the engine; cancelling the consumer cancels the generation."""
+        assert self.loaded is not None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(ev: Event) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        job = Job(gen, emit)
+        self.loaded.engine.submit(job)
+        try:
+            while True:
+                ev = await events.get()
+                yield ev
+                if isinstance(ev, FinishEvent):
+                    return
+        finally:
+            job.cancelled.set()
+
+
+def build_app(svc: InferenceService) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors(svc)])
+    app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
+    app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
+    app.router.add_get("/v1/models", lambda r: _models(svc))
+    app.router.add_get("/health", lambda r: _health(svc))
+    app.router.add_get("/metrics", lambda r: _metrics(svc))
+    return app
+
+
+def _json_error(err: CognitoraError) -> web.Response:
+    status, headers, body = http_response_parts(err)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _errors(svc: InferenceService) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except CognitoraError as err:
+            if err.http_status < 500:
+                svc.metrics.rejected.inc()
+            return _json_error(err)
+        except web.HTTPRequestEntityTooLarge:
+            svc.metrics.rejected.inc()
+            return _json_error(PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes"))
+        except web.HTTPException as exc:  # 404/405 from routing
+            return _json_error(_http_error(exc))
+
+    return middleware
+
+
+def _http_error(exc: web.HTTPException) -> CognitoraError:
+    err = CognitoraError(exc.reason)
+    err.http_status = exc.status  # type: ignore[misc]
+    err.openai_type = "invalid_request_error" if exc.status < 500 else "server_error"  # type: ignore[misc]
+    return err
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
+    parsed = parse_request(kind, await _body(request))
+    gen = svc.prepare(parsed)
+    assert svc.loaded is not None
+    build = ResponseBuilder(
+        kind, svc.model_name, svc.loaded.tokenizer.token_text, parsed.params.logprobs is not None
+    )
+    if not parsed.stream:
+        async for ev in svc.generate(gen):
+            if isinstance(ev, TokenEvent):
+                build.add(ev)
+            elif ev.reason == "error":
+                raise InternalError(f"generation failed: {ev.error}")
+            else:
+                return web.json_response(build.final(ev))
+        raise InternalError("generation ended without a result")
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    if (first := build.first_chunk()) is not None:
+        await _send(resp, first)
+    async for ev in svc.generate(gen):
+        if isinstance(ev, TokenEvent):
+            if (chunk := build.token_chunk(ev)) is not None:
+                await _send(resp, chunk)
+            continue
+        if ev.reason == "error":
+            await _send(
+                resp,
+                {
+                    "error": {
+                        "message": f"generation failed: {ev.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+            )
+        else:
+            await _send(resp, build.finish_chunk(ev))
+            if parsed.include_usage:
+                await _send(resp, build.usage_chunk(ev))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _models(svc: InferenceService) -> web.Response:
+    card = {
+        "id": svc.model_name,
+        "object": "model",
+        "created": svc.created,
+        "owned_by": "cognitora",
+        "max_model_len": svc.ctx,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(svc: InferenceService) -> web.Response:
+    if svc.loaded is None:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(svc: InferenceService) -> web.Response:
+    return web.Response(
+        body=generate_latest(svc.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
