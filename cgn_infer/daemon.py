@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.readiness import bind_tcp, write_ready_file
 from cgn_infer.engine import Engine
 from cgn_infer.loader import load_model
@@ -53,11 +54,15 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     started = time.monotonic()
     with _progress() as progress:
         task = progress.add_task(f"loading {settings.model}", total=None)
-        loaded = await asyncio.to_thread(
-            load_model,
-            settings,
-            lambda done, total: progress.update(task, completed=done, total=total),
-        )
+        try:
+            loaded = await asyncio.to_thread(
+                load_model,
+                settings,
+                lambda done, total: progress.update(task, completed=done, total=total),
+            )
+        except CognitoraError as exc:  # a bad model file is the operator's configuration
+            await runner.cleanup()
+            raise ConfigError(exc.message) from None
     svc.metrics.load_seconds.set(time.monotonic() - started)
     engine = Engine(
         loaded.backend,

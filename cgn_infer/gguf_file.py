@@ -100,6 +100,9 @@ class GGUFFile:
         except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
             self.close()
             raise GGUFError(f"{path}: truncated or corrupt GGUF header ({exc})") from None
+        except GGUFError:
+            self.close()
+            raise
 
     def close(self) -> None:
         self._mm.close()

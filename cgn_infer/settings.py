@@ -15,9 +15,10 @@ class InferSettings:
     model_name: str = ""  # the name clients ask for; empty: the GGUF file's stem
     backend: Literal["torch", "mlx", "sim"] = "torch"
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
-    # Weight storage: bfloat16 matches llama.cpp's logits closely; int8 decodes
-    # faster on CPU at a small fidelity cost (see docs/cgn-infer.md).
-    weights: Literal["bfloat16", "float16", "float32", "int8"] = "bfloat16"
+    # Weight storage after dequantizing the GGUF: float32 tracks llama.cpp's logits
+    # best; bfloat16 halves the memory; int8 decodes fastest on CPU at a small
+    # fidelity cost (figures in docs/cgn-infer.md).
+    weights: Literal["bfloat16", "float16", "float32", "int8"] = "float32"
     ctx: int = 4096
     threads: int = 0  # 0: torch's default (one per core)
     prefill_chunk: int = 512

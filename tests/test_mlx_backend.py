@@ -1,0 +1,36 @@
+"""The MLX backend (mlx[cpu] on Linux) produces the torch backend's greedy tokens on SmolLM2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cgn_infer.gguf_file import GGUFFile
+from cgn_infer.models import args_from_gguf
+from cgn_infer.tokenizer import GGUFTokenizer
+
+mlx_backend = pytest.importorskip(
+    "cgn_infer.backends.mlx_backend", reason="the mlx extra is not installed"
+)
+
+
+def greedy(backend: Any, prompt: list[int], n: int) -> list[int]:
+    cache = backend.new_cache(len(prompt) + n)
+    logits = backend.forward(prompt, 0, cache)
+    out = [int(logits.argmax())]
+    for i in range(n - 1):
+        logits = backend.forward([out[-1]], len(prompt) + i, cache)
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_mlx_greedy_equals_torch(smollm2_gguf: GGUFFile, smollm2_torch: Any) -> None:
+    mlx = mlx_backend.MlxBackend(smollm2_gguf, args_from_gguf(smollm2_gguf))
+    tok = GGUFTokenizer(smollm2_gguf)
+    for text in (
+        "The quick brown fox",
+        "<|im_start|>user\nWhat is 7 times 6?<|im_end|>\n<|im_start|>assistant\n",
+    ):
+        prompt = tok.encode(text)
+        assert greedy(mlx, prompt, 24) == greedy(smollm2_torch, prompt, 24)
