@@ -21,8 +21,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result  # noqa: E402
-from cgn_core.bundled_models import qwen_coder_05b, smollm2  # noqa: E402
+from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result
+from cgn_core.bundled_models import qwen_coder_05b, smollm2
 
 MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
 ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
@@ -31,13 +31,29 @@ ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
     ("cgn-infer bfloat16", "cgn-infer", ("--dtype", "bfloat16")),
     ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
 ]
-WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
-)
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+]
 
 
 def long_prompt(seed: int, words: int = 420) -> str:
-    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+    """A fresh ~500-token prompt per seed (it starts with the seed, so no cached prefix)."""
+    return f"Document {seed}: " + " ".join(
+        WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words)
+    )
 
 
 def measure(url: str, reps: int) -> dict[str, float]:
@@ -73,6 +89,10 @@ def measure(url: str, reps: int) -> dict[str, float]:
             "prompt_tokens": tokens}  # fmt: skip
 
 
+def _ratio(x: float | None) -> str:
+    return "n/a (no llama.cpp figure)" if x is None else f"{x:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -86,16 +106,21 @@ def main() -> None:
         path = MODELS[model]()
         results[model] = {}
         for label, kind, extra in ENGINES:
-            with engine(kind, path, opts.threads, *extra) as e:
-                r = measure(e["url"], opts.reps)
-                r["load_s"] = e["load_s"]
-                r["peak_rss_mib"] = peak_rss_mib(e["pid"])
+            try:
+                with engine(kind, path, opts.threads, *extra) as e:
+                    r = measure(e["url"], opts.reps)
+                    r["load_s"] = e["load_s"]
+                    r["peak_rss_mib"] = peak_rss_mib(e["pid"])
+            except (httpx.HTTPError, RuntimeError, TimeoutError) as exc:  # report, keep measuring
+                rows.append(f"| {model} | {label} | failed: {exc} | | | | | |")
+                print(rows[-1], flush=True)
+                continue
             results[model][label] = r
-            base = results[model]["llama.cpp"]
-            r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
-            r["prompt_ratio"] = r["prompt_tok_s"] / base["prompt_tok_s"]
-            rows.append(f"| {model} | {label} | {r['load_s']:.1f} | {r['decode_tok_s']:.1f} | {r['decode_ratio']:.2f} | "
-                        f"{r['prompt_tok_s']:.0f} | {r['prompt_ratio']:.2f} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
+            base = results[model].get("llama.cpp")
+            r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+            r["prompt_ratio"] = r["prompt_tok_s"] / base["prompt_tok_s"] if base else None
+            rows.append(f"| {model} | {label} | {r['load_s']:.1f} | {r['decode_tok_s']:.1f} | {_ratio(r['decode_ratio'])} | "
+                        f"{r['prompt_tok_s']:.0f} | {_ratio(r['prompt_ratio'])} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
             print(rows[-1], flush=True)
     command = "python bench/infer_single_stream.py " + " ".join(sys.argv[1:])
     write_result("infer_single_stream", command.strip(), results, "\n".join(rows))

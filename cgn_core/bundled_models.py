@@ -79,3 +79,13 @@ def qwen_coder_05b(dest_dir: Path | None = None) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return dest
+
+
+BUNDLED = {"smollm2": smollm2, "qwen2.5-coder-0.5b": qwen_coder_05b}
+
+
+def resolve(model: Path) -> Path:
+    """`model` itself if it names a file; a bundled model for the names in BUNDLED."""
+    if not model.exists() and str(model) in BUNDLED:
+        return BUNDLED[str(model)]()
+    return model

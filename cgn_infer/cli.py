@@ -21,7 +21,12 @@ def _flag(name: str, help_: str, envvar: str | None = None) -> Any:
 @app.command()
 def serve(
     model: Annotated[
-        Path | None, _flag("--model", "GGUF file to serve.", "CGN_INFER_MODEL")
+        Path | None,
+        _flag(
+            "--model",
+            "GGUF file to serve, or a bundled model: smollm2, qwen2.5-coder-0.5b.",
+            "CGN_INFER_MODEL",
+        ),
     ] = None,
     host: Annotated[str | None, _flag("--host", "Listen address (default 127.0.0.1).")] = None,
     port: Annotated[

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cgn_core import bundled_models
 from cgn_core.errors import ConfigError
 from cgn_infer.backends.base import Backend
 from cgn_infer.chat_template import ChatTemplate
@@ -27,7 +28,7 @@ def load_model(
     """Everything needed to serve `settings.model`; errors name the file and the problem."""
     if settings.model is None:
         raise ConfigError("no model given: pass --model PATH (a GGUF file)")
-    gguf = GGUFFile(settings.model)
+    gguf = GGUFFile(bundled_models.resolve(settings.model))
     args = args_from_gguf(gguf)
     tokenizer = GGUFTokenizer(gguf)  # before the weights: a bad vocabulary fails fast
     pieces = tokenizer.pieces

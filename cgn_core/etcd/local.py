@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -21,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from cgn_core.errors import ConfigError, Unavailable
+from cgn_core.process import stop_group
 
 
 def find_etcd_binary() -> Path:
@@ -104,14 +103,8 @@ class LocalEtcd:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM etcd's process group, then SIGKILL it if it outlives `grace_s`."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            stop_group(proc, grace_s)
 
     def log_tail(self, lines: int = 5) -> str:
         try:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,22 +14,14 @@ from pathlib import Path
 
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
+from cgn_core.process import stop_group
 from cgn_core.readiness import wait_ready_file
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> int:
-    """SIGTERM the process group we started, SIGKILL after `grace_s`; returns the exit code."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
+stop = stop_group  # SIGTERM our process group, SIGKILL after a grace period
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
