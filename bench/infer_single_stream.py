@@ -30,6 +30,9 @@ ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
     ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
     ("cgn-infer bfloat16", "cgn-infer", ("--dtype", "bfloat16")),
     ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
+    ("cgn-infer int4", "cgn-infer", ("--dtype", "int4")),
+    # One torch thread leaves the second core to the event loop and the client.
+    ("cgn-infer int4, 1 thread", "cgn-infer", ("--dtype", "int4", "--threads", "1")),
 ]
 WORDS = [
     "alpha",

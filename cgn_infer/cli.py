@@ -34,13 +34,19 @@ def serve(
     ] = None,
     ctx: Annotated[int | None, _flag("--ctx", "Context length in tokens (default 4096).")] = None,
     threads: Annotated[int | None, _flag("--threads", "CPU threads (0: one per core).")] = None,
+    decode_threads: Annotated[
+        int | None, _flag("--decode-threads", "Threads for decode steps (0: threads - 1).")
+    ] = None,
     backend: Annotated[str | None, _flag("--backend", "torch | mlx (default torch).")] = None,
     device: Annotated[
         str | None, _flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
     ] = None,
     weights: Annotated[
         str | None,
-        _flag("--dtype", "Weight storage: bfloat16 | float16 | float32 | int8 (default float32)."),
+        _flag(
+            "--dtype",
+            "Weight storage: bfloat16 | float16 | float32 | int8 | int4 (default float32).",
+        ),
     ] = None,
     model_name: Annotated[
         str | None, _flag("--model-name", "Name clients use (default: the file's stem).")
@@ -57,6 +63,7 @@ def serve(
     flags = parse_overrides(set_)
     for key, value in {
         "model": model, "http.host": host, "http.port": port, "ctx": ctx, "threads": threads,
+        "decode_threads": decode_threads,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
     }.items():  # fmt: skip
         if value is not None:

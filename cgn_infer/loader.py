@@ -48,7 +48,7 @@ def load_model(
 
         backend = TorchBackend(
             gguf, args, device=settings.device, weights=settings.weights,
-            threads=settings.threads, progress=progress,
+            threads=settings.threads, decode_threads=settings.decode_threads, progress=progress,
         )  # fmt: skip
     elif settings.backend == "mlx":
         from cgn_infer.backends.mlx_backend import MlxBackend

@@ -37,3 +37,21 @@ def dequantize(gguf: GGUFFile, name: str) -> np.ndarray:
     rows = raw.reshape(-1, raw.size // (info.n_elements // info.shape[-1]))
     out = gguf_dequantize(rows, GGMLQuantizationType(info.ggml_type))
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
+
+
+def q4_groups(gguf: GGUFFile, name: str) -> np.ndarray | None:
+    """For Q4_0/Q4_1 tensors, each 32-value group's (scale, min) so that a value is
+    exactly scale * q + min with q in 0..15: float32 [rows, cols / 32, 2]. None for
+    other types (a 4-bit repacking of them is an approximation)."""
+    info = gguf.tensors[name]
+    if info.type_name not in ("Q4_0", "Q4_1"):
+        return None
+    size = 18 if info.type_name == "Q4_0" else 20
+    blocks = gguf.raw(name).reshape(-1, size)
+    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    if info.type_name == "Q4_0":  # value = scale * (q - 8)
+        low = -8.0 * scale
+    else:  # value = scale * q + min
+        low = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    rows = int(np.prod(info.shape[:-1]))
+    return np.stack([scale, low], axis=-1).reshape(rows, info.shape[-1] // 32, 2)

@@ -2,9 +2,11 @@
 
 Fusions: attn_q/attn_k/attn_v become one QKV matrix (and bias), ffn_gate and
 ffn_up one gate-up matrix, so a layer runs three weight matmuls plus the
-output projection. `convert(array, role)` turns each fused float32 array
-into the backend's own type right away (role: "embedding", "matrix" or
-"vector"), so peak memory stays near one copy.
+output projection. `convert(array, role, groups)` turns each fused float32
+array into the backend's own type right away (role: "embedding", "matrix" or
+"vector"), so peak memory stays near one copy. For matrices stored as Q4_0 or
+Q4_1, `groups` carries each 32-value group's exact (scale, min), so a 4-bit
+backend format can hold the very same values.
 
 With `rope_pairs=True`, the q/k rows of NEOX-layout models (qwen2) are
 reordered so that every backend can rotate adjacent pairs: each head's
@@ -22,7 +24,7 @@ import numpy as np
 
 from cgn_infer.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models.args import Args
-from cgn_infer.quants import dequantize
+from cgn_infer.quants import dequantize, q4_groups
 
 T = TypeVar("T")
 Role = Literal["embedding", "matrix", "vector"]
@@ -50,7 +52,7 @@ class ModelWeights(Generic[T]):
 def load_weights(
     gguf: GGUFFile,
     args: Args,
-    convert: Callable[[np.ndarray, Role], T],
+    convert: Callable[[np.ndarray, Role, np.ndarray | None], T],
     progress: Callable[[int, int], None] | None = None,
     *,
     rope_pairs: bool = False,
@@ -62,40 +64,64 @@ def load_weights(
             raise GGUFError(f"{gguf.path}: tensor {name} is missing")
         return dequantize(gguf, name)
 
-    def qkv(p: str, kind: str) -> np.ndarray:
-        q, k, v = (get(p + f"attn_{x}.{kind}") for x in "qkv")
+    def fused(*names: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of `names` stacked, with their Q4 groups when every part has them."""
+        groups = [g for n in names if (g := q4_groups(gguf, n)) is not None]
+        joined = np.concatenate(groups) if len(groups) == len(names) else None
+        return np.concatenate([get(n) for n in names]), joined
+
+    def qkv(p: str, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
+        a, groups = fused(*(p + f"attn_{x}.{kind}" for x in "qkv"))
         if rope_pairs and args.rope_neox:
-            q = neox_to_pairs(q, args.n_heads, args.head_dim)
-            k = neox_to_pairs(k, args.n_kv_heads, args.head_dim)
-        return np.concatenate([q, k, v])
+            a = _qk_to_pairs(a, args)
+            groups = None if groups is None else _qk_to_pairs(groups, args)
+        return a, groups
+
+    def _convert(parts: tuple[np.ndarray, np.ndarray | None]) -> T:
+        return convert(parts[0], "matrix", parts[1])
+
+    def matrix(*names: str) -> T:
+        return _convert(fused(*names))
+
+    def vector(name: str) -> T:
+        return convert(get(name), "vector", None)
 
     total = args.n_layers + 2
     embedding = get("token_embd.weight")
-    tok_embd = convert(embedding, "embedding")
+    tok_embd = convert(embedding, "embedding", None)
     if progress:
         progress(1, total)
     layers: list[LayerWeights[T]] = []
     for i in range(args.n_layers):
         p = f"blk.{i}."
-        gate_up = np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")])
         layers.append(
             LayerWeights(
-                attn_norm=convert(get(p + "attn_norm.weight"), "vector"),
-                wqkv=convert(qkv(p, "weight"), "matrix"),
-                bqkv=convert(qkv(p, "bias"), "vector") if args.qkv_bias else None,
-                wo=convert(get(p + "attn_output.weight"), "matrix"),
-                ffn_norm=convert(get(p + "ffn_norm.weight"), "vector"),
-                w_gate_up=convert(gate_up, "matrix"),
-                w_down=convert(get(p + "ffn_down.weight"), "matrix"),
+                attn_norm=vector(p + "attn_norm.weight"),
+                wqkv=_convert(qkv(p, "weight")),
+                bqkv=convert(qkv(p, "bias")[0], "vector", None) if args.qkv_bias else None,
+                wo=matrix(p + "attn_output.weight"),
+                ffn_norm=vector(p + "ffn_norm.weight"),
+                w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                w_down=matrix(p + "ffn_down.weight"),
             )
         )
         if progress:
             progress(i + 2, total)
-    out_norm = convert(get("output_norm.weight"), "vector")
-    output = convert(embedding if args.tied_embeddings else get("output.weight"), "matrix")
+    out_norm = vector("output_norm.weight")
+    if args.tied_embeddings:
+        output = convert(embedding, "matrix", q4_groups(gguf, "token_embd.weight"))
+    else:
+        output = matrix("output.weight")
     if progress:
         progress(total, total)
     return ModelWeights(tok_embd, layers, out_norm, output)
+
+
+def _qk_to_pairs(a: np.ndarray, args: Args) -> np.ndarray:
+    q, k, v = np.split(a, [args.q_size, args.q_size + args.kv_size])
+    q = neox_to_pairs(q, args.n_heads, args.head_dim)
+    k = neox_to_pairs(k, args.n_kv_heads, args.head_dim)
+    return np.concatenate([q, k, v])
 
 
 def neox_to_pairs(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:

@@ -47,7 +47,7 @@ class MlxBackend:
         self.args = args
         self.dtype = dtype or default_dtype()
 
-        def convert(a: np.ndarray, role: Role) -> mx.array:
+        def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> mx.array:
             arr = mx.array(np.ascontiguousarray(a))
             return arr.astype(self.dtype) if role == "matrix" else arr.astype(mx.float32)
 

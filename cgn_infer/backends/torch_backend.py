@@ -24,7 +24,8 @@ from cgn_infer.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 
-WEIGHT_FORMATS = ("int8", "bfloat16", "float16", "float32")
+WEIGHT_FORMATS = ("int4", "int8", "bfloat16", "float16", "float32")
+_INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Above this many rows the int8 GEMV kernel loses to a float GEMM on dequantized weights.
 _INT8_MAX_ROWS = 8
@@ -36,9 +37,16 @@ class Linear:
     __slots__ = ("kind", "scale", "w")
     scale: torch.Tensor | None
 
-    def __init__(self, w: torch.Tensor, kind: str, act_dtype: torch.dtype):
+    def __init__(self, w: torch.Tensor, kind: str, groups: np.ndarray | None = None):
+        # int4 holds Q4_0/Q4_1 weights exactly (their own per-32 scale and min); anything
+        # else would be re-quantized, so it takes int8 instead. torch's int4 GEMM is CPU-only.
+        if kind == "int4" and (groups is None or w.device.type != "cpu"):
+            kind = "int8"
         self.kind = kind
-        if kind == "int8":
+        if kind == "int4":
+            assert groups is not None
+            self.w, self.scale = _pack_int4(w, torch.from_numpy(groups))
+        elif kind == "int8":
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
             self.w = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scale = scale.to(torch.bfloat16)
@@ -47,6 +55,12 @@ class Linear:
             self.scale = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] float32 -> [T, out] float32
+        if self.kind == "int4":
+            assert self.scale is not None
+            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.w, _INT4_GROUP, self.scale
+            )
+            return y.float()
         if self.kind == "int8":
             assert self.scale is not None
             if x.shape[0] <= _INT8_MAX_ROWS:
@@ -55,8 +69,21 @@ class Linear:
         return F.linear(x.to(self.w.dtype), self.w).float()
 
     def nbytes(self) -> int:
-        extra = self.scale.numel() * 2 if self.scale is not None else 0
+        extra = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
         return self.w.numel() * self.w.element_size() + extra
+
+
+def _pack_int4(w: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4 weights (value = scale * q + min per group of 32 along `in`) in torch's CPU int4
+    GEMM format: w = (q - 8) * scale + zero, scales/zeros [in/32, out, 2] in bf16."""
+    out, inp = w.shape
+    values = w.float().view(out, inp // _INT4_GROUP, _INT4_GROUP)
+    scale, lo = groups[..., 0], groups[..., 1]  # [out, in/32] each
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = ((values - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp), 2)
+    scales_zeros = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1).to(torch.bfloat16)
+    return packed, scales_zeros.contiguous()
 
 
 @dataclass(slots=True)
@@ -98,6 +125,7 @@ class TorchBackend:
         weights: str = "float32",
         kv_dtype: str = "bfloat16",
         threads: int = 0,
+        decode_threads: int = 0,
         progress: Callable[[int, int], None] | None = None,
     ):
         if weights not in WEIGHT_FORMATS:
@@ -106,17 +134,21 @@ class TorchBackend:
             raise GGUFError(
                 f"{gguf.path}: partial RoPE (rope_dim {args.rope_dim}) is not supported"
             )
-        if threads > 0:
-            torch.set_num_threads(threads)
+        # NOTE: prefill uses every thread; small decode steps leave one core to the
+        # server's event loop, because an OpenMP team that shares its cores with another
+        # busy thread stalls at every barrier (measured: 2 threads decode 2× slower than
+        # 1 when served on a 2-core machine).
+        self.threads = threads if threads > 0 else torch.get_num_threads()
+        self.decode_threads = decode_threads if decode_threads > 0 else max(1, self.threads - 1)
+        torch.set_num_threads(self.threads)
         self.args = args
         self.device = torch.device(device)
         self.kv_dtype = _FLOAT[kv_dtype]
-        act = torch.float32
 
-        def convert(a: np.ndarray, role: Role) -> torch.Tensor | Linear:
+        def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> torch.Tensor | Linear:
             t = torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
             # The embedding is looked up by row, so it stays float32 like the vectors.
-            return Linear(t, weights, act) if role == "matrix" else t.float()
+            return Linear(t, weights, groups) if role == "matrix" else t.float()
 
         self.w: ModelWeights[torch.Tensor | Linear] = load_weights(
             gguf, args, convert, progress, rope_pairs=True
@@ -153,6 +185,9 @@ class TorchBackend:
         a, w = self.args, self.w
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         n = ids.shape[0]
+        want = self.decode_threads if n <= _INT8_MAX_ROWS else self.threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
         rot = self.rope[start_pos : start_pos + n, None, :]  # [T, 1, hd/2]
         mask = None
         if n > 1:  # causal within the chunk, full view of the cached past
