@@ -61,7 +61,9 @@ def long_prompt(seed: int, words: int = 420) -> str:
 
 def measure(url: str, reps: int) -> dict[str, float]:
     name = model_id(url)
-    with httpx.Client() as client:
+    # A fresh connection per request: llama.cpp's server closes idle keep-alive connections,
+    # and a reused one then fails with "Server disconnected" (seen in earlier runs).
+    with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
         stream_completion(client, url, {"model": name, "prompt": "warm up", "max_tokens": 4})
         decode = []
         for i in range(reps):
