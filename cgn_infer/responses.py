@@ -79,10 +79,7 @@ class ResponseBuilder:
         if self.kind == "chat":
             if stream:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                if text or not first:
-                    delta["content"] = text
-                elif first:
-                    delta["content"] = ""
+                delta["content"] = text
                 choice["delta"] = delta
             else:
                 choice["message"] = {"role": "assistant", "content": text}

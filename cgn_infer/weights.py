@@ -77,11 +77,8 @@ def load_weights(
             groups = None if groups is None else _qk_to_pairs(groups, args)
         return a, groups
 
-    def _convert(parts: tuple[np.ndarray, np.ndarray | None]) -> T:
+    def matrix(parts: tuple[np.ndarray, np.ndarray | None]) -> T:
         return convert(parts[0], "matrix", parts[1])
-
-    def matrix(*names: str) -> T:
-        return _convert(fused(*names))
 
     def vector(name: str) -> T:
         return convert(get(name), "vector", None)
@@ -97,12 +94,12 @@ def load_weights(
         layers.append(
             LayerWeights(
                 attn_norm=vector(p + "attn_norm.weight"),
-                wqkv=_convert(qkv(p, "weight")),
+                wqkv=matrix(qkv(p, "weight")),
                 bqkv=convert(qkv(p, "bias")[0], "vector", None) if args.qkv_bias else None,
-                wo=matrix(p + "attn_output.weight"),
+                wo=matrix(fused(p + "attn_output.weight")),
                 ffn_norm=vector(p + "ffn_norm.weight"),
-                w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                w_down=matrix(p + "ffn_down.weight"),
+                w_gate_up=matrix(fused(p + "ffn_gate.weight", p + "ffn_up.weight")),
+                w_down=matrix(fused(p + "ffn_down.weight")),
             )
         )
         if progress:
@@ -111,7 +108,7 @@ def load_weights(
     if args.tied_embeddings:
         output = convert(embedding, "matrix", q4_groups(gguf, "token_embd.weight"))
     else:
-        output = matrix("output.weight")
+        output = matrix(fused("output.weight"))
     if progress:
         progress(total, total)
     return ModelWeights(tok_embd, layers, out_norm, output)

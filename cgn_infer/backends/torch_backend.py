@@ -27,8 +27,9 @@ from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 WEIGHT_FORMATS = ("int4", "int8", "bfloat16", "float16", "float32")
 _INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Above this many rows the int8 GEMV kernel loses to a float GEMM on dequantized weights.
-_INT8_MAX_ROWS = 8
+# A step of at most this many rows is "small" (decode): the int8 GEMV kernel beats a float
+# GEMM on dequantized weights there, and the step runs on the decode thread count.
+_SMALL_STEP_ROWS = 8
 
 
 class Linear:
@@ -63,7 +64,7 @@ class Linear:
             return y.float()
         if self.kind == "int8":
             assert self.scale is not None
-            if x.shape[0] <= _INT8_MAX_ROWS:
+            if x.shape[0] <= _SMALL_STEP_ROWS:
                 return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
             return F.linear(x, self.w.float() * self.scale.float()[:, None])
         return F.linear(x.to(self.w.dtype), self.w).float()
@@ -185,7 +186,7 @@ class TorchBackend:
         a, w = self.args, self.w
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         n = ids.shape[0]
-        want = self.decode_threads if n <= _INT8_MAX_ROWS else self.threads
+        want = self.decode_threads if n <= _SMALL_STEP_ROWS else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
         rot = self.rope[start_pos : start_pos + n, None, :]  # [T, 1, hd/2]
