@@ -35,9 +35,29 @@ def serve(
     ctx: Annotated[int | None, _flag("--ctx", "Context length in tokens (default 4096).")] = None,
     threads: Annotated[int | None, _flag("--threads", "CPU threads (0: one per core).")] = None,
     decode_threads: Annotated[
-        int | None, _flag("--decode-threads", "Threads for decode steps (0: threads - 1).")
+        int | None,
+        _flag("--decode-threads", "Threads for single-stream decode steps (0: threads - 1)."),
     ] = None,
-    backend: Annotated[str | None, _flag("--backend", "torch | mlx (default torch).")] = None,
+    backend: Annotated[
+        str | None,
+        _flag("--backend", "torch | mlx | sim (modelled compute, deterministic tokens)."),
+    ] = None,
+    max_batch: Annotated[
+        int | None, _flag("--max-batch", "Sequences running at once (default 8).")
+    ] = None,
+    prefill_chunk: Annotated[
+        int | None, _flag("--prefill-chunk", "Prompt tokens per step (default 512).")
+    ] = None,
+    kv_pool_tokens: Annotated[
+        int | None,
+        _flag("--kv-pool-tokens", "KV pool size in tokens, preallocated (default 16384)."),
+    ] = None,
+    kv_dtype: Annotated[
+        str | None, _flag("--kv-dtype", "KV pool: float32 | bfloat16 | float16 (default float32).")
+    ] = None,
+    speed: Annotated[
+        float | None, _flag("--speed", "sim backend: run this many times faster than modelled.")
+    ] = None,
     device: Annotated[
         str | None, _flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
     ] = None,
@@ -63,7 +83,8 @@ def serve(
     flags = parse_overrides(set_)
     for key, value in {
         "model": model, "http.host": host, "http.port": port, "ctx": ctx, "threads": threads,
-        "decode_threads": decode_threads,
+        "decode_threads": decode_threads, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
+        "kv_pool_tokens": kv_pool_tokens, "kv_dtype": kv_dtype, "sim.speed": speed,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
     }.items():  # fmt: skip
         if value is not None:

@@ -14,14 +14,18 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.readiness import bind_tcp, write_ready_file
-from cgn_infer.engine import Engine
+from cgn_infer.block_pool import KvEvent
+from cgn_infer.engine import Engine, EngineConfig
+from cgn_infer.kv_events import KvEventHub
 from cgn_infer.loader import load_model
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.server import InferenceService, Loaded, build_app
@@ -43,7 +47,7 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     name = model_name(settings)
-    svc = InferenceService(name, EngineMetrics(name), settings.ctx)
+    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name))
     sock = bind_tcp(settings.http.host, settings.http.port)
     port = sock.getsockname()[1]
     runner = web.AppRunner(build_app(svc), handler_cancellation=True, access_log=None)
@@ -68,11 +72,24 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         loaded.backend,
         loaded.tokenizer,
         svc.metrics,
-        ctx=settings.ctx,
-        prefill_chunk=settings.prefill_chunk,
+        EngineConfig(
+            ctx=settings.ctx,
+            kv_pool_tokens=settings.kv_pool_tokens,
+            max_batch=settings.max_batch,
+            prefill_chunk=settings.prefill_chunk,
+            aging_steps=settings.aging_steps,
+        ),
+        namespace=name,
+        on_kv_events=lambda events: _call_soon(loop, svc.kv_events.publish, events),
     )
     engine.start()
-    svc.ctx = engine.ctx
+    svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
+    log.info(
+        "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)",
+        engine.capacity_tokens, BLOCK_SIZE,
+        engine.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
+        loaded.backend.kv_bytes_per_token(),
+    )  # fmt: skip
     svc.loaded = Loaded(engine, loaded.tokenizer, loaded.template)
     log.info("model %s loaded in %.1fs; serving on port %d", name, time.monotonic() - started, port)
     if ready_file is not None:
@@ -81,11 +98,18 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         await stop.wait()
     finally:
         log.info("shutting down")
+        svc.kv_events.close()
         await runner.cleanup()
         await asyncio.to_thread(engine.stop)
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+def _call_soon(
+    loop: asyncio.AbstractEventLoop, fn: Callable[[list[KvEvent]], None], events: list[KvEvent]
+) -> None:
+    loop.call_soon_threadsafe(fn, events)
 
 
 def _progress() -> Progress:

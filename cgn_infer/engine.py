@@ -1,11 +1,12 @@
-"""Generation: prompt in, tokens out, on one worker thread off the event loop.
+"""Generation: many requests at once on one worker thread, off the event loop.
 
-Part 1 of the engine serves one request at a time, in arrival order (the
-continuous-batching scheduler of issue #4 replaces `_run_one`). Each request
-gets its own KV cache sized to prompt + max_tokens; the prompt is prefilled
-in chunks, then tokens are decoded one by one until EOS/end-of-turn, a stop
-string or token, `max_tokens`, the context limit, or cancellation (a client
-that went away). Events go back to the asyncio side through a callback.
+Each step the scheduler (scheduler.py) plans which sequences run and which
+prompt chunks are prefilled; the backend runs the whole plan as one batch over
+the paged KV pool; the engine samples, detokenizes, checks stop conditions and
+reports back. A sequence ends on EOS/end-of-turn, a stop string or token,
+`max_tokens`, or cancellation (a client that went away). Events go back to the
+asyncio side through each job's callback; KV-cache events through
+`on_kv_events`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cgn_core.blockhash import BLOCK_SIZE
 from cgn_infer.backends.base import Backend
+from cgn_infer.backends.paged import BatchItem
+from cgn_infer.block_pool import BlockPool, KvEvent
 from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler, SamplingParams
+from cgn_infer.scheduler import Plan, Scheduler, Seq, SeqId
 from cgn_infer.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ class FinishEvent:
     text: str  # the last held-back text, emitted at the end
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
 
 
@@ -67,91 +73,183 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
 
 
+@dataclass(slots=True, eq=False)
+class _Active:
+    """A job the scheduler knows about, with its per-request decoding state."""
+
+    job: Job
+    seq: Seq
+    sampler: Sampler
+    text: IncrementalText
+    stop_ids: frozenset[int]
+    last: float  # when the previous token (or the request) arrived
+    counted: bool = False  # prompt and prefix-cache metrics recorded
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    ctx: int
+    kv_pool_tokens: int = 16384
+    max_batch: int = 8
+    prefill_chunk: int = 512
+    aging_steps: int = 8
+
+
 class Engine:
-    """Owns the model and the worker thread that runs it."""
+    """Owns the model, the KV pool, the scheduler and the worker thread that runs them."""
 
     def __init__(
         self,
         backend: Backend,
         tokenizer: GGUFTokenizer,
         metrics: EngineMetrics,
+        config: EngineConfig,
         *,
-        ctx: int,
-        prefill_chunk: int = 512,
+        namespace: str,
+        on_kv_events: Callable[[list[KvEvent]], None] | None = None,
     ):
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
-        self.ctx = min(ctx, backend.args.ctx_len)
-        self.prefill_chunk = prefill_chunk
+        self.ctx = min(config.ctx, backend.args.ctx_len)
+        blocks = max(1, config.kv_pool_tokens // BLOCK_SIZE)
+        self.pool = BlockPool(blocks, namespace)
+        self.kv = backend.new_kv(blocks)
+        self.scheduler = Scheduler(
+            self.pool,
+            max_batch=config.max_batch,
+            prefill_chunk=config.prefill_chunk,
+            aging_steps=config.aging_steps,
+        )
+        self.on_kv_events = on_kv_events
+        self._active: dict[SeqId, _Active] = {}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="cgn-infer-engine", daemon=True)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most KV slots one request may need (prompt + max_tokens - 1)."""
+        return self.scheduler.capacity_tokens
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Finish the current request's step, then end the worker thread."""
+        """Finish the current step, cancel what is left, then end the worker thread."""
         self._jobs.put(None)
         self._thread.join(timeout_s)
 
     def submit(self, job: Job) -> None:
+        seq = Seq(job.request.prompt, job.request.max_tokens)
+        if not self.scheduler.fits(seq):  # the server checks first; this is the backstop
+            raise ValueError(f"request needs {seq.need} KV slots, pool has {self.capacity_tokens}")
         self.metrics.waiting.inc()
         self._jobs.put(job)
 
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self.metrics.waiting.dec()
-            if job.cancelled.is_set():
-                job.emit(FinishEvent("cancelled", "", len(job.request.prompt), 0))
-                continue
-            self.metrics.running.inc()
-            try:
-                self._run_one(job)
-            except Exception as exc:  # NOTE: top of the worker loop: report, keep serving
-                log.exception("generation failed")
-                job.emit(FinishEvent("error", "", len(job.request.prompt), 0, error=str(exc)))
-                self.metrics.finished("error")
-            finally:
-                self.metrics.running.dec()
-                self.metrics.kv_usage.set(0)
+    # ---- the worker thread ----------------------------------------------------------
 
-    def _run_one(self, job: Job) -> None:
-        req, m = job.request, self.metrics
-        prompt = list(req.prompt)
-        budget = min(req.max_tokens, self.ctx - len(prompt))
-        cache = self.backend.new_cache(len(prompt) + budget)
-        m.kv_usage.set(len(prompt) / self.ctx)
-        for start in range(0, len(prompt), self.prefill_chunk):
-            if job.cancelled.is_set():
-                break
-            logits = self.backend.forward(prompt[start : start + self.prefill_chunk], start, cache)
-        m.prompt_tokens.inc(len(prompt))
-        sampler = Sampler(req.params, prompt=prompt)
-        text = IncrementalText(self.tokenizer, req.stop)
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.stop_ids)
-        last = job.enqueued
-        reason: FinishReason = "length"
-        n = 0
-        while n < budget:
-            if job.cancelled.is_set():
-                reason = "cancelled"
-                break
-            sampled = sampler.sample(logits)
-            n += 1
-            now = time.monotonic()
-            (m.ttft if n == 1 else m.itl).observe(now - last)
-            last = now
-            if sampled.token in stop_ids:
-                reason = "stop"
-                break
-            delta, hit = text.add(sampled.token)
-            job.emit(TokenEvent(delta, sampled))
-            if hit:
-                reason = "stop"
-                break
-            if n < budget:
-                logits = self.backend.forward([sampled.token], len(prompt) + n - 1, cache)
-                m.kv_usage.set((len(prompt) + n) / self.ctx)
-        m.generation_tokens.inc(n)
-        m.e2e.observe(time.monotonic() - job.enqueued)
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._take_jobs(block=not self.scheduler.has_work())
+            self._drop_cancelled()
+            plan = self.scheduler.schedule()
+            if plan.preempted:
+                self.metrics.preemptions.inc(len(plan.preempted))
+            if plan.work:
+                self._step(plan)
+            elif self.scheduler.has_work():  # nothing fits this step; wait for a change
+                self._take_jobs(block=True, timeout_s=0.01)
+            self._publish()
+        for active in list(self._active.values()):
+            self._finish(active, "cancelled")
+        self._publish()
+
+    def _take_jobs(self, *, block: bool, timeout_s: float | None = None) -> None:
+        while True:
+            try:
+                job = self._jobs.get(block=block, timeout=timeout_s)
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                self._stopping = True
+                return
+            req = job.request
+            seq = Seq(req.prompt, req.max_tokens)
+            eos = frozenset() if req.ignore_eos else self.tokenizer.stop_ids
+            self._active[seq.id] = _Active(
+                job,
+                seq,
+                Sampler(req.params, prompt=req.prompt),
+                IncrementalText(self.tokenizer, req.stop),
+                req.stop_token_ids | eos,
+                job.enqueued,
+            )
+            self.scheduler.add(seq)
+
+    def _drop_cancelled(self) -> None:
+        for active in list(self._active.values()):
+            if active.job.cancelled.is_set():
+                self._finish(active, "cancelled")
+
+    def _step(self, plan: Plan) -> None:
+        items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
+        try:
+            logits = self.backend.forward_batch(items, self.kv)
+        except Exception as exc:  # NOTE: top of the worker loop: fail this batch, keep serving
+            log.exception("a batch step failed")
+            for w in plan.work:
+                self._finish(self._active[w.seq.id], "error", error=str(exc))
+            return
+        m = self.metrics
+        m.step_sequences.observe(len(plan.work))
+        sampled: dict[SeqId, Sampled] = {}
+        for w, row in zip(plan.work, logits, strict=True):
+            active = self._active[w.seq.id]
+            if not active.counted:
+                active.counted = True
+                m.prompt_tokens.inc(len(w.seq.prompt))
+                m.prefix_queries.inc(len(w.seq.prompt))
+                m.prefix_hits.inc(w.seq.cached_tokens)
+            if w.sample:
+                sampled[w.seq.id] = active.sampler.sample(row)
+        self.scheduler.update(plan, {sid: s.token for sid, s in sampled.items()})
+        now = time.monotonic()
+        for sid, s in sampled.items():
+            self._emit_token(self._active[sid], s, now)
+
+    def _emit_token(self, active: _Active, sampled: Sampled, now: float) -> None:
+        m, seq = self.metrics, active.seq
+        (m.ttft if len(seq.output) == 1 else m.itl).observe(now - active.last)
+        active.last = now
+        m.generation_tokens.inc()
+        if sampled.token in active.stop_ids:
+            self._finish(active, "stop")
+            return
+        delta, hit = active.text.add(sampled.token)
+        active.job.emit(TokenEvent(delta, sampled))
+        if hit:
+            self._finish(active, "stop")
+        elif len(seq.output) >= seq.max_tokens:
+            self._finish(active, "length")
+
+    def _finish(self, active: _Active, reason: FinishReason, error: str | None = None) -> None:
+        seq, m = active.seq, self.metrics
+        self.scheduler.finish(seq)
+        del self._active[seq.id]
+        m.e2e.observe(time.monotonic() - active.job.enqueued)
         m.finished("abort" if reason == "cancelled" else reason)
-        job.emit(FinishEvent(reason, text.flush() if reason != "cancelled" else "", len(prompt), n))
+        tail = active.text.flush() if reason in ("stop", "length") else ""
+        active.job.emit(
+            FinishEvent(
+                reason, tail, len(seq.prompt), len(seq.output), seq.cached_tokens, error=error
+            )
+        )
+
+    def _publish(self) -> None:
+        m, s = self.metrics, self.scheduler
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting) + self._jobs.qsize())
+        m.kv_usage.set(self.pool.usage)
+        events = self.pool.drain_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)

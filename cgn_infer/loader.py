@@ -48,12 +48,23 @@ def load_model(
 
         backend = TorchBackend(
             gguf, args, device=settings.device, weights=settings.weights,
-            threads=settings.threads, decode_threads=settings.decode_threads, progress=progress,
+            kv_dtype=settings.kv_dtype, threads=settings.threads,
+            decode_threads=settings.decode_threads, progress=progress,
         )  # fmt: skip
     elif settings.backend == "mlx":
         from cgn_infer.backends.mlx_backend import MlxBackend
 
         backend = MlxBackend(gguf, args, progress=progress)
     else:
-        raise ConfigError("the sim backend is not built yet (issue #4)")
+        from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
+
+        sim = settings.sim
+        if sim.speed <= 0:
+            raise ConfigError("sim.speed must be positive")
+        cost = SimCost(
+            sim.step_s, sim.prefill_s_per_token, sim.decode_s_per_seq,
+            sim.decode_s_per_ctx_token, sim.speed,
+        )  # fmt: skip
+        kv_bytes = 4 if settings.kv_dtype == "float32" else 2
+        backend = SimBackend(args, cost, word_tokens(tokenizer.pieces), kv_bytes)
     return LoadedModel(backend, tokenizer, template)

@@ -1,7 +1,8 @@
 """cgn-infer's Prometheus metrics, under vLLM's names so routers read it like vLLM.
 
 vLLM names (ARCHITECTURE.md §5): requests running/waiting, KV-cache usage,
-prompt and generation token counters, TTFT, inter-token latency and
+prompt and generation token counters, prefix-cache queries and hits (in
+tokens, as vLLM v1 counts them), preemptions, TTFT, inter-token latency and
 end-to-end latency histograms, finished requests by reason. Cognitora's own
 additions start with `cgn_infer_`. One registry per engine (no globals).
 """
@@ -61,11 +62,25 @@ class EngineMetrics:
         self.itl = hist(
             "vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY
         ).labels(model)
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(model)
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(model)
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Sequences preempted to free KV blocks."
+        ).labels(model)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", _E2E).labels(model)
         self._success = counter("vllm:request_success", "Finished requests.", ["finished_reason"])
         self._model = model
         self.load_seconds = gauge(
             "cgn_infer_model_load_seconds", "Time to load the weights."
+        ).labels(model)
+        self.step_sequences = hist(
+            "cgn_infer_step_sequences",
+            "Sequences run together in one model step.",
+            (1, 2, 4, 8, 16, 32, 64),
         ).labels(model)
         self.rejected = counter(
             "cgn_infer_requests_rejected", "Requests refused with a 4xx."

@@ -131,10 +131,10 @@ def _reason(ev: FinishEvent) -> str:
     return "length" if ev.reason == "length" else "stop"
 
 
-def usage(ev: FinishEvent, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(ev: FinishEvent) -> dict[str, Any]:
     return {
         "prompt_tokens": ev.prompt_tokens,
         "completion_tokens": ev.completion_tokens,
         "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
     }

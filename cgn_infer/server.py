@@ -30,6 +30,7 @@ from cgn_core.errors import (
 )
 from cgn_infer.chat_template import ChatTemplate
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
+from cgn_infer.kv_events import KvEventHub
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
@@ -53,6 +54,8 @@ class InferenceService:
     model_name: str
     metrics: EngineMetrics
     ctx: int
+    kv_events: KvEventHub
+    kv_capacity: int = 0  # KV slots one request may use (set once the engine exists)
     loaded: Loaded | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -77,7 +80,10 @@ class InferenceService:
                 raise InvalidRequest(
                     f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt"
                 )
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
         room = self.ctx - len(prompt)
+        kv_room = self.kv_capacity + 1 - len(prompt)  # the last token's K/V is never stored
         if room < 1:
             raise InvalidRequest(
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.ctx}",
@@ -91,10 +97,17 @@ class InferenceService:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
+        if kv_room < 1 or (req.max_tokens or 1) > kv_room:
+            raise InvalidRequest(
+                f"the {len(prompt)}-token prompt plus max_tokens={req.max_tokens or 1} can never "
+                f"fit this engine's KV pool of {self.kv_capacity} tokens (--kv-pool-tokens)",
+                code="kv_capacity_exceeded",
+                param="max_tokens" if kv_room >= 1 else "messages",
+            )
         return GenerationRequest(
             prompt=tuple(prompt),
             params=req.params,
-            max_tokens=req.max_tokens or room,
+            max_tokens=req.max_tokens or min(room, kv_room),
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
@@ -126,6 +139,7 @@ def build_app(svc: InferenceService) -> web.Application:
     app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
     app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
     app.router.add_get("/v1/models", lambda r: _models(svc))
+    app.router.add_get("/v1/kv/events", lambda r: _kv_events(svc, r))
     app.router.add_get("/health", lambda r: _health(svc))
     app.router.add_get("/metrics", lambda r: _metrics(svc))
     return app
@@ -232,6 +246,23 @@ async def _models(svc: InferenceService) -> web.Response:
         "max_model_len": svc.ctx,
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def _kv_events(svc: InferenceService, request: web.Request) -> web.StreamResponse:
+    """SSE: a KvSnapshot, then every KvBlockEvent (ARCHITECTURE.md §5, kv_events.proto)."""
+    snapshot, sub = svc.kv_events.subscribe()
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await resp.prepare(request)
+        await resp.write(snapshot)
+        while (msg := await sub.queue.get()) is not None:
+            await resp.write(msg)
+    finally:
+        svc.kv_events.unsubscribe(sub)
+    await resp.write_eof()
+    return resp
 
 
 async def _health(svc: InferenceService) -> web.Response:

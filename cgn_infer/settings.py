@@ -8,6 +8,18 @@ from cgn_core.settings import ListenSettings, LogSettings
 
 
 @dataclass(frozen=True, slots=True)
+class SimSettings:
+    """The sim backend's cost model (seconds). Defaults: fitted to the torch backend on
+    SmolLM2-135M, float32, 2 cores (bench/results/sim_calibration.md)."""
+
+    step_s: float = 0.053
+    prefill_s_per_token: float = 0.00128
+    decode_s_per_seq: float = 0.0021
+    decode_s_per_ctx_token: float = 8.6e-6
+    speed: float = 1.0  # >1: faster than modelled
+
+
+@dataclass(frozen=True, slots=True)
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
     pipeline: ListenSettings = ListenSettings(port=9101)
@@ -21,6 +33,12 @@ class InferSettings:
     weights: Literal["bfloat16", "float16", "float32", "int8", "int4"] = "float32"
     ctx: int = 4096
     threads: int = 0  # 0: torch's default (one per core); used for prompt processing
-    decode_threads: int = 0  # 0: threads - 1 (at least 1), leaving a core to the server
-    prefill_chunk: int = 512
+    decode_threads: int = 0  # single-stream decode steps; 0: threads - 1 (at least 1)
+    prefill_chunk: int = 512  # prompt tokens per step, shared with the decoding streams
+    max_batch: int = 8  # sequences running at once
+    kv_pool_tokens: int = 16384  # KV pool size (16-token blocks), preallocated at start
+    # float32 keeps batched and sequential greedy output identical; bfloat16 halves the pool.
+    kv_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
+    sim: SimSettings = SimSettings()
     log: LogSettings = LogSettings()

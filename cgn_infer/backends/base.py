@@ -1,8 +1,9 @@
-"""The narrow interface between the engine and a runtime (torch, MLX, and later `sim`).
+"""The narrow interface between the engine and a runtime (torch, MLX, sim).
 
 The engine owns tokens, sampling and scheduling; a backend owns weights and
-KV memory and turns token ids into logits. A KV cache is an opaque handle the
-backend creates; the engine passes it back explicitly on every call.
+KV memory and turns token ids into logits. KV memory is one pool of 16-token
+blocks (`new_kv`); every step passes each sequence's block table explicitly
+(`paged.BatchItem`), so the backend keeps no per-sequence state.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cgn_infer.backends.paged import BatchItem, SeqCache, blocks_for
 from cgn_infer.models.args import Args
 
 
@@ -21,11 +23,47 @@ class Backend(Protocol):
     name: str
     args: Args
 
-    def new_cache(self, max_tokens: int) -> Any:
-        """A KV cache able to hold `max_tokens` positions of one sequence."""
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes in the pool, all layers together."""
+
+    def new_kv(self, num_blocks: int) -> Any:
+        """A KV pool of `num_blocks` blocks of BLOCK_SIZE tokens (an opaque handle)."""
+
+    def forward_batch(
+        self, items: Sequence[BatchItem], kv: Any, *, all_logits: bool = False
+    ) -> np.ndarray:
+        """Run every item's tokens through the model in one step, writing their K/V into
+        `kv` at the slots their tables give. Returns float32 logits: [items, vocab] for
+        each item's last token, or [all tokens, vocab] with `all_logits`."""
+
+    def new_cache(self, max_tokens: int) -> SeqCache:
+        """A private pool for one sequence of up to `max_tokens` tokens."""
 
     def forward(
-        self, tokens: Sequence[int], start_pos: int, cache: Any, *, all_logits: bool = False
+        self, tokens: Sequence[int], start_pos: int, cache: SeqCache, *, all_logits: bool = False
     ) -> np.ndarray:
-        """Run `tokens` at positions start_pos.. through the model, writing their KV into
-        `cache`. Returns float32 logits: [vocab] for the last token, or [T, vocab]."""
+        """One sequence's step: [vocab] logits for the last token, or [T, vocab]."""
+
+
+class SingleSequence:
+    """`new_cache`/`forward` for one sequence, on top of a backend's paged batch step."""
+
+    def new_kv(self, num_blocks: int) -> Any:
+        raise NotImplementedError
+
+    def forward_batch(
+        self, items: Sequence[BatchItem], kv: Any, *, all_logits: bool = False
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def new_cache(self, max_tokens: int) -> SeqCache:
+        n = blocks_for(max_tokens)
+        return SeqCache(self.new_kv(n), list(range(n)))
+
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, cache: SeqCache, *, all_logits: bool = False
+    ) -> np.ndarray:
+        out = self.forward_batch(
+            [BatchItem(tokens, start_pos, cache.table)], cache.kv, all_logits=all_logits
+        )
+        return out if all_logits else out[0]

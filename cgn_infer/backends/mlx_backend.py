@@ -1,9 +1,15 @@
 """The llama-family transformer in MLX (Apple silicon; `mlx[cpu]` runs it, slowly, on Linux).
 
-mlx-lm style: weights as mx.arrays, mx.fast kernels for RMSNorm, RoPE and
-attention, the KV cache passed in explicitly. q/k rows arrive in adjacent-
-pair order (weights.load_weights(rope_pairs=True)), so RoPE is always the
-"traditional" variant.
+mlx-lm style: weights as mx.arrays, mx.fast kernels for RMSNorm and
+attention, the paged KV pool and the block tables passed in explicitly (the
+same BatchLayout as the torch backend). q/k rows arrive in adjacent-pair order
+(weights.load_weights(rope_pairs=True)), so RoPE rotates adjacent pairs, from
+a cos/sin table indexed by each token's own position (a batch mixes
+positions, which mx.fast.rope's single offset cannot express).
+
+NOTE: MLX arrays are functional; writing new K/V into the pool is a scatter
+that MLX performs in place only when nothing else holds the pool array. Not
+tuned for Apple GPUs yet.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from cgn_core.blockhash import BLOCK_SIZE
+from cgn_infer.backends.base import SingleSequence
+from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
@@ -26,14 +35,14 @@ def default_dtype() -> mx.Dtype:
 
 
 @dataclass(slots=True)
-class MlxKVCache:
-    """One sequence's keys and values: per layer [1, KVH, max_tokens, hd]."""
+class MlxPagedKV:
+    """The KV pool, per layer [blocks * BLOCK_SIZE, KVH, hd] for keys and for values."""
 
     k: list[mx.array]
     v: list[mx.array]
 
 
-class MlxBackend:
+class MlxBackend(SingleSequence):
     name = "mlx"
 
     def __init__(
@@ -54,47 +63,52 @@ class MlxBackend:
         self.w: ModelWeights[mx.array] = load_weights(
             gguf, args, convert, progress, rope_pairs=True
         )
+        exps = np.arange(0, args.rope_dim, 2, dtype=np.float64) / args.rope_dim
+        ang = np.outer(np.arange(args.ctx_len, dtype=np.float64), args.rope_theta**-exps)
+        self.cos, self.sin = mx.array(np.cos(ang), mx.float32), mx.array(np.sin(ang), mx.float32)
         mx.eval(self.w.tok_embd, self.w.output)
 
-    def new_cache(self, max_tokens: int) -> MlxKVCache:
+    def kv_bytes_per_token(self) -> int:
         a = self.args
-        shape = (1, a.n_kv_heads, max_tokens, a.head_dim)
-        return MlxKVCache(
+        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.dtype.size
+
+    def new_kv(self, num_blocks: int) -> MlxPagedKV:
+        a = self.args
+        shape = (num_blocks * BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        return MlxPagedKV(
             [mx.zeros(shape, dtype=self.dtype) for _ in range(a.n_layers)],
             [mx.zeros(shape, dtype=self.dtype) for _ in range(a.n_layers)],
         )
 
-    def forward(
-        self, tokens: Sequence[int], start_pos: int, cache: MlxKVCache, *, all_logits: bool = False
+    def forward_batch(
+        self, items: Sequence[BatchItem], kv: MlxPagedKV, *, all_logits: bool = False
     ) -> np.ndarray:
         a, w = self.args, self.w
-        n = len(tokens)
-        x = w.tok_embd[mx.array(list(tokens))]  # [T, D]
-        mask = None
-        if n > 1:  # causal within the chunk, full view of the cached past
-            q_pos = mx.arange(start_pos, start_pos + n)[:, None]
-            mask = mx.arange(start_pos + n)[None, :] <= q_pos  # [T, S]
+        lay = layout(items)
+        pos = mx.array(lay.positions)
+        rot = (self.cos[pos][:, None, :], self.sin[pos][:, None, :])  # [T, 1, hd/2] each
+        x = w.tok_embd[mx.array(lay.ids)]  # [T, D]
         for i, layer in enumerate(w.layers):
             h = mx.fast.rms_norm(x, layer.attn_norm, a.norm_eps)
-            x = x + self._attention(layer, i, h, mask, start_pos, cache)
+            x = x + self._attention(layer, i, h, rot, lay, kv)
             h = mx.fast.rms_norm(x, layer.ffn_norm, a.norm_eps)
             gate, up = mx.split(h.astype(self.dtype) @ layer.w_gate_up.T, 2, axis=-1)  # [T, F]
             x = x + ((gate * mx.sigmoid(gate)) * up @ layer.w_down.T).astype(mx.float32)
-        x = x if all_logits else x[-1:]
+        if not all_logits:
+            x = x[mx.array(lay.last_rows)]  # [N, D]
         h = mx.fast.rms_norm(x, w.out_norm, a.norm_eps).astype(self.dtype)
-        logits = (h @ w.output.T).astype(mx.float32)  # [T, V]
-        mx.eval(logits, *cache.k, *cache.v)
-        out = np.array(logits)
-        return out if all_logits else out[0]
+        logits = (h @ w.output.T).astype(mx.float32)  # [N|T, V]
+        mx.eval(logits, *kv.k, *kv.v)
+        return np.array(logits)
 
     def _attention(
         self,
         layer: LayerWeights[mx.array],
         index: int,
         h: mx.array,
-        mask: mx.array | None,
-        start_pos: int,
-        cache: MlxKVCache,
+        rot: tuple[mx.array, mx.array],
+        lay: BatchLayout,
+        kv: MlxPagedKV,
     ) -> mx.array:
         a = self.args
         n = h.shape[0]
@@ -102,20 +116,42 @@ class MlxBackend:
         if layer.bqkv is not None:
             qkv = qkv + layer.bqkv.astype(self.dtype)
         q, k, v = mx.split(qkv, [a.q_size, a.q_size + a.kv_size], axis=-1)
-        q = q.reshape(1, n, a.n_heads, a.head_dim).transpose(0, 2, 1, 3)  # [1, H, T, hd]
-        k = k.reshape(1, n, a.n_kv_heads, a.head_dim).transpose(0, 2, 1, 3)  # [1, KVH, T, hd]
-        v = v.reshape(1, n, a.n_kv_heads, a.head_dim).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(
-            q, a.rope_dim, traditional=True, base=a.rope_theta, scale=1.0, offset=start_pos
-        )
-        k = mx.fast.rope(
-            k, a.rope_dim, traditional=True, base=a.rope_theta, scale=1.0, offset=start_pos
-        )
-        end = start_pos + n
-        cache.k[index][:, :, start_pos:end, :] = k
-        cache.v[index][:, :, start_pos:end, :] = v
-        keys, values = cache.k[index][:, :, :end, :], cache.v[index][:, :, :end, :]
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=a.head_dim**-0.5, mask=mask
-        )  # [1, H, T, hd]
-        return (out.transpose(0, 2, 1, 3).reshape(n, a.q_size) @ layer.wo.T).astype(mx.float32)
+        q = _rope(q.reshape(n, a.n_heads, a.head_dim), *rot).astype(self.dtype)  # [T, H, hd]
+        k = _rope(k.reshape(n, a.n_kv_heads, a.head_dim), *rot).astype(self.dtype)
+        slots = mx.array(lay.slots)
+        kv.k[index][slots] = k
+        kv.v[index][slots] = v.reshape(n, a.n_kv_heads, a.head_dim)
+        pool_k, pool_v = kv.k[index], kv.v[index]  # [NB*16, KVH, hd]
+        out = mx.zeros((n, a.n_heads, a.head_dim), dtype=self.dtype)
+        scale = a.head_dim**-0.5
+        if (d := lay.decode) is not None:
+            b, width = d.tables.shape[0], d.tables.shape[1] * BLOCK_SIZE
+            idx = mx.array(
+                (d.tables[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(b, width)
+            )
+            keys = pool_k[idx].transpose(0, 2, 1, 3)  # [B, KVH, S, hd]
+            values = pool_v[idx].transpose(0, 2, 1, 3)
+            mask = (mx.arange(width)[None, :] < mx.array(d.lengths)[:, None])[:, None, None]
+            rows = mx.array(d.rows)
+            dec = mx.fast.scaled_dot_product_attention(
+                q[rows][:, :, None], keys, values, scale=scale, mask=mask
+            )  # [B, H, 1, hd]
+            out[rows] = dec[:, :, 0]
+        for p in lay.prefills:
+            idx = mx.array((p.table[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1))
+            keys = pool_k[idx[: p.length]].transpose(1, 0, 2)[None]  # [1, KVH, S, hd]
+            values = pool_v[idx[: p.length]].transpose(1, 0, 2)[None]
+            q_pos = mx.arange(p.start, p.length)[:, None]
+            mask = mx.arange(p.length)[None, :] <= q_pos  # [n, S]
+            pre = mx.fast.scaled_dot_product_attention(
+                q[p.rows].transpose(1, 0, 2)[None], keys, values, scale=scale, mask=mask
+            )  # [1, H, n, hd]
+            out[p.rows] = pre[0].transpose(1, 0, 2)
+        return (out.reshape(n, a.q_size) @ layer.wo.T).astype(mx.float32)  # [T, D]
+
+
+def _rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate adjacent pairs of x [T, heads, hd] by per-row angles (cos/sin [T, 1, hd/2])."""
+    pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)

@@ -3,8 +3,11 @@
 Weights are dequantized from GGUF once at load and stored per `weights`:
 `int8` (per-row symmetric int8 + scale; the fastest at small batch on CPU,
 through torch's int8 weight-only GEMM), `bfloat16`, `float16` or `float32`.
-Activations, norms, RoPE and the residual stream run in float32 on CPU. The
-KV cache is created by the backend but passed in explicitly on every call.
+Activations, norms, RoPE and the residual stream run in float32 on CPU. K/V
+live in one paged pool (`new_kv`); each step writes the new tokens' K/V into
+their slots with one index_copy per layer and reads each sequence's context
+through its block table (a gather of whole 16-token blocks, padded and masked
+for the decode batch), then runs SDPA.
 
 RoPE always rotates adjacent pairs (one complex multiply): for NEOX-layout
 models (qwen2) the q/k rows are permuted at load so that halves become
@@ -20,6 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cgn_core.blockhash import BLOCK_SIZE
+from cgn_infer.backends.base import SingleSequence
+from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
@@ -27,8 +33,7 @@ from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 WEIGHT_FORMATS = ("int4", "int8", "bfloat16", "float16", "float32")
 _INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# A step of at most this many rows is "small" (decode): the int8 GEMV kernel beats a float
-# GEMM on dequantized weights there, and the step runs on the decode thread count.
+# Up to this many rows the int8 GEMV kernel beats a float GEMM on dequantized weights.
 _SMALL_STEP_ROWS = 8
 
 
@@ -88,21 +93,22 @@ def _pack_int4(w: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @dataclass(slots=True)
-class ContiguousKVCache:
-    """One sequence's keys and values: [layers, max_tokens, KVH, hd] each."""
+class PagedKV:
+    """The KV pool: [layers, blocks, BLOCK_SIZE, KVH, hd] for keys and for values."""
 
     k: torch.Tensor
     v: torch.Tensor
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[0]
-        if end > self.k.shape[1]:
-            raise ValueError(f"KV cache holds {self.k.shape[1]} tokens, asked for {end}")
-        self.k[layer, start:end] = k
-        self.v[layer, start:end] = v
-        return self.k[layer, :end], self.v[layer, :end]  # [S, KVH, hd]
+
+@dataclass(slots=True)
+class StepTensors:
+    """A BatchLayout as tensors, built once per step and read by every layer."""
+
+    slots: torch.Tensor  # [T]
+    dec_rows: torch.Tensor | None  # [B]
+    dec_tables: torch.Tensor | None  # [B, NB]
+    dec_mask: torch.Tensor | None  # [B, 1, 1, NB*16]
+    prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # rows, table [NB], mask [n, S]
 
 
 def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
@@ -112,7 +118,7 @@ def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(device)
 
 
-class TorchBackend:
+class TorchBackend(SingleSequence):
     """A llama-family model on torch."""
 
     name = "torch"
@@ -135,10 +141,10 @@ class TorchBackend:
             raise GGUFError(
                 f"{gguf.path}: partial RoPE (rope_dim {args.rope_dim}) is not supported"
             )
-        # NOTE: prefill uses every thread; small decode steps leave one core to the
-        # server's event loop, because an OpenMP team that shares its cores with another
-        # busy thread stalls at every barrier (measured: 2 threads decode 2× slower than
-        # 1 when served on a 2-core machine).
+        # NOTE: batched steps use every thread; a single-stream decode step leaves one core
+        # to the server's event loop, because an OpenMP team that shares its cores with
+        # another busy thread stalls at every barrier (measured: 2 threads decode 2× slower
+        # than 1 when one stream is served on a 2-core machine).
         self.threads = threads if threads > 0 else torch.get_num_threads()
         self.decode_threads = decode_threads if decode_threads > 0 else max(1, self.threads - 1)
         torch.set_num_threads(self.threads)
@@ -166,44 +172,60 @@ class TorchBackend:
         out = self.w.output
         return total + (out.nbytes() if isinstance(out, Linear) else 0)
 
-    def new_cache(self, max_tokens: int) -> ContiguousKVCache:
+    def kv_bytes_per_token(self) -> int:
         a = self.args
-        shape = (a.n_layers, max_tokens, a.n_kv_heads, a.head_dim)
-        return ContiguousKVCache(
+        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.kv_dtype.itemsize
+
+    def new_kv(self, num_blocks: int) -> PagedKV:
+        a = self.args
+        shape = (a.n_layers, num_blocks, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        return PagedKV(
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
         )
 
     @torch.inference_mode()
-    def forward(
-        self,
-        tokens: Sequence[int],
-        start_pos: int,
-        cache: ContiguousKVCache,
-        *,
-        all_logits: bool = False,
+    def forward_batch(
+        self, items: Sequence[BatchItem], kv: PagedKV, *, all_logits: bool = False
     ) -> np.ndarray:
         a, w = self.args, self.w
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
-        n = ids.shape[0]
-        want = self.decode_threads if n <= _SMALL_STEP_ROWS else self.threads
+        lay = layout(items)
+        n = len(lay.ids)
+        want = self.decode_threads if n == 1 else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
-        rot = self.rope[start_pos : start_pos + n, None, :]  # [T, 1, hd/2]
-        mask = None
-        if n > 1:  # causal within the chunk, full view of the cached past
-            q_pos = torch.arange(start_pos, start_pos + n, device=self.device)[:, None]
-            mask = torch.arange(start_pos + n, device=self.device)[None, :] <= q_pos
-        x = self.tok_embd[ids]  # [T, D] float32
+        step = self._step_tensors(lay)
+        rot = self.rope[torch.from_numpy(lay.positions).to(self.device)][:, None, :]  # [T, 1, hd/2]
+        x = self.tok_embd[torch.from_numpy(lay.ids).to(self.device)]  # [T, D] float32
         for i, layer in enumerate(w.layers):
             h = F.rms_norm(x, (a.dim,), _t(layer.attn_norm), a.norm_eps)
-            x = x + self._attention(layer, i, h, rot, mask, start_pos, cache)
+            x = x + self._attention(layer, i, h, rot, step, kv)
             h = F.rms_norm(x, (a.dim,), _t(layer.ffn_norm), a.norm_eps)
             gate, up = _l(layer.w_gate_up)(h).chunk(2, dim=-1)  # [T, F] each
             x = x + _l(layer.w_down)(F.silu(gate) * up)  # [T, D]
-        x = x if all_logits else x[-1:]
-        logits = _l(w.output)(F.rms_norm(x, (a.dim,), _t(w.out_norm), a.norm_eps))  # [T, V]
-        return logits.cpu().numpy() if all_logits else logits[0].cpu().numpy()
+        if not all_logits:
+            x = x[torch.from_numpy(lay.last_rows).to(self.device)]  # [N, D]
+        logits = _l(w.output)(F.rms_norm(x, (a.dim,), _t(w.out_norm), a.norm_eps))  # [N|T, V]
+        out: np.ndarray = logits.cpu().numpy()
+        return out
+
+    def _step_tensors(self, lay: BatchLayout) -> StepTensors:
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        step = StepTensors(t(lay.slots), None, None, None, [])
+        if (d := lay.decode) is not None:
+            width = d.tables.shape[1] * BLOCK_SIZE
+            mask = torch.arange(width, device=dev)[None, :] < t(d.lengths)[:, None]  # [B, S]
+            step.dec_rows, step.dec_tables = t(d.rows), t(d.tables)
+            step.dec_mask = mask[:, None, None]
+        for p in lay.prefills:  # causal within the chunk, full view of the cached past
+            q_pos = torch.arange(p.start, p.length, device=dev)[:, None]
+            mask = torch.arange(p.length, device=dev)[None, :] <= q_pos  # [n, S]
+            step.prefills.append((p.rows, t(p.table), mask))
+        return step
 
     def _attention(
         self,
@@ -211,9 +233,8 @@ class TorchBackend:
         index: int,
         h: torch.Tensor,
         rot: torch.Tensor,
-        mask: torch.Tensor | None,
-        start_pos: int,
-        cache: ContiguousKVCache,
+        step: StepTensors,
+        kv: PagedKV,
     ) -> torch.Tensor:
         a = self.args
         n = h.shape[0]
@@ -224,15 +245,30 @@ class TorchBackend:
         qk = torch.view_as_real(torch.view_as_complex(qk.contiguous()) * rot).flatten(-2)
         q, k = torch.split(qk, [a.n_heads, a.n_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, a.q_size + a.kv_size :].view(n, a.n_kv_heads, a.head_dim)
-        keys, values = cache.update(index, k.to(self.kv_dtype), v.to(self.kv_dtype), start_pos)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(self.kv_dtype),  # [1, H, T, hd]
-            keys.transpose(0, 1)[None],  # [1, KVH, S, hd]
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )  # [1, H, T, hd]
-        return _l(layer.wo)(out[0].transpose(0, 1).reshape(n, a.q_size).float())  # [T, D]
+        pool_k, pool_v = kv.k[index], kv.v[index]  # [NB, 16, KVH, hd]
+        flat = (-1, a.n_kv_heads, a.head_dim)
+        pool_k.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
+        pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
+        q = q.to(self.kv_dtype)
+        out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
+        if step.dec_rows is not None:
+            assert step.dec_tables is not None
+            b = step.dec_rows.shape[0]
+            keys = pool_k[step.dec_tables].view(b, -1, *flat[1:]).transpose(1, 2)  # [B, KVH, S, hd]
+            values = pool_v[step.dec_tables].view(b, -1, *flat[1:]).transpose(1, 2)
+            dec = F.scaled_dot_product_attention(
+                q[step.dec_rows][:, :, None], keys, values, attn_mask=step.dec_mask, enable_gqa=True
+            )  # [B, H, 1, hd]
+            out[step.dec_rows] = dec[:, :, 0]
+        for rows, table, mask in step.prefills:
+            s = mask.shape[1]
+            keys = pool_k[table].view(flat)[:s].transpose(0, 1)[None]  # [1, KVH, S, hd]
+            values = pool_v[table].view(flat)[:s].transpose(0, 1)[None]
+            pre = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
+            )  # [1, H, n, hd]
+            out[rows] = pre[0].transpose(0, 1)
+        return _l(layer.wo)(out.reshape(n, a.q_size).float())  # [T, D]
 
 
 def _t(x: torch.Tensor | Linear | None) -> torch.Tensor:

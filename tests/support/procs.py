@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from cgn_core.bundled_models import smollm2
@@ -43,17 +43,32 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
 @contextmanager
 def cgn_infer(tmp: Path, *args: str, model: Path | None = None) -> Iterator[str]:
     """A real `cgn-infer serve` on a free port; yields its base URL."""
-    ready = tmp / f"infer-{time.monotonic_ns()}.ready"
-    log = (tmp / f"{ready.name}.log").open("wb")
-    argv = [str(BIN / "cgn-infer"), "serve", "--model", str(model or smollm2()), "--port", "0",
-            "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        port = wait_ready_file(ready, timeout_s=180, proc=proc)["ports"]["http"]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-        log.close()
+    with cgn_infer_fleet(tmp, 1, *args, model=model) as urls:
+        yield urls[0]
+
+
+@contextmanager
+def cgn_infer_fleet(
+    tmp: Path, n: int, *args: str, model: Path | None = None
+) -> Iterator[list[str]]:
+    """`n` real `cgn-infer serve` processes started together; yields their base URLs."""
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    with ExitStack() as stack:
+        for _ in range(n):
+            ready = tmp / f"infer-{time.monotonic_ns()}.ready"
+            log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
+            argv = [str(BIN / "cgn-infer"), "serve", "--model", str(model or smollm2()),
+                    "--port", "0", "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            stack.callback(stop, proc)
+            procs.append((proc, ready))
+        urls = []
+        for proc, ready in procs:
+            port = wait_ready_file(ready, timeout_s=180, proc=proc)["ports"]["http"]
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls
 
 
 @contextmanager

@@ -1,0 +1,217 @@
+"""Continuous batching over a paged KV pool: `schedule() -> Plan`, then `update(plan, sampled)`.
+
+Pure bookkeeping (no tensors, no threads, no clocks): the engine thread calls
+`schedule()`, runs the plan through the backend, samples, and reports back
+with `update()`. nano-vllm / vLLM v1 style, one token budget per step:
+
+* every running sequence whose prompt is done decodes one token per step
+  (at most `max_batch` running sequences);
+* the rest of the step's budget, `prefill_chunk` tokens, goes to prompts:
+  first to running sequences part-way through theirs, then to waiting ones,
+  admitted in FIFO order. So a long prompt is prefilled over several steps
+  while the running streams keep decoding (chunked prefill);
+* admission reuses every leading full block of the prompt already in the
+  pool (prefix cache, cgn_core block hashes) and allocates the rest of the
+  prompt's blocks at once, all or nothing; decode takes one block every 16
+  tokens;
+* when a decode step finds no block, the youngest running sequence is
+  preempted: its blocks are released (full ones stay cached, so re-admission
+  usually finds them) and it goes back to the head of the queue, keeping its
+  generated tokens, which are recomputed as part of its prompt;
+* FIFO with an aging bound: when the head of the queue does not fit, later
+  requests that fit may pass it, but only for `aging_steps` steps; after
+  that nothing is admitted until the head fits.
+
+Tunables: max_batch, prefill_chunk, aging_steps, and the pool's size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_infer.block_pool import BlockId, BlockPool, PoolExhausted
+
+SeqId = NewType("SeqId", int)
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    """One request's tokens and its place in the KV pool."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    id: SeqId = field(default_factory=lambda: SeqId(next(_ids)))
+    output: list[int] = field(default_factory=list)
+    table: list[BlockId] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # of table's leading full blocks
+    computed: int = 0  # leading tokens whose K/V are in the pool
+    cached_tokens: int = 0  # prompt tokens reused from the pool at first admission
+    admitted: bool = False  # ever admitted (cached_tokens is final)
+    preemptions: int = 0
+    skipped_steps: int = 0  # steps this sequence, at the head of the queue, was passed over
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.output]
+
+    @property
+    def need(self) -> int:
+        """KV slots this request can ever need (prompt plus every generated token but the last)."""
+        return len(self.prompt) + self.max_tokens - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Compute `tokens` at positions start.. of `seq`; `sample`: the chunk ends the sequence's
+    known tokens, so its last logits give the next token."""
+
+    seq: Seq
+    start: int
+    tokens: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    work: tuple[Work, ...]
+    preempted: tuple[Seq, ...] = ()
+
+
+class Scheduler:
+    def __init__(
+        self, pool: BlockPool, *, max_batch: int = 8, prefill_chunk: int = 512, aging_steps: int = 8
+    ):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be at least 1")
+        self.pool = pool
+        self.max_batch, self.prefill_chunk, self.aging_steps = max_batch, prefill_chunk, aging_steps
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []  # in admission order: the last one is the youngest
+        self.preemptions = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * BLOCK_SIZE
+
+    def fits(self, seq: Seq) -> bool:
+        """Whether `seq` could ever run alone in this pool (otherwise: reject at admission)."""
+        return seq.need <= self.capacity_tokens
+
+    def add(self, seq: Seq) -> None:
+        if not self.fits(seq):
+            raise ValueError(f"sequence needs {seq.need} KV slots, pool has {self.capacity_tokens}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Plan:
+        work: list[Work] = []
+        preempted: list[Seq] = []
+        budget = self.prefill_chunk
+        # 1. Decode: one token for every running sequence whose prompt is done.
+        for seq in list(self.running):
+            if seq not in self.running or seq.computed < len(seq.tokens) - 1:
+                continue  # preempted by an older sequence below, or still prefilling
+            while not self._reserve_slot(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                work.append(Work(seq, seq.computed, (seq.tokens[-1],), True))
+        # 2. Prompt chunks of running sequences, oldest first.
+        for seq in self.running:
+            if budget > 0 and seq.computed < len(seq.tokens) - 1:
+                work.append(self._chunk(seq, budget))
+                budget -= len(work[-1].tokens)
+        # 3. Admission, FIFO with an aging bound on passing the head.
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch:
+                break
+            if not self._admit(seq):
+                if seq is self.waiting[0]:
+                    seq.skipped_steps += 1
+                    if seq.skipped_steps > self.aging_steps:
+                        break  # the head has waited long enough: nobody passes it now
+                continue
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            work.append(self._chunk(seq, budget))
+            budget -= len(work[-1].tokens)
+        return Plan(tuple(work), tuple(preempted))
+
+    def update(self, plan: Plan, sampled: Mapping[SeqId, int]) -> None:
+        """Record that `plan` ran: K/V written for each chunk, one token sampled where asked."""
+        for w in plan.work:
+            seq = w.seq
+            seq.computed = w.start + len(w.tokens)
+            if w.sample:
+                seq.output.append(sampled[seq.id])
+            self._commit_full_blocks(seq)
+
+    def finish(self, seq: Seq) -> None:
+        """Drop a finished or cancelled sequence, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.table)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.table, seq.hashes = [], []
+
+    def _chunk(self, seq: Seq, budget: int) -> Work:
+        tokens = seq.tokens
+        end = min(len(tokens), seq.computed + budget)
+        return Work(seq, seq.computed, tuple(tokens[seq.computed : end]), end == len(tokens))
+
+    def _admit(self, seq: Seq) -> bool:
+        tokens = seq.tokens
+        # NOTE: the last token is always computed (its logits give the next one), so only
+        # blocks of tokens[:-1] can be reused; the table covers every known token.
+        try:
+            table, reused = self.pool.admit(tokens[:-1], extra_tokens=1)
+        except PoolExhausted:
+            return False
+        if self.pool.available < len(self.running):  # keep a block per running decode
+            self.pool.release(table)
+            return False
+        seq.table = table
+        seq.hashes = list(itertools.islice(iter_block_hashes(tokens, self.pool.namespace), reused))
+        seq.computed = reused * BLOCK_SIZE
+        if not seq.admitted:
+            seq.cached_tokens, seq.admitted = seq.computed, True
+        seq.skipped_steps = 0
+        return True
+
+    def _reserve_slot(self, seq: Seq) -> bool:
+        """Make sure position `seq.computed` has a block; False when the pool is exhausted."""
+        if seq.computed < len(seq.table) * BLOCK_SIZE:
+            return True
+        try:
+            seq.table += self.pool.allocate(1)
+        except PoolExhausted:
+            return False
+        return True
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.table)
+        seq.table, seq.hashes, seq.computed = [], [], 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _commit_full_blocks(self, seq: Seq) -> None:
+        tokens = seq.tokens
+        while (len(seq.hashes) + 1) * BLOCK_SIZE <= seq.computed:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            chunk: Sequence[int] = tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+            seq.hashes.append(self.pool.commit(seq.table[i], parent, chunk))

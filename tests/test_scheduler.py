@@ -1,0 +1,196 @@
+"""The scheduler over a real block pool: exact plans, block ids, reuse, chunked prefill,
+preemption, aging; and properties over random workloads driven by the sim backend."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cgn_core.blockhash import block_hashes
+from cgn_infer.backends.paged import BatchItem
+from cgn_infer.backends.sim_backend import SimBackend, SimCost
+from cgn_infer.block_pool import BlockPool
+from cgn_infer.models.args import Args
+from cgn_infer.scheduler import Plan, Scheduler, Seq
+
+NS = "m"
+ARGS = Args("llama", 64, 8, 1, 1, 1, 8, 8, 1e-5, 1e4, 8, False, False, 4096, True)
+MODEL = SimBackend(ARGS, SimCost(), choices=list(range(10, 60)))
+
+
+def toks(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+class Driver:
+    """Plays the engine: runs each plan through the sim model, samples greedily, finishes
+    a sequence at max_tokens, and checks the pool after every step."""
+
+    def __init__(self, blocks: int, **kw: int) -> None:
+        self.pool = BlockPool(blocks, NS)
+        self.sched = Scheduler(self.pool, **kw)
+        self.kv = MODEL.new_kv(blocks)
+        self.plans: list[Plan] = []
+        self.tables: list[list[list[int]]] = []  # per step, each work item's block table
+
+    def step(self) -> Plan:
+        plan = self.sched.schedule()
+        self.plans.append(plan)
+        self.tables.append([list(w.seq.table) for w in plan.work])
+        if plan.work:
+            items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
+            logits = MODEL.forward_batch(items, self.kv)
+            sampled = {
+                w.seq.id: int(row.argmax())
+                for w, row in zip(plan.work, logits, strict=True)
+                if w.sample
+            }
+            self.sched.update(plan, sampled)
+            for w in plan.work:
+                if w.sample and len(w.seq.output) >= w.seq.max_tokens:
+                    self.sched.finish(w.seq)
+        self.check()
+        return plan
+
+    def run(self, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError("the workload did not finish")
+
+    def check(self) -> None:
+        """Pool accounting balances and no block is owned twice: every reference is one
+        running sequence's table entry, and only full, registered blocks are shared."""
+        self.pool.check()
+        owners = Counter(b for s in self.sched.running for b in s.table)
+        for block in self.pool.blocks:
+            assert block.ref_count == owners[block.id]
+            if owners[block.id] > 1:
+                assert block.hash is not None
+        for s in self.sched.waiting:
+            assert s.table == []
+
+
+def alone(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    d = Driver(256)
+    seq = Seq(prompt, max_tokens)
+    d.sched.add(seq)
+    d.run()
+    return seq.output
+
+
+def test_admission_block_ids_and_commits() -> None:
+    d = Driver(8)
+    a = Seq(toks(0, 40), max_tokens=3)
+    d.sched.add(a)
+    plan = d.step()
+    assert [(w.seq, w.start, len(w.tokens), w.sample) for w in plan.work] == [(a, 0, 40, True)]
+    assert a.table == [0, 1, 2] and a.computed == 40 and len(a.output) == 1
+    assert a.hashes == block_hashes(toks(0, 40), NS)  # two full blocks committed
+    assert [d.pool.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
+    d.step()  # position 40 is in block 2 already
+    assert a.table == [0, 1, 2]
+
+
+def test_prefix_reuse_counts_cached_tokens_and_skips_their_compute() -> None:
+    d = Driver(8)
+    a = Seq(toks(0, 40), max_tokens=1)
+    d.sched.add(a)
+    d.run()
+    b = Seq((*toks(0, 32), 500, 501, 502), max_tokens=1)
+    d.sched.add(b)
+    plan = d.step()
+    assert b.cached_tokens == 32
+    assert [(w.start, len(w.tokens)) for w in plan.work] == [(32, 3)]
+    # b shares a's two full blocks; a's partial block 2 went back to the free list.
+    assert d.tables[0] == [[0, 1, 2]] and d.tables[-1] == [[0, 1, 2]]
+    assert d.pool.blocks[0].ref_count == 0 and d.pool.blocks[0].hash is not None
+    # An identical prompt reuses every block but the one holding its last token.
+    c = Seq(toks(0, 32), max_tokens=2)
+    d.sched.add(c)
+    plan = d.step()
+    assert c.cached_tokens == 16 and [(w.start, len(w.tokens)) for w in plan.work] == [(16, 16)]
+
+
+def test_chunked_prefill_interleaves_with_decode() -> None:
+    d = Driver(16, prefill_chunk=16)
+    a = Seq(toks(0, 8), max_tokens=10)
+    d.sched.add(a)
+    d.step()
+    b = Seq(toks(100, 40), max_tokens=1)
+    d.sched.add(b)
+    shapes = [[(w.seq is a, len(w.tokens)) for w in d.step().work] for _ in range(3)]
+    assert shapes == [[(True, 1), (False, 16)], [(True, 1), (False, 16)], [(True, 1), (False, 8)]]
+    assert len(b.output) == 1 and a.output == alone(toks(0, 8), 10)[: len(a.output)]
+
+
+def test_youngest_is_preempted_and_resumes_with_the_same_output() -> None:
+    d = Driver(4, prefill_chunk=64)  # 64 slots: both fit at admission, not both grown
+    old, young = Seq(toks(0, 24), max_tokens=20), Seq(toks(200, 8), max_tokens=20)
+    d.sched.add(old)
+    d.sched.add(young)
+    d.run()
+    preempted = [s for p in d.plans for s in p.preempted]
+    assert (
+        preempted and all(s is young for s in preempted) and d.sched.preemptions == len(preempted)
+    )
+    assert young.preemptions >= 1 and old.preemptions == 0
+    assert old.output == alone(toks(0, 24), 20)
+    assert young.output == alone(toks(200, 8), 20)
+
+
+def test_a_request_that_can_never_fit_is_refused() -> None:
+    sched = Scheduler(BlockPool(2, NS))
+    assert sched.fits(Seq(toks(0, 20), max_tokens=13))  # 32 slots
+    with pytest.raises(ValueError, match="needs 33 KV slots, pool has 32"):
+        sched.add(Seq(toks(0, 20), max_tokens=14))
+
+
+def test_fifo_head_may_be_passed_only_for_aging_steps() -> None:
+    d = Driver(6, aging_steps=2, prefill_chunk=256)
+    hog = Seq(toks(0, 60), max_tokens=30)  # 4 blocks now, 6 at the end
+    d.sched.add(hog)
+    d.step()
+    big = Seq(toks(300, 40), max_tokens=1)  # 3 blocks: does not fit next to hog
+    d.sched.add(big)
+    smalls = [Seq(toks(500 + 10 * i, 4), max_tokens=1) for i in range(4)]
+    for s in smalls:
+        d.sched.add(s)
+    admitted = [[w.seq for w in d.step().work if w.seq is not hog] for _ in range(4)]
+    assert admitted[0] == [smalls[0]] and admitted[1] == [smalls[1]]  # passing the head: 2 steps
+    assert admitted[2] == [] and admitted[3] == []  # then the head blocks the queue
+    assert big.skipped_steps == 4 and list(d.sched.waiting)[:1] == [big]
+    d.run()
+    assert big.output and all(s.output for s in smalls)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=8
+    ),
+    st.integers(4, 10),
+    st.integers(1, 4),
+    st.sampled_from([8, 16, 64]),
+)
+def test_random_workloads_finish_like_alone(
+    specs: list[tuple[int, int, int]], blocks: int, max_batch: int, chunk: int
+) -> None:
+    """Any mix of shared prefixes, pool sizes, batch limits and chunk sizes: the pool stays
+    balanced every step, and each request produces exactly what it produces alone."""
+    d = Driver(blocks, max_batch=max_batch, prefill_chunk=chunk)
+    seqs = []
+    for family, length, max_tokens in specs:
+        prompt = toks(1000 * family, length)  # families share prefixes
+        seq = Seq(prompt, max_tokens)
+        if d.sched.fits(seq):
+            d.sched.add(seq)
+            seqs.append(seq)
+    d.run()
+    for seq in seqs:
+        assert seq.output == alone(seq.prompt, seq.max_tokens)
+    assert all(b.ref_count == 0 for b in d.pool.blocks)
