@@ -30,16 +30,17 @@ def peak_rss_mib(pid: int) -> float:
 
 @contextmanager
 def engine(
-    kind: str, model: Path, threads: int, *extra: str, parallel: int = 1
+    kind: str, model: Path, threads: int, *extra: str, parallel: int = 1, ctx: int = 4096
 ) -> Iterator[dict[str, Any]]:
-    """Start `cgn-infer` or llama.cpp (xllamacpp) on a free port; yields url, pid, load_s."""
+    """Start `cgn-infer` or llama.cpp (xllamacpp) on a free port; yields url, pid, load_s.
+    llama.cpp gets `ctx` tokens per parallel slot."""
     port = free_port()
     if kind == "llama.cpp":
         argv = [sys.executable, str(REPO / "tests/support/llamacpp_server.py"), str(model), str(port),
-                str(threads), str(parallel), "4096"]  # fmt: skip
+                str(threads), str(parallel), str(ctx)]  # fmt: skip
     else:
         argv = [str(Path(sys.executable).parent / "cgn-infer"), "serve", "--model", str(model),
-                "--port", str(port), "--threads", str(threads), "--ctx", "4096", *extra]  # fmt: skip
+                "--port", str(port), "--threads", str(threads), "--ctx", str(ctx), *extra]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -56,32 +57,37 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     log.info("listening on http://%s:%d (model %s loading)", settings.http.host, port, name)
 
     started = time.monotonic()
+    # One thread does all torch work: loading, allocating the KV pool, then every step.
+    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-engine")
     with _progress() as progress:
         task = progress.add_task(f"loading {settings.model}", total=None)
         try:
-            loaded = await asyncio.to_thread(
+            loaded = await loop.run_in_executor(
+                torch_thread,
                 load_model,
                 settings,
                 lambda done, total: progress.update(task, completed=done, total=total),
             )
         except CognitoraError as exc:  # a bad model file is the operator's configuration
+            torch_thread.shutdown(wait=False)
             await runner.cleanup()
             raise ConfigError(exc.message) from None
-    svc.metrics.load_seconds.set(time.monotonic() - started)
-    engine = Engine(
-        loaded.backend,
-        loaded.tokenizer,
-        svc.metrics,
-        EngineConfig(
-            ctx=settings.ctx,
-            kv_pool_tokens=settings.kv_pool_tokens,
-            max_batch=settings.max_batch,
-            prefill_chunk=settings.prefill_chunk,
-            aging_steps=settings.aging_steps,
-        ),
-        namespace=name,
-        on_kv_events=lambda events: _call_soon(loop, svc.kv_events.publish, events),
+    config = EngineConfig(
+        ctx=settings.ctx,
+        kv_pool_tokens=settings.kv_pool_tokens,
+        max_batch=settings.max_batch,
+        prefill_chunk=settings.prefill_chunk,
+        aging_steps=settings.aging_steps,
     )
+    engine = await loop.run_in_executor(  # the pool is allocated (and zeroed) there too
+        torch_thread,
+        lambda: Engine(
+            loaded.backend, loaded.tokenizer, svc.metrics, config, namespace=name,
+            on_kv_events=lambda events: _call_soon(loop, svc.kv_events.publish, events),
+            executor=torch_thread,
+        ),
+    )  # fmt: skip
+    svc.metrics.load_seconds.set(time.monotonic() - started)
     engine.start()
     svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
     log.info(

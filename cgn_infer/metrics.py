@@ -82,6 +82,12 @@ class EngineMetrics:
             "Sequences run together in one model step.",
             (1, 2, 4, 8, 16, 32, 64),
         ).labels(model)
+        self.kv_pool_bytes = gauge(
+            "cgn_infer_kv_pool_bytes", "Memory held by the KV pool (the sim: its hash slots)."
+        ).labels(model)
+        self.kv_pool_tokens = gauge(
+            "cgn_infer_kv_pool_tokens", "KV pool capacity in tokens."
+        ).labels(model)
         self.rejected = counter(
             "cgn_infer_requests_rejected", "Requests refused with a 4xx."
         ).labels(model)

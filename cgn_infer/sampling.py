@@ -83,25 +83,41 @@ class Sampler:
         return Sampled(token, float(logprobs[token]), top)
 
     def _draw(self, x: np.ndarray) -> int:
+        """Temperature, then top-k, top-p and min-p filters, then one draw by inverse CDF.
+        Only tokens within e^-30 of the best are sorted: the rest carry under 1e-13 of
+        the best token's probability each, below float32's resolution of the mass."""
         p = self.params
         x = x / p.temperature
-        idx = np.arange(x.size)
-        if 0 < p.top_k < x.size:
-            keep = np.argpartition(-x, p.top_k - 1)[: p.top_k]
-            x, idx = x[keep], idx[keep]
-        order = np.argsort(-x, kind="stable")
-        x, idx = x[order], idx[order]
-        probs = np.exp(x - x[0])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (at least one token).
-            cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            probs, idx = probs[:cut], idx[:cut]
-        if p.min_p > 0.0:
-            keep = probs >= p.min_p * probs[0]
+        probs = np.exp(x - x.max())
+        idx = np.flatnonzero(probs > _NEGLIGIBLE)
+        probs = probs[idx]
+        if 0 < p.top_k < idx.size:
+            keep = np.argpartition(-probs, p.top_k - 1)[: p.top_k]
             probs, idx = probs[keep], idx[keep]
-        probs = probs / probs.sum()
-        return int(idx[self.rng.choice(probs.size, p=probs)])
+        if p.top_p < 1.0:
+            total, m = probs.sum(), 64
+            # NOTE: sort only the m most likely tokens, growing m until they hold the
+            # top_p mass: exact, and a few hundred tokens instead of the whole vocabulary.
+            while m < idx.size:
+                head = np.argpartition(-probs, m - 1)[:m]
+                if probs[head].sum() >= p.top_p * total:
+                    break
+                m *= 8
+            else:
+                head = np.arange(idx.size)
+            order = head[np.argsort(-probs[head], kind="stable")]
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            cut = int(np.searchsorted(np.cumsum(probs[order]), p.top_p * total)) + 1
+            probs, idx = probs[order[:cut]], idx[order[:cut]]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs.max()
+            probs, idx = probs[keep], idx[keep]
+        cdf = np.cumsum(probs, dtype=np.float64)
+        pick = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(idx[min(pick, idx.size - 1)])
+
+
+_NEGLIGIBLE = float(np.exp(-30.0))
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

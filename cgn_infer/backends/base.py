@@ -29,6 +29,9 @@ class Backend(Protocol):
     def new_kv(self, num_blocks: int) -> Any:
         """A KV pool of `num_blocks` blocks of BLOCK_SIZE tokens (an opaque handle)."""
 
+    def kv_nbytes(self, kv: Any) -> int:
+        """Bytes the pool's memory actually takes."""
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: Any, *, all_logits: bool = False
     ) -> np.ndarray:

@@ -80,6 +80,9 @@ class MlxBackend(SingleSequence):
             [mx.zeros(shape, dtype=self.dtype) for _ in range(a.n_layers)],
         )
 
+    def kv_nbytes(self, kv: MlxPagedKV) -> int:
+        return sum(a.nbytes for a in (*kv.k, *kv.v))
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: MlxPagedKV, *, all_logits: bool = False
     ) -> np.ndarray:

@@ -74,6 +74,9 @@ class SimBackend(SingleSequence):
     def new_kv(self, num_blocks: int) -> np.ndarray:
         return np.zeros(num_blocks * BLOCK_SIZE, dtype=np.uint64)  # running hash per slot
 
+    def kv_nbytes(self, kv: np.ndarray) -> int:
+        return kv.nbytes
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: np.ndarray, *, all_logits: bool = False
     ) -> np.ndarray:
