@@ -12,10 +12,10 @@ class SimSettings:
     """The sim backend's cost model (seconds). Defaults: fitted to the torch backend on
     SmolLM2-135M, float32, 2 cores (bench/results/sim_calibration.md)."""
 
-    step_s: float = 0.053
-    prefill_s_per_token: float = 0.00128
-    decode_s_per_seq: float = 0.0021
-    decode_s_per_ctx_token: float = 8.6e-6
+    step_s: float = 0.060
+    prefill_s_per_token: float = 0.00116
+    decode_s_per_seq: float = 0.00037
+    decode_s_per_ctx_token: float = 1.14e-5
     speed: float = 1.0  # >1: faster than modelled
 
 
