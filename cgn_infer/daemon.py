@@ -42,6 +42,7 @@ def model_name(settings: InferSettings) -> str:
 
 
 async def serve(settings: InferSettings, ready_file: Path | None) -> None:
+    check_settings(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,6 +111,16 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+def check_settings(settings: InferSettings) -> None:
+    """Refuse values the engine cannot run with, naming the setting (before binding)."""
+    least = {"max_batch": 1, "prefill_chunk": 1, "kv_pool_tokens": 16, "ctx": 2, "aging_steps": 0}
+    for key, low in least.items():
+        if getattr(settings, key) < low:
+            raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
+    if settings.sim.speed <= 0:
+        raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
 
 
 def _call_soon(

@@ -59,8 +59,6 @@ def load_model(
         from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
 
         sim = settings.sim
-        if sim.speed <= 0:
-            raise ConfigError("sim.speed must be positive")
         cost = SimCost(
             sim.step_s, sim.prefill_s_per_token, sim.decode_s_per_seq,
             sim.decode_s_per_ctx_token, sim.speed,

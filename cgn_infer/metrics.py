@@ -9,6 +9,8 @@ additions start with `cgn_infer_`. One registry per engine (no globals).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (
@@ -33,64 +35,45 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
 class EngineMetrics:
+    """One engine's metrics, each already bound to its `model_name` label."""
+
     def __init__(self, model: str):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(model)
 
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
-            return Counter(name, doc, labels + (extra or []), registry=r)
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(model)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model)
 
-        running = gauge("vllm:num_requests_running", "Requests being generated.")
-        waiting = gauge("vllm:num_requests_waiting", "Requests queued, not yet started.")
-        kv = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).")
-        self.running, self.waiting, self.kv_usage = (
-            m.labels(model) for m in (running, waiting, kv)
-        )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(model)
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(
-            model
-        )
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY
-        ).labels(model)
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY
-        ).labels(model)
+        self.running = gauge("vllm:num_requests_running", "Requests being generated.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued, not yet started.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", _E2E)
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        ).labels(model)
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        ).labels(model)
-        self.preemptions = counter(
-            "vllm:num_preemptions", "Sequences preempted to free KV blocks."
-        ).labels(model)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", _E2E).labels(model)
-        self._success = counter("vllm:request_success", "Finished requests.", ["finished_reason"])
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for KV blocks.")
+        self._success = Counter(
+            "vllm:request_success", "Finished requests.", [*labels, "finished_reason"], registry=r
+        )
         self._model = model
-        self.load_seconds = gauge(
-            "cgn_infer_model_load_seconds", "Time to load the weights."
-        ).labels(model)
+        self.load_seconds = gauge("cgn_infer_model_load_seconds", "Time to load the weights.")
         self.step_sequences = hist(
-            "cgn_infer_step_sequences",
-            "Sequences run together in one model step.",
-            (1, 2, 4, 8, 16, 32, 64),
-        ).labels(model)
-        self.kv_pool_bytes = gauge(
-            "cgn_infer_kv_pool_bytes", "Memory held by the KV pool (the sim: its hash slots)."
-        ).labels(model)
-        self.kv_pool_tokens = gauge(
-            "cgn_infer_kv_pool_tokens", "KV pool capacity in tokens."
-        ).labels(model)
-        self.rejected = counter(
-            "cgn_infer_requests_rejected", "Requests refused with a 4xx."
-        ).labels(model)
+            "cgn_infer_step_sequences", "Sequences run in one model step.", (1, 2, 4, 8, 16, 32, 64)
+        )
+        self.kv_pool_bytes = gauge("cgn_infer_kv_pool_bytes", "KV pool memory (sim: hash slots).")
+        self.kv_pool_tokens = gauge("cgn_infer_kv_pool_tokens", "KV pool capacity in tokens.")
+        self.rejected = counter("cgn_infer_requests_rejected", "Requests refused with a 4xx.")
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from cgn_infer.backends.sim_backend import SimCost
-from tests.support.procs import cgn_infer_fleet
+from tests.support.procs import BIN, cgn_infer_fleet
 from tests.test_batching import metric
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -104,3 +105,18 @@ def test_cost_model_arithmetic() -> None:
     assert cost.step_seconds(100, 4, 1000) == pytest.approx((0.05 + 0.1 + 0.008 + 0.01) / 2)
     with pytest.raises(ValueError, match="positive"):
         SimCost(speed=0).step_seconds(1, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--max-batch", "0"), "max_batch must be at least 1, got 0"),
+        (("--kv-pool-tokens", "8"), "kv_pool_tokens must be at least 16, got 8"),
+        (("--speed", "-1"), "sim.speed must be positive, got -1.0"),
+    ],
+)
+def test_bad_engine_settings_are_one_line_errors(flags: tuple[str, ...], message: str) -> None:
+    argv = [str(BIN / "cgn-infer"), "serve", "--model", "smollm2", "--backend", "sim", *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {message}"
