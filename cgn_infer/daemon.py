@@ -14,7 +14,6 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.readiness import bind_tcp, write_ready_file
-from cgn_infer.block_pool import KvEvent
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_events import KvEventHub
 from cgn_infer.loader import load_model
@@ -84,7 +82,7 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         torch_thread,
         lambda: Engine(
             loaded.backend, loaded.tokenizer, svc.metrics, config, namespace=name,
-            on_kv_events=lambda events: _call_soon(loop, svc.kv_events.publish, events),
+            on_kv_events=lambda events: loop.call_soon_threadsafe(svc.kv_events.publish, events),
             executor=torch_thread,
         ),
     )  # fmt: skip
@@ -121,12 +119,6 @@ def check_settings(settings: InferSettings) -> None:
             raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
     if settings.sim.speed <= 0:
         raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
-
-
-def _call_soon(
-    loop: asyncio.AbstractEventLoop, fn: Callable[[list[KvEvent]], None], events: list[KvEvent]
-) -> None:
-    loop.call_soon_threadsafe(fn, events)
 
 
 def _progress() -> Progress:

@@ -107,7 +107,7 @@ class Engine:
         config: EngineConfig,
         *,
         namespace: str,
-        on_kv_events: Callable[[list[KvEvent]], None] | None = None,
+        on_kv_events: Callable[[list[KvEvent]], object] | None = None,
         executor: ThreadPoolExecutor | None = None,
     ):
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
