@@ -125,7 +125,7 @@ class Engine:
         )
         self.on_kv_events = on_kv_events
         self._active: dict[SeqId, _Active] = {}
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Job, Seq] | None] = queue.Queue()
         self._stopping = False
         # NOTE: pass the one-thread executor that loaded the model: torch's OpenMP team
         # belongs to the thread that made it, and a second thread's team ran batched steps
@@ -150,10 +150,9 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         seq = Seq(job.request.prompt, job.request.max_tokens)
-        if not self.scheduler.fits(seq):  # the server checks first; this is the backstop
-            raise ValueError(f"request needs {seq.need} KV slots, pool has {self.capacity_tokens}")
+        self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         self.metrics.waiting.inc()
-        self._jobs.put(job)
+        self._jobs.put((job, seq))
 
     # ---- the worker thread ----------------------------------------------------------
 
@@ -176,15 +175,15 @@ class Engine:
     def _take_jobs(self, *, block: bool, timeout_s: float | None = None) -> None:
         while True:
             try:
-                job = self._jobs.get(block=block, timeout=timeout_s)
+                entry = self._jobs.get(block=block, timeout=timeout_s)
             except queue.Empty:
                 return
             block = False
-            if job is None:
+            if entry is None:
                 self._stopping = True
                 return
+            job, seq = entry
             req = job.request
-            seq = Seq(req.prompt, req.max_tokens)
             eos = frozenset() if req.ignore_eos else self.tokenizer.stop_ids
             self._active[seq.id] = _Active(
                 job,

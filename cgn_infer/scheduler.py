@@ -103,9 +103,13 @@ class Scheduler:
         """Whether `seq` could ever run alone in this pool (otherwise: reject at admission)."""
         return seq.need <= self.capacity_tokens
 
-    def add(self, seq: Seq) -> None:
+    def require_fit(self, seq: Seq) -> None:
+        """Raise ValueError when `seq` could never run in this pool."""
         if not self.fits(seq):
             raise ValueError(f"sequence needs {seq.need} KV slots, pool has {self.capacity_tokens}")
+
+    def add(self, seq: Seq) -> None:
+        self.require_fit(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -42,6 +42,29 @@ class MlxPagedKV:
     v: list[mx.array]
 
 
+@dataclass(slots=True)
+class MlxStep:
+    """A BatchLayout as MLX index arrays and masks, built once per step for every layer."""
+
+    slots: mx.array  # [T]
+    decode: tuple[mx.array, mx.array, mx.array] | None  # rows [B], slots [B, S], mask
+    prefills: list[tuple[slice, mx.array, mx.array]]  # rows, slots [S], causal mask [n, S]
+
+    @classmethod
+    def build(cls, lay: BatchLayout) -> MlxStep:
+        step = cls(mx.array(lay.slots), None, [])
+        if (d := lay.decode) is not None:
+            b, width = d.tables.shape[0], d.tables.shape[1] * BLOCK_SIZE
+            idx = (d.tables[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(b, width)
+            mask = (mx.arange(width)[None, :] < mx.array(d.lengths)[:, None])[:, None, None]
+            step.decode = (mx.array(d.rows), mx.array(idx), mask)
+        for p in lay.prefills:
+            idx = (p.table[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)[: p.length]
+            q_pos = mx.arange(p.start, p.length)[:, None]
+            step.prefills.append((p.rows, mx.array(idx), mx.arange(p.length)[None, :] <= q_pos))
+        return step
+
+
 class MlxBackend(SingleSequence):
     name = "mlx"
 
@@ -90,10 +113,11 @@ class MlxBackend(SingleSequence):
         lay = layout(items)
         pos = mx.array(lay.positions)
         rot = (self.cos[pos][:, None, :], self.sin[pos][:, None, :])  # [T, 1, hd/2] each
+        step = MlxStep.build(lay)
         x = w.tok_embd[mx.array(lay.ids)]  # [T, D]
         for i, layer in enumerate(w.layers):
             h = mx.fast.rms_norm(x, layer.attn_norm, a.norm_eps)
-            x = x + self._attention(layer, i, h, rot, lay, kv)
+            x = x + self._attention(layer, i, h, rot, step, kv)
             h = mx.fast.rms_norm(x, layer.ffn_norm, a.norm_eps)
             gate, up = mx.split(h.astype(self.dtype) @ layer.w_gate_up.T, 2, axis=-1)  # [T, F]
             x = x + ((gate * mx.sigmoid(gate)) * up @ layer.w_down.T).astype(mx.float32)
@@ -110,7 +134,7 @@ class MlxBackend(SingleSequence):
         index: int,
         h: mx.array,
         rot: tuple[mx.array, mx.array],
-        lay: BatchLayout,
+        step: MlxStep,
         kv: MlxPagedKV,
     ) -> mx.array:
         a = self.args
@@ -121,35 +145,26 @@ class MlxBackend(SingleSequence):
         q, k, v = mx.split(qkv, [a.q_size, a.q_size + a.kv_size], axis=-1)
         q = _rope(q.reshape(n, a.n_heads, a.head_dim), *rot).astype(self.dtype)  # [T, H, hd]
         k = _rope(k.reshape(n, a.n_kv_heads, a.head_dim), *rot).astype(self.dtype)
-        slots = mx.array(lay.slots)
-        kv.k[index][slots] = k
-        kv.v[index][slots] = v.reshape(n, a.n_kv_heads, a.head_dim)
+        kv.k[index][step.slots] = k
+        kv.v[index][step.slots] = v.reshape(n, a.n_kv_heads, a.head_dim)
         pool_k, pool_v = kv.k[index], kv.v[index]  # [NB*16, KVH, hd]
         out = mx.zeros((n, a.n_heads, a.head_dim), dtype=self.dtype)
         scale = a.head_dim**-0.5
-        if (d := lay.decode) is not None:
-            b, width = d.tables.shape[0], d.tables.shape[1] * BLOCK_SIZE
-            idx = mx.array(
-                (d.tables[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(b, width)
-            )
+        if step.decode is not None:
+            rows, idx, mask = step.decode
             keys = pool_k[idx].transpose(0, 2, 1, 3)  # [B, KVH, S, hd]
             values = pool_v[idx].transpose(0, 2, 1, 3)
-            mask = (mx.arange(width)[None, :] < mx.array(d.lengths)[:, None])[:, None, None]
-            rows = mx.array(d.rows)
             dec = mx.fast.scaled_dot_product_attention(
                 q[rows][:, :, None], keys, values, scale=scale, mask=mask
             )  # [B, H, 1, hd]
             out[rows] = dec[:, :, 0]
-        for p in lay.prefills:
-            idx = mx.array((p.table[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1))
-            keys = pool_k[idx[: p.length]].transpose(1, 0, 2)[None]  # [1, KVH, S, hd]
-            values = pool_v[idx[: p.length]].transpose(1, 0, 2)[None]
-            q_pos = mx.arange(p.start, p.length)[:, None]
-            mask = mx.arange(p.length)[None, :] <= q_pos  # [n, S]
+        for prows, idx, mask in step.prefills:
+            keys = pool_k[idx].transpose(1, 0, 2)[None]  # [1, KVH, S, hd]
+            values = pool_v[idx].transpose(1, 0, 2)[None]
             pre = mx.fast.scaled_dot_product_attention(
-                q[p.rows].transpose(1, 0, 2)[None], keys, values, scale=scale, mask=mask
+                q[prows].transpose(1, 0, 2)[None], keys, values, scale=scale, mask=mask
             )  # [1, H, n, hd]
-            out[p.rows] = pre[0].transpose(1, 0, 2)
+            out[prows] = pre[0].transpose(1, 0, 2)
         return (out.reshape(n, a.q_size) @ layer.wo.T).astype(mx.float32)  # [T, D]
 
 
