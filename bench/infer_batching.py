@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result
 from cgn_core import bundled_models
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
 
 CONCURRENCY = (1, 4, 8, 16)

@@ -23,9 +23,9 @@ import numpy as np
 
 from bench.common import write_result
 from cgn_core import bundled_models
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.torch_backend import TorchBackend
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
 
 BATCHES = (1, 2, 4, 8, 16)

@@ -110,6 +110,13 @@ class EtcdUnavailable(Unavailable):
     """etcd did not answer within the deadline, or refused the connection."""
 
 
+class BadGateway(RetryableError):
+    """An upstream engine failed or answered with an error of its own."""
+
+    http_status = 502
+    openai_type = "upstream_error"
+
+
 class UpstreamTimeout(RetryableError):
     http_status = 504
     openai_type = "timeout"

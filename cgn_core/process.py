@@ -22,3 +22,19 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return int(proc.returncode)
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise this process's open-file limit toward `want` (up to the hard limit); returns it.
+
+    A gateway holds two sockets per request in flight (client and upstream);
+    the common soft default of 1024 caps it near 500 concurrent streams.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft

@@ -18,7 +18,8 @@ to the field's type (`true/false/1/0/yes/no/on/off` for booleans, commas for
 tuples); YAML values must already have the right type.
 
 Supported field types: bool, int, float, str, Path, Literal[...] of strings,
-`X | None`, `tuple[X, ...]`, `dict[str, str]` and nested settings dataclasses.
+`X | None`, `tuple[X, ...]`, `dict[str, X]` and nested settings dataclasses (as
+fields, or as the items of a tuple or dict, given in YAML).
 """
 
 from __future__ import annotations
@@ -213,7 +214,14 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return {k: _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
         raise SettingsError(f"{where}: expected a mapping of strings, got {_kind(value)}")
-    if _dataclass_of(tp) is not None:
+    if (sub := _dataclass_of(tp)) is not None:
+        if isinstance(value, dict):  # an entry of a list or a map (YAML)
+            hints = _hints(sub)
+            for key in value:
+                if key not in hints:
+                    known = ", ".join(sorted(hints))
+                    raise SettingsError(f"{where}.{key}: unknown key (known: {known})")
+            return sub(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in value.items()})
         raise SettingsError(f"{where}: expected a mapping of settings, got {_kind(value)}")
     return _scalar(tp, value, where)
 

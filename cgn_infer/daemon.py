@@ -81,7 +81,7 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     engine = await loop.run_in_executor(  # the pool is allocated (and zeroed) there too
         torch_thread,
         lambda: Engine(
-            loaded.backend, loaded.tokenizer, svc.metrics, config, namespace=name,
+            loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=name,
             on_kv_events=lambda events: loop.call_soon_threadsafe(svc.kv_events.publish, events),
             executor=torch_thread,
         ),
@@ -95,7 +95,7 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         engine.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
         loaded.backend.kv_bytes_per_token(),
     )  # fmt: skip
-    svc.loaded = Loaded(engine, loaded.tokenizer, loaded.template)
+    svc.loaded = Loaded(engine, loaded.codec)
     log.info("model %s loaded in %.1fs; serving on port %d", name, time.monotonic() - started, port)
     if ready_file is not None:
         write_ready_file(ready_file, ports={"http": port}, model=name)

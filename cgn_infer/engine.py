@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.block_pool import BlockPool, KvEvent
@@ -28,7 +29,6 @@ from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler, SamplingParams
 from cgn_infer.scheduler import Plan, Scheduler, Seq, SeqId
-from cgn_infer.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
 

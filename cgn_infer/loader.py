@@ -7,19 +7,17 @@ from dataclasses import dataclass
 
 from cgn_core import bundled_models
 from cgn_core.errors import ConfigError
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.prompt import PromptCodec
 from cgn_infer.backends.base import Backend
-from cgn_infer.chat_template import ChatTemplate
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
 from cgn_infer.settings import InferSettings
-from cgn_infer.tokenizer import GGUFTokenizer
 
 
 @dataclass(slots=True)
 class LoadedModel:
     backend: Backend
-    tokenizer: GGUFTokenizer
-    template: ChatTemplate
+    codec: PromptCodec
 
 
 def load_model(
@@ -30,18 +28,7 @@ def load_model(
         raise ConfigError("no model given: pass --model PATH (a GGUF file)")
     gguf = GGUFFile(bundled_models.resolve(settings.model))
     args = args_from_gguf(gguf)
-    tokenizer = GGUFTokenizer(gguf)  # before the weights: a bad vocabulary fails fast
-    pieces = tokenizer.pieces
-
-    def piece(key: str) -> str:
-        idx = gguf.get(key)
-        return pieces[int(idx)] if idx is not None and 0 <= int(idx) < len(pieces) else ""
-
-    template = ChatTemplate(
-        gguf.get("tokenizer.chat_template"),
-        bos_token=piece("tokenizer.ggml.bos_token_id"),
-        eos_token=piece("tokenizer.ggml.eos_token_id"),
-    )
+    codec = PromptCodec.from_gguf(gguf)  # before the weights: a bad vocabulary fails fast
     backend: Backend
     if settings.backend == "torch":
         from cgn_infer.backends.torch_backend import TorchBackend
@@ -64,5 +51,5 @@ def load_model(
             sim.decode_s_per_ctx_token, sim.speed,
         )  # fmt: skip
         kv_bytes = 4 if settings.kv_dtype == "float32" else 2
-        backend = SimBackend(args, cost, word_tokens(tokenizer.pieces), kv_bytes)
-    return LoadedModel(backend, tokenizer, template)
+        backend = SimBackend(args, cost, word_tokens(codec.tokenizer.pieces), kv_bytes)
+    return LoadedModel(backend, codec)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
+from cgn_core.text.prompt import chat_messages, completion_prompt
 from cgn_infer.sampling import SamplingParams
 
 Kind = Literal["chat", "completion"]
@@ -75,65 +76,6 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise InvalidRequest(f"{where} must be an object", param=where)
-        role = msg.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise InvalidRequest(
-                f"{where}.role must be system, user, assistant or tool", param=where
-            )
-        content = msg.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            parts = []
-            for part in content:
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise InvalidRequest(
-                        f"{where}.content: only text parts are supported", param=where
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise InvalidRequest(f"{where}.content must be a string", param=where)
-        out.append({**msg, "role": "system" if role == "developer" else role, "content": content})
-    return tuple(out)
-
-
-def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("'prompt' must not be empty", param="prompt")
-        return prompt, None
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return None, tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidRequest(
-            "batched prompts are not supported; send one prompt per request", param="prompt"
-        )
-    raise InvalidRequest(
-        "'prompt' must be a non-empty string or a list of token ids", param="prompt"
-    )
-
-
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     """Validate an OpenAI chat or completion body."""
     if not isinstance(body, dict):
@@ -149,7 +91,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     options = _get(body, "stream_options", dict, {})
     include_usage = bool(_get(options, "include_usage", bool, False))
     if kind == "chat":
-        messages, text, ids = _messages(body), None, None
+        messages, text, ids = chat_messages(body), None, None
         max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(
             body, "max_tokens", None, 1
         )
@@ -160,7 +102,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         logprobs = top if want_logprobs else None
     else:
         messages = ()
-        text, ids = _prompt(body)
+        text, ids = completion_prompt(body)
         max_tokens = _int(body, "max_tokens", 16, 1)
         lp = _int(body, "logprobs", None, 0)
         if lp is not None and lp > 20:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cgn_infer.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
 
 # Types this engine loads; every one is dequantized once at load time.
 SUPPORTED = (

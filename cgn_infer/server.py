@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,21 +20,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import (
-    CognitoraError,
     InternalError,
     InvalidRequest,
     NotFound,
-    PayloadTooLarge,
     Unavailable,
-    http_response_parts,
 )
-from cgn_infer.chat_template import ChatTemplate
+from cgn_core.http import error_middleware, read_json
+from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.kv_events import KvEventHub
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
-from cgn_infer.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -45,8 +42,7 @@ class Loaded:
     """Everything that exists once the weights are loaded."""
 
     engine: Engine
-    tokenizer: GGUFTokenizer
-    template: ChatTemplate
+    codec: PromptCodec
 
 
 @dataclass(slots=True)
@@ -69,11 +65,11 @@ class InferenceService:
             )
         if self.loaded is None:
             raise Unavailable("the model is still loading")
-        tok = self.loaded.tokenizer
+        tok = self.loaded.codec.tokenizer
         if req.kind == "chat":
-            prompt = tok.encode(self.loaded.template.render(req.messages), add_bos=False)
+            prompt = self.loaded.codec.encode_chat(req.messages)
         elif req.prompt_text is not None:
-            prompt = tok.encode(req.prompt_text)
+            prompt = self.loaded.codec.encode_text(req.prompt_text)
         else:
             prompt = list(req.prompt_ids or ())
             if any(not 0 <= t < tok.vocab_size for t in prompt):
@@ -135,7 +131,10 @@ class InferenceService:
 
 
 def build_app(svc: InferenceService) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors(svc)])
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[error_middleware(MAX_BODY_BYTES, lambda _: svc.metrics.rejected.inc())],
+    )
     app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
     app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
     app.router.add_get("/v1/models", lambda r: _models(svc))
@@ -145,52 +144,15 @@ def build_app(svc: InferenceService) -> web.Application:
     return app
 
 
-def _json_error(err: CognitoraError) -> web.Response:
-    status, headers, body = http_response_parts(err)
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _errors(svc: InferenceService) -> Callable[..., Awaitable[web.StreamResponse]]:
-    @web.middleware
-    async def middleware(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except CognitoraError as err:
-            if err.http_status < 500:
-                svc.metrics.rejected.inc()
-            return _json_error(err)
-        except web.HTTPRequestEntityTooLarge:
-            svc.metrics.rejected.inc()
-            return _json_error(PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes"))
-        except web.HTTPException as exc:  # 404/405 from routing
-            return _json_error(_http_error(exc))
-
-    return middleware
-
-
-def _http_error(exc: web.HTTPException) -> CognitoraError:
-    err = CognitoraError(exc.reason)
-    err.http_status = exc.status  # type: ignore[misc]
-    err.openai_type = "invalid_request_error" if exc.status < 500 else "server_error"  # type: ignore[misc]
-    return err
-
-
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest("the request body is not valid JSON") from None
-
-
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
-    parsed = parse_request(kind, await _body(request))
+    parsed = parse_request(kind, await read_json(request))
     gen = svc.prepare(parsed)
     assert svc.loaded is not None
     build = ResponseBuilder(
-        kind, svc.model_name, svc.loaded.tokenizer.token_text, parsed.params.logprobs is not None
+        kind,
+        svc.model_name,
+        svc.loaded.codec.tokenizer.token_text,
+        parsed.params.logprobs is not None,
     )
     if not parsed.stream:
         async for ev in svc.generate(gen):

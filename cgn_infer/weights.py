@@ -22,7 +22,7 @@ from typing import Generic, Literal, TypeVar
 
 import numpy as np
 
-from cgn_infer.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.quants import dequantize, q4_groups
 

@@ -1,6 +1,12 @@
 """cgn-router command line (typer; see cgn_core.cli for the shared parts)."""
 
-from cgn_core.cli import make_app, not_built, run
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cgn_core.cli import load_service_settings, make_app, parse_overrides, run
+from cgn_core.logs import setup_logging
 from cgn_router.settings import RouterSettings
 
 app = make_app(
@@ -8,6 +14,60 @@ app = make_app(
     "The OpenAI-compatible gateway: KV-aware routing, admission, streaming proxy.",
     RouterSettings,
 )
-not_built(app, "serve", "serve the OpenAI API and route to engines", 5)
+
+
+def _flag(name: str, help_: str, envvar: str | None = None) -> Any:
+    return typer.Option(name, help=help_, envvar=envvar, show_default=False)
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str | None, _flag("--host", "OpenAI API listen address (default 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None, _flag("--port", "OpenAI API port (0: any free port) (default 8080).")
+    ] = None,
+    admin_port: Annotated[
+        int | None, _flag("--admin-port", "Admin port: /metrics, /healthz, /readyz (default 9091).")
+    ] = None,
+    etcd: Annotated[
+        str | None, _flag("--etcd", "etcd endpoints, comma-separated (default 127.0.0.1:2379).")
+    ] = None,
+    static: Annotated[
+        bool,
+        typer.Option("--static", help="No etcd: route to the endpoints in the config file only."),
+    ] = False,
+    config: Annotated[
+        Path | None, _flag("--config", "YAML settings file.", "CGN_ROUTER_CONFIG")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, _flag("--set", "Override a setting: --set routing.prefix=2.0.")
+    ] = None,
+    ready_file: Annotated[
+        Path | None, _flag("--ready-file", "Write {pid, ports} here once serving.")
+    ] = None,
+) -> None:
+    """Serve the OpenAI API and route each request to the engine best placed for it.
+
+    Endpoints come from etcd (/cognitora/endpoints/, written by cgn-agent) and from
+    the `endpoints:` map of the config file; see docs/cgn-router.md.
+    """
+    flags = parse_overrides(set_)
+    for key, value in {
+        "http.host": host,
+        "http.port": port,
+        "admin.port": admin_port,
+        "etcd.endpoints": etcd,
+        "discovery": "static" if static else None,
+    }.items():
+        if value is not None:
+            flags[key] = str(value)
+    settings = load_service_settings(RouterSettings, "router", config, flags)
+    setup_logging("router", settings.log)
+    from cgn_router.daemon import run as run_daemon
+
+    run_daemon(settings, ready_file)
+
 
 main = run(app)

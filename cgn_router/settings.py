@@ -1,8 +1,83 @@
-"""cgn-router's settings tree."""
+"""cgn-router's settings tree (flag > CGN_ROUTER_* env > YAML > these defaults)."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """A catalog entry for router-only runs (etcd's `/cognitora/catalog/models/` adds more)."""
+
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()  # tried in order when no endpoint of this model can serve
+    # GGUF file (or bundled name: smollm2, qwen2.5-coder-0.5b) whose tokenizer and chat
+    # template the router uses, so its block hashes equal the engine's. Unset: hashes
+    # over character blocks (approximate; `cgn_router_prompts_hashed_total{method="chars"}`).
+    tokenizer: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEndpoint:
+    """An engine to route to without etcd."""
+
+    url: str = ""  # base URL, e.g. http://10.0.0.5:8001
+    model: str = ""
+    engine: str = "cgn-infer"  # cgn-infer | vllm | sglang | llamacpp | trtllm (metric names)
+    role: Role = "both"
+    node: str = ""
+    # Where the engine streams KV events ("" = none; cgn-infer's default is
+    # <url>/v1/kv/events). Without events the router tracks KV approximately.
+    kv_events_url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """Scorer weights and the tunables of the routing pipeline (docs/cgn-router.md)."""
+
+    # Weights of the scorers; `/cognitora/policy/routing` in etcd overrides them live.
+    prefix: float = 3.0
+    load: float = 1.0
+    kv_usage: float = 0.5
+    affinity: float = 0.5
+    picker: Literal["max", "p2c"] = "max"
+    # Saturation guard: an endpoint whose routed-but-not-yet-prefilled prompt tokens
+    # exceed this gets no prefix credit (new requests spread instead of piling up).
+    saturation_tokens: int = 8192
+    # Approximate KV tracking (engines without a KV event stream): blocks assumed
+    # cached on the chosen endpoint for this long, at most this many per endpoint.
+    approx_ttl_s: float = 300.0
+    approx_blocks: int = 65536
+    # Blocks of a request just routed to an event-publishing engine count as cached
+    # there until its events confirm them (bursts of one prefix land together).
+    optimistic_ttl_s: float = 5.0
+    chars_per_block: int = 64  # character-block approximation (no tokenizer)
+    session_ttl_s: float = 600.0
+    session_header: str = "x-session-id"  # or the body's `user` field
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineSettings:
+    connect_s: float = 3.0
+    first_token_s: float = 120.0  # request sent → first response byte
+    idle_s: float = 60.0  # between two streamed chunks
+    total_s: float = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    failures: int = 3  # consecutive failures that open the breaker
+    open_s: float = 5.0  # then one half-open probe request after this long
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    interval_s: float = 1.0  # each engine's /metrics
+    stale_s: float = 5.0  # older load figures are not trusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,5 +87,14 @@ class RouterSettings:
     tls: TlsSettings = TlsSettings()  # HTTPS on the OpenAI surface when set
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
-    # Engines to route to without etcd (router-only runs): name -> base URL.
-    static_endpoints: dict[str, str] = field(default_factory=dict)
+    # etcd: watch /cognitora/endpoints/, cordon/, catalog/ and policy/ (plus `endpoints`);
+    # static: only the endpoints and models below (router-only runs, no etcd).
+    discovery: Literal["etcd", "static"] = "etcd"
+    endpoints: dict[str, StaticEndpoint] = field(default_factory=dict)
+    models: dict[str, ModelSettings] = field(default_factory=dict)
+    routing: RoutingSettings = RoutingSettings()
+    deadlines: DeadlineSettings = DeadlineSettings()
+    breaker: BreakerSettings = BreakerSettings()
+    scrape: ScrapeSettings = ScrapeSettings()
+    attempts: int = 3  # endpoints tried per request before the first byte reaches the client
+    max_body_bytes: int = 16 << 20

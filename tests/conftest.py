@@ -62,7 +62,7 @@ def llamacpp_smollm2(smollm2_path: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_path: Path):  # type: ignore[no-untyped-def]
-    from cgn_infer.gguf_file import GGUFFile
+    from cgn_core.text.gguf_file import GGUFFile
 
     with GGUFFile(smollm2_path) as gguf:
         yield gguf

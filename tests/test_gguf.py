@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from cgn_infer.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models import args_from_gguf
 from cgn_infer.quants import dequantize
 

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cgn_infer.chat_template import ChatTemplate
-from cgn_infer.gguf_file import GGUFFile
-from cgn_infer.tokenizer import GGUFTokenizer
+from cgn_core.text.chat_template import ChatTemplate
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.tokenizer import GGUFTokenizer
 from tests.support.procs import post
 
 CORPUS = [

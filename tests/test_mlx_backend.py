@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.models import args_from_gguf
-from cgn_infer.tokenizer import GGUFTokenizer
 
 mlx_backend = pytest.importorskip(
     "cgn_infer.backends.mlx_backend", reason="the mlx extra is not installed"

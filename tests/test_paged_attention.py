@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.paged import BatchItem
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
 
 LENGTHS = (5, 37, 16, 70)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from cgn_core.bundled_models import QWEN_SHA256, qwen_coder_05b
+from cgn_core.text.chat_template import ChatTemplate
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.torch_backend import TorchBackend
-from cgn_infer.chat_template import ChatTemplate
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
-from cgn_infer.tokenizer import GGUFTokenizer
 from tests.support.procs import llamacpp, post
 from tests.test_llamacpp_parity import CONVERSATIONS, CORPUS, reference_logprobs, reference_top2
 

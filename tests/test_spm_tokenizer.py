@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.torch_backend import TorchBackend
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
-from cgn_infer.tokenizer import GGUFTokenizer
 from tests.support.procs import llamacpp, post
 from tests.support.tiny_spm import write_tiny_spm
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.torch_backend import Linear, TorchBackend
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
 from cgn_infer.quants import dequantize, q4_groups
 

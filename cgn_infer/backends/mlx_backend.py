@@ -22,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 
 from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
-from cgn_infer.gguf_file import GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
-from cgn_infer.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cgn_infer.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer.models import llama, qwen2
 from cgn_infer.models.args import Args
 

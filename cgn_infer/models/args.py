@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ rotate *adjacent* pairs; reading those tensors as stored, we must do the same.
 
 from __future__ import annotations
 
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models.args import Args, read_common
 
 

@@ -7,7 +7,7 @@ the converter). Everything else, including GQA and SwiGLU, is shared.
 
 from __future__ import annotations
 
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models.args import Args, read_common
 
 

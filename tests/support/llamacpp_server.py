@@ -18,6 +18,7 @@ params.cpuparams.n_threads = threads
 params.cpuparams_batch.n_threads = threads
 params.n_parallel = parallel
 params.n_ctx = ctx * parallel
+params.endpoint_metrics = True  # /metrics, as `llama-server --metrics`
 server = xllamacpp.Server(params)
 done = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: done.set())

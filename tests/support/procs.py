@@ -10,7 +10,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
@@ -47,11 +51,26 @@ def cgn_infer(tmp: Path, *args: str, model: Path | None = None) -> Iterator[str]
         yield urls[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Engine:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
 @contextmanager
 def cgn_infer_fleet(
     tmp: Path, n: int, *args: str, model: Path | None = None
 ) -> Iterator[list[str]]:
     """`n` real `cgn-infer serve` processes started together; yields their base URLs."""
+    with cgn_infer_engines(tmp, n, *args, model=model) as engines:
+        yield [e.url for e in engines]
+
+
+@contextmanager
+def cgn_infer_engines(
+    tmp: Path, n: int, *args: str, model: Path | None = None
+) -> Iterator[list[Engine]]:
+    """Like `cgn_infer_fleet`, with each engine's process (to kill one in a test)."""
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     with ExitStack() as stack:
         for _ in range(n):
@@ -64,11 +83,11 @@ def cgn_infer_fleet(
             )
             stack.callback(stop, proc)
             procs.append((proc, ready))
-        urls = []
+        engines = []
         for proc, ready in procs:
             port = wait_ready_file(ready, timeout_s=180, proc=proc)["ports"]["http"]
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
+            engines.append(Engine(f"http://127.0.0.1:{port}", proc))
+        yield engines
 
 
 @contextmanager
@@ -95,3 +114,29 @@ def post(url: str, body: dict[str, object], timeout_s: float = 120) -> dict[str,
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         doc: dict[str, object] = json.load(resp)
         return doc
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    url: str  # the OpenAI surface
+    admin: str  # /metrics, /healthz, /readyz, /endpoints
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def cgn_router(tmp: Path, config: dict[str, Any], *args: str) -> Iterator[Router]:
+    """A real `cgn-router serve` with `config` as its YAML file, on free ports."""
+    cfg = tmp / f"router-{time.monotonic_ns()}.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    ready = cfg.with_suffix(".ready")
+    argv = [str(BIN / "cgn-router"), "serve", "--port", "0", "--admin-port", "0",
+            "--config", str(cfg), "--ready-file", str(ready), *args]  # fmt: skip
+    with (tmp / f"{cfg.stem}.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
+        yield Router(
+            f"http://127.0.0.1:{ports['http']}", f"http://127.0.0.1:{ports['admin']}", proc
+        )
+    finally:
+        stop(proc)

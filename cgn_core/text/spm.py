@@ -16,7 +16,7 @@ import heapq
 import re
 from collections.abc import Sequence
 
-from cgn_infer.gguf_file import GGUFFile
+from cgn_core.text.gguf_file import GGUFFile
 
 BYTE_TOKEN = 6
 _BYTE_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cgn_infer.bpe import BpeCodec
-from cgn_infer.gguf_file import GGUFError, GGUFFile
-from cgn_infer.spm import SpmCodec
+from cgn_core.text.bpe import BpeCodec
+from cgn_core.text.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.spm import SpmCodec
 
 CONTROL, USER_DEFINED = 3, 4
 

@@ -1,0 +1,1 @@
+"""Text handling shared by the engine and the router: GGUF metadata, tokenizers, chat templates."""

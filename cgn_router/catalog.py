@@ -1,0 +1,142 @@
+"""Model names, aliases and fallbacks, and each model's prompt hasher.
+
+Entries come from settings (`models:`) and from etcd's
+`/cognitora/catalog/models/<model>` (JSON: `aliases`, `fallbacks`, and
+`tokenizer` or `source.gguf`: the GGUF whose tokenizer the router loads).
+Tokenizers load in a worker thread; until one is ready the model's prompts
+are hashed by characters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgn_core import bundled_models
+from cgn_core.errors import CognitoraError
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.prompt import PromptCodec
+from cgn_router.prompts import PromptHasher
+from cgn_router.settings import ModelSettings
+
+log = logging.getLogger(__name__)
+CATALOG_PREFIX = "/cognitora/catalog/models/"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    tokenizer: Path | None = None
+
+
+def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
+    return ModelEntry(name, s.aliases, s.fallbacks, s.tokenizer)
+
+
+def entry_from_etcd(name: str, data: Any) -> ModelEntry:
+    """A catalog value as an entry; ValueError names the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"catalog entry {name}: expected a JSON object")
+
+    def names(key: str) -> tuple[str, ...]:
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"catalog entry {name}: '{key}' must be a list of names")
+        return tuple(value)
+
+    tokenizer = data.get("tokenizer")
+    source = data.get("source")
+    if tokenizer is None and isinstance(source, dict):
+        tokenizer = source.get("gguf")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ValueError(f"catalog entry {name}: 'tokenizer' must be a path")
+    return ModelEntry(
+        name, names("aliases"), names("fallbacks"), Path(tokenizer) if tokenizer else None
+    )
+
+
+class Catalog:
+    def __init__(self, chars_per_block: int):
+        self.chars_per_block = chars_per_block
+        self.entries: dict[str, dict[str, ModelEntry]] = {}  # source → name → entry
+        self._hashers: dict[str, PromptHasher] = {}
+        self._codecs: dict[Path, PromptCodec | None] = {}  # None: loading or failed
+        self._loading: set[asyncio.Task[None]] = set()
+
+    def set_source(self, source: str, entries: Mapping[str, ModelEntry]) -> None:
+        self.entries[source] = dict(entries)
+        self._hashers.clear()
+        for entry in self._all().values():
+            if entry.tokenizer is not None and entry.tokenizer not in self._codecs:
+                self._codecs[entry.tokenizer] = None
+                task = asyncio.get_running_loop().create_task(self._load(entry.tokenizer))
+                self._loading.add(task)
+                task.add_done_callback(self._loading.discard)
+
+    def put(self, source: str, entry: ModelEntry) -> None:
+        self.set_source(source, {**self.entries.get(source, {}), entry.name: entry})
+
+    def delete(self, source: str, name: str) -> None:
+        rest = dict(self.entries.get(source, {}))
+        rest.pop(name, None)
+        self.set_source(source, rest)
+
+    def _all(self) -> dict[str, ModelEntry]:
+        out: dict[str, ModelEntry] = {}
+        for source in sorted(self.entries, key=lambda s: s != "etcd"):  # settings win
+            out.update(self.entries[source])
+        return out
+
+    def entry(self, model: str) -> ModelEntry | None:
+        return self._all().get(model)
+
+    def resolve(self, name: str) -> str:
+        """The catalog name for `name` (itself, or the model it is an alias of)."""
+        for entry in self._all().values():
+            if name in entry.aliases:
+                return entry.name
+        return name
+
+    def names(self) -> dict[str, str]:
+        """Every name a client may use → the model it means."""
+        out: dict[str, str] = {}
+        for entry in self._all().values():
+            out[entry.name] = entry.name
+            for alias in entry.aliases:
+                out.setdefault(alias, entry.name)
+        return out
+
+    def hasher(self, model: str) -> PromptHasher:
+        got = self._hashers.get(model)
+        if got is None:
+            entry = self.entry(model)
+            codec = self._codecs.get(entry.tokenizer) if entry and entry.tokenizer else None
+            got = self._hashers[model] = PromptHasher(model, codec, self.chars_per_block)
+        return got
+
+    async def wait_loaded(self) -> None:
+        """Until every tokenizer named so far has loaded (or failed)."""
+        while self._loading:
+            await asyncio.gather(*self._loading)
+
+    async def _load(self, path: Path) -> None:
+        try:
+            codec = await asyncio.to_thread(
+                lambda: PromptCodec.from_gguf(GGUFFile(bundled_models.resolve(path)))
+            )
+        except (CognitoraError, OSError) as exc:
+            log.warning("tokenizer %s not loaded (prompts hashed by characters): %s", path, exc)
+            return
+        self._codecs[path] = codec
+        self._hashers.clear()
+        log.info("tokenizer loaded from %s", path)
+
+
+def _load_codec(path: Path) -> PromptCodec:
+    return PromptCodec.from_gguf(GGUFFile(bundled_models.resolve(path)))

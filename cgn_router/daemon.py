@@ -1,0 +1,401 @@
+"""`cgn-router serve`: wire the pieces, follow etcd, scrape engines, follow KV events.
+
+Background work, all owned by one TaskGroup and cancelled at shutdown:
+* one list-then-watch task per etcd prefix (endpoints, cordon, catalog, policy);
+* one scraper that reads every endpoint's /metrics each `scrape.interval_s`;
+* one KV-event follower per endpoint that publishes events.
+SIGTERM/SIGINT set an event; shutdown stops accepting, lets requests in flight
+finish for up to `deadlines.total_s` (at most 30 s), then cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from google.protobuf import json_format
+
+from cgn_core.backoff import Backoff
+from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.etcd import EtcdClient
+from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.process import raise_fd_limit
+from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_core.tls import warn_if_plaintext
+from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
+from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
+from cgn_router.kv_index import PrefixIndex
+from cgn_router.metrics import RouterMetrics
+from cgn_router.pipeline import Pipeline, weights_from
+from cgn_router.proxy import Proxy
+from cgn_router.registry import (
+    CORDON_PREFIX,
+    ENDPOINTS_PREFIX,
+    Registry,
+    Sessions,
+    endpoint_from_etcd,
+    endpoint_from_static,
+)
+from cgn_router.scrape import engine_load, name_map
+from cgn_router.server import RouterService, build_admin_app, build_app
+from cgn_router.settings import RouterSettings
+from cgn_router.types import EndpointId
+
+log = logging.getLogger(__name__)
+POLICY_KEY = "/cognitora/policy/routing"
+DRAIN_CAP_S = 30.0
+
+
+def build_service(settings: RouterSettings, session: aiohttp.ClientSession) -> RouterService:
+    """Every object the router runs on, from its settings (no I/O)."""
+    r = settings.routing
+    check_settings(settings)
+    index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s)
+    registry = Registry(settings.breaker, index, Sessions(r.session_ttl_s), settings.scrape.stale_s)
+    metrics = RouterMetrics()
+    metrics.watch(registry)
+    svc = RouterService(
+        settings,
+        Catalog(r.chars_per_block),
+        registry,
+        Pipeline.from_settings(r),
+        Proxy(session, settings.deadlines),
+        metrics,
+    )
+    try:
+        static = [endpoint_from_static(name, e) for name, e in settings.endpoints.items()]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    registry.replace_source("static", static)
+    return svc
+
+
+def check_settings(s: RouterSettings) -> None:
+    """Refuse values the router cannot run with, naming the setting."""
+    positive = {
+        "attempts": s.attempts,
+        "routing.saturation_tokens": s.routing.saturation_tokens,
+        "routing.approx_blocks": s.routing.approx_blocks,
+        "routing.chars_per_block": s.routing.chars_per_block,
+        "breaker.failures": s.breaker.failures,
+        "scrape.interval_s": s.scrape.interval_s,
+        "deadlines.connect_s": s.deadlines.connect_s,
+        "deadlines.first_token_s": s.deadlines.first_token_s,
+        "deadlines.idle_s": s.deadlines.idle_s,
+        "deadlines.total_s": s.deadlines.total_s,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    try:
+        weights_from(s.routing)
+    except ValueError as exc:
+        raise ConfigError(f"routing: {exc}") from None
+    if s.discovery == "static" and not s.endpoints:
+        raise ConfigError(
+            "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
+        )
+
+
+async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        svc = build_service(settings, session)
+        svc.catalog.set_source(
+            "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
+        )
+        await svc.catalog.wait_loaded()  # hash exactly from the first request on
+        runners = []
+        ports = {}
+        for name, listen, app in (
+            ("http", settings.http, build_app(svc)),
+            ("admin", settings.admin, build_admin_app(svc)),
+        ):
+            sock = bind_tcp(listen.host, listen.port)
+            runner = web.AppRunner(
+                app,
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=min(DRAIN_CAP_S, settings.deadlines.total_s),
+            )
+            await runner.setup()
+            ssl_ctx = _server_ssl(settings) if name == "http" else None
+            await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
+            runners.append(runner)
+            ports[name] = sock.getsockname()[1]
+        log.info(
+            "OpenAI API on %s:%d, admin on %s:%d",
+            settings.http.host,
+            ports["http"],
+            settings.admin.host,
+            ports["admin"],
+        )
+        if not settings.tls.enabled:
+            warn_if_plaintext(log, "OpenAI API", settings.tls)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                follower = KvFollowers(svc, session, tg)
+                tg.create_task(_scrape_loop(svc, session))
+                if settings.discovery == "etcd":
+                    tg.create_task(_follow_etcd(svc, follower, tg))
+                else:
+                    svc.synced = True
+                follower.reconcile()
+                if ready_file is not None:
+                    write_ready_file(ready_file, ports=ports)
+                await stop.wait()
+                log.info("shutting down: draining requests in flight")
+                for runner in runners:
+                    await runner.cleanup()
+                raise _Stop
+        except* _Stop:
+            pass
+        if ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                await asyncio.to_thread(ready_file.unlink)
+
+
+class _Stop(Exception):
+    """Ends the TaskGroup (cancelling every background task) at shutdown."""
+
+
+def _server_ssl(settings: RouterSettings) -> ssl.SSLContext | None:
+    if not settings.tls.enabled:
+        return None
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    assert settings.tls.cert_file is not None and settings.tls.key_file is not None
+    ctx.load_cert_chain(settings.tls.cert_file, settings.tls.key_file)
+    return ctx
+
+
+# ---- etcd --------------------------------------------------------------------
+
+
+async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.TaskGroup) -> None:
+    client = EtcdClient(svc.settings.etcd)
+    listed = {
+        p: asyncio.Event() for p in (ENDPOINTS_PREFIX, CORDON_PREFIX, CATALOG_PREFIX, POLICY_KEY)
+    }
+    reg, catalog = svc.registry, svc.catalog
+
+    def endpoints_list(kvs: list[KeyValue]) -> None:
+        parsed = []
+        for kv in kvs:
+            try:
+                parsed.append(endpoint_from_etcd(kv.key, kv.value))
+            except ValueError as exc:
+                log.warning("ignoring endpoint: %s", exc)
+        reg.replace_source("etcd", parsed)
+        follower.reconcile()
+
+    def endpoints_event(ev: WatchEvent) -> None:
+        if ev.kind == "delete":
+            reg.remove(EndpointId(ev.kv.key[len(ENDPOINTS_PREFIX) :]))
+        else:
+            try:
+                reg.upsert(endpoint_from_etcd(ev.kv.key, ev.kv.value), "etcd")
+            except ValueError as exc:
+                log.warning("ignoring endpoint: %s", exc)
+        follower.reconcile()
+
+    def cordon_list(kvs: list[KeyValue]) -> None:
+        reg.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs}
+
+    def cordon_event(ev: WatchEvent) -> None:
+        node = ev.kv.key[len(CORDON_PREFIX) :]
+        (reg.cordoned.discard if ev.kind == "delete" else reg.cordoned.add)(node)
+
+    def catalog_list(kvs: list[KeyValue]) -> None:
+        entries = {}
+        for kv in kvs:
+            name = kv.key[len(CATALOG_PREFIX) :]
+            try:
+                entries[name] = entry_from_etcd(name, kv.json())
+            except ValueError as exc:
+                log.warning("ignoring catalog entry: %s", exc)
+        catalog.set_source("etcd", entries)
+
+    def catalog_event(ev: WatchEvent) -> None:
+        name = ev.kv.key[len(CATALOG_PREFIX) :]
+        if ev.kind == "delete":
+            catalog.delete("etcd", name)
+            return
+        try:
+            catalog.put("etcd", entry_from_etcd(name, ev.kv.json()))
+        except ValueError as exc:
+            log.warning("ignoring catalog entry: %s", exc)
+
+    def policy_list(kvs: list[KeyValue]) -> None:
+        svc.pipeline.weights = weights_from(svc.settings.routing)
+        for kv in kvs:
+            if kv.key == POLICY_KEY:
+                _apply_policy(svc, kv)
+
+    def policy_event(ev: WatchEvent) -> None:
+        if ev.kv.key != POLICY_KEY:
+            return
+        if ev.kind == "delete":
+            svc.pipeline.weights = weights_from(svc.settings.routing)
+        else:
+            _apply_policy(svc, ev.kv)
+
+    for prefix, on_list, on_event in (
+        (ENDPOINTS_PREFIX, endpoints_list, endpoints_event),
+        (CORDON_PREFIX, cordon_list, cordon_event),
+        (CATALOG_PREFIX, catalog_list, catalog_event),
+        (POLICY_KEY, policy_list, policy_event),
+    ):
+        tg.create_task(_list_and_watch(client, prefix, on_list, on_event, listed[prefix]))
+    try:
+        await asyncio.gather(*(e.wait() for e in listed.values()))
+        svc.synced = True
+        log.info("registry synced from etcd: %d endpoints", len(reg.states))
+        await asyncio.Event().wait()  # the client lives as long as the watches
+    finally:
+        await client.close()
+
+
+def _apply_policy(svc: RouterService, kv: KeyValue) -> None:
+    try:
+        data = kv.json()
+        weights = data.get("weights", data) if isinstance(data, dict) else None
+        if not isinstance(weights, dict):
+            raise ValueError('expected {"weights": {scorer: weight}}')
+        svc.pipeline.set_weights(weights)
+        log.info("routing weights from etcd: %s", svc.pipeline.weights)
+    except ValueError as exc:
+        log.warning("ignoring %s: %s", POLICY_KEY, exc)
+
+
+async def _list_and_watch(
+    client: EtcdClient,
+    prefix: str,
+    on_list: Callable[[list[KeyValue]], None],
+    on_event: Callable[[WatchEvent], None],
+    listed: asyncio.Event,
+) -> None:
+    backoff = Backoff(base=0.2, cap=5.0)
+    while True:
+        try:
+            kvs, rev = await client.get_prefix(prefix)
+            break
+        except CognitoraError as exc:
+            delay = backoff.next()
+            log.warning("etcd: cannot list %s (%s); retrying in %.1fs", prefix, exc.message, delay)
+            await asyncio.sleep(delay)
+    on_list(kvs)
+    listed.set()
+    async for batch in client.watch_prefix(prefix, start_revision=rev + 1):
+        if batch.resync is not None:
+            on_list(list(batch.resync))
+        for ev in batch.events:
+            on_event(ev)
+
+
+# ---- engines: metrics and KV events -------------------------------------------
+
+
+async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> None:
+    interval = svc.settings.scrape.interval_s
+    timeout = aiohttp.ClientTimeout(total=max(0.2, min(interval, svc.settings.scrape.stale_s / 2)))
+
+    async def scrape_one(eid: EndpointId) -> None:
+        state = svc.registry.states.get(eid)
+        if state is None:
+            return
+        try:
+            async with session.get(state.endpoint.url + "/metrics", timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            state.scrape_error = str(exc) or type(exc).__name__
+            return
+        load = engine_load(text, name_map(state.endpoint.engine), time.monotonic())
+        state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
+
+    while True:
+        started = time.monotonic()
+        await asyncio.gather(*(scrape_one(eid) for eid in list(svc.registry.states)))
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+class KvFollowers:
+    """One KV-event follower task per endpoint that publishes events."""
+
+    def __init__(self, svc: RouterService, session: aiohttp.ClientSession, tg: asyncio.TaskGroup):
+        self.svc, self.session, self.tg = svc, session, tg
+        self.tasks: dict[EndpointId, tuple[str, asyncio.Task[None]]] = {}
+
+    def reconcile(self) -> None:
+        want = {
+            eid: s.endpoint.kv_events_url
+            for eid, s in self.svc.registry.states.items()
+            if s.endpoint.kv_events_url
+        }
+        for eid, (url, task) in list(self.tasks.items()):
+            if want.get(eid) != url:
+                task.cancel()
+                del self.tasks[eid]
+        for eid, url in want.items():
+            if eid not in self.tasks:
+                self.tasks[eid] = (url, self.tg.create_task(self._follow(eid, url)))
+
+    async def _follow(self, eid: EndpointId, url: str) -> None:
+        index, metrics = self.svc.registry.index, self.svc.metrics
+        backoff = Backoff(base=0.2, cap=5.0)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.svc.settings.deadlines.connect_s, sock_read=None
+        )
+        while True:
+            try:
+                async with self.session.get(url, timeout=timeout, read_bufsize=1 << 24) as resp:
+                    if resp.status != 200:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    async for line in resp.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        if not _apply_kv(index, eid, line[6:]):
+                            break  # a gap: reconnect for a fresh snapshot
+                        if line.startswith(b'data: {"snapshot"'):
+                            metrics.kv_resyncs.labels(eid).inc()
+                            backoff.reset()
+                        else:
+                            metrics.kv_events.labels(eid).inc()
+            except (aiohttp.ClientError, json_format.ParseError, ValueError, TimeoutError) as exc:
+                log.debug("KV events of %s: %s", eid, exc)
+            index.lost(eid)
+            await asyncio.sleep(backoff.next())
+
+
+def _apply_kv(index: PrefixIndex, eid: EndpointId, data: bytes) -> bool:
+    msg = json_format.Parse(data, pb.KvEventEnvelope(), ignore_unknown_fields=True)
+    if msg.HasField("snapshot"):
+        index.snapshot(eid, msg.snapshot.seq, msg.snapshot.block_hashes)
+        return True
+    ev = msg.event
+    return index.event(eid, ev.seq, ev.kind == pb.KvBlockEvent.STORED, ev.block_hashes)
+
+
+def run(settings: RouterSettings, ready_file: Path | None) -> None:
+    raise_fd_limit()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # not on every platform
+        pass
+    asyncio.run(serve(settings, ready_file))

@@ -1,0 +1,115 @@
+"""Where KV blocks live: per endpoint, exact from KV events or approximate.
+
+Exact: an engine that streams KV events (cgn-infer) sends a snapshot and then
+STORED/REMOVED events numbered seq+1, seq+2, ...; the index mirrors its block
+set and reports a gap (a missed event) so the subscriber resyncs from a fresh
+snapshot.
+
+Approximate: for engines without events, the blocks of each request routed
+to an endpoint are assumed cached there for `approx_ttl_s`, at most
+`approx_blocks` per endpoint, least recently used evicted first. Event-fed
+endpoints get the same treatment for `optimistic_ttl_s`, bridging the time
+between routing a request and its STORED event.
+
+match() is the longest run of leading prompt blocks an endpoint holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from cgn_router.types import BlockHash, EndpointId
+
+
+@dataclass(slots=True)
+class _Blocks:
+    exact: set[BlockHash] = field(default_factory=set)
+    seq: int | None = None  # None: no snapshot yet (or lost); exact set not trusted
+    assumed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)  # → expiry
+
+
+class PrefixIndex:
+    def __init__(self, approx_ttl_s: float, approx_blocks: int, optimistic_ttl_s: float):
+        self.approx_ttl_s = approx_ttl_s
+        self.approx_blocks = approx_blocks
+        self.optimistic_ttl_s = optimistic_ttl_s
+        self._by_endpoint: dict[EndpointId, _Blocks] = {}
+
+    def _get(self, eid: EndpointId) -> _Blocks:
+        blocks = self._by_endpoint.get(eid)
+        if blocks is None:
+            blocks = self._by_endpoint[eid] = _Blocks()
+        return blocks
+
+    def match(self, eid: EndpointId, hashes: Sequence[BlockHash], now: float) -> int:
+        """How many leading `hashes` the endpoint holds."""
+        blocks = self._by_endpoint.get(eid)
+        if blocks is None:
+            return 0
+        exact, assumed = blocks.exact, blocks.assumed
+        n = 0
+        for h in hashes:
+            if h in exact:
+                n += 1
+                continue
+            expiry = assumed.get(h)
+            if expiry is None or expiry <= now:
+                break
+            n += 1
+        return n
+
+    def exact_size(self, eid: EndpointId) -> int:
+        blocks = self._by_endpoint.get(eid)
+        return len(blocks.exact) if blocks else 0
+
+    def assumed_size(self, eid: EndpointId) -> int:
+        blocks = self._by_endpoint.get(eid)
+        return len(blocks.assumed) if blocks else 0
+
+    def routed(
+        self, eid: EndpointId, hashes: Sequence[BlockHash], now: float, *, exact: bool
+    ) -> None:
+        """A request with `hashes` was sent to `eid`: assume its blocks cached there."""
+        blocks = self._get(eid)
+        ttl = self.optimistic_ttl_s if exact else self.approx_ttl_s
+        assumed = blocks.assumed
+        for h in hashes:
+            if h in blocks.exact:
+                continue
+            assumed[h] = now + ttl
+            assumed.move_to_end(h)
+        while len(assumed) > self.approx_blocks:
+            assumed.popitem(last=False)
+
+    def snapshot(self, eid: EndpointId, seq: int, hashes: Iterable[BlockHash]) -> None:
+        """Replace the endpoint's exact block set with a snapshot current to `seq`."""
+        blocks = self._get(eid)
+        blocks.exact = set(hashes)
+        blocks.seq = seq
+
+    def event(self, eid: EndpointId, seq: int, stored: bool, hashes: Iterable[BlockHash]) -> bool:
+        """Apply one KV event; False when it does not follow the last one (resync needed)."""
+        blocks = self._get(eid)
+        if blocks.seq is None or seq != blocks.seq + 1:
+            blocks.seq = None
+            return False
+        blocks.seq = seq
+        if stored:
+            for h in hashes:
+                blocks.exact.add(h)
+                blocks.assumed.pop(h, None)
+        else:
+            blocks.exact.difference_update(hashes)
+        return True
+
+    def lost(self, eid: EndpointId) -> None:
+        """The event stream broke: keep serving the last known set until the next snapshot."""
+        blocks = self._by_endpoint.get(eid)
+        if blocks is not None:
+            blocks.seq = None
+
+    def forget(self, eid: EndpointId) -> None:
+        """The endpoint left the registry."""
+        self._by_endpoint.pop(eid, None)

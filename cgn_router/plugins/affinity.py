@@ -1,0 +1,18 @@
+"""Session-affinity scorer: 1 for the endpoint the request's session last went to, else 0."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cgn_router.plugins.base import SCORERS, register
+from cgn_router.types import EndpointId, EndpointView, RequestInfo
+
+
+@register(SCORERS, "affinity")
+@dataclass(frozen=True, slots=True)
+class AffinityScorer:
+    name: str = "affinity"
+
+    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
+        return {v.id: 1.0 if req.session is not None and v.session_owner else 0.0 for v in views}

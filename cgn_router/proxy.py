@@ -1,0 +1,257 @@
+"""The streaming proxy: one attempt of one request against one endpoint.
+
+Until the first byte of a successful answer has reached the client, any
+failure (connect error, 5xx, 429, timeout, the engine dying) raises
+`AttemptFailed` and the caller may try another endpoint. After that, the
+client has a 200 and an open event stream: a failure then ends the stream
+with one SSE `error` event (the OpenAI clients raise it) and no `[DONE]`.
+
+Deadlines (`deadlines.*`): connect; first token (request sent → first event
+of a stream, or the whole answer of a non-streaming request, bounded by the
+total); idle (between two streamed events); total. A client that goes away
+closes the upstream connection, which cancels the generation on the engine.
+
+Usage: a streaming request that did not ask for usage is sent upstream with
+`stream_options.include_usage` set; the usage chunk is read for accounting
+and not relayed. Responses carry `x-cognitora-model` (the model that served,
+which differs from the one asked for after a fallback) and
+`x-cognitora-endpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from cgn_router.registry import EndpointState
+from cgn_router.settings import DeadlineSettings
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+MAX_ERROR_BODY = 64 << 10
+
+
+class AttemptFailed(Exception):
+    """Nothing reached the client yet: the request may go to another endpoint."""
+
+    def __init__(self, cause: str, message: str, *, timeout: bool = False, breaker: bool = True):
+        super().__init__(message)
+        self.cause, self.message, self.timeout, self.breaker = cause, message, timeout, breaker
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a request: where it goes and what it carries."""
+
+    state: EndpointState
+    path: str
+    payload: bytes
+    stream: bool
+    strip_usage: bool  # the client did not ask for the usage chunk: read it, do not relay it
+    served_model: str
+    uncached_tokens: int  # counted into the endpoint's pending prefill until the first byte
+    usage: Usage | None = None
+    first_byte_at: float | None = None  # monotonic
+    failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
+
+
+class Proxy:
+    def __init__(self, session: aiohttp.ClientSession, deadlines: DeadlineSettings):
+        self.session = session
+        self.deadlines = deadlines
+
+    async def run(
+        self, request: web.Request, a: Attempt, started: float, on_first_byte: Callable[[], None]
+    ) -> web.StreamResponse:
+        """Send `a` upstream and relay the answer to `request`'s client."""
+        d = self.deadlines
+        total_at = asyncio.get_running_loop().time() + d.total_s - (time.monotonic() - started)
+        ep = a.state.endpoint
+        timeout = aiohttp.ClientTimeout(total=None, connect=d.connect_s, sock_connect=d.connect_s)
+        headers = {"Content-Type": "application/json"}
+        if rid := request.headers.get("x-request-id"):
+            headers["x-request-id"] = rid
+        first_at = min(total_at, asyncio.get_running_loop().time() + d.first_token_s)
+        try:
+            async with asyncio.timeout_at(first_at if a.stream else total_at):
+                resp = await self.session.post(
+                    ep.url + a.path, data=a.payload, headers=headers, timeout=timeout
+                )
+        except TimeoutError:
+            raise AttemptFailed(
+                "first_token_timeout", f"{ep.id}: no answer in time", timeout=True
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise AttemptFailed("connect", f"{ep.id}: {_describe(exc)}") from None
+        try:
+            if resp.status != 200:
+                return await self._refused(resp, a)
+            if a.stream:
+                return await self._relay_stream(request, resp, a, first_at, total_at, on_first_byte)
+            return await self._relay_body(resp, a, total_at, on_first_byte)
+        finally:
+            resp.close()  # an unfinished body closes the connection: the engine stops generating
+
+    async def _refused(self, resp: aiohttp.ClientResponse, a: Attempt) -> web.Response:
+        """A non-200 answer: a client error is relayed, anything else is retried elsewhere."""
+        ep = a.state.endpoint
+        try:
+            body = await resp.content.read(MAX_ERROR_BODY)
+        except aiohttp.ClientError:
+            body = b""
+        if resp.status == 429:
+            raise AttemptFailed("busy", f"{ep.id}: engine busy (429)", breaker=False)
+        if resp.status >= 500 or resp.status < 400:
+            raise AttemptFailed(f"status_{resp.status}", f"{ep.id}: engine answered {resp.status}")
+        a.first_byte_at = time.monotonic()
+        return web.Response(
+            body=body, status=resp.status, headers=self._headers(a, resp.content_type)
+        )
+
+    async def _relay_body(
+        self,
+        resp: aiohttp.ClientResponse,
+        a: Attempt,
+        total_at: float,
+        on_first_byte: Callable[[], None],
+    ) -> web.Response:
+        ep = a.state.endpoint
+        try:
+            async with asyncio.timeout_at(total_at):
+                body = await resp.read()
+        except TimeoutError:
+            raise AttemptFailed(
+                "total_timeout", f"{ep.id}: answer not complete in time", timeout=True
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise AttemptFailed("disconnect", f"{ep.id}: {_describe(exc)}") from None
+        a.first_byte_at = time.monotonic()
+        on_first_byte()
+        if b'"usage"' in body:
+            with contextlib.suppress(ValueError):
+                a.usage = _usage(json.loads(body))
+        return web.Response(body=body, status=200, headers=self._headers(a, resp.content_type))
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        a: Attempt,
+        first_at: float,
+        total_at: float,
+        on_first_byte: Callable[[], None],
+    ) -> web.StreamResponse:
+        ep = a.state.endpoint
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(first_at):
+                event = await _next_event(resp.content)
+        except TimeoutError:
+            raise AttemptFailed(
+                "first_token_timeout", f"{ep.id}: no first token in time", timeout=True
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise AttemptFailed("disconnect", f"{ep.id}: {_describe(exc)}") from None
+        if event is None:
+            raise AttemptFailed("disconnect", f"{ep.id}: stream ended before the first event")
+        out = web.StreamResponse(status=200, headers=self._headers(a, None, sse=True))
+        await out.prepare(request)
+        a.first_byte_at = time.monotonic()
+        on_first_byte()
+        idle = self.deadlines.idle_s
+        while event is not None:
+            if not self._usage_event(event, a):
+                await out.write(event)
+            try:
+                async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
+                    event = await _next_event(resp.content)
+            except TimeoutError:
+                cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
+                await self._break(out, a, cause, f"{ep.id}: the stream stalled ({cause})")
+                return out
+            except aiohttp.ClientError as exc:
+                msg = f"{ep.id}: the engine disconnected mid-stream ({_describe(exc)})"
+                await self._break(out, a, "disconnect_mid_stream", msg)
+                return out
+        await out.write_eof()
+        return out
+
+    def _usage_event(self, event: bytes, a: Attempt) -> bool:
+        """Record usage from a usage-only chunk; True when it must not be relayed."""
+        if b'"usage"' not in event or not event.startswith(b"data: {"):
+            return False
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return False
+        if (
+            not isinstance(chunk, dict)
+            or chunk.get("choices")
+            or not isinstance(chunk.get("usage"), dict)
+        ):
+            return False
+        a.usage = _usage(chunk)
+        return a.strip_usage
+
+    async def _break(self, out: web.StreamResponse, a: Attempt, cause: str, message: str) -> None:
+        a.failed_mid_stream = cause
+        body = {
+            "error": {"message": message, "type": "upstream_error", "param": None, "code": cause}
+        }
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await out.write_eof()
+
+    def _headers(self, a: Attempt, content_type: str | None, sse: bool = False) -> dict[str, str]:
+        headers = dict(SSE_HEADERS) if sse else {"Content-Type": content_type or "application/json"}
+        headers["x-cognitora-model"] = a.served_model
+        headers["x-cognitora-endpoint"] = a.state.endpoint.id
+        return headers
+
+
+async def _next_event(content: aiohttp.StreamReader) -> bytes | None:
+    """The next SSE event (its lines and the blank line), or None at the end of the stream."""
+    lines: list[bytes] = []
+    while True:
+        line = await content.readline()
+        if not line:
+            return b"".join(lines) + b"\n" if lines else None
+        if line in (b"\n", b"\r\n"):
+            if lines:
+                lines.append(line)
+                return b"".join(lines)
+            continue
+        lines.append(line)
+
+
+def _usage(body: Any) -> Usage | None:
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+
+    def num(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    return Usage(num(usage.get("prompt_tokens")), num(usage.get("completion_tokens")), num(cached))
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,187 @@
+"""The endpoints the router knows, with the live state it keeps for each.
+
+Endpoints come from two sources, merged: the static list in settings and the
+etcd prefix `/cognitora/endpoints/<model>/<replica>`. Re-registering an
+endpoint (a lease renewal, a changed field) keeps its live state: in-flight
+counts, breaker, scraped load. Cordoned nodes come from `/cognitora/cordon/`.
+`views()` freezes everything routing needs into `EndpointView`s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cgn_core.blockhash import BLOCK_SIZE
+from cgn_router.breaker import Breaker
+from cgn_router.kv_index import PrefixIndex
+from cgn_router.settings import BreakerSettings, StaticEndpoint
+from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
+
+ENDPOINTS_PREFIX = "/cognitora/endpoints/"
+CORDON_PREFIX = "/cognitora/cordon/"
+HASH_SCHEME = "cognitora.kv.v1"
+
+
+@dataclass(slots=True)
+class EndpointState:
+    endpoint: Endpoint
+    breaker: Breaker
+    source: str  # "static" | "etcd"
+    in_flight: int = 0
+    pending_prefill: int = 0
+    load: EngineLoad | None = None
+    scrape_error: str = ""
+
+
+@dataclass(slots=True)
+class Sessions:
+    """session id → the endpoint it last went to (LRU, with a TTL)."""
+
+    ttl_s: float
+    capacity: int = 100_000
+    _last: OrderedDict[str, tuple[EndpointId, float]] = field(default_factory=OrderedDict)
+
+    def owner(self, session: str | None, now: float) -> EndpointId | None:
+        if session is None:
+            return None
+        got = self._last.get(session)
+        return got[0] if got is not None and now - got[1] < self.ttl_s else None
+
+    def record(self, session: str | None, eid: EndpointId, now: float) -> None:
+        if session is None:
+            return
+        self._last[session] = (eid, now)
+        self._last.move_to_end(session)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+
+class Registry:
+    def __init__(
+        self, breaker: BreakerSettings, index: PrefixIndex, sessions: Sessions, stale_s: float
+    ):
+        self.breaker = breaker
+        self.stale_s = stale_s
+        self.index = index
+        self.sessions = sessions
+        self.states: dict[EndpointId, EndpointState] = {}
+        self.cordoned: set[str] = set()
+
+    def upsert(self, endpoint: Endpoint, source: str) -> bool:
+        """Add or update an endpoint; True when it is new. Live state survives updates."""
+        state = self.states.get(endpoint.id)
+        if state is None:
+            b = Breaker(self.breaker.failures, self.breaker.open_s)
+            self.states[endpoint.id] = EndpointState(endpoint, b, source)
+            return True
+        if state.endpoint != endpoint:
+            if state.endpoint.url != endpoint.url:  # a different engine now: nothing carries
+                self.index.forget(endpoint.id)
+                state.load = None
+            state.endpoint = endpoint
+        state.source = source
+        return False
+
+    def remove(self, eid: EndpointId) -> EndpointState | None:
+        state = self.states.pop(eid, None)
+        if state is not None:
+            self.index.forget(eid)
+        return state
+
+    def replace_source(self, source: str, endpoints: Iterable[Endpoint]) -> list[EndpointId]:
+        """Make `source`'s endpoints exactly `endpoints`; returns the ids removed."""
+        keep = {e.id for e in endpoints}
+        for e in endpoints:
+            self.upsert(e, source)
+        gone = [eid for eid, s in self.states.items() if s.source == source and eid not in keep]
+        for eid in gone:
+            self.remove(eid)
+        return gone
+
+    def fresh_load(self, state: EndpointState, now: float) -> EngineLoad | None:
+        """The endpoint's scraped load, or None when missing or older than `stale_s`."""
+        load = state.load
+        return load if load is not None and now - load.scraped_at <= self.stale_s else None
+
+    def models(self) -> set[str]:
+        return {s.endpoint.model for s in self.states.values()}
+
+    def views(
+        self, req: RequestInfo, now: float, exclude: frozenset[EndpointId] = frozenset()
+    ) -> list[EndpointView]:
+        """A snapshot of the endpoints serving `req.model`, minus `exclude`."""
+        owner = self.sessions.owner(req.session, now)
+        out = []
+        for eid, s in self.states.items():
+            if s.endpoint.model != req.model or eid in exclude:
+                continue
+            out.append(
+                EndpointView(
+                    endpoint=s.endpoint,
+                    cordoned=s.endpoint.node in self.cordoned,
+                    breaker_open=s.breaker.blocks(now),
+                    in_flight=s.in_flight,
+                    pending_prefill=s.pending_prefill,
+                    load=self.fresh_load(s, now),
+                    matched_blocks=self.index.match(eid, req.blocks, now) if req.blocks else 0,
+                    session_owner=owner == eid,
+                )
+            )
+        return out
+
+
+def endpoint_from_etcd(key: str, value: bytes) -> Endpoint:
+    """Parse `/cognitora/endpoints/<model>/<replica>`; ValueError says what is wrong."""
+    rest = key[len(ENDPOINTS_PREFIX) :]
+    model, _, replica = rest.rpartition("/")
+    if not model or not replica:
+        raise ValueError(f"{key}: expected {ENDPOINTS_PREFIX}<model>/<replica>")
+    try:
+        data = json.loads(value)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{key}: value is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{key}: value must be a JSON object")
+    return _endpoint(EndpointId(rest), model, data, key)
+
+
+def endpoint_from_static(name: str, s: StaticEndpoint) -> Endpoint:
+    if not s.model:
+        raise ValueError(f"endpoints.{name}.model is required")
+    data = {"url": s.url, "engine": s.engine, "role": s.role, "node": s.node}
+    if s.kv_events_url is not None:
+        data["kv_events_url"] = s.kv_events_url
+    return _endpoint(EndpointId(f"{s.model}/{name}"), s.model, data, f"endpoints.{name}")
+
+
+def _endpoint(eid: EndpointId, model: str, data: Mapping[str, Any], where: str) -> Endpoint:
+    url = data.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: 'url' must be an http(s) URL, got {url!r}")
+    fields: dict[str, Any] = {}
+    for name in ("engine", "role", "node", "hash_scheme", "kv_events_url"):
+        if name in data:
+            if not isinstance(data[name], str):
+                raise ValueError(f"{where}: '{name}' must be a string")
+            fields[name] = data[name]
+    if fields.get("role", "both") not in ("both", "prefill", "decode"):
+        raise ValueError(f"{where}: 'role' must be both, prefill or decode")
+    block_size = data.get("block_size", BLOCK_SIZE)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where}: 'block_size' must be a positive integer")
+    endpoint = Endpoint(eid, model, url.rstrip("/"), block_size=block_size, **fields)
+    if "kv_events_url" not in fields and endpoint.engine == "cgn-infer":
+        endpoint = replace(endpoint, kv_events_url=endpoint.url + "/v1/kv/events")
+    if endpoint.kv_events_url and (
+        block_size != BLOCK_SIZE or endpoint.hash_scheme != HASH_SCHEME
+    ):  # its hashes cannot equal ours: track it approximately instead
+        endpoint = replace(endpoint, kv_events_url="")
+    return endpoint
+
+
+def cordon_node(key: str) -> str:
+    return key[len(CORDON_PREFIX) :]

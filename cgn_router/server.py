@@ -1,0 +1,312 @@
+"""cgn-router's HTTP edges: the OpenAI surface and the admin listener.
+
+A request is parsed only as far as routing needs (model, stream, the prompt
+for hashing, the session); its body goes upstream byte for byte unless the
+router must change it (a fallback model, `include_usage` injected). Routing
+is a pure decision over a snapshot (`pipeline.py`); this module acts on it:
+attempts, retries on another endpoint before the first byte, fallbacks,
+accounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.errors import (
+    BadGateway,
+    InvalidRequest,
+    NotFound,
+    Unavailable,
+    UpstreamTimeout,
+)
+from cgn_core.http import error_middleware, parse_json
+from cgn_router.catalog import Catalog
+from cgn_router.metrics import RouterMetrics
+from cgn_router.pipeline import Decision, Pipeline
+from cgn_router.prompts import HashedPrompt
+from cgn_router.proxy import Attempt, AttemptFailed, Proxy
+from cgn_router.registry import Registry
+from cgn_router.settings import RouterSettings
+from cgn_router.types import EndpointId, RequestInfo
+
+log = logging.getLogger(__name__)
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
+@dataclass(slots=True)
+class RouterService:
+    settings: RouterSettings
+    catalog: Catalog
+    registry: Registry
+    pipeline: Pipeline
+    proxy: Proxy
+    metrics: RouterMetrics
+    rng: random.Random = field(default_factory=random.Random)
+    synced: bool = False  # the registry has loaded its sources once
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def known_models(self) -> dict[str, str]:
+        names = self.catalog.names()
+        for model in self.registry.models():
+            names.setdefault(model, model)
+        return names
+
+    def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
+        views = self.registry.views(req, time.monotonic(), tried)
+        decision = self.pipeline.route(req, views, self.rng)
+        for name, n in decision.dropped.items():
+            self.metrics.filter_drops.labels(name).inc(n)
+        if decision.chosen is not None:
+            for scorer, values in decision.scores.items():
+                self.metrics.scores.labels(scorer).observe(values[decision.chosen])
+            if decision.saturated:
+                self.metrics.saturated.labels(req.model).inc(decision.saturated)
+        return decision
+
+
+def build_app(svc: RouterService) -> web.Application:
+    errors = error_middleware(svc.settings.max_body_bytes)
+    app = web.Application(client_max_size=svc.settings.max_body_bytes, middlewares=[errors])
+    for kind, path in PATHS.items():
+        app.router.add_post(path, functools.partial(_handle, svc, kind=kind))
+    app.router.add_get("/v1/models", lambda r: _models(svc))
+    return app
+
+
+def build_admin_app(svc: RouterService) -> web.Application:
+    app = web.Application(middlewares=[error_middleware(1 << 20)])
+    app.router.add_get("/metrics", lambda r: _metrics(svc))
+    app.router.add_get("/healthz", lambda r: _healthz())
+    app.router.add_get("/readyz", lambda r: _readyz(svc))
+    app.router.add_get("/endpoints", lambda r: _endpoints(svc))
+    return app
+
+
+async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web.StreamResponse:
+    started = time.monotonic()
+    raw = await request.read()
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    asked = body.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise InvalidRequest("'model' is required", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be true or false", param="stream")
+    known = svc.known_models()
+    if asked not in known:
+        raise NotFound(
+            f"model '{asked}' does not exist (known: {', '.join(sorted(known)) or 'none'})",
+            code="model_not_found",
+            param="model",
+        )
+    model = known[asked]
+    options = body.get("stream_options")
+    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    strip_usage = stream and kind != "embeddings" and not wants_usage
+    session = request.headers.get(svc.settings.routing.session_header) or body.get("user")
+    entry = svc.catalog.entry(model)
+    chain = [model, *(entry.fallbacks if entry else ())]
+    last: AttemptFailed | None = None
+    for served in chain:
+        hashed = _hash(svc, kind, served, body)
+        req = RequestInfo(
+            served,
+            "both",
+            hashed.blocks,
+            hashed.tokens,
+            session if isinstance(session, str) else None,
+        )
+        payload = _payload(raw, body, served, asked, strip_usage)
+        tried: set[EndpointId] = set()
+        for _ in range(max(1, svc.settings.attempts)):
+            decision = svc.route(req, frozenset(tried))
+            if decision.chosen is None:
+                break
+            if tried:
+                svc.metrics.retries.labels(model).inc()
+            tried.add(decision.chosen)
+            try:
+                resp = await _attempt(
+                    svc, request, kind, req, decision.chosen, payload, stream, strip_usage, started
+                )
+            except AttemptFailed as exc:
+                log.info("attempt failed: %s", exc.message)
+                svc.metrics.errors.labels(exc.cause).inc()
+                last = exc
+                continue
+            if served != model:
+                svc.metrics.fallbacks.labels(model, served).inc()
+            return resp
+    if last is None:
+        svc.metrics.requests.labels(model, "no_endpoint").inc()
+        svc.metrics.errors.labels("no_endpoint").inc()
+        raise Unavailable(f"no ready endpoint serves model '{model}'", code="no_endpoint")
+    svc.metrics.requests.labels(model, "upstream_error").inc()
+    if last.timeout:
+        raise UpstreamTimeout(f"no engine answered in time: {last.message}", code=last.cause)
+    raise BadGateway(f"no engine could serve the request: {last.message}", code=last.cause)
+
+
+def _hash(svc: RouterService, kind: str, model: str, body: dict[str, Any]) -> HashedPrompt:
+    if kind == "embeddings":
+        return HashedPrompt((), 0, "none")
+    hashed = svc.catalog.hasher(model).hash(kind, body)
+    svc.metrics.hashed.labels(model, hashed.method).inc()
+    return hashed
+
+
+def _payload(raw: bytes, body: dict[str, Any], served: str, asked: str, strip_usage: bool) -> bytes:
+    """The upstream body: the client's bytes unless the model or stream options must change."""
+    if served == asked and not strip_usage:
+        return raw
+    changed = dict(body, model=served)
+    if strip_usage:
+        options = body.get("stream_options")
+        changed["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
+        }
+    return json.dumps(changed, ensure_ascii=False).encode()
+
+
+async def _attempt(
+    svc: RouterService,
+    request: web.Request,
+    kind: str,
+    req: RequestInfo,
+    eid: EndpointId,
+    payload: bytes,
+    stream: bool,
+    strip_usage: bool,
+    started: float,
+) -> web.StreamResponse:
+    state = svc.registry.states[eid]
+    now = time.monotonic()
+    matched = svc.registry.index.match(eid, req.blocks, now) if req.blocks else 0
+    predicted = min(matched * BLOCK_SIZE, req.prompt_tokens)
+    a = Attempt(
+        state, PATHS[kind], payload, stream, strip_usage, req.model, req.prompt_tokens - predicted
+    )
+    state.breaker.on_attempt(now)
+    state.in_flight += 1
+    state.pending_prefill += a.uncached_tokens
+    svc.registry.index.routed(eid, req.blocks, now, exact=bool(state.endpoint.kv_events_url))
+    svc.registry.sessions.record(req.session, eid, now)
+    pending = True
+
+    def first_byte() -> None:
+        nonlocal pending
+        if pending:
+            state.pending_prefill -= a.uncached_tokens
+            pending = False
+        state.breaker.on_success()
+        svc.metrics.ttft.labels(req.model).observe(time.monotonic() - started)
+
+    outcome = "cancelled"
+    try:
+        resp = await svc.proxy.run(request, a, started, first_byte)
+        outcome = (
+            "ok"
+            if resp.status == 200 and not a.failed_mid_stream
+            else "client_error"
+            if resp.status < 500
+            else "upstream_error"
+        )
+        if a.failed_mid_stream:
+            outcome = "upstream_error"
+            svc.metrics.errors.labels(a.failed_mid_stream).inc()
+            state.breaker.on_failure(time.monotonic())
+        return resp
+    except AttemptFailed as exc:
+        outcome = ""
+        if exc.breaker:
+            state.breaker.on_failure(time.monotonic())
+        raise
+    except (ConnectionError, OSError):  # the client went away mid-relay
+        outcome = "client_disconnected"
+        raise
+    finally:
+        state.in_flight -= 1
+        if pending:
+            state.pending_prefill -= a.uncached_tokens
+        if outcome:
+            svc.metrics.requests.labels(req.model, outcome).inc()
+            svc.metrics.latency.labels(req.model).observe(time.monotonic() - started)
+        if a.usage is not None:
+            m, u = svc.metrics, a.usage
+            m.tokens.labels(req.model, "prompt").inc(u.prompt_tokens)
+            m.tokens.labels(req.model, "completion").inc(u.completion_tokens)
+            m.prompt_tokens_routed.labels(req.model).inc(u.prompt_tokens)
+            m.prefix_predicted.labels(req.model).inc(predicted)
+            m.prefix_reported.labels(req.model).inc(u.cached_tokens)
+
+
+async def _models(svc: RouterService) -> web.Response:
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": svc.created,
+            "owned_by": "cognitora",
+            "root": model,
+        }
+        for name, model in sorted(svc.known_models().items())
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _metrics(svc: RouterService) -> web.Response:
+    return web.Response(
+        body=generate_latest(svc.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+async def _healthz() -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(svc: RouterService) -> web.Response:
+    n = len(svc.registry.states)
+    ready = svc.synced and n > 0
+    body = {"status": "ready" if ready else "not ready", "synced": svc.synced, "endpoints": n}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _endpoints(svc: RouterService) -> web.Response:
+    """The registry as JSON (for `cgn-ctl` and for people)."""
+    now = time.monotonic()
+    reg = svc.registry
+    out = []
+    for eid, s in sorted(reg.states.items()):
+        ep, load = s.endpoint, s.load
+        out.append({
+            "id": eid, "model": ep.model, "url": ep.url, "engine": ep.engine, "role": ep.role,
+            "node": ep.node, "source": s.source, "cordoned": ep.node in reg.cordoned,
+            "kv_tracking": "exact" if ep.kv_events_url else "approximate",
+            "in_flight": s.in_flight, "pending_prefill_tokens": s.pending_prefill,
+            "breaker": s.breaker.state(now), "scrape_error": s.scrape_error,
+            "load": None if load is None else {
+                "running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+                "age_s": round(now - load.scraped_at, 3),
+            },
+            "kv_blocks": {
+                "exact": reg.index.exact_size(eid), "assumed": reg.index.assumed_size(eid),
+            },
+        })  # fmt: skip
+    return web.json_response({"weights": svc.pipeline.weights, "endpoints": out})

@@ -1,0 +1,66 @@
+"""The router's plain values: endpoints, their load, a request as routing sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+from cgn_core.blockhash import BLOCK_SIZE
+
+EndpointId = NewType("EndpointId", str)  # "<model>/<replica>" as in the etcd key
+BlockHash = bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A routable engine, as registered under `/cognitora/endpoints/<model>/<replica>`."""
+
+    id: EndpointId
+    model: str
+    url: str  # base URL without a trailing slash
+    engine: str = "cgn-infer"
+    role: str = "both"  # both | prefill | decode
+    node: str = ""
+    block_size: int = BLOCK_SIZE
+    hash_scheme: str = "cognitora.kv.v1"
+    kv_events_url: str = ""  # "" when the engine publishes no KV events
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Load figures scraped from an engine's /metrics (vLLM's meaning, any engine's names)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+    scraped_at: float = 0.0  # monotonic seconds
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What routing needs from a request; the body itself is never looked at again."""
+
+    model: str
+    role: str = "both"  # the role an endpoint must be able to play
+    blocks: tuple[BlockHash, ...] = ()  # the prompt's full-block hashes, in order
+    prompt_tokens: int = 0  # estimated where the router has no tokenizer
+    session: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointView:
+    """One endpoint as the plugins see it at one instant (a snapshot, no live objects)."""
+
+    endpoint: Endpoint
+    ready: bool = True
+    cordoned: bool = False
+    breaker_open: bool = False
+    in_flight: int = 0  # requests this router has on it now
+    pending_prefill: int = 0  # uncached prompt tokens routed here and not yet answered
+    load: EngineLoad | None = None  # None: never scraped, stale or unreachable
+    matched_blocks: int = 0  # leading prompt blocks this endpoint is known to hold
+    session_owner: bool = False  # the request's session last went here
+
+    @property
+    def id(self) -> EndpointId:
+        return self.endpoint.id

@@ -1,0 +1,65 @@
+"""cgn-router in front of a real SmolLM2 cgn-infer (torch), router-only (static YAML, no etcd)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.procs import Router, cgn_infer, cgn_router
+from tests.test_router import metric
+
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[tuple[str, Router]]:
+    tmp = tmp_path_factory.mktemp("smol")
+    with cgn_infer(tmp, "--model-name", MODEL, "--kv-pool-tokens", "4096") as engine:
+        config = {
+            "discovery": "static",
+            "endpoints": {"only": {"url": engine, "model": MODEL}},
+            "models": {MODEL: {"tokenizer": str(smollm2_path)}},
+        }
+        with cgn_router(tmp, config) as router:
+            yield engine, router
+
+
+def test_greedy_answer_through_the_router_equals_the_engines(stack: tuple[str, Router]) -> None:
+    engine, router = stack
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+    def ask(base: str) -> str:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        stream = c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+    direct = ask(engine)
+    assert direct and ask(router.url) == direct
+
+
+def test_router_predicts_the_engines_prefix_hits_exactly(stack: tuple[str, Router]) -> None:
+    """Same tokenizer and template as the engine: predicted cached tokens == reported ones."""
+    _, router = stack
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    system = "You are a careful assistant. " * 30
+    for question in ("What is 2+2?", "What is the capital of France?"):
+        c.chat.completions.create(
+            model=MODEL, max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )  # fmt: skip
+    assert metric(router, "cgn_router_prompts_hashed_total", model=MODEL, method="tokenizer") >= 2
+    assert metric(router, "cgn_router_prompts_hashed_total", model=MODEL, method="chars") == 0
+    predicted = metric(router, "cgn_router_prefix_tokens_predicted_total", model=MODEL)
+    reported = metric(router, "cgn_router_prefix_tokens_reported_total", model=MODEL)
+    assert reported >= 160 and predicted == reported

@@ -1,0 +1,206 @@
+"""The router's pure state: breaker, KV index, metric scraping, registry, catalog, prompt hashing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cgn_core.blockhash import block_hashes
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.prompt import PromptCodec
+from cgn_router.breaker import Breaker
+from cgn_router.catalog import entry_from_etcd
+from cgn_router.kv_index import PrefixIndex
+from cgn_router.prompts import PromptHasher
+from cgn_router.registry import Registry, Sessions, endpoint_from_etcd
+from cgn_router.scrape import engine_load, name_map, parse_samples
+from cgn_router.settings import BreakerSettings
+from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
+
+FIXTURES = Path(__file__).parent / "fixtures"
+E = EndpointId("m/r1")
+H = [bytes([i]) * 32 for i in range(6)]
+
+# ---- breaker ---------------------------------------------------------------------
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_once() -> None:
+    b = Breaker(failures_to_open=2, open_s=5.0)
+    b.on_failure(0.0)
+    assert not b.blocks(0.1)
+    b.on_success()  # resets the count
+    b.on_failure(1.0)
+    assert not b.blocks(1.0) and b.state(1.0) == "closed"
+    b.on_failure(2.0)
+    assert b.blocks(2.0) and b.state(6.9) == "open"
+    assert not b.blocks(7.0) and b.state(7.0) == "half_open"
+    b.on_attempt(7.0)  # the probe
+    assert b.blocks(7.1)  # only one probe at a time
+    b.on_failure(7.5)  # the probe failed: open again for open_s
+    assert b.blocks(12.4) and not b.blocks(12.5)
+    b.on_attempt(12.5)
+    b.on_success()
+    assert b.state(12.6) == "closed" and not b.blocks(12.6)
+
+
+# ---- KV index --------------------------------------------------------------------
+
+
+def test_exact_tracking_follows_events_and_detects_a_gap() -> None:
+    idx = PrefixIndex(approx_ttl_s=60, approx_blocks=100, optimistic_ttl_s=1)
+    idx.snapshot(E, 10, H[:3])
+    assert idx.match(E, H, now=0) == 3
+    assert idx.event(E, 11, True, H[3:5])
+    assert idx.match(E, H, now=0) == 5
+    assert idx.event(E, 12, False, [H[1]])
+    assert idx.match(E, H, now=0) == 1  # the run stops at the removed block
+    assert not idx.event(E, 14, True, [H[1]])  # seq 13 was missed
+    assert not idx.event(E, 15, True, [H[1]])  # no trust until a new snapshot
+    assert idx.match(E, H, now=0) == 1  # the last known set still serves
+    idx.snapshot(E, 20, H)
+    assert idx.match(E, H, now=0) == 6 and idx.event(E, 21, False, [H[0]])
+    assert idx.match(E, H, now=0) == 0
+
+
+def test_approximate_tracking_expires_and_evicts_least_recent() -> None:
+    idx = PrefixIndex(approx_ttl_s=10, approx_blocks=4, optimistic_ttl_s=1)
+    idx.routed(E, H[:3], now=0, exact=False)
+    assert idx.match(E, H, now=9.9) == 3
+    assert idx.match(E, H, now=10.0) == 0  # expired
+    idx.routed(E, H[:3], now=20, exact=False)
+    idx.routed(E, H[3:5], now=21, exact=False)  # 5 blocks > capacity 4: H[0] goes
+    assert idx.assumed_size(E) == 4
+    assert idx.match(E, H, now=21) == 0
+    assert idx.match(E, H[1:], now=21) == 4
+
+
+def test_optimistic_blocks_bridge_until_the_stored_event() -> None:
+    idx = PrefixIndex(approx_ttl_s=60, approx_blocks=100, optimistic_ttl_s=2)
+    idx.snapshot(E, 0, [])
+    idx.routed(E, H[:2], now=0, exact=True)
+    assert idx.match(E, H, now=1) == 2
+    assert idx.match(E, H, now=2) == 0  # short TTL: only a bridge
+    idx.event(E, 1, True, H[:2])
+    assert idx.match(E, H, now=100) == 2 and idx.assumed_size(E) == 0
+
+
+# ---- scraping (recorded /metrics pages) ------------------------------------------
+
+
+def test_scrape_cgn_infer_page_recorded_under_load() -> None:
+    text = (FIXTURES / "metrics_cgn_infer.txt").read_text()
+    assert engine_load(text, name_map("cgn-infer"), now=5.0) == EngineLoad(
+        2.0, 1.0, 0.00390625, 5.0
+    )
+
+
+def test_scrape_llamacpp_page_recorded_under_load() -> None:
+    text = (FIXTURES / "metrics_llamacpp.txt").read_text()
+    load = engine_load(text, name_map("llamacpp"), now=1.0)
+    assert load == EngineLoad(running=2.0, waiting=1.0, kv_usage=0.0, scraped_at=1.0)
+
+
+def test_scrape_sums_label_sets_and_takes_the_first_name_present() -> None:
+    text = (
+        "# HELP x\n"
+        'sglang:num_running_reqs{tp_rank="0"} 3\n'
+        'sglang:num_running_reqs{tp_rank="1"} 2\n'
+        "sglang:num_queue_reqs 4\n"
+        'sglang:token_usage{model_name="a b"} 0.5\n'
+        "sglang:num_queue_reqs_total NaN\n"
+    )
+    assert engine_load(text, name_map("sglang"), now=0) == EngineLoad(5, 4, 0.5, 0)
+    assert parse_samples('vllm:gpu_cache_usage_perc{a="}"} 0.7', {"vllm:gpu_cache_usage_perc"})
+    v0 = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.7\n"  # vLLM v0's name
+    assert engine_load(v0, name_map("vllm"), now=0) == EngineLoad(1, 0, 0.7, 0)
+    assert engine_load("unrelated_metric 1\n", name_map("vllm"), now=0) is None
+
+
+# ---- registry --------------------------------------------------------------------
+
+
+def test_endpoint_from_etcd_defaults_and_errors() -> None:
+    value = json.dumps({"url": "http://10.0.0.5:8001/", "engine": "cgn-infer", "node": "n1"})
+    ep = endpoint_from_etcd("/cognitora/endpoints/m/r1", value.encode())
+    assert ep == Endpoint(
+        E, "m", "http://10.0.0.5:8001", node="n1", kv_events_url="http://10.0.0.5:8001/v1/kv/events"
+    )
+    vllm = endpoint_from_etcd(
+        "/cognitora/endpoints/m/r2", b'{"url": "http://h:1", "engine": "vllm"}'
+    )
+    assert vllm.kv_events_url == ""  # approximate tracking
+    odd = b'{"url": "http://h:1", "block_size": 32}'  # its hashes cannot be ours
+    assert endpoint_from_etcd("/cognitora/endpoints/m/r3", odd).kv_events_url == ""
+    for key, value_, message in [
+        ("/cognitora/endpoints/r1", b"{}", "expected /cognitora/endpoints/<model>/<replica>"),
+        ("/cognitora/endpoints/m/r", b"not json", "not JSON"),
+        ("/cognitora/endpoints/m/r", b"[]", "must be a JSON object"),
+        ("/cognitora/endpoints/m/r", b'{"url": "ftp://x"}', "'url' must be an http"),
+        ("/cognitora/endpoints/m/r", b'{"url": "http://x", "role": "x"}', "'role' must be"),
+        ("/cognitora/endpoints/m/r", b'{"url": "http://x", "block_size": "16"}', "block_size"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            endpoint_from_etcd(key, value_)
+
+
+def test_registry_keeps_live_state_across_updates() -> None:
+    idx = PrefixIndex(60, 100, 1)
+    reg = Registry(BreakerSettings(), idx, Sessions(60), stale_s=5)
+    ep = Endpoint(E, "m", "http://a")
+    assert reg.upsert(ep, "etcd")
+    state = reg.states[E]
+    state.in_flight, state.load = 3, EngineLoad(1, 0, 0, scraped_at=0)
+    idx.snapshot(E, 0, H[:2])
+    assert not reg.upsert(Endpoint(E, "m", "http://a", node="n2"), "etcd")  # a field changed
+    assert reg.states[E] is state and state.in_flight == 3 and idx.match(E, H, 0) == 2
+    reg.upsert(Endpoint(E, "m", "http://b"), "etcd")  # another engine behind the same id
+    assert state.load is None and idx.match(E, H, 0) == 0
+    # views: stale load is not trusted; cordon and session ownership are resolved
+    state.load = EngineLoad(1, 0, 0, scraped_at=0)
+    reg.cordoned = {"n9"}
+    reg.sessions.record("s", E, now=0)
+    (v,) = reg.views(RequestInfo("m", session="s"), now=4)
+    assert v.load is not None and v.session_owner and not v.cordoned
+    (v,) = reg.views(RequestInfo("m"), now=6)
+    assert v.load is None and not v.session_owner
+    assert reg.views(RequestInfo("other"), now=0) == []
+    assert reg.replace_source("etcd", []) == [E] and reg.states == {}
+
+
+def test_catalog_entry_from_etcd() -> None:
+    entry = entry_from_etcd(
+        "m", {"aliases": ["a"], "fallbacks": ["f"], "source": {"gguf": "/x.gguf"}}
+    )
+    assert (entry.aliases, entry.fallbacks, str(entry.tokenizer)) == (("a",), ("f",), "/x.gguf")
+    with pytest.raises(ValueError, match="'aliases' must be a list of names"):
+        entry_from_etcd("m", {"aliases": "a"})
+
+
+# ---- prompt hashing ------------------------------------------------------------------
+
+
+def test_hashes_by_tokenizer_equal_the_engines(smollm2_gguf: GGUFFile) -> None:
+    codec = PromptCodec.from_gguf(smollm2_gguf)
+    hasher = PromptHasher("m", codec)
+    body = {"messages": [{"role": "user", "content": "word " * 100}]}
+    got = hasher.hash("chat", body)
+    ids = codec.encode_chat(body["messages"])  # what cgn-infer runs on
+    assert got.method == "tokenizer" and got.tokens == len(ids)
+    assert list(got.blocks) == block_hashes(ids, "m") and len(got.blocks) == len(ids) // 16
+    by_ids = hasher.hash("completion", {"prompt": ids})
+    assert by_ids.method == "token_ids" and by_ids.blocks == got.blocks
+
+
+def test_character_blocks_without_a_tokenizer() -> None:
+    hasher = PromptHasher("m", None, chars_per_block=64)
+    a = hasher.hash("completion", {"prompt": "x" * 200})
+    b = hasher.hash("completion", {"prompt": "x" * 130 + "y" * 70})
+    assert a.method == "chars" and len(a.blocks) == 3 and a.tokens == 50
+    assert a.blocks[:2] == b.blocks[:2] and a.blocks[2] != b.blocks[2]
+    chat = hasher.hash("chat", {"messages": [{"role": "user", "content": "hi " * 40}]})
+    assert chat.method == "chars" and len(chat.blocks) == 1
+    # bodies the engine will judge: routed without blocks
+    assert hasher.hash("chat", {"messages": "nope"}).method == "none"
+    assert hasher.hash("completion", {"prompt": [1.5]}).method == "none"
