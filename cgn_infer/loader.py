@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,5 +52,7 @@ def load_model(
             sim.decode_s_per_ctx_token, sim.speed,
         )  # fmt: skip
         kv_bytes = 4 if settings.kv_dtype == "float32" else 2
-        backend = SimBackend(args, cost, word_tokens(codec.tokenizer.pieces), kv_bytes)
+        # A simulated model has no position tables: its context is what --ctx asks for.
+        sim_args = dataclasses.replace(args, ctx_len=max(args.ctx_len, settings.ctx))
+        backend = SimBackend(sim_args, cost, word_tokens(codec.tokenizer.pieces), kv_bytes)
     return LoadedModel(backend, codec)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from cgn_router.plugins import FILTERS, PICKERS
 from cgn_router.plugins.base import Filter, Picker, Scorer
-from cgn_router.plugins.prefix import PrefixScorer
+from cgn_router.plugins.prefix import PrefixScorer, min_pending
 from cgn_router.settings import RoutingSettings
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
@@ -85,12 +85,13 @@ class Pipeline:
             scores[s.name] = got = s.score(req, candidates)
             for eid, value in got.items():
                 totals[eid] += w * value
+        floor = min_pending(candidates)
         saturated = sum(
             1
             for s in self.scorers
             if isinstance(s, PrefixScorer)
             for v in candidates
-            if v.matched_blocks and s.saturated(v)
+            if v.matched_blocks and s.saturated(v, floor)
         )
         return Decision(self.picker.pick(totals, rng), totals, scores, dropped, saturated)
 

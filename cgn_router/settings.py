@@ -44,7 +44,7 @@ class RoutingSettings:
     load: float = 1.0
     kv_usage: float = 0.5
     affinity: float = 0.5
-    picker: Literal["max", "p2c"] = "max"
+    picker: Literal["max", "p2c", "round_robin"] = "max"  # round_robin: a baseline only
     # Saturation guard: an endpoint whose routed-but-not-yet-prefilled prompt tokens
     # exceed this gets no prefix credit (new requests spread instead of piling up).
     saturation_tokens: int = 8192

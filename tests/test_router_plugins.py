@@ -63,10 +63,13 @@ PREFIX_CASES = [
     (REQ, [view("a", matched_blocks=10), view("b", matched_blocks=5), view("c")],
      {"a": 1.0, "b": 0.5, "c": 0.0}),
     (replace(REQ, blocks=()), [view("a", matched_blocks=3)], {"a": 0.0}),
-    # the saturation guard: a hot endpoint at the bound gets no prefix credit
+    # the saturation guard: 100 tokens more pending work than the idlest: no prefix credit
     (REQ, [view("a", matched_blocks=10, pending_prefill=100), view("b", matched_blocks=4)],
      {"a": 0.0, "b": 0.4}),
-    (REQ, [view("a", matched_blocks=10, pending_prefill=99)], {"a": 1.0}),
+    (REQ, [view("a", matched_blocks=10, pending_prefill=99), view("b")], {"a": 1.0, "b": 0.0}),
+    # relative: a fleet busy everywhere still routes by cache
+    (REQ, [view("a", matched_blocks=10, pending_prefill=5000), view("b", pending_prefill=4950)],
+     {"a": 1.0, "b": 0.0}),
 ]  # fmt: skip
 
 
@@ -142,7 +145,7 @@ def test_p2c_picker_never_takes_the_worst_of_three() -> None:
 
 def test_registry_names_every_plugin() -> None:
     assert set(FILTERS) == {"model", "role", "ready", "breaker", "cordon"}
-    assert set(PICKERS) == {"max", "p2c"}
+    assert set(PICKERS) == {"max", "p2c", "round_robin"}
 
 
 # ---- the pipeline ----------------------------------------------------------------
@@ -181,7 +184,7 @@ def test_saturation_guard_spreads_a_shared_prefix() -> None:
         held.add(name)
         chosen.append(name)
     counts = {n: chosen.count(n) for n in "abcd"}
-    assert all(c >= 7 for c in counts.values()), counts  # spread over all four
+    assert min(counts.values()) >= 4 and max(counts.values()) <= 16, counts  # spread over all
     # the same workload with the guard out of reach piles onto one replica
     p_noguard = Pipeline.from_settings(RoutingSettings(saturation_tokens=10**9))
     pending = dict.fromkeys("abcd", 0)

@@ -37,3 +37,20 @@ class PowerOfTwoPicker:
         if abs(totals[a] - totals[b]) <= TIE:
             return rng.choice((a, b))
         return a if totals[a] > totals[b] else b
+
+
+@register(PICKERS, "round_robin")
+@dataclass(slots=True)
+class RoundRobinPicker:
+    """Each candidate in turn, ignoring scores: the baseline the benchmarks compare against.
+
+    NOTE: the one stateful plugin (a counter); it is not meant for production routing.
+    """
+
+    name: str = "round_robin"
+    turn: int = 0
+
+    def pick(self, totals: Mapping[EndpointId, float], rng: random.Random) -> EndpointId:
+        ids = sorted(totals)
+        self.turn += 1
+        return ids[self.turn % len(ids)]

@@ -3,11 +3,12 @@
 score = (leading prompt blocks the endpoint holds) / (blocks in the prompt).
 
 Saturation guard: an endpoint whose pending uncached-prefill work (prompt
-tokens routed to it and not yet answered, less what it had cached) has reached
-`saturation_tokens` gets no prefix credit, so a hot prefix stops pulling every
-request onto one replica; load then decides, and the prefix gets computed on a
-second replica, which is warm for the next requests. Tunable:
-`routing.saturation_tokens`.
+tokens routed to it and not yet answered, less what it had cached) exceeds the
+least-loaded candidate's by `saturation_tokens` or more gets no prefix credit,
+so a hot prefix stops pulling every request onto one replica; load then
+decides, and the prefix gets computed on a second replica, which is warm for
+the next requests. The bound is relative, so a fleet that is busy everywhere
+still routes by cache. Tunable: `routing.saturation_tokens`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ class PrefixScorer:
     saturation_tokens: int = 8192
     name: str = "prefix"
 
-    def saturated(self, view: EndpointView) -> bool:
-        """The guard holds prefix credit back from `view`."""
-        return view.pending_prefill >= self.saturation_tokens
+    def saturated(self, view: EndpointView, floor: int) -> bool:
+        """The guard holds prefix credit back from `view` (`floor`: the least pending work)."""
+        return view.pending_prefill - floor >= self.saturation_tokens
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
         if not req.blocks:
             return {v.id: 0.0 for v in views}
         n = len(req.blocks)
-        return {v.id: 0.0 if self.saturated(v) else min(v.matched_blocks, n) / n for v in views}
+        floor = min_pending(views)
+        return {
+            v.id: 0.0 if self.saturated(v, floor) else min(v.matched_blocks, n) / n for v in views
+        }
+
+
+def min_pending(views: Sequence[EndpointView]) -> int:
+    return min((v.pending_prefill for v in views), default=0)
