@@ -143,11 +143,17 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
     }
 
 
+def fleet_speed(speed_for_4: float, engines: int) -> float:
+    """Sim speed per engine: the fleet's total capacity stays that of 4 engines at `--speed`."""
+    return speed_for_4 * 4 / engines
+
+
 def run_fleet(
     engines: int, policy: str, reqs: list[TraceRequest], args: argparse.Namespace
 ) -> dict[str, Any]:
     model = "trace"
-    sim = ("--backend", "sim", "--speed", str(args.speed), "--model-name", model,
+    speed = fleet_speed(args.speed, engines)
+    sim = ("--backend", "sim", "--speed", str(speed), "--model-name", model,
            "--kv-pool-tokens", str(args.pool_tokens), "--ctx", str(args.ctx),
            "--max-batch", str(args.max_batch))  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
@@ -178,7 +184,10 @@ def main() -> None:
     p.add_argument("--output-scale", type=float, default=0.125, help="output lengths times this")
     p.add_argument("--fleets", default="4,8", help="fleet sizes (self-contained mode)")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--speed", type=float, default=20.0, help="sim engines' --speed")
+    p.add_argument(
+        "--speed", type=float, default=20.0,
+        help="sim --speed for a fleet of 4 (n engines get speed x 4/n: same total capacity)",
+    )  # fmt: skip
     p.add_argument("--pool-tokens", type=int, default=262144, help="each sim engine's KV pool")
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
@@ -191,7 +200,6 @@ def main() -> None:
         print(json.dumps(summarize(outcomes, wall), indent=2))
         return
     sim = SimSettings()
-    drain = args.speed / sim.prefill_s_per_token  # one sim engine's prefill tokens per second
     results: dict[str, Any] = {
         "requests": len(reqs), "blocks_per_id": args.blocks_per_id,
         "tokens_per_trace_block": args.blocks_per_id * BLOCK, "time_scale": args.time_scale,
@@ -201,6 +209,7 @@ def main() -> None:
     for n in map(int, args.fleets.split(",")):
         fleet: dict[str, Any] = {}
         cap = args.pool_tokens // BLOCK
+        drain = fleet_speed(args.speed, n) / sim.prefill_s_per_token  # an engine's prefill tok/s
         for name, slack_s in (("yardstick", 1.0), ("affinity_only_upper_bound", 1e9)):
             r = simulate(
                 reqs, n, cap, args.blocks_per_id, "ideal", drain, slack_tokens=drain * slack_s
@@ -222,7 +231,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"{r['requests']} requests; each 512-token trace block = {r['tokens_per_trace_block']} tokens "
         f"(length scale {r['tokens_per_trace_block'] / 512:g}), arrivals {r['time_scale']:g}x faster, "
-        f"outputs x{r['output_scale']:g}; sim engines at --speed {r['sim_speed']:g} with "
+        f"outputs x{r['output_scale']:g}; sim engines at --speed {r['sim_speed']:g} x 4/n with "
         f"{r['pool_tokens']}-token KV pools.",
         "",
     ]

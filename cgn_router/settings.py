@@ -47,7 +47,7 @@ class RoutingSettings:
     picker: Literal["max", "p2c", "round_robin"] = "max"  # round_robin: a baseline only
     # Saturation guard: an endpoint whose routed-but-not-yet-prefilled prompt tokens
     # exceed this gets no prefix credit (new requests spread instead of piling up).
-    saturation_tokens: int = 8192
+    saturation_tokens: int = 16384
     # Approximate KV tracking (engines without a KV event stream): blocks assumed
     # cached on the chosen endpoint for this long, at most this many per endpoint.
     approx_ttl_s: float = 300.0

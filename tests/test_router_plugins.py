@@ -82,12 +82,16 @@ def test_prefix_scorer(
 
 LOAD_CASES = [
     ([view("a"), view("b")], {"a": 1.0, "b": 1.0}),  # all idle
-    ([view("a", in_flight=4), view("b", in_flight=1), view("c")], {"a": 0.0, "b": 0.75, "c": 1.0}),
+    # requests only: half the score
+    ([view("a", in_flight=4), view("b", in_flight=1), view("c")], {"a": 0.5, "b": 0.875, "c": 1.0}),
     # the engine's own queue counts when it is larger than the router's view
     ([view("a", in_flight=1, load=EngineLoad(3, 5, 0, 0)), view("b", in_flight=4)],
-     {"a": 0.0, "b": 0.5}),
-    # stale metrics: only the router's count, and the score halved
-    ([view("a", in_flight=0, load=None), view("b", in_flight=2)], {"a": 0.5, "b": 0.0}),
+     {"a": 0.5, "b": 0.75}),
+    # prefill work waiting: the other half
+    ([view("a", in_flight=1, pending_prefill=3000), view("b", in_flight=1, pending_prefill=1000)],
+     {"a": 0.0, "b": round(1 - (1 + 1 / 3) / 2, 6)}),
+    # stale metrics: only the router's counts, and the score halved
+    ([view("a", in_flight=0, load=None), view("b", in_flight=2)], {"a": 0.5, "b": 0.5}),
 ]  # fmt: skip
 
 
@@ -162,7 +166,7 @@ def test_pipeline_prefers_the_warm_endpoint_over_a_slightly_idler_one() -> None:
     d = pipeline().route(REQ, views, random.Random(0))
     assert d.chosen == "m/warm"
     assert ids(d.scores["prefix"]) == {"warm": 1.0, "cold": 0.0}
-    assert ids(d.totals) == {"warm": 3.0 + 0.0 + 0.5, "cold": 0.0 + 0.5 + 0.5}
+    assert ids(d.totals) == {"warm": 3.0 + 0.5 + 0.5, "cold": 0.0 + 0.75 + 0.5}
 
 
 def test_saturation_guard_spreads_a_shared_prefix() -> None:

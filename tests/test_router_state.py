@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from cgn_router.settings import BreakerSettings
 from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).resolve().parents[1]
 E = EndpointId("m/r1")
 H = [bytes([i]) * 32 for i in range(6)]
 
@@ -204,3 +207,41 @@ def test_character_blocks_without_a_tokenizer() -> None:
     # bodies the engine will judge: routed without blocks
     assert hasher.hash("chat", {"messages": "nope"}).method == "none"
     assert hasher.hash("completion", {"prompt": [1.5]}).method == "none"
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def _router(*argv: str) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).parent / "cgn-router")
+    return subprocess.run([exe, *argv], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "extra", "message"),
+    [
+        ("", ("--static",), "discovery is 'static' but no endpoints are configured"),
+        ("endpoints: {a: {url: 'ftp://x', model: m}}\n", (), "endpoints.a: 'url' must be an http"),
+        ("endpoints: {a: {url: 'http://x'}}\n", (), "endpoints.a.model is required"),
+        ("routing: {prefix: -1}\n", (), "weight of 'prefix' must be a number >= 0"),
+        ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be positive"),
+    ],
+)
+def test_bad_router_settings_are_one_line_exit_2(
+    tmp_path: Path, yaml_text: str, extra: tuple[str, ...], message: str
+) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(yaml_text)
+    res = _router("serve", "--port", "0", "--admin-port", "0", "-c", str(cfg), *extra)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_shipped_router_configs_load() -> None:
+    for name in ("router.yaml", "single-node.yaml"):
+        res = _router("config", "--json", "-c", str(REPO / "configs" / name))
+        assert res.returncode == 0, res.stderr
+    single = json.loads(
+        _router("config", "--json", "-c", str(REPO / "configs/single-node.yaml")).stdout
+    )
+    assert single["endpoints"]["local"]["url"] == "http://127.0.0.1:8001"

@@ -1,9 +1,16 @@
 """Queue/in-flight load scorer.
 
-queue(e) = max(requests this router has in flight on e, the engine's own
-running + waiting); score = 1 - queue / max queue over the candidates (all 1
-when every queue is empty). An endpoint without fresh metrics is demoted: only
-the router's own count is used and the score is halved (STALE_FACTOR).
+Two measures of what waits on an endpoint, each scaled to the candidates:
+
+* requests: queue(e) = max(requests this router has in flight on e, the
+  engine's own running + waiting);
+* prefill work: the uncached prompt tokens this router has sent to e and not
+  yet seen answered (what a new request's first token waits behind).
+
+score = 1 - (queue / max queue + work / max work) / 2, so the idlest endpoint
+scores 1 and one that is the busiest on both counts scores 0 (all 1 when
+nothing waits anywhere). An endpoint without fresh metrics is demoted: only
+the router's own counts are used and the score is halved (STALE_FACTOR).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import dataclass
 from cgn_router.plugins.base import SCORERS, register
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
+STALE_FACTOR = 0.5
+
 
 def queue(view: EndpointView) -> float:
     """The endpoint's queue as best known: the router's count or the engine's, whichever is more."""
@@ -21,7 +30,8 @@ def queue(view: EndpointView) -> float:
     return max(float(view.in_flight), engine)
 
 
-STALE_FACTOR = 0.5
+def _share(value: float, top: float) -> float:
+    return value / top if top > 0 else 0.0
 
 
 @register(SCORERS, "load")
@@ -31,9 +41,10 @@ class LoadScorer:
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
         queues = {v.id: queue(v) for v in views}
-        top = max(queues.values(), default=0.0)
-        out = {v.id: 1.0 - queues[v.id] / top if top > 0 else 1.0 for v in views}
+        top_q = max(queues.values(), default=0.0)
+        top_w = float(max((v.pending_prefill for v in views), default=0))
+        out = {}
         for v in views:
-            if v.load is None:
-                out[v.id] *= STALE_FACTOR
+            busy = (_share(queues[v.id], top_q) + _share(v.pending_prefill, top_w)) / 2
+            out[v.id] = (1.0 - busy) * (STALE_FACTOR if v.load is None else 1.0)
         return out
