@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cgn_router.registry import Registry
+
+M = TypeVar("M", Counter, Histogram)
+
+
+class Labelled(Generic[M]):
+    """A labelled metric whose children are looked up once (`labels()` is hot: every request)."""
+
+    def __init__(self, metric: M):
+        self.metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def labels(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SCORE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -17,93 +35,81 @@ SCORE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "cgn_router_requests",
-            "Requests by model and outcome.",
-            ["model", "outcome"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Labelled[Counter]:
+            return Labelled(Counter(name, doc, labels, registry=r))
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], *labels: str
+        ) -> Labelled[Histogram]:
+            return Labelled(Histogram(name, doc, labels, buckets=buckets, registry=r))
+
+        self.requests = counter(
+            "cgn_router_requests", "Requests by model and outcome.", "model", "outcome"
         )
-        self.errors = Counter(
-            "cgn_router_errors", "Failed attempts and requests by cause.", ["cause"], registry=r
+        self.errors = counter(
+            "cgn_router_errors", "Failed attempts and requests by cause.", "cause"
         )
-        self.retries = Counter(
-            "cgn_router_retries", "Attempts retried on another endpoint.", ["model"], registry=r
+        self.retries = counter(
+            "cgn_router_retries", "Attempts retried on another endpoint.", "model"
         )
-        self.fallbacks = Counter(
-            "cgn_router_fallbacks",
-            "Requests served by a fallback model.",
-            ["model", "served"],
-            registry=r,
+        self.fallbacks = counter(
+            "cgn_router_fallbacks", "Requests served by a fallback model.", "model", "served"
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "cgn_router_ttft_seconds",
             "Request received to first byte relayed.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            "model",
         )
-        self.latency = Histogram(
+        self.latency = histogram(
             "cgn_router_request_seconds",
             "Request received to response complete.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            "model",
         )
-        self.tokens = Counter(
-            "cgn_router_tokens",
-            "Tokens by the engines' usage reports.",
-            ["model", "kind"],
-            registry=r,
+        self.tokens = counter(
+            "cgn_router_tokens", "Tokens by the engines' usage reports.", "model", "kind"
         )
-        self.prefix_predicted = Counter(
+        self.prefix_predicted = counter(
             "cgn_router_prefix_tokens_predicted",
             "Prompt tokens the router expected the chosen engine to have cached.",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.prefix_reported = Counter(
+        self.prefix_reported = counter(
             "cgn_router_prefix_tokens_reported",
             "Cached prompt tokens the engines reported (usage.prompt_tokens_details).",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.prompt_tokens_routed = Counter(
+        self.prompt_tokens_routed = counter(
             "cgn_router_prompt_tokens_routed",
             "Prompt tokens of requests whose usage was reported (the hit ratios' denominator).",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.hashed = Counter(
+        self.hashed = counter(
             "cgn_router_prompts_hashed",
             "Prompts hashed into blocks, by method (chars: approximate, no tokenizer).",
-            ["model", "method"],
-            registry=r,
+            "model",
+            "method",
         )
-        self.scores = Histogram(
+        self.scores = histogram(
             "cgn_router_scorer_value",
             "Each scorer's value for the chosen endpoint.",
-            ["scorer"],
-            buckets=SCORE_BUCKETS,
-            registry=r,
+            SCORE_BUCKETS,
+            "scorer",
         )
-        self.filter_drops = Counter(
-            "cgn_router_filter_drops", "Endpoints dropped by each filter.", ["filter"], registry=r
+        self.filter_drops = counter(
+            "cgn_router_filter_drops", "Endpoints dropped by each filter.", "filter"
         )
-        self.saturated = Counter(
+        self.saturated = counter(
             "cgn_router_saturation_guard",
             "Cache-warm endpoints denied prefix credit by the saturation guard.",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.kv_resyncs = Counter(
-            "cgn_router_kv_resyncs",
-            "KV event streams (re)started from a snapshot.",
-            ["endpoint"],
-            registry=r,
+        self.kv_resyncs = counter(
+            "cgn_router_kv_resyncs", "KV event streams (re)started from a snapshot.", "endpoint"
         )
-        self.kv_events = Counter(
-            "cgn_router_kv_events", "KV events applied.", ["endpoint"], registry=r
-        )
+        self.kv_events = counter("cgn_router_kv_events", "KV events applied.", "endpoint")
 
     def watch(self, endpoints: Registry) -> None:
         """Export per-endpoint live state at scrape time."""

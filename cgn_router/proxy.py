@@ -69,6 +69,7 @@ class Attempt:
     usage: Usage | None = None
     first_byte_at: float | None = None  # monotonic
     failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
+    client_gone: bool = False  # the client disconnected mid-stream
 
 
 class Proxy:
@@ -177,7 +178,11 @@ class Proxy:
         idle = self.deadlines.idle_s
         while event is not None:
             if not self._usage_event(event, a):
-                await out.write(event)
+                try:
+                    await out.write(event)
+                except ConnectionResetError:  # the client left: closing upstream stops the engine
+                    a.client_gone = True
+                    return out
             try:
                 async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
                     event = await _next_event(resp.content)

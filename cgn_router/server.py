@@ -221,14 +221,10 @@ async def _attempt(
     outcome = "cancelled"
     try:
         resp = await svc.proxy.run(request, a, started, first_byte)
-        outcome = (
-            "ok"
-            if resp.status == 200 and not a.failed_mid_stream
-            else "client_error"
-            if resp.status < 500
-            else "upstream_error"
-        )
-        if a.failed_mid_stream:
+        outcome = "ok" if resp.status == 200 else "client_error"
+        if a.client_gone:
+            outcome = "client_disconnected"
+        elif a.failed_mid_stream:
             outcome = "upstream_error"
             svc.metrics.errors.labels(a.failed_mid_stream).inc()
             state.breaker.on_failure(time.monotonic())

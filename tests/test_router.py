@@ -190,6 +190,13 @@ def test_oversized_body_and_unknown_path(router: Router) -> None:
     assert status == 404 and "error" in doc
 
 
+def test_embeddings_are_routed_and_the_engines_answer_relayed(router: Router) -> None:
+    """cgn-infer serves no embeddings: its 404 comes back as it answered, from a routed endpoint."""
+    status, headers, doc = post(router.url + "/v1/embeddings", {"model": FLEET, "input": "x"})
+    assert status == 404 and "error" in doc
+    assert headers["x-cognitora-endpoint"].startswith(f"{FLEET}/r")
+
+
 def test_admin_endpoints(router: Router) -> None:
     assert get_json(router.admin + "/healthz") == {"status": "ok"}
     ready = get_json(router.admin + "/readyz")
@@ -356,7 +363,7 @@ def victims(
         for i, e in enumerate(engines):
             register(etcd_server.endpoint, model, f"v{i}", e.url, f"vnode-{i}")
         until("victims seen", lambda: len([k for k in endpoints(router) if model in k]) == 2)
-        yield model, {f"{model}/v{i}": e.proc for i, e in enumerate(engines)}
+        yield model, {f"{model}/v{i}": e for i, e in enumerate(engines)}
     etcd_run(
         etcd_server.endpoint, lambda c: c.delete(f"/cognitora/endpoints/{model}/", prefix=True)
     )
@@ -391,7 +398,7 @@ def test_engine_killed_before_the_first_byte_is_retried_elsewhere(
     async def scenario() -> None:
         task = asyncio.create_task(call())
         victim = await asyncio.to_thread(serving, router, model)
-        procs[victim].kill()  # non-streaming: nothing has reached the client yet
+        procs[victim].proc.kill()  # non-streaming: nothing has reached the client yet
         await task
         result.append(victim)
 
@@ -414,7 +421,47 @@ def test_engine_killed_after_the_first_byte_gives_a_clean_error(
     )
     it = iter(stream)
     next(it)  # the first byte reached the client
-    procs[serving(router, model)].kill()
+    procs[serving(router, model)].proc.kill()
     with pytest.raises(openai.APIError, match="disconnected mid-stream"):
         for _ in it:
             pass
+
+
+def test_client_disconnect_cancels_the_generation_upstream(
+    router: Router, victims: tuple[str, dict[str, Any]]
+) -> None:
+    model, engines = victims
+    before = metric(router, "cgn_router_requests_total", model=model, outcome="client_disconnected")
+    body = {
+        "model": model,
+        "prompt": "go on",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    async def read_one_chunk_and_leave() -> None:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(router.url + "/v1/completions", json=body) as resp,
+        ):
+            await resp.content.readline()
+
+    asyncio.run(read_one_chunk_and_leave())
+    started = time.monotonic()
+    until("the router's request ended", lambda: not any(
+        e["in_flight"] for k, e in endpoints(router).items() if model in k
+    ))  # fmt: skip
+    for e in engines.values():  # 400 tokens at sim speed 1 would take ~25 s
+        until("the engine stopped generating", lambda e=e: engine_running(e.url) == 0)
+    assert time.monotonic() - started < 10
+    after = metric(router, "cgn_router_requests_total", model=model, outcome="client_disconnected")
+    assert after == before + 1
+
+
+def engine_running(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    return -1.0
