@@ -39,7 +39,8 @@ def serve(
         typer.Option("--static", help="No etcd: route to the endpoints in the config file only."),
     ] = False,
     config: Annotated[
-        Path | None, _flag("--config", "YAML settings file.", "CGN_ROUTER_CONFIG")
+        Path | None,
+        typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_ROUTER_CONFIG"),
     ] = None,
     set_: Annotated[
         list[str] | None, _flag("--set", "Override a setting: --set routing.prefix=2.0.")

@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +89,11 @@ class Proxy:
         if rid := request.headers.get("x-request-id"):
             headers["x-request-id"] = rid
         first_at = min(total_at, asyncio.get_running_loop().time() + d.first_token_s)
-        try:
-            async with asyncio.timeout_at(first_at if a.stream else total_at):
-                resp = await self.session.post(
-                    ep.url + a.path, data=a.payload, headers=headers, timeout=timeout
-                )
-        except TimeoutError:
-            raise AttemptFailed(
-                "first_token_timeout", f"{ep.id}: no answer in time", timeout=True
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise AttemptFailed("connect", f"{ep.id}: {_describe(exc)}") from None
+        deadline = first_at if a.stream else total_at
+        async with _phase(ep.id, deadline, "first_token_timeout", "no answer in time", "connect"):
+            resp = await self.session.post(
+                ep.url + a.path, data=a.payload, headers=headers, timeout=timeout
+            )
         try:
             if resp.status != 200:
                 return await self._refused(resp, a)
@@ -132,16 +126,9 @@ class Proxy:
         total_at: float,
         on_first_byte: Callable[[], None],
     ) -> web.Response:
-        ep = a.state.endpoint
-        try:
-            async with asyncio.timeout_at(total_at):
-                body = await resp.read()
-        except TimeoutError:
-            raise AttemptFailed(
-                "total_timeout", f"{ep.id}: answer not complete in time", timeout=True
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise AttemptFailed("disconnect", f"{ep.id}: {_describe(exc)}") from None
+        eid = a.state.endpoint.id
+        async with _phase(eid, total_at, "total_timeout", "answer not complete in time"):
+            body = await resp.read()
         a.first_byte_at = time.monotonic()
         on_first_byte()
         if b'"usage"' in body:
@@ -160,15 +147,8 @@ class Proxy:
     ) -> web.StreamResponse:
         ep = a.state.endpoint
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout_at(first_at):
-                event = await _next_event(resp.content)
-        except TimeoutError:
-            raise AttemptFailed(
-                "first_token_timeout", f"{ep.id}: no first token in time", timeout=True
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise AttemptFailed("disconnect", f"{ep.id}: {_describe(exc)}") from None
+        async with _phase(ep.id, first_at, "first_token_timeout", "no first token in time"):
+            event = await _next_event(resp.content)
         if event is None:
             raise AttemptFailed("disconnect", f"{ep.id}: stream ended before the first event")
         out = web.StreamResponse(status=200, headers=self._headers(a, None, sse=True))
@@ -228,6 +208,20 @@ class Proxy:
         headers["x-cognitora-model"] = a.served_model
         headers["x-cognitora-endpoint"] = a.state.endpoint.id
         return headers
+
+
+@contextlib.asynccontextmanager
+async def _phase(
+    eid: str, deadline: float, timeout_cause: str, late: str, broken_cause: str = "disconnect"
+) -> AsyncIterator[None]:
+    """Bound one upstream step by `deadline`; its failures become `AttemptFailed`."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            yield
+    except TimeoutError:
+        raise AttemptFailed(timeout_cause, f"{eid}: {late}", timeout=True) from None
+    except aiohttp.ClientError as exc:
+        raise AttemptFailed(broken_cause, f"{eid}: {_describe(exc)}") from None
 
 
 async def _next_event(content: aiohttp.StreamReader) -> bytes | None:

@@ -169,42 +169,28 @@ def test_pipeline_prefers_the_warm_endpoint_over_a_slightly_idler_one() -> None:
     assert ids(d.totals) == {"warm": 3.0 + 0.5 + 0.5, "cold": 0.0 + 0.75 + 0.5}
 
 
-def test_saturation_guard_spreads_a_shared_prefix() -> None:
-    """Every request shares its first blocks: without the guard all go to one replica."""
-    p = pipeline()
+def shared_prefix_counts(p: Pipeline, requests: int = 40) -> dict[str, int]:
+    """Route `requests` that share their 10 blocks over four replicas; none completes."""
     rng = random.Random(0)
-    views = [view(n) for n in "abcd"]
     pending = dict.fromkeys("abcd", 0)
     held: set[str] = set()
-    chosen = []
-    for _ in range(40):  # each request: 160 tokens, the 10 blocks shared; none completes
+    for _ in range(requests):
         snap = [
-            replace(v, matched_blocks=10 if v.id.split("/")[1] in held else 0,
-                    pending_prefill=pending[v.id.split("/")[1]], in_flight=len(chosen))
-            for v in views
-        ]  # fmt: skip
+            replace(view(n), matched_blocks=10 if n in held else 0, pending_prefill=pending[n])
+            for n in "abcd"
+        ]
         name = str(p.route(REQ, snap, rng).chosen).split("/")[1]
         pending[name] += 160
         held.add(name)
-        chosen.append(name)
-    counts = {n: chosen.count(n) for n in "abcd"}
-    assert min(counts.values()) >= 4 and max(counts.values()) <= 16, counts  # spread over all
-    # the same workload with the guard out of reach piles onto one replica
-    p_noguard = Pipeline.from_settings(RoutingSettings(saturation_tokens=10**9))
-    pending = dict.fromkeys("abcd", 0)
-    held.clear()
-    chosen.clear()
-    for _ in range(40):
-        snap = [
-            replace(v, matched_blocks=10 if v.id.split("/")[1] in held else 0,
-                    pending_prefill=pending[v.id.split("/")[1]])
-            for v in views
-        ]  # fmt: skip
-        name = str(p_noguard.route(REQ, snap, rng).chosen).split("/")[1]
-        pending[name] += 160
-        held.add(name)
-        chosen.append(name)
-    assert max(chosen.count(n) for n in "abcd") == 40
+    return {n: pending[n] // 160 for n in "abcd"}
+
+
+def test_saturation_guard_spreads_a_shared_prefix() -> None:
+    """Every request shares its first blocks: without the guard all go to one replica."""
+    counts = shared_prefix_counts(pipeline())
+    assert min(counts.values()) >= 4 and max(counts.values()) <= 16, counts
+    unguarded = Pipeline.from_settings(RoutingSettings(saturation_tokens=10**9))
+    assert max(shared_prefix_counts(unguarded).values()) == 40
 
 
 def test_pipeline_counts_filter_drops_and_reports_no_candidate() -> None:

@@ -44,13 +44,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (held together while picked, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class LocalEtcd:
     """One etcd member on loopback with its data in `data_dir`; restartable on the same ports."""
 
     def __init__(self, data_dir: Path, client_port: int = 0, peer_port: int = 0, name: str = "cgn"):
         self.data_dir = data_dir
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        self._auto_ports = not client_port and not peer_port
+        auto = free_ports(2)
+        self.client_port = client_port or auto[0]
+        self.peer_port = peer_port or auto[1]
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
@@ -76,7 +90,23 @@ class LocalEtcd:
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Start etcd and wait until /health reports true; raises with the log tail if not."""
+        """Start etcd and wait until /health reports true; raises with the log tail if not.
+
+        A first start on ports this object picked retries on fresh ports when one
+        was taken between picking and binding (free_port can only promise "free a
+        moment ago").
+        """
+        fresh = self._auto_ports and not self.data_dir.exists()
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except Unavailable as exc:
+                if not (fresh and attempt < 2 and "address already in use" in exc.message):
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.client_port, self.peer_port = free_ports(2)
+
+    def _start(self, timeout_s: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
