@@ -218,7 +218,7 @@ async def _attempt(
         state.breaker.on_success()
         svc.metrics.ttft.labels(req.model).observe(time.monotonic() - started)
 
-    outcome = "cancelled"
+    outcome = "client_disconnected"  # until known otherwise: aiohttp cancels us when it leaves
     try:
         resp = await svc.proxy.run(request, a, started, first_byte)
         outcome = "ok" if resp.status == 200 else "client_error"
