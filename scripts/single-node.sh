@@ -5,9 +5,12 @@
 set -eu
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
+ROUTER=
 "$BIN/cgn-infer" serve --model smollm2 --model-name smollm2 --port 8001 &
 ENGINE=$!
-trap 'kill $ENGINE 2>/dev/null; wait $ENGINE 2>/dev/null' EXIT INT TERM
+trap 'kill $ENGINE $ROUTER 2>/dev/null; wait 2>/dev/null' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 i=0
 until "$BIN/python" -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8001/health", timeout=1)' 2>/dev/null; do
     i=$((i + 1))
@@ -17,4 +20,6 @@ until "$BIN/python" -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:
     fi
     sleep 0.5
 done
-"$BIN/cgn-router" serve --config configs/single-node.yaml --port 8080 --admin-port 9091
+"$BIN/cgn-router" serve --config configs/single-node.yaml --port 8080 --admin-port 9091 &
+ROUTER=$!
+wait $ROUTER

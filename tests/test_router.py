@@ -465,3 +465,34 @@ def engine_running(url: str) -> float:
             if line.startswith("vllm:num_requests_running"):
                 return float(line.rsplit(" ", 1)[1])
     return -1.0
+
+
+def test_kv_view_resyncs_when_an_engine_restarts(
+    tmp_path: Path, router: Router, etcd_server: LocalEtcd
+) -> None:
+    """The engine comes back empty on the same URL: the router must drop what it knew."""
+    from cgn_core.etcd.local import free_port
+
+    model, port = f"restart-{uuid.uuid4().hex[:6]}", free_port()
+    args = (*SIM, "--model-name", model, "--port", str(port))
+    eid = f"{model}/r0"
+    try:
+        with cgn_infer_engines(tmp_path, 1, *args) as (engine,):
+            register(etcd_server.endpoint, model, "r0", engine.url, "node-r")
+            until("endpoint seen", lambda: eid in endpoints(router))
+            post(
+                router.url + "/v1/completions",
+                {"model": model, "prompt": long_prompt("r"), "max_tokens": 1},
+            )
+            until("blocks known", lambda: endpoints(router)[eid]["kv_blocks"]["exact"] >= 16)
+            resyncs = metric(router, "cgn_router_kv_resyncs_total", endpoint=eid)
+        with cgn_infer_engines(tmp_path, 1, *args):  # same port, an empty KV pool
+            until(
+                "fresh snapshot",
+                lambda: metric(router, "cgn_router_kv_resyncs_total", endpoint=eid) > resyncs,
+            )
+            assert endpoints(router)[eid]["kv_blocks"]["exact"] == 0
+    finally:
+        etcd_run(
+            etcd_server.endpoint, lambda c: c.delete(f"/cognitora/endpoints/{model}/", prefix=True)
+        )
