@@ -4,8 +4,9 @@
 
 Upstreams: a fake engine that answers at once (bench/fake_engine.py), and a
 real cgn-infer sim engine (--speed 1000, one output token). The router runs
-pinned to CPU 0 (static config, one endpoint); upstream and load generator
-share CPU 1, so the router's throughput is measured on one core.
+pinned to CPU 0 (static config: four endpoint entries for the one upstream,
+so every request is scored and picked among four); upstream and load
+generator share CPU 1, so the router's throughput is measured on one core.
 
 * c=1: sequential requests on one keep-alive connection, alternating direct
   and routed; added latency = routed minus direct, at p50 and p99.
@@ -68,7 +69,8 @@ def router(tmp: Path, upstream: str, model: str, engine: str) -> Iterator[tuple[
     cfg = tmp / "router.yaml"
     cfg.write_text(yaml.safe_dump({
         "discovery": "static", "log": {"level": "warning"},
-        "endpoints": {"only": {"url": upstream, "model": model, "engine": engine}},
+        # four registry entries for the one upstream: every request is a real choice
+        "endpoints": {f"e{i}": {"url": upstream, "model": model, "engine": engine} for i in range(4)},
     }))  # fmt: skip
     ready = tmp / "router.ready"
     argv = pinned(ROUTER_CPU, [str(BIN / "cgn-router"), "serve", "--port", "0", "--admin-port", "0",

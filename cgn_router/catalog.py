@@ -68,10 +68,14 @@ class Catalog:
         self._hashers: dict[str, PromptHasher] = {}
         self._codecs: dict[Path, PromptCodec | None] = {}  # None: loading or failed
         self._loading: set[asyncio.Task[None]] = set()
+        self._merged: dict[str, ModelEntry] = {}
+        self._names: dict[str, str] = {}
 
     def set_source(self, source: str, entries: Mapping[str, ModelEntry]) -> None:
         self.entries[source] = dict(entries)
         self._hashers.clear()
+        self._merged = self._merge()
+        self._names = self._name_map()
         for entry in self._all().values():
             if entry.tokenizer is not None and entry.tokenizer not in self._codecs:
                 self._codecs[entry.tokenizer] = None
@@ -88,6 +92,9 @@ class Catalog:
         self.set_source(source, rest)
 
     def _all(self) -> dict[str, ModelEntry]:
+        return self._merged
+
+    def _merge(self) -> dict[str, ModelEntry]:
         out: dict[str, ModelEntry] = {}
         for source in sorted(self.entries, key=lambda s: s != "etcd"):  # settings win
             out.update(self.entries[source])
@@ -96,15 +103,11 @@ class Catalog:
     def entry(self, model: str) -> ModelEntry | None:
         return self._all().get(model)
 
-    def resolve(self, name: str) -> str:
-        """The catalog name for `name` (itself, or the model it is an alias of)."""
-        for entry in self._all().values():
-            if name in entry.aliases:
-                return entry.name
-        return name
-
     def names(self) -> dict[str, str]:
-        """Every name a client may use → the model it means."""
+        """Every name a client may use → the model it means (do not modify)."""
+        return self._names
+
+    def _name_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for entry in self._all().values():
             out[entry.name] = entry.name
@@ -127,9 +130,7 @@ class Catalog:
 
     async def _load(self, path: Path) -> None:
         try:
-            codec = await asyncio.to_thread(
-                lambda: PromptCodec.from_gguf(GGUFFile(bundled_models.resolve(path)))
-            )
+            codec = await asyncio.to_thread(_load_codec, path)
         except (CognitoraError, OSError) as exc:
             log.warning("tokenizer %s not loaded (prompts hashed by characters): %s", path, exc)
             return

@@ -76,30 +76,40 @@ class Proxy:
     def __init__(self, session: aiohttp.ClientSession, deadlines: DeadlineSettings):
         self.session = session
         self.deadlines = deadlines
+        d = deadlines
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=d.connect_s, sock_connect=d.connect_s
+        )
 
     async def run(
         self, request: web.Request, a: Attempt, started: float, on_first_byte: Callable[[], None]
     ) -> web.StreamResponse:
         """Send `a` upstream and relay the answer to `request`'s client."""
         d = self.deadlines
-        total_at = asyncio.get_running_loop().time() + d.total_s - (time.monotonic() - started)
-        ep = a.state.endpoint
-        timeout = aiohttp.ClientTimeout(total=None, connect=d.connect_s, sock_connect=d.connect_s)
+        now = asyncio.get_running_loop().time()
+        total_at = now + d.total_s - (time.monotonic() - started)
+        eid = a.state.endpoint.id
+        url = a.state.endpoint.url + a.path
         headers = {"Content-Type": "application/json"}
         if rid := request.headers.get("x-request-id"):
             headers["x-request-id"] = rid
-        first_at = min(total_at, asyncio.get_running_loop().time() + d.first_token_s)
-        deadline = first_at if a.stream else total_at
-        async with _phase(ep.id, deadline, "first_token_timeout", "no answer in time", "connect"):
+        if not a.stream:  # one deadline for the whole answer
+            late = "answer not complete in time"
+            post = self.session.post(url, data=a.payload, headers=headers, timeout=self.timeout)
+            async with _phase(eid, total_at, "total_timeout", late), post as resp:
+                if resp.status != 200:
+                    return await self._refused(resp, a)
+                body = await resp.read()
+            return self._relay_body(body, resp.content_type, a, on_first_byte)
+        first_at = min(total_at, now + d.first_token_s)
+        async with _phase(eid, first_at, "first_token_timeout", "no answer in time"):
             resp = await self.session.post(
-                ep.url + a.path, data=a.payload, headers=headers, timeout=timeout
+                url, data=a.payload, headers=headers, timeout=self.timeout
             )
         try:
             if resp.status != 200:
                 return await self._refused(resp, a)
-            if a.stream:
-                return await self._relay_stream(request, resp, a, first_at, total_at, on_first_byte)
-            return await self._relay_body(resp, a, total_at, on_first_byte)
+            return await self._relay_stream(request, resp, a, first_at, total_at, on_first_byte)
         finally:
             resp.close()  # an unfinished body closes the connection: the engine stops generating
 
@@ -119,22 +129,15 @@ class Proxy:
             body=body, status=resp.status, headers=self._headers(a, resp.content_type)
         )
 
-    async def _relay_body(
-        self,
-        resp: aiohttp.ClientResponse,
-        a: Attempt,
-        total_at: float,
-        on_first_byte: Callable[[], None],
+    def _relay_body(
+        self, body: bytes, content_type: str, a: Attempt, on_first_byte: Callable[[], None]
     ) -> web.Response:
-        eid = a.state.endpoint.id
-        async with _phase(eid, total_at, "total_timeout", "answer not complete in time"):
-            body = await resp.read()
         a.first_byte_at = time.monotonic()
         on_first_byte()
         if b'"usage"' in body:
             with contextlib.suppress(ValueError):
                 a.usage = _usage(json.loads(body))
-        return web.Response(body=body, status=200, headers=self._headers(a, resp.content_type))
+        return web.Response(body=body, status=200, headers=self._headers(a, content_type))
 
     async def _relay_stream(
         self,
@@ -211,9 +214,7 @@ class Proxy:
 
 
 @contextlib.asynccontextmanager
-async def _phase(
-    eid: str, deadline: float, timeout_cause: str, late: str, broken_cause: str = "disconnect"
-) -> AsyncIterator[None]:
+async def _phase(eid: str, deadline: float, timeout_cause: str, late: str) -> AsyncIterator[None]:
     """Bound one upstream step by `deadline`; its failures become `AttemptFailed`."""
     try:
         async with asyncio.timeout_at(deadline):
@@ -221,7 +222,8 @@ async def _phase(
     except TimeoutError:
         raise AttemptFailed(timeout_cause, f"{eid}: {late}", timeout=True) from None
     except aiohttp.ClientError as exc:
-        raise AttemptFailed(broken_cause, f"{eid}: {_describe(exc)}") from None
+        cause = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect"
+        raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
 async def _next_event(content: aiohttp.StreamReader) -> bytes | None:

@@ -107,6 +107,9 @@ class Registry:
         load = state.load
         return load if load is not None and now - load.scraped_at <= self.stale_s else None
 
+    def serves(self, model: str) -> bool:
+        return any(s.endpoint.model == model for s in self.states.values())
+
     def models(self) -> set[str]:
         return {s.endpoint.model for s in self.states.values()}
 

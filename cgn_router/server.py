@@ -60,10 +60,18 @@ class RouterService:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def known_models(self) -> dict[str, str]:
-        names = self.catalog.names()
+        """Every name a client may use → the model it means (catalog and registry)."""
+        names = dict(self.catalog.names())
         for model in self.registry.models():
             names.setdefault(model, model)
         return names
+
+    def model_for(self, name: str) -> str | None:
+        """The model `name` means, or None when neither catalog nor registry knows it."""
+        model = self.catalog.names().get(name)
+        if model is None and self.registry.serves(name):
+            model = name
+        return model
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
         views = self.registry.views(req, time.monotonic(), tried)
@@ -108,14 +116,14 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false", param="stream")
-    known = svc.known_models()
-    if asked not in known:
+    model = svc.model_for(asked)
+    if model is None:
+        known = ", ".join(sorted(svc.known_models())) or "none"
         raise NotFound(
-            f"model '{asked}' does not exist (known: {', '.join(sorted(known)) or 'none'})",
+            f"model '{asked}' does not exist (known: {known})",
             code="model_not_found",
             param="model",
         )
-    model = known[asked]
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     strip_usage = stream and kind != "embeddings" and not wants_usage
