@@ -33,6 +33,11 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     raise typer.Exit(code)
 
 
+def flag(name: str, help_: str, envvar: str | None = None) -> Any:
+    """A typer option for a `serve`-style command whose default lives in the settings tree."""
+    return typer.Option(name, help=help_, envvar=envvar, show_default=False)
+
+
 def parse_overrides(pairs: list[str] | None) -> dict[str, str]:
     """`--set a.b=c` pairs as a {"a.b": "c"} mapping for `load_settings`."""
     out: dict[str, str] = {}

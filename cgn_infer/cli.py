@@ -1,11 +1,9 @@
 """cgn-infer command line (typer; see cgn_core.cli for the shared parts)."""
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import typer
-
-from cgn_core.cli import load_service_settings, make_app, parse_overrides, run
+from cgn_core.cli import flag, load_service_settings, make_app, parse_overrides, run
 from cgn_core.logs import setup_logging
 from cgn_infer.settings import InferSettings
 
@@ -14,69 +12,65 @@ app = make_app(
 )
 
 
-def _flag(name: str, help_: str, envvar: str | None = None) -> Any:
-    return typer.Option(name, help=help_, envvar=envvar, show_default=False)
-
-
 @app.command()
 def serve(
     model: Annotated[
         Path | None,
-        _flag(
+        flag(
             "--model",
             "GGUF file to serve, or a bundled model: smollm2, qwen2.5-coder-0.5b.",
             "CGN_INFER_MODEL",
         ),
     ] = None,
-    host: Annotated[str | None, _flag("--host", "Listen address (default 127.0.0.1).")] = None,
+    host: Annotated[str | None, flag("--host", "Listen address (default 127.0.0.1).")] = None,
     port: Annotated[
-        int | None, _flag("--port", "Listen port (0: any free port) (default 8001).")
+        int | None, flag("--port", "Listen port (0: any free port) (default 8001).")
     ] = None,
-    ctx: Annotated[int | None, _flag("--ctx", "Context length in tokens (default 4096).")] = None,
-    threads: Annotated[int | None, _flag("--threads", "CPU threads (0: one per core).")] = None,
+    ctx: Annotated[int | None, flag("--ctx", "Context length in tokens (default 4096).")] = None,
+    threads: Annotated[int | None, flag("--threads", "CPU threads (0: one per core).")] = None,
     decode_threads: Annotated[
         int | None,
-        _flag("--decode-threads", "Threads for single-stream decode steps (0: threads - 1)."),
+        flag("--decode-threads", "Threads for single-stream decode steps (0: threads - 1)."),
     ] = None,
     backend: Annotated[
         str | None,
-        _flag("--backend", "torch | mlx | sim (modelled compute, deterministic tokens)."),
+        flag("--backend", "torch | mlx | sim (modelled compute, deterministic tokens)."),
     ] = None,
     max_batch: Annotated[
-        int | None, _flag("--max-batch", "Sequences running at once (default 8).")
+        int | None, flag("--max-batch", "Sequences running at once (default 8).")
     ] = None,
     prefill_chunk: Annotated[
-        int | None, _flag("--prefill-chunk", "Prompt tokens per step (default 512).")
+        int | None, flag("--prefill-chunk", "Prompt tokens per step (default 512).")
     ] = None,
     kv_pool_tokens: Annotated[
         int | None,
-        _flag("--kv-pool-tokens", "KV pool size in tokens, preallocated (default 16384)."),
+        flag("--kv-pool-tokens", "KV pool size in tokens, preallocated (default 16384)."),
     ] = None,
     kv_dtype: Annotated[
-        str | None, _flag("--kv-dtype", "KV pool: float32 | bfloat16 | float16 (default float32).")
+        str | None, flag("--kv-dtype", "KV pool: float32 | bfloat16 | float16 (default float32).")
     ] = None,
     speed: Annotated[
-        float | None, _flag("--speed", "sim backend: run this many times faster than modelled.")
+        float | None, flag("--speed", "sim backend: run this many times faster than modelled.")
     ] = None,
     device: Annotated[
-        str | None, _flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
+        str | None, flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
     ] = None,
     weights: Annotated[
         str | None,
-        _flag(
+        flag(
             "--dtype",
             "Weight storage: bfloat16 | float16 | float32 | int8 | int4 (default float32).",
         ),
     ] = None,
     model_name: Annotated[
-        str | None, _flag("--model-name", "Name clients use (default: the file's stem).")
+        str | None, flag("--model-name", "Name clients use (default: the file's stem).")
     ] = None,
     config: Annotated[
-        Path | None, _flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
+        Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
-    set_: Annotated[list[str] | None, _flag("--set", "Override a setting: --set ctx=8192.")] = None,
+    set_: Annotated[list[str] | None, flag("--set", "Override a setting: --set ctx=8192.")] = None,
     ready_file: Annotated[
-        Path | None, _flag("--ready-file", "Write {pid, ports} here once serving.")
+        Path | None, flag("--ready-file", "Write {pid, ports} here once serving.")
     ] = None,
 ) -> None:
     """Serve a GGUF model over the OpenAI API (/v1/chat/completions, /v1/completions)."""

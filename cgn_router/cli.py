@@ -1,11 +1,11 @@
 """cgn-router command line (typer; see cgn_core.cli for the shared parts)."""
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from cgn_core.cli import load_service_settings, make_app, parse_overrides, run
+from cgn_core.cli import flag, load_service_settings, make_app, parse_overrides, run
 from cgn_core.logs import setup_logging
 from cgn_router.settings import RouterSettings
 
@@ -16,23 +16,19 @@ app = make_app(
 )
 
 
-def _flag(name: str, help_: str, envvar: str | None = None) -> Any:
-    return typer.Option(name, help=help_, envvar=envvar, show_default=False)
-
-
 @app.command()
 def serve(
     host: Annotated[
-        str | None, _flag("--host", "OpenAI API listen address (default 127.0.0.1).")
+        str | None, flag("--host", "OpenAI API listen address (default 127.0.0.1).")
     ] = None,
     port: Annotated[
-        int | None, _flag("--port", "OpenAI API port (0: any free port) (default 8080).")
+        int | None, flag("--port", "OpenAI API port (0: any free port) (default 8080).")
     ] = None,
     admin_port: Annotated[
-        int | None, _flag("--admin-port", "Admin port: /metrics, /healthz, /readyz (default 9091).")
+        int | None, flag("--admin-port", "Admin port: /metrics, /healthz, /readyz (default 9091).")
     ] = None,
     etcd: Annotated[
-        str | None, _flag("--etcd", "etcd endpoints, comma-separated (default 127.0.0.1:2379).")
+        str | None, flag("--etcd", "etcd endpoints, comma-separated (default 127.0.0.1:2379).")
     ] = None,
     static: Annotated[
         bool,
@@ -43,10 +39,10 @@ def serve(
         typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_ROUTER_CONFIG"),
     ] = None,
     set_: Annotated[
-        list[str] | None, _flag("--set", "Override a setting: --set routing.prefix=2.0.")
+        list[str] | None, flag("--set", "Override a setting: --set routing.prefix=2.0.")
     ] = None,
     ready_file: Annotated[
-        Path | None, _flag("--ready-file", "Write {pid, ports} here once serving.")
+        Path | None, flag("--ready-file", "Write {pid, ports} here once serving.")
     ] = None,
 ) -> None:
     """Serve the OpenAI API and route each request to the engine best placed for it.
