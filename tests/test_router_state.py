@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,26 @@ def test_shipped_router_configs_load() -> None:
         _router("config", "--json", "-c", str(REPO / "configs/single-node.yaml")).stdout
     )
     assert single["endpoints"]["local"]["url"] == "http://127.0.0.1:8001"
+
+
+def test_router_without_etcd_is_alive_but_not_ready(tmp_path: Path) -> None:
+    """etcd unreachable at start: /healthz 200, /readyz 503, requests a clear error; no crash."""
+    from cgn_core.etcd.local import free_port
+    from tests.support.procs import cgn_router
+
+    dead = f"127.0.0.1:{free_port()}"
+    with cgn_router(tmp_path, {"etcd": {"endpoints": [dead], "timeout_s": 0.5}}) as r:
+        with urllib.request.urlopen(r.admin + "/healthz", timeout=5) as health:
+            assert health.status == 200
+        with pytest.raises(urllib.error.HTTPError) as ready:
+            urllib.request.urlopen(r.admin + "/readyz", timeout=5)
+        with ready.value as resp:
+            assert resp.code == 503 and json.load(resp)["synced"] is False
+        body = json.dumps({"model": "m", "prompt": "x"}).encode()
+        req = urllib.request.Request(r.url + "/v1/completions", data=body)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        with err.value as resp:
+            message = json.load(resp)["error"]["message"]
+            assert resp.code == 404 and "'m' does not exist" in message
+        assert r.proc.poll() is None
