@@ -318,9 +318,9 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
             return
         try:
             async with session.get(state.endpoint.url + "/metrics", timeout=timeout) as resp:
-                text = await resp.text() if resp.status == 200 else ""
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             state.scrape_error = str(exc) or type(exc).__name__
             return

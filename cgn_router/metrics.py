@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -121,8 +122,6 @@ class _EndpointCollector(Collector):
         self.endpoints = endpoints
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        import time
-
         now = time.monotonic()
         labels = ["endpoint", "model"]
         fams = {

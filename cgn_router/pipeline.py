@@ -26,6 +26,7 @@ WEIGHT_NAMES = ("prefix", "load", "kv_usage", "affinity")
 @dataclass(frozen=True, slots=True)
 class Decision:
     chosen: EndpointId | None  # None: every endpoint was filtered out
+    view: EndpointView | None = None  # the chosen endpoint as it was scored
     totals: dict[EndpointId, float] = field(default_factory=dict)
     scores: dict[str, dict[EndpointId, float]] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # per filter
@@ -93,7 +94,9 @@ class Pipeline:
             for v in candidates
             if v.matched_blocks and s.saturated(v, floor)
         )
-        return Decision(self.picker.pick(totals, rng), totals, scores, dropped, saturated)
+        chosen = self.picker.pick(totals, rng)
+        view = next(v for v in candidates if v.id == chosen)
+        return Decision(chosen, view, totals, scores, dropped, saturated)
 
 
 def weights_from(s: RoutingSettings) -> dict[str, float]:

@@ -37,7 +37,7 @@ from cgn_router.prompts import HashedPrompt
 from cgn_router.proxy import Attempt, AttemptFailed, Proxy
 from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
-from cgn_router.types import EndpointId, RequestInfo
+from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
 log = logging.getLogger(__name__)
 PATHS = {
@@ -143,15 +143,15 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
         payload = _payload(raw, body, served, asked, strip_usage)
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
-            decision = svc.route(req, frozenset(tried))
-            if decision.chosen is None:
+            chosen = svc.route(req, frozenset(tried)).view
+            if chosen is None:
                 break
             if tried:
                 svc.metrics.retries.labels(model).inc()
-            tried.add(decision.chosen)
+            tried.add(chosen.id)
             try:
                 resp = await _attempt(
-                    svc, request, kind, req, decision.chosen, payload, stream, strip_usage, started
+                    svc, request, kind, req, chosen, payload, stream, strip_usage, started
                 )
             except AttemptFailed as exc:
                 log.info("attempt failed: %s", exc.message)
@@ -198,16 +198,16 @@ async def _attempt(
     request: web.Request,
     kind: str,
     req: RequestInfo,
-    eid: EndpointId,
+    chosen: EndpointView,
     payload: bytes,
     stream: bool,
     strip_usage: bool,
     started: float,
 ) -> web.StreamResponse:
+    eid = chosen.id
     state = svc.registry.states[eid]
     now = time.monotonic()
-    matched = svc.registry.index.match(eid, req.blocks, now) if req.blocks else 0
-    predicted = min(matched * BLOCK_SIZE, req.prompt_tokens)
+    predicted = min(chosen.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
     a = Attempt(
         state, PATHS[kind], payload, stream, strip_usage, req.model, req.prompt_tokens - predicted
     )
