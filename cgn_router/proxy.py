@@ -67,7 +67,6 @@ class Attempt:
     served_model: str
     uncached_tokens: int  # counted into the endpoint's pending prefill until the first byte
     usage: Usage | None = None
-    first_byte_at: float | None = None  # monotonic
     failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
     client_gone: bool = False  # the client disconnected mid-stream
 
@@ -124,7 +123,6 @@ class Proxy:
             raise AttemptFailed("busy", f"{ep.id}: engine busy (429)", breaker=False)
         if resp.status >= 500 or resp.status < 400:
             raise AttemptFailed(f"status_{resp.status}", f"{ep.id}: engine answered {resp.status}")
-        a.first_byte_at = time.monotonic()
         return web.Response(
             body=body, status=resp.status, headers=self._headers(a, resp.content_type)
         )
@@ -132,7 +130,6 @@ class Proxy:
     def _relay_body(
         self, body: bytes, content_type: str, a: Attempt, on_first_byte: Callable[[], None]
     ) -> web.Response:
-        a.first_byte_at = time.monotonic()
         on_first_byte()
         if b'"usage"' in body:
             with contextlib.suppress(ValueError):
@@ -156,7 +153,6 @@ class Proxy:
             raise AttemptFailed("disconnect", f"{ep.id}: stream ended before the first event")
         out = web.StreamResponse(status=200, headers=self._headers(a, None, sse=True))
         await out.prepare(request)
-        a.first_byte_at = time.monotonic()
         on_first_byte()
         idle = self.deadlines.idle_s
         while event is not None:
