@@ -13,10 +13,11 @@ import json
 import os
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from cgn_core.files import atomic_write_text
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -36,17 +37,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 def write_ready_file(path: Path, **info: Any) -> None:
     """Atomically write {"pid": ..., **info} to `path` (write to a temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"pid": os.getpid(), **info}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps({"pid": os.getpid(), **info}) + "\n")
 
 
 def wait_ready_file(

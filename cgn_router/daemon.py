@@ -16,7 +16,6 @@ import logging
 import signal
 import ssl
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -24,8 +23,9 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from cgn_core.backoff import Backoff
-from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
+from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import bind_tcp, write_ready_file
@@ -258,7 +258,7 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
         (CATALOG_PREFIX, catalog_list, catalog_event),
         (POLICY_KEY, policy_list, policy_event),
     ):
-        tg.create_task(_list_and_watch(client, prefix, on_list, on_event, listed[prefix]))
+        tg.create_task(list_and_watch(client, prefix, on_list, on_event, listed[prefix]))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))
         svc.synced = True
@@ -278,31 +278,6 @@ def _apply_policy(svc: RouterService, kv: KeyValue) -> None:
         log.info("routing weights from etcd: %s", svc.pipeline.weights)
     except ValueError as exc:
         log.warning("ignoring %s: %s", POLICY_KEY, exc)
-
-
-async def _list_and_watch(
-    client: EtcdClient,
-    prefix: str,
-    on_list: Callable[[list[KeyValue]], None],
-    on_event: Callable[[WatchEvent], None],
-    listed: asyncio.Event,
-) -> None:
-    backoff = Backoff(base=0.2, cap=5.0)
-    while True:
-        try:
-            kvs, rev = await client.get_prefix(prefix)
-            break
-        except CognitoraError as exc:
-            delay = backoff.next()
-            log.warning("etcd: cannot list %s (%s); retrying in %.1fs", prefix, exc.message, delay)
-            await asyncio.sleep(delay)
-    on_list(kvs)
-    listed.set()
-    async for batch in client.watch_prefix(prefix, start_revision=rev + 1):
-        if batch.resync is not None:
-            on_list(list(batch.resync))
-        for ev in batch.events:
-            on_event(ev)
 
 
 # ---- engines: metrics and KV events -------------------------------------------

@@ -15,15 +15,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cgn_core import keys
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
-ENDPOINTS_PREFIX = "/cognitora/endpoints/"
-CORDON_PREFIX = "/cognitora/cordon/"
-HASH_SCHEME = "cognitora.kv.v1"
+ENDPOINTS_PREFIX = keys.ENDPOINTS
+CORDON_PREFIX = keys.CORDON
+HASH_SCHEME = keys.HASH_SCHEME
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class Lease:
         self.ttl_s = ttl_s
         self.id = 0
         self.lost = asyncio.Event()
+        self.connected = False  # the last keep-alive round trip succeeded
         self._confirmed_until = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -55,6 +56,7 @@ class Lease:
     async def grant(self) -> None:
         """Grant the lease and start keeping it alive."""
         self.id = await self.client.lease_grant(self.ttl_s)
+        self.connected = True
         self._confirmed_until = time.monotonic() + self.ttl_s
         self._task = asyncio.create_task(self._keepalive(), name=f"lease-{self.id:x}")
         self._task.add_done_callback(self._on_done)
@@ -102,6 +104,7 @@ class Lease:
                         self.lost.set()
                         return
                     self._confirmed_until = time.monotonic() + resp.TTL
+                    self.connected = True
                     backoff.reset()
                     await asyncio.sleep(interval)
             except (
@@ -110,6 +113,7 @@ class Lease:
                 ConnectionError,
                 TimeoutError,
             ) as exc:
+                self.connected = False
                 self.client.rotate()
                 delay = backoff.next()
                 log.warning("lease %x keep-alive: %s; retrying in %.2fs", self.id, exc, delay)

@@ -1,0 +1,11 @@
+"""The etcd key layout every service agrees on (ARCHITECTURE.md §3); values are JSON."""
+
+ROOT = "/cognitora/"
+NODES = ROOT + "nodes/"  # <node>: inventory, leased by the agent
+CATALOG = ROOT + "catalog/models/"  # <model>: model spec, written by ctl
+PLACEMENTS = ROOT + "placements/"  # <node>/<replica>: desired replica, by the reconciler
+REPLICAS = ROOT + "replicas/"  # <node>/<replica>: actual state, leased by the agent
+ENDPOINTS = ROOT + "endpoints/"  # <model>/<endpoint>: Ready and routable, leased by the agent
+CORDON = ROOT + "cordon/"  # <node>: no new placements
+POLICY_ROUTING = ROOT + "policy/routing"
+HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (ARCHITECTURE.md §4)
