@@ -1,9 +1,30 @@
-"""cgn-agent's settings tree."""
+"""cgn-agent's settings tree (flag > CGN_AGENT_* env > YAML > defaults)."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cgn_agent.supervisor import Policy
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHostSettings:
+    """Where engines listen, and the address the router is told to reach them at."""
+
+    bind_host: str = "0.0.0.0"
+    advertise_host: str = ""  # empty: this machine's primary address
+    stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
+    probe_interval_s: float = 2.0  # readiness/liveness probes of Ready engines
+    probe_timeout_s: float = 3.0
+    stop_on_exit: bool = False  # stop engines when the agent exits (default: keep serving)
+
+
+@dataclass(frozen=True, slots=True)
+class PowerSettings:
+    interval_s: float = 5.0
+    powermetrics: bool = False  # Apple: run `powermetrics` (needs root)
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,5 +33,10 @@ class AgentSettings:
     state_dir: Path = Path("/var/lib/cognitora/agent")
     admin: ListenSettings = ListenSettings(port=9093)
     lease_ttl_s: int = 10
+    inventory_interval_s: float = 30.0  # re-read GPU health and memory holders
+    labels: dict[str, str] = field(default_factory=dict)
+    engines: EngineHostSettings = EngineHostSettings()
+    supervisor: Policy = Policy()
+    power: PowerSettings = PowerSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

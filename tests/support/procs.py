@@ -140,3 +140,29 @@ def cgn_router(tmp: Path, config: dict[str, Any], *args: str) -> Iterator[Router
         )
     finally:
         stop(proc)
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    admin: str  # /metrics, /healthz, /replicas, /inventory
+    node: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def cgn_agent(state_dir: Path, etcd_endpoint: str, *args: str, node: str = "n1") -> Iterator[Agent]:
+    """A real `cgn-agent run` for node `node`, engines on loopback, quick backoff and drain."""
+    ready = state_dir.parent / f"agent-{time.monotonic_ns()}.ready"
+    argv = [str(BIN / "cgn-agent"), "run", "--etcd", etcd_endpoint, "--node-id", node,
+            "--state-dir", str(state_dir), "--admin-port", "0", "--ready-file", str(ready),
+            "--set", "engines.bind_host=127.0.0.1", "--set", "engines.probe_interval_s=0.5",
+            "--set", "engines.stop_grace_s=10", "--set", "supervisor.drain_s=0.2",
+            "--set", "supervisor.backoff_base_s=0.5", "--set", "supervisor.backoff_cap_s=2",
+            *args]  # fmt: skip
+    with (state_dir.parent / f"{ready.stem}.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        doc = wait_ready_file(ready, timeout_s=60, proc=proc)
+        yield Agent(f"http://127.0.0.1:{doc['ports']['admin']}", node, proc)
+    finally:
+        stop(proc, grace_s=30)

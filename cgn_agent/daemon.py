@@ -1,0 +1,348 @@
+"""`cgn-agent run`: the I/O shell around the node agent.
+
+Background work, all owned by one TaskGroup and cancelled at shutdown:
+* supervision: every TICK_S, each runner polls its engine (exit, probes) and
+  the agent reconciles runners with the placements;
+* placements: list-then-watch of /cognitora/placements/<node>/;
+* registration: a lease (lease_ttl_s) kept alive across etcd outages; the
+  publisher pushes node, replica-status and endpoint keys under it, and
+  re-sends all of them after any failure or with a new lease;
+* inventory (every inventory_interval_s) and power (every power.interval_s).
+Engines keep serving while etcd is away: nothing is stopped for lack of etcd.
+SIGTERM/SIGINT set an event; by default the engines are left running for the
+next agent to adopt (`engines.stop_on_exit` stops them instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cgn_agent import processes
+from cgn_agent.drivers import Launch, SystemToolbox, installed_engines
+from cgn_agent.identity import node_id, primary_address
+from cgn_agent.inventory import nvidia
+from cgn_agent.inventory.collect import collect, run_command
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.metrics import AgentCollector, registry_for
+from cgn_agent.node import Invalid, NodeAgent, stray_engine_pids
+from cgn_agent.power import POWERMETRICS_QUERY, PowerMeter, PowerReading, parse_powermetrics
+from cgn_agent.power import rapl_zones as find_rapl_zones
+from cgn_agent.publisher import Publisher
+from cgn_agent.runner import RunnerContext
+from cgn_agent.settings import AgentSettings
+from cgn_agent.spec import ReplicaSpec, parse_placement
+from cgn_agent.statefile import StateStore
+from cgn_core import __version__, keys
+from cgn_core.backoff import Backoff
+from cgn_core.errors import CognitoraError
+from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
+from cgn_core.etcd.follow import list_and_watch
+from cgn_core.etcd.local import free_port
+from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.readiness import bind_tcp, write_ready_file
+
+log = logging.getLogger(__name__)
+TICK_S = 0.5
+
+
+class HttpProber:
+    """Readiness over HTTP: the health path answers 200, then /v1/models lists the model."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float):
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
+        try:
+            async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
+                if r.status != 200:
+                    return False, False, f"{launch.health_path} answered {r.status}"
+            async with self.session.get(launch.url + launch.models_path, timeout=self.timeout) as r:
+                doc = await r.json(content_type=None) if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+            return False, False, f"{launch.url}: {type(exc).__name__} {exc}".strip()
+        data = doc.get("data") if isinstance(doc, dict) else None
+        names = (
+            {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
+        )
+        if served not in names:
+            return True, False, f"{launch.models_path} does not list {served!r}"
+        return True, True, ""
+
+
+@dataclass
+class Runtime:
+    """What the loops share: the latest inventory and power, and whether etcd answers."""
+
+    inventory: Inventory
+    power: PowerReading = field(default_factory=lambda: PowerReading(None, "unknown"))
+    energy_j: float = 0.0
+    etcd_ok: bool = False
+    admin_url: str = ""
+
+
+async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
+    node = node_id(settings.node_id, settings.state_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tools = SystemToolbox()
+    engines = installed_engines(tools)
+    inv = await asyncio.to_thread(collect, node, engines=engines, labels=settings.labels)
+    rt = Runtime(inv)
+    publisher = Publisher()
+    eh = settings.engines
+    advertise = eh.advertise_host or (
+        eh.bind_host if eh.bind_host not in ("0.0.0.0", "::") else primary_address()
+    )
+    async with aiohttp.ClientSession() as session, EtcdClient(settings.etcd) as client:
+        ctx = RunnerContext(
+            node=node,
+            publisher=publisher,
+            store=StateStore(settings.state_dir),
+            prober=HttpProber(session, eh.probe_timeout_s),
+            policy=settings.supervisor,
+            log_dir=settings.state_dir / "logs",
+            advertise_url=lambda port: f"http://{advertise}:{port}",
+            stop_grace_s=eh.stop_grace_s,
+            probe_interval_s=eh.probe_interval_s,
+        )
+        agent = NodeAgent(node, ctx, tools, eh.bind_host, lambda: rt.inventory, free_port)
+        adopted = await agent.adopt_orphans()
+        if rt.inventory.accelerators:
+            await asyncio.to_thread(_stop_stray_engines, agent.own_pids())
+        collector = AgentCollector(agent, lambda: rt.inventory, lambda: (rt.power, rt.energy_j),
+                                   lambda: rt.etcd_ok)  # fmt: skip
+        runner, port = await _start_admin(settings, agent, rt, collector)
+        rt.admin_url = f"http://{advertise}:{port}"
+        _publish_node(publisher, node, agent, rt)
+        log.info("node %s: %d engine(s) adopted, engines installed: %s, admin on %s:%d",
+                 node, len(adopted), ", ".join(engines), settings.admin.host, port)  # fmt: skip
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(_supervise(agent, publisher, node, rt))
+                tg.create_task(_follow_placements(client, agent, node))
+                tg.create_task(_register(client, publisher, settings.lease_ttl_s, rt))
+                tg.create_task(_refresh_inventory(settings, agent, rt, engines))
+                tg.create_task(_measure_power(settings, rt))
+                if ready_file is not None:
+                    write_ready_file(ready_file, ports={"admin": port}, node=node)
+                await stop.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        log.info("shutting down")
+        if eh.stop_on_exit:
+            await agent.close()
+            for key in list(publisher.desired):
+                publisher.delete(key)
+            with contextlib.suppress(CognitoraError, TimeoutError):
+                async with asyncio.timeout(5):
+                    await publisher.flush(client, 0)
+        await runner.cleanup()
+    if ready_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(ready_file.unlink)
+
+
+class _Stop(Exception):
+    """Ends the TaskGroup (cancelling every background task) at shutdown."""
+
+
+async def _start_admin(
+    settings: AgentSettings, agent: NodeAgent, rt: Runtime, collector: AgentCollector
+) -> tuple[web.AppRunner, int]:
+    registry = registry_for(collector)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node": agent.node, "etcd": rt.etcd_ok})
+
+    async def replicas(_: web.Request) -> web.Response:
+        doc = {r: agent.runners[r].status_doc() for r in agent.runners}
+        doc |= {r: {"phase": "Failed", "reason": why} for r, (_, why) in agent.refused.items()}
+        return web.json_response({"node": agent.node, "replicas": doc})
+
+    async def inventory(_: web.Request) -> web.Response:
+        return web.json_response(rt.inventory.to_json())
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/replicas", replicas)
+    app.router.add_get("/inventory", inventory)
+    sock = bind_tcp(settings.admin.host, settings.admin.port)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner, int(sock.getsockname()[1])
+
+
+def _publish_node(publisher: Publisher, node: str, agent: NodeAgent, rt: Runtime) -> None:
+    p = rt.power
+    doc: dict[str, Any] = rt.inventory.to_json() | {
+        "running": agent.running(),
+        "power": {
+            "watts": p.watts,
+            "source": p.source,
+            "parts": dict(p.parts),
+            "notes": list(p.notes),
+        },
+        "energy_j": round(rt.energy_j, 1),
+        "agent_version": __version__,
+        "admin_url": rt.admin_url,
+    }
+    publisher.set(keys.NODES + node, doc)
+
+
+async def _supervise(agent: NodeAgent, publisher: Publisher, node: str, rt: Runtime) -> None:
+    while True:
+        started = time.monotonic()
+        await agent.tick()
+        _publish_node(publisher, node, agent, rt)
+        await asyncio.sleep(max(0.0, TICK_S - (time.monotonic() - started)))
+
+
+async def _follow_placements(client: EtcdClient, agent: NodeAgent, node: str) -> None:
+    prefix = f"{keys.PLACEMENTS}{node}/"
+
+    def parse(kv: KeyValue) -> tuple[str, ReplicaSpec | Invalid]:
+        replica = kv.key[len(prefix) :]
+        try:
+            data = kv.json()
+        except ValueError as exc:
+            return replica, Invalid(f"placement {replica}: value is not JSON ({exc})")
+        try:
+            return replica, parse_placement(replica, data)
+        except ValueError as exc:
+            return replica, Invalid(str(exc))
+
+    def on_list(kvs: list[KeyValue]) -> None:
+        agent.set_placements(dict(parse(kv) for kv in kvs))
+
+    def on_event(ev: WatchEvent) -> None:
+        if ev.kind == "delete":
+            agent.set_placement(ev.kv.key[len(prefix) :], None)
+        else:
+            agent.set_placement(*parse(ev.kv))
+
+    await list_and_watch(client, prefix, on_list, on_event, asyncio.Event())
+
+
+async def _register(client: EtcdClient, publisher: Publisher, ttl_s: int, rt: Runtime) -> None:
+    """Hold a lease and keep etcd in step with the publisher, reconnecting forever."""
+    backoff = Backoff(base=0.2, cap=5.0)
+    while True:
+        lease = Lease(client, ttl_s)
+        try:
+            await lease.grant()
+        except CognitoraError as exc:
+            rt.etcd_ok = False
+            delay = backoff.next()
+            log.warning("etcd: cannot register (%s); retrying in %.1fs", exc.message, delay)
+            await asyncio.sleep(delay)
+            continue
+        publisher.resync = True
+        in_contact = True
+        try:
+            while not lease.lost.is_set():
+                if in_contact and not lease.connected:  # keep-alives failing: etcd is away
+                    in_contact, rt.etcd_ok = False, False
+                    publisher.resync = True  # when it returns, re-send every key
+                    log.warning("etcd: unreachable; engines keep serving, reconnecting")
+                try:
+                    await publisher.flush(client, lease.id)
+                except LeaseNotFound:
+                    log.warning("etcd: lease %x is gone; registering again", lease.id)
+                    break
+                except CognitoraError as exc:
+                    if rt.etcd_ok:
+                        log.warning("etcd: %s; engines keep serving, retrying", exc.message)
+                    rt.etcd_ok = False
+                    await asyncio.sleep(backoff.next())
+                    continue
+                if lease.connected:
+                    if not rt.etcd_ok:
+                        sent = len(publisher.desired)
+                        log.info("etcd: registered (lease %x); %d keys sent", lease.id, sent)
+                    in_contact, rt.etcd_ok = True, True
+                    backoff.reset()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await publisher.changed.wait()
+        finally:
+            await lease.close(revoke=False)
+
+
+async def _refresh_inventory(
+    settings: AgentSettings, agent: NodeAgent, rt: Runtime, engines: list[str]
+) -> None:
+    while True:
+        await asyncio.sleep(settings.inventory_interval_s)
+        rt.inventory = await asyncio.to_thread(
+            collect, agent.node, engines=engines, own_pids=agent.own_pids(), labels=settings.labels
+        )
+
+
+async def _measure_power(settings: AgentSettings, rt: Runtime) -> None:
+    zones, notes = find_rapl_zones()
+    meter = PowerMeter(zones, notes)
+    last = time.monotonic()
+    while True:
+        gpu_watts: dict[str, float | None] = {}
+        if any(a.kind == "nvidia" for a in rt.inventory.accelerators):
+            with contextlib.suppress(OSError, ValueError):
+                gpus, _ = nvidia.parse_gpus(await asyncio.to_thread(run_command, nvidia.GPUS_QUERY))
+                gpu_watts = {f"gpu{g.index}": g.power_w for g in gpus}
+        apple = None
+        if settings.power.powermetrics:
+            with contextlib.suppress(OSError):
+                apple = parse_powermetrics(await asyncio.to_thread(run_command, POWERMETRICS_QUERY))
+        now = time.monotonic()
+        rt.power = meter.read(now, gpu_watts, apple)
+        if rt.power.watts is not None:
+            rt.energy_j += rt.power.watts * (now - last)
+        last = now
+        await asyncio.sleep(settings.power.interval_s)
+
+
+def _stop_stray_engines(own: list[int]) -> None:
+    """SIGTERM engine processes holding our GPUs that no state record identifies."""
+    try:
+        apps = nvidia.parse_apps(run_command(nvidia.APPS_QUERY))
+    except (OSError, ValueError) as exc:
+        log.warning("cannot list GPU processes: %s", exc)
+        return
+    cmdlines = {a.pid: " ".join(processes.cmdline(a.pid)) for a in apps}
+    for pid in stray_engine_pids(apps, own, cmdlines):
+        log.warning("stopping unidentified engine pid %d holding a GPU: %s", pid, cmdlines[pid])
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def run(settings: AgentSettings, ready_file: Path | None) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(settings, ready_file))

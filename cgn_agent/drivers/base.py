@@ -1,0 +1,149 @@
+"""The engine-driver interface: how to launch and probe one kind of engine (no process handling).
+
+A driver turns a `ReplicaSpec` into a `Launch` (argv, environment, the URL
+to probe, which ranks serve HTTP) and refuses, before anything starts, a spec
+the node cannot run. It never spawns or signals anything: the executor
+does that. What a driver needs to know about the machine (binaries on PATH,
+importable modules, files) it asks a `Toolbox`, so tests use a fake one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.spec import ReplicaSpec
+from cgn_core.errors import PermanentError
+
+
+class PlacementRefused(PermanentError):
+    """This node cannot run this replica as specified; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the agent's environment
+    url: str = ""  # the engine's base URL, as the agent probes it
+    health_path: str = "/health"  # 200 once the weights are loaded
+    models_path: str = "/v1/models"  # must list the served model name
+    spawn: bool = True  # False: an external engine (openai_compat), nothing to start
+    served_name: str = ""  # the name /v1/models must list (default: the spec's model)
+    # The router's name for the engine's /metrics vocabulary (vllm, sglang,
+    # llamacpp, cgn-infer), published in the endpoint record; None: no
+    # Prometheus page, so the router relies on its own in-flight counts.
+    metrics_dialect: str | None = None
+    http_ranks: tuple[int, ...] = (0,)  # of a multi-process engine, the ranks with an HTTP server
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchContext:
+    host: str  # the address engines bind
+    port: int  # resolved (never 0)
+    python: str = sys.executable
+
+
+class Toolbox(Protocol):
+    """What a driver may ask about the machine."""
+
+    def which(self, name: str) -> str | None: ...
+
+    def has_module(self, name: str) -> bool: ...
+
+    def is_file(self, path: str) -> bool: ...
+
+
+class SystemToolbox:
+    """The real machine; `bin_dirs` are searched before PATH (the agent's own venv first)."""
+
+    def __init__(self, bin_dirs: tuple[str, ...] = (os.path.dirname(sys.executable),)):
+        self.bin_dirs = bin_dirs
+
+    def which(self, name: str) -> str | None:
+        for d in self.bin_dirs:
+            candidate = os.path.join(d, name)
+            if os.access(candidate, os.X_OK):
+                return candidate
+        return shutil.which(name)
+
+    def has_module(self, name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+
+class Driver(Protocol):
+    """One kind of engine."""
+
+    name: str  # the placement's `engine` value
+
+    def installed(self, tools: Toolbox) -> bool:
+        """Whether the engine's software is on this machine."""
+        ...
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        """Raise PlacementRefused when this node cannot run `spec`."""
+        ...
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        """The command that runs `spec` on `ctx.host:ctx.port`."""
+        ...
+
+
+# ---- checks the drivers share ------------------------------------------------------------
+
+
+def require_gpus(spec: ReplicaSpec, node: Inventory, engine: str, per_replica: int) -> None:
+    """The spec names exactly `per_replica` healthy NVIDIA GPUs of this node."""
+    nvidia = {a.index: a for a in node.accelerators if a.kind == "nvidia"}
+    if not nvidia:
+        raise PlacementRefused(
+            f"{engine} needs an NVIDIA GPU; node {node.node} is class {node.node_class} "
+            f"(no GPU found by nvidia-smi)"
+        )
+    if len(spec.devices) != per_replica:
+        raise PlacementRefused(
+            f"{engine}: tensor_parallel={per_replica} needs {per_replica} device(s), "
+            f"placement gives {len(spec.devices)}"
+        )
+    for d in spec.devices:
+        if d not in nvidia:
+            raise PlacementRefused(f"{engine}: device {d} does not exist on node {node.node}")
+        if not nvidia[d].healthy:
+            raise PlacementRefused(
+                f"{engine}: device {d} is unhealthy ({'; '.join(nvidia[d].health)})"
+            )
+
+
+def require_connector_none(spec: ReplicaSpec, engine: str) -> None:
+    if spec.profile.kv_connector != "none":
+        raise PlacementRefused(
+            f"{engine} has no engine-side KV connector; kv_connector must be none, "
+            f"got {spec.profile.kv_connector}"
+        )
+
+
+def require_source(spec: ReplicaSpec, engine: str) -> None:
+    if not spec.source:
+        raise PlacementRefused(f"{engine}: placement has no 'source' (the model to load)")
+
+
+def cuda_env(spec: ReplicaSpec) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices)}
+
+
+def url_for(ctx: LaunchContext) -> str:
+    host = "127.0.0.1" if ctx.host in ("0.0.0.0", "") else ctx.host
+    if host == "::":
+        host = "::1"
+    return f"http://[{host}]:{ctx.port}" if ":" in host else f"http://{host}:{ctx.port}"

@@ -1,0 +1,61 @@
+"""cgn-infer, Cognitora's own engine: `cgn-infer serve` (docs/cgn-infer.md)."""
+
+from __future__ import annotations
+
+from cgn_agent.drivers.base import (
+    Launch,
+    LaunchContext,
+    PlacementRefused,
+    Toolbox,
+    cuda_env,
+    require_connector_none,
+    require_gpus,
+    require_source,
+    url_for,
+)
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.spec import ReplicaSpec
+
+BUNDLED = ("smollm2", "qwen2.5-coder-0.5b")
+BACKENDS = ("torch", "mlx", "sim")
+
+
+class CgnInferDriver:
+    name = "cgn_infer"
+
+    def installed(self, tools: Toolbox) -> bool:
+        return tools.which("cgn-infer") is not None
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        require_source(spec, self.name)
+        require_connector_none(spec, self.name)
+        if spec.source not in BUNDLED and not tools.is_file(spec.source):
+            raise PlacementRefused(f"cgn_infer: model file {spec.source} does not exist")
+        backend = spec.profile.backend or "torch"
+        if backend not in BACKENDS:
+            raise PlacementRefused(f"cgn_infer: backend must be one of {', '.join(BACKENDS)}")
+        if spec.devices:
+            require_gpus(spec, node, self.name, 1)
+        if backend == "mlx" and spec.devices:
+            raise PlacementRefused("cgn_infer: the mlx backend takes no CUDA devices")
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        p = spec.profile
+        exe = tools.which("cgn-infer") or "cgn-infer"
+        argv = [exe, "serve", "--model", spec.source, "--host", ctx.host,
+                "--port", str(ctx.port), "--model-name", spec.model]  # fmt: skip
+        for flag, value in (("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if spec.devices:
+            argv += ["--device", "cuda"]
+            if p.dtype:
+                argv += ["--dtype", p.dtype]
+        elif p.dtype:
+            argv += ["--dtype", p.dtype]
+        return Launch(
+            tuple(argv + list(p.extra_args)),
+            {**(cuda_env(spec) if spec.devices else {}), **p.env},
+            url_for(ctx),
+            metrics_dialect="cgn-infer",
+        )

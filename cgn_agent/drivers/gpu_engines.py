@@ -1,0 +1,115 @@
+"""The NVIDIA serving engines: vLLM, SGLang and TensorRT-LLM, each with its documented flags.
+
+* vLLM: `vllm serve <model> --host --port --served-model-name
+  --tensor-parallel-size [--max-model-len] [--dtype] [--gpu-memory-utilization]
+  [--kv-transfer-config JSON]`; Prometheus /metrics in vLLM's names.
+* SGLang: `python -m sglang.launch_server --model-path --host --port
+  --served-model-name --tp-size [--context-length] [--dtype]
+  [--mem-fraction-static] --enable-metrics [KV connector flags]`.
+* TensorRT-LLM: `trtllm-serve <model> --host --port --backend --tp_size
+  [--max_seq_len] --served_model_name`; its /metrics is JSON iteration
+  statistics, not Prometheus, so no dialect is published.
+All three need NVIDIA GPUs: a placement without them is refused up front.
+"""
+
+from __future__ import annotations
+
+from cgn_agent.drivers import kv_connectors
+from cgn_agent.drivers.base import (
+    Launch,
+    LaunchContext,
+    PlacementRefused,
+    Toolbox,
+    cuda_env,
+    require_connector_none,
+    require_gpus,
+    require_source,
+    url_for,
+)
+from cgn_agent.drivers.llama_cpp import _opts
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.spec import ReplicaSpec
+
+
+def _check(spec: ReplicaSpec, node: Inventory, engine: str) -> None:
+    require_source(spec, engine)
+    require_gpus(spec, node, engine, spec.profile.tensor_parallel)
+
+
+class VllmDriver:
+    name = "vllm"
+
+    def installed(self, tools: Toolbox) -> bool:
+        return tools.which("vllm") is not None
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        _check(spec, node, self.name)
+        kv_connectors.vllm_args(spec.profile.kv_connector)
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        p = spec.profile
+        argv = [tools.which("vllm") or "vllm", "serve", spec.source, "--host", ctx.host,
+                "--port", str(ctx.port), "--served-model-name", spec.model,
+                "--tensor-parallel-size", str(p.tensor_parallel)]  # fmt: skip
+        argv += _opts(("--max-model-len", p.ctx))
+        argv += ["--dtype", p.dtype] if p.dtype else []
+        if p.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
+        argv += kv_connectors.vllm_args(p.kv_connector)
+        return Launch(
+            tuple(argv + list(p.extra_args)),
+            {**cuda_env(spec), **p.env},
+            url_for(ctx),
+            metrics_dialect="vllm",
+        )
+
+
+class SglangDriver:
+    name = "sglang"
+
+    def installed(self, tools: Toolbox) -> bool:
+        return tools.has_module("sglang")
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        _check(spec, node, self.name)
+        kv_connectors.sglang_args(spec.profile.kv_connector, spec.role)
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        p = spec.profile
+        argv = [ctx.python, "-m", "sglang.launch_server", "--model-path", spec.source,
+                "--host", ctx.host, "--port", str(ctx.port), "--served-model-name", spec.model,
+                "--tp-size", str(p.tensor_parallel)]  # fmt: skip
+        argv += _opts(("--context-length", p.ctx))
+        argv += ["--dtype", p.dtype] if p.dtype else []
+        if p.gpu_memory_utilization is not None:
+            argv += ["--mem-fraction-static", str(p.gpu_memory_utilization)]
+        argv += ["--enable-metrics", *kv_connectors.sglang_args(p.kv_connector, spec.role)]
+        return Launch(
+            tuple(argv + list(p.extra_args)),
+            {**cuda_env(spec), **p.env},
+            url_for(ctx),
+            metrics_dialect="sglang",
+        )
+
+
+class TrtllmDriver:
+    name = "trtllm"
+    BACKENDS = ("pytorch", "tensorrt", "_autodeploy")
+
+    def installed(self, tools: Toolbox) -> bool:
+        return tools.which("trtllm-serve") is not None
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        _check(spec, node, self.name)
+        require_connector_none(spec, self.name)
+        if (spec.profile.backend or "pytorch") not in self.BACKENDS:
+            raise PlacementRefused(f"trtllm: backend must be one of {', '.join(self.BACKENDS)}")
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        p = spec.profile
+        argv = [tools.which("trtllm-serve") or "trtllm-serve", spec.source, "--host", ctx.host,
+                "--port", str(ctx.port), "--backend", p.backend or "pytorch",
+                "--tp_size", str(p.tensor_parallel)]  # fmt: skip
+        argv += _opts(("--max_seq_len", p.ctx))
+        argv += ["--served_model_name", spec.model]
+        return Launch(tuple(argv + list(p.extra_args)), {**cuda_env(spec), **p.env}, url_for(ctx))

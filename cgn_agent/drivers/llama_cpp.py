@@ -1,0 +1,101 @@
+"""llama.cpp's server, launched one of three ways (profile.launcher):
+
+* `llama_server`: the `llama-server` binary (`-m`, `--alias`, `--metrics`, `-c`, `-t`, `-ngl`);
+* `xllamacpp`: llama.cpp's server in-process through the xllamacpp wheel
+  (`python -m cgn_agent.runners.xllamacpp_server`, same metrics);
+* `llama_cpp_python`: `python -m llama_cpp.server` (`--model_alias`, `--n_ctx`,
+  `--n_threads`, `--n_gpu_layers`); it has neither /health nor /metrics.
+
+`auto` takes the first that is installed, in that order.
+"""
+
+from __future__ import annotations
+
+from cgn_agent.drivers.base import (
+    Launch,
+    LaunchContext,
+    PlacementRefused,
+    Toolbox,
+    cuda_env,
+    require_connector_none,
+    require_gpus,
+    require_source,
+    url_for,
+)
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.spec import ReplicaSpec
+
+LAUNCHERS = ("llama_server", "xllamacpp", "llama_cpp_python")
+
+
+def pick_launcher(wanted: str, tools: Toolbox) -> str | None:
+    present = {
+        "llama_server": tools.which("llama-server") is not None,
+        "xllamacpp": tools.has_module("xllamacpp"),
+        "llama_cpp_python": tools.has_module("llama_cpp"),
+    }
+    if wanted == "auto":
+        return next((name for name in LAUNCHERS if present[name]), None)
+    return wanted if present.get(wanted) else None
+
+
+class LlamaCppDriver:
+    name = "llama_cpp"
+
+    def installed(self, tools: Toolbox) -> bool:
+        return pick_launcher("auto", tools) is not None
+
+    def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
+        require_source(spec, self.name)
+        require_connector_none(spec, self.name)
+        wanted = spec.profile.launcher
+        if wanted != "auto" and wanted not in LAUNCHERS:
+            raise PlacementRefused(
+                f"llama_cpp: launcher must be auto or one of {', '.join(LAUNCHERS)}"
+            )
+        if pick_launcher(wanted, tools) is None:
+            raise PlacementRefused(
+                "llama_cpp: no llama.cpp server here (llama-server on PATH, "
+                "pip install xllamacpp, or pip install 'llama-cpp-python[server]')"
+                if wanted == "auto"
+                else f"llama_cpp: launcher {wanted} is not installed"
+            )
+        if not tools.is_file(spec.source):
+            raise PlacementRefused(f"llama_cpp: model file {spec.source} does not exist")
+        if spec.devices:
+            require_gpus(spec, node, self.name, len(spec.devices))
+
+    def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
+        p = spec.profile
+        launcher = pick_launcher(p.launcher, tools) or "llama_server"
+        host, port, gpu = ctx.host, str(ctx.port), bool(spec.devices)
+        env = {**(cuda_env(spec) if gpu else {}), **p.env}
+        if launcher == "llama_cpp_python":
+            argv = [ctx.python, "-m", "llama_cpp.server", "--model", spec.source,
+                    "--host", host, "--port", port, "--model_alias", spec.model]  # fmt: skip
+            argv += _opts(("--n_ctx", p.ctx), ("--n_threads", p.threads))
+            argv += ["--n_gpu_layers", "-1"] if gpu else []
+            return Launch(
+                tuple(argv + list(p.extra_args)), env, url_for(ctx), health_path="/v1/models"
+            )
+        if launcher == "xllamacpp":
+            argv = [ctx.python, "-m", "cgn_agent.runners.xllamacpp_server", "--model", spec.source,
+                    "--host", host, "--port", port, "--alias", spec.model]  # fmt: skip
+            argv += _opts(("--ctx", p.ctx), ("--threads", p.threads))
+            argv += ["--n-gpu-layers", "999"] if gpu else []
+        else:
+            argv = [tools.which("llama-server") or "llama-server", "-m", spec.source,
+                    "--host", host, "--port", port, "--alias", spec.model, "--metrics"]  # fmt: skip
+            argv += _opts(("-c", p.ctx), ("-t", p.threads))
+            argv += ["-ngl", "999"] if gpu else []
+        return Launch(
+            tuple(argv + list(p.extra_args)), env, url_for(ctx), metrics_dialect="llamacpp"
+        )
+
+
+def _opts(*pairs: tuple[str, int | None]) -> list[str]:
+    out: list[str] = []
+    for flag, value in pairs:
+        if value is not None:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,188 @@
+"""The node agent: desired replicas (placements) in, supervised runners out.
+
+`set_placements` records what etcd asks for; `reconcile` starts runners for
+new replicas (after the driver's validation), stops runners whose placement
+went away, and replaces a runner whose spec changed once the old one has
+stopped. `adopt_orphans` runs once at start: every state-file record whose
+fingerprint still matches a live process becomes a runner in Loading (probes
+bring it back to Ready); nothing is stopped before the first placement
+listing arrives, so an agent that starts while etcd is down leaves its
+engines serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cgn_agent import supervisor as sv
+from cgn_agent.drivers import DRIVERS, Launch, LaunchContext, PlacementRefused, Toolbox
+from cgn_agent.inventory.nvidia import GpuProcess
+from cgn_agent.inventory.types import Inventory
+from cgn_agent.processes import EngineProcess, matches
+from cgn_agent.runner import ReplicaRunner, RunnerContext
+from cgn_agent.spec import ReplicaSpec
+from cgn_core import keys
+
+log = logging.getLogger(__name__)
+
+# Command-line fragments by which an engine process is recognised.
+ENGINE_MARKERS = ("vllm", "sglang.launch_server", "cgn-infer", "llama-server", "llama_cpp.server",
+                  "xllamacpp_server", "trtllm-serve", "mlx_lm.server")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """A placement that could not be parsed; reported in the replica's status."""
+
+    reason: str
+
+
+def stray_engine_pids(
+    apps: Iterable[GpuProcess], own_pids: Iterable[int], cmdlines: Mapping[int, str]
+) -> list[int]:
+    """Pids holding GPU memory that look like an engine but are not one of ours (to stop)."""
+    own = set(own_pids)
+    out = []
+    for app in apps:
+        cmd = cmdlines.get(app.pid, "")
+        if app.pid not in own and any(m in cmd for m in ENGINE_MARKERS) and app.pid not in out:
+            out.append(app.pid)
+    return out
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        node: str,
+        ctx: RunnerContext,
+        tools: Toolbox,
+        bind_host: str,
+        inventory: Callable[[], Inventory],
+        free_port: Callable[[str], int],
+    ):
+        self.node, self.ctx, self.tools = node, ctx, tools
+        self.bind_host = bind_host
+        self.inventory = inventory
+        self.free_port = free_port
+        self.runners: dict[str, ReplicaRunner] = {}
+        self.desired: dict[str, ReplicaSpec | Invalid] | None = None  # None: not listed yet
+        self.refused: dict[str, tuple[ReplicaSpec | Invalid, str]] = {}  # replica: (spec, why)
+
+    # ---- inputs ----------------------------------------------------------------------
+
+    def set_placements(self, desired: Mapping[str, ReplicaSpec | Invalid]) -> None:
+        self.desired = dict(desired)
+
+    def set_placement(self, replica: str, spec: ReplicaSpec | Invalid | None) -> None:
+        if self.desired is None:
+            self.desired = {}
+        if spec is None:
+            self.desired.pop(replica, None)
+        else:
+            self.desired[replica] = spec
+
+    # ---- startup ---------------------------------------------------------------------
+
+    async def adopt_orphans(self) -> list[str]:
+        """Runners for the engines a previous agent left running; returns the adopted replicas."""
+        adopted: list[str] = []
+        for rec in self.ctx.store.load_all():
+            replica = rec.spec.replica
+            if rec.fingerprint is not None and not matches(rec.fingerprint):
+                log.info("replica %s: pid %d is gone or reused; not adopted", replica,
+                         rec.fingerprint.pid)  # fmt: skip
+                self.ctx.store.remove(replica)
+                continue
+            launch = self._launch(rec.spec, rec.port)
+            runner = ReplicaRunner(rec.spec, launch, rec.port, self.ctx)
+            self.runners[replica] = runner
+            if rec.fingerprint is None:
+                await runner.begin()  # an external engine: nothing to adopt, probe it again
+            else:
+                await runner.begin(EngineProcess(rec.fingerprint))
+                log.info("replica %s: adopted running engine pid %d", replica, rec.fingerprint.pid)
+            adopted.append(replica)
+        return adopted
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        if self.desired is None:
+            return
+        for replica, runner in list(self.runners.items()):
+            want = self.desired.get(replica)
+            if want is None:
+                await runner.observe(sv.Stop(self.ctx.clock()))
+            elif want != runner.spec:
+                await runner.observe(sv.Stop(self.ctx.clock(), "placement changed"))
+        for replica in list(self.refused):
+            if replica not in self.desired:
+                del self.refused[replica]
+                self.ctx.publisher.delete(self._status_key(replica))
+        for replica, want in self.desired.items():
+            if replica in self.runners or self.refused.get(replica, (None,))[0] == want:
+                continue  # running, or refused and unchanged since
+            if isinstance(want, Invalid):
+                self._refuse(replica, want, f"invalid placement: {want.reason}")
+            else:
+                await self._start(want)
+
+    async def tick(self) -> None:
+        for replica, runner in list(self.runners.items()):
+            await runner.poll()
+            if runner.forgotten:
+                del self.runners[replica]
+        await self.reconcile()
+
+    async def _start(self, spec: ReplicaSpec) -> None:
+        driver = DRIVERS[spec.engine]
+        try:
+            driver.validate(spec, self.inventory(), self.tools)
+        except PlacementRefused as exc:
+            self._refuse(spec.replica, spec, f"refused: {exc.message}")
+            return
+        self.refused.pop(spec.replica, None)
+        port = spec.port or (
+            self.free_port(self.bind_host) if driver.name != "openai_compat" else 0
+        )
+        runner = ReplicaRunner(spec, self._launch(spec, port), port, self.ctx)
+        self.runners[spec.replica] = runner
+        await runner.begin()
+
+    def _launch(self, spec: ReplicaSpec, port: int) -> Launch:
+        ctx = LaunchContext(self.bind_host, port)
+        return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
+
+    def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:
+        log.error("replica %s: %s", replica, reason)
+        self.refused[replica] = (want, reason)
+        self.ctx.publisher.set(
+            self._status_key(replica), {"phase": str(sv.Phase.FAILED), "reason": reason}
+        )
+
+    def _status_key(self, replica: str) -> str:
+        return f"{keys.REPLICAS}{self.node}/{replica}"
+
+    # ---- views -------------------------------------------------------------------------
+
+    def own_pids(self) -> list[int]:
+        return [r.state.pid for r in self.runners.values() if r.state.pid]
+
+    def running(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "replica": r.spec.replica,
+                "model": r.spec.model,
+                "engine": r.spec.engine,
+                "phase": str(r.state.phase),
+                "url": r.url,
+            }
+            for r in self.runners.values()
+        ]
+
+    async def close(self) -> None:
+        for r in self.runners.values():
+            await r.close()

@@ -1,0 +1,190 @@
+"""Engine processes: spawn in their own group, recognise them again, stop them as a group.
+
+A process is identified by a fingerprint: its pid, its command line
+(/proc/<pid>/cmdline, read once the exec is done), its start time (clock
+ticks since boot, /proc/<pid>/stat field 22) and the boot it started in
+(/proc/sys/kernel/random/boot_id). A pid that the kernel gave to another
+process since, or a process from an earlier boot, never matches, so a reused
+pid is never adopted or signalled. Where /proc does not exist (macOS) the
+start time and command come from `ps -o lstart=` and `ps -o command=`.
+
+Every engine writes stdout and stderr to `<state_dir>/logs/<replica>.log`
+(rotated once at 32 MiB on spawn); the tail of that file is what status
+reports carry, before and after an agent restart alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+LOG_ROTATE_BYTES = 32 << 20
+TAIL_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    pid: int
+    start: str  # start time as the OS reports it (ticks since boot, or ps's lstart)
+    boot: str  # boot id ("" where the OS has none)
+    cmdline: tuple[str, ...] = ()
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> str | None:
+    """When `pid` started, or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _ps_start(pid)
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    return stat.rpartition(")")[2].split()[19]
+
+
+def cmdline(pid: int) -> tuple[str, ...]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return ()
+    except OSError:
+        return (_ps(pid, "command") or "",)
+    return tuple(raw.decode("utf-8", "surrogateescape").split("\0")[:-1])
+
+
+def _ps_start(pid: int) -> str | None:
+    return _ps(pid, "lstart")
+
+
+def _ps(pid: int, field: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["ps", "-o", f"{field}=", "-p", str(pid)], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def fingerprint(pid: int) -> Fingerprint | None:
+    st = start_time(pid)
+    return None if st is None else Fingerprint(pid, st, boot_id(), cmdline(pid))
+
+
+def fingerprint_to_json(fp: Fingerprint) -> dict[str, object]:
+    return {"pid": fp.pid, "start": fp.start, "boot": fp.boot, "cmdline": list(fp.cmdline)}
+
+
+def fingerprint_from_json(doc: Mapping[str, object]) -> Fingerprint:
+    """The inverse of fingerprint_to_json; ValueError/TypeError on a damaged record."""
+    pid, start, boot, cmd = doc["pid"], doc["start"], doc["boot"], doc["cmdline"]
+    if not isinstance(pid, int) or not isinstance(start, str) or not isinstance(boot, str):
+        raise ValueError("bad fingerprint")
+    if not isinstance(cmd, list) or not all(isinstance(a, str) for a in cmd):
+        raise ValueError("bad fingerprint command line")
+    return Fingerprint(pid, start, boot, tuple(cmd))
+
+
+def matches(fp: Fingerprint) -> bool:
+    """True only if the process `fp` describes is still the one running under its pid."""
+    return fingerprint(fp.pid) == fp
+
+
+class EngineProcess:
+    """A running engine: our child (with its Popen) or one adopted after an agent restart."""
+
+    def __init__(self, fp: Fingerprint, popen: subprocess.Popen[bytes] | None = None):
+        self.fp = fp
+        self.popen = popen
+        self._gone_code: int | None = None
+        self._gone = False
+
+    @property
+    def pid(self) -> int:
+        return self.fp.pid
+
+    def poll(self) -> tuple[bool, int | None]:
+        """(exited, exit code); an adopted process (not our child) exits with code None."""
+        if self._gone:
+            return True, self._gone_code
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is None:
+                return False, None
+            self._gone, self._gone_code = True, code
+            return True, code
+        if matches(self.fp) and not _zombie(self.pid):
+            return False, None
+        self._gone = True
+        return True, None
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the engine's process group (its pid: it was started in a new session)."""
+        if self.poll()[0]:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the group, wait up to `grace_s`, then SIGKILL it; returns the exit code."""
+        self.signal_group(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not self.poll()[0]:
+            if loop.time() >= deadline:
+                self.signal_group(signal.SIGKILL)
+                deadline = loop.time() + 10.0
+            await asyncio.sleep(0.05)
+        return self.poll()[1]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> EngineProcess:
+    """Start `argv` in a new session with `env` added to ours, output appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if log_path.stat().st_size > LOG_ROTATE_BYTES:
+            os.replace(log_path, log_path.with_suffix(".log.1"))
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+    fp = fingerprint(popen.pid) or Fingerprint(popen.pid, "", boot_id())
+    return EngineProcess(fp, popen)
+
+
+def log_tail(log_path: Path, lines: int = 20) -> list[str]:
+    """The last `lines` lines of an engine's log (at most TAIL_BYTES read)."""
+    try:
+        with log_path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - TAIL_BYTES))
+            data = fh.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    return [line[-300:] for line in text[-lines:]]

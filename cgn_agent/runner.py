@@ -1,0 +1,201 @@
+"""The executor of one replica: turns supervisor actions into a process, probes and etcd keys.
+
+Owns the replica's `State`, its `EngineProcess` (if any) and its `Launch`.
+`observe` runs one observation through `supervisor.step` and carries out the
+actions; the node agent calls `poll` on every tick (process exit, probes,
+then a Tick). Nothing here decides anything: supervisor.py does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cgn_agent import supervisor as sv
+from cgn_agent.drivers import Launch
+from cgn_agent.processes import EngineProcess, log_tail, spawn
+from cgn_agent.publisher import Publisher
+from cgn_agent.spec import ReplicaSpec
+from cgn_agent.statefile import ReplicaRecord, StateStore
+from cgn_core import keys
+from cgn_core.blockhash import BLOCK_SIZE
+
+log = logging.getLogger(__name__)
+
+
+class Prober(Protocol):
+    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
+        """(health ok, models lists `served`, detail when not ok)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerContext:
+    node: str
+    publisher: Publisher
+    store: StateStore
+    prober: Prober
+    policy: sv.Policy
+    log_dir: Path
+    advertise_url: Callable[[int], str]  # port -> the URL the router should use
+    stop_grace_s: float
+    probe_interval_s: float
+    clock: Callable[[], float] = time.monotonic
+    rand: Callable[[], float] = random.random
+
+
+class ReplicaRunner:
+    def __init__(self, spec: ReplicaSpec, launch: Launch, port: int, ctx: RunnerContext):
+        self.spec, self.launch, self.port, self.ctx = spec, launch, port, ctx
+        self.state = sv.State()
+        self.proc: EngineProcess | None = None
+        self.forgotten = False
+        self._last_probe = 0.0
+        self._stopping: asyncio.Task[Any] | None = None
+
+    # ---- keys ------------------------------------------------------------------------
+
+    @property
+    def log_path(self) -> Path:
+        return self.ctx.log_dir / f"{self.spec.replica}.log"
+
+    @property
+    def status_key(self) -> str:
+        return f"{keys.REPLICAS}{self.ctx.node}/{self.spec.replica}"
+
+    @property
+    def endpoint_key(self) -> str:
+        # NOTE: the node is part of the id, so two nodes' replica ids never collide.
+        return f"{keys.ENDPOINTS}{self.spec.model}/{self.ctx.node}.{self.spec.replica}"
+
+    @property
+    def url(self) -> str:
+        return self.launch.url if not self.launch.spawn else self.ctx.advertise_url(self.port)
+
+    def endpoint_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "url": self.url,
+            "engine": self.launch.metrics_dialect or self.spec.engine,
+            "role": self.spec.role,
+            "node": self.ctx.node,
+            "replica": self.spec.replica,
+        }
+        if self.spec.engine == "cgn_infer":  # it streams KV events with our hash scheme
+            doc |= {
+                "block_size": BLOCK_SIZE,
+                "hash_scheme": keys.HASH_SCHEME,
+                "kv_events_url": self.url + "/v1/kv/events",
+            }
+        return doc
+
+    def status_doc(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "phase": str(s.phase),
+            "model": self.spec.model,
+            "engine": self.spec.engine,
+            "pid": s.pid,
+            "url": self.url,
+            "restarts": s.restarts,
+            "reason": s.reason,
+            "since_unix": time.time() - (self.ctx.clock() - s.since),
+            "log_tail": log_tail(self.log_path) if self.launch.spawn else [],
+        }
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def begin(self, adopted: EngineProcess | None = None) -> None:
+        now = self.ctx.clock()
+        if adopted is not None:
+            self.proc = adopted
+            self.state, actions = sv.adopt(now, adopted.pid)
+        else:
+            self.state, actions = sv.start(now)
+        await self._run(actions)
+
+    async def observe(self, obs: sv.Observation) -> None:
+        self.state, actions = sv.step(self.state, obs, self.ctx.policy)
+        await self._run(actions)
+
+    async def poll(self) -> None:
+        """One supervision tick: exit check, probe when due, then time-based transitions."""
+        now = self.ctx.clock()
+        if self.proc is not None:
+            exited, code = self.proc.poll()
+            if exited:
+                self.proc = None
+                await self.observe(sv.Exited(now, code, self.ctx.rand()))
+        s = self.state
+        if (
+            s.pid is not None
+            and not s.terminating
+            and s.phase in (sv.Phase.LOADING, sv.Phase.READY)
+        ):
+            due = s.phase == sv.Phase.LOADING or now - self._last_probe >= self.ctx.probe_interval_s
+            if due:
+                self._last_probe = now
+                health, models, detail = await self.ctx.prober.probe(
+                    self.launch, self.launch.served_name or self.spec.model
+                )
+                await self.observe(sv.Probe(self.ctx.clock(), health, models, detail))
+        await self.observe(sv.Tick(self.ctx.clock()))
+
+    async def _run(self, actions: list[sv.Action]) -> None:
+        for action in actions:
+            match action:
+                case sv.Spawn():
+                    await self._spawn()
+                case sv.Terminate():
+                    await self._terminate()
+                case sv.PublishEndpoint():
+                    self.ctx.publisher.set(self.endpoint_key, self.endpoint_doc())
+                case sv.WithdrawEndpoint():
+                    self.ctx.publisher.delete(self.endpoint_key)
+                case sv.Report():
+                    log.info(
+                        "replica %s: %s%s",
+                        self.spec.replica,
+                        self.state.phase,
+                        f" ({self.state.reason})" if self.state.reason else "",
+                    )
+                    self.ctx.publisher.set(self.status_key, self.status_doc())
+                case sv.Forget():
+                    self.ctx.publisher.delete(self.endpoint_key)
+                    self.ctx.publisher.delete(self.status_key)
+                    self.ctx.store.remove(self.spec.replica)
+                    self.forgotten = True
+
+    async def _spawn(self) -> None:
+        now = self.ctx.clock()
+        if not self.launch.spawn:
+            self.ctx.store.save(ReplicaRecord(self.spec, self.port, self.url, None))
+            await self.observe(sv.Spawned(now, 0))
+            return
+        try:
+            proc = spawn(self.launch.argv, self.launch.env, self.log_path)
+        except OSError as exc:
+            await self.observe(sv.SpawnFailed(now, str(exc), self.ctx.rand()))
+            return
+        self.proc = proc
+        self.ctx.store.save(ReplicaRecord(self.spec, self.port, self.url, proc.fp))
+        await self.observe(sv.Spawned(now, proc.pid))
+
+    async def _terminate(self) -> None:
+        if not self.launch.spawn:  # an external engine: nothing to stop, it is "gone" at once
+            await self.observe(sv.Exited(self.ctx.clock(), 0, self.ctx.rand()))
+            return
+        if self.proc is None:
+            return
+        if self._stopping is None or self._stopping.done():
+            self._stopping = asyncio.create_task(self.proc.stop(self.ctx.stop_grace_s))
+
+    async def close(self) -> None:
+        """Stop the engine now (agent exit with engines.stop_on_exit)."""
+        if self.proc is not None:
+            await self.proc.stop(self.ctx.stop_grace_s)

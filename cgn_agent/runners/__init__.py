@@ -1,0 +1,1 @@
+"""Small launchers for engines that have no server command of their own."""

@@ -1,0 +1,53 @@
+"""llama.cpp's own server, run in-process through the xllamacpp wheel (no compiler, no binary).
+
+    python -m cgn_agent.runners.xllamacpp_server --model M.gguf --port 8002 --alias smollm2
+
+Serves /health, /v1/models (listing --alias), the OpenAI endpoints and
+Prometheus /metrics (as `llama-server --metrics`) until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="xllamacpp_server", description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--alias", default="")
+    ap.add_argument("--ctx", type=int, default=4096, help="context per sequence")
+    ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="0: llama.cpp's default")
+    ap.add_argument("--n-gpu-layers", type=int, default=None, help="default: llama.cpp's")
+    args = ap.parse_args(argv)
+
+    import xllamacpp  # type: ignore[import-untyped]
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.hostnames = [args.host]
+    params.port = args.port
+    if args.alias:
+        params.model_alias = {args.alias}  # a set of names /v1/models lists
+    if args.threads:
+        params.cpuparams.n_threads = args.threads
+        params.cpuparams_batch.n_threads = args.threads
+    params.n_parallel = args.parallel
+    params.n_ctx = args.ctx * args.parallel
+    if args.n_gpu_layers is not None:
+        params.n_gpu_layers = args.n_gpu_layers
+    params.endpoint_metrics = True
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    server = xllamacpp.Server(params)
+    done.wait()
+    del server
+
+
+if __name__ == "__main__":
+    main()

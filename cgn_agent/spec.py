@@ -1,0 +1,158 @@
+"""The replica spec: what a placement asks this node to run.
+
+A placement (`/cognitora/placements/<node>/<replica>`, written by the
+reconciler or by hand) is a JSON object; this module turns it into a frozen
+`ReplicaSpec` or a `ValueError` that names the bad field. The spec is also
+what the agent's state file keeps for orphan adoption, so it round-trips
+through `spec_to_json` / `parse_placement` unchanged.
+
+    {"model": "smollm2", "engine": "cgn_infer", "source": "/models/smollm2.gguf",
+     "port": 0, "devices": [], "role": "both",
+     "profile": {"ctx": 4096, "threads": 2, "extra_args": ["--max-batch", "4"]}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NewType, get_args
+
+ReplicaId = NewType("ReplicaId", str)
+Role = Literal["both", "prefill", "decode"]
+KvConnector = Literal["none", "lmcache", "nixl", "hicache", "kvbm"]
+ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """Engine options a placement may set; None leaves the engine's own default."""
+
+    ctx: int | None = None  # context length in tokens
+    threads: int | None = None  # CPU threads (cgn_infer, llama_cpp)
+    tensor_parallel: int = 1  # GPUs one replica spans (vllm, sglang, trtllm)
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None  # vllm / sglang fraction of GPU memory
+    kv_connector: KvConnector = "none"  # engine-side KV offload / transfer (vllm, sglang)
+    backend: str | None = None  # cgn_infer: torch|mlx|sim; trtllm: pytorch|tensorrt
+    launcher: str = "auto"  # llama_cpp: auto|llama_server|xllamacpp|llama_cpp_python
+    url: str | None = None  # openai_compat: the external engine's base URL
+    extra_args: tuple[str, ...] = ()  # appended verbatim to the engine's argv
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    replica: ReplicaId
+    model: str  # the name clients use; the engine is told to serve under it
+    engine: str  # one of ENGINES
+    source: str = ""  # GGUF path, HF id or local directory, as the engine takes it
+    port: int = 0  # 0: the agent picks a free port
+    devices: tuple[int, ...] = ()  # accelerator indices (CUDA ordinals) this replica owns
+    role: Role = "both"
+    profile: EngineProfile = EngineProfile()
+
+
+def parse_placement(replica: str, data: Any) -> ReplicaSpec:
+    """A placement's JSON value as a spec; ValueError says which field is wrong and why."""
+    where = f"placement {replica}"
+    if not _ID.match(replica):
+        raise ValueError(f"{where}: replica id must be 1-128 of [A-Za-z0-9._-]")
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a JSON object")
+    known = {f.name for f in dataclasses.fields(ReplicaSpec)} - {"replica"}
+    _no_unknown(data, known, where)
+    model = _str(data, "model", where, required=True) or ""
+    engine = _str(data, "engine", where, required=True) or ""
+    if engine not in ENGINES:
+        raise ValueError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    port = data.get("port", 0)
+    if not _is_int(port) or not 0 <= port <= 65535:
+        raise ValueError(f"{where}: 'port' must be an integer 0-65535")
+    devices = data.get("devices", [])
+    if not isinstance(devices, list) or not all(_is_int(d) and d >= 0 for d in devices):
+        raise ValueError(f"{where}: 'devices' must be a list of device indices")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"{where}: 'devices' lists a device twice")
+    role = data.get("role", "both")
+    if role not in get_args(Role):
+        raise ValueError(f"{where}: 'role' must be both, prefill or decode")
+    return ReplicaSpec(
+        ReplicaId(replica),
+        model,
+        engine,
+        _str(data, "source", where) or "",
+        port,
+        tuple(devices),
+        role,
+        _profile(data.get("profile", {}), f"{where}: profile"),
+    )
+
+
+def _profile(raw: Any, where: str) -> EngineProfile:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a JSON object")
+    _no_unknown(raw, {f.name for f in dataclasses.fields(EngineProfile)}, where)
+    out: dict[str, Any] = {}
+    for name in ("ctx", "threads", "tensor_parallel"):
+        if raw.get(name) is not None:  # null: the engine's default
+            if not _is_int(raw[name]) or raw[name] < 1:
+                raise ValueError(f"{where}: '{name}' must be a positive integer")
+            out[name] = raw[name]
+    for name in ("dtype", "backend", "launcher", "url"):
+        if raw.get(name) is not None:
+            out[name] = _str(raw, name, where)
+    if raw.get("gpu_memory_utilization") is not None:
+        g = raw["gpu_memory_utilization"]
+        if not isinstance(g, int | float) or isinstance(g, bool) or not 0 < g <= 1:
+            raise ValueError(f"{where}: 'gpu_memory_utilization' must be in (0, 1]")
+        out["gpu_memory_utilization"] = float(g)
+    if "kv_connector" in raw:
+        if raw["kv_connector"] not in get_args(KvConnector):
+            options = ", ".join(get_args(KvConnector))
+            raise ValueError(f"{where}: 'kv_connector' must be one of {options}")
+        out["kv_connector"] = raw["kv_connector"]
+    extra = raw.get("extra_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise ValueError(f"{where}: 'extra_args' must be a list of strings")
+    out["extra_args"] = tuple(extra)
+    env = raw.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ValueError(f"{where}: 'env' must map names to strings")
+    out["env"] = dict(env)
+    return EngineProfile(**out)
+
+
+def spec_to_json(spec: ReplicaSpec) -> dict[str, Any]:
+    """The placement JSON that `parse_placement` turns back into `spec`."""
+    doc = dataclasses.asdict(spec)
+    del doc["replica"]
+    doc["devices"] = list(spec.devices)
+    doc["profile"]["extra_args"] = list(spec.profile.extra_args)
+    doc["profile"]["env"] = dict(spec.profile.env)
+    out: dict[str, Any] = json.loads(json.dumps(doc))  # plain JSON types only
+    return out
+
+
+def _str(data: Mapping[str, Any], key: str, where: str, required: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: '{key}' must be a non-empty string")
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _no_unknown(data: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")

@@ -1,0 +1,289 @@
+"""cgn-agent end to end: real etcd, a real agent, real cgn-infer (SmolLM2) and llama.cpp (xllamacpp).
+
+One private etcd and one state directory for the module (the outage test
+stops etcd; the adoption test kills the agent). The tests run in file order
+and each leaves the placements it needs in a known state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, TypeVar
+
+import openai
+import pytest
+
+from cgn_agent.processes import EngineProcess
+from cgn_agent.statefile import StateStore
+from cgn_core.etcd import EtcdClient
+from cgn_core.etcd.local import LocalEtcd
+from cgn_core.settings import EtcdSettings
+from tests.support.procs import Agent, cgn_agent
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
+T = TypeVar("T")
+NODE = "n1"
+PLACE = f"/cognitora/placements/{NODE}/"
+INFER, LLAMA = "r-infer", "r-llama"
+
+
+class Fleet:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.etcd = LocalEtcd(tmp / "etcd")
+        self.state = tmp / "agent"
+        self.stack = ExitStack()
+        self.agent: Agent | None = None
+
+    def start_agent(self) -> Agent:
+        # stop_on_exit: the module's last agent stops its engines at teardown
+        cm = cgn_agent(self.state, self.etcd.endpoint, "--set", "engines.stop_on_exit=true")
+        self.agent = self.stack.enter_context(cm)
+        return self.agent
+
+    def settings(self) -> EtcdSettings:
+        return EtcdSettings(endpoints=(self.etcd.endpoint,), timeout_s=2.0)
+
+    def cleanup(self) -> None:
+        self.stack.close()
+        for rec in StateStore(self.state).load_all():  # a failed test may leave engines behind
+            if rec.fingerprint is not None:
+                EngineProcess(rec.fingerprint).signal_group(signal.SIGKILL)
+        self.etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("agent"))
+    f.etcd.start()
+    try:
+        f.start_agent()
+        yield f
+    finally:
+        f.cleanup()
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 90
+) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def get(c: EtcdClient, key: str) -> Any:
+    return await c.get_json(key)
+
+
+def status_key(replica: str) -> str:
+    return f"/cognitora/replicas/{NODE}/{replica}"
+
+
+def endpoint_key(model: str, replica: str) -> str:
+    return f"/cognitora/endpoints/{model}/{NODE}.{replica}"
+
+
+async def ready(c: EtcdClient, model: str, replica: str) -> dict[str, Any]:
+    async def probe() -> dict[str, Any] | None:
+        st = await get(c, status_key(replica))
+        ep = await get(c, endpoint_key(model, replica))
+        return {"status": st, "endpoint": ep} if ep and st and st["phase"] == "Ready" else None
+
+    return await eventually(probe, f"{replica} Ready with its endpoint published")
+
+
+def chat(url: str, model: str) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, temperature=0
+    )
+    assert out.choices[0].message.content
+    return out.choices[0].message.content
+
+
+def admin(agent: Agent, path: str) -> Any:
+    with urllib.request.urlopen(agent.admin + path, timeout=5) as resp:
+        body = resp.read().decode()
+    return body if path == "/metrics" else json.loads(body)
+
+
+async def test_placements_become_ready_engines_serving_through_their_endpoints(
+    fleet: Fleet, smollm2_path: Path
+) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        await c.put_json(PLACE + INFER, {
+            "model": "smol-infer", "engine": "cgn_infer", "source": str(smollm2_path),
+            "profile": {"threads": 1, "ctx": 1024, "extra_args": ["--kv-pool-tokens", "4096"]},
+        })  # fmt: skip
+        await c.put_json(PLACE + LLAMA, {
+            "model": "smol-llama", "engine": "llama_cpp", "source": str(smollm2_path),
+            "profile": {"threads": 1, "ctx": 1024, "launcher": "xllamacpp"},
+        })  # fmt: skip
+        infer = await ready(c, "smol-infer", INFER)
+        llama = await ready(c, "smol-llama", LLAMA)
+        ep = infer["endpoint"]
+        assert ep["engine"] == "cgn-infer" and ep["node"] == NODE and ep["role"] == "both"
+        assert ep["kv_events_url"] == ep["url"] + "/v1/kv/events" and ep["block_size"] == 16
+        assert (
+            llama["endpoint"]["engine"] == "llamacpp" and "kv_events_url" not in llama["endpoint"]
+        )
+        assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
+        await asyncio.to_thread(chat, ep["url"], "smol-infer")
+        await asyncio.to_thread(chat, llama["endpoint"]["url"], "smol-llama")
+        node = await get(c, f"/cognitora/nodes/{NODE}")
+        assert node["node_class"] == "cpu" and node["cpu"]["cores"] >= 1
+        assert {r["replica"] for r in node["running"]} == {INFER, LLAMA}
+        assert node["power"]["source"] in ("unknown", "rapl") and "engines" in node
+        assert fleet.agent is not None
+        metrics = admin(fleet.agent, "/metrics")
+        assert 'cgn_agent_replicas{phase="Ready"} 2.0' in metrics
+        assert "cgn_agent_etcd_connected 1.0" in metrics
+        assert admin(fleet.agent, "/healthz") == {"status": "ok", "node": NODE, "etcd": True}
+
+
+async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        await c.put(PLACE + "r-bad", "{not json")
+        await c.put_json(PLACE + "r-vllm", {"model": "llama-8b", "engine": "vllm", "source": "x"})
+
+        async def failed(replica: str) -> dict[str, Any] | None:
+            st = await get(c, status_key(replica))
+            return st if st and st["phase"] == "Failed" else None
+
+        bad = await eventually(lambda: failed("r-bad"), "r-bad reported")
+        assert bad["reason"].startswith(
+            "invalid placement: placement r-bad: value is not JSON (Expecting property name"
+        )
+        vllm = await eventually(lambda: failed("r-vllm"), "r-vllm refused")
+        assert vllm["reason"] == (
+            "refused: vllm needs an NVIDIA GPU; node n1 is class cpu (no GPU found by nvidia-smi)"
+        )
+        await c.delete(PLACE + "r-bad")
+        await c.delete(PLACE + "r-vllm")
+        await eventually(lambda: _absent(c, status_key("r-vllm")), "r-vllm status removed")
+
+
+async def _absent(c: EtcdClient, key: str) -> bool:
+    return await c.get(key) is None
+
+
+async def test_killed_engine_is_withdrawn_then_restarted_with_backoff(fleet: Fleet) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        before = (await ready(c, "smol-infer", INFER))["status"]
+        key = endpoint_key("smol-infer", INFER)
+        rev = await c.revision()
+        os.killpg(before["pid"], signal.SIGKILL)
+        withdrawn = False
+        async with asyncio.timeout(15):
+            async for batch in c.watch_prefix(key, start_revision=rev + 1):
+                if any(ev.kind == "delete" for ev in batch.events):
+                    withdrawn = True
+                    break
+        assert withdrawn
+        after = await ready(c, "smol-infer", INFER)
+        assert after["status"]["pid"] != before["pid"]
+        assert after["status"]["restarts"] == before["restarts"] + 1
+        await asyncio.to_thread(chat, after["endpoint"]["url"], "smol-infer")
+
+
+async def test_agent_killed_and_restarted_adopts_the_running_engines(fleet: Fleet) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        pids = {r: (await get(c, status_key(r)))["pid"] for r in (INFER, LLAMA)}
+        assert fleet.agent is not None
+        fleet.agent.proc.send_signal(signal.SIGKILL)
+        fleet.agent.proc.wait(10)
+        llama_url = (await get(c, endpoint_key("smol-llama", LLAMA)))["url"]
+        await asyncio.to_thread(chat, llama_url, "smol-llama")  # the engine outlived its agent
+        agent = fleet.start_agent()
+        replicas = await eventually(
+            lambda: _all_ready(agent), "the new agent reports both replicas Ready", timeout_s=30
+        )
+        assert {r: replicas[r]["pid"] for r in (INFER, LLAMA)} == pids  # adopted, none started
+        assert all(replicas[r]["restarts"] == 0 for r in (INFER, LLAMA))
+        for r, model in ((INFER, "smol-infer"), (LLAMA, "smol-llama")):
+            ep = await ready(c, model, r)
+            assert ep["status"]["pid"] == pids[r]
+        await asyncio.to_thread(chat, (await get(c, endpoint_key("smol-infer", INFER)))["url"],
+                                "smol-infer")  # fmt: skip
+
+
+async def _all_ready(agent: Agent) -> dict[str, Any] | None:
+    replicas = (await asyncio.to_thread(admin, agent, "/replicas"))["replicas"]
+    ok = len(replicas) == 2 and all(r["phase"] == "Ready" for r in replicas.values())
+    return replicas if ok else None
+
+
+async def test_etcd_outage_engines_keep_serving_and_the_agent_registers_again(
+    fleet: Fleet,
+) -> None:
+    assert fleet.agent is not None
+    agent = fleet.agent
+    async with EtcdClient(fleet.settings()) as c:
+        infer = await ready(c, "smol-infer", INFER)
+        node_before = await c.get(f"/cognitora/nodes/{NODE}")
+        ep_before = await c.get(endpoint_key("smol-infer", INFER))
+        assert node_before is not None and ep_before is not None
+    await asyncio.to_thread(fleet.etcd.stop)
+    outage_started = time.monotonic()
+    try:
+        await eventually(
+            lambda: _etcd_flag(agent, False), "the agent to notice etcd is gone", timeout_s=15
+        )
+        await asyncio.to_thread(chat, infer["endpoint"]["url"], "smol-infer")
+        await asyncio.sleep(max(0.0, 20 - (time.monotonic() - outage_started)))
+        await asyncio.to_thread(chat, infer["endpoint"]["url"], "smol-infer")
+        phases = {
+            r["phase"]
+            for r in (await asyncio.to_thread(admin, agent, "/replicas"))["replicas"].values()
+        }
+        assert phases == {"Ready"}  # nothing was stopped for lack of etcd
+    finally:
+        await asyncio.to_thread(fleet.etcd.start)
+    await eventually(lambda: _etcd_flag(agent, True), "the agent back on etcd", timeout_s=30)
+    async with EtcdClient(fleet.settings()) as c:
+
+        async def resent() -> bool:
+            node = await c.get(f"/cognitora/nodes/{NODE}")
+            ep = await c.get(endpoint_key("smol-infer", INFER))
+            return bool(node and ep and node.mod_revision > node_before.mod_revision
+                        and ep.mod_revision > ep_before.mod_revision)  # fmt: skip
+
+        await eventually(resent, "node and endpoint keys re-sent", timeout_s=30)
+        await ready(c, "smol-llama", LLAMA)
+
+
+async def _etcd_flag(agent: Agent, want: bool) -> bool:
+    return (await asyncio.to_thread(admin, agent, "/healthz"))["etcd"] is want
+
+
+async def test_removed_placement_stops_the_engine_and_withdraws_it(fleet: Fleet) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        pid = (await ready(c, "smol-llama", LLAMA))["status"]["pid"]
+        rec = next(r for r in StateStore(fleet.state).load_all() if r.spec.replica == LLAMA)
+        assert rec.fingerprint is not None and rec.fingerprint.pid == pid
+        await c.delete(PLACE + LLAMA)
+        await eventually(
+            lambda: _absent(c, endpoint_key("smol-llama", LLAMA)), "endpoint withdrawn"
+        )
+        await eventually(lambda: _absent(c, status_key(LLAMA)), "status removed")
+        proc = EngineProcess(rec.fingerprint)
+        await eventually(lambda: _gone(proc), "the llama.cpp engine to exit", timeout_s=30)
+        assert LLAMA not in {r.spec.replica for r in StateStore(fleet.state).load_all()}
+        assert await c.get(endpoint_key("smol-infer", INFER)) is not None  # the other one stays
+
+
+async def _gone(proc: EngineProcess) -> bool:
+    return proc.poll()[0]

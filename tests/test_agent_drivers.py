@@ -1,0 +1,281 @@
+"""Engine drivers: argv against each engine's documented flags, validation before launch, KV connectors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from cgn_agent.drivers import DRIVERS, LaunchContext, PlacementRefused, installed_engines
+from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
+from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec, parse_placement, spec_to_json
+
+BIN = Path(sys.executable).parent
+CTX = LaunchContext("0.0.0.0", 8100, python="/venv/bin/python")
+
+# Flags as each engine documents them (vLLM `vllm serve --help`, SGLang server
+# arguments, `trtllm-serve --help`, mlx_lm.server, llama.cpp's server README,
+# llama-cpp-python's server settings).
+DOCUMENTED = {
+    "vllm": {"--host", "--port", "--served-model-name", "--tensor-parallel-size",
+             "--max-model-len", "--dtype", "--gpu-memory-utilization", "--kv-transfer-config"},
+    "sglang": {"--model-path", "--host", "--port", "--served-model-name", "--tp-size",
+               "--context-length", "--dtype", "--mem-fraction-static", "--enable-metrics",
+               "--enable-hierarchical-cache", "--enable-lmcache", "--disaggregation-mode",
+               "--disaggregation-transfer-backend"},
+    "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
+    "mlx_lm": {"--model", "--host", "--port"},
+    "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl"},
+    "llama_cpp_python": {"--model", "--host", "--port", "--model_alias", "--n_ctx",
+                         "--n_threads", "--n_gpu_layers"},
+}  # fmt: skip
+
+
+@dataclass
+class FakeTools:
+    binaries: dict[str, str] = field(default_factory=dict)
+    modules: set[str] = field(default_factory=set)
+    files: set[str] = field(default_factory=set)
+
+    def which(self, name: str) -> str | None:
+        return self.binaries.get(name)
+
+    def has_module(self, name: str) -> bool:
+        return name in self.modules
+
+    def is_file(self, path: str) -> bool:
+        return path in self.files
+
+
+def h100s(n: int, sick: int | None = None) -> Inventory:
+    gpus = tuple(
+        Accelerator("nvidia", i, "NVIDIA H100 80GB HBM3", "h100-80g", 81559,
+                    health=("uncorrected ECC errors: 2",) if i == sick else ())
+        for i in range(n)
+    )  # fmt: skip
+    return Inventory("g1", "g1", Cpu("x", 64, 1 << 20), gpus)
+
+
+CPU_NODE = Inventory("c1", "c1", Cpu("x", 2, 24000))
+MAC = Inventory(
+    "m1", "m1", Cpu("Apple M2 Ultra", 24, 196608),
+    (Accelerator("apple", 0, "Apple M2 Ultra", "m2-ultra-192g", 196608),),
+)  # fmt: skip
+ALL_TOOLS = FakeTools(
+    {"vllm": "/v/bin/vllm", "trtllm-serve": "/t/bin/trtllm-serve", "llama-server": "/usr/bin/llama-server",
+     "cgn-infer": "/venv/bin/cgn-infer"},
+    {"sglang", "mlx_lm", "xllamacpp", "llama_cpp"},
+    {"/m/smol.gguf"},
+)  # fmt: skip
+
+
+def spec(engine: str, **kw: object) -> ReplicaSpec:
+    profile = kw.pop("profile", EngineProfile())
+    base = ReplicaSpec(ReplicaId("r1"), "llama-8b", engine, "meta-llama/Llama-3.1-8B-Instruct")
+    return replace(base, profile=profile, **kw)  # type: ignore[arg-type]
+
+
+def flags(argv: tuple[str, ...]) -> set[str]:
+    return {a for a in argv if re.match(r"^--?[a-zA-Z]", a) and not a.startswith("-1")}
+
+
+def test_vllm_argv_env_and_documented_flags() -> None:
+    s = spec("vllm", devices=(2, 3), profile=EngineProfile(ctx=8192, tensor_parallel=2,
+             gpu_memory_utilization=0.9, kv_connector="lmcache", extra_args=("--enable-prefix-caching",)))  # fmt: skip
+    DRIVERS["vllm"].validate(s, h100s(4), ALL_TOOLS)
+    launch = DRIVERS["vllm"].launch(s, CTX, ALL_TOOLS)
+    assert launch.argv == (
+        "/v/bin/vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0",
+        "--port", "8100", "--served-model-name", "llama-8b", "--tensor-parallel-size", "2",
+        "--max-model-len", "8192", "--gpu-memory-utilization", "0.9", "--kv-transfer-config",
+        '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}', "--enable-prefix-caching",
+    )  # fmt: skip
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert launch.url == "http://127.0.0.1:8100" and launch.metrics_dialect == "vllm"
+    assert flags(launch.argv[:-1]) <= DOCUMENTED["vllm"]
+
+
+def test_sglang_argv_and_documented_flags() -> None:
+    s = spec("sglang", devices=(0,), profile=EngineProfile(ctx=4096, kv_connector="hicache", dtype="bfloat16",
+             gpu_memory_utilization=0.85))  # fmt: skip
+    DRIVERS["sglang"].validate(s, h100s(1), ALL_TOOLS)
+    launch = DRIVERS["sglang"].launch(s, CTX, ALL_TOOLS)
+    assert launch.argv == (
+        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path",
+        "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0", "--port", "8100",
+        "--served-model-name", "llama-8b", "--tp-size", "1", "--context-length", "4096",
+        "--dtype", "bfloat16", "--mem-fraction-static", "0.85", "--enable-metrics",
+        "--enable-hierarchical-cache",
+    )  # fmt: skip
+    assert flags(launch.argv[3:]) <= DOCUMENTED["sglang"] and launch.metrics_dialect == "sglang"
+
+
+def test_trtllm_and_mlx_argv_and_documented_flags() -> None:
+    s = spec("trtllm", devices=(0, 1), profile=EngineProfile(tensor_parallel=2, ctx=16384))
+    DRIVERS["trtllm"].validate(s, h100s(2), ALL_TOOLS)
+    launch = DRIVERS["trtllm"].launch(s, CTX, ALL_TOOLS)
+    assert launch.argv == (
+        "/t/bin/trtllm-serve", "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0",
+        "--port", "8100", "--backend", "pytorch", "--tp_size", "2", "--max_seq_len", "16384",
+        "--served_model_name", "llama-8b",
+    )  # fmt: skip
+    assert flags(launch.argv) <= DOCUMENTED["trtllm"]
+    assert launch.metrics_dialect is None  # its /metrics is JSON, not Prometheus
+    m = spec(
+        "mlx_lm", model="mlx-community/Qwen2.5-7B-4bit", source="mlx-community/Qwen2.5-7B-4bit"
+    )
+    DRIVERS["mlx_lm"].validate(m, MAC, ALL_TOOLS)
+    launch = DRIVERS["mlx_lm"].launch(m, CTX, ALL_TOOLS)
+    assert launch.argv == ("/venv/bin/python", "-m", "mlx_lm.server", "--model",
+                           "mlx-community/Qwen2.5-7B-4bit", "--host", "0.0.0.0", "--port", "8100")  # fmt: skip
+    assert flags(launch.argv[3:]) <= DOCUMENTED["mlx_lm"]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "documented", "program", "health", "dialect"),
+    [
+        ("auto", "llama_server", 1, "/health", "llamacpp"),
+        ("llama_server", "llama_server", 1, "/health", "llamacpp"),
+        ("llama_cpp_python", "llama_cpp_python", 3, "/v1/models", None),
+    ],
+)
+def test_llama_cpp_launchers(launcher: str, documented: str, program: int, health: str,
+                             dialect: str | None) -> None:  # fmt: skip
+    s = replace(spec("llama_cpp", source="/m/smol.gguf", profile=EngineProfile(ctx=2048, threads=4,
+                launcher=launcher)), model="smol")  # fmt: skip
+    DRIVERS["llama_cpp"].validate(s, CPU_NODE, ALL_TOOLS)
+    launch = DRIVERS["llama_cpp"].launch(s, CTX, ALL_TOOLS)
+    assert flags(launch.argv[program:]) <= DOCUMENTED[documented]
+    assert launch.health_path == health and launch.metrics_dialect == dialect
+    assert "smol" in launch.argv and "/m/smol.gguf" in launch.argv
+
+
+def _help_flags(argv: list[str]) -> set[str]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return set(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
+
+
+def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
+    """The two engines installed here: their own --help is the documentation."""
+    tools = FakeTools({"cgn-infer": str(BIN / "cgn-infer")}, {"xllamacpp"}, {"/m/smol.gguf"})
+    s = replace(spec("cgn_infer", source="/m/smol.gguf",
+                     profile=EngineProfile(ctx=2048, threads=2, backend="sim", dtype="int8")), model="smol")  # fmt: skip
+    DRIVERS["cgn_infer"].validate(s, CPU_NODE, tools)
+    launch = DRIVERS["cgn_infer"].launch(s, CTX, tools)
+    assert launch.argv[:2] == (str(BIN / "cgn-infer"), "serve")
+    assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
+    assert launch.metrics_dialect == "cgn-infer"
+    x = replace(spec("llama_cpp", source="/m/smol.gguf",
+                     profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp")), model="smol", devices=())  # fmt: skip
+    launch = DRIVERS["llama_cpp"].launch(x, CTX, tools)
+    assert launch.argv[1:3] == ("-m", "cgn_agent.runners.xllamacpp_server")
+    helped = _help_flags([sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--help"])
+    assert flags(launch.argv[3:]) <= helped
+
+
+@pytest.mark.parametrize(
+    ("engine", "node", "kw", "message"),
+    [
+        ("vllm", CPU_NODE, {}, "vllm needs an NVIDIA GPU; node c1 is class cpu"),
+        ("sglang", MAC, {"devices": (0,)}, "sglang needs an NVIDIA GPU; node m1 is class m2-ultra-192g"),
+        ("trtllm", h100s(8), {"devices": (0,), "profile": EngineProfile(tensor_parallel=2)},
+         "tensor_parallel=2 needs 2 device"),
+        ("vllm", h100s(2), {"devices": (5,)}, "device 5 does not exist on node g1"),
+        ("vllm", h100s(4, sick=3), {"devices": (3,)}, "device 3 is unhealthy (uncorrected ECC errors: 2)"),
+        ("vllm", h100s(1), {"devices": (0,), "profile": EngineProfile(kv_connector="hicache")},
+         "vllm has no 'hicache' KV connector"),
+        ("sglang", h100s(1), {"devices": (0,), "profile": EngineProfile(kv_connector="kvbm")},
+         "sglang has no 'kvbm' KV connector"),
+        ("sglang", h100s(1), {"devices": (0,), "profile": EngineProfile(kv_connector="nixl")},
+         "nixl needs role prefill or decode"),
+        ("mlx_lm", CPU_NODE, {}, "mlx_lm needs Apple silicon"),
+        ("mlx_lm", MAC, {}, "serves a model under its source name"),
+        ("llama_cpp", CPU_NODE, {"source": "/missing.gguf"}, "model file /missing.gguf does not exist"),
+        ("llama_cpp", CPU_NODE, {"source": "/m/smol.gguf", "profile": EngineProfile(kv_connector="lmcache")},
+         "llama_cpp has no engine-side KV connector"),
+        ("cgn_infer", CPU_NODE, {"source": "/m/smol.gguf", "profile": EngineProfile(backend="tpu")},
+         "backend must be one of torch, mlx, sim"),
+        ("cgn_infer", CPU_NODE, {"source": ""}, "placement has no 'source'"),
+        ("openai_compat", CPU_NODE, {}, "profile.url must be the engine's http(s) URL"),
+    ],
+)  # fmt: skip
+def test_validation_refuses_what_the_node_cannot_run(
+    engine: str, node: Inventory, kw: dict[str, object], message: str
+) -> None:
+    with pytest.raises(PlacementRefused, match=re.escape(message)):
+        DRIVERS[engine].validate(spec(engine, **kw), node, ALL_TOOLS)
+
+
+@pytest.mark.parametrize(
+    ("connector", "role", "args"),
+    [
+        ("none", "both", []),
+        ("nixl", "both", ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']),
+        ("kvbm", "both", ["--kv-transfer-config", json.dumps({"kv_connector": "DynamoConnector",
+         "kv_connector_module_path": "kvbm.vllm_integration.connector", "kv_role": "kv_both"},
+         separators=(",", ":"))]),
+    ],
+)  # fmt: skip
+def test_vllm_kv_connector_matrix(connector: str, role: str, args: list[str]) -> None:
+    s = spec("vllm", devices=(0,), role=role, profile=EngineProfile(kv_connector=connector))  # type: ignore[arg-type]
+    argv = DRIVERS["vllm"].launch(s, CTX, ALL_TOOLS).argv
+    assert list(argv[argv.index("1") + 1 :]) == args
+
+
+@pytest.mark.parametrize(
+    ("connector", "role", "args"),
+    [
+        ("lmcache", "both", ["--enable-lmcache"]),
+        ("nixl", "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl"]),
+        ("nixl", "decode", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"]),
+    ],
+)  # fmt: skip
+def test_sglang_kv_connector_matrix(connector: str, role: str, args: list[str]) -> None:
+    s = spec("sglang", devices=(0,), role=role, profile=EngineProfile(kv_connector=connector))  # type: ignore[arg-type]
+    argv = DRIVERS["sglang"].launch(s, CTX, ALL_TOOLS).argv
+    assert list(argv[argv.index("--enable-metrics") + 1 :]) == args
+
+
+def test_installed_engines_and_openai_compat() -> None:
+    assert installed_engines(FakeTools()) == ["openai_compat"]
+    assert installed_engines(ALL_TOOLS) == list(DRIVERS)
+    s = spec("openai_compat", profile=EngineProfile(url="http://10.0.0.9:8000/"))
+    DRIVERS["openai_compat"].validate(s, CPU_NODE, FakeTools())
+    launch = DRIVERS["openai_compat"].launch(s, CTX, FakeTools())
+    assert not launch.spawn and launch.url == "http://10.0.0.9:8000" and launch.argv == ()
+
+
+def test_placement_parsing_round_trips_and_names_bad_fields() -> None:
+    doc = {"model": "m", "engine": "vllm", "source": "s", "port": 8001, "devices": [0, 1],
+           "role": "prefill", "profile": {"tensor_parallel": 2, "kv_connector": "nixl",
+           "extra_args": ["--x"], "env": {"A": "1"}, "gpu_memory_utilization": 0.5}}  # fmt: skip
+    s = parse_placement("r7", doc)
+    assert s.devices == (0, 1) and s.profile.env == {"A": "1"} and s.profile.extra_args == ("--x",)
+    assert parse_placement("r7", spec_to_json(s)) == s
+    for bad, message in [
+        ({"engine": "vllm"}, "'model' must be a non-empty string"),
+        ({"model": "m", "engine": "tgi"}, "engine must be one of"),
+        ({"model": "m", "engine": "vllm", "port": 70000}, "'port' must be an integer 0-65535"),
+        ({"model": "m", "engine": "vllm", "devices": [0, 0]}, "lists a device twice"),
+        ({"model": "m", "engine": "vllm", "colour": 1}, "unknown field(s) colour"),
+        (
+            {"model": "m", "engine": "vllm", "profile": {"ctx": -1}},
+            "'ctx' must be a positive integer",
+        ),
+        (
+            {"model": "m", "engine": "vllm", "profile": {"kv_connector": "x"}},
+            "'kv_connector' must be one of",
+        ),
+        ({"model": "m", "engine": "vllm", "profile": {"gpu_memory_utilization": 2}}, "in (0, 1]"),
+        ([1, 2], "expected a JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_placement("r7", bad)
+    with pytest.raises(ValueError, match="replica id"):
+        parse_placement("../etc", {"model": "m", "engine": "vllm"})
