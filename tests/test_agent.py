@@ -26,7 +26,7 @@ from cgn_agent.statefile import StateStore
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
-from tests.support.procs import Agent, cgn_agent
+from tests.support.procs import Agent, cgn_agent, cgn_router
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 T = TypeVar("T")
@@ -152,6 +152,28 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
         assert 'cgn_agent_replicas{phase="Ready"} 2.0' in metrics
         assert "cgn_agent_etcd_connected 1.0" in metrics
         assert admin(fleet.agent, "/healthz") == {"status": "ok", "node": NODE, "etcd": True}
+
+
+async def test_the_router_serves_the_agents_endpoints(fleet: Fleet, tmp_path: Path) -> None:
+    """The endpoint records the agent writes are the ones cgn-router routes to (the contract)."""
+    config = {"etcd": {"endpoints": [fleet.etcd.endpoint]}, "scrape": {"interval_s": 0.5}}
+    with cgn_router(tmp_path, config) as router:
+
+        async def listed() -> dict[str, Any] | None:
+            doc = await asyncio.to_thread(admin_json, router.admin + "/endpoints")
+            eps = {e["id"]: e for e in doc["endpoints"]}
+            want = {f"smol-infer/{NODE}.{INFER}", f"smol-llama/{NODE}.{LLAMA}"}
+            return eps if want <= set(eps) else None
+
+        eps = await eventually(listed, "the router to list both endpoints", timeout_s=30)
+        assert eps[f"smol-infer/{NODE}.{INFER}"]["engine"] == "cgn-infer"
+        for model in ("smol-infer", "smol-llama"):
+            await asyncio.to_thread(chat, router.url, model)
+
+
+def admin_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
 
 
 async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cgn_agent import supervisor as sv
 from cgn_agent.supervisor import (
@@ -141,3 +143,60 @@ def test_observations_that_do_not_apply_change_nothing() -> None:
         assert sv.step(s, obs, P) == (s, [])
     stopped = State(Phase.STOPPED)
     assert sv.step(stopped, Exited(1.0, 0), P) == (stopped, [])
+
+
+# ---- invariants over any sequence of observations (hypothesis) ------------------------
+
+
+def observations() -> st.SearchStrategy[list[tuple[str, float, bool]]]:
+    # weighted so that sequences reach Ready, fail, restart and stop often
+    kinds = st.sampled_from(
+        ["tick"] * 2 + ["spawned"] * 3 + ["spawn_failed", "exited", "exited"] + ["probe"] * 4
+        + ["stop"]
+    )  # fmt: skip
+    return st.lists(st.tuples(kinds, st.floats(0, 5), st.booleans()), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(observations())
+def test_endpoint_published_exactly_while_ready_and_one_process_at_a_time(
+    seq: list[tuple[str, float, bool]],
+) -> None:
+    state, actions = sv.start(0.0)
+    now, published, alive, next_pid = 0.0, False, False, 100
+    spawns_pending = actions.count(Spawn())
+    for kind, dt, ok in seq:
+        now += dt
+        if kind == "spawned" and spawns_pending:
+            obs: sv.Observation = Spawned(now, next_pid)
+            next_pid += 1
+        elif kind == "spawn_failed" and spawns_pending:
+            obs = SpawnFailed(now, "boom", rand=0.3)
+        elif kind == "exited" and alive:
+            obs = Exited(now, 1, rand=0.7)
+        elif kind == "probe" and alive:
+            obs = Probe(now, ok, ok)
+        elif kind == "stop":
+            obs = Stop(now)
+        else:
+            obs = Tick(now)
+        if isinstance(obs, Spawned | SpawnFailed):
+            spawns_pending -= 1
+            alive = isinstance(obs, Spawned)
+        if isinstance(obs, Exited):
+            alive = False
+        state, actions = sv.step(state, obs, P)
+        for a in actions:
+            if a == Spawn():
+                assert not alive and spawns_pending == 0, "a second engine for one replica"
+                spawns_pending += 1
+            elif a == PublishEndpoint():
+                assert not published
+                published = True
+            elif a in (WithdrawEndpoint(), Forget()):
+                published = False
+        assert published == (state.phase == Phase.READY), (state, actions)
+        assert (state.pid is not None) == alive, "the state must know exactly when a process lives"
+        if state.phase == Phase.STOPPED:
+            assert not alive
+            break
