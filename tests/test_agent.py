@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from cgn_agent.processes import EngineProcess
-from cgn_agent.statefile import StateStore
+from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
@@ -291,10 +291,37 @@ async def _etcd_flag(agent: Agent, want: bool) -> bool:
     return (await asyncio.to_thread(admin, agent, "/healthz"))["etcd"] is want
 
 
+async def test_changed_placement_replaces_the_engine(fleet: Fleet, smollm2_path: Path) -> None:
+    async with EtcdClient(fleet.settings()) as c:
+        before = (await ready(c, "smol-infer", INFER))["status"]
+        old = _record(fleet, INFER).fingerprint
+        assert old is not None and old.pid == before["pid"]
+        await c.put_json(PLACE + INFER, {
+            "model": "smol-infer", "engine": "cgn_infer", "source": str(smollm2_path),
+            "profile": {"threads": 1, "ctx": 1024, "extra_args": ["--kv-pool-tokens", "2048"]},
+        })  # fmt: skip
+
+        async def replaced() -> dict[str, Any] | None:
+            st = await get(c, status_key(INFER))
+            ok = st and st["phase"] == "Ready" and st["pid"] != before["pid"]
+            return st if ok else None
+
+        after = await eventually(replaced, "the new engine Ready")
+        assert EngineProcess(old).poll()[0]  # the old engine exited
+        rec = _record(fleet, INFER)
+        assert rec.spec.profile.extra_args == ("--kv-pool-tokens", "2048")
+        assert rec.fingerprint is not None and rec.fingerprint.pid == after["pid"]
+        await ready(c, "smol-infer", INFER)
+
+
+def _record(fleet: Fleet, replica: str) -> ReplicaRecord:
+    return next(r for r in StateStore(fleet.state).load_all() if r.spec.replica == replica)
+
+
 async def test_removed_placement_stops_the_engine_and_withdraws_it(fleet: Fleet) -> None:
     async with EtcdClient(fleet.settings()) as c:
         pid = (await ready(c, "smol-llama", LLAMA))["status"]["pid"]
-        rec = next(r for r in StateStore(fleet.state).load_all() if r.spec.replica == LLAMA)
+        rec = _record(fleet, LLAMA)
         assert rec.fingerprint is not None and rec.fingerprint.pid == pid
         await c.delete(PLACE + LLAMA)
         await eventually(
