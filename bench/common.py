@@ -36,8 +36,9 @@ def engine(
     llama.cpp gets `ctx` tokens per parallel slot."""
     port = free_port()
     if kind == "llama.cpp":
-        argv = [sys.executable, str(REPO / "tests/support/llamacpp_server.py"), str(model), str(port),
-                str(threads), str(parallel), str(ctx)]  # fmt: skip
+        argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
+                "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
+                "--ctx", str(ctx)]  # fmt: skip
     else:
         argv = [str(Path(sys.executable).parent / "cgn-infer"), "serve", "--model", str(model),
                 "--port", str(port), "--threads", str(threads), "--ctx", str(ctx), *extra]  # fmt: skip

@@ -94,8 +94,9 @@ def cgn_infer_engines(
 def llamacpp(model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
     port = free_port()
-    argv = [sys.executable, str(REPO / "tests/support/llamacpp_server.py"), str(model), str(port),
-            str(threads), str(parallel), str(ctx)]  # fmt: skip
+    argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
+            "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
+            "--ctx", str(ctx)]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
