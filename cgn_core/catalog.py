@@ -1,0 +1,264 @@
+"""The model catalog: what a model is, how it may run, validated before it is stored.
+
+`/cognitora/catalog/models/<name>` holds one model as JSON; `cgn-ctl models
+apply -f model.yaml` writes it after `parse_model` (one model's fields) and
+`check_catalog` (names across models) accept it. Errors name the field path:
+`profiles[1].tensor_parallel: 4 does not divide devices × nodes = 2`.
+
+    name: llama-8b
+    source: meta-llama/Llama-3.1-8B-Instruct   # GGUF path, bundled name or engine model id
+    tokenizer: /models/llama-8b.gguf           # for routing; default: source when it is a GGUF
+    role: both                                 # both | prefill | decode
+    replicas: {min: 1, max: 2}
+    aliases: [llama]
+    fallbacks: [smollm2]
+    profiles:                                  # in priority order: the first that fits is used
+      - {engine: vllm, accelerator: h100-80g, devices: 1, tensor_parallel: 1, ctx: 8192}
+      - {engine: llama_cpp, accelerator: cpu, source: /models/llama-8b.Q4_K_M.gguf, threads: 8}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
+ROLES = ("both", "prefill", "decode")
+KV_CONNECTORS = ("none", "lmcache", "nixl", "hicache", "kvbm")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+class CatalogError(ValueError):
+    """A model spec that cannot be stored; the message starts with the field path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    engine: str
+    accelerator: str = "cpu"  # an accelerator class (h100-80g, m2-ultra-192g) or cpu
+    devices: int = 0  # accelerators per node for one replica (0 on cpu)
+    nodes: int = 1  # nodes one replica spans
+    tensor_parallel: int = 1
+    source: str = ""  # overrides the model's source for this engine
+    ctx: int | None = None
+    threads: int | None = None
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    kv_connector: str = "none"
+    backend: str | None = None
+    launcher: str = "auto"
+    url: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.accelerator == "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    source: str
+    profiles: tuple[Profile, ...]
+    tokenizer: str = ""
+    role: str = "both"
+    min_replicas: int = 1
+    max_replicas: int = 1
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form: the YAML schema above (and what `parse_model` reads back)."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "tokenizer": self.tokenizer,
+            "role": self.role,
+            "replicas": {"min": self.min_replicas, "max": self.max_replicas},
+            "aliases": list(self.aliases),
+            "fallbacks": list(self.fallbacks),
+            "profiles": [_profile_json(p) for p in self.profiles],
+        }
+
+
+def _profile_json(p: Profile) -> dict[str, Any]:
+    doc = dataclasses.asdict(p)
+    doc["extra_args"] = list(p.extra_args)
+    doc["env"] = dict(p.env)
+    return {k: v for k, v in doc.items() if v is not None and v != ""}
+
+
+def parse_model(doc: Any, where: str = "") -> ModelSpec:
+    """One model's spec; CatalogError names the first bad field."""
+    if not isinstance(doc, Mapping):
+        raise CatalogError(f"{where or 'model'}: expected a mapping")
+    _known(doc, {"name", "source", "tokenizer", "role", "replicas", "aliases", "fallbacks",
+                 "profiles"}, where)  # fmt: skip
+    name = _text(doc, "name", where, required=True)
+    if not _NAME.match(name):
+        raise CatalogError(f"{_p(where, 'name')}: use 1-128 of [A-Za-z0-9._:-]")
+    source = _text(doc, "source", where)
+    role = _text(doc, "role", where) or "both"
+    if role not in ROLES:
+        raise CatalogError(f"{_p(where, 'role')}: must be one of {', '.join(ROLES)}")
+    replicas = doc.get("replicas", {})
+    if not isinstance(replicas, Mapping):
+        raise CatalogError(f"{_p(where, 'replicas')}: expected {{min, max}}")
+    _known(replicas, {"min", "max"}, _p(where, "replicas"))
+    lo = _int(replicas, "min", _p(where, "replicas"), 1, minimum=0)
+    hi = _int(replicas, "max", _p(where, "replicas"), max(lo, 1), minimum=1)
+    if lo > hi:
+        raise CatalogError(f"{_p(where, 'replicas')}: min {lo} is above max {hi}")
+    raw_profiles = doc.get("profiles")
+    if not isinstance(raw_profiles, list) or not raw_profiles:
+        raise CatalogError(f"{_p(where, 'profiles')}: at least one profile is required")
+    profiles = tuple(
+        _parse_profile(p, _p(where, f"profiles[{i}]")) for i, p in enumerate(raw_profiles)
+    )
+    for i, p in enumerate(profiles):
+        if not (p.source or source) and p.engine != "openai_compat":
+            raise CatalogError(
+                f"{_p(where, f'profiles[{i}]')}: no source (set source: on the model)"
+            )
+    return ModelSpec(
+        name=name,
+        source=source,
+        profiles=profiles,
+        tokenizer=_text(doc, "tokenizer", where),
+        role=role,
+        min_replicas=lo,
+        max_replicas=hi,
+        aliases=_names(doc, "aliases", where),
+        fallbacks=_names(doc, "fallbacks", where),
+    )
+
+
+def _parse_profile(raw: Any, where: str) -> Profile:
+    if not isinstance(raw, Mapping):
+        raise CatalogError(f"{where}: expected a mapping")
+    _known(raw, {f.name for f in dataclasses.fields(Profile)}, where)
+    engine = _text(raw, "engine", where, required=True)
+    if engine not in ENGINES:
+        raise CatalogError(f"{_p(where, 'engine')}: must be one of {', '.join(ENGINES)}")
+    accel = _text(raw, "accelerator", where) or "cpu"
+    if not _CLASS.match(accel):
+        raise CatalogError(
+            f"{_p(where, 'accelerator')}: an accelerator class such as h100-80g, or cpu"
+        )
+    devices = _int(raw, "devices", where, 0 if accel == "cpu" else 1, minimum=0)
+    nodes = _int(raw, "nodes", where, 1, minimum=1)
+    tp = _int(raw, "tensor_parallel", where, max(devices * nodes, 1), minimum=1)
+    if accel == "cpu" and devices:
+        raise CatalogError(f"{_p(where, 'devices')}: a cpu profile takes no devices, got {devices}")
+    if accel != "cpu" and devices == 0:
+        raise CatalogError(f"{_p(where, 'devices')}: a {accel} profile needs at least one device")
+    if accel != "cpu" and (devices * nodes) % tp:
+        at, total = _p(where, "tensor_parallel"), devices * nodes
+        raise CatalogError(f"{at}: {tp} does not divide devices × nodes = {total}")
+    if accel == "cpu" and tp != 1:
+        raise CatalogError(f"{_p(where, 'tensor_parallel')}: a cpu profile runs with 1, got {tp}")
+    kv = _text(raw, "kv_connector", where) or "none"
+    if kv not in KV_CONNECTORS:
+        raise CatalogError(
+            f"{_p(where, 'kv_connector')}: must be one of {', '.join(KV_CONNECTORS)}"
+        )
+    extra = raw.get("extra_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise CatalogError(f"{_p(where, 'extra_args')}: expected a list of strings")
+    env = raw.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+        raise CatalogError(f"{_p(where, 'env')}: expected a mapping of strings")
+    gmu = raw.get("gpu_memory_utilization")
+    if gmu is not None and (
+        not isinstance(gmu, int | float) or isinstance(gmu, bool) or not 0 < gmu <= 1
+    ):
+        raise CatalogError(f"{_p(where, 'gpu_memory_utilization')}: must be in (0, 1]")
+    optional_ints = {k: _opt_int(raw, k, where) for k in ("ctx", "threads")}
+    return Profile(
+        engine=engine,
+        accelerator=accel,
+        devices=devices,
+        nodes=nodes,
+        tensor_parallel=tp,
+        source=_text(raw, "source", where),
+        dtype=_text(raw, "dtype", where) or None,
+        gpu_memory_utilization=None if gmu is None else float(gmu),
+        kv_connector=kv,
+        backend=_text(raw, "backend", where) or None,
+        launcher=_text(raw, "launcher", where) or "auto",
+        url=_text(raw, "url", where) or None,
+        extra_args=tuple(extra),
+        env=dict(env),
+        **optional_ints,
+    )
+
+
+def check_catalog(models: Mapping[str, ModelSpec]) -> None:
+    """Names across the catalog: every fallback names a model, no alias shadows or repeats."""
+    owners: dict[str, str] = {}
+    for name, m in sorted(models.items()):
+        for i, alias in enumerate(m.aliases):
+            if alias in models:
+                raise CatalogError(f"{name}: aliases[{i}]: {alias!r} is the name of a model")
+            if alias in owners and owners[alias] != name:
+                raise CatalogError(
+                    f"{name}: aliases[{i}]: {alias!r} is already an alias of {owners[alias]}"
+                )
+            owners[alias] = name
+    for name, m in sorted(models.items()):
+        for i, fb in enumerate(m.fallbacks):
+            if fb == name:
+                raise CatalogError(f"{name}: fallbacks[{i}]: a model cannot fall back to itself")
+            if fb not in models:
+                raise CatalogError(f"{name}: fallbacks[{i}]: {fb!r} names no model in the catalog")
+
+
+# ---- field readers ------------------------------------------------------------------------
+
+
+def _p(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _known(doc: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise CatalogError(f"{_p(where, unknown[0])}: unknown field")
+
+
+def _text(doc: Mapping[str, Any], key: str, where: str, required: bool = False) -> str:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise CatalogError(f"{_p(where, key)}: required")
+        return ""
+    if not isinstance(value, str) or (required and not value):
+        raise CatalogError(f"{_p(where, key)}: expected a string")
+    return value
+
+
+def _int(doc: Mapping[str, Any], key: str, where: str, default: int, minimum: int) -> int:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CatalogError(f"{_p(where, key)}: expected an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def _opt_int(doc: Mapping[str, Any], key: str, where: str) -> int | None:
+    if doc.get(key) is None:
+        return None
+    return _int(doc, key, where, 0, minimum=1)
+
+
+def _names(doc: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    value = doc.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and _NAME.match(v) for v in value):
+        raise CatalogError(f"{_p(where, key)}: expected a list of model names")
+    if len(set(value)) != len(value):
+        raise CatalogError(f"{_p(where, key)}: a name is listed twice")
+    return tuple(value)

@@ -1,0 +1,226 @@
+"""Placement: where the next replica of a model goes, and why every other candidate was not chosen.
+
+Pure code over plain values (the router's reconciler and `cgn-ctl
+explain-placement` both call it). For each profile of the model, in priority
+order, every node is a candidate; it is rejected, with the reason, when it is
+unreachable or lost, cordoned, lacks the profile's engine, or has too few
+free healthy devices of the profile's class. The first profile with an
+accepted node wins; among its accepted nodes:
+
+* GPU profiles bin-pack: the node left with the fewest free devices of the
+  class after the allocation goes first (partly used nodes before whole ones,
+  so whole nodes stay free for large models);
+* CPU profiles spread: the node with the fewest replicas of this model, then
+  the fewest replicas overall;
+* multi-node replicas (`nodes > 1`) take the emptiest nodes of one fabric
+  (the `fabric` label; never two fabrics, never an unlabelled node);
+* ties go to the node drawing less power where its power is known, then by name.
+Devices are the lowest free indices of the class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cgn_core.catalog import ModelSpec, Profile
+
+NodeState = Literal["ready", "unreachable", "lost"]
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    index: int
+    accel_class: str
+    healthy: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    devices: tuple[Device, ...] = ()
+    engines: frozenset[str] = frozenset()
+    fabric: str = ""
+    cordoned: bool = False
+    state: NodeState = "ready"
+    watts: float | None = None
+    used: frozenset[int] = frozenset()  # device indices held by existing placements
+    replicas: Mapping[str, int] = field(default_factory=dict)  # model -> replicas here
+
+    def free(self, accel_class: str) -> list[int]:
+        return sorted(
+            d.index
+            for d in self.devices
+            if d.accel_class == accel_class and d.healthy and d.index not in self.used
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node: str
+    profile: int
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    model: str
+    profile: int | None  # the profile used; None: nothing fits
+    nodes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (node, devices) per node of the replica
+    candidates: tuple[Candidate, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.profile is not None
+
+    def explain(self) -> list[str]:
+        lines = []
+        for c in self.candidates:
+            mark = "✓" if c.ok else "✗"
+            lines.append(f"{mark} profile {c.profile} on {c.node}: {c.reason}")
+        return lines
+
+
+def node_view(
+    name: str,
+    inventory: Mapping[str, Any],
+    *,
+    cordoned: bool = False,
+    state: NodeState = "ready",
+    used: frozenset[int] = frozenset(),
+    replicas: Mapping[str, int] | None = None,
+) -> NodeView:
+    """A node as placement sees it, from its `/cognitora/nodes/<node>` document."""
+    devices = []
+    for a in inventory.get("accelerators", []):
+        health = a.get("health") or []
+        devices.append(
+            Device(int(a["index"]), str(a["accel_class"]), not health, "; ".join(health))
+        )
+    power = inventory.get("power") or {}
+    labels = inventory.get("labels") or {}
+    return NodeView(
+        name=name,
+        devices=tuple(devices),
+        engines=frozenset(inventory.get("engines", [])),
+        fabric=str(labels.get("fabric", "")),
+        cordoned=cordoned,
+        state=state,
+        watts=power.get("watts"),
+        used=used,
+        replicas=dict(replicas or {}),
+    )
+
+
+def place(model: ModelSpec, nodes: Sequence[NodeView]) -> Decision:
+    """The nodes and devices for one more replica of `model`, with every candidate's verdict."""
+    candidates: list[Candidate] = []
+    for i, profile in enumerate(model.profiles):
+        fits: list[NodeView] = []
+        for node in sorted(nodes, key=lambda n: n.name):
+            why = _reject(node, profile)
+            if why:
+                candidates.append(Candidate(node.name, i, False, why))
+            else:
+                fits.append(node)
+        chosen = _choose(model.name, profile, fits, i, candidates)
+        if chosen:
+            picked = {name for name, _ in chosen}
+            for node in fits:
+                if node.name in picked:
+                    devs = dict(chosen)[node.name]
+                    what = f"devices {list(devs)}" if devs else "cpu"
+                    candidates.append(Candidate(node.name, i, True, f"chosen ({what})"))
+            return Decision(model.name, i, tuple(chosen), tuple(candidates))
+    return Decision(model.name, None, (), tuple(candidates))
+
+
+def _reject(node: NodeView, p: Profile) -> str:
+    if node.state != "ready":
+        return f"node is {node.state}"
+    if node.cordoned:
+        return "node is cordoned"
+    if p.engine not in node.engines and p.engine != "openai_compat":
+        return f"{p.engine} is not installed on this node"
+    if p.on_cpu:
+        return ""
+    of_class = [d for d in node.devices if d.accel_class == p.accelerator]
+    if not of_class:
+        classes = sorted({d.accel_class for d in node.devices}) or ["cpu"]
+        return f"no {p.accelerator} devices (node has {', '.join(classes)})"
+    free = node.free(p.accelerator)
+    if len(free) < p.devices:
+        sick = [d for d in of_class if not d.healthy]
+        held = [d for d in of_class if d.healthy and d.index in node.used]
+        detail = f"{len(free)} free of {len(of_class)} {p.accelerator}"
+        if held:
+            detail += f", {len(held)} allocated"
+        if sick:
+            detail += f", {len(sick)} unhealthy ({sick[0].reason or 'unhealthy'})"
+        return f"needs {p.devices} free {p.accelerator} device(s): {detail}"
+    return ""
+
+
+def _watts(n: NodeView) -> float:
+    return n.watts if n.watts is not None else float("inf")
+
+
+def _choose(
+    model: str, p: Profile, fits: list[NodeView], i: int, candidates: list[Candidate]
+) -> list[tuple[str, tuple[int, ...]]]:
+    if not fits:
+        return []
+    if p.nodes > 1:
+        return _choose_multi(p, fits, i, candidates)
+    if p.on_cpu:
+        ranked = sorted(fits, key=lambda n: (n.replicas.get(model, 0), sum(n.replicas.values()),
+                                             _watts(n), n.name))  # fmt: skip
+        best = ranked[0]
+        why = f"fits; {best.name} runs fewer replicas of {model}"
+        candidates.extend(Candidate(n.name, i, False, why) for n in ranked[1:])
+        return [(best.name, ())]
+
+    def key(n: NodeView) -> tuple[int, int, float, str]:
+        leftover = len(n.free(p.accelerator)) - p.devices
+        return (leftover, 0 if n.used else 1, _watts(n), n.name)
+
+    ranked = sorted(fits, key=key)
+    best = ranked[0]
+    for n in ranked[1:]:
+        candidates.append(Candidate(n.name, i, False, f"fits; {best.name} packs tighter"))
+    return [(best.name, tuple(best.free(p.accelerator)[: p.devices]))]
+
+
+def _choose_multi(
+    p: Profile, fits: list[NodeView], i: int, candidates: list[Candidate]
+) -> list[tuple[str, tuple[int, ...]]]:
+    by_fabric: dict[str, list[NodeView]] = {}
+    for n in fits:
+        if not n.fabric:
+            candidates.append(
+                Candidate(n.name, i, False, "no fabric label (multi-node replicas need one)")
+            )
+        else:
+            by_fabric.setdefault(n.fabric, []).append(n)
+    best: list[NodeView] = []
+    too_small: set[str] = set()
+    for fabric, group in sorted(by_fabric.items()):
+        if len(group) < p.nodes:
+            why = f"fabric {fabric} has {len(group)} fitting node(s), needs {p.nodes}"
+            candidates.extend(Candidate(n.name, i, False, why) for n in group)
+            too_small.update(n.name for n in group)
+            continue
+        emptiest = sorted(group, key=lambda n: (-len(n.free(p.accelerator)), _watts(n), n.name))
+        pick = emptiest[: p.nodes]
+        if not best or sum(len(n.free(p.accelerator)) for n in pick) > sum(
+            len(n.free(p.accelerator)) for n in best
+        ):
+            best = pick
+    chosen = {n.name for n in best}
+    for n in fits:
+        if n.fabric and n.name not in chosen and n.name not in too_small and best:
+            candidates.append(Candidate(n.name, i, False, "fits; emptier nodes chosen"))
+    return [(n.name, tuple(n.free(p.accelerator)[: p.devices])) for n in best]

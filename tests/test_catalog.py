@@ -1,0 +1,93 @@
+"""The model catalog: one model's fields and names across models, refused with the field path."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+
+
+def model(**kw: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": "m", "source": "/models/m.gguf",
+                           "profiles": [{"engine": "cgn_infer"}]}  # fmt: skip
+    doc.update(kw)
+    return doc
+
+
+def test_a_full_spec_parses_and_round_trips() -> None:
+    doc = model(
+        name="llama-8b",
+        source="meta-llama/Llama-3.1-8B-Instruct",
+        tokenizer="/models/llama.gguf",
+        role="decode",
+        replicas={"min": 2, "max": 4},
+        aliases=["llama"],
+        fallbacks=["smollm2"],
+        profiles=[
+            {"engine": "vllm", "accelerator": "h100-80g", "devices": 2, "tensor_parallel": 2,
+             "ctx": 8192, "kv_connector": "lmcache", "gpu_memory_utilization": 0.9},
+            {"engine": "llama_cpp", "source": "/models/llama.Q4.gguf", "threads": 8},
+        ],
+    )  # fmt: skip
+    m = parse_model(doc)
+    assert (m.min_replicas, m.max_replicas, m.role) == (2, 4, "decode")
+    gpu, cpu = m.profiles
+    assert (gpu.devices, gpu.tensor_parallel, gpu.kv_connector) == (2, 2, "lmcache")
+    assert cpu.on_cpu and cpu.devices == 0 and cpu.source == "/models/llama.Q4.gguf"
+    assert parse_model(m.to_json()) == m
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        (model(name=""), "name: expected a string"),
+        (model(name="a/b"), "name: use 1-128 of"),
+        (model(colour="red"), "colour: unknown field"),
+        (model(role="both-ish"), "role: must be one of both, prefill, decode"),
+        (model(replicas={"min": 3, "max": 2}), "replicas: min 3 is above max 2"),
+        (model(replicas={"min": -1}), "replicas.min: expected an integer ≥ 0, got -1"),
+        (model(profiles=[]), "profiles: at least one profile is required"),
+        (model(profiles=[{"engine": "tgi"}]), "profiles[0].engine: must be one of"),
+        (model(profiles=[{"engine": "vllm", "accelerator": "h100-80g", "devices": 2, "tensor_parallel": 4}]),
+         "profiles[0].tensor_parallel: 4 does not divide devices × nodes = 2"),
+        (model(profiles=[{"engine": "vllm", "accelerator": "h100-80g", "devices": 0}]),
+         "profiles[0].devices: a h100-80g profile needs at least one device"),
+        (model(profiles=[{"engine": "llama_cpp", "devices": 1}]),
+         "profiles[0].devices: a cpu profile takes no devices, got 1"),
+        (model(profiles=[{"engine": "cgn_infer"}, {"engine": "vllm", "accelerator": "H100"}]),
+         "profiles[1].accelerator: an accelerator class such as h100-80g, or cpu"),
+        (model(source=None), "profiles[0]: no source"),
+        (model(profiles=[{"engine": "cgn_infer", "ctx": 0}]), "profiles[0].ctx: expected an integer ≥ 1"),
+        (model(profiles=[{"engine": "cgn_infer", "kv_connector": "x"}]), "profiles[0].kv_connector: must be one of"),
+        (model(aliases=["a", "a"]), "aliases: a name is listed twice"),
+        ("just a string", "model: expected a mapping"),
+    ],
+)  # fmt: skip
+def test_bad_fields_are_refused_with_their_path(doc: Any, message: str) -> None:
+    with pytest.raises(CatalogError, match=re.escape(message)):
+        parse_model(doc)
+
+
+def cat(*docs: dict[str, Any]) -> dict[str, ModelSpec]:
+    return {d["name"]: parse_model(d) for d in docs}
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        (cat(model(name="a", fallbacks=["ghost"])), "a: fallbacks[0]: 'ghost' names no model in the catalog"),
+        (cat(model(name="a", fallbacks=["a"])), "a: fallbacks[0]: a model cannot fall back to itself"),
+        (cat(model(name="a"), model(name="b", aliases=["a"])), "b: aliases[0]: 'a' is the name of a model"),
+        (cat(model(name="a", aliases=["x"]), model(name="b", aliases=["x"])), "b: aliases[0]: 'x' is already an alias of a"),
+    ],
+)  # fmt: skip
+def test_names_across_the_catalog(models: dict[str, ModelSpec], message: str) -> None:
+    with pytest.raises(CatalogError, match=re.escape(message)):
+        check_catalog(models)
+
+
+def test_a_consistent_catalog_passes() -> None:
+    check_catalog(cat(model(name="a", aliases=["x"], fallbacks=["b"]), model(name="b")))
