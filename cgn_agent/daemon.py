@@ -47,6 +47,7 @@ from cgn_agent.spec import ReplicaSpec, parse_placement
 from cgn_agent.statefile import StateStore
 from cgn_core import __version__, keys
 from cgn_core.backoff import Backoff
+from cgn_core.engine_metrics import in_flight, name_map
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
 from cgn_core.etcd.follow import list_and_watch
@@ -81,6 +82,16 @@ class HttpProber:
         if served not in names:
             return True, False, f"{launch.models_path} does not list {served!r}"
         return True, True, ""
+
+    async def in_flight(self, launch: Launch) -> int | None:
+        if launch.metrics_dialect is None:
+            return None
+        try:
+            async with self.session.get(launch.url + "/metrics", timeout=self.timeout) as r:
+                text = await r.text() if r.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        return in_flight(text, name_map(launch.metrics_dialect))
 
 
 @dataclass

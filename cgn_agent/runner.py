@@ -34,6 +34,10 @@ class Prober(Protocol):
         """(health ok, models lists `served`, detail when not ok)."""
         ...
 
+    async def in_flight(self, launch: Launch) -> int | None:
+        """Requests running + waiting on the engine, from its /metrics; None when unknown."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerContext:
@@ -103,6 +107,7 @@ class ReplicaRunner:
             "pid": s.pid,
             "url": self.url,
             "restarts": s.restarts,
+            "failures": s.failures,
             "reason": s.reason,
             "since_unix": time.time() - (self.ctx.clock() - s.since),
             "log_tail": log_tail(self.log_path) if self.launch.spawn else [],
@@ -144,6 +149,8 @@ class ReplicaRunner:
                     self.launch, self.launch.served_name or self.spec.model
                 )
                 await self.observe(sv.Probe(self.ctx.clock(), health, models, detail))
+        if s.phase == sv.Phase.DRAINING and not s.terminating and self.launch.metrics_dialect:
+            await self.observe(sv.Load(now, await self.ctx.prober.in_flight(self.launch)))
         await self.observe(sv.Tick(self.ctx.clock()))
 
     async def _run(self, actions: list[sv.Action]) -> None:

@@ -6,7 +6,8 @@
       FAILED <---------------+-----------------------------+
         | retry_at reached (jittered exponential backoff)
         +--> STARTING
-    any running phase --stop--> DRAINING --(drain_s, then terminate)--exit--> STOPPED
+    any running phase --stop--> DRAINING --(drain_s, then no requests in flight
+                                          or drain_timeout_s: terminate)--exit--> STOPPED
 
 Readiness is three checks in order: the process is alive, `/health` answers
 200, and `/v1/models` lists the model; the executor probes and reports a
@@ -40,7 +41,8 @@ class Policy:
     load_timeout_s: float = 900.0  # Loading longer than this is a failure
     health_failures: int = 3  # consecutive failed probes that fail a Ready replica
     stable_s: float = 60.0  # Ready this long: consecutive-failure count resets
-    drain_s: float = 5.0  # endpoint withdrawn this long before SIGTERM
+    drain_s: float = 5.0  # endpoint withdrawn at least this long before SIGTERM
+    drain_timeout_s: float = 120.0  # SIGTERM after this long even with requests in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class State:
     retry_at: float | None = None  # Failed: when to start again
     bad_probes: int = 0
     terminating: bool = False  # a terminate was issued and the exit not yet seen
+    in_flight: int | None = None  # Draining: requests the engine still runs (None: unknown)
     reason: str = ""  # why it last failed or stopped
 
 
@@ -101,12 +104,20 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class Load:
+    """Requests running and waiting on the engine (from its /metrics), while Draining."""
+
+    now: float
+    in_flight: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     now: float
     reason: str = "placement removed"
 
 
-Observation = Tick | Spawned | Adopted | SpawnFailed | Exited | Probe | Stop
+Observation = Tick | Spawned | Adopted | SpawnFailed | Exited | Probe | Load | Stop
 
 # ---- actions ----------------------------------------------------------------------------
 
@@ -174,6 +185,8 @@ def step(s: State, obs: Observation, policy: Policy) -> tuple[State, list[Action
             return _probe(s, obs, policy)
         case Stop(now, reason):
             return _stop(s, now, reason)
+        case Load(_, in_flight) if s.phase == Phase.DRAINING:
+            return replace(s, in_flight=in_flight), []
         case Tick(now):
             return _tick(s, now, policy)
     return s, []
@@ -244,7 +257,14 @@ def _tick(s: State, now: float, policy: Policy) -> tuple[State, list[Action]]:
         why = f"not ready within {policy.load_timeout_s:.0f}s"
         failed, actions = _fail(s, now, why, 0.5, policy, [Terminate()])
         return replace(failed, terminating=True), actions
-    if s.phase == Phase.DRAINING and not s.terminating and now - s.since >= policy.drain_s:
+    # NOTE: requests in flight finish first; an engine without load metrics gets drain_s.
+    drained = not s.in_flight or now - s.since >= policy.drain_timeout_s
+    if (
+        s.phase == Phase.DRAINING
+        and not s.terminating
+        and now - s.since >= policy.drain_s
+        and drained
+    ):
         return replace(s, terminating=True), [Terminate()]
     if s.phase == Phase.FAILED and s.pid is None and s.retry_at is not None and now >= s.retry_at:
         new = replace(s, phase=Phase.STARTING, since=now, retry_at=None, restarts=s.restarts + 1)

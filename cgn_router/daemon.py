@@ -32,6 +32,7 @@ from cgn_core.readiness import bind_tcp, write_ready_file
 from cgn_core.tls import warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
+from cgn_router.control import ControlState, run_reconciler
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
@@ -150,6 +151,9 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
                 tg.create_task(_scrape_loop(svc, session))
                 if settings.discovery == "etcd":
                     tg.create_task(_follow_etcd(svc, follower, tg))
+                    if settings.reconciler.enabled:
+                        svc.control = ControlState()
+                        tg.create_task(_control(settings, svc.control))
                 else:
                     svc.synced = True
                 follower.reconcile()
@@ -266,6 +270,11 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
         await asyncio.Event().wait()  # the client lives as long as the watches
     finally:
         await client.close()
+
+
+async def _control(settings: RouterSettings, state: ControlState) -> None:
+    async with EtcdClient(settings.etcd) as client:
+        await run_reconciler(client, settings.reconciler, state)
 
 
 def _apply_policy(svc: RouterService, kv: KeyValue) -> None:

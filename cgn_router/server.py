@@ -31,6 +31,7 @@ from cgn_core.errors import (
 )
 from cgn_core.http import error_middleware, parse_json
 from cgn_router.catalog import Catalog
+from cgn_router.control import ControlState
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Decision, Pipeline
 from cgn_router.prompts import HashedPrompt
@@ -57,6 +58,7 @@ class RouterService:
     metrics: RouterMetrics
     rng: random.Random = field(default_factory=random.Random)
     synced: bool = False  # the registry has loaded its sources once
+    control: ControlState | None = None  # the reconciler, where this router runs one
     created: int = field(default_factory=lambda: int(time.time()))
 
     def known_models(self) -> dict[str, str]:
@@ -101,7 +103,15 @@ def build_admin_app(svc: RouterService) -> web.Application:
     app.router.add_get("/healthz", lambda r: _healthz())
     app.router.add_get("/readyz", lambda r: _readyz(svc))
     app.router.add_get("/endpoints", lambda r: _endpoints(svc))
+    app.router.add_get("/reconciler", lambda r: _reconciler(svc))
     return app
+
+
+async def _reconciler(svc: RouterService) -> web.Response:
+    """The control loop's state: leading or not, recent actions, models that cannot be placed."""
+    if svc.control is None:
+        return web.json_response({"enabled": False})
+    return web.json_response({"enabled": True, **svc.control.to_json()})
 
 
 async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web.StreamResponse:

@@ -81,6 +81,20 @@ class ScrapeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ReconcilerSettings:
+    """The control loop (runs on the elected leader among routers; etcd discovery only)."""
+
+    enabled: bool = True
+    lease_ttl_s: int = 10  # leadership passes to another router this long after the leader dies
+    interval_s: float = 1.0  # between passes (each reads a fresh snapshot)
+    lost_after_s: float = 30.0  # a node unreachable this long is lost: its replicas are rebuilt
+    max_local_failures: int = 5  # engine failures in a row on one node before a rebuild elsewhere
+    rebuild_base_s: float = 2.0  # rebuild backoff: min(cap, base * 2^(n-1)), jittered
+    rebuild_cap_s: float = 60.0
+    drain_grace_s: float = 600.0  # a drain deletes the remaining originals after this long
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSettings:
     http: ListenSettings = ListenSettings(port=8080)  # the OpenAI surface
     admin: ListenSettings = ListenSettings(port=9091)  # /metrics, /healthz, /readyz
@@ -96,5 +110,6 @@ class RouterSettings:
     deadlines: DeadlineSettings = DeadlineSettings()
     breaker: BreakerSettings = BreakerSettings()
     scrape: ScrapeSettings = ScrapeSettings()
+    reconciler: ReconcilerSettings = ReconcilerSettings()
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     max_body_bytes: int = 16 << 20

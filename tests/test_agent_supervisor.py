@@ -200,3 +200,14 @@ def test_endpoint_published_exactly_while_ready_and_one_process_at_a_time(
         if state.phase == Phase.STOPPED:
             assert not alive
             break
+
+
+def test_drain_waits_for_requests_in_flight_then_for_the_timeout() -> None:
+    s = ready_at(5.0)
+    s, acts = run(s, Stop(10.0), sv.Load(10.5, 3), Tick(12.5), sv.Load(13.0, 1), Tick(13.0))
+    assert acts == [[WithdrawEndpoint(), Report()], [], [], [], []]  # drain_s passed, 1 running
+    s, acts = run(s, sv.Load(14.0, 0), Tick(14.0))
+    assert acts == [[], [Terminate()]]
+    busy, _ = run(ready_at(5.0), Stop(10.0), sv.Load(11.0, 5))
+    _, acts = run(busy, Tick(10.0 + P.drain_timeout_s - 0.1), Tick(10.0 + P.drain_timeout_s))
+    assert acts == [[], [Terminate()]]  # a stuck request does not hold the drain forever

@@ -1,0 +1,154 @@
+"""The reconciler's I/O shell: leader election among routers, snapshots in, placements out.
+
+Every router campaigns for `/cognitora/leader/reconciler`; only the leader
+runs passes. A pass reads a fresh snapshot (catalog, nodes, placements,
+replica statuses, cordons), calls reconciler.reconcile, and writes each
+action in a transaction that holds only while this router still leads, so a
+deposed leader can never write. Losing the lease (or etcd) ends leadership;
+the router campaigns again and another may take over meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgn_core import keys
+from cgn_core.backoff import Backoff
+from cgn_core.catalog import CatalogError, ModelSpec, parse_model
+from cgn_core.errors import CognitoraError
+from cgn_core.etcd import Compare, Election, EtcdClient, Op
+from cgn_core.etcd.types import KeyValue
+from cgn_router.reconciler import Key, Memory, Put, Snapshot, reconcile
+from cgn_router.settings import ReconcilerSettings
+
+log = logging.getLogger(__name__)
+ELECTION = "reconciler"
+
+
+@dataclass
+class ControlState:
+    """What the admin listener shows of the control loop (/reconciler)."""
+
+    candidate: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{random.getrandbits(32):08x}"
+    )
+    leading: bool = False
+    passes: int = 0
+    last_pass_unix: float = 0.0
+    unplaced: dict[str, list[str]] = field(default_factory=dict)
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "leading": self.leading,
+            "passes": self.passes,
+            "last_pass_unix": self.last_pass_unix,
+            "unplaced": self.unplaced,
+            "recent_actions": list(self.recent),
+        }
+
+
+async def read_snapshot(client: EtcdClient) -> Snapshot:
+    """Catalog, nodes, placements, statuses and cordons as of one moment (each a fresh list)."""
+    catalog, _ = await client.get_prefix(keys.CATALOG)
+    nodes, _ = await client.get_prefix(keys.NODES)
+    placements, _ = await client.get_prefix(keys.PLACEMENTS)
+    statuses, _ = await client.get_prefix(keys.REPLICAS)
+    cordons, _ = await client.get_prefix(keys.CORDON)
+    models: dict[str, ModelSpec] = {}
+    for kv in catalog:
+        name = kv.key[len(keys.CATALOG) :]
+        try:
+            models[name] = parse_model(kv.json(), where=name)
+        except (CatalogError, ValueError) as exc:
+            log.warning("catalog entry %s ignored: %s", name, exc)
+    return Snapshot(
+        models=models,
+        nodes={kv.key[len(keys.NODES) :]: _obj(kv) for kv in nodes},
+        placements=_by_replica(placements, keys.PLACEMENTS),
+        statuses=_by_replica(statuses, keys.REPLICAS),
+        cordons={kv.key[len(keys.CORDON) :]: _obj(kv) for kv in cordons},
+        wall=time.time(),
+    )
+
+
+def _obj(kv: KeyValue) -> dict[str, Any]:
+    try:
+        doc = kv.json()
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _by_replica(kvs: list[KeyValue], prefix: str) -> dict[Key, dict[str, Any]]:
+    out: dict[Key, dict[str, Any]] = {}
+    for kv in kvs:
+        node, _, replica = kv.key[len(prefix) :].partition("/")
+        if node and replica:
+            out[(node, replica)] = _obj(kv)
+    return out
+
+
+async def run_reconciler(
+    client: EtcdClient, settings: ReconcilerSettings, state: ControlState
+) -> None:
+    """Campaign, lead, pass, forever (cancel to stop)."""
+    backoff = Backoff(base=0.5, cap=5.0)
+    while True:
+        election = Election(client, ELECTION, state.candidate, settings.lease_ttl_s)
+        try:
+            await election.campaign()
+            log.info("reconciler: leading as %s", state.candidate)
+            state.leading = True
+            memory = Memory()
+            while election.leading:
+                await _pass(client, election, settings, state, memory)
+                backoff.reset()
+                await asyncio.sleep(settings.interval_s)
+            log.warning("reconciler: leadership lost")
+        except CognitoraError as exc:
+            delay = backoff.next()
+            log.warning("reconciler: %s; campaigning again in %.1fs", exc.message, delay)
+            await asyncio.sleep(delay)
+        finally:
+            state.leading = False
+            await asyncio.shield(election.resign())
+
+
+async def _pass(
+    client: EtcdClient,
+    election: Election,
+    settings: ReconcilerSettings,
+    state: ControlState,
+    memory: Memory,
+) -> None:
+    snap = await read_snapshot(client)
+    actions = reconcile(snap, memory, time.monotonic(), settings, random.random())
+    lead = [Compare.value(election.key, "==", state.candidate.encode())]
+    for a in actions:
+        key = f"{keys.PLACEMENTS}{a.node}/{a.replica}"
+        op = Op.put(key, _json(a.doc)) if isinstance(a, Put) else Op.delete(key)
+        res = await client.txn(lead, [op])
+        if not res.succeeded:
+            log.warning("reconciler: no longer the leader; %s not written", key)
+            return
+        kind = "place" if isinstance(a, Put) else "delete"
+        log.info("reconciler: %s %s/%s: %s", kind, a.node, a.replica, a.why)
+        state.recent.append({"at_unix": time.time(), "action": kind, "node": a.node,
+                             "replica": a.replica, "why": a.why})  # fmt: skip
+    state.unplaced = {m: d.explain() for m, d in memory.unplaced.items()}
+    state.passes += 1
+    state.last_pass_unix = time.time()
+
+
+def _json(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()

@@ -1,0 +1,221 @@
+"""The control loop's decisions: desired replicas (catalog) vs actual (placements, nodes, statuses).
+
+Pure: `reconcile(snapshot, memory, now, policy)` returns the placements to
+delete and at most one placement to create; the leader's loop in control.py
+reads a fresh snapshot from etcd before every pass and writes the actions.
+
+Per pass, in order:
+1. Node expiry in two stages. A node whose key is gone is *unreachable*
+   (its replicas are kept: a network blip must not tear down serving
+   replicas); after `lost_after_s` it is *lost* and its placements are deleted.
+2. Placements of models no longer in the catalog are deleted.
+3. Replica failure = whole-replica rebuild: a placement the agent refused, or
+   one that failed `max_local_failures` times in a row on its node, is
+   deleted, and the model waits a jittered exponential backoff before its
+   next placement.
+4. Drain: placements on a node cordoned with `drain` do not count toward
+   the model's replicas, so replacements are placed elsewhere first; an
+   original is deleted once the model has `min` Ready replicas off draining
+   nodes, or when the drain's grace period is over. (The agent then
+   withdraws the endpoint and stops the engine only after its requests in
+   flight have finished.)
+5. Scale: below `min` replicas (off draining and lost nodes), one placement
+   is made with placement.place(); above `max`, one replica is deleted
+   (not-Ready ones first).
+Multi-node profiles are left out until the agent can launch multi-node replicas.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cgn_core.catalog import ModelSpec
+from cgn_core.placement import Decision, NodeState, NodeView, node_view, place
+from cgn_router.settings import ReconcilerSettings
+
+Key = tuple[str, str]  # (node, replica)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    models: Mapping[str, ModelSpec]
+    nodes: Mapping[str, Mapping[str, Any]]  # registered nodes' inventory documents
+    placements: Mapping[Key, Mapping[str, Any]]
+    statuses: Mapping[Key, Mapping[str, Any]]
+    cordons: Mapping[str, Mapping[str, Any]]  # node -> {"drain": bool, "since_unix", "grace_s"}
+    wall: float = 0.0  # time.time() when the snapshot was read (cordon times are wall-clock)
+
+
+@dataclass
+class Memory:
+    """What the leader remembers between passes (lost on hand-over; rebuilt from etcd)."""
+
+    missing_since: dict[str, float] = field(default_factory=dict)
+    rebuild_after: dict[str, float] = field(default_factory=dict)
+    rebuilds: Counter[str] = field(default_factory=Counter)
+    unplaced: dict[str, Decision] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    node: str
+    replica: str
+    doc: dict[str, Any]
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    node: str
+    replica: str
+    why: str
+
+
+Action = Put | Delete
+
+
+def node_states(
+    snap: Snapshot, mem: Memory, now: float, policy: ReconcilerSettings
+) -> dict[str, NodeState]:
+    names = set(snap.nodes) | {node for node, _ in snap.placements}
+    states: dict[str, NodeState] = {}
+    for name in names:
+        if name in snap.nodes:
+            mem.missing_since.pop(name, None)
+            states[name] = "ready"
+        else:
+            since = mem.missing_since.setdefault(name, now)
+            states[name] = "lost" if now - since >= policy.lost_after_s else "unreachable"
+    for name in list(mem.missing_since):
+        if name not in names:
+            del mem.missing_since[name]
+    return states
+
+
+def reconcile(
+    snap: Snapshot, mem: Memory, now: float, policy: ReconcilerSettings, rand: float = 0.5
+) -> list[Action]:
+    states = node_states(snap, mem, now, policy)
+    actions: list[Action] = []
+    gone: set[Key] = set()
+
+    def delete(key: Key, why: str) -> None:
+        if key not in gone:
+            gone.add(key)
+            actions.append(Delete(key[0], key[1], why))
+
+    draining = {n for n, c in snap.cordons.items() if c.get("drain")}
+    for key, doc in sorted(snap.placements.items()):
+        model, status = str(doc.get("model", "")), snap.statuses.get(key, {})
+        if states[key[0]] == "lost":
+            delete(key, f"node {key[0]} lost")
+        elif model not in snap.models:
+            delete(key, f"model {model} is not in the catalog")
+        elif _failed(status, policy):
+            delete(key, f"replica failed: {status.get('reason', '')}")
+            mem.rebuilds[model] += 1
+            mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
+
+    live = {k: d for k, d in snap.placements.items() if k not in gone}
+    for name, spec in sorted(snap.models.items()):
+        mine = {k: d for k, d in live.items() if d.get("model") == name}
+        serving = {k for k in mine if k[0] not in draining}
+        ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
+        for key in sorted(k for k in mine if k[0] in draining):
+            cordon = snap.cordons[key[0]]
+            grace = float(cordon.get("grace_s", policy.drain_grace_s))
+            expired = snap.wall - float(cordon.get("since_unix", snap.wall)) >= grace
+            if len(ready_off_drain) >= spec.min_replicas:
+                delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
+            elif expired:
+                delete(key, "drain grace period over")
+        if len(serving) > spec.max_replicas:
+            extra = sorted(serving, key=lambda k: (_ready(snap.statuses.get(k)), k))
+            delete(extra[0], f"{len(serving)} replicas, max {spec.max_replicas}")
+
+    for name, spec in sorted(snap.models.items()):
+        placed = [k for k, d in live.items() if d.get("model") == name]
+        if sum(k not in gone and k[0] not in draining for k in placed) >= spec.min_replicas:
+            mem.unplaced.pop(name, None)
+            continue
+        if now < mem.rebuild_after.get(name, 0.0):
+            continue
+        decision = place(_single_node(spec), views(snap, states, gone))
+        if not decision.ok:
+            mem.unplaced[name] = decision
+            continue
+        mem.unplaced.pop(name, None)
+        actions.append(placement_for(spec, decision))
+        break  # one placement per pass, from a fresh snapshot
+    return actions
+
+
+def views(
+    snap: Snapshot, states: Mapping[str, NodeState], gone: Collection[Key] = ()
+) -> list[NodeView]:
+    """Every known node as placement sees it, with the devices and replicas already placed."""
+    used: dict[str, set[int]] = {}
+    counts: dict[str, Counter[str]] = {}
+    for key, doc in snap.placements.items():
+        if key in gone:
+            continue
+        used.setdefault(key[0], set()).update(int(d) for d in doc.get("devices", []))
+        counts.setdefault(key[0], Counter())[str(doc.get("model", ""))] += 1
+    out = []
+    for name, state in sorted(states.items()):
+        inv = snap.nodes.get(name, {})
+        held = frozenset(used.get(name, ()))
+        view = node_view(name, inv, cordoned=name in snap.cordons, state=state, used=held,
+                         replicas=counts.get(name))  # fmt: skip
+        out.append(view)
+    return out
+
+
+def placement_for(spec: ModelSpec, decision: Decision) -> Put:
+    """The agent's placement document for a decision (ARCHITECTURE.md §3)."""
+    assert decision.profile is not None
+    p = spec.profiles[decision.profile]
+    node, devices = decision.nodes[0]
+    profile: dict[str, Any] = {"tensor_parallel": p.tensor_parallel, "kv_connector": p.kv_connector,
+                               "launcher": p.launcher, "extra_args": list(p.extra_args),
+                               "env": dict(p.env)}  # fmt: skip
+    for k in ("ctx", "threads", "dtype", "gpu_memory_utilization", "backend", "url"):
+        if getattr(p, k) is not None:
+            profile[k] = getattr(p, k)
+    doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
+           "devices": list(devices), "role": spec.role, "profile": profile}  # fmt: skip
+    replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
+    return Put(node, replica, doc, f"profile {decision.profile} ({p.engine} on {p.accelerator})")
+
+
+def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
+            policy: ReconcilerSettings) -> Decision:  # fmt: skip
+    """What placing one more replica of `spec` would decide now, with every candidate's reason."""
+    return place(_single_node(spec), views(snap, node_states(snap, mem, now, policy)))
+
+
+def _single_node(spec: ModelSpec) -> ModelSpec:
+    profiles = tuple(p for p in spec.profiles if p.nodes == 1)
+    return replace(spec, profiles=profiles) if profiles != spec.profiles else spec
+
+
+def _ready(status: Mapping[str, Any] | None) -> bool:
+    return bool(status) and status.get("phase") == "Ready"  # type: ignore[union-attr]
+
+
+def _failed(status: Mapping[str, Any], policy: ReconcilerSettings) -> bool:
+    if status.get("phase") != "Failed":
+        return False
+    reason = str(status.get("reason", ""))
+    return reason.startswith(("refused", "invalid")) or int(status.get("failures", 0)) >= (
+        policy.max_local_failures
+    )
+
+
+def _backoff(n: int, policy: ReconcilerSettings, rand: float) -> float:
+    ceiling = min(policy.rebuild_cap_s, policy.rebuild_base_s * 2.0 ** max(0, n - 1))
+    return ceiling * (1 - 0.5 * rand)

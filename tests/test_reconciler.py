@@ -1,0 +1,148 @@
+"""The reconciler's decisions on plain snapshots: expiry in two stages, rebuilds, drain, scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cgn_core.catalog import ModelSpec, parse_model
+from cgn_router.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
+from cgn_router.settings import ReconcilerSettings
+
+S = ReconcilerSettings(lost_after_s=30.0, max_local_failures=3, rebuild_base_s=2.0,
+                       rebuild_cap_s=60.0, drain_grace_s=100.0)  # fmt: skip
+CPU_NODE = {"accelerators": [], "engines": ["cgn_infer"]}
+
+
+def model(name: str = "m", lo: int = 1, hi: int | None = None) -> ModelSpec:
+    return parse_model({"name": name, "source": "smollm2", "replicas": {"min": lo, "max": hi or lo},
+                        "profiles": [{"engine": "cgn_infer", "backend": "sim", "threads": 1}]})  # fmt: skip
+
+
+def snap(
+    *,
+    models: list[ModelSpec] | None = None,
+    nodes: tuple[str, ...] = ("a", "b", "c"),
+    placed: dict[tuple[str, str], str] | None = None,
+    status: dict[tuple[str, str], dict[str, Any]] | None = None,
+    cordons: dict[str, dict[str, Any]] | None = None,
+    wall: float = 1000.0,
+) -> Snapshot:
+    return Snapshot(
+        models={m.name: m for m in (models if models is not None else [model()])},
+        nodes={n: CPU_NODE for n in nodes},
+        placements={k: {"model": m, "devices": []} for k, m in (placed or {}).items()},
+        statuses=status or {},
+        cordons=cordons or {},
+        wall=wall,
+    )
+
+
+def ready(*keys: tuple[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {k: {"phase": "Ready"} for k in keys}
+
+
+def test_places_one_replica_per_pass_with_the_agents_placement_document() -> None:
+    mem = Memory()
+    actions = reconcile(snap(models=[model("m", lo=2)]), mem, 0.0, S)
+    assert len(actions) == 1 and isinstance(actions[0], Put)
+    put = actions[0]
+    assert put.node == "a" and put.replica.startswith("m-")
+    assert put.doc == {"model": "m", "engine": "cgn_infer", "source": "smollm2", "devices": [],
+                       "role": "both", "profile": {"tensor_parallel": 1, "kv_connector": "none",
+                       "launcher": "auto", "extra_args": [], "env": {}, "threads": 1, "backend": "sim"}}  # fmt: skip
+    # next pass, with the first placement made: the second replica spreads to another node
+    second = reconcile(
+        snap(models=[model("m", lo=2)], placed={("a", put.replica): "m"}), mem, 1.0, S
+    )
+    assert [(a.node, type(a)) for a in second] == [("b", Put)]
+    assert (
+        reconcile(
+            snap(models=[model("m", lo=2)], placed={("a", "x"): "m", ("b", "y"): "m"}), mem, 2.0, S
+        )
+        == []
+    )
+
+
+def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() -> None:
+    mem = Memory()
+    placed = {("a", "r1"): "m"}
+    assert reconcile(snap(placed=placed, status=ready(("a", "r1"))), mem, 0.0, S) == []
+    gone = snap(nodes=("b", "c"), placed=placed)
+    assert reconcile(gone, mem, 10.0, S) == []  # unreachable: nothing torn down
+    assert reconcile(gone, mem, 39.9, S) == []
+    actions = reconcile(gone, mem, 40.0, S)  # lost: deleted, and rebuilt in the same pass
+    assert actions[0] == Delete("a", "r1", "node a lost")
+    assert isinstance(actions[1], Put) and actions[1].node == "b"
+    # a node that comes back before the grace period is forgiven
+    mem2 = Memory()
+    reconcile(gone, mem2, 0.0, S)
+    reconcile(snap(placed=placed), mem2, 20.0, S)
+    assert reconcile(gone, mem2, 45.0, S) == []
+
+
+def test_failed_replicas_are_rebuilt_with_backoff() -> None:
+    mem = Memory()
+    refused = {("a", "r1"): {"phase": "Failed", "reason": "refused: no GPU"}}
+    actions = reconcile(snap(placed={("a", "r1"): "m"}, status=refused), mem, 0.0, S, rand=0.0)
+    assert actions == [Delete("a", "r1", "replica failed: refused: no GPU")]  # no placement yet
+    assert mem.rebuild_after["m"] == 2.0
+    assert reconcile(snap(), mem, 1.9, S) == []
+    assert isinstance(reconcile(snap(), mem, 2.0, S)[0], Put)
+    crashing = {
+        ("b", "r2"): {"phase": "Failed", "reason": "engine exited with code 1", "failures": 2}
+    }
+    assert (
+        reconcile(snap(placed={("b", "r2"): "m"}, status=crashing), mem, 3.0, S) == []
+    )  # the agent retries
+    crashing[("b", "r2")]["failures"] = 3
+    acts = reconcile(snap(placed={("b", "r2"): "m"}, status=crashing), mem, 4.0, S, rand=0.0)
+    assert (
+        acts[0].why == "replica failed: engine exited with code 1" and mem.rebuild_after["m"] == 8.0
+    )
+
+
+def test_rolling_drain_places_the_replacement_before_the_original_goes() -> None:
+    mem = Memory()
+    drain = {"a": {"drain": True, "since_unix": 1000.0}}
+    placed = {("a", "r1"): "m"}
+    first = reconcile(snap(placed=placed, status=ready(("a", "r1")), cordons=drain), mem, 0.0, S)
+    assert len(first) == 1 and isinstance(first[0], Put) and first[0].node == "b"  # surge first
+    placed[("b", first[0].replica)] = "m"
+    loading = {("a", "r1"): {"phase": "Ready"}, ("b", first[0].replica): {"phase": "Loading"}}
+    assert reconcile(snap(placed=placed, status=loading, cordons=drain), mem, 1.0, S) == []
+    both = ready(("a", "r1"), ("b", first[0].replica))
+    assert reconcile(snap(placed=placed, status=both, cordons=drain), mem, 2.0, S) == [
+        Delete("a", "r1", "drained: 1 Ready replica(s) elsewhere")
+    ]
+
+
+def test_a_drain_that_cannot_be_replaced_ends_at_the_grace_period() -> None:
+    mem = Memory()
+    drain = {"a": {"drain": True, "since_unix": 1000.0, "grace_s": 50.0}}
+    only_a = snap(nodes=("a",), placed={("a", "r1"): "m"}, status=ready(("a", "r1")), cordons=drain)
+    assert reconcile(only_a, mem, 0.0, S) == []  # nowhere else to go: keeps serving
+    assert "m" in mem.unplaced and "node is cordoned" in mem.unplaced["m"].explain()[0]
+    late = snap(
+        nodes=("a",),
+        placed={("a", "r1"): "m"},
+        status=ready(("a", "r1")),
+        cordons=drain,
+        wall=1050.0,
+    )
+    assert reconcile(late, mem, 1.0, S) == [Delete("a", "r1", "drain grace period over")]
+
+
+def test_scale_down_and_removed_models() -> None:
+    mem = Memory()
+    placed = {("a", "r1"): "m", ("b", "r2"): "m", ("c", "r3"): "gone"}
+    status = {("a", "r1"): {"phase": "Ready"}, ("b", "r2"): {"phase": "Loading"}}
+    acts = reconcile(snap(placed=placed, status=status), mem, 0.0, S)
+    assert acts == [Delete("c", "r3", "model gone is not in the catalog"),
+                    Delete("b", "r2", "2 replicas, max 1")]  # fmt: skip
+
+
+def test_explain_lists_every_candidate() -> None:
+    s = snap(nodes=("a", "b"), placed={("b", "x"): "m"}, cordons={"a": {}})
+    d = explain(model(), s, Memory(), 0.0, S)
+    assert d.nodes == (("b", ()),)
+    assert d.explain() == ["✗ profile 0 on a: node is cordoned", "✓ profile 0 on b: chosen (cpu)"]
