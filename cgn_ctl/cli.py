@@ -1,19 +1,241 @@
-"""cgn-ctl command line (typer; see cgn_core.cli for the shared parts)."""
+"""cgn-ctl command line (typer; see cgn_core.cli for the shared parts).
 
-from cgn_core.cli import make_app, not_built, run
+Every command that reads the cluster takes --etcd (or CGN_CTL_ETCD__ENDPOINTS,
+or etcd.endpoints in -c FILE) and prints a rich table, or JSON with --json.
+Exit codes: 0 success; 1 a runtime failure (etcd unreachable, a model or node
+not found, a drain that did not finish in time); 2 bad usage or a model file
+the catalog refuses; 3 a command designed but not built yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+import yaml
+
+from cgn_core.catalog import CatalogError
+from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, not_built, run
+from cgn_core.errors import CognitoraError
+from cgn_core.etcd import EtcdClient
+from cgn_core.logs import setup_logging
+from cgn_ctl import ops, render
 from cgn_ctl.settings import CtlSettings
+
+T = TypeVar("T")
 
 app = make_app(
     "ctl",
     "Operate a Cognitora cluster: nodes, models, replicas, placement, PKI, keys.",
     CtlSettings,
 )
+models_app = typer.Typer(help="The model catalog: apply, list, get, delete.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 not_built(app, "up", "start a single-node cluster", 10)
 not_built(app, "down", "stop what up started", 10)
-not_built(app, "status", "show what runs", 7)
-not_built(app, "nodes", "list nodes", 7)
-not_built(app, "models", "manage the model catalog", 7)
 not_built(app, "pki", "manage the private CA", 9)
 not_built(app, "keys", "manage API keys", 8)
+
+Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
+Config = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _with_etcd(
+    etcd: str | None, config: Path | None, work: Callable[[EtcdClient], Awaitable[T]]
+) -> T:
+    """Load settings, open a client, run `work`, turn errors into one line and an exit code."""
+    flags = {"etcd.endpoints": etcd} if etcd else {}
+    settings = load_service_settings(CtlSettings, "ctl", config, flags)
+    setup_logging("ctl", settings.log)
+
+    async def main() -> T:
+        async with EtcdClient(settings.etcd) as client:
+            return await work(client)
+
+    try:
+        return asyncio.run(main())
+    except CatalogError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except CognitoraError as exc:
+        fail(exc.message)
+
+
+def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        table(data)
+
+
+@app.command()
+def nodes(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
+    """Nodes: state (ready, unreachable, cordoned, draining), class, devices, what is unhealthy."""
+    _emit(_with_etcd(etcd, config, ops.nodes), as_json, render.nodes)
+
+
+@app.command()
+def replicas(
+    model: Annotated[
+        str | None, typer.Option("--model", help="Only this model's replicas.")
+    ] = None,
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """Replicas: where each runs, its phase (from the agent) and the last failure reason."""
+    _emit(_with_etcd(etcd, config, lambda c: ops.replicas(c, model)), as_json, render.replicas)
+
+
+@app.command("explain-placement")
+def explain_placement(
+    model: Annotated[str, typer.Argument(help="A model in the catalog.")],
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """Where one more replica of MODEL would go now: every candidate and what rejected it."""
+    d = _with_etcd(etcd, config, lambda c: ops.explain(c, model))
+    data = {
+        "model": d.model, "profile": d.profile, "nodes": [list(n) for n in d.nodes],
+        "candidates": [{"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
+                       for c in d.candidates],
+    }  # fmt: skip
+    _emit(data, as_json, render.explain)
+
+
+@app.command()
+def cordon(
+    node: Annotated[str, typer.Argument(help="Node id.")],
+    reason: Annotated[str, typer.Option("--reason", help="Recorded with the cordon.")] = "",
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Place nothing new on NODE (what runs there keeps running). Survives agent restarts."""
+    _with_etcd(etcd, config, lambda c: ops.cordon(c, node, reason=reason))
+    typer.echo(f"{node} cordoned")
+
+
+@app.command()
+def uncordon(
+    node: Annotated[str, typer.Argument(help="Node id.")], etcd: Etcd = None, config: Config = None
+) -> None:
+    """Allow placements on NODE again (also ends a drain)."""
+    removed = _with_etcd(etcd, config, lambda c: ops.uncordon(c, node))
+    typer.echo(f"{node} uncordoned" if removed else f"{node} was not cordoned")
+
+
+@app.command()
+def drain(
+    node: Annotated[str, typer.Argument(help="Node id.")],
+    grace: Annotated[
+        float,
+        typer.Option("--grace", help="Seconds before the remaining replicas are stopped anyway."),
+    ] = 600.0,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait until the node runs nothing.")
+    ] = True,
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Rolling drain: cordon NODE, start each replica elsewhere, stop the original once its
+    replacement is Ready (or after --grace). Needs a running router (the reconciler)."""
+    if grace <= 0:
+        fail("--grace must be positive", EXIT_USAGE)
+
+    async def work(c: EtcdClient) -> list[dict[str, Any]]:
+        await ops.cordon(c, node, drain=True, grace_s=grace)
+        if not wait:
+            return await ops.replicas_on(c, node)
+        deadline = time.monotonic() + grace + 60
+        shown = -1
+        while True:
+            left = await ops.replicas_on(c, node)
+            if len(left) != shown:
+                typer.echo(f"{node}: {len(left)} replica(s) left", err=True)
+                shown = len(left)
+            if not left:
+                return left
+            if time.monotonic() > deadline:
+                names = ", ".join(r["replica"] for r in left)
+                raise _DrainTimeout(f"{node} still runs {names} after {grace + 60:.0f}s")
+            await asyncio.sleep(1.0)
+
+    left = _with_etcd(etcd, config, work)
+    typer.echo(f"{node} drained" if not left else f"{node} draining ({len(left)} replica(s) left)")
+
+
+class _DrainTimeout(CognitoraError):
+    pass
+
+
+@app.command()
+def status(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
+    """The cluster at a glance: reconciler leader, nodes, models (placed / Ready vs min–max)."""
+    _emit(_with_etcd(etcd, config, ops.status), as_json, render.status)
+
+
+@models_app.command("apply")
+def models_apply(
+    file: Annotated[
+        Path, typer.Option("--file", "-f", help="YAML: one model, or several (--- or a list).")
+    ],
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Validate and store models; refused as a whole, with the field path, if any is wrong."""
+    try:
+        docs = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
+    except OSError as exc:
+        fail(f"{file}: {exc.strerror}", EXIT_USAGE)
+    except yaml.YAMLError as exc:
+        fail(f"{file}: not YAML ({str(exc).splitlines()[0]})", EXIT_USAGE)
+    if len(docs) == 1 and isinstance(docs[0], list):
+        docs = docs[0]
+    if not docs:
+        fail(f"{file}: no model in the file", EXIT_USAGE)
+    names = _with_etcd(etcd, config, lambda c: ops.apply_models(c, docs, str(file)))
+    for name in names:
+        typer.echo(f"model {name} applied")
+
+
+@models_app.command("list")
+def models_list(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
+    """Every model: replicas placed and Ready against min–max, aliases, profiles."""
+    _emit(_with_etcd(etcd, config, ops.models), as_json, render.models)
+
+
+@models_app.command("get")
+def models_get(
+    name: Annotated[str, typer.Argument(help="Model name.")],
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """One model's stored spec (YAML, or JSON with --json)."""
+    doc = _with_etcd(etcd, config, lambda c: ops.get_model(c, name))
+    typer.echo(
+        json.dumps(doc, indent=2) if as_json else yaml.safe_dump(doc, sort_keys=False).rstrip()
+    )
+
+
+@models_app.command("delete")
+def models_delete(
+    name: Annotated[str, typer.Argument(help="Model name.")],
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Remove a model from the catalog; the reconciler then stops its replicas."""
+    _with_etcd(etcd, config, lambda c: ops.delete_model(c, name))
+    typer.echo(f"model {name} deleted")
+
 
 main = run(app)

@@ -10,4 +10,4 @@ from cgn_core.settings import EtcdSettings, LogSettings
 class CtlSettings:
     etcd: EtcdSettings = EtcdSettings()
     state_dir: Path = Path.home() / ".local/state/cognitora"
-    log: LogSettings = LogSettings(level="warning")
+    log: LogSettings = LogSettings(level="error")  # a CLI: only errors on stderr

@@ -2,7 +2,8 @@
 
 Entries come from settings (`models:`) and from etcd's
 `/cognitora/catalog/models/<model>` (JSON: `aliases`, `fallbacks`, and
-`tokenizer` or `source.gguf`: the GGUF whose tokenizer the router loads).
+`tokenizer`, `source.gguf`, or a `source` that is a GGUF path or bundled
+model name: the GGUF whose tokenizer the router loads).
 Tokenizers load in a worker thread; until one is ready the model's prompts
 are hashed by characters.
 """
@@ -50,15 +51,21 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
             raise ValueError(f"catalog entry {name}: '{key}' must be a list of names")
         return tuple(value)
 
-    tokenizer = data.get("tokenizer")
+    tokenizer = data.get("tokenizer") or None
     source = data.get("source")
     if tokenizer is None and isinstance(source, dict):
         tokenizer = source.get("gguf")
+    elif tokenizer is None and isinstance(source, str) and _is_gguf(source):
+        tokenizer = source  # cgn-ctl's catalog: the model's own GGUF tokenizes for routing
     if tokenizer is not None and not isinstance(tokenizer, str):
         raise ValueError(f"catalog entry {name}: 'tokenizer' must be a path")
     return ModelEntry(
         name, names("aliases"), names("fallbacks"), Path(tokenizer) if tokenizer else None
     )
+
+
+def _is_gguf(source: str) -> bool:
+    return source.endswith(".gguf") or source in bundled_models.BUNDLED
 
 
 class Catalog:

@@ -22,11 +22,10 @@ from typing import Any
 
 from cgn_core import keys
 from cgn_core.backoff import Backoff
-from cgn_core.catalog import CatalogError, ModelSpec, parse_model
+from cgn_core.cluster import read_snapshot
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import Compare, Election, EtcdClient, Op
-from cgn_core.etcd.types import KeyValue
-from cgn_router.reconciler import Key, Memory, Put, Snapshot, reconcile
+from cgn_router.reconciler import Memory, Put, reconcile
 from cgn_router.settings import ReconcilerSettings
 
 log = logging.getLogger(__name__)
@@ -55,47 +54,6 @@ class ControlState:
             "unplaced": self.unplaced,
             "recent_actions": list(self.recent),
         }
-
-
-async def read_snapshot(client: EtcdClient) -> Snapshot:
-    """Catalog, nodes, placements, statuses and cordons as of one moment (each a fresh list)."""
-    catalog, _ = await client.get_prefix(keys.CATALOG)
-    nodes, _ = await client.get_prefix(keys.NODES)
-    placements, _ = await client.get_prefix(keys.PLACEMENTS)
-    statuses, _ = await client.get_prefix(keys.REPLICAS)
-    cordons, _ = await client.get_prefix(keys.CORDON)
-    models: dict[str, ModelSpec] = {}
-    for kv in catalog:
-        name = kv.key[len(keys.CATALOG) :]
-        try:
-            models[name] = parse_model(kv.json(), where=name)
-        except (CatalogError, ValueError) as exc:
-            log.warning("catalog entry %s ignored: %s", name, exc)
-    return Snapshot(
-        models=models,
-        nodes={kv.key[len(keys.NODES) :]: _obj(kv) for kv in nodes},
-        placements=_by_replica(placements, keys.PLACEMENTS),
-        statuses=_by_replica(statuses, keys.REPLICAS),
-        cordons={kv.key[len(keys.CORDON) :]: _obj(kv) for kv in cordons},
-        wall=time.time(),
-    )
-
-
-def _obj(kv: KeyValue) -> dict[str, Any]:
-    try:
-        doc = kv.json()
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _by_replica(kvs: list[KeyValue], prefix: str) -> dict[Key, dict[str, Any]]:
-    out: dict[Key, dict[str, Any]] = {}
-    for kv in kvs:
-        node, _, replica = kv.key[len(prefix) :].partition("/")
-        if node and replica:
-            out[(node, replica)] = _obj(kv)
-    return out
 
 
 async def run_reconciler(

@@ -29,25 +29,14 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cgn_core.catalog import ModelSpec
-from cgn_core.placement import Decision, NodeState, NodeView, node_view, place
+from cgn_core.cluster import Key, Snapshot, views
+from cgn_core.placement import Decision, NodeState, place
 from cgn_router.settings import ReconcilerSettings
-
-Key = tuple[str, str]  # (node, replica)
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    models: Mapping[str, ModelSpec]
-    nodes: Mapping[str, Mapping[str, Any]]  # registered nodes' inventory documents
-    placements: Mapping[Key, Mapping[str, Any]]
-    statuses: Mapping[Key, Mapping[str, Any]]
-    cordons: Mapping[str, Mapping[str, Any]]  # node -> {"drain": bool, "since_unix", "grace_s"}
-    wall: float = 0.0  # time.time() when the snapshot was read (cordon times are wall-clock)
 
 
 @dataclass
@@ -152,27 +141,6 @@ def reconcile(
         actions.append(placement_for(spec, decision))
         break  # one placement per pass, from a fresh snapshot
     return actions
-
-
-def views(
-    snap: Snapshot, states: Mapping[str, NodeState], gone: Collection[Key] = ()
-) -> list[NodeView]:
-    """Every known node as placement sees it, with the devices and replicas already placed."""
-    used: dict[str, set[int]] = {}
-    counts: dict[str, Counter[str]] = {}
-    for key, doc in snap.placements.items():
-        if key in gone:
-            continue
-        used.setdefault(key[0], set()).update(int(d) for d in doc.get("devices", []))
-        counts.setdefault(key[0], Counter())[str(doc.get("model", ""))] += 1
-    out = []
-    for name, state in sorted(states.items()):
-        inv = snap.nodes.get(name, {})
-        held = frozenset(used.get(name, ()))
-        view = node_view(name, inv, cordoned=name in snap.cordons, state=state, used=held,
-                         replicas=counts.get(name))  # fmt: skip
-        out.append(view)
-    return out
 
 
 def placement_for(spec: ModelSpec, decision: Decision) -> Put:

@@ -21,23 +21,13 @@ import aiohttp
 import openai
 import pytest
 
-from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
-from cgn_core.settings import EtcdSettings
-from tests.support.procs import Router, cgn_infer_engines, cgn_router
+from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_run
 
 pytestmark = pytest.mark.etcd
 FLEET = f"simfleet-{uuid.uuid4().hex[:8]}"  # the served model name (and hash namespace)
 NODES = ("node-a", "node-b", "node-c")
 SIM = ("--backend", "sim", "--speed", "20", "--kv-pool-tokens", "8192", "--max-batch", "16")
-
-
-def etcd_run(endpoint: str, fn: Callable[[EtcdClient], Any]) -> Any:
-    async def go() -> Any:
-        async with EtcdClient(EtcdSettings(endpoints=(endpoint,))) as client:
-            return await fn(client)
-
-    return asyncio.run(go())
 
 
 def register(endpoint: str, model: str, replica: str, url: str, node: str, lease: int = 0) -> None:

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from cgn_core.bundled_models import smollm2
+from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import free_port
 from cgn_core.process import stop_group
 from cgn_core.readiness import wait_ready_file
+from cgn_core.settings import EtcdSettings
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 BIN = Path(sys.executable).parent
 
 
@@ -167,3 +171,17 @@ def cgn_agent(state_dir: Path, etcd_endpoint: str, *args: str, node: str = "n1")
         yield Agent(f"http://127.0.0.1:{doc['ports']['admin']}", node, proc)
     finally:
         stop(proc, grace_s=30)
+
+
+def etcd_run(endpoint: str, fn: Callable[[EtcdClient], Awaitable[T]]) -> T:
+    """Run one async etcd operation from synchronous test code."""
+
+    async def go() -> T:
+        async with EtcdClient(EtcdSettings(endpoints=(endpoint,))) as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+def etcd_put(endpoint: str, key: str, value: Any, lease: int = 0) -> None:
+    etcd_run(endpoint, lambda c: c.put_json(key, value, lease=lease))

@@ -1,0 +1,177 @@
+"""What cgn-ctl's commands do against etcd; each returns plain data (the `--json` output).
+
+Nothing here prints: cli.py renders. Every function takes an open EtcdClient.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cgn_core import keys
+from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_core.cluster import Snapshot, read_snapshot, views
+from cgn_core.errors import NotFound, PermanentError
+from cgn_core.etcd import EtcdClient
+from cgn_core.placement import Decision, NodeState, place
+
+LEADER_KEY = "/cognitora/leader/reconciler"
+
+
+class InUse(PermanentError):
+    """The catalog entry is referenced by another model."""
+
+
+def node_states(snap: Snapshot) -> dict[str, NodeState]:
+    """As cgn-ctl sees it (no memory of when a node vanished): registered, or unreachable."""
+    names = set(snap.nodes) | {n for n, _ in snap.placements}
+    return {n: "ready" if n in snap.nodes else "unreachable" for n in names}
+
+
+async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
+    snap = await read_snapshot(client)
+    out = []
+    for name, state in sorted(node_states(snap).items()):
+        inv = snap.nodes.get(name, {})
+        cordon = snap.cordons.get(name)
+        accs = inv.get("accelerators", [])
+        unhealthy = [
+            {"index": a["index"], "why": "; ".join(a["health"])} for a in accs if a.get("health")
+        ]
+        power = inv.get("power") or {}
+        out.append({
+            "node": name,
+            "state": "draining" if cordon and cordon.get("drain") else
+                     "cordoned" if cordon is not None else state,
+            "reachable": state == "ready",
+            "class": inv.get("node_class", "?"),
+            "accelerators": len(accs),
+            "unhealthy": unhealthy,
+            "engines": inv.get("engines", []),
+            "replicas": sorted(r for n, r in snap.placements if n == name),
+            "watts": power.get("watts"),
+            "cpu": inv.get("cpu", {}),
+        })  # fmt: skip
+    return out
+
+
+async def models(client: EtcdClient) -> list[dict[str, Any]]:
+    snap = await read_snapshot(client)
+    out = []
+    for name, spec in sorted(snap.models.items()):
+        mine = [k for k, d in snap.placements.items() if d.get("model") == name]
+        ready = sum(snap.statuses.get(k, {}).get("phase") == "Ready" for k in mine)
+        out.append({
+            "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
+            "placed": len(mine), "ready": ready, "aliases": list(spec.aliases),
+            "fallbacks": list(spec.fallbacks),
+            "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
+                         for p in spec.profiles],
+        })  # fmt: skip
+    return out
+
+
+async def get_model(client: EtcdClient, name: str) -> dict[str, Any]:
+    doc = await client.get_json(keys.CATALOG + name)
+    if doc is None:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    return dict(doc)
+
+
+async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> list[str]:
+    """Validate every model in `docs` against the whole catalog, then write them; returns names."""
+    new: dict[str, ModelSpec] = {}
+    for i, doc in enumerate(docs):
+        where = f"{source}: model {i}" if len(docs) > 1 else source
+        spec = _parse(doc, where)
+        if spec.name in new:
+            raise CatalogError(f"{where}: model {spec.name} is defined twice")
+        new[spec.name] = spec
+    current = (await read_snapshot(client)).models
+    check_catalog({**current, **new})
+    for name, spec in new.items():
+        await client.put_json(keys.CATALOG + name, spec.to_json())
+    return sorted(new)
+
+
+def _parse(doc: Any, where: str) -> ModelSpec:
+    try:
+        return parse_model(doc)
+    except CatalogError as exc:
+        raise CatalogError(f"{where}: {exc}") from None
+
+
+async def delete_model(client: EtcdClient, name: str) -> None:
+    snap = await read_snapshot(client)
+    if name not in snap.models:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    users = sorted(m for m, s in snap.models.items() if name in s.fallbacks)
+    if users:
+        raise InUse(f"{name} is the fallback of {', '.join(users)}; change those first")
+    await client.delete(keys.CATALOG + name)
+
+
+async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[str, Any]]:
+    snap = await read_snapshot(client)
+    states = node_states(snap)
+    out = []
+    for (node, replica), doc in sorted(snap.placements.items()):
+        if model and doc.get("model") != model:
+            continue
+        st = snap.statuses.get((node, replica), {})
+        out.append({
+            "replica": replica, "node": node, "model": doc.get("model"),
+            "engine": doc.get("engine"),
+            "devices": doc.get("devices", []), "phase": st.get("phase", "Pending"),
+            "url": st.get("url"), "restarts": st.get("restarts", 0), "reason": st.get("reason", ""),
+            "node_state": states.get(node, "unreachable"),
+        })  # fmt: skip
+    return out
+
+
+async def explain(client: EtcdClient, name: str) -> Decision:
+    snap = await read_snapshot(client)
+    spec = snap.models.get(name)
+    if spec is None:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    return place(spec, views(snap, node_states(snap)))
+
+
+async def cordon(client: EtcdClient, node: str, *, drain: bool = False, grace_s: float = 600.0,
+                 reason: str = "") -> dict[str, Any]:  # fmt: skip
+    doc: dict[str, Any] = {"by": f"{getpass.getuser()}@{socket.gethostname()}",
+                           "since_unix": time.time(), "reason": reason}  # fmt: skip
+    if drain:
+        doc |= {"drain": True, "grace_s": grace_s}
+    await client.put_json(keys.CORDON + node, doc)
+    return doc
+
+
+async def uncordon(client: EtcdClient, node: str) -> bool:
+    return await client.delete(keys.CORDON + node) > 0
+
+
+async def replicas_on(client: EtcdClient, node: str) -> list[dict[str, Any]]:
+    return [r for r in await replicas(client) if r["node"] == node]
+
+
+async def status(client: EtcdClient) -> dict[str, Any]:
+    snap = await read_snapshot(client)
+    leader = await client.get(LEADER_KEY)
+    unplaced = {}
+    states = node_states(snap)
+    for name, spec in sorted(snap.models.items()):
+        mine = [k for k, d in snap.placements.items() if d.get("model") == name]
+        if len(mine) < spec.min_replicas:
+            d = place(spec, views(snap, states))
+            if not d.ok:
+                unplaced[name] = d.explain()
+    return {
+        "leader": leader.value.decode() if leader else None,
+        "nodes": await nodes(client),
+        "models": await models(client),
+        "unplaceable": unplaced,
+    }

@@ -1,0 +1,61 @@
+"""Rich tables for cgn-ctl's human output (`--json` prints the same data raw)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def nodes(rows: list[dict[str, Any]]) -> None:
+    t = Table("node", "state", "class", "devices", "unhealthy", "engines", "replicas", "watts")
+    for r in rows:
+        sick = "; ".join(f"#{u['index']}: {u['why']}" for u in r["unhealthy"]) or "-"
+        watts = "-" if r["watts"] is None else f"{r['watts']:.0f}"
+        t.add_row(r["node"], r["state"], r["class"], str(r["accelerators"]), sick,
+                  ", ".join(r["engines"]), str(len(r["replicas"])), watts)  # fmt: skip
+    console.print(t if rows else "no nodes registered")
+
+
+def models(rows: list[dict[str, Any]]) -> None:
+    t = Table("model", "replicas (ready/placed, min–max)", "profiles", "aliases", "fallbacks")
+    for r in rows:
+        t.add_row(r["model"], f"{r['ready']}/{r['placed']}, {r['min']}–{r['max']}",
+                  ", ".join(r["profiles"]), ", ".join(r["aliases"]) or "-",
+                  ", ".join(r["fallbacks"]) or "-")  # fmt: skip
+    console.print(t if rows else "the catalog is empty")
+
+
+def replicas(rows: list[dict[str, Any]]) -> None:
+    t = Table("replica", "model", "node", "engine", "devices", "phase", "restarts", "reason")
+    for r in rows:
+        node = r["node"] if r["node_state"] == "ready" else f"{r['node']} ({r['node_state']})"
+        t.add_row(r["replica"], str(r["model"]), node, str(r["engine"]),
+                  ",".join(map(str, r["devices"])) or "-", r["phase"], str(r["restarts"]),
+                  r["reason"] or "-")  # fmt: skip
+    console.print(t if rows else "no replicas")
+
+
+def explain(d: dict[str, Any]) -> None:
+    if d["profile"] is None:
+        console.print(f"[bold red]{d['model']}: no node can take another replica[/bold red]")
+    else:
+        where = ", ".join(f"{n} (devices {list(devs) or 'cpu'})" for n, devs in d["nodes"])
+        console.print(f"[bold]{d['model']}[/bold]: profile {d['profile']} on {where}")
+    t = Table("profile", "node", "", "reason")
+    for c in d["candidates"]:
+        t.add_row(str(c["profile"]), c["node"], "✓" if c["ok"] else "✗", c["reason"])
+    console.print(t)
+
+
+def status(s: dict[str, Any]) -> None:
+    console.print(f"reconciler leader: {s['leader'] or '[red]none (is a router running?)[/red]'}")
+    nodes(s["nodes"])
+    models(s["models"])
+    for model, lines in s["unplaceable"].items():
+        console.print(f"[yellow]{model} cannot be placed:[/yellow]")
+        for line in lines:
+            console.print(f"  {line}")

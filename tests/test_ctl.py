@@ -1,0 +1,163 @@
+"""cgn-ctl against a real etcd: the catalog, nodes, replicas, explain-placement, cordon, drain, status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgn_core.etcd.local import LocalEtcd
+from tests.support.procs import etcd_put
+
+pytestmark = pytest.mark.etcd
+CTL = str(Path(sys.executable).parent / "cgn-ctl")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
+    """A private etcd: these tests write /cognitora/ keys other modules' routers would see."""
+    server = LocalEtcd(tmp_path_factory.mktemp("ctl") / "etcd")
+    server.start()
+    yield server
+    server.stop()
+
+
+def ctl(etcd: LocalEtcd, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CTL, *args, "--etcd", etcd.endpoint], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def ok_json(etcd: LocalEtcd, *args: str) -> Any:
+    res = ctl(etcd, *args, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def write(tmp: Path, text: str) -> str:
+    path = tmp / "model.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+GPU_NODE = {"node": "g1", "node_class": "h100-80g", "engines": ["vllm", "cgn_infer"],
+            "accelerators": [{"index": 0, "accel_class": "h100-80g", "health": []},
+                             {"index": 1, "accel_class": "h100-80g", "health": ["uncorrected ECC errors: 4"]}],
+            "power": {"watts": 700.0}, "cpu": {"cores": 64}}  # fmt: skip
+CPU_NODE = {"node": "c1", "node_class": "cpu", "engines": ["cgn_infer"], "accelerators": [],
+            "power": {"watts": None}, "cpu": {"cores": 2}}  # fmt: skip
+
+
+def test_models_apply_list_get_delete(etcd: LocalEtcd, tmp_path: Path) -> None:
+    f = write(
+        tmp_path,
+        """\
+        name: small
+        source: smollm2
+        replicas: {min: 1, max: 2}
+        aliases: [tiny]
+        profiles:
+          - {engine: cgn_infer, backend: sim}
+        ---
+        name: big
+        source: meta-llama/Llama-3.1-8B-Instruct
+        fallbacks: [small]
+        profiles:
+          - {engine: vllm, accelerator: h100-80g, devices: 2, tensor_parallel: 2}
+          - {engine: cgn_infer, source: smollm2}
+        """,
+    )
+    res = ctl(etcd, "models", "apply", "-f", f)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["model big applied", "model small applied"]
+    rows = {r["model"]: r for r in ok_json(etcd, "models", "list")}
+    assert rows["small"]["aliases"] == ["tiny"] and rows["small"]["max"] == 2
+    assert rows["big"]["profiles"] == ["vllm@h100-80g×2", "cgn_infer@cpu"]
+    got = ok_json(etcd, "models", "get", "big")
+    assert got["fallbacks"] == ["small"] and got["replicas"] == {"min": 1, "max": 1}
+    table = ctl(etcd, "models", "list")
+    assert "small" in table.stdout and "0/0, 1–2" in table.stdout
+    # small cannot go while big falls back to it
+    res = ctl(etcd, "models", "delete", "small")
+    assert (
+        res.returncode == 1
+        and res.stderr.strip() == "error: small is the fallback of big; change those first"
+    )
+    assert ctl(etcd, "models", "delete", "big").returncode == 0
+    assert (
+        ctl(etcd, "models", "get", "big").stderr.strip()
+        == "error: model 'big' is not in the catalog"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name: x\nsource: s\nprofiles: [{engine: vllm, accelerator: h100-80g, devices: 2, tensor_parallel: 4}]\n",
+         "profiles[0].tensor_parallel: 4 does not divide devices × nodes = 2"),
+        ("name: x\nsource: s\nfallbacks: [nothing]\nprofiles: [{engine: cgn_infer}]\n",
+         "x: fallbacks[0]: 'nothing' names no model in the catalog"),
+        ("name: x\nsource: s\naliases: [small]\nprofiles: [{engine: cgn_infer}]\n",
+         "x: aliases[0]: 'small' is the name of a model"),
+        ("name: x\nsource: s\nprofiles: [{engine: cgn_infer, colour: red}]\n", "profiles[0].colour: unknown field"),
+        ("name: [unclosed\n", "not YAML"),
+    ],
+)  # fmt: skip
+def test_bad_models_are_refused_with_the_field_path_and_nothing_written(
+    etcd: LocalEtcd, tmp_path: Path, text: str, message: str
+) -> None:
+    res = ctl(etcd, "models", "apply", "-f", write(tmp_path, text))
+    assert res.returncode == 2, res.stderr
+    assert (
+        res.stderr.startswith("error: ") and message in res.stderr and "Traceback" not in res.stderr
+    )
+    assert "x" not in {r["model"] for r in ok_json(etcd, "models", "list")}
+
+
+def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Path) -> None:
+    etcd_put(etcd.endpoint, "/cognitora/nodes/g1", GPU_NODE)
+    etcd_put(etcd.endpoint, "/cognitora/nodes/c1", CPU_NODE)
+    etcd_put(
+        etcd.endpoint, "/cognitora/placements/gone/r9", {"model": "small", "engine": "cgn_infer"}
+    )
+    assert ctl(etcd, "models", "apply", "-f", write(tmp_path, """\
+        name: gpu-model
+        source: s
+        profiles: [{engine: vllm, accelerator: h100-80g, devices: 2}]
+        """)).returncode == 0  # fmt: skip
+    nodes = {n["node"]: n for n in ok_json(etcd, "nodes")}
+    assert nodes["g1"]["unhealthy"] == [{"index": 1, "why": "uncorrected ECC errors: 4"}]
+    assert nodes["gone"]["state"] == "unreachable" and nodes["gone"]["replicas"] == ["r9"]
+    reps = ok_json(etcd, "replicas")
+    assert reps == [{"replica": "r9", "node": "gone", "model": "small", "engine": "cgn_infer", "devices": [],
+                     "phase": "Pending", "url": None, "restarts": 0, "reason": "", "node_state": "unreachable"}]  # fmt: skip
+    why = ok_json(etcd, "explain-placement", "gpu-model")
+    assert why["profile"] is None
+    assert {c["node"]: c["reason"] for c in why["candidates"]} == {
+        "c1": "vllm is not installed on this node",
+        "g1": "needs 2 free h100-80g device(s): 1 free of 2 h100-80g, 1 unhealthy (uncorrected ECC errors: 4)",
+        "gone": "node is unreachable",
+    }
+    # CPU replicas: equal counts, so power breaks the tie: g1 reports its watts, c1 does not
+    assert ok_json(etcd, "explain-placement", "small")["nodes"] == [["g1", []]]
+    assert ctl(etcd, "cordon", "g1", "--reason", "disk swap").stdout.strip() == "g1 cordoned"
+    assert ok_json(etcd, "explain-placement", "small")["nodes"] == [["c1", []]]
+    assert {n["node"]: n["state"] for n in ok_json(etcd, "nodes")}["g1"] == "cordoned"
+    st = ok_json(etcd, "status")
+    assert st["leader"] is None and "gpu-model" in st["unplaceable"]
+    assert "reconciler leader: none" in ctl(etcd, "status").stdout
+    assert ctl(etcd, "uncordon", "g1").stdout.strip() == "g1 uncordoned"
+    assert ctl(etcd, "uncordon", "g1").stdout.strip() == "g1 was not cordoned"
+    drained = ctl(etcd, "drain", "g1", "--no-wait", "--grace", "30")
+    assert drained.returncode == 0 and drained.stdout.strip() == "g1 drained"
+    assert {n["node"]: n["state"] for n in ok_json(etcd, "nodes")}["g1"] == "draining"
+    assert (
+        ctl(etcd, "explain-placement", "nope").stderr.strip()
+        == "error: model 'nope' is not in the catalog"
+    )
+    assert ctl(etcd, "drain", "g1", "--grace", "0").returncode == 2
