@@ -54,6 +54,7 @@ class ReplicaSpec:
     devices: tuple[int, ...] = ()  # accelerator indices (CUDA ordinals) this replica owns
     role: Role = "both"
     profile: EngineProfile = EngineProfile()
+    owner: str = ""  # "reconciler" for the placements it manages; empty: written by hand
 
 
 def parse_placement(replica: str, data: Any) -> ReplicaSpec:
@@ -89,7 +90,15 @@ def parse_placement(replica: str, data: Any) -> ReplicaSpec:
         tuple(devices),
         role,
         _profile(data.get("profile", {}), f"{where}: profile"),
+        _owner(data, where),
     )
+
+
+def _owner(data: Mapping[str, Any], where: str) -> str:
+    owner = data.get("owner", "")
+    if not isinstance(owner, str):
+        raise ValueError(f"{where}: 'owner' must be a string")
+    return owner
 
 
 def _profile(raw: Any, where: str) -> EngineProfile:

@@ -22,7 +22,10 @@ Per pass, in order:
 5. Scale: below `min` replicas (off draining and lost nodes), one placement
    is made with placement.place(); above `max`, one replica is deleted
    (not-Ready ones first).
-Multi-node profiles are left out until the agent can launch multi-node replicas.
+The reconciler manages only the placements it wrote (`owner: reconciler`);
+a placement written by hand is never moved or deleted, though the devices it
+holds are not given to anything else. Multi-node profiles are left out until
+the agent can launch multi-node replicas.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from cgn_core.catalog import ModelSpec
 from cgn_core.cluster import Key, Snapshot, views
 from cgn_core.placement import Decision, NodeState, place
 from cgn_router.settings import ReconcilerSettings
+
+OWNER = "reconciler"  # the `owner` of the placements this loop manages
 
 
 @dataclass
@@ -98,7 +103,9 @@ def reconcile(
             actions.append(Delete(key[0], key[1], why))
 
     draining = {n for n, c in snap.cordons.items() if c.get("drain")}
-    for key, doc in sorted(snap.placements.items()):
+    # NOTE: only its own placements; one written by hand is left alone (its devices still count)
+    owned = {k: d for k, d in snap.placements.items() if d.get("owner") == OWNER}
+    for key, doc in sorted(owned.items()):
         model, status = str(doc.get("model", "")), snap.statuses.get(key, {})
         if states[key[0]] == "lost":
             delete(key, f"node {key[0]} lost")
@@ -109,7 +116,7 @@ def reconcile(
             mem.rebuilds[model] += 1
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
 
-    live = {k: d for k, d in snap.placements.items() if k not in gone}
+    live = {k: d for k, d in owned.items() if k not in gone}
     for name, spec in sorted(snap.models.items()):
         mine = {k: d for k, d in live.items() if d.get("model") == name}
         serving = {k for k in mine if k[0] not in draining}
@@ -155,7 +162,8 @@ def placement_for(spec: ModelSpec, decision: Decision) -> Put:
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
-           "devices": list(devices), "role": spec.role, "profile": profile}  # fmt: skip
+           "devices": list(devices), "role": spec.role, "profile": profile,
+           "owner": OWNER}  # fmt: skip
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     return Put(node, replica, doc, f"profile {decision.profile} ({p.engine} on {p.accelerator})")
 

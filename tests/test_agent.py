@@ -257,6 +257,7 @@ async def test_etcd_outage_engines_keep_serving_and_the_agent_registers_again(
         infer = await ready(c, "smol-infer", INFER)
         node_before = await c.get(f"/cognitora/nodes/{NODE}")
         ep_before = await c.get(endpoint_key("smol-infer", INFER))
+        await c.put_json(f"/cognitora/cordon/{NODE}", {"reason": "test"})
         assert node_before is not None and ep_before is not None
     await asyncio.to_thread(fleet.etcd.stop)
     outage_started = time.monotonic()
@@ -285,6 +286,9 @@ async def test_etcd_outage_engines_keep_serving_and_the_agent_registers_again(
 
         await eventually(resent, "node and endpoint keys re-sent", timeout_s=30)
         await ready(c, "smol-llama", LLAMA)
+        # re-registering never clears a cordon (only cgn-ctl uncordon does)
+        assert await c.get_json(f"/cognitora/cordon/{NODE}") == {"reason": "test"}
+        await c.delete(f"/cognitora/cordon/{NODE}")
 
 
 async def _etcd_flag(agent: Agent, want: bool) -> bool:

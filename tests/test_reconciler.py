@@ -30,7 +30,9 @@ def snap(
     return Snapshot(
         models={m.name: m for m in (models if models is not None else [model()])},
         nodes={n: CPU_NODE for n in nodes},
-        placements={k: {"model": m, "devices": []} for k, m in (placed or {}).items()},
+        placements={
+            k: {"model": m, "devices": [], "owner": "reconciler"} for k, m in (placed or {}).items()
+        },
         statuses=status or {},
         cordons=cordons or {},
         wall=wall,
@@ -49,7 +51,8 @@ def test_places_one_replica_per_pass_with_the_agents_placement_document() -> Non
     assert put.node == "a" and put.replica.startswith("m-")
     assert put.doc == {"model": "m", "engine": "cgn_infer", "source": "smollm2", "devices": [],
                        "role": "both", "profile": {"tensor_parallel": 1, "kv_connector": "none",
-                       "launcher": "auto", "extra_args": [], "env": {}, "threads": 1, "backend": "sim"}}  # fmt: skip
+                       "launcher": "auto", "extra_args": [], "env": {}, "threads": 1, "backend": "sim"},
+                       "owner": "reconciler"}  # fmt: skip
     # next pass, with the first placement made: the second replica spreads to another node
     second = reconcile(
         snap(models=[model("m", lo=2)], placed={("a", put.replica): "m"}), mem, 1.0, S
@@ -146,3 +149,26 @@ def test_explain_lists_every_candidate() -> None:
     d = explain(model(), s, Memory(), 0.0, S)
     assert d.nodes == (("b", ()),)
     assert d.explain() == ["✗ profile 0 on a: node is cordoned", "✓ profile 0 on b: chosen (cpu)"]
+
+
+def test_placements_written_by_hand_are_left_alone_but_their_devices_stay_taken() -> None:
+    gpu_node = {"accelerators": [{"index": 0, "accel_class": "h100-80g", "health": []},
+                                 {"index": 1, "accel_class": "h100-80g", "health": []}],
+                "engines": ["vllm"]}  # fmt: skip
+    m = parse_model({"name": "g", "source": "s",
+                     "profiles": [{"engine": "vllm", "accelerator": "h100-80g", "devices": 1}]})  # fmt: skip
+    s = Snapshot(
+        models={"g": m},
+        nodes={"a": gpu_node},
+        placements={
+            ("a", "manual"): {"model": "not-in-catalog", "devices": [0]},
+            ("lost", "manual2"): {"model": "g", "devices": []},
+        },
+        statuses={},
+        cordons={},
+    )
+    mem = Memory()
+    reconcile(s, mem, 0.0, S)
+    actions = reconcile(s, mem, 100.0, S)  # node "lost" is long gone
+    assert [type(a) for a in actions] == [Put]  # no Delete of the hand-written placements
+    assert actions[0].doc["devices"] == [1]  # device 0 is held by the manual placement
