@@ -45,18 +45,21 @@ from cgn_agent.runner import RunnerContext
 from cgn_agent.settings import AgentSettings
 from cgn_agent.spec import ReplicaSpec, parse_placement
 from cgn_agent.statefile import StateStore
-from cgn_core import __version__, keys
+from cgn_core import __version__, keys, pki
 from cgn_core.backoff import Backoff
 from cgn_core.engine_metrics import in_flight, name_map
-from cgn_core.errors import CognitoraError
+from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.http import mtls_middleware
 from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_core.tls import server_ssl_context, warn_if_plaintext
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
+OPEN_ADMIN_PATHS = frozenset({"/healthz", "/metrics"})  # for probes and scrapers, no certificate
 
 
 class HttpProber:
@@ -105,8 +108,21 @@ class Runtime:
     admin_url: str = ""
 
 
+def check_identity(settings: AgentSettings, node: str) -> None:
+    """Refuse to start with a client certificate that etcd or our peers would refuse."""
+    for what, tls in (("etcd.tls", settings.etcd.tls), ("admin_tls", settings.admin_tls)):
+        if not tls.enabled or tls.cert_file is None:
+            continue
+        try:
+            pki.verify(pki.load_cert(tls.cert_file), pki.load_cert(tls.ca_file),  # type: ignore[arg-type]
+                       usage="client" if what == "etcd.tls" else "server", node=node)  # fmt: skip
+        except pki.PkiError as exc:
+            raise ConfigError(f"{what}.cert_file {tls.cert_file}: {exc.message}") from None
+
+
 async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     node = node_id(settings.node_id, settings.state_dir)
+    check_identity(settings, node)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,7 +211,9 @@ async def _start_admin(
     async def inventory(_: web.Request) -> web.Response:
         return web.json_response(rt.inventory.to_json())
 
-    app = web.Application()
+    tls = settings.admin_tls
+    middlewares = [mtls_middleware(OPEN_ADMIN_PATHS)] if tls.enabled else []
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/replicas", replicas)
@@ -203,7 +221,10 @@ async def _start_admin(
     sock = bind_tcp(settings.admin.host, settings.admin.port)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    ssl_ctx = server_ssl_context(tls, client_cert="optional") if tls.enabled else None
+    if ssl_ctx is None:
+        warn_if_plaintext(log, "admin listener", tls)
+    await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
     return runner, int(sock.getsockname()[1])
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cgn_agent.supervisor import Policy
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings
+from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class AgentSettings:
     node_id: str = ""  # empty: derived once from the machine and kept in state_dir
     state_dir: Path = Path("/var/lib/cognitora/agent")
     admin: ListenSettings = ListenSettings(port=9093)
+    admin_tls: TlsSettings = TlsSettings()  # HTTPS; management paths need a client certificate
     lease_ttl_s: int = 10
     inventory_interval_s: float = 30.0  # re-read GPU health and memory holders
     labels: dict[str, str] = field(default_factory=dict)

@@ -8,7 +8,13 @@ from typing import Any
 
 from aiohttp import web
 
-from cgn_core.errors import CognitoraError, InvalidRequest, PayloadTooLarge, http_response_parts
+from cgn_core.errors import (
+    CognitoraError,
+    Forbidden,
+    InvalidRequest,
+    PayloadTooLarge,
+    http_response_parts,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,3 +66,32 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("the request body is not valid JSON") from None
+
+
+def mtls_middleware(open_paths: frozenset[str]) -> Any:
+    """HTTPS admin listeners: every path but `open_paths` needs a verified client certificate,
+    whose CN must equal the node id the caller claims in `x-cgn-node` (when it claims one).
+
+    The listener's SSL context verifies certificates optionally (CERT_OPTIONAL), so health
+    checks and metric scrapers need none; management calls are refused with 403 without one.
+    """
+    from cgn_core.tls import NODE_HEADER, peer_common_name
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in open_paths:
+            return await handler(request)
+        ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+        cert = ssl_object.getpeercert() if ssl_object is not None else None
+        if not cert:
+            return json_error(
+                Forbidden("a client certificate signed by the cluster CA is required")
+            )
+        cn = peer_common_name(cert)
+        claimed = request.headers.get(NODE_HEADER)
+        if claimed is not None and claimed != cn:
+            why = f"certificate CN {cn!r} does not match the claimed node id {claimed!r}"
+            return json_error(Forbidden(why))
+        return await handler(request)
+
+    return check

@@ -29,7 +29,7 @@ from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import bind_tcp, write_ready_file
-from cgn_core.tls import warn_if_plaintext
+from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
@@ -132,7 +132,7 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
                 shutdown_timeout=min(DRAIN_CAP_S, settings.deadlines.total_s),
             )
             await runner.setup()
-            ssl_ctx = _server_ssl(settings) if name == "http" else None
+            ssl_ctx = _listener_ssl(name, settings)
             await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
             runners.append(runner)
             ports[name] = sock.getsockname()[1]
@@ -143,7 +143,7 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
             settings.admin.host,
             ports["admin"],
         )
-        if not settings.tls.enabled:
+        if settings.tls.cert_file is None:
             warn_if_plaintext(log, "OpenAI API", settings.tls)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -175,14 +175,17 @@ class _Stop(Exception):
     """Ends the TaskGroup (cancelling every background task) at shutdown."""
 
 
-def _server_ssl(settings: RouterSettings) -> ssl.SSLContext | None:
-    if not settings.tls.enabled:
+def _listener_ssl(name: str, settings: RouterSettings) -> ssl.SSLContext | None:
+    """HTTPS for the OpenAI surface when a certificate is set (clients present none); HTTPS
+    for the admin listener with client certificates checked per call (mtls_middleware)."""
+    if name == "http":
+        if settings.tls.cert_file is None:
+            return None
+        return server_ssl_context(settings.tls, client_cert="none")
+    if not settings.admin_tls.enabled:
+        warn_if_plaintext(log, "admin listener", settings.admin_tls)
         return None
-
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    assert settings.tls.cert_file is not None and settings.tls.key_file is not None
-    ctx.load_cert_chain(settings.tls.cert_file, settings.tls.key_file)
-    return ctx
+    return server_ssl_context(settings.admin_tls, client_cert="optional")
 
 
 # ---- etcd --------------------------------------------------------------------

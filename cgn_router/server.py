@@ -29,7 +29,7 @@ from cgn_core.errors import (
     Unavailable,
     UpstreamTimeout,
 )
-from cgn_core.http import error_middleware, parse_json
+from cgn_core.http import error_middleware, mtls_middleware, parse_json
 from cgn_router.catalog import Catalog
 from cgn_router.control import ControlState
 from cgn_router.metrics import RouterMetrics
@@ -97,8 +97,14 @@ def build_app(svc: RouterService) -> web.Application:
     return app
 
 
+OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # no client certificate needed
+
+
 def build_admin_app(svc: RouterService) -> web.Application:
-    app = web.Application(middlewares=[error_middleware(1 << 20)])
+    middlewares = [error_middleware(1 << 20)]
+    if svc.settings.admin_tls.enabled:
+        middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS))
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", lambda r: _metrics(svc))
     app.router.add_get("/healthz", lambda r: _healthz())
     app.router.add_get("/readyz", lambda r: _readyz(svc))

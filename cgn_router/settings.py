@@ -98,7 +98,8 @@ class ReconcilerSettings:
 class RouterSettings:
     http: ListenSettings = ListenSettings(port=8080)  # the OpenAI surface
     admin: ListenSettings = ListenSettings(port=9091)  # /metrics, /healthz, /readyz
-    tls: TlsSettings = TlsSettings()  # HTTPS on the OpenAI surface when set
+    tls: TlsSettings = TlsSettings()  # HTTPS on the OpenAI surface when cert_file is set
+    admin_tls: TlsSettings = TlsSettings()  # HTTPS admin; management paths need a client cert
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
     # etcd: watch /cognitora/endpoints/, cordon/, catalog/ and policy/ (plus `endpoints`);

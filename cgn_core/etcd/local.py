@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cgn_core.errors import ConfigError, Unavailable
 from cgn_core.process import stop_group
+from cgn_core.settings import TlsSettings
 
 
 def find_etcd_binary() -> Path:
@@ -59,12 +60,23 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 class LocalEtcd:
     """One etcd member on loopback with its data in `data_dir`; restartable on the same ports."""
 
-    def __init__(self, data_dir: Path, client_port: int = 0, peer_port: int = 0, name: str = "cgn"):
+    def __init__(
+        self,
+        data_dir: Path,
+        client_port: int = 0,
+        peer_port: int = 0,
+        name: str = "cgn",
+        tls: TlsSettings | None = None,
+    ):
+        """`tls`: serve clients over TLS with this certificate and require client certificates
+        signed by its CA (`--client-cert-auth`); health is then read from a plain metrics port."""
         self.data_dir = data_dir
         self._auto_ports = not client_port and not peer_port
-        auto = free_ports(2)
+        auto = free_ports(3)
         self.client_port = client_port or auto[0]
         self.peer_port = peer_port or auto[1]
+        self.metrics_port = auto[2]
+        self.tls = tls
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
@@ -74,8 +86,15 @@ class LocalEtcd:
         return f"127.0.0.1:{self.client_port}"
 
     def argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        secure = []
+        if self.tls is not None:
+            t = self.tls
+            secure = [f"--cert-file={t.cert_file}", f"--key-file={t.key_file}",
+                      f"--trusted-ca-file={t.ca_file}", "--client-cert-auth",
+                      f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}"]  # fmt: skip
         return [
             str(find_etcd_binary()),
             f"--name={self.name}",
@@ -87,6 +106,7 @@ class LocalEtcd:
             f"--initial-cluster={self.name}={peer}",
             "--initial-cluster-state=new",
             "--log-level=warn",
+            *secure,
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -104,7 +124,7 @@ class LocalEtcd:
                 if not (fresh and attempt < 2 and "address already in use" in exc.message):
                     raise
                 shutil.rmtree(self.data_dir, ignore_errors=True)
-                self.client_port, self.peer_port = free_ports(2)
+                self.client_port, self.peer_port, self.metrics_port = free_ports(3)
 
     def _start(self, timeout_s: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -123,7 +143,8 @@ class LocalEtcd:
             time.sleep(0.05)
 
     def healthy(self) -> bool:
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        port = self.metrics_port if self.tls else self.client_port
+        url = f"http://127.0.0.1:{port}/health"
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return bool(json.load(resp).get("health") == "true")
