@@ -68,7 +68,7 @@ def process(argv: list[str], health: str) -> Iterator[subprocess.Popen[bytes]]:
 def router(tmp: Path, upstream: str, model: str, engine: str) -> Iterator[tuple[str, int]]:
     cfg = tmp / "router.yaml"
     cfg.write_text(yaml.safe_dump({
-        "discovery": "static", "log": {"level": "warning"},
+        "discovery": "static", "auth": {"enabled": False}, "log": {"level": "warning"},
         # four registry entries for the one upstream: every request is a real choice
         "endpoints": {f"e{i}": {"url": upstream, "model": model, "engine": engine} for i in range(4)},
     }))  # fmt: skip

@@ -161,6 +161,7 @@ def run_fleet(
         with cgn_infer_engines(tmp, engines, *sim) as fleet:
             config = {
                 "discovery": "static",
+                "auth": {"enabled": False},
                 "endpoints": {f"e{i}": {"url": e.url, "model": model} for i, e in enumerate(fleet)},
                 "routing": POLICIES[policy],
             }

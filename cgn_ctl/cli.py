@@ -24,7 +24,7 @@ from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
-from cgn_ctl import ops, pki_cmd, render
+from cgn_ctl import keys_cmd, ops, pki_cmd, render
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
@@ -37,9 +37,9 @@ app = make_app(
 models_app = typer.Typer(help="The model catalog: apply, list, get, delete.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(pki_cmd.app, name="pki")
+app.add_typer(keys_cmd.app, name="keys")
 not_built(app, "up", "start a single-node cluster", 10)
 not_built(app, "down", "stop what up started", 10)
-not_built(app, "keys", "manage API keys", 8)
 
 Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
 Config = Annotated[

@@ -22,8 +22,9 @@ import aiohttp
 from aiohttp import web
 from google.protobuf import json_format
 
+from cgn_core.apikeys import KEYS_PREFIX
 from cgn_core.backoff import Backoff
-from cgn_core.errors import ConfigError
+from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.types import KeyValue, WatchEvent
@@ -33,6 +34,7 @@ from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
+from cgn_router.gate import Gate
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
@@ -71,6 +73,8 @@ def build_service(settings: RouterSettings, session: aiohttp.ClientSession) -> R
         Proxy(session, settings.deadlines),
         metrics,
     )
+    if settings.admission.enabled:
+        svc.gate = Gate(settings.admission, registry, metrics)
     try:
         static = [endpoint_from_static(name, e) for name, e in settings.endpoints.items()]
     except ValueError as exc:
@@ -100,9 +104,24 @@ def check_settings(s: RouterSettings) -> None:
         weights_from(s.routing)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
+    bands = s.admission.bands
+    if not bands:
+        raise ConfigError("admission.bands: at least one band is needed")
+    for name, band in bands.items():
+        if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
+            raise ConfigError(f"admission.bands.{name}: ceiling and ttl_s must be positive")
+    if not s.auth.enabled and s.auth.anonymous_band not in bands:
+        raise ConfigError(
+            f"auth.anonymous_band {s.auth.anonymous_band!r} is not in admission.bands"
+        )
     if s.discovery == "static" and not s.endpoints:
         raise ConfigError(
             "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
+        )
+    if s.auth.enabled and s.discovery == "static":
+        raise ConfigError(
+            "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
+            "set auth.enabled: false for a router-only run"
         )
 
 
@@ -145,10 +164,19 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
         )
         if settings.tls.cert_file is None:
             warn_if_plaintext(log, "OpenAI API", settings.tls)
+        if not settings.auth.enabled:
+            log.warning(
+                "API authentication is OFF (auth.enabled: false): every client is tenant %r "
+                "in band %r; fine for development only",
+                settings.auth.anonymous_tenant,
+                settings.auth.anonymous_band,
+            )
         try:
             async with asyncio.TaskGroup() as tg:
                 follower = KvFollowers(svc, session, tg)
                 tg.create_task(_scrape_loop(svc, session))
+                if svc.gate is not None:
+                    tg.create_task(svc.gate.run())
                 if settings.discovery == "etcd":
                     tg.create_task(_follow_etcd(svc, follower, tg))
                     if settings.reconciler.enabled:
@@ -193,9 +221,10 @@ def _listener_ssl(name: str, settings: RouterSettings) -> ssl.SSLContext | None:
 
 async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.TaskGroup) -> None:
     client = EtcdClient(svc.settings.etcd)
-    listed = {
-        p: asyncio.Event() for p in (ENDPOINTS_PREFIX, CORDON_PREFIX, CATALOG_PREFIX, POLICY_KEY)
-    }
+    prefixes = [ENDPOINTS_PREFIX, CORDON_PREFIX, CATALOG_PREFIX, POLICY_KEY]
+    if svc.settings.auth.enabled:
+        prefixes.append(KEYS_PREFIX)
+    listed = {p: asyncio.Event() for p in prefixes}
     reg, catalog = svc.registry, svc.catalog
 
     def endpoints_list(kvs: list[KeyValue]) -> None:
@@ -259,12 +288,35 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
         else:
             _apply_policy(svc, ev.kv)
 
-    for prefix, on_list, on_event in (
+    def keys_list(kvs: list[KeyValue]) -> None:
+        docs: dict[str, object] = {}
+        for kv in kvs:
+            try:
+                docs[kv.key[len(KEYS_PREFIX) :]] = kv.json()
+            except ValueError:
+                log.warning("ignoring API key %s: not JSON", kv.key)
+        for problem in svc.keys.replace(docs):
+            log.warning("ignoring API key %s", problem)
+
+    def keys_event(ev: WatchEvent) -> None:
+        kid = ev.kv.key[len(KEYS_PREFIX) :]
+        if ev.kind == "delete":
+            svc.keys.delete(kid)  # revoked: refused from the next request on
+            return
+        try:
+            svc.keys.put(kid, ev.kv.json())
+        except (ValueError, CognitoraError) as exc:
+            log.warning("ignoring API key %s: %s", kid, exc)
+
+    followed = [
         (ENDPOINTS_PREFIX, endpoints_list, endpoints_event),
         (CORDON_PREFIX, cordon_list, cordon_event),
         (CATALOG_PREFIX, catalog_list, catalog_event),
         (POLICY_KEY, policy_list, policy_event),
-    ):
+    ]
+    if svc.settings.auth.enabled:
+        followed.append((KEYS_PREFIX, keys_list, keys_event))
+    for prefix, on_list, on_event in followed:
         tg.create_task(list_and_watch(client, prefix, on_list, on_event, listed[prefix]))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))

@@ -6,13 +6,13 @@ import time
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cgn_router.registry import Registry
 
-M = TypeVar("M", Counter, Histogram)
+M = TypeVar("M", Counter, Histogram, Gauge)
 
 
 class Labelled(Generic[M]):
@@ -45,6 +45,22 @@ class RouterMetrics:
         ) -> Labelled[Histogram]:
             return Labelled(Histogram(name, doc, labels, buckets=buckets, registry=r))
 
+        def gauge(name: str, doc: str, *labels: str) -> Labelled[Gauge]:
+            return Labelled(Gauge(name, doc, labels, registry=r))
+
+        self.admission_wait = histogram(
+            "cgn_router_admission_wait_seconds", "Time admitted requests waited in the queue.",
+            LATENCY_BUCKETS, "band",
+        )  # fmt: skip
+        self.admission_rejections = counter(
+            "cgn_router_admission_rejections", "Requests refused by admission or auth, by reason.",
+            "band", "reason",
+        )  # fmt: skip
+        self.queue_depth = gauge("cgn_router_queue_depth", "Requests waiting, per band.", "band")
+        self.saturation = gauge(
+            "cgn_router_pool_saturation",
+            "max(admitted requests / batch capacity, KV usage) per model pool.", "pool",
+        )  # fmt: skip
         self.requests = counter(
             "cgn_router_requests", "Requests by model and outcome.", "model", "outcome"
         )

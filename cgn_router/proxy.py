@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -69,6 +69,7 @@ class Attempt:
     usage: Usage | None = None
     failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
     client_gone: bool = False  # the client disconnected mid-stream
+    extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-cgn-queue-ms
 
 
 class Proxy:
@@ -206,6 +207,7 @@ class Proxy:
         headers = dict(SSE_HEADERS) if sse else {"Content-Type": content_type or "application/json"}
         headers["x-cognitora-model"] = a.served_model
         headers["x-cognitora-endpoint"] = a.state.endpoint.id
+        headers.update(a.extra_headers)
         return headers
 
 

@@ -26,12 +26,16 @@ from cgn_core.errors import (
     BadGateway,
     InvalidRequest,
     NotFound,
+    RateLimited,
+    Unauthorized,
     Unavailable,
     UpstreamTimeout,
 )
 from cgn_core.http import error_middleware, mtls_middleware, parse_json
+from cgn_router.auth import KeyStore, Limiter, Principal, authorize
 from cgn_router.catalog import Catalog
 from cgn_router.control import ControlState
+from cgn_router.gate import Gate
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Decision, Pipeline
 from cgn_router.prompts import HashedPrompt
@@ -59,6 +63,21 @@ class RouterService:
     rng: random.Random = field(default_factory=random.Random)
     synced: bool = False  # the registry has loaded its sources once
     control: ControlState | None = None  # the reconciler, where this router runs one
+    keys: KeyStore = field(default_factory=KeyStore)
+    limiter: Limiter = field(default_factory=Limiter)
+    gate: Gate | None = None  # admission; None when switched off
+
+    def principal(self, request: web.Request) -> Principal:
+        """Who is asking: the API key's principal, or the anonymous one while auth is off."""
+        auth = self.settings.auth
+        if not auth.enabled:
+            return Principal("", auth.anonymous_tenant, auth.anonymous_band)
+        try:
+            return self.keys.authenticate(request.headers.get("Authorization"))
+        except Unauthorized:
+            self.metrics.admission_rejections.labels("-", "unauthorized").inc()
+            raise
+
     created: int = field(default_factory=lambda: int(time.time()))
 
     def known_models(self) -> dict[str, str]:
@@ -122,6 +141,7 @@ async def _reconciler(svc: RouterService) -> web.Response:
 
 async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web.StreamResponse:
     started = time.monotonic()
+    who = svc.principal(request)  # 401 before anything else is read
     raw = await request.read()
     body = parse_json(raw)
     if not isinstance(body, dict):
@@ -140,15 +160,51 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
             code="model_not_found",
             param="model",
         )
+    authorize(who, model)
+    first = _hash(svc, kind, model, body)
+    try:
+        svc.limiter.acquire(who, first.tokens or len(raw) // 4)
+    except RateLimited:
+        svc.metrics.admission_rejections.labels(who.band, "rate_limited").inc()
+        raise
+    completion = 0
+    try:
+        waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
+        try:
+            resp, completion = await _route_and_proxy(
+                svc, request, kind, body, raw, model, asked, stream, started, waited, first
+            )
+            return resp
+        finally:
+            if svc.gate:
+                svc.gate.leave(model)
+    finally:
+        svc.limiter.release(who, completion)
+
+
+async def _route_and_proxy(
+    svc: RouterService,
+    request: web.Request,
+    kind: str,
+    body: dict[str, Any],
+    raw: bytes,
+    model: str,
+    asked: str,
+    stream: bool,
+    started: float,
+    waited: float,
+    first: HashedPrompt,
+) -> tuple[web.StreamResponse, int]:
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     strip_usage = stream and kind != "embeddings" and not wants_usage
     session = request.headers.get(svc.settings.routing.session_header) or body.get("user")
     entry = svc.catalog.entry(model)
     chain = [model, *(entry.fallbacks if entry else ())]
+    extra = {"x-cgn-queue-ms": str(round(waited * 1000))} if waited > 0 else {}
     last: AttemptFailed | None = None
     for served in chain:
-        hashed = _hash(svc, kind, served, body)
+        hashed = first if served == model else _hash(svc, kind, served, body)
         req = RequestInfo(
             served,
             "both",
@@ -166,8 +222,8 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
                 svc.metrics.retries.labels(model).inc()
             tried.add(chosen.id)
             try:
-                resp = await _attempt(
-                    svc, request, kind, req, chosen, payload, stream, strip_usage, started
+                resp, completion = await _attempt(
+                    svc, request, kind, req, chosen, payload, stream, strip_usage, started, extra
                 )
             except AttemptFailed as exc:
                 log.info("attempt failed: %s", exc.message)
@@ -176,7 +232,7 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
                 continue
             if served != model:
                 svc.metrics.fallbacks.labels(model, served).inc()
-            return resp
+            return resp, completion
     if last is None:
         svc.metrics.requests.labels(model, "no_endpoint").inc()
         svc.metrics.errors.labels("no_endpoint").inc()
@@ -219,7 +275,9 @@ async def _attempt(
     stream: bool,
     strip_usage: bool,
     started: float,
-) -> web.StreamResponse:
+    extra_headers: dict[str, str],
+) -> tuple[web.StreamResponse, int]:
+    """One attempt; returns the response and the completion tokens the engine reported."""
     eid = chosen.id
     state = svc.registry.states[eid]
     now = time.monotonic()
@@ -227,6 +285,7 @@ async def _attempt(
     a = Attempt(
         state, PATHS[kind], payload, stream, strip_usage, req.model, req.prompt_tokens - predicted
     )
+    a.extra_headers = extra_headers
     state.breaker.on_attempt(now)
     state.in_flight += 1
     state.pending_prefill += a.uncached_tokens
@@ -252,7 +311,7 @@ async def _attempt(
             outcome = "upstream_error"
             svc.metrics.errors.labels(a.failed_mid_stream).inc()
             state.breaker.on_failure(time.monotonic())
-        return resp
+        return resp, a.usage.completion_tokens if a.usage else 0
     except AttemptFailed as exc:
         outcome = ""
         if exc.breaker:
@@ -304,7 +363,9 @@ async def _healthz() -> web.Response:
 async def _readyz(svc: RouterService) -> web.Response:
     n = len(svc.registry.states)
     ready = svc.synced and n > 0
-    body = {"status": "ready" if ready else "not ready", "synced": svc.synced, "endpoints": n}
+    auth = "enabled" if svc.settings.auth.enabled else "disabled (development only)"
+    body = {"status": "ready" if ready else "not ready", "synced": svc.synced, "endpoints": n,
+            "auth": auth, "admission": svc.gate is not None}  # fmt: skip
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -95,6 +95,41 @@ class ReconcilerSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """API keys from etcd (/cognitora/keys/, written by `cgn-ctl keys`)."""
+
+    enabled: bool = True  # switched off only explicitly; the router then says so everywhere
+    anonymous_band: str = "gold"  # the band of every request while auth is off
+    anonymous_tenant: str = "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class BandSettings:
+    priority: int = 1  # lower is served first
+    ceiling: float = 1.0  # admitted while pool saturation stays at or below this (1.0: batch full)
+    queue: int = 1000  # waiting requests beyond this are refused at once (503)
+    ttl_s: float = 60.0  # a request waiting longer is refused (504)
+
+
+def _default_bands() -> dict[str, BandSettings]:
+    return {
+        "platinum": BandSettings(priority=0, ceiling=1.5, queue=1000, ttl_s=30.0),
+        "gold": BandSettings(priority=1, ceiling=1.0, queue=1000, ttl_s=60.0),
+        "bronze": BandSettings(priority=2, ceiling=0.5, queue=5000, ttl_s=300.0),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """When a request may proceed: priority bands over per-model pool saturation."""
+
+    enabled: bool = True
+    bands: dict[str, BandSettings] = field(default_factory=_default_bands)
+    default_capacity: int = 8  # batch slots assumed per endpoint until its metrics show more
+    tick_s: float = 0.05  # queue expiry and re-dispatch when capacity changes
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSettings:
     http: ListenSettings = ListenSettings(port=8080)  # the OpenAI surface
     admin: ListenSettings = ListenSettings(port=9091)  # /metrics, /healthz, /readyz
@@ -112,5 +147,7 @@ class RouterSettings:
     breaker: BreakerSettings = BreakerSettings()
     scrape: ScrapeSettings = ScrapeSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
+    auth: AuthSettings = AuthSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     max_body_bytes: int = 16 << 20

@@ -130,7 +130,11 @@ class Router:
 
 @contextmanager
 def cgn_router(tmp: Path, config: dict[str, Any], *args: str) -> Iterator[Router]:
-    """A real `cgn-router serve` with `config` as its YAML file, on free ports."""
+    """A real `cgn-router serve` with `config` as its YAML file, on free ports.
+
+    API keys are off unless `config` says otherwise (tests of keys set `auth:`).
+    """
+    config = {"auth": {"enabled": False}, **config}
     cfg = tmp / f"router-{time.monotonic_ns()}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     ready = cfg.with_suffix(".ready")

@@ -1,0 +1,280 @@
+"""Admission under load: does a batch job starve interactive traffic? One run, side by side.
+
+    .venv/bin/python -m bench.admission [--bronze 500] [--probes 20]
+
+A private etcd, two sim engines (max batch 16) registered as endpoints, and two
+routers on them: one with admission (the default bands) and one with
+admission switched off. API keys: a platinum key for the probes, bronze keys
+for the load. Phases, each on a fresh load:
+
+1. idle: platinum probes alone (the baseline);
+2. admission on: `--bronze` concurrent bronze streams without pause, then the
+   same platinum probes through the router with admission;
+3. admission off: the same load and probes through the router without it.
+
+A probe is a streaming completion of a 1000-token prompt of its own (no
+prefix-cache hits), timed to its first token (TTFT, measured by the client);
+bronze requests are short prompts with 16-token outputs, re-sent as soon as
+they finish. Reported: platinum TTFT p50/p99 per phase and the ratios to idle,
+bronze completions per second, and a fairness check: two bronze tenants, one
+sending 20× more requests at once, with the completion ranks of the small
+tenant's requests (alternation puts them early).
+
+Results: bench/results/admission.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cgn_core.apikeys import KEYS_PREFIX, create
+from cgn_core.etcd.local import LocalEtcd
+from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+
+MODEL = "sim"
+SIM = ("--backend", "sim", "--speed", "4", "--max-batch", "16", "--kv-pool-tokens", "65536",
+       "--model-name", MODEL, "--ctx", "2048")  # fmt: skip
+VOCAB = 40000
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+@dataclass
+class Fleet:
+    etcd: LocalEtcd
+    with_admission: Router
+    without_admission: Router
+    keys: dict[str, str]  # name -> API key
+
+
+def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
+    key, record = create(tenant, band)
+    etcd_put(etcd.endpoint, KEYS_PREFIX + record.id, record.to_json())
+    return key
+
+
+@contextmanager
+def fleet(tmp: Path) -> Iterator[Fleet]:
+    """etcd, two sim engines, two routers (admission on / off) and the keys; all stopped after."""
+    with ExitStack() as stack:
+        etcd = LocalEtcd(tmp / "etcd")
+        etcd.start()
+        stack.callback(etcd.stop)
+        engines = stack.enter_context(cgn_infer_engines(tmp, 2, *SIM))
+        for i, e in enumerate(engines):
+            etcd_put(etcd.endpoint, f"/cognitora/endpoints/{MODEL}/e{i}",
+                     {"url": e.url, "engine": "cgn-infer", "node": f"n{i}"})  # fmt: skip
+        base = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
+                "reconciler": {"enabled": False}, "scrape": {"interval_s": 0.25},
+                "log": {"level": "warning"}, "deadlines": {"first_token_s": 600.0}}  # fmt: skip
+        on = stack.enter_context(cgn_router(tmp, base))
+        off = stack.enter_context(cgn_router(tmp, {**base, "admission": {"enabled": False}}))
+        keys = {"platinum": put_key(etcd, "interactive", "platinum"),
+                "bronze": put_key(etcd, "batch", "bronze"),
+                "bronze-big": put_key(etcd, "big-tenant", "bronze"),
+                "bronze-small": put_key(etcd, "small-tenant", "bronze")}  # fmt: skip
+        yield Fleet(etcd, on, off, keys)
+
+
+async def completion(session: aiohttp.ClientSession, url: str, key: str, prompt: list[int],
+                     max_tokens: int) -> float | None:  # fmt: skip
+    """Stream one completion; seconds to its first token, or None if it failed."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    start = time.monotonic()
+    first: float | None = None
+    try:
+        async with session.post(url + "/v1/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"}) as resp:  # fmt: skip
+            if resp.status != 200:
+                await resp.read()
+                return None
+            async for line in resp.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.monotonic() - start
+                if line.startswith(b"data: [DONE]"):
+                    break
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return first
+
+
+def long_prompt(rng: random.Random, n: int = 1000) -> list[int]:
+    return [rng.randrange(100, VOCAB) for _ in range(n)]  # unique: no prefix-cache help
+
+
+async def probes(url: str, key: str, n: int, rng: random.Random) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        for _ in range(n):
+            ttft = await completion(s, url, key, long_prompt(rng), 4)
+            if ttft is not None:
+                out.append(ttft)
+            await asyncio.sleep(0.05)
+    return out
+
+
+async def bronze_load(
+    url: str, key: str, n: int, seed: int, stop: asyncio.Event
+) -> tuple[int, int]:
+    """`n` bronze streams re-sent as soon as they finish, until `stop`; (done, failed)."""
+    done = failed = 0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
+
+        async def worker(i: int) -> None:
+            nonlocal done, failed
+            wrng = random.Random(seed * 1000 + i)
+            while not stop.is_set():
+                prompt = [wrng.randrange(100, VOCAB) for _ in range(24)]
+                if await completion(s, url, key, prompt, 16) is None:
+                    failed += 1
+                else:
+                    done += 1
+
+        tasks = [asyncio.create_task(worker(i)) for i in range(n)]
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return done, failed
+
+
+def _load_process(url: str, key: str, n: int, seed: int) -> None:
+    """Entry point of the load generator's own process: runs until SIGTERM, prints the counts."""
+    import signal
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        started = time.monotonic()
+        done, failed = await bronze_load(url, key, n, seed, stop)
+        print(json.dumps({"done": done, "failed": failed, "seconds": time.monotonic() - started}))
+
+    asyncio.run(go())
+
+
+async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: int,
+                     seed: int) -> dict[str, Any]:  # fmt: skip
+    """Platinum probes while `n_bronze` bronze streams run without pause (in their own process,
+    as other users' traffic would: the probes' timings are not the load generator's)."""
+    code = (
+        "from bench.admission import _load_process; "
+        f"_load_process({url!r}, {keys['bronze']!r}, {n_bronze}, {seed})"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT
+    )
+    try:
+        await asyncio.sleep(4.0)  # the load settles: engines busy, queues filled
+        ttfts = await probes(url, keys["platinum"], n_probes, random.Random(seed))
+    finally:
+        proc.terminate()
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+    counts = json.loads(out.decode().strip().splitlines()[-1])
+    return {"ttft": ttfts, "bronze_per_s": counts["done"] / counts["seconds"],
+            "bronze_failed": counts["failed"]}  # fmt: skip
+
+
+async def fairness(
+    url: str, keys: dict[str, str], big: int = 200, small: int = 10
+) -> dict[str, Any]:
+    """Two bronze tenants submit at once, one 20× more: where do the small one's requests finish?"""
+    order: list[str] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
+
+        async def one(who: str, i: int) -> None:
+            r = await completion(s, url, keys[f"bronze-{who}"], [100 + i, 200 + i, 300 + i] * 8, 16)
+            if r is not None:
+                order.append(who)
+
+        jobs = [one("big", i) for i in range(big)] + [one("small", i) for i in range(small)]
+        await asyncio.gather(*jobs)
+    ranks = [i for i, who in enumerate(order) if who == "small"]
+    return {"completed": len(order), "small_ranks": ranks,
+            "small_last_rank": max(ranks) if ranks else None}  # fmt: skip
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
+    rng = random.Random(7)
+    await probes(f.with_admission.url, f.keys["platinum"], 3, rng)  # warm-up
+    idle = await probes(f.with_admission.url, f.keys["platinum"], n_probes, rng)
+    on = await under_load(f.with_admission.url, f.keys, n_bronze, n_probes, seed=1)
+    await asyncio.sleep(2.0)
+    off = await under_load(f.without_admission.url, f.keys, n_bronze, 3, seed=2)
+    await asyncio.sleep(2.0)
+    fair = await fairness(f.with_admission.url, f.keys)
+    base = pct(idle, 0.99)
+    return {
+        "idle": {"p50": pct(idle, 0.5), "p99": base, "n": len(idle)},
+        "admission_on": {"p50": pct(on["ttft"], 0.5), "p99": pct(on["ttft"], 0.99), "n": len(on["ttft"]),
+                         "bronze_per_s": on["bronze_per_s"], "bronze_failed": on["bronze_failed"]},
+        "admission_off": {"p50": pct(off["ttft"], 0.5), "p99": pct(off["ttft"], 0.99), "n": len(off["ttft"]),
+                          "bronze_per_s": off["bronze_per_s"], "bronze_failed": off["bronze_failed"]},
+        "ratio_on": pct(on["ttft"], 0.99) / base,
+        "ratio_off": pct(off["ttft"], 0.99) / base,
+        "fairness": fair,
+        "bronze_streams": n_bronze,
+    }  # fmt: skip
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [
+        "| phase | platinum TTFT p50 | p99 | p99 / idle | bronze done/s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, key in (
+        ("idle", "idle"),
+        ("admission on", "admission_on"),
+        ("admission off", "admission_off"),
+    ):
+        p = r[key]
+        ratio = "1.00" if key == "idle" else f"{r['ratio_' + key.split('_')[1]]:.2f}"
+        rate = f"{p['bronze_per_s']:.1f}" if "bronze_per_s" in p else "-"
+        rows.append(
+            f"| {name} | {p['p50'] * 1000:.0f} ms | {p['p99'] * 1000:.0f} ms | {ratio} | {rate} |"
+        )
+    fair = r["fairness"]
+    rows.append("")
+    rows.append(f"{r['bronze_streams']} concurrent bronze streams. Fairness: two bronze tenants at once, "
+                f"200 vs 10 requests; the small tenant's completions ranked {fair['small_ranks']} "
+                f"of {fair['completed']}.")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bronze", type=int, default=500)
+    ap.add_argument("--probes", type=int, default=20)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, fleet(Path(tmp)) as f:
+        result = asyncio.run(measure(f, args.bronze, args.probes))
+    from bench.common import write_result
+
+    cmd = f"python -m bench.admission --bronze {args.bronze} --probes {args.probes}"
+    write_result("admission", cmd, result, table(result))
+    print(table(result))
+    print(json.dumps({k: result[k] for k in ("ratio_on", "ratio_off")}))
+
+
+if __name__ == "__main__":
+    main()

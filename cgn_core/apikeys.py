@@ -1,0 +1,150 @@
+"""API keys: the secret shown once, only its hash stored, with a tenant, scopes, a band and limits.
+
+A key reads `cgn_<id>_<secret>`: `id` (8 hex digits) names the record at
+`/cognitora/keys/<id>`; the 256-bit secret is never stored, only the SHA-256
+of the whole key (a random 256-bit secret needs no slow hash: there is
+nothing to brute-force). Records are JSON:
+
+    {"id": "1f2e3d4c", "hash": "<sha256 hex>", "tenant": "acme", "band": "gold",
+     "models": ["*"], "admin": false,
+     "limits": {"rps": 20, "tokens_per_min": 200000, "concurrent": 16},
+     "created_unix": 1764547200.0, "expires_unix": null, "note": ""}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgn_core.errors import PermanentError
+
+KEYS_PREFIX = "/cognitora/keys/"
+_KEY = re.compile(r"^cgn_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ApiKeyError(PermanentError):
+    """A key record or request that cannot be accepted; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    rps: float | None = None  # requests per second (token bucket, burst = max(1, rps))
+    tokens_per_min: int | None = None  # prompt + completion tokens per minute
+    concurrent: int | None = None  # requests in flight at once
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    id: str
+    hash: str
+    tenant: str
+    band: str
+    models: tuple[str, ...] = ("*",)
+    admin: bool = False
+    limits: Limits = Limits()
+    created_unix: float = 0.0
+    expires_unix: float | None = None
+    note: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def allows(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+    def expired(self, now_unix: float) -> bool:
+        return self.expires_unix is not None and now_unix >= self.expires_unix
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "hash": self.hash, "tenant": self.tenant, "band": self.band,
+            "models": list(self.models), "admin": self.admin,
+            "limits": {"rps": self.limits.rps, "tokens_per_min": self.limits.tokens_per_min,
+                       "concurrent": self.limits.concurrent},
+            "created_unix": self.created_unix, "expires_unix": self.expires_unix, "note": self.note,
+        }  # fmt: skip
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str]:
+    """A fresh (key id, full key)."""
+    kid = secrets.token_hex(4)
+    return kid, f"cgn_{kid}_{secrets.token_urlsafe(32)}"
+
+
+def key_id(key: str) -> str | None:
+    """The id part of a well-formed key, or None."""
+    m = _KEY.match(key)
+    return m.group(1) if m else None
+
+
+def matches(record: KeyRecord, key: str) -> bool:
+    return hmac.compare_digest(record.hash, key_hash(key))
+
+
+def create(
+    tenant: str,
+    band: str,
+    *,
+    models: tuple[str, ...] = ("*",),
+    admin: bool = False,
+    limits: Limits = Limits(),
+    expires_in_s: float | None = None,
+    note: str = "",
+) -> tuple[str, KeyRecord]:
+    """A new key and its record (store the record; show the key once)."""
+    if not _TENANT.match(tenant):
+        raise ApiKeyError(f"tenant {tenant!r}: use 1-64 of [A-Za-z0-9._-]")
+    if not models:
+        raise ApiKeyError("a key needs at least one model (or *)")
+    for name, value in (("rps", limits.rps), ("tokens_per_min", limits.tokens_per_min),
+                        ("concurrent", limits.concurrent)):  # fmt: skip
+        if value is not None and value <= 0:
+            raise ApiKeyError(f"limit {name} must be positive, got {value}")
+    kid, key = new_key()
+    now = time.time()
+    record = KeyRecord(kid, key_hash(key), tenant, band, tuple(models), admin, limits, now,
+                       None if expires_in_s is None else now + expires_in_s, note)  # fmt: skip
+    return key, record
+
+
+def parse_record(doc: Any) -> KeyRecord:
+    """A stored record; ApiKeyError names what is wrong."""
+    if not isinstance(doc, Mapping):
+        raise ApiKeyError("key record: expected an object")
+    try:
+        limits = doc.get("limits") or {}
+        return KeyRecord(
+            id=str(doc["id"]),
+            hash=str(doc["hash"]),
+            tenant=str(doc["tenant"]),
+            band=str(doc["band"]),
+            models=tuple(str(m) for m in doc.get("models", ["*"])),
+            admin=bool(doc.get("admin", False)),
+            limits=Limits(
+                _num(limits.get("rps")),
+                _int(limits.get("tokens_per_min")),
+                _int(limits.get("concurrent")),
+            ),
+            created_unix=float(doc.get("created_unix", 0.0)),
+            expires_unix=None if doc.get("expires_unix") is None else float(doc["expires_unix"]),
+            note=str(doc.get("note", "")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ApiKeyError(f"key record: {exc}") from None
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None else int(v)

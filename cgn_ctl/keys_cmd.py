@@ -1,0 +1,170 @@
+"""`cgn-ctl keys`: API keys (create, list, revoke, rotate). Only a hash of each key is stored.
+
+The key itself is printed once, by `create` and `rotate`; it cannot be shown again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cgn_core.apikeys import KEYS_PREFIX, ApiKeyError, Limits, create, parse_record
+from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
+from cgn_core.errors import CognitoraError, NotFound
+from cgn_core.etcd import EtcdClient
+from cgn_ctl.settings import CtlSettings
+
+app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
+Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
+Config = Annotated[Path | None, typer.Option("--config", "-c", help="YAML settings file.",
+                                             envvar="CGN_CTL_CONFIG")]  # fmt: skip
+Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def _run(etcd: str | None, config: Path | None, work: Any) -> Any:
+    settings = load_service_settings(
+        CtlSettings, "ctl", config, {"etcd.endpoints": etcd} if etcd else {}
+    )
+
+    async def main() -> Any:
+        async with EtcdClient(settings.etcd) as client:
+            return await work(client)
+
+    try:
+        return asyncio.run(main())
+    except ApiKeyError as exc:
+        fail(exc.message, EXIT_USAGE)
+    except CognitoraError as exc:
+        fail(exc.message)
+
+
+@app.command("create")
+def create_cmd(
+    tenant: Annotated[
+        str, typer.Option("--tenant", help="Who the key belongs to (fairness is per tenant).")
+    ],
+    band: Annotated[
+        str, typer.Option("--band", help="Priority band (router admission.bands).")
+    ] = "gold",
+    models: Annotated[
+        str, typer.Option("--models", help="Comma-separated models the key may use, or *.")
+    ] = "*",
+    admin: Annotated[bool, typer.Option("--admin", help="May call management APIs.")] = False,
+    rps: Annotated[float | None, typer.Option("--rps", help="Requests per second.")] = None,
+    tokens_per_min: Annotated[
+        int | None, typer.Option("--tokens-per-min", help="Tokens per minute.")
+    ] = None,
+    concurrent: Annotated[
+        int | None, typer.Option("--concurrent", help="Requests in flight at once.")
+    ] = None,
+    expires_in: Annotated[
+        float | None, typer.Option("--expires-in", help="Seconds until the key expires.")
+    ] = None,
+    note: Annotated[str, typer.Option("--note", help="Free text kept with the key.")] = "",
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """Create a key and print it (once: only its hash is stored)."""
+    names = tuple(m.strip() for m in models.split(",") if m.strip())
+
+    async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
+        key, record = create(tenant, band, models=names, admin=admin,
+                             limits=Limits(rps, tokens_per_min, concurrent),
+                             expires_in_s=expires_in, note=note)  # fmt: skip
+        await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+        return key, record.to_json()
+
+    key, doc = _run(etcd, config, work)
+    _show_new(key, doc, as_json)
+
+
+def _show_new(key: str, doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(
+            json.dumps({"key": key, **{k: v for k, v in doc.items() if k != "hash"}}, indent=2)
+        )
+    else:
+        typer.echo(f"key {doc['id']} for tenant {doc['tenant']} (band {doc['band']}):")
+        typer.echo(key)
+        typer.echo("store it now: it is not shown again", err=True)
+
+
+@app.command("list")
+def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
+    """Every key: id, tenant, band, models, limits, expiry (never the key or its hash)."""
+
+    async def work(c: EtcdClient) -> list[dict[str, Any]]:
+        kvs, _ = await c.get_prefix(KEYS_PREFIX)
+        out = []
+        for kv in kvs:
+            doc = parse_record(kv.json()).to_json()
+            doc.pop("hash")
+            out.append(doc)
+        return out
+
+    rows = _run(etcd, config, work)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    t = Table("id", "tenant", "band", "models", "rps", "tokens/min", "concurrent", "expires")
+    now = time.time()
+    for r in rows:
+        lim = r["limits"]
+        exp = r["expires_unix"]
+        expires = "-" if exp is None else ("expired" if exp <= now else f"in {int(exp - now)}s")
+        limits = [str(lim[k] or "-") for k in ("rps", "tokens_per_min", "concurrent")]
+        t.add_row(r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires)
+    Console().print(t if rows else "no keys")
+
+
+@app.command("revoke")
+def revoke_cmd(key_id: Annotated[str, typer.Argument(help="The key's id.")], etcd: Etcd = None,
+               config: Config = None) -> None:  # fmt: skip
+    """Delete a key: routers refuse it within seconds (they watch the keys)."""
+
+    async def work(c: EtcdClient) -> None:
+        if not await c.delete(KEYS_PREFIX + key_id):
+            raise NotFound(f"no key {key_id!r}")
+
+    _run(etcd, config, work)
+    typer.echo(f"key {key_id} revoked")
+
+
+@app.command("rotate")
+def rotate_cmd(
+    key_id: Annotated[str, typer.Argument(help="The key to replace.")],
+    grace: Annotated[
+        float, typer.Option("--grace", help="Seconds the old key keeps working.")
+    ] = 0.0,
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """A new key with the old one's tenant, band, models and limits; the old ends after --grace."""
+
+    async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
+        raw = await c.get_json(KEYS_PREFIX + key_id)
+        if raw is None:
+            raise NotFound(f"no key {key_id!r}")
+        old = parse_record(raw)
+        key, record = create(old.tenant, old.band, models=old.models, admin=old.admin,
+                             limits=old.limits, note=old.note)  # fmt: skip
+        await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+        if grace > 0:
+            await c.put_json(
+                KEYS_PREFIX + key_id, {**old.to_json(), "expires_unix": time.time() + grace}
+            )
+        else:
+            await c.delete(KEYS_PREFIX + key_id)
+        return key, record.to_json()
+
+    key, doc = _run(etcd, config, work)
+    _show_new(key, doc, as_json)

@@ -1,0 +1,131 @@
+"""Admission: *when* a request may proceed (routing decides *where*). Pure; gate.py does the I/O.
+
+Saturation of a pool (the endpoints serving one model) is one number: the
+worse of its batch occupancy, (requests admitted and not finished) / (learned
+batch capacity), and its KV usage. Requests admitted count from the moment of
+admission (a lease), so a burst that arrives at once cannot slip past the
+ceiling before any of it reaches an engine.
+
+Each priority band has a ceiling: a request is admitted at once while its
+band has nobody waiting and the pool would stay at or below the ceiling;
+otherwise it waits in its band's queue. Lower ceilings for lower bands make
+the cluster degrade from the bottom up: bronze waits first, platinum last.
+Dispatch serves bands in priority order; within a band, tenants take turns
+(a tenant with a thousand queued requests holds one place in the rotation),
+and each tenant's requests keep their order. A full queue refuses at once
+(503); a request that waits past its band's TTL is refused (504); a cancelled
+request leaves its queue immediately.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cgn_router.settings import BandSettings
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    band: str
+    tenant: str
+    pool: str
+    enqueued: float
+    deadline: float = 0.0
+    id: int = field(default_factory=itertools.count().__next__)
+
+
+class Verdict(Enum):
+    ADMIT = "admit"
+    QUEUED = "queued"
+    QUEUE_FULL = "queue_full"
+    UNKNOWN_BAND = "unknown_band"
+
+
+class Admission:
+    def __init__(self, bands: Mapping[str, BandSettings]):
+        self.bands = dict(bands)
+        self.order = sorted(self.bands, key=lambda b: (self.bands[b].priority, b))
+        self.queues: dict[str, OrderedDict[str, deque[Ticket]]] = {
+            b: OrderedDict() for b in self.bands
+        }
+        self.depth: Counter[str] = Counter()
+        self.active: Counter[str] = Counter()  # pool -> admitted, not yet finished
+        self.capacity: dict[str, float] = {}  # pool -> batch slots
+        self.kv_usage: dict[str, float] = {}  # pool -> 0..1
+
+    def saturation(self, pool: str, extra: int = 0) -> float:
+        cap = max(self.capacity.get(pool, 1.0), 1.0)
+        return max((self.active[pool] + extra) / cap, self.kv_usage.get(pool, 0.0))
+
+    def offer(self, t: Ticket) -> Verdict:
+        band = self.bands.get(t.band)
+        if band is None:
+            return Verdict.UNKNOWN_BAND
+        if not self.depth[t.band] and self.saturation(t.pool, 1) <= band.ceiling:
+            self.active[t.pool] += 1
+            return Verdict.ADMIT
+        if self.depth[t.band] >= band.queue:
+            return Verdict.QUEUE_FULL
+        t.deadline = t.enqueued + band.ttl_s
+        self.queues[t.band].setdefault(t.tenant, deque()).append(t)
+        self.depth[t.band] += 1
+        return Verdict.QUEUED
+
+    def release(self, pool: str) -> None:
+        """A request admitted earlier has finished (or was abandoned)."""
+        if self.active[pool] > 0:
+            self.active[pool] -= 1
+
+    def cancel(self, t: Ticket) -> bool:
+        """Take a waiting request out of its queue; False if it is not waiting (any more)."""
+        q = self.queues.get(t.band, OrderedDict()).get(t.tenant)
+        if not q or t not in q:
+            return False
+        q.remove(t)
+        self._drop(t.band, t.tenant)
+        return True
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Remove and return the requests that have waited past their band's TTL."""
+        out = []
+        for band, tenants in self.queues.items():
+            for tenant in list(tenants):
+                q = tenants[tenant]
+                while q and q[0].deadline <= now:
+                    out.append(q.popleft())
+                    self.depth[band] -= 1
+                if not q:
+                    del tenants[tenant]
+        return out
+
+    def dispatch(self) -> list[Ticket]:
+        """Admit waiting requests while their pools allow: bands by priority, tenants in turn."""
+        out: list[Ticket] = []
+        for band in self.order:
+            tenants, ceiling = self.queues[band], self.bands[band].ceiling
+            progressed = True
+            while tenants and progressed:
+                progressed = False
+                for tenant in list(tenants):
+                    head = tenants[tenant][0]
+                    if self.saturation(head.pool, 1) > ceiling:
+                        continue  # this tenant's next request waits for its pool; try the others
+                    tenants[tenant].popleft()
+                    self.active[head.pool] += 1
+                    out.append(head)
+                    self._drop(band, tenant, rotate=True)
+                    progressed = True
+                    break  # the rotation restarts with the next tenant
+        return out
+
+    def _drop(self, band: str, tenant: str, rotate: bool = False) -> None:
+        self.depth[band] -= 1
+        tenants = self.queues[band]
+        if not tenants[tenant]:
+            del tenants[tenant]
+        elif rotate:
+            tenants.move_to_end(tenant)

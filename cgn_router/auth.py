@@ -1,0 +1,153 @@
+"""API-key authentication, model scopes and per-key limits at the router's front door.
+
+Keys come from etcd (`/cognitora/keys/<id>`, written by `cgn-ctl keys`) and
+change while the router runs: a revoked key fails on its next request.
+`authenticate` maps the Authorization header to a Principal (401 when the key
+is missing, malformed, unknown, revoked or expired); `authorize` checks the
+model scope (403); `Limiter.acquire` applies the key's limits (429 with a
+Retry-After): requests per second and tokens per minute as token buckets
+(tokens are charged with the prompt on admission and the completion when the
+usage is known), and a cap on requests in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from cgn_core.apikeys import ApiKeyError, KeyRecord, key_id, matches, parse_record
+from cgn_core.errors import Forbidden, RateLimited, Unauthorized
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    key_id: str  # "" when auth is off
+    tenant: str
+    band: str
+    record: KeyRecord | None = None
+
+
+class KeyStore:
+    def __init__(self) -> None:
+        self.records: dict[str, KeyRecord] = {}
+        self.synced = False
+
+    def replace(self, docs: dict[str, object]) -> list[str]:
+        """All records at once (a listing); returns the problems with the ones skipped."""
+        records, problems = {}, []
+        for kid, doc in docs.items():
+            try:
+                records[kid] = parse_record(doc)
+            except ApiKeyError as exc:
+                problems.append(f"{kid}: {exc.message}")
+        self.records = records
+        self.synced = True
+        return problems
+
+    def put(self, kid: str, doc: object) -> None:
+        self.records[kid] = parse_record(doc)
+
+    def delete(self, kid: str) -> None:
+        self.records.pop(kid, None)
+
+    def authenticate(self, header: str | None, now_unix: float | None = None) -> Principal:
+        if not header:
+            raise Unauthorized(
+                "missing API key (Authorization: Bearer cgn_...)", code="missing_key"
+            )
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized(
+                "the Authorization header must be 'Bearer <key>'", code="invalid_key"
+            )
+        kid = key_id(key.strip())
+        record = self.records.get(kid) if kid else None
+        if record is None or not matches(record, key.strip()):
+            raise Unauthorized("invalid or revoked API key", code="invalid_key")
+        if record.expired(time.time() if now_unix is None else now_unix):
+            raise Unauthorized("this API key has expired", code="expired_key")
+        return Principal(record.id, record.tenant, record.band, record)
+
+
+def authorize(p: Principal, model: str) -> None:
+    if p.record is not None and not p.record.allows(model):
+        raise Forbidden(f"this API key may not use model '{model}'", code="model_not_allowed")
+
+
+@dataclass
+class Bucket:
+    rate: float  # tokens per second
+    capacity: float
+    level: float = 0.0
+    at: float = 0.0
+
+    def refill(self, now: float) -> None:
+        if self.at:
+            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        else:
+            self.level = self.capacity
+        self.at = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` is available (0: now)."""
+        return 0.0 if self.level >= amount else (amount - self.level) / self.rate
+
+
+@dataclass
+class KeyUsage:
+    requests: Bucket | None = None
+    tokens: Bucket | None = None
+    in_flight: int = 0
+
+
+@dataclass
+class Limiter:
+    usage: dict[str, KeyUsage] = field(default_factory=dict)
+
+    def _for(self, p: Principal) -> KeyUsage | None:
+        if p.record is None:
+            return None
+        lim = p.record.limits
+        u = self.usage.get(p.key_id)
+        if u is None:
+            u = self.usage[p.key_id] = KeyUsage(
+                Bucket(lim.rps, max(1.0, lim.rps)) if lim.rps else None,
+                Bucket(lim.tokens_per_min / 60.0, float(lim.tokens_per_min))
+                if lim.tokens_per_min else None,
+            )  # fmt: skip
+        return u
+
+    def acquire(self, p: Principal, prompt_tokens: int, now: float | None = None) -> None:
+        """Admit one request of `p` or raise RateLimited with the seconds to wait."""
+        u = self._for(p)
+        if u is None:
+            return
+        t = time.monotonic() if now is None else now
+        lim = p.record.limits  # type: ignore[union-attr]
+        if lim.concurrent is not None and u.in_flight >= lim.concurrent:
+            why = f"{u.in_flight} requests in flight; the key allows {lim.concurrent}"
+            raise RateLimited(why, code="concurrency_limit", retry_after_s=1)
+        checks = ((u.requests, 1.0, "requests per second"),
+                  (u.tokens, float(prompt_tokens), "tokens per minute"))  # fmt: skip
+        for bucket, amount, what in checks:
+            if bucket is None:
+                continue
+            bucket.refill(t)
+            wait = bucket.wait_for(min(amount, bucket.capacity))
+            if wait > 0:
+                why = f"the key's {what} limit is reached"
+                raise RateLimited(why, code="rate_limit", retry_after_s=max(1, math.ceil(wait)))
+        if u.requests:
+            u.requests.level -= 1
+        if u.tokens:
+            u.tokens.level -= prompt_tokens
+        u.in_flight += 1
+
+    def release(self, p: Principal, completion_tokens: int = 0) -> None:
+        u = self.usage.get(p.key_id) if p.record is not None else None
+        if u is None:
+            return
+        u.in_flight = max(0, u.in_flight - 1)
+        if u.tokens and completion_tokens:
+            u.tokens.level -= completion_tokens  # may go negative: the next request waits it off

@@ -1,0 +1,116 @@
+"""The admission gate: the async shell around admission.Admission, fed from the registry.
+
+`enter` admits a request at once or parks it on a future until dispatch
+admits it, its TTL passes (504) or the client goes away (it leaves the queue
+at once); `leave` is called when an admitted request finishes. A background
+`run` loop refreshes each pool's capacity and KV usage from the endpoints'
+scraped metrics every `tick_s`, expires waiters and dispatches.
+
+Learned capacity per endpoint: the engine's running count when it reports
+requests waiting (its batch is full: that is its capacity), otherwise the
+largest running count seen, and never less than `default_capacity`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cgn_core.errors import Overloaded, UpstreamTimeout
+from cgn_router.admission import Admission, Ticket, Verdict
+from cgn_router.metrics import RouterMetrics
+from cgn_router.registry import Registry
+from cgn_router.settings import AdmissionSettings
+from cgn_router.types import EndpointId
+
+
+class Gate:
+    def __init__(self, settings: AdmissionSettings, registry: Registry, metrics: RouterMetrics):
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self.adm = Admission(settings.bands)
+        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.learned: dict[EndpointId, float] = {}
+
+    def refresh(self) -> None:
+        """Each pool's capacity and KV usage from the endpoints that serve it."""
+        now = time.monotonic()
+        caps: dict[str, float] = {}
+        kvs: dict[str, list[float]] = {}
+        for eid, s in self.registry.states.items():
+            pool = s.endpoint.model
+            cap = max(self.learned.get(eid, 0.0), float(self.settings.default_capacity))
+            load = s.load
+            if load is not None and now - load.scraped_at <= self.registry.stale_s:
+                cap = (
+                    load.running
+                    if load.waiting > 0 and load.running >= 1
+                    else max(cap, load.running)
+                )
+                kvs.setdefault(pool, []).append(load.kv_usage)
+            self.learned[eid] = cap
+            caps[pool] = caps.get(pool, 0.0) + cap
+        self.adm.capacity = caps
+        self.adm.kv_usage = {p: sum(v) / len(v) for p, v in kvs.items() if v}
+        for pool in caps:
+            self.metrics.saturation.labels(pool).set(self.adm.saturation(pool))
+
+    async def enter(self, band: str, tenant: str, pool: str) -> float:
+        """Wait until the request may proceed; returns the seconds it waited."""
+        started = time.monotonic()
+        ticket = Ticket(band, tenant, pool, started)
+        verdict = self.adm.offer(ticket)
+        if verdict is Verdict.ADMIT:
+            return 0.0
+        if verdict is not Verdict.QUEUED:
+            self.metrics.admission_rejections.labels(band, verdict.value).inc()
+            if verdict is Verdict.UNKNOWN_BAND:
+                raise Overloaded(f"band {band!r} is not configured", code="unknown_band")
+            raise Overloaded(f"the {band} queue is full; retry later", code="queue_full")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting[ticket.id] = fut
+        self._depth(band)
+        try:
+            await fut
+        except asyncio.CancelledError:  # the client went away
+            if self.waiting.pop(ticket.id, None) is not None:
+                self.adm.cancel(ticket)
+            elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.leave(pool)  # admitted while we were being cancelled
+            self._depth(band)
+            raise
+        waited = time.monotonic() - started
+        self.metrics.admission_wait.labels(band).observe(waited)
+        return waited
+
+    def leave(self, pool: str) -> None:
+        self.adm.release(pool)
+        self._pump()
+
+    def _pump(self) -> None:
+        for ticket in self.adm.dispatch():
+            fut = self.waiting.pop(ticket.id, None)
+            if fut is None or fut.done():
+                self.adm.release(ticket.pool)
+            else:
+                fut.set_result(None)
+            self._depth(ticket.band)
+
+    def _depth(self, band: str) -> None:
+        self.metrics.queue_depth.labels(band).set(self.adm.depth[band])
+
+    async def run(self) -> None:
+        while True:
+            self.refresh()
+            for ticket in self.adm.expire(time.monotonic()):
+                fut = self.waiting.pop(ticket.id, None)
+                self.metrics.admission_rejections.labels(ticket.band, "ttl").inc()
+                self._depth(ticket.band)
+                if fut is not None and not fut.done():
+                    ttl = self.settings.bands[ticket.band].ttl_s
+                    fut.set_exception(UpstreamTimeout(
+                        f"waited {ttl:.0f}s in the {ticket.band} queue", code="queue_timeout"
+                    ))  # fmt: skip
+            self._pump()
+            await asyncio.sleep(self.settings.tick_s)

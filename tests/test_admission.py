@@ -1,0 +1,87 @@
+"""The admission state machine: ceilings per band, order, tenant rotation, TTL, cancellation."""
+
+from __future__ import annotations
+
+from cgn_router.admission import Admission, Ticket, Verdict
+from cgn_router.settings import BandSettings
+
+BANDS = {
+    "platinum": BandSettings(priority=0, ceiling=1.5, queue=10, ttl_s=5.0),
+    "bronze": BandSettings(priority=2, ceiling=0.5, queue=3, ttl_s=10.0),
+}
+
+
+def adm(capacity: float = 4.0) -> Admission:
+    a = Admission(BANDS)
+    a.capacity["m"] = capacity
+    return a
+
+
+def t(band: str, tenant: str = "x", now: float = 0.0, pool: str = "m") -> Ticket:
+    return Ticket(band, tenant, pool, now)
+
+
+def test_bands_degrade_from_the_bottom_up() -> None:
+    a = adm(capacity=4)
+    assert [a.offer(t("bronze")) for _ in range(3)] == [
+        Verdict.ADMIT,
+        Verdict.ADMIT,
+        Verdict.QUEUED,
+    ]
+    assert a.saturation("m") == 0.5  # bronze stops at its ceiling: 2 of 4 slots
+    assert [a.offer(t("platinum")) for _ in range(5)] == [Verdict.ADMIT] * 4 + [Verdict.QUEUED]
+    assert a.saturation("m") == 1.5
+    assert a.offer(t("platinum", "y")) == Verdict.QUEUED  # a band with waiters admits nobody ahead
+    a.release("m")
+    assert [x.band for x in a.dispatch()] == ["platinum"]  # platinum before the waiting bronze
+
+
+def test_kv_usage_counts_as_saturation_and_leases_stop_a_burst() -> None:
+    a = adm(capacity=100)
+    a.kv_usage["m"] = 0.6
+    assert a.offer(t("bronze")) == Verdict.QUEUED  # KV 60% is above bronze's 50%
+    b = adm(capacity=10)
+    burst = [b.offer(t("bronze", f"t{i}")) for i in range(8)]
+    assert burst.count(Verdict.ADMIT) == 5  # counted at admission, before any reaches an engine
+
+
+def test_tenants_take_turns_and_each_keeps_its_order() -> None:
+    a = Admission({"gold": BandSettings(priority=1, ceiling=1.0, queue=100, ttl_s=60)})
+    a.capacity["m"] = 1
+    assert a.offer(Ticket("gold", "busy", "m", 0)) == Verdict.ADMIT
+    heavy = [Ticket("gold", "busy", "m", 0) for _ in range(20)]
+    light = [Ticket("gold", "light", "m", 0) for _ in range(2)]
+    for x in heavy:
+        a.offer(x)
+    for x in light:
+        a.offer(x)
+    served = []
+    for _ in range(6):
+        a.release("m")
+        served += a.dispatch()
+    assert [x.tenant for x in served] == ["busy", "light", "busy", "light", "busy", "busy"]
+    assert [x for x in served if x.tenant == "busy"] == heavy[:4]
+
+
+def test_full_queue_ttl_and_cancellation() -> None:
+    a = adm(capacity=2)
+    a.offer(t("bronze"))
+    queued = [t("bronze", now=1.0) for _ in range(3)]
+    assert [a.offer(x) for x in queued] == [Verdict.QUEUED] * 3
+    assert a.offer(t("bronze")) == Verdict.QUEUE_FULL
+    assert a.cancel(queued[1]) and not a.cancel(queued[1])
+    assert a.depth["bronze"] == 2
+    assert a.expire(10.9) == [] and a.expire(11.0) == [queued[0], queued[2]]
+    assert a.depth["bronze"] == 0 and a.queues["bronze"] == {}
+    assert a.offer(t("nobody")) == Verdict.UNKNOWN_BAND
+
+
+def test_a_saturated_pool_does_not_block_another_pools_waiters() -> None:
+    a = adm(capacity=1)
+    a.capacity["other"] = 4
+    assert a.offer(t("platinum")) == Verdict.ADMIT  # 1 of 1 slot
+    assert a.offer(t("platinum")) == Verdict.QUEUED  # 2 of 1 would exceed the 1.5 ceiling
+    stuck, free = t("platinum", "a"), t("platinum", "b", pool="other")
+    a.offer(stuck)
+    a.offer(free)
+    assert a.dispatch() == [free]

@@ -1,0 +1,45 @@
+"""Admission end to end on a sim fleet: a batch job never starves interactive traffic (bench/admission.py).
+
+500 concurrent bronze streams run without pause while platinum probes measure
+their TTFT: with admission the p99 stays near its idle value (target 1.2×; CI
+guards at 1.3× for this machine's noise, see the NOTE below); through
+a router with admission switched off the same load multiplies it (asserted too,
+so the test fails if the load stops being real). Two bronze tenants, one
+sending 20× more, are served in alternation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.admission import Fleet, fleet, measure
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with fleet(tmp_path_factory.mktemp("admission")) as f:
+        yield f
+
+
+def test_platinum_ttft_holds_under_500_bronze_streams_only_with_admission(
+    sim_fleet: Fleet, tmp_path: Path
+) -> None:
+    r = asyncio.run(measure(sim_fleet, n_bronze=500, n_probes=60))  # p99 of 60: 2nd worst
+    print(f"\nidle p99 {r['idle']['p99'] * 1000:.0f} ms; with admission ×{r['ratio_on']:.2f}, "
+          f"without ×{r['ratio_off']:.2f}; small tenant ranks {r['fairness']['small_ranks']}")  # fmt: skip
+    assert r["idle"]["n"] == 60 and r["admission_on"]["n"] == 60
+    # NOTE: the target is 1.2× (met in most runs: bench/results/admission.md); on this shared
+    # 2-core VM one probe in sixty can land behind a CPU stall, so CI guards at 1.3×.
+    assert r["ratio_on"] <= 1.3, r
+    assert r["ratio_off"] >= 3.0, r  # the load is real: without admission platinum waits
+    assert r["admission_on"]["bronze_per_s"] > 0  # bronze is throttled, not starved
+    fair = r["fairness"]
+    assert fair["completed"] == 210
+    # alternation: the small tenant's ten requests finish among the first ~quarter, not last
+    assert fair["small_last_rank"] < 0.4 * fair["completed"], fair

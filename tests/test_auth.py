@@ -1,0 +1,127 @@
+"""API keys end to end: cgn-ctl keys against a real etcd, a router enforcing them, a sim engine behind it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgn_core.etcd.local import LocalEtcd
+from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+
+pytestmark = pytest.mark.etcd
+CTL = str(Path(sys.executable).parent / "cgn-ctl")
+SIM = ("--backend", "sim", "--speed", "50", "--model-name", "sim")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalEtcd, Router]]:
+    tmp = tmp_path_factory.mktemp("auth")
+    etcd = LocalEtcd(tmp / "etcd")
+    etcd.start()
+    try:
+        with cgn_infer_engines(tmp, 1, *SIM) as engines:
+            etcd_put(
+                etcd.endpoint,
+                "/cognitora/endpoints/sim/e1",
+                {"url": engines[0].url, "engine": "cgn-infer"},
+            )
+            etcd_put(
+                etcd.endpoint,
+                "/cognitora/endpoints/other/e1",
+                {"url": engines[0].url, "engine": "cgn-infer"},
+            )
+            config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
+                      "reconciler": {"enabled": False}}  # fmt: skip
+            with cgn_router(tmp, config) as router:
+                yield etcd, router
+    finally:
+        etcd.stop()
+
+
+def ctl(etcd: LocalEtcd, *args: str) -> Any:
+    json_flag = [] if args[0] == "revoke" else ["--json"]
+    res = subprocess.run([CTL, "keys", *args, "--etcd", etcd.endpoint, *json_flag], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout) if json_flag else res.stdout
+
+
+def call(router: Router, key: str | None, model: str = "sim") -> tuple[int, dict[str, str], Any]:
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(router.url + "/v1/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.load(exc)
+
+
+def until(check: Any, timeout_s: float = 10) -> float:
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_keys_scopes_and_revocation(cluster: tuple[LocalEtcd, Router]) -> None:
+    etcd, router = cluster
+    created = ctl(etcd, "create", "--tenant", "acme", "--band", "gold", "--models", "sim")
+    key = created["key"]
+    assert key.startswith(f"cgn_{created['id']}_") and "hash" not in created
+    until(lambda: call(router, key)[0] == 200)
+    status, _, err = call(router, None)
+    assert (
+        status == 401
+        and err["error"]["code"] == "missing_key"
+        and err["error"]["type"] == "authentication_error"
+    )
+    assert call(router, key[:-1] + ("A" if key[-1] != "A" else "B"))[0] == 401
+    assert call(router, "not-a-key")[0] == 401
+    status, _, err = call(router, key, model="other")
+    assert status == 403 and err["error"]["message"] == "this API key may not use model 'other'"
+    listed = ctl(etcd, "list")
+    assert [k["id"] for k in listed] == [created["id"]] and "hash" not in listed[0]
+    ctl(etcd, "revoke", created["id"])
+    took = until(lambda: call(router, key)[0] == 401)
+    assert took < 5.0  # revocation takes effect within seconds
+    readyz = json.load(urllib.request.urlopen(router.admin + "/readyz", timeout=5))
+    assert readyz["auth"] == "enabled"
+
+
+def test_limits_answer_429_with_retry_after(cluster: tuple[LocalEtcd, Router]) -> None:
+    etcd, router = cluster
+    key = ctl(etcd, "create", "--tenant", "slow", "--rps", "1")["key"]
+    until(lambda: call(router, key)[0] in (200, 429))
+    time.sleep(1.1)
+    assert call(router, key)[0] == 200
+    status, headers, err = call(router, key)
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert (
+        err["error"]["type"] == "rate_limit_error"
+        and "requests per second" in err["error"]["message"]
+    )
+
+
+def test_rotate_keeps_the_old_key_for_its_grace_period(cluster: tuple[LocalEtcd, Router]) -> None:
+    etcd, router = cluster
+    old = ctl(etcd, "create", "--tenant", "rot", "--models", "sim,other")
+    until(lambda: call(router, old["key"])[0] == 200)
+    new = ctl(etcd, "rotate", old["id"], "--grace", "2")
+    assert new["tenant"] == "rot" and new["models"] == ["sim", "other"] and new["id"] != old["id"]
+    until(lambda: call(router, new["key"])[0] == 200)
+    assert call(router, old["key"])[0] == 200  # still inside its grace period
+    until(lambda: call(router, old["key"])[0] == 401, timeout_s=10)
+    assert call(router, old["key"])[2]["error"]["code"] == "expired_key"
