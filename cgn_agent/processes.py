@@ -21,86 +21,24 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from cgn_core.process import (
+    Fingerprint,
+    boot_id,
+    cmdline,
+    fingerprint,
+    fingerprint_from_json,
+    fingerprint_to_json,
+    matches,
+    start_time,
+)
+
+__all__ = ["EngineProcess", "Fingerprint", "boot_id", "cmdline", "fingerprint",
+           "fingerprint_from_json", "fingerprint_to_json", "log_tail", "matches", "spawn",
+           "start_time"]  # fmt: skip
 LOG_ROTATE_BYTES = 32 << 20
 TAIL_BYTES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
-    pid: int
-    start: str  # start time as the OS reports it (ticks since boot, or ps's lstart)
-    boot: str  # boot id ("" where the OS has none)
-    cmdline: tuple[str, ...] = ()
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def start_time(pid: int) -> str | None:
-    """When `pid` started, or None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _ps_start(pid)
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    return stat.rpartition(")")[2].split()[19]
-
-
-def cmdline(pid: int) -> tuple[str, ...]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return ()
-    except OSError:
-        return (_ps(pid, "command") or "",)
-    return tuple(raw.decode("utf-8", "surrogateescape").split("\0")[:-1])
-
-
-def _ps_start(pid: int) -> str | None:
-    return _ps(pid, "lstart")
-
-
-def _ps(pid: int, field: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["ps", "-o", f"{field}=", "-p", str(pid)], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
-def fingerprint(pid: int) -> Fingerprint | None:
-    st = start_time(pid)
-    return None if st is None else Fingerprint(pid, st, boot_id(), cmdline(pid))
-
-
-def fingerprint_to_json(fp: Fingerprint) -> dict[str, object]:
-    return {"pid": fp.pid, "start": fp.start, "boot": fp.boot, "cmdline": list(fp.cmdline)}
-
-
-def fingerprint_from_json(doc: Mapping[str, object]) -> Fingerprint:
-    """The inverse of fingerprint_to_json; ValueError/TypeError on a damaged record."""
-    pid, start, boot, cmd = doc["pid"], doc["start"], doc["boot"], doc["cmdline"]
-    if not isinstance(pid, int) or not isinstance(start, str) or not isinstance(boot, str):
-        raise ValueError("bad fingerprint")
-    if not isinstance(cmd, list) or not all(isinstance(a, str) for a in cmd):
-        raise ValueError("bad fingerprint command line")
-    return Fingerprint(pid, start, boot, tuple(cmd))
-
-
-def matches(fp: Fingerprint) -> bool:
-    """True only if the process `fp` describes is still the one running under its pid."""
-    return fingerprint(fp.pid) == fp
 
 
 class EngineProcess:

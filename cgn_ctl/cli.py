@@ -20,7 +20,7 @@ import typer
 import yaml
 
 from cgn_core.catalog import CatalogError
-from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, not_built, run
+from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, run
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
@@ -38,8 +38,6 @@ models_app = typer.Typer(help="The model catalog: apply, list, get, delete.", no
 app.add_typer(models_app, name="models")
 app.add_typer(pki_cmd.app, name="pki")
 app.add_typer(keys_cmd.app, name="keys")
-not_built(app, "up", "start a single-node cluster", 10)
-not_built(app, "down", "stop what up started", 10)
 
 Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
 Config = Annotated[
@@ -178,9 +176,25 @@ class _DrainTimeout(CognitoraError):
 
 
 @app.command()
-def status(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
-    """The cluster at a glance: reconciler leader, nodes, models (placed / Ready vs min–max)."""
-    _emit(_with_etcd(etcd, config, ops.status), as_json, render.status)
+def status(
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+    state_dir: Annotated[
+        Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")
+    ] = None,
+) -> None:
+    """The cluster at a glance: what `cgn-ctl up` started, the reconciler leader, nodes, models."""
+    from cgn_ctl import up as up_mod
+
+    settings = load_service_settings(CtlSettings, "ctl", config, {})
+    record = up_mod.read_record(state_dir or settings.state_dir)
+    local = up_mod.running(record) if record else []
+    if etcd is None and record is not None:
+        etcd = record.get("etcd")  # the cluster `up` started, wherever its etcd listens
+    data = _with_etcd(etcd, config, ops.status)
+    data["local_processes"] = local
+    _emit(data, as_json, render.status)
 
 
 @models_app.command("apply")
@@ -236,6 +250,77 @@ def models_delete(
     """Remove a model from the catalog; the reconciler then stops its replicas."""
     _with_etcd(etcd, config, lambda c: ops.delete_model(c, name))
     typer.echo(f"model {name} deleted")
+
+
+@app.command()
+def up(
+    model: Annotated[
+        str, typer.Option("--model", help="A GGUF file, or a bundled model name.")
+    ] = "smollm2",
+    name: Annotated[str, typer.Option("--name", help="The model name clients use.")] = "",
+    port: Annotated[int, typer.Option("--port", help="The router's OpenAI port.")] = 8080,
+    admin_port: Annotated[
+        int, typer.Option("--admin-port", help="The router's admin port.")
+    ] = 9091,
+    agent_port: Annotated[int, typer.Option("--agent-port", help="The agent's admin port.")] = 9093,
+    etcd_port: Annotated[
+        int, typer.Option("--etcd-port", help="Client port of the etcd it starts.")
+    ] = 2379,
+    etcd: Annotated[
+        str | None, typer.Option("--etcd", help="Use this etcd instead of starting one.")
+    ] = None,
+    join: Annotated[
+        str | None, typer.Option("--join", help="Only start an agent joining this etcd.")
+    ] = None,
+    threads: Annotated[int, typer.Option("--threads", help="Engine threads (0: its default).")] = 0,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for the model.")
+    ] = 600.0,
+    state_dir: Annotated[
+        Path | None, flag("--state-dir", "Where up keeps etcd data, logs, up.json.")
+    ] = None,
+    config: Config = None,
+) -> None:
+    """Start a cluster on this machine (etcd, router, agent, a model) and wait until it serves.
+
+    Prints the OpenAI base URL, an API key and a curl line. `cgn-ctl down` stops it all.
+    """
+    from cgn_ctl import up as up_mod
+
+    settings = load_service_settings(CtlSettings, "ctl", config, {})
+    opts = up_mod.UpOptions(
+        state_dir or settings.state_dir, model, name, port, admin_port, agent_port, etcd, etcd_port,
+        join, threads, timeout,
+    )  # fmt: skip
+    try:
+        doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
+    except CognitoraError as exc:
+        fail(f"{exc.message} (what started is listed by `cgn-ctl status`; `cgn-ctl down` stops it)")
+    if doc.get("joined"):
+        typer.echo(f"node {doc['node']} joined the cluster at {doc['etcd']}")
+        return
+    typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}\n")
+    typer.echo(f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
+               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{doc['model']}\", "
+               f"\"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}]}}'")  # fmt: skip
+
+
+@app.command()
+def down(
+    state_dir: Annotated[Path | None, flag("--state-dir", "The state dir `up` used.")] = None,
+    config: Config = None,
+) -> None:
+    """Stop everything `cgn-ctl up` started (and the engines its agent ran), by recorded pid."""
+    from cgn_ctl import up as up_mod
+
+    settings = load_service_settings(CtlSettings, "ctl", config, {})
+    try:
+        stopped = up_mod.down(
+            state_dir or settings.state_dir, lambda msg: typer.echo(msg, err=True)
+        )
+    except CognitoraError as exc:
+        fail(exc.message)
+    typer.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
 main = run(app)

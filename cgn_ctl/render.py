@@ -52,6 +52,9 @@ def explain(d: dict[str, Any]) -> None:
 
 
 def status(s: dict[str, Any]) -> None:
+    for p in s.get("local_processes", []):
+        state = "[green]running[/green]" if p["alive"] else "[red]gone[/red]"
+        console.print(f"{p['name']:7} pid {p['pid']:<7} {state}  log {p['log']}")
     console.print(f"reconciler leader: {s['leader'] or '[red]none (is a router running?)[/red]'}")
     nodes(s["nodes"])
     models(s["models"])

@@ -112,7 +112,7 @@ def build_app(svc: RouterService) -> web.Application:
     app = web.Application(client_max_size=svc.settings.max_body_bytes, middlewares=[errors])
     for kind, path in PATHS.items():
         app.router.add_post(path, functools.partial(_handle, svc, kind=kind))
-    app.router.add_get("/v1/models", lambda r: _models(svc))
+    app.router.add_get("/v1/models", lambda r: _models(svc, r))
     return app
 
 
@@ -336,7 +336,8 @@ async def _attempt(
             m.prefix_reported.labels(req.model).inc(u.cached_tokens)
 
 
-async def _models(svc: RouterService) -> web.Response:
+async def _models(svc: RouterService, request: web.Request) -> web.Response:
+    svc.principal(request)  # listing models needs a key too, as on OpenAI's API
     data = [
         {
             "id": name,

@@ -22,7 +22,6 @@ NOT_BUILT = [
     ("kvcached", "serve"),
     ("metrics", "serve"),
     ("operator", "run"),
-    ("ctl", "up"),
 ]
 
 

