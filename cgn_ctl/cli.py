@@ -323,4 +323,39 @@ def down(
     typer.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
+@app.command("install-units")
+def install_units(
+    directory: Annotated[Path, typer.Option("--dir", help="Where to write the units.")] = Path(
+        "/etc/systemd/system"
+    ),
+    user: Annotated[
+        str, typer.Option("--user", help="The account the services run as.")
+    ] = "cognitora",
+    with_etcd: Annotated[
+        bool, typer.Option("--with-etcd", help="Also a unit for the embedded etcd.")
+    ] = False,
+) -> None:
+    """Write systemd units for the installed executables (then: systemctl daemon-reload)."""
+    import sys
+
+    from cgn_core.errors import ConfigError
+    from cgn_ctl import units
+
+    etcd = None
+    if with_etcd:
+        from cgn_core.etcd.local import find_etcd_binary
+
+        try:
+            etcd = find_etcd_binary()
+        except ConfigError as exc:
+            fail(exc.message, EXIT_USAGE)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in units.render(Path(sys.executable).parent, etcd, user).items():
+            (directory / name).write_text(text)
+            typer.echo(f"wrote {directory / name}")
+    except OSError as exc:
+        fail(f"{directory}: {exc.strerror}")
+
+
 main = run(app)
