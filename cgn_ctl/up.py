@@ -261,6 +261,11 @@ def down(state_dir: Path, say: Any) -> list[str]:
     stopped = []
     for p in reversed(doc.get("processes", [])):
         fp = fingerprint_from_json(p["fingerprint"])
+        if not matches(fp):
+            if os.path.exists(f"/proc/{fp.pid}"):
+                say(f"not stopping pid {fp.pid}: it is not the {p['name']} up started "
+                    "(its start time or command line differ)")  # fmt: skip
+            continue
         if matches(fp):
             ok = stop_pid_group(fp, grace_s=45.0 if p["name"] == "agent" else 10.0)
             say(
