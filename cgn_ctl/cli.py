@@ -12,19 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 import yaml
 
-from cgn_core.catalog import CatalogError
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, run
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
-from cgn_core.logs import setup_logging
 from cgn_ctl import keys_cmd, ops, pki_cmd, render
+from cgn_ctl.common import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
@@ -39,33 +38,6 @@ app.add_typer(models_app, name="models")
 app.add_typer(pki_cmd.app, name="pki")
 app.add_typer(keys_cmd.app, name="keys")
 
-Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
-Config = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
-]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-
-
-def _with_etcd(
-    etcd: str | None, config: Path | None, work: Callable[[EtcdClient], Awaitable[T]]
-) -> T:
-    """Load settings, open a client, run `work`, turn errors into one line and an exit code."""
-    flags = {"etcd.endpoints": etcd} if etcd else {}
-    settings = load_service_settings(CtlSettings, "ctl", config, flags)
-    setup_logging("ctl", settings.log)
-
-    async def main() -> T:
-        async with EtcdClient(settings.etcd) as client:
-            return await work(client)
-
-    try:
-        return asyncio.run(main())
-    except CatalogError as exc:
-        fail(str(exc), EXIT_USAGE)
-    except CognitoraError as exc:
-        fail(exc.message)
-
 
 def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:
     if as_json:
@@ -77,7 +49,7 @@ def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:
 @app.command()
 def nodes(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
     """Nodes: state (ready, unreachable, cordoned, draining), class, devices, what is unhealthy."""
-    _emit(_with_etcd(etcd, config, ops.nodes), as_json, render.nodes)
+    _emit(with_etcd(etcd, config, ops.nodes), as_json, render.nodes)
 
 
 @app.command()
@@ -90,7 +62,7 @@ def replicas(
     as_json: Json = False,
 ) -> None:
     """Replicas: where each runs, its phase (from the agent) and the last failure reason."""
-    _emit(_with_etcd(etcd, config, lambda c: ops.replicas(c, model)), as_json, render.replicas)
+    _emit(with_etcd(etcd, config, lambda c: ops.replicas(c, model)), as_json, render.replicas)
 
 
 @app.command("explain-placement")
@@ -101,7 +73,7 @@ def explain_placement(
     as_json: Json = False,
 ) -> None:
     """Where one more replica of MODEL would go now: every candidate and what rejected it."""
-    d = _with_etcd(etcd, config, lambda c: ops.explain(c, model))
+    d = with_etcd(etcd, config, lambda c: ops.explain(c, model))
     data = {
         "model": d.model, "profile": d.profile, "nodes": [list(n) for n in d.nodes],
         "candidates": [{"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
@@ -118,7 +90,7 @@ def cordon(
     config: Config = None,
 ) -> None:
     """Place nothing new on NODE (what runs there keeps running). Survives agent restarts."""
-    _with_etcd(etcd, config, lambda c: ops.cordon(c, node, reason=reason))
+    with_etcd(etcd, config, lambda c: ops.cordon(c, node, reason=reason))
     typer.echo(f"{node} cordoned")
 
 
@@ -127,7 +99,7 @@ def uncordon(
     node: Annotated[str, typer.Argument(help="Node id.")], etcd: Etcd = None, config: Config = None
 ) -> None:
     """Allow placements on NODE again (also ends a drain)."""
-    removed = _with_etcd(etcd, config, lambda c: ops.uncordon(c, node))
+    removed = with_etcd(etcd, config, lambda c: ops.uncordon(c, node))
     typer.echo(f"{node} uncordoned" if removed else f"{node} was not cordoned")
 
 
@@ -167,7 +139,7 @@ def drain(
                 raise _DrainTimeout(f"{node} still runs {names} after {grace + 60:.0f}s")
             await asyncio.sleep(1.0)
 
-    left = _with_etcd(etcd, config, work)
+    left = with_etcd(etcd, config, work)
     typer.echo(f"{node} drained" if not left else f"{node} draining ({len(left)} replica(s) left)")
 
 
@@ -192,7 +164,7 @@ def status(
     local = up_mod.running(record) if record else []
     if etcd is None and record is not None:
         etcd = record.get("etcd")  # the cluster `up` started, wherever its etcd listens
-    data = _with_etcd(etcd, config, ops.status)
+    data = with_etcd(etcd, config, ops.status)
     data["local_processes"] = local
     _emit(data, as_json, render.status)
 
@@ -216,7 +188,7 @@ def models_apply(
         docs = docs[0]
     if not docs:
         fail(f"{file}: no model in the file", EXIT_USAGE)
-    names = _with_etcd(etcd, config, lambda c: ops.apply_models(c, docs, str(file)))
+    names = with_etcd(etcd, config, lambda c: ops.apply_models(c, docs, str(file)))
     for name in names:
         typer.echo(f"model {name} applied")
 
@@ -224,7 +196,7 @@ def models_apply(
 @models_app.command("list")
 def models_list(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
     """Every model: replicas placed and Ready against min–max, aliases, profiles."""
-    _emit(_with_etcd(etcd, config, ops.models), as_json, render.models)
+    _emit(with_etcd(etcd, config, ops.models), as_json, render.models)
 
 
 @models_app.command("get")
@@ -235,7 +207,7 @@ def models_get(
     as_json: Json = False,
 ) -> None:
     """One model's stored spec (YAML, or JSON with --json)."""
-    doc = _with_etcd(etcd, config, lambda c: ops.get_model(c, name))
+    doc = with_etcd(etcd, config, lambda c: ops.get_model(c, name))
     typer.echo(
         json.dumps(doc, indent=2) if as_json else yaml.safe_dump(doc, sort_keys=False).rstrip()
     )
@@ -248,7 +220,7 @@ def models_delete(
     config: Config = None,
 ) -> None:
     """Remove a model from the catalog; the reconciler then stops its replicas."""
-    _with_etcd(etcd, config, lambda c: ops.delete_model(c, name))
+    with_etcd(etcd, config, lambda c: ops.delete_model(c, name))
     typer.echo(f"model {name} deleted")
 
 

@@ -5,44 +5,20 @@ The key itself is printed once, by `create` and `rotate`; it cannot be shown aga
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from cgn_core.apikeys import KEYS_PREFIX, ApiKeyError, Limits, create, parse_record
-from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
-from cgn_core.errors import CognitoraError, NotFound
+from cgn_core.apikeys import KEYS_PREFIX, Limits, create, parse_record
+from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
-from cgn_ctl.settings import CtlSettings
+from cgn_ctl.common import Config, Etcd, Json, with_etcd
 
 app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
-Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
-Config = Annotated[Path | None, typer.Option("--config", "-c", help="YAML settings file.",
-                                             envvar="CGN_CTL_CONFIG")]  # fmt: skip
-Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-
-
-def _run(etcd: str | None, config: Path | None, work: Any) -> Any:
-    settings = load_service_settings(
-        CtlSettings, "ctl", config, {"etcd.endpoints": etcd} if etcd else {}
-    )
-
-    async def main() -> Any:
-        async with EtcdClient(settings.etcd) as client:
-            return await work(client)
-
-    try:
-        return asyncio.run(main())
-    except ApiKeyError as exc:
-        fail(exc.message, EXIT_USAGE)
-    except CognitoraError as exc:
-        fail(exc.message)
 
 
 @app.command("create")
@@ -82,7 +58,7 @@ def create_cmd(
         await c.put_json(KEYS_PREFIX + record.id, record.to_json())
         return key, record.to_json()
 
-    key, doc = _run(etcd, config, work)
+    key, doc = with_etcd(etcd, config, work)
     _show_new(key, doc, as_json)
 
 
@@ -110,7 +86,7 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
             out.append(doc)
         return out
 
-    rows = _run(etcd, config, work)
+    rows = with_etcd(etcd, config, work)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -134,7 +110,7 @@ def revoke_cmd(key_id: Annotated[str, typer.Argument(help="The key's id.")], etc
         if not await c.delete(KEYS_PREFIX + key_id):
             raise NotFound(f"no key {key_id!r}")
 
-    _run(etcd, config, work)
+    with_etcd(etcd, config, work)
     typer.echo(f"key {key_id} revoked")
 
 
@@ -166,5 +142,5 @@ def rotate_cmd(
             await c.delete(KEYS_PREFIX + key_id)
         return key, record.to_json()
 
-    key, doc = _run(etcd, config, work)
+    key, doc = with_etcd(etcd, config, work)
     _show_new(key, doc, as_json)

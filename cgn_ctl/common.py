@@ -1,0 +1,50 @@
+"""What cgn-ctl's commands share: the etcd/config/json options and running one etcd operation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from cgn_core.apikeys import ApiKeyError
+from cgn_core.catalog import CatalogError
+from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
+from cgn_core.errors import CognitoraError
+from cgn_core.etcd import EtcdClient
+from cgn_core.logs import setup_logging
+from cgn_ctl.settings import CtlSettings
+
+T = TypeVar("T")
+
+Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
+Config = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def with_etcd(
+    etcd: str | None, config: Path | None, work: Callable[[EtcdClient], Awaitable[T]]
+) -> T:
+    """Load settings, open a client, run `work`; errors become one line and an exit code
+    (2 for input the catalog or the key store refuses, 1 for everything else)."""
+    flags = {"etcd.endpoints": etcd} if etcd else {}
+    settings = load_service_settings(CtlSettings, "ctl", config, flags)
+    setup_logging("ctl", settings.log)
+
+    async def main() -> T:
+        async with EtcdClient(settings.etcd) as client:
+            return await work(client)
+
+    try:
+        return asyncio.run(main())
+    except CatalogError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except ApiKeyError as exc:
+        fail(exc.message, EXIT_USAGE)
+    except CognitoraError as exc:
+        fail(exc.message)
