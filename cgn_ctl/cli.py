@@ -244,6 +244,7 @@ def up(
     join: Annotated[
         str | None, typer.Option("--join", help="Only start an agent joining this etcd.")
     ] = None,
+    node_id: Annotated[str, typer.Option("--node-id", help="The agent's node id.")] = "",
     threads: Annotated[int, typer.Option("--threads", help="Engine threads (0: its default).")] = 0,
     timeout: Annotated[
         float, typer.Option("--timeout", help="Seconds to wait for the model.")
@@ -262,7 +263,7 @@ def up(
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     opts = up_mod.UpOptions(
         state_dir or settings.state_dir, model, name, port, admin_port, agent_port, etcd, etcd_port,
-        join, threads, timeout,
+        join, threads, timeout, node_id,
     )  # fmt: skip
     try:
         doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))

@@ -56,6 +56,7 @@ class UpOptions:
     join: str | None = None  # only an agent, joining this etcd
     threads: int = 0  # engine threads (0: cgn-infer's default)
     timeout_s: float = 600.0
+    node_id: str = ""  # the agent's node id (default: derived from the host name)
 
 
 def record_path(state_dir: Path) -> Path:
@@ -156,6 +157,8 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
                   "--state-dir", str(state / "agent"),
                   "--admin-port", str(_free(opts.agent_port)),
                   "--ready-file", str(ready_dir / "agent.ready")]  # fmt: skip
+    if opts.node_id:
+        agent_argv += ["--node-id", opts.node_id]
     if opts.join is None:  # one machine: engines on loopback, stopped with the agent
         agent_argv += ["--set", "engines.bind_host=127.0.0.1", "--set", "engines.stop_on_exit=true"]
     agent = starter.start("agent", agent_argv, ready_dir / "agent.ready")

@@ -51,6 +51,15 @@ def test_up_serves_a_chat_completion_and_down_stops_everything(tmp_path: Path) -
         assert st["models"][0]["model"] == "smollm2" and st["models"][0]["ready"] == 1
         again = ctl("up", "--state-dir", str(state))
         assert again.returncode == 1 and "already up" in again.stderr
+        # a second machine joining: here, a second agent with its own state and node id
+        second = tmp_path / "second"
+        joined = ctl("up", "--join", record["etcd"], "--state-dir", str(second),
+                     "--node-id", "second-node", "--agent-port", str(free_ports(1)[0]))  # fmt: skip
+        assert joined.returncode == 0, joined.stderr
+        assert joined.stdout.strip() == f"node second-node joined the cluster at {record['etcd']}"
+        nodes = json.loads(ctl("nodes", "--etcd", record["etcd"], "--json").stdout)
+        assert {n["node"] for n in nodes} >= {"second-node", record["node"]}
+        assert ctl("down", "--state-dir", str(second)).stdout.strip() == "stopped: agent"
         print(f"\ncgn-ctl up: {took:.1f}s to a served completion")
     finally:
         down = ctl("down", "--state-dir", str(state), timeout=120)
