@@ -99,9 +99,25 @@ def _ps(pid: int, field: str) -> str | None:
     return out.stdout.strip() or None
 
 
-def fingerprint(pid: int) -> Fingerprint | None:
+def fingerprint(pid: int, settle_s: float = 1.0) -> Fingerprint | None:
+    """The fingerprint of a live process, or None if there is none with this pid.
+
+    NOTE: a child started by subprocess.Popen (vfork + exec) can be seen before the
+    kernel has set up its new argument area: /proc/<pid>/cmdline then reads empty for a
+    moment. A live process always has a command line, so an empty one is waited out (up
+    to `settle_s`) instead of being recorded, which would never match again.
+    """
+    import time
+
     st = start_time(pid)
-    return None if st is None else Fingerprint(pid, st, boot_id(), cmdline(pid))
+    if st is None:
+        return None
+    cmd = cmdline(pid)
+    deadline = time.monotonic() + settle_s
+    while not cmd and time.monotonic() < deadline and start_time(pid) == st:
+        time.sleep(0.001)
+        cmd = cmdline(pid)
+    return Fingerprint(pid, st, boot_id(), cmd)
 
 
 def fingerprint_to_json(fp: Fingerprint) -> dict[str, object]:

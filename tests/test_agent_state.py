@@ -144,3 +144,19 @@ def test_runner_module_refuses_bad_usage() -> None:
     out = subprocess.run([sys.executable, "-m", "cgn_agent.runners.xllamacpp_server"],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert out.returncode == 2 and "--model" in out.stderr
+
+
+def test_a_fingerprint_taken_right_after_spawn_has_the_command_line(tmp_path: Path) -> None:
+    """vfork + exec: /proc/<pid>/cmdline can read empty for a moment after Popen returns
+    (seen with console scripts, whose shebang makes the kernel load an interpreter)."""
+    script = tmp_path / "sleeper"
+    script.write_text(f"#!{sys.executable} -E\nimport time\ntime.sleep(30)\n")
+    script.chmod(0o755)
+    for _ in range(200):  # the race hit 1-2 % of spawns here: 200 tries catch it
+        proc = spawn([str(script), "arg"], {}, tmp_path / "sleeper.log")
+        try:
+            assert proc.fp.cmdline == (sys.executable, "-E", str(script), "arg")
+            assert matches(proc.fp)
+        finally:
+            proc.popen.kill()  # type: ignore[union-attr]
+            proc.popen.wait()  # type: ignore[union-attr]
