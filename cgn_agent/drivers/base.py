@@ -138,6 +138,15 @@ def require_source(spec: ReplicaSpec, engine: str) -> None:
         raise PlacementRefused(f"{engine}: placement has no 'source' (the model to load)")
 
 
+def optional_flags(*pairs: tuple[str, object | None]) -> list[str]:
+    """`flag value` for each pair whose value is set (None: leave the engine's default)."""
+    out: list[str] = []
+    for flag, value in pairs:
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def cuda_env(spec: ReplicaSpec) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices)}
 

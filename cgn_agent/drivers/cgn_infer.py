@@ -8,6 +8,7 @@ from cgn_agent.drivers.base import (
     PlacementRefused,
     Toolbox,
     cuda_env,
+    optional_flags,
     require_connector_none,
     require_gpus,
     require_source,
@@ -44,15 +45,9 @@ class CgnInferDriver:
         exe = tools.which("cgn-infer") or "cgn-infer"
         argv = [exe, "serve", "--model", spec.source, "--host", ctx.host,
                 "--port", str(ctx.port), "--model-name", spec.model]  # fmt: skip
-        for flag, value in (("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend)):
-            if value is not None:
-                argv += [flag, str(value)]
-        if spec.devices:
-            argv += ["--device", "cuda"]
-            if p.dtype:
-                argv += ["--dtype", p.dtype]
-        elif p.dtype:
-            argv += ["--dtype", p.dtype]
+        argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
+        argv += ["--device", "cuda"] if spec.devices else []
+        argv += optional_flags(("--dtype", p.dtype))
         return Launch(
             tuple(argv + list(p.extra_args)),
             {**(cuda_env(spec) if spec.devices else {}), **p.env},

@@ -21,12 +21,12 @@ from cgn_agent.drivers.base import (
     PlacementRefused,
     Toolbox,
     cuda_env,
+    optional_flags,
     require_connector_none,
     require_gpus,
     require_source,
     url_for,
 )
-from cgn_agent.drivers.llama_cpp import _opts
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
 
@@ -51,7 +51,7 @@ class VllmDriver:
         argv = [tools.which("vllm") or "vllm", "serve", spec.source, "--host", ctx.host,
                 "--port", str(ctx.port), "--served-model-name", spec.model,
                 "--tensor-parallel-size", str(p.tensor_parallel)]  # fmt: skip
-        argv += _opts(("--max-model-len", p.ctx))
+        argv += optional_flags(("--max-model-len", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         if p.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
@@ -79,7 +79,7 @@ class SglangDriver:
         argv = [ctx.python, "-m", "sglang.launch_server", "--model-path", spec.source,
                 "--host", ctx.host, "--port", str(ctx.port), "--served-model-name", spec.model,
                 "--tp-size", str(p.tensor_parallel)]  # fmt: skip
-        argv += _opts(("--context-length", p.ctx))
+        argv += optional_flags(("--context-length", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         if p.gpu_memory_utilization is not None:
             argv += ["--mem-fraction-static", str(p.gpu_memory_utilization)]
@@ -110,6 +110,6 @@ class TrtllmDriver:
         argv = [tools.which("trtllm-serve") or "trtllm-serve", spec.source, "--host", ctx.host,
                 "--port", str(ctx.port), "--backend", p.backend or "pytorch",
                 "--tp_size", str(p.tensor_parallel)]  # fmt: skip
-        argv += _opts(("--max_seq_len", p.ctx))
+        argv += optional_flags(("--max_seq_len", p.ctx))
         argv += ["--served_model_name", spec.model]
         return Launch(tuple(argv + list(p.extra_args)), {**cuda_env(spec), **p.env}, url_for(ctx))

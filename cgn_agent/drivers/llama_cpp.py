@@ -17,6 +17,7 @@ from cgn_agent.drivers.base import (
     PlacementRefused,
     Toolbox,
     cuda_env,
+    optional_flags,
     require_connector_none,
     require_gpus,
     require_source,
@@ -73,7 +74,7 @@ class LlamaCppDriver:
         if launcher == "llama_cpp_python":
             argv = [ctx.python, "-m", "llama_cpp.server", "--model", spec.source,
                     "--host", host, "--port", port, "--model_alias", spec.model]  # fmt: skip
-            argv += _opts(("--n_ctx", p.ctx), ("--n_threads", p.threads))
+            argv += optional_flags(("--n_ctx", p.ctx), ("--n_threads", p.threads))
             argv += ["--n_gpu_layers", "-1"] if gpu else []
             return Launch(
                 tuple(argv + list(p.extra_args)), env, url_for(ctx), health_path="/v1/models"
@@ -81,21 +82,13 @@ class LlamaCppDriver:
         if launcher == "xllamacpp":
             argv = [ctx.python, "-m", "cgn_agent.runners.xllamacpp_server", "--model", spec.source,
                     "--host", host, "--port", port, "--alias", spec.model]  # fmt: skip
-            argv += _opts(("--ctx", p.ctx), ("--threads", p.threads))
+            argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads))
             argv += ["--n-gpu-layers", "999"] if gpu else []
         else:
             argv = [tools.which("llama-server") or "llama-server", "-m", spec.source,
                     "--host", host, "--port", port, "--alias", spec.model, "--metrics"]  # fmt: skip
-            argv += _opts(("-c", p.ctx), ("-t", p.threads))
+            argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
             argv += ["-ngl", "999"] if gpu else []
         return Launch(
             tuple(argv + list(p.extra_args)), env, url_for(ctx), metrics_dialect="llamacpp"
         )
-
-
-def _opts(*pairs: tuple[str, int | None]) -> list[str]:
-    out: list[str] = []
-    for flag, value in pairs:
-        if value is not None:
-            out += [flag, str(value)]
-    return out
