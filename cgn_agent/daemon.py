@@ -106,6 +106,13 @@ class Runtime:
     energy_j: float = 0.0
     etcd_ok: bool = False
     admin_url: str = ""
+    _inventory_doc: tuple[Inventory, dict[str, Any]] | None = None
+
+    def inventory_doc(self) -> dict[str, Any]:
+        """The inventory as JSON, converted once per refresh (the node key is rebuilt each tick)."""
+        if self._inventory_doc is None or self._inventory_doc[0] is not self.inventory:
+            self._inventory_doc = (self.inventory, self.inventory.to_json())
+        return self._inventory_doc[1]
 
 
 def check_identity(settings: AgentSettings, node: str) -> None:
@@ -209,7 +216,7 @@ async def _start_admin(
         return web.json_response({"node": agent.node, "replicas": doc})
 
     async def inventory(_: web.Request) -> web.Response:
-        return web.json_response(rt.inventory.to_json())
+        return web.json_response(rt.inventory_doc())
 
     tls = settings.admin_tls
     middlewares = [mtls_middleware(OPEN_ADMIN_PATHS)] if tls.enabled else []
@@ -230,7 +237,7 @@ async def _start_admin(
 
 def _publish_node(publisher: Publisher, node: str, agent: NodeAgent, rt: Runtime) -> None:
     p = rt.power
-    doc: dict[str, Any] = rt.inventory.to_json() | {
+    doc: dict[str, Any] = rt.inventory_doc() | {
         "running": agent.running(),
         "power": {
             "watts": p.watts,
