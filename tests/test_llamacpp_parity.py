@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from cgn_core.text.chat_template import ChatTemplate
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
-from tests.support.procs import post
+from tests.support.procs import llamacpp, post
 
 CORPUS = [
     "Hello world",
@@ -109,41 +111,66 @@ def reference_top2(url: str, prefix: list[int]) -> tuple[int, float] | None:
 NEAR_TIE_NATS = 0.15
 
 
+@pytest.fixture(scope="module")
+def llamacpp_smollm2_no_fa(smollm2_path: Path) -> Iterator[str]:
+    """llama.cpp again with its flash-attention kernel off: the same model and weights with
+    one numerical choice changed, to measure how far llama.cpp agrees with itself."""
+    with llamacpp(smollm2_path, flash_attn="off") as url:
+        yield url
+
+
 def test_teacher_forced_logits_match_llamacpp(
-    smollm2_torch: Any, tokenizer: GGUFTokenizer, llamacpp_smollm2: str
+    smollm2_torch: Any, tokenizer: GGUFTokenizer, llamacpp_smollm2: str, llamacpp_smollm2_no_fa: str
 ) -> None:
     """Top-1 agreement at every position of every prompt, and correlation of the full logit
     vectors at every fourth (Pearson correlation is shift-invariant, so llama.cpp's
-    log-probabilities compare with our logits directly)."""
+    log-probabilities compare with our logits directly).
+
+    SmolLM2-135M in Q4_1 sits on many near-ties, and llama.cpp multiplies its weights by
+    Q8-quantised activations: there a one-ulp difference anywhere upstream flips roundings,
+    so llama.cpp with flash attention switched off disagrees with its own default on about
+    6 % of these positions (docs/cgn-infer.md). That self-agreement is the yardstick: we
+    must agree with llama.cpp about as well as llama.cpp agrees with itself, and exactly
+    wherever its margin is decisive.
+    """
     corr: list[float] = []
-    agree = decisive = decisive_agree = total = unreported = 0
+    agree = self_agree = decisive = decisive_agree = total = unreported = 0
     for prompt in PROMPTS + CORPUS[:6]:
         ids = tokenizer.encode(prompt)
         ours = smollm2_torch.forward(ids, 0, smollm2_torch.new_cache(len(ids)), all_logits=True)
         for k in range(2, len(ids) + 1):
-            if (ref := reference_top2(llamacpp_smollm2, ids[:k])) is None:
+            ref, other = (
+                reference_top2(url, ids[:k]) for url in (llamacpp_smollm2, llamacpp_smollm2_no_fa)
+            )
+            if ref is None or other is None:
                 unreported += 1
                 continue
             ref_top, margin = ref
             same = int(ours[k - 1].argmax() == ref_top)
-            agree, total = agree + same, total + 1
+            agree, self_agree, total = (
+                agree + same,
+                self_agree + int(other[0] == ref_top),
+                total + 1,
+            )
             if margin >= NEAR_TIE_NATS:
                 decisive, decisive_agree = decisive + 1, decisive_agree + same
             if (
                 k % 4 == 0
-                and (ref := reference_logprobs(llamacpp_smollm2, ids[:k], tokenizer.vocab_size))
+                and (dist := reference_logprobs(llamacpp_smollm2, ids[:k], tokenizer.vocab_size))
                 is not None
             ):
-                finite = np.isfinite(ref)
-                corr.append(float(np.corrcoef(ours[k - 1][finite], ref[finite])[0, 1]))
+                finite = np.isfinite(dist)
+                corr.append(float(np.corrcoef(ours[k - 1][finite], dist[finite])[0, 1]))
     print(
-        f"top-1 agreement {agree}/{total} ({agree / total:.1%}); where llama.cpp's margin is "
-        f">= {NEAR_TIE_NATS} nats: {decisive_agree}/{decisive}; logit correlation mean "
+        f"top-1 agreement {agree}/{total} ({agree / total:.1%}); llama.cpp with flash attention "
+        f"off vs on: {self_agree}/{total} ({self_agree / total:.1%}); where llama.cpp's margin "
+        f"is >= {NEAR_TIE_NATS} nats: {decisive_agree}/{decisive}; logit correlation mean "
         f"{np.mean(corr):.5f} min {np.min(corr):.5f} over {len(corr)} positions; "
         f"{unreported} positions without a llama.cpp answer"
     )
     assert total >= 100 and decisive >= 80 and unreported <= 5
     assert decisive_agree == decisive  # every disagreement is a near-tie in llama.cpp's eyes
+    assert agree >= self_agree - 3  # as close to llama.cpp as llama.cpp is to itself
     assert agree / total >= 0.93
     assert np.mean(corr) >= 0.998
 

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="0: llama.cpp's default")
     ap.add_argument("--n-gpu-layers", type=int, default=None, help="default: llama.cpp's")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                    help="llama.cpp's flash-attention kernel (auto: where supported)")  # fmt: skip
     args = ap.parse_args(argv)
 
     import xllamacpp  # type: ignore[import-untyped]
@@ -40,6 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     params.n_ctx = args.ctx * args.parallel
     if args.n_gpu_layers is not None:
         params.n_gpu_layers = args.n_gpu_layers
+    fa = xllamacpp.llama_flash_attn_type
+    params.flash_attn_type = {
+        "auto": fa.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        "on": fa.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        "off": fa.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[args.flash_attn]
     params.endpoint_metrics = True
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

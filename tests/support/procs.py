@@ -95,12 +95,14 @@ def cgn_infer_engines(
 
 
 @contextmanager
-def llamacpp(model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2) -> Iterator[str]:
+def llamacpp(
+    model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2, flash_attn: str = "auto"
+) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
     port = free_port()
     argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
             "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
-            "--ctx", str(ctx)]  # fmt: skip
+            "--ctx", str(ctx), "--flash-attn", flash_attn]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
