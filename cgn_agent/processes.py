@@ -109,7 +109,8 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Engine
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
+            # NOTE: systemd's notification socket is the agent's own, not its engines'.
+            env={**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, **env},
             start_new_session=True,
         )
     fp = fingerprint(popen.pid) or Fingerprint(popen.pid, "", boot_id())

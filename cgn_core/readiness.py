@@ -5,11 +5,17 @@ serving, and only then writes its `--ready-file`: a small JSON document with
 its pid and the ports it actually bound. The write is atomic (temp file +
 rename), so a reader never sees half a file. A supervisor polls for the file
 with `wait_ready_file`, which also fails fast if the process has died.
+
+Under systemd (`Type=notify`), `announce_ready` also sends `READY=1` to
+`$NOTIFY_SOCKET` (the sd_notify protocol: one datagram on a unix socket,
+`@` meaning the abstract namespace), so units order on real readiness;
+`announce_stopping` sends `STOPPING=1` when shutdown begins.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from cgn_core.files import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -38,6 +46,35 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 def write_ready_file(path: Path, **info: Any) -> None:
     """Atomically write {"pid": ..., **info} to `path` (write to a temp file, then rename)."""
     atomic_write_text(path, json.dumps({"pid": os.getpid(), **info}) + "\n")
+
+
+def sd_notify(message: str) -> bool:
+    """Send `message` ("READY=1", "STOPPING=1", "STATUS=...") to systemd; False where no
+    $NOTIFY_SOCKET is set (not run by a Type=notify unit) or it cannot be reached."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", os.environ["NOTIFY_SOCKET"], exc)
+        return False
+    return True
+
+
+def announce_ready(ready_file: Path | None, status: str, **info: Any) -> None:
+    """Serving: write the ready file (when asked for one) and tell systemd (when run by it)."""
+    if ready_file is not None:
+        write_ready_file(ready_file, **info)
+    sd_notify(f"READY=1\nSTATUS={status}")
+
+
+def announce_stopping() -> None:
+    sd_notify("STOPPING=1")
 
 
 def wait_ready_file(

@@ -309,10 +309,17 @@ def install_units(
     ] = False,
 ) -> None:
     """Write systemd units for the installed executables (then: systemctl daemon-reload)."""
-    import sys
 
+    from cgn_core import executables
     from cgn_core.errors import ConfigError
     from cgn_ctl import units
+
+    paths = {}
+    for name in units.EXECUTABLES:
+        found = executables.find(name)
+        if found is None:
+            fail(f"{name} is not installed (bin/install.sh installs every executable)", EXIT_USAGE)
+        paths[name] = Path(found)
 
     etcd = None
     if with_etcd:
@@ -324,7 +331,7 @@ def install_units(
             fail(exc.message, EXIT_USAGE)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        for name, text in units.render(Path(sys.executable).parent, etcd, user).items():
+        for name, text in units.render(paths, etcd, user).items():
             (directory / name).write_text(text)
             typer.echo(f"wrote {directory / name}")
     except OSError as exc:

@@ -2,18 +2,22 @@
 
 One unit per daemon that exists today (cgn-router, cgn-agent, a cgn-infer@
 template for standalone engines, cognitora-etcd for the embedded etcd) and
-cognitora.target to start them together. Type=simple: the daemons do not
-send sd_notify READY=1 (they write --ready-file instead). Hardening: a
+cognitora.target to start them together. cgn-router, cgn-agent and cgn-infer
+are Type=notify: each sends READY=1 once it serves (cgn_core.readiness, the
+sd_notify protocol) and STOPPING=1 when it shuts down; the agent keeps the
+notification socket from its engines. The embedded etcd is Type=simple. Hardening: a
 dedicated user, NoNewPrivileges, a read-only system, private /tmp, state
 under /var/lib/cognitora/<service>, configuration in /etc/cognitora.
 cgn-kvcached and cgn-metrics get their units with the daemons themselves.
 
 systemd/ in the repository holds the units rendered for /opt/cognitora/bin
-(tests/test_units.py keeps it in step with this module).
+(`render(in_directory(Path("/opt/cognitora/bin")), Path("/opt/cognitora/bin/etcd"))`;
+tests/test_units.py keeps it in step with this module).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 HARDENING = """\
@@ -66,8 +70,8 @@ PartOf=cognitora.target
 After=network-online.target cognitora-etcd.service
 
 [Service]
-Type=simple
-ExecStart={bin}/cgn-router serve --config /etc/cognitora/router.yaml
+Type=notify
+ExecStart={cgn_router} serve --config /etc/cognitora/router.yaml
 Restart=always
 RestartSec=2
 TimeoutStopSec=45
@@ -84,8 +88,8 @@ PartOf=cognitora.target
 After=network-online.target cognitora-etcd.service
 
 [Service]
-Type=simple
-ExecStart={bin}/cgn-agent run --config /etc/cognitora/agent.yaml \\
+Type=notify
+ExecStart={cgn_agent} run --config /etc/cognitora/agent.yaml \\
     --state-dir /var/lib/cognitora/agent
 Restart=always
 RestartSec=2
@@ -106,8 +110,10 @@ PartOf=cognitora.target
 After=network-online.target
 
 [Service]
-Type=simple
-ExecStart={bin}/cgn-infer serve --config /etc/cognitora/infer-%i.yaml
+Type=notify
+ExecStart={cgn_infer} serve --config /etc/cognitora/infer-%i.yaml
+# Loading weights can take minutes: READY=1 comes only once the model serves.
+TimeoutStartSec=900
 Restart=always
 RestartSec=2
 TimeoutStopSec=45
@@ -119,12 +125,22 @@ WantedBy=cognitora.target
 }
 
 
-def render(bin_dir: Path, etcd: Path | None, user: str = "cognitora") -> dict[str, str]:
-    """Unit name -> text for executables in `bin_dir` (etcd's unit only when `etcd` is given)."""
+EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-infer")
+
+
+def render(paths: Mapping[str, Path], etcd: Path | None, user: str = "cognitora") -> dict[str, str]:
+    """Unit name -> text, given each executable's path (cgn-infer lives in its own venv, so
+    the paths need not share a directory); etcd's unit only when `etcd` is given."""
     hardening = HARDENING.format(user=user)
+    exe = {name.replace("-", "_"): paths[name] for name in EXECUTABLES}
     out = {}
     for name, text in UNITS.items():
         if name == "cognitora-etcd.service" and etcd is None:
             continue
-        out[name] = text.format(bin=bin_dir, etcd=etcd, hardening=hardening)
+        out[name] = text.format(etcd=etcd, hardening=hardening, **exe)
     return out
+
+
+def in_directory(bin_dir: Path) -> dict[str, Path]:
+    """Every executable in one directory (pipx's shared bin directory, /opt/cognitora/bin)."""
+    return {name: bin_dir / name for name in EXECUTABLES}

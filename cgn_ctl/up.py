@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgn_core import executables
 from cgn_core import keys as etcd_keys
-from cgn_core.errors import CognitoraError, Unavailable
+from cgn_core.errors import CognitoraError, ConfigError, Unavailable
 from cgn_core.files import atomic_write_json
 from cgn_core.process import (
     Fingerprint,
@@ -40,7 +40,13 @@ from cgn_core.process import (
 )
 from cgn_core.readiness import wait_ready_file
 
-BIN = Path(sys.executable).parent
+
+def executable(name: str) -> str:
+    """A sibling executable (cgn_core.executables: the shared pipx bin directory first)."""
+    found = executables.find(name)
+    if found is None:
+        raise ConfigError(f"{name} is not installed (bin/install.sh installs every executable)")
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,9 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         raise CognitoraError(
             f"already up (see {record_path(state)}); `cgn-ctl down` first, or `cgn-ctl status`"
         )
+    # The agent serves the model through cgn-infer, which lives in its own venv: without it
+    # the placement would be refused and `up` would only time out.
+    executable("cgn-infer")
     starter = Starter(state, say)
     etcd = opts.join or opts.etcd or _start_etcd(starter, opts)
     ready_dir = state / "run"
@@ -149,11 +158,11 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         router_cfg = state / "router.yaml"
         router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
         port = _free(opts.port)
-        starter.start("router", [str(BIN / "cgn-router"), "serve", "--config", str(router_cfg),
+        starter.start("router", [executable("cgn-router"), "serve", "--config", str(router_cfg),
                                  "--port", str(port), "--admin-port", str(_free(opts.admin_port)),
                                  "--ready-file", str(ready_dir / "router.ready")],
                       ready_dir / "router.ready")  # fmt: skip
-    agent_argv = [str(BIN / "cgn-agent"), "run", "--etcd", etcd,
+    agent_argv = [executable("cgn-agent"), "run", "--etcd", etcd,
                   "--state-dir", str(state / "agent"),
                   "--admin-port", str(_free(opts.agent_port)),
                   "--ready-file", str(ready_dir / "agent.ready")]  # fmt: skip

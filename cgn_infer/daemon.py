@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
-from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_events import KvEventHub
 from cgn_infer.loader import load_model
@@ -97,12 +97,12 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     )  # fmt: skip
     svc.loaded = Loaded(engine, loaded.codec)
     log.info("model %s loaded in %.1fs; serving on port %d", name, time.monotonic() - started, port)
-    if ready_file is not None:
-        write_ready_file(ready_file, ports={"http": port}, model=name)
+    announce_ready(ready_file, f"serving {name} on port {port}", ports={"http": port}, model=name)
     try:
         await stop.wait()
     finally:
         log.info("shutting down")
+        announce_stopping()
         svc.kv_events.close()
         await runner.cleanup()
         await asyncio.to_thread(engine.stop)

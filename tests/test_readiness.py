@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cgn_core.readiness import bind_tcp, wait_ready_file, write_ready_file
+from cgn_core.process import stop_group
+from cgn_core.readiness import bind_tcp, sd_notify, wait_ready_file, write_ready_file
 
 CHILD = textwrap.dedent(
     """
@@ -70,3 +73,39 @@ def test_bind_tcp_port_zero_and_conflict() -> None:
             bind_tcp("127.0.0.1", port)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
+def test_router_notifies_systemd_ready_then_stopping(tmp_path: Path, abstract: bool) -> None:
+    """Under a Type=notify unit: READY=1 once serving, STOPPING=1 on SIGTERM, from the
+    main pid, over the sd_notify datagram protocol (a socket path, or @ for abstract)."""
+    name = f"cgn-test-notify-{tmp_path.name}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name if abstract else str(tmp_path / "notify"))
+        sock.settimeout(30)
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(
+            "discovery: static\nauth: {enabled: false}\n"
+            "endpoints: {e: {url: 'http://127.0.0.1:9', model: m}}\n"
+        )
+        env = {**os.environ, "NOTIFY_SOCKET": "@" + name if abstract else str(tmp_path / "notify")}
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "cgn-router"), "serve", "--config", str(cfg),
+             "--port", "0", "--admin-port", "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            ready = sock.recv(4096).decode()
+            assert ready.startswith("READY=1\nSTATUS=serving on port ")
+            proc.send_signal(signal.SIGTERM)
+            assert sock.recv(4096) == b"STOPPING=1"
+            assert proc.wait(30) == 0
+        finally:
+            stop_group(proc)
+
+
+def test_sd_notify_without_systemd_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sd_notify("READY=1") is False
+    monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent/notify")
+    assert sd_notify("READY=1") is False  # unreachable: logged, never raised

@@ -29,7 +29,7 @@ def test_installed_units_verify(tmp_path: Path) -> None:
                            timeout=60)  # fmt: skip
     assert check.returncode == 0 and not check.stderr.strip(), check.stderr
     agent = (tmp_path / "cgn-agent.service").read_text()
-    assert "KillMode=process" in agent and "NoNewPrivileges=yes" in agent and "Type=simple" in agent
+    assert "KillMode=process" in agent and "NoNewPrivileges=yes" in agent and "Type=notify" in agent
     # and verify does catch a broken unit
     (tmp_path / "broken.service").write_text("[Service]\nExecStart=/nonexistent/cgn-router\n")
     bad = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / "broken.service")],
@@ -38,6 +38,8 @@ def test_installed_units_verify(tmp_path: Path) -> None:
 
 
 def test_committed_units_match_the_generator() -> None:
-    want = units.render(Path("/opt/cognitora/bin"), Path("/opt/cognitora/bin/etcd"))
+    want = units.render(
+        units.in_directory(Path("/opt/cognitora/bin")), Path("/opt/cognitora/bin/etcd")
+    )
     have = {p.name: p.read_text() for p in (REPO / "systemd").iterdir()}
     assert have == want, "regenerate systemd/ with cgn_ctl.units.render (see its docstring)"

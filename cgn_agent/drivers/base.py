@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Protocol
 
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
+from cgn_core import executables
 from cgn_core.errors import PermanentError
 
 
@@ -60,17 +60,14 @@ class Toolbox(Protocol):
 
 
 class SystemToolbox:
-    """The real machine; `bin_dirs` are searched before PATH (the agent's own venv first)."""
+    """The real machine; `bin_dirs` are searched before PATH (default: where the agent was
+    started from, then its own venv; cgn_core.executables)."""
 
-    def __init__(self, bin_dirs: tuple[str, ...] = (os.path.dirname(sys.executable),)):
-        self.bin_dirs = bin_dirs
+    def __init__(self, bin_dirs: tuple[str, ...] | None = None):
+        self.bin_dirs = executables.bin_dirs() if bin_dirs is None else bin_dirs
 
     def which(self, name: str) -> str | None:
-        for d in self.bin_dirs:
-            candidate = os.path.join(d, name)
-            if os.access(candidate, os.X_OK):
-                return candidate
-        return shutil.which(name)
+        return executables.find(name, self.bin_dirs)
 
     def has_module(self, name: str) -> bool:
         try:
