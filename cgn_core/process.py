@@ -1,6 +1,11 @@
 """Child processes in their own process group, stopped as a group (STYLE.md §11), and
-recognised again later by a fingerprint (pid, command line, start time, boot id), so that
-a pid the kernel reused is never taken for ours.
+recognised again later by a fingerprint (pid, start time, boot id), so that a pid the
+kernel reused is never taken for ours.
+
+The command line is recorded for people to read but is not part of the identity: a
+process may exec again and stay the same process (pip writes a `/bin/sh` trampoline
+instead of a shebang when the interpreter's path is long, so a console script in a
+deep pipx venv starts as `sh` and becomes `python`).
 
 Where /proc does not exist (macOS) the start time and command come from `ps`."""
 
@@ -102,10 +107,9 @@ def _ps(pid: int, field: str) -> str | None:
 def fingerprint(pid: int, settle_s: float = 1.0) -> Fingerprint | None:
     """The fingerprint of a live process, or None if there is none with this pid.
 
-    NOTE: a child started by subprocess.Popen (vfork + exec) can be seen before the
-    kernel has set up its new argument area: /proc/<pid>/cmdline then reads empty for a
-    moment. A live process always has a command line, so an empty one is waited out (up
-    to `settle_s`) instead of being recorded, which would never match again.
+    NOTE: right after subprocess.Popen (vfork + exec) returns, /proc/<pid>/cmdline can
+    still read empty for a moment; a live process always has a command line, so an empty
+    one is waited out (up to `settle_s`) to record something readable.
     """
     import time
 
@@ -135,8 +139,9 @@ def fingerprint_from_json(doc: Mapping[str, object]) -> Fingerprint:
 
 
 def matches(fp: Fingerprint) -> bool:
-    """True only if the process `fp` describes is still the one running under its pid."""
-    return fingerprint(fp.pid) == fp
+    """True only if the process `fp` describes is still the one running under its pid:
+    same start time and boot (whatever it has exec'd since)."""
+    return start_time(fp.pid) == fp.start and boot_id() == fp.boot
 
 
 def stop_pid_group(fp: Fingerprint, grace_s: float = 10.0) -> bool:

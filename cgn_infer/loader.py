@@ -43,7 +43,7 @@ def load_model(
                 decode_threads=settings.decode_threads, progress=progress,
             )  # fmt: skip
         elif settings.backend == "mlx":
-            _require("mlx", "the mlx backend needs MLX: pip install 'cognitora[mlx]'")
+            _require("mlx", "the mlx backend needs MLX: pip install 'cognitora-cluster[mlx]'")
             from cgn_infer.backends.mlx_backend import MlxBackend
 
             backend = MlxBackend(gguf, args, progress=progress)

@@ -10,6 +10,9 @@ if ! python3 -c 'import ensurepip' 2>/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
+# NOTE: the distribution was called `cognitora` before the PyPI name turned out to be taken;
+# a venv made then still has it, and its scripts would clash.
+.venv/bin/pip uninstall -q -y cognitora 2>/dev/null || true
 .venv/bin/pip install -q -e '.[infer,mlx,test]'
 # The cgn-infer executable comes from its own small distribution (packaging/cognitora-infer:
 # an entry point and the runtime pins; the code is cgn_infer/ above, already editable).

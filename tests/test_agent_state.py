@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +55,8 @@ async def test_adopted_handle_sees_the_exit_and_a_reused_pid_never_matches(tmp_p
     other = fingerprint(os.getpid())
     assert other is not None
     assert not matches(replace(proc.fp, start=other.start))  # same pid, other start time
-    assert not matches(replace(proc.fp, cmdline=("vllm", "serve")))  # same pid, other command
+    # the command line is for reading only: a process that execs again is still ours
+    assert matches(replace(proc.fp, cmdline=("vllm", "serve")))
     assert not matches(replace(proc.fp, boot="another-boot"))
     proc.popen.terminate()  # type: ignore[union-attr]
     proc.popen.wait()  # type: ignore[union-attr]
@@ -160,3 +162,30 @@ def test_a_fingerprint_taken_right_after_spawn_has_the_command_line(tmp_path: Pa
         finally:
             proc.popen.kill()  # type: ignore[union-attr]
             proc.popen.wait()  # type: ignore[union-attr]
+
+
+def test_a_process_that_execs_again_is_still_the_one_we_started(tmp_path: Path) -> None:
+    """pip's `/bin/sh` trampoline (used when the venv's path is too long for a shebang)
+    execs python: the command line changes, the process does not."""
+    from cgn_core.process import Fingerprint, cmdline
+
+    proc = subprocess.Popen(["/bin/sh", "-c", f"read x; exec {sys.executable} -c 'import time; time.sleep(30)'"],
+                            stdin=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        fp = fingerprint(proc.pid)
+        assert fp is not None and fp.cmdline[0] == "/bin/sh"
+        proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while cmdline(proc.pid)[0] == "/bin/sh" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cmdline(proc.pid)[0] == sys.executable
+        assert matches(fp)
+        assert not matches(Fingerprint(fp.pid, str(int(fp.start) + 1), fp.boot))  # a reused pid
+        proc.kill()
+        proc.wait(10)
+        assert not matches(fp)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()  # type: ignore[union-attr]

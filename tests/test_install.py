@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -40,20 +41,38 @@ def test_installer_from_checkout_then_uninstall(tmp_path: Path) -> None:
                                timeout=60, env=env)  # fmt: skip
         assert help_.returncode == 0 and exe in help_.stdout, (exe, help_.stderr)
     venvs = tmp_path / ".local/share/cognitora/pipx/venvs"
-    assert sorted(p.name for p in venvs.iterdir() if p.is_dir()) == ["cognitora", "cognitora-infer"]
+    assert sorted(p.name for p in venvs.iterdir() if p.is_dir()) == ["cognitora-cluster", "cognitora-infer"]
     has_torch = [subprocess.run([str(venvs / v / "bin/python"), "-c", "import torch"],
                                 capture_output=True, timeout=120).returncode == 0
-                 for v in ("cognitora", "cognitora-infer")]  # fmt: skip
+                 for v in ("cognitora-cluster", "cognitora-infer")]  # fmt: skip
     assert has_torch == [False, True]  # the control plane carries no torch
     assert (bin_dir / "cgn-infer").resolve().is_relative_to(venvs / "cognitora-infer")
     serve_from_install(bin_dir, tmp_path / "state", env)
     bad = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--bogus"], env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 1 and "unknown option --bogus" in bad.stderr
+    index = tmp_path / "index"  # the wheels it built, standing in for PyPI below
+    shutil.copytree(tmp_path / ".local/share/cognitora/wheels", index)
+    uninstall(env)
+    assert not any((bin_dir / exe).exists() for exe in EXES)
+    # The default source (`curl | sh`, no --from): the two distributions by name from an index.
+    env["PIP_FIND_LINKS"] = f"{env.get('PIP_FIND_LINKS', '')} {index}".strip()
+    res = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--no-model"], env=env,
+                         capture_output=True, text=True, timeout=840)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "installing the control plane" in res.stdout and "building" not in res.stdout
+    for exe in ("cgn-ctl", "cgn-infer"):
+        assert subprocess.run([str(bin_dir / exe), "--version"], env=env, capture_output=True,
+                              timeout=60).returncode == 0  # fmt: skip
+    uninstall(env)
+    assert not any((bin_dir / exe).exists() for exe in EXES)
+
+
+def uninstall(env: dict[str, str]) -> None:
     gone = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--uninstall"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert gone.returncode == 0 and "removed cognitora" in gone.stdout
-    assert not any((bin_dir / exe).exists() for exe in EXES)
+    assert gone.returncode == 0, gone.stderr
+    assert "removed cognitora-infer" in gone.stdout and "removed cognitora-cluster" in gone.stdout
 
 
 def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
