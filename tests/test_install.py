@@ -41,7 +41,10 @@ def test_installer_from_checkout_then_uninstall(tmp_path: Path) -> None:
                                timeout=60, env=env)  # fmt: skip
         assert help_.returncode == 0 and exe in help_.stdout, (exe, help_.stderr)
     venvs = tmp_path / ".local/share/cognitora/pipx/venvs"
-    assert sorted(p.name for p in venvs.iterdir() if p.is_dir()) == ["cognitora-cluster", "cognitora-infer"]
+    assert sorted(p.name for p in venvs.iterdir() if p.is_dir()) == [
+        "cognitora-cluster",
+        "cognitora-infer",
+    ]
     has_torch = [subprocess.run([str(venvs / v / "bin/python"), "-c", "import torch"],
                                 capture_output=True, timeout=120).returncode == 0
                  for v in ("cognitora-cluster", "cognitora-infer")]  # fmt: skip
