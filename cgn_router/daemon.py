@@ -131,7 +131,11 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+    # NOTE: no cookie jar: one client's upstream cookies must never ride along on another's
+    # requests (and the jar's per-request filtering is pure overhead on the hot path).
+    async with aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+    ) as session:
         svc = build_service(settings, session)
         svc.catalog.set_source(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}

@@ -1,0 +1,72 @@
+"""The router is shared by every client: nothing one client's upstream answer set (cookies)
+rides along on another client's request."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cgn_core.etcd.local import free_port
+from tests.support.procs import Router, cgn_router, stop, wait_http_ok
+
+# An engine that sets a cookie on every answer and reports the Cookie header it received.
+UPSTREAM = textwrap.dedent(
+    """
+    import json, sys
+    from aiohttp import web
+
+    async def complete(request):
+        seen = request.headers.get("Cookie", "")
+        body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": seen or "no-cookie"}}]}
+        resp = web.json_response(body)
+        resp.set_cookie("engine_session", "client-a-secret")
+        return resp
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/chat/completions", complete), web.get("/health", health)])
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    tmp = tmp_path_factory.mktemp("isolation")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(port)], start_new_session=True)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=30)
+        # a host name: aiohttp's default jar ignores cookies from bare IP addresses
+        endpoint = {"url": f"http://localhost:{port}", "model": "m", "engine": "vllm"}
+        with cgn_router(Path(tmp), {"discovery": "static", "endpoints": {"e": endpoint}}) as r:
+            yield r
+    finally:
+        stop(proc)
+
+
+def ask(router: Router) -> tuple[str, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = urllib.request.Request(router.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        content = json.load(resp)["choices"][0]["message"]["content"]
+        return content, resp.headers.get("Set-Cookie", "")
+
+
+def test_an_upstream_cookie_never_reaches_another_request(router: Router) -> None:
+    first, set_cookie = ask(router)
+    assert first == "no-cookie" and set_cookie == ""  # engine headers are not relayed
+    second, _ = ask(router)
+    assert second == "no-cookie"  # the router kept nothing for the next client
