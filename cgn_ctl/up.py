@@ -15,6 +15,7 @@ newest first, and never signals a pid that now belongs to something else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -243,7 +244,12 @@ def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, sa
                        "max_tokens": 8}).encode()  # fmt: skip
     deadline = time.monotonic() + timeout_s
     last = ""
+    phases: dict[str, str] = {}
     while True:
+        for replica, phase in _replica_phases(etcd).items():
+            if phases.get(replica) != phase:
+                say(f"replica {replica}: {phase}")  # Starting, Loading (weights), Ready, ...
+                phases[replica] = phase
         req = urllib.request.Request(url + "/chat/completions", data=body, headers={
             "Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
         try:
@@ -263,6 +269,34 @@ def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, sa
             why = f"{model} was not served within {timeout_s:.0f}s"
             raise Unavailable(f"{why}; see `cgn-ctl replicas --etcd {etcd}` and the logs")
         time.sleep(1.0)
+
+
+def _replica_phases(etcd: str) -> dict[str, str]:
+    """Each replica's phase as its agent reports it (with the reason, if any); {} when etcd
+    does not answer within a second."""
+    import asyncio
+
+    from cgn_core.etcd import EtcdClient
+    from cgn_core.settings import EtcdSettings
+
+    async def read() -> dict[str, str]:
+        async with EtcdClient(EtcdSettings(endpoints=(etcd,))) as c:
+            kvs, _ = await c.get_prefix(etcd_keys.REPLICAS)
+        out = {}
+        for kv in kvs:
+            with contextlib.suppress(ValueError):
+                doc = kv.json()
+                if isinstance(doc, dict) and isinstance(doc.get("phase"), str):
+                    reason = doc.get("reason")
+                    out[kv.key.rsplit("/", 1)[-1]] = doc["phase"] + (
+                        f" ({reason})" if reason else ""
+                    )
+        return out
+
+    try:
+        return asyncio.run(asyncio.wait_for(read(), 1.0))
+    except (CognitoraError, TimeoutError):
+        return {}
 
 
 def down(state_dir: Path, say: Any) -> list[str]:

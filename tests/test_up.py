@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ def test_up_serves_a_chat_completion_and_down_stops_everything(tmp_path: Path) -
         assert res.returncode == 0, res.stderr
         url, key = record["url"], record["key"]
         assert f"OpenAI API: {url}" in res.stdout and key in res.stdout and "curl -s" in res.stdout
+        assert re.search(r"replica smollm2-\w+: (Starting|Loading|Ready)", res.stderr)  # progress
         assert url == f"http://127.0.0.1:{http}/v1"
         client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
         out = client.chat.completions.create(
