@@ -75,6 +75,13 @@ def authorize(p: Principal, model: str) -> None:
         raise Forbidden(f"this API key may not use model '{model}'", code="model_not_allowed")
 
 
+def authorize_admin(p: Principal) -> None:
+    """Management APIs need a key created with --admin (any key while auth is off)."""
+    if p.record is not None and not p.record.admin:
+        raise Forbidden("this API key has no admin scope (cgn-ctl keys create --admin)",
+                        code="admin_required")  # fmt: skip
+
+
 @dataclass
 class Bucket:
     rate: float  # tokens per second

@@ -31,8 +31,8 @@ from cgn_core.errors import (
     Unavailable,
     UpstreamTimeout,
 )
-from cgn_core.http import error_middleware, mtls_middleware, parse_json
-from cgn_router.auth import KeyStore, Limiter, Principal, authorize
+from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json
+from cgn_router.auth import KeyStore, Limiter, Principal, authorize, authorize_admin
 from cgn_router.catalog import Catalog
 from cgn_router.control import ControlState
 from cgn_router.gate import Gate
@@ -120,9 +120,13 @@ OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # no client c
 
 
 def build_admin_app(svc: RouterService) -> web.Application:
+    """/metrics, /healthz and /readyz answer anyone; the management paths need a client
+    certificate when the listener is HTTPS, else an admin-scoped API key while auth is on."""
     middlewares = [error_middleware(1 << 20)]
     if svc.settings.admin_tls.enabled:
         middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS))
+    elif svc.settings.auth.enabled:
+        middlewares.append(_admin_key_middleware(svc))
     app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", lambda r: _metrics(svc))
     app.router.add_get("/healthz", lambda r: _healthz())
@@ -130,6 +134,16 @@ def build_admin_app(svc: RouterService) -> web.Application:
     app.router.add_get("/endpoints", lambda r: _endpoints(svc))
     app.router.add_get("/reconciler", lambda r: _reconciler(svc))
     return app
+
+
+def _admin_key_middleware(svc: RouterService) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_ADMIN_PATHS:
+            authorize_admin(svc.principal(request))  # 401 without a key, 403 without the scope
+        return await handler(request)
+
+    return check
 
 
 async def _reconciler(svc: RouterService) -> web.Response:

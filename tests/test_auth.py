@@ -125,3 +125,31 @@ def test_rotate_keeps_the_old_key_for_its_grace_period(cluster: tuple[LocalEtcd,
     assert call(router, old["key"])[0] == 200  # still inside its grace period
     until(lambda: call(router, old["key"])[0] == 401, timeout_s=10)
     assert call(router, old["key"])[2]["error"]["code"] == "expired_key"
+
+
+def test_management_paths_need_an_admin_key(cluster: tuple[LocalEtcd, Router]) -> None:
+    """The admin listener without TLS: health and metrics stay open; /endpoints and
+    /reconciler need a key with the admin scope (401 without a key, 403 without the scope)."""
+    etcd, router = cluster
+
+    def admin(path: str, key: str | None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request(router.admin + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.load(resp) if path != "/metrics" else None
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+
+    user = ctl(etcd, "create", "--tenant", "acme", "--band", "gold")["key"]
+    operator = ctl(etcd, "create", "--tenant", "ops", "--band", "gold", "--admin")["key"]
+    until(lambda: call(router, operator)[0] == 200)  # the router has seen both keys
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert admin(path, None)[0] == 200, path
+    for path in ("/endpoints", "/reconciler"):
+        status, err = admin(path, None)
+        assert status == 401 and err["error"]["type"] == "authentication_error", path
+        status, err = admin(path, user)
+        assert status == 403 and err["error"]["code"] == "admin_required", path
+        assert admin(path, operator)[0] == 200, path
+    assert "endpoints" in admin("/endpoints", operator)[1]
