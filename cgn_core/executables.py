@@ -13,6 +13,8 @@ import os
 import shutil
 import sys
 
+from cgn_core.errors import ConfigError
+
 
 def bin_dirs() -> tuple[str, ...]:
     """Directories searched before PATH, most specific first, without duplicates."""
@@ -31,3 +33,11 @@ def find(name: str, dirs: tuple[str, ...] | None = None) -> str | None:
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return shutil.which(name)
+
+
+def require(name: str) -> str:
+    """The path of executable `name`; ConfigError (with the way to install it) where missing."""
+    found = find(name)
+    if found is None:
+        raise ConfigError(f"{name} is not installed (bin/install.sh installs every executable)")
+    return found

@@ -314,12 +314,10 @@ def install_units(
     from cgn_core.errors import ConfigError
     from cgn_ctl import units
 
-    paths = {}
-    for name in units.EXECUTABLES:
-        found = executables.find(name)
-        if found is None:
-            fail(f"{name} is not installed (bin/install.sh installs every executable)", EXIT_USAGE)
-        paths[name] = Path(found)
+    try:
+        paths = {name: Path(executables.require(name)) for name in units.EXECUTABLES}
+    except ConfigError as exc:
+        fail(exc.message, EXIT_USAGE)
 
     etcd = None
     if with_etcd:

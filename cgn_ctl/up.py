@@ -29,7 +29,7 @@ from typing import Any
 
 from cgn_core import executables
 from cgn_core import keys as etcd_keys
-from cgn_core.errors import CognitoraError, ConfigError, Unavailable
+from cgn_core.errors import CognitoraError, Unavailable
 from cgn_core.files import atomic_write_json
 from cgn_core.process import (
     Fingerprint,
@@ -40,14 +40,6 @@ from cgn_core.process import (
     stop_pid_group,
 )
 from cgn_core.readiness import wait_ready_file
-
-
-def executable(name: str) -> str:
-    """A sibling executable (cgn_core.executables: the shared pipx bin directory first)."""
-    found = executables.find(name)
-    if found is None:
-        raise ConfigError(f"{name} is not installed (bin/install.sh installs every executable)")
-    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +143,7 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         )
     # The agent serves the model through cgn-infer, which lives in its own venv: without it
     # the placement would be refused and `up` would only time out.
-    executable("cgn-infer")
+    executables.require("cgn-infer")
     starter = Starter(state, say)
     etcd = opts.join or opts.etcd or _start_etcd(starter, opts)
     ready_dir = state / "run"
@@ -159,11 +151,12 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         router_cfg = state / "router.yaml"
         router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
         port = _free(opts.port)
-        starter.start("router", [executable("cgn-router"), "serve", "--config", str(router_cfg),
+        router = executables.require("cgn-router")
+        starter.start("router", [router, "serve", "--config", str(router_cfg),
                                  "--port", str(port), "--admin-port", str(_free(opts.admin_port)),
                                  "--ready-file", str(ready_dir / "router.ready")],
                       ready_dir / "router.ready")  # fmt: skip
-    agent_argv = [executable("cgn-agent"), "run", "--etcd", etcd,
+    agent_argv = [executables.require("cgn-agent"), "run", "--etcd", etcd,
                   "--state-dir", str(state / "agent"),
                   "--admin-port", str(_free(opts.agent_port)),
                   "--ready-file", str(ready_dir / "agent.ready")]  # fmt: skip
