@@ -239,7 +239,7 @@ def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, sa
     last = ""
     phases: dict[str, str] = {}
     while True:
-        for replica, phase in _replica_phases(etcd).items():
+        for replica, phase in _replica_phases(etcd, model).items():
             if phases.get(replica) != phase:
                 say(f"replica {replica}: {phase}")  # Starting, Loading (weights), Ready, ...
                 phases[replica] = phase
@@ -264,9 +264,10 @@ def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, sa
         time.sleep(1.0)
 
 
-def _replica_phases(etcd: str) -> dict[str, str]:
-    """Each replica's phase as its agent reports it (with the reason, if any); {} when etcd
-    does not answer within a second."""
+def _replica_phases(etcd: str, model: str) -> dict[str, str]:
+    """The phase of each of `model`'s replicas as its agent reports it (a refused placement,
+    which names no model, counts too; Failed with its reason); {} when etcd does not answer
+    within a second."""
     import asyncio
 
     from cgn_core.etcd import EtcdClient
@@ -279,11 +280,12 @@ def _replica_phases(etcd: str) -> dict[str, str]:
         for kv in kvs:
             with contextlib.suppress(ValueError):
                 doc = kv.json()
-                if isinstance(doc, dict) and isinstance(doc.get("phase"), str):
-                    reason = doc.get("reason")
-                    out[kv.key.rsplit("/", 1)[-1]] = doc["phase"] + (
-                        f" ({reason})" if reason else ""
-                    )
+                if not isinstance(doc, dict) or doc.get("model", model) != model:
+                    continue
+                phase, reason = doc.get("phase"), doc.get("reason")
+                if isinstance(phase, str):
+                    failed = phase == "Failed" and reason
+                    out[kv.key.rsplit("/", 1)[-1]] = f"{phase} ({reason})" if failed else phase
         return out
 
     try:
