@@ -51,13 +51,14 @@ from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import RouterService, build_admin_app, build_app
 from cgn_router.settings import RouterSettings
 from cgn_router.types import EndpointId
+from cgn_router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 POLICY_KEY = "/cognitora/policy/routing"
 DRAIN_CAP_S = 30.0
 
 
-def build_service(settings: RouterSettings, session: aiohttp.ClientSession) -> RouterService:
+def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService:
     """Every object the router runs on, from its settings (no I/O)."""
     r = settings.routing
     check_settings(settings)
@@ -70,7 +71,7 @@ def build_service(settings: RouterSettings, session: aiohttp.ClientSession) -> R
         Catalog(r.chars_per_block),
         registry,
         Pipeline.from_settings(r),
-        Proxy(session, settings.deadlines),
+        Proxy(upstream, settings.deadlines),
         metrics,
     )
     if settings.admission.enabled:
@@ -130,13 +131,19 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    # The proxy's requests go through the lean upstream client (upstream.py); this session
+    # serves the background work only: metrics scrapes and KV event streams.
     # NOTE: no cookie jar: one client's upstream cookies must never ride along on another's
-    # requests (and the jar's per-request filtering is pure overhead on the hot path).
-    async with aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-    ) as session:
-        svc = build_service(settings, session)
+    # requests. The upstream client keeps none either.
+    async with (
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        ) as session,
+        Upstream(keepalive_s=30.0) as upstream,
+    ):
+        svc = build_service(settings, upstream)
         svc.catalog.set_source(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
         )

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from cgn_router.registry import EndpointState
 from cgn_router.settings import DeadlineSettings
+from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -73,13 +74,9 @@ class Attempt:
 
 
 class Proxy:
-    def __init__(self, session: aiohttp.ClientSession, deadlines: DeadlineSettings):
-        self.session = session
+    def __init__(self, upstream: Upstream, deadlines: DeadlineSettings):
+        self.upstream = upstream
         self.deadlines = deadlines
-        d = deadlines
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, connect=d.connect_s, sock_connect=d.connect_s
-        )
 
     async def run(
         self, request: web.Request, a: Attempt, started: float, on_first_byte: Callable[[], None]
@@ -88,37 +85,34 @@ class Proxy:
         d = self.deadlines
         now = asyncio.get_running_loop().time()
         total_at = now + d.total_s - (time.monotonic() - started)
-        eid = a.state.endpoint.id
-        url = a.state.endpoint.url + a.path
+        ep = a.state.endpoint
         headers = {"Content-Type": "application/json"}
-        if rid := request.headers.get("x-request-id"):
+        rid = request.headers.get("x-request-id")
+        if rid and "\r" not in rid and "\n" not in rid:
             headers["x-request-id"] = rid
+        post = self.upstream.post(ep.url, a.path, a.payload, headers, d.connect_s)
         if not a.stream:  # one deadline for the whole answer
             late = "answer not complete in time"
-            post = self.session.post(url, data=a.payload, headers=headers, timeout=self.timeout)
-            async with _phase(eid, total_at, "total_timeout", late), post as resp:
-                if resp.status != 200:
-                    return await self._refused(resp, a)
-                body = await resp.read()
+            async with _phase(ep.id, total_at, "total_timeout", late):
+                with await post as resp:
+                    if resp.status != 200:
+                        return await self._refused(resp, a)
+                    body = await resp.read()
             return self._relay_body(body, resp.content_type, a, on_first_byte)
         first_at = min(total_at, now + d.first_token_s)
-        async with _phase(eid, first_at, "first_token_timeout", "no answer in time"):
-            resp = await self.session.post(
-                url, data=a.payload, headers=headers, timeout=self.timeout
-            )
-        try:
+        async with _phase(ep.id, first_at, "first_token_timeout", "no answer in time"):
+            resp = await post
+        with resp:  # an unfinished body closes the connection: the engine stops generating
             if resp.status != 200:
                 return await self._refused(resp, a)
             return await self._relay_stream(request, resp, a, first_at, total_at, on_first_byte)
-        finally:
-            resp.close()  # an unfinished body closes the connection: the engine stops generating
 
-    async def _refused(self, resp: aiohttp.ClientResponse, a: Attempt) -> web.Response:
+    async def _refused(self, resp: Response, a: Attempt) -> web.Response:
         """A non-200 answer: a client error is relayed, anything else is retried elsewhere."""
         ep = a.state.endpoint
         try:
-            body = await resp.content.read(MAX_ERROR_BODY)
-        except aiohttp.ClientError:
+            body = await resp.read(MAX_ERROR_BODY)
+        except UpstreamError:
             body = b""
         if resp.status == 429:
             raise AttemptFailed("busy", f"{ep.id}: engine busy (429)", breaker=False)
@@ -140,7 +134,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         a: Attempt,
         first_at: float,
         total_at: float,
@@ -149,7 +143,7 @@ class Proxy:
         ep = a.state.endpoint
         loop = asyncio.get_running_loop()
         async with _phase(ep.id, first_at, "first_token_timeout", "no first token in time"):
-            event = await _next_event(resp.content)
+            event = await _next_event(resp)
         if event is None:
             raise AttemptFailed("disconnect", f"{ep.id}: stream ended before the first event")
         out = web.StreamResponse(status=200, headers=self._headers(a, None, sse=True))
@@ -165,12 +159,12 @@ class Proxy:
                     return out
             try:
                 async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
-                    event = await _next_event(resp.content)
+                    event = await _next_event(resp)
             except TimeoutError:
                 cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
                 await self._break(out, a, cause, f"{ep.id}: the stream stalled ({cause})")
                 return out
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 msg = f"{ep.id}: the engine disconnected mid-stream ({_describe(exc)})"
                 await self._break(out, a, "disconnect_mid_stream", msg)
                 return out
@@ -219,16 +213,16 @@ async def _phase(eid: str, deadline: float, timeout_cause: str, late: str) -> As
             yield
     except TimeoutError:
         raise AttemptFailed(timeout_cause, f"{eid}: {late}", timeout=True) from None
-    except aiohttp.ClientError as exc:
-        cause = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect"
+    except UpstreamError as exc:
+        cause = "connect" if isinstance(exc, ConnectFailed) else "disconnect"
         raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
-async def _next_event(content: aiohttp.StreamReader) -> bytes | None:
+async def _next_event(resp: Response) -> bytes | None:
     """The next SSE event (its lines and the blank line), or None at the end of the stream."""
     lines: list[bytes] = []
     while True:
-        line = await content.readline()
+        line = await resp.readline()
         if not line:
             return b"".join(lines) + b"\n" if lines else None
         if line in (b"\n", b"\r\n"):
