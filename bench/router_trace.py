@@ -19,6 +19,13 @@ busiest engine's uncached-prefill tokens relative to the fleet mean. Beside
 them, the offline yardstick (bench/trace.py `simulate`, ideal load-aware
 affinity over exact LRU caches of the same size).
 
+Load sweep (`--sweep`, default 5,6.5): the trace's offered load doubles from
+its start to its end, so at any one time scale every policy meets the same
+overload at the end, and TTFT p90 mostly measures how late each saturates.
+The sweep replays it again on the fleet of 4 at slower time scales, where the
+fleet's capacity sits between what ours and round-robin need at the peak:
+the TTFT ratios there say how much load each policy carries before it queues.
+
 Results: bench/results/router_trace.{json,md}.
 """
 
@@ -192,6 +199,10 @@ def main() -> None:
     p.add_argument("--pool-tokens", type=int, default=262144, help="each sim engine's KV pool")
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument(
+        "--sweep", default="5,6.5",
+        help="more time scales, on the fleet of 4 ('' for none); see the load sweep above",
+    )  # fmt: skip
     args = p.parse_args()
     reqs = load(args.trace, args.limit, args.time_scale)
     if args.router:
@@ -224,6 +235,15 @@ def main() -> None:
             fleet[policy] = run_fleet(n, policy, reqs, args)
             print(json.dumps(fleet[policy]), file=sys.stderr, flush=True)
         results["fleets"][str(n)] = fleet
+    results["sweep"] = {}
+    for scale in [float(x) for x in args.sweep.split(",") if x]:
+        swept = load(args.trace, args.limit, scale)
+        point: dict[str, Any] = {}
+        for policy in args.policies.split(","):
+            print(f"sweep: time scale {scale:g}, {policy} ...", file=sys.stderr, flush=True)
+            point[policy] = run_fleet(4, policy, swept, args)
+            print(json.dumps(point[policy]), file=sys.stderr, flush=True)
+        results["sweep"][f"{scale:g}"] = point
     command = " ".join([".venv/bin/python bench/router_trace.py", *sys.argv[1:]])
     write_result("router_trace", command, results, render(results))
 
@@ -268,6 +288,25 @@ def render(r: dict[str, Any]) -> str:
                 f"{c['hit_rate'] / max(y['hit_rate'], 1e-9):.0%} of the yardstick's."
             )
             lines.append("")
+    if r.get("sweep"):
+        lines += [
+            "### Load sweep, 4 engines",
+            "",
+            "| arrivals | policy | hit rate | TTFT p50 ms | p90 ms | p99 ms | req/s | shed | "
+            "p90: round-robin / this | least-loaded / this |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for scale, point in sorted(r["sweep"].items(), key=lambda kv: float(kv[0])):
+            for name, s in point.items():
+                t = s["ttft_ms"]
+                vs = {k: point[k]["ttft_ms"]["p90"] / t["p90"] if k in point else float("nan")
+                      for k in ("round_robin", "least_loaded")}  # fmt: skip
+                lines.append(
+                    f"| {scale}x | {name} | {s['hit_rate']:.3f} | {t['p50']} | {t['p90']} | "
+                    f"{t['p99']} | {s['throughput_req_s']} | {s['shed']} | "
+                    f"{vs['round_robin']:.1f} | {vs['least_loaded']:.1f} |"
+                )
+        lines.append("")
     return "\n".join(lines)
 
 
