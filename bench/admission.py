@@ -234,7 +234,13 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
         "ratio_off": pct(off["ttft"], 0.99) / base,
         "fairness": fair,
         "bronze_streams": n_bronze,
+        "ttft_ms": {"idle": _ms(idle), "admission_on": _ms(on["ttft"]), "admission_off": _ms(off["ttft"])},
     }  # fmt: skip
+
+
+def _ms(xs: list[float]) -> list[float]:
+    """Every probe's TTFT, sorted, in ms (the tail is two or three probes: show them)."""
+    return sorted(round(x * 1000, 1) for x in xs)
 
 
 def table(r: dict[str, Any]) -> str:

@@ -38,6 +38,42 @@ class Ticket:
     id: int = field(default_factory=itertools.count().__next__)
 
 
+@dataclass(slots=True)
+class Capacity:
+    """One endpoint's learned batch capacity, from its scraped running/waiting counts.
+
+    It grows at once to the most requests seen running. It shrinks only on
+    evidence that the batch is full below that: requests waiting on
+    `FULL_SCRAPES` scrapes in a row; it then becomes the most seen running
+    over those scrapes. A single scrape with requests waiting means little:
+    engines queue new arrivals until their next step, whatever their batch.
+    Never below `floor` (the configured `default_capacity`).
+    """
+
+    FULL_SCRAPES = 3
+
+    floor: float
+    slots: float = 0.0
+    scraped_at: float = -1.0  # the last scrape counted
+    full_scrapes: int = 0  # consecutive scrapes that reported requests waiting
+    full_running: float = 0.0  # the most running over those scrapes
+
+    def observe(self, running: float, waiting: float, scraped_at: float) -> float:
+        """Count one scrape (a repeat of the last one changes nothing); the capacity now."""
+        if scraped_at != self.scraped_at:
+            self.scraped_at = scraped_at
+            if waiting > 0 and running >= 1:
+                self.full_scrapes += 1
+                self.full_running = max(self.full_running, running)
+            else:
+                self.full_scrapes, self.full_running = 0, 0.0
+            if self.full_scrapes >= self.FULL_SCRAPES:
+                self.slots = self.full_running  # the batch is full at this size
+            else:
+                self.slots = max(self.slots, running)
+        return max(self.slots, self.floor)
+
+
 class Verdict(Enum):
     ADMIT = "admit"
     QUEUED = "queued"

@@ -6,9 +6,9 @@ at once); `leave` is called when an admitted request finishes. A background
 `run` loop refreshes each pool's capacity and KV usage from the endpoints'
 scraped metrics every `tick_s`, expires waiters and dispatches.
 
-Learned capacity per endpoint: the engine's running count when it reports
-requests waiting (its batch is full: that is its capacity), otherwise the
-largest running count seen, and never less than `default_capacity`.
+Learned capacity per endpoint: `admission.Capacity` (the most requests seen
+running; smaller only when requests wait on several scrapes in a row; never
+less than `default_capacity`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import asyncio
 import time
 
 from cgn_core.errors import Overloaded, UpstreamTimeout
-from cgn_router.admission import Admission, Ticket, Verdict
+from cgn_router.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.metrics import RouterMetrics
 from cgn_router.registry import Registry
 from cgn_router.settings import AdmissionSettings
@@ -31,26 +31,25 @@ class Gate:
         self.metrics = metrics
         self.adm = Admission(settings.bands)
         self.waiting: dict[int, asyncio.Future[None]] = {}
-        self.learned: dict[EndpointId, float] = {}
+        self.learned: dict[EndpointId, Capacity] = {}
 
     def refresh(self) -> None:
         """Each pool's capacity and KV usage from the endpoints that serve it."""
         now = time.monotonic()
         caps: dict[str, float] = {}
         kvs: dict[str, list[float]] = {}
+        floor = float(self.settings.default_capacity)
         for eid, s in self.registry.states.items():
             pool = s.endpoint.model
-            cap = max(self.learned.get(eid, 0.0), float(self.settings.default_capacity))
+            learned = self.learned.setdefault(eid, Capacity(floor))
+            cap = max(learned.slots, floor)
             load = s.load
             if load is not None and now - load.scraped_at <= self.registry.stale_s:
-                cap = (
-                    load.running
-                    if load.waiting > 0 and load.running >= 1
-                    else max(cap, load.running)
-                )
+                cap = learned.observe(load.running, load.waiting, load.scraped_at)
                 kvs.setdefault(pool, []).append(load.kv_usage)
-            self.learned[eid] = cap
             caps[pool] = caps.get(pool, 0.0) + cap
+        for gone in self.learned.keys() - self.registry.states.keys():
+            del self.learned[gone]
         self.adm.capacity = caps
         self.adm.kv_usage = {p: sum(v) / len(v) for p, v in kvs.items() if v}
         for pool in caps:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from cgn_router.admission import Admission, Ticket, Verdict
+import pytest
+
+from cgn_router.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.settings import BandSettings
 
 BANDS = {
@@ -85,3 +87,35 @@ def test_a_saturated_pool_does_not_block_another_pools_waiters() -> None:
     a.offer(stuck)
     a.offer(free)
     assert a.dispatch() == [free]
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "expected"),
+    [
+        # (running, waiting) per scrape -> learned capacity after the last one (floor 8)
+        ([(0, 0)], 8),
+        ([(12, 0)], 12),  # grows at once
+        ([(12, 0), (3, 2)], 12),  # one scrape with arrivals waiting for a step: no evidence
+        ([(12, 0), (3, 2), (4, 1)], 12),
+        ([(12, 0), (3, 2), (0, 0), (3, 2), (4, 1)], 12),  # the streak was broken
+        ([(12, 0), (9, 2), (10, 3), (10, 1)], 10),  # waiting three scrapes in a row: full at 10
+        ([(12, 0), (3, 2), (4, 1), (2, 5)], 8),  # full below the floor: the floor holds
+        ([(12, 0), (9, 2), (10, 3), (10, 1), (14, 0)], 14),  # and grows again
+        ([(16, 4), (16, 4), (16, 4)], 16),
+    ],
+)
+def test_capacity_shrinks_only_on_sustained_waiting(
+    scrapes: list[tuple[int, int]], expected: float
+) -> None:
+    cap = Capacity(floor=8)
+    for i, (running, waiting) in enumerate(scrapes):
+        got = cap.observe(running, waiting, scraped_at=float(i))
+    assert got == expected
+
+
+def test_capacity_counts_each_scrape_once() -> None:
+    cap = Capacity(floor=2)
+    cap.observe(10, 0, 1.0)
+    for _ in range(5):  # the gate refreshes faster than the router scrapes
+        assert cap.observe(4, 3, 2.0) == 10
+    assert cap.observe(4, 3, 3.0) == 10 and cap.observe(4, 3, 4.0) == 4

@@ -1,8 +1,7 @@
 """Admission end to end on a sim fleet: a batch job never starves interactive traffic (bench/admission.py).
 
 500 concurrent bronze streams run without pause while platinum probes measure
-their TTFT: with admission it stays near its idle value (the median within
-1.2×; the tail: see the NOTE below); through
+their TTFT: with admission its p99 stays within 1.2× of its idle value; through
 a router with admission switched off the same load multiplies it (asserted too,
 so the test fails if the load stops being real). Two bronze tenants, one
 sending 20× more, are served in alternation.
@@ -34,13 +33,9 @@ def test_platinum_ttft_holds_under_500_bronze_streams_only_with_admission(
     print(f"\nidle p99 {r['idle']['p99'] * 1000:.0f} ms; with admission ×{r['ratio_on']:.2f}, "
           f"without ×{r['ratio_off']:.2f}; small tenant ranks {r['fairness']['small_ranks']}")  # fmt: skip
     assert r["idle"]["n"] == 60 and r["admission_on"]["n"] == 60
-    # NOTE: the issue's target is p99 within 1.2× of idle. It holds for the median (1.05-1.09×
-    # in every run) but not reliably for the tail on this shared 2-core VM: p99 ranged 0.90-1.51×
-    # (bench/results/admission.md, docs/admission.md). CI guards the median at the target and
-    # the tail at 2×, which still fails at once if admission stops protecting platinum (25-90×).
-    p50_ratio = r["admission_on"]["p50"] / r["idle"]["p50"]
-    assert p50_ratio <= 1.2, r
-    assert r["ratio_on"] <= 2.0, r
+    # p99 of 60 probes is the second worst: one stalled probe does not decide it, two do.
+    # Measured: 1.06-1.08x over three runs (bench/results/admission.md); 25x without admission.
+    assert r["ratio_on"] <= 1.2, r
     assert r["ratio_off"] >= 3.0, r  # the load is real: without admission platinum waits
     assert r["admission_on"]["bronze_per_s"] > 0  # bronze is throttled, not starved
     fair = r["fairness"]
