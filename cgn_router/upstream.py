@@ -105,7 +105,10 @@ class Upstream:
         The caller reads the body and must `close()` the response (a `with` block
         does), which returns the connection to the pool or drops it.
         """
-        o = origin(url)
+        try:
+            o = origin(url)
+        except ValueError as exc:
+            raise ConnectFailed(f"bad endpoint URL: {exc}") from None
         head = _request_head(o, path, len(body), headers)
         while True:
             conn = self._take(o)

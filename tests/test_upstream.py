@@ -246,6 +246,8 @@ def test_connection_refused_and_bad_headers_fail_before_sending() -> None:
         async with Upstream() as up:
             with pytest.raises(ConnectFailed, match="cannot connect"):
                 await up.post(f"http://127.0.0.1:{free_port()}", "/", b"", {}, 2.0)
+            with pytest.raises(ConnectFailed, match="bad endpoint URL"):
+                await up.post("http://h:99999", "/", b"", {}, 2.0)
             with pytest.raises(ValueError, match="line break"):
                 await up.post("http://127.0.0.1:1", "/", b"", {"x": "a\r\nb: c"}, 2.0)
 
