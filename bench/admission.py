@@ -2,15 +2,18 @@
 
     .venv/bin/python -m bench.admission [--bronze 500] [--probes 20]
 
-A private etcd, two sim engines (max batch 16) registered as endpoints, and two
-routers on them: one with admission (the default bands) and one with
-admission switched off. API keys: a platinum key for the probes, bronze keys
-for the load. Phases, each on a fresh load:
+A private etcd, two sim engines (max batch 16) registered as endpoints, and
+three routers on them: one with admission (the default bands), one with
+admission and engine priorities switched off (no protection at all), and one
+with engine priorities only (no admission: every request goes straight to
+the engines, tagged with its band's priority). API keys: a platinum key for
+the probes, bronze keys for the load. Phases, each on a fresh load:
 
 1. idle: platinum probes alone (the baseline);
 2. admission on: `--bronze` concurrent bronze streams without pause, then the
    same platinum probes through the router with admission;
-3. admission off: the same load and probes through the router without it.
+3. admission off: the same load and probes through the unprotected router;
+4. engine priority only: the same through the third router.
 
 A probe is a streaming completion of a 1000-token prompt of its own (no
 prefix-cache hits), timed to its first token (TTFT, measured by the client);
@@ -57,7 +60,8 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 class Fleet:
     etcd: LocalEtcd
     with_admission: Router
-    without_admission: Router
+    without_admission: Router  # and without engine priorities
+    priority_only: Router  # engine priorities, no admission
     keys: dict[str, str]  # name -> API key
 
 
@@ -82,12 +86,15 @@ def fleet(tmp: Path) -> Iterator[Fleet]:
                 "reconciler": {"enabled": False}, "scrape": {"interval_s": 0.25},
                 "log": {"level": "warning"}, "deadlines": {"first_token_s": 600.0}}  # fmt: skip
         on = stack.enter_context(cgn_router(tmp, base))
-        off = stack.enter_context(cgn_router(tmp, {**base, "admission": {"enabled": False}}))
+        off = stack.enter_context(
+            cgn_router(tmp, {**base, "admission": {"enabled": False, "engine_priority": False}})
+        )
+        prio = stack.enter_context(cgn_router(tmp, {**base, "admission": {"enabled": False}}))
         keys = {"platinum": put_key(etcd, "interactive", "platinum"),
                 "bronze": put_key(etcd, "batch", "bronze"),
                 "bronze-big": put_key(etcd, "big-tenant", "bronze"),
                 "bronze-small": put_key(etcd, "small-tenant", "bronze")}  # fmt: skip
-        yield Fleet(etcd, on, off, keys)
+        yield Fleet(etcd, on, off, prio, keys)
 
 
 async def completion(session: aiohttp.ClientSession, url: str, key: str, prompt: list[int],
@@ -222,6 +229,8 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
     await asyncio.sleep(2.0)
     off = await under_load(f.without_admission.url, f.keys, n_bronze, 3, seed=2)
     await asyncio.sleep(2.0)
+    prio = await under_load(f.priority_only.url, f.keys, n_bronze, n_probes // 3, seed=3)
+    await asyncio.sleep(2.0)
     fair = await fairness(f.with_admission.url, f.keys)
     base = pct(idle, 0.99)
     return {
@@ -230,11 +239,15 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
                          "bronze_per_s": on["bronze_per_s"], "bronze_failed": on["bronze_failed"]},
         "admission_off": {"p50": pct(off["ttft"], 0.5), "p99": pct(off["ttft"], 0.99), "n": len(off["ttft"]),
                           "bronze_per_s": off["bronze_per_s"], "bronze_failed": off["bronze_failed"]},
+        "priority_only": {"p50": pct(prio["ttft"], 0.5), "p99": pct(prio["ttft"], 0.99), "n": len(prio["ttft"]),
+                          "bronze_per_s": prio["bronze_per_s"], "bronze_failed": prio["bronze_failed"]},
         "ratio_on": pct(on["ttft"], 0.99) / base,
         "ratio_off": pct(off["ttft"], 0.99) / base,
+        "ratio_priority_only": pct(prio["ttft"], 0.99) / base,
         "fairness": fair,
         "bronze_streams": n_bronze,
-        "ttft_ms": {"idle": _ms(idle), "admission_on": _ms(on["ttft"]), "admission_off": _ms(off["ttft"])},
+        "ttft_ms": {"idle": _ms(idle), "admission_on": _ms(on["ttft"]), "admission_off": _ms(off["ttft"]),
+                    "priority_only": _ms(prio["ttft"])},
     }  # fmt: skip
 
 
@@ -248,13 +261,14 @@ def table(r: dict[str, Any]) -> str:
         "| phase | platinum TTFT p50 | p99 | p99 / idle | bronze done/s |",
         "|---|---|---|---|---|",
     ]
-    for name, key in (
-        ("idle", "idle"),
-        ("admission on", "admission_on"),
-        ("admission off", "admission_off"),
+    for name, key, ratio_key in (
+        ("idle", "idle", ""),
+        ("admission on", "admission_on", "ratio_on"),
+        ("admission and engine priority off", "admission_off", "ratio_off"),
+        ("engine priority only", "priority_only", "ratio_priority_only"),
     ):
         p = r[key]
-        ratio = "1.00" if key == "idle" else f"{r['ratio_' + key.split('_')[1]]:.2f}"
+        ratio = f"{r[ratio_key]:.2f}" if ratio_key else "1.00"
         rate = f"{p['bronze_per_s']:.1f}" if "bronze_per_s" in p else "-"
         rows.append(
             f"| {name} | {p['p50'] * 1000:.0f} ms | {p['p99'] * 1000:.0f} ms | {ratio} | {rate} |"
@@ -279,7 +293,7 @@ def main() -> None:
     cmd = f"python -m bench.admission --bronze {args.bronze} --probes {args.probes}"
     write_result("admission", cmd, result, table(result))
     print(table(result))
-    print(json.dumps({k: result[k] for k in ("ratio_on", "ratio_off")}))
+    print(json.dumps({k: result[k] for k in ("ratio_on", "ratio_off", "ratio_priority_only")}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from cgn_core.errors import (
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The router → engine scheduling priority of a request (its key's band; lower runs sooner).
+# cgn-infer queues by it, ahead of the body's `priority`; other engines ignore the header.
+PRIORITY_HEADER = "x-cgn-priority"
 
 
 def json_error(err: CognitoraError) -> web.Response:

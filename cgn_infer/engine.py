@@ -43,6 +43,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    priority: int = 0  # lower runs sooner
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +150,7 @@ class Engine:
         self._executor.shutdown(wait=False)
 
     def submit(self, job: Job) -> None:
-        seq = Seq(job.request.prompt, job.request.max_tokens)
+        seq = Seq(job.request.prompt, job.request.max_tokens, priority=job.request.priority)
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         self.metrics.waiting.inc()
         self._jobs.put((job, seq))

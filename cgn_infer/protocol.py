@@ -32,6 +32,7 @@ class ParsedRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    priority: int = 0  # lower runs sooner (vLLM's meaning); the router's x-cgn-priority wins
 
 
 def _get(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -135,4 +136,5 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
         stream=stream,
         include_usage=include_usage,
+        priority=_get(body, "priority", int, 0),
     )

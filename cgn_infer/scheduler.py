@@ -20,7 +20,12 @@ with `update()`. nano-vllm / vLLM v1 style, one token budget per step:
   generated tokens, which are recomputed as part of its prompt;
 * FIFO with an aging bound: when the head of the queue does not fit, later
   requests that fit may pass it, but only for `aging_steps` steps; after
-  that nothing is admitted until the head fits.
+  that nothing is admitted until the head fits;
+* priorities (vLLM's meaning: lower runs sooner; 0 by default) order the
+  queue: a request waits behind every request of a lower or equal value, so
+  FIFO holds within a priority, and a preempted request goes back to the
+  front of its own priority. Preemption takes the youngest request of the
+  highest value, so a batch request gives way before an interactive one.
 
 Tunables: max_batch, prefill_chunk, aging_steps, and the pool's size.
 """
@@ -46,6 +51,7 @@ class Seq:
 
     prompt: tuple[int, ...]
     max_tokens: int
+    priority: int = 0  # lower runs sooner (vLLM's convention)
     id: SeqId = field(default_factory=lambda: SeqId(next(_ids)))
     output: list[int] = field(default_factory=list)
     table: list[BlockId] = field(default_factory=list)
@@ -109,8 +115,12 @@ class Scheduler:
             raise ValueError(f"sequence needs {seq.need} KV slots, pool has {self.capacity_tokens}")
 
     def add(self, seq: Seq) -> None:
+        """Queue `seq` behind every waiting request of a lower or equal priority value."""
         self.require_fit(seq)
-        self.waiting.append(seq)
+        i = len(self.waiting)
+        while i and self.waiting[i - 1].priority > seq.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -124,9 +134,12 @@ class Scheduler:
             if seq not in self.running or seq.computed < len(seq.tokens) - 1:
                 continue  # preempted by an older sequence below, or still prefilling
             while not self._reserve_slot(seq):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim)
+                # NOTE: with priorities the victim may be older than `seq`, its decode
+                # already planned above: that work would write into released blocks.
+                work = [w for w in work if w.seq is not victim]
                 if victim is seq:
                     break
             else:
@@ -204,13 +217,20 @@ class Scheduler:
             return False
         return True
 
+    def _victim(self) -> Seq:
+        """The running request to preempt: the youngest of the highest priority value."""
+        return max(reversed(self.running), key=lambda s: s.priority)
+
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.pool.release(seq.table)
         seq.table, seq.hashes, seq.computed = [], [], 0
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        i = 0  # the front of its own priority
+        while i < len(self.waiting) and self.waiting[i].priority < seq.priority:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def _commit_full_blocks(self, seq: Seq) -> None:
         tokens = seq.tokens

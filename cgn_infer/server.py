@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -25,7 +26,7 @@ from cgn_core.errors import (
     NotFound,
     Unavailable,
 )
-from cgn_core.http import error_middleware, read_json
+from cgn_core.http import PRIORITY_HEADER, error_middleware, read_json
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.kv_events import KvEventHub
@@ -107,6 +108,7 @@ class InferenceService:
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            priority=req.priority,
         )
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[Event]:
@@ -146,6 +148,8 @@ def build_app(svc: InferenceService) -> web.Application:
 
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
     parsed = parse_request(kind, await read_json(request))
+    if (header := request.headers.get(PRIORITY_HEADER)) is not None:
+        parsed = dataclasses.replace(parsed, priority=_priority(header))
     gen = svc.prepare(parsed)
     assert svc.loaded is not None
     build = ResponseBuilder(
@@ -193,6 +197,14 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _priority(header: str) -> int:
+    """The router's scheduling priority for this request (it overrides the body's)."""
+    try:
+        return int(header)
+    except ValueError:
+        raise InvalidRequest(f"{PRIORITY_HEADER} must be an integer, got {header[:40]!r}") from None
 
 
 async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from cgn_core.http import PRIORITY_HEADER
 from cgn_router.registry import EndpointState
 from cgn_router.settings import DeadlineSettings
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -71,6 +72,7 @@ class Attempt:
     failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
     client_gone: bool = False  # the client disconnected mid-stream
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-cgn-queue-ms
+    priority: int | None = None  # sent to the engine as x-cgn-priority
 
 
 class Proxy:
@@ -90,6 +92,8 @@ class Proxy:
         rid = request.headers.get("x-request-id")
         if rid and "\r" not in rid and "\n" not in rid:
             headers["x-request-id"] = rid
+        if a.priority is not None:
+            headers[PRIORITY_HEADER] = str(a.priority)
         post = self.upstream.post(ep.url, a.path, a.payload, headers, d.connect_s)
         if not a.stream:  # one deadline for the whole answer
             late = "answer not complete in time"

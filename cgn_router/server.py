@@ -94,6 +94,12 @@ class RouterService:
             model = name
         return model
 
+    def engine_priority(self, band: str) -> int | None:
+        """The priority engines should give a request of `band` (None: send none)."""
+        adm = self.settings.admission
+        spec = adm.bands.get(band)
+        return spec.priority if adm.engine_priority and spec is not None else None
+
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
         views = self.registry.views(req, time.monotonic(), tried)
         decision = self.pipeline.route(req, views, self.rng)
@@ -186,7 +192,7 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
         waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
         try:
             resp, completion = await _route_and_proxy(
-                svc, request, kind, body, raw, model, asked, stream, started, waited, first
+                svc, request, kind, body, raw, model, asked, stream, started, waited, first, who
             )
             return resp
         finally:
@@ -208,6 +214,7 @@ async def _route_and_proxy(
     started: float,
     waited: float,
     first: HashedPrompt,
+    who: Principal,
 ) -> tuple[web.StreamResponse, int]:
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -216,6 +223,7 @@ async def _route_and_proxy(
     entry = svc.catalog.entry(model)
     chain = [model, *(entry.fallbacks if entry else ())]
     extra = {"x-cgn-queue-ms": str(round(waited * 1000))} if waited > 0 else {}
+    priority = svc.engine_priority(who.band)
     last: AttemptFailed | None = None
     for served in chain:
         hashed = first if served == model else _hash(svc, kind, served, body)
@@ -237,8 +245,9 @@ async def _route_and_proxy(
             tried.add(chosen.id)
             try:
                 resp, completion = await _attempt(
-                    svc, request, kind, req, chosen, payload, stream, strip_usage, started, extra
-                )
+                    svc, request, kind, req, chosen, payload, stream, strip_usage, started, extra,
+                    priority,
+                )  # fmt: skip
             except AttemptFailed as exc:
                 log.info("attempt failed: %s", exc.message)
                 svc.metrics.errors.labels(exc.cause).inc()
@@ -290,6 +299,7 @@ async def _attempt(
     strip_usage: bool,
     started: float,
     extra_headers: dict[str, str],
+    priority: int | None,
 ) -> tuple[web.StreamResponse, int]:
     """One attempt; returns the response and the completion tokens the engine reported."""
     eid = chosen.id
@@ -300,6 +310,7 @@ async def _attempt(
         state, PATHS[kind], payload, stream, strip_usage, req.model, req.prompt_tokens - predicted
     )
     a.extra_headers = extra_headers
+    a.priority = priority
     state.breaker.on_attempt(now)
     state.in_flight += 1
     state.pending_prefill += a.uncached_tokens

@@ -127,6 +127,9 @@ class AdmissionSettings:
     bands: dict[str, BandSettings] = field(default_factory=_default_bands)
     default_capacity: int = 8  # batch slots assumed per endpoint until its metrics show more
     tick_s: float = 0.05  # queue expiry and re-dispatch when capacity changes
+    # Send each request's band priority to the engine (x-cgn-priority): cgn-infer queues
+    # and preempts by it, so a band keeps its rank in the engines' own queues too.
+    engine_priority: bool = True
 
 
 @dataclass(frozen=True, slots=True)

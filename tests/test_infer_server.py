@@ -169,6 +169,12 @@ def test_completion_stop_seed_and_logprobs(client: openai.OpenAI) -> None:
             400,
             "only n=1",
         ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "priority": "high"},
+            400,
+            "'priority' must be int",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "must not be empty"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "token ids must be in"),
         ("/v1/completions", {"model": MODEL}, 400, "'prompt' must be"),
@@ -184,6 +190,15 @@ def test_bad_requests_get_openai_errors(
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_priority_comes_from_the_routers_header_or_the_body(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": -3}
+    assert httpx.post(base_url + "/v1/completions", json=body).status_code == 200
+    ok = httpx.post(base_url + "/v1/completions", json=body, headers={"x-cgn-priority": "2"})
+    assert ok.status_code == 200
+    bad = httpx.post(base_url + "/v1/completions", json=body, headers={"x-cgn-priority": "top"})
+    assert bad.status_code == 400 and "x-cgn-priority must be an integer" in bad.text
 
 
 def test_oversized_body_is_413(base_url: str) -> None:

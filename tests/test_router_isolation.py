@@ -1,5 +1,5 @@
-"""The router is shared by every client: nothing one client's upstream answer set (cookies)
-rides along on another client's request."""
+"""What the router sends upstream: nothing one client's upstream answer set (cookies) rides
+along on another client's request; each request carries its band's priority for the engine."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 from cgn_core.etcd.local import free_port
 from tests.support.procs import Router, cgn_router, stop, wait_http_ok
 
-# An engine that sets a cookie on every answer and reports the Cookie header it received.
+# An engine that sets a cookie on every answer and reports the Cookie and x-cgn-priority
+# headers it received.
 UPSTREAM = textwrap.dedent(
     """
     import json, sys
@@ -26,7 +27,8 @@ UPSTREAM = textwrap.dedent(
         seen = request.headers.get("Cookie", "")
         body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                 "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": seen or "no-cookie"}}]}
+                             "message": {"role": "assistant", "content": (seen or "no-cookie")
+                                     + " priority=" + request.headers.get("x-cgn-priority", "-")}}]}
         resp = web.json_response(body)
         resp.set_cookie("engine_session", "client-a-secret")
         return resp
@@ -67,6 +69,11 @@ def ask(router: Router) -> tuple[str, str]:
 
 def test_an_upstream_cookie_never_reaches_another_request(router: Router) -> None:
     first, set_cookie = ask(router)
-    assert first == "no-cookie" and set_cookie == ""  # engine headers are not relayed
+    assert first.startswith("no-cookie ") and set_cookie == ""  # engine headers are not relayed
     second, _ = ask(router)
-    assert second == "no-cookie"  # the router kept nothing for the next client
+    assert second.startswith("no-cookie ")  # the router kept nothing for the next client
+
+
+def test_each_request_carries_its_bands_priority_to_the_engine(router: Router) -> None:
+    content, _ = ask(router)
+    assert content.endswith(" priority=1")  # auth off: the anonymous band, gold (priority 1)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_core.blockhash import block_hashes
+from cgn_core.blockhash import BLOCK_SIZE, block_hashes
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.block_pool import BlockPool
@@ -40,6 +40,8 @@ class Driver:
         plan = self.sched.schedule()
         self.plans.append(plan)
         self.tables.append([list(w.seq.table) for w in plan.work])
+        for w in plan.work:  # every planned token has a block of its sequence to go to
+            assert w.start + len(w.tokens) <= len(w.seq.table) * BLOCK_SIZE, (w, plan.preempted)
         if plan.work:
             items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
             logits = MODEL.forward_batch(items, self.kv)
@@ -143,6 +145,52 @@ def test_youngest_is_preempted_and_resumes_with_the_same_output() -> None:
     assert young.output == alone(toks(200, 8), 20)
 
 
+def test_priority_orders_the_queue_fifo_within_a_priority() -> None:
+    d = Driver(64, max_batch=1, prefill_chunk=256)
+    batch = [Seq(toks(100 * i, 8), max_tokens=2, priority=5) for i in range(2)]
+    urgent = Seq(toks(900, 8), max_tokens=2, priority=0)
+    late = Seq(toks(950, 8), max_tokens=2, priority=5)
+    for seq in (*batch, urgent, late):
+        d.sched.add(seq)
+    assert list(d.sched.waiting) == [urgent, *batch, late]
+    finished: list[Seq] = []
+    while d.sched.has_work():
+        for w in d.step().work:
+            if w.seq.output and len(w.seq.output) >= w.seq.max_tokens:
+                finished.append(w.seq)
+    assert finished == [urgent, *batch, late]
+
+
+def test_preemption_takes_the_highest_priority_value_first_even_when_older() -> None:
+    # 5 blocks: batch holds 3 (40 tokens), urgent 1 (7 tokens), one spare. Batch takes the
+    # spare first; later, with batch's decode already planned in that step, urgent needs a
+    # block and finds none: batch, older but of the higher value, is the one to go.
+    d = Driver(5, prefill_chunk=64)
+    batch, urgent = Seq(toks(0, 40), 20, priority=2), Seq(toks(200, 7), 20, priority=0)
+    d.sched.add(batch)
+    d.step()  # batch is admitted first: the older in the running batch
+    d.sched.add(urgent)
+    d.run()  # the batch request's decode was planned before the urgent one needed a block
+    preempted = [s for p in d.plans for s in p.preempted]
+    assert preempted and all(s is batch for s in preempted) and urgent.preemptions == 0
+    assert batch.output == alone(toks(0, 40), 20)
+    assert urgent.output == alone(toks(200, 7), 20)
+
+
+def test_a_preempted_request_returns_to_the_front_of_its_own_priority() -> None:
+    d = Driver(64, max_batch=1, prefill_chunk=256)
+    running = Seq(toks(0, 8), 4, priority=1)
+    d.sched.add(running)
+    d.step()
+    queued = [Seq(toks(100, 4), 1, priority=p) for p in (0, 1, 2)]
+    for seq in queued:
+        d.sched.add(seq)
+    d.sched._preempt(running)  # what a full pool does mid-decode
+    assert list(d.sched.waiting) == [queued[0], running, queued[1], queued[2]]
+    d.run()
+    assert running.output == alone(toks(0, 8), 4)
+
+
 def test_a_request_that_can_never_fit_is_refused() -> None:
     sched = Scheduler(BlockPool(2, NS))
     assert sched.fits(Seq(toks(0, 20), max_tokens=13))  # 32 slots
@@ -171,22 +219,24 @@ def test_fifo_head_may_be_passed_only_for_aging_steps() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=8
+        st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 40), st.integers(0, 2)),
+        min_size=1,
+        max_size=8,
     ),
     st.integers(4, 10),
     st.integers(1, 4),
     st.sampled_from([8, 16, 64]),
 )
 def test_random_workloads_finish_like_alone(
-    specs: list[tuple[int, int, int]], blocks: int, max_batch: int, chunk: int
+    specs: list[tuple[int, int, int, int]], blocks: int, max_batch: int, chunk: int
 ) -> None:
-    """Any mix of shared prefixes, pool sizes, batch limits and chunk sizes: the pool stays
-    balanced every step, and each request produces exactly what it produces alone."""
+    """Any mix of shared prefixes, priorities, pool sizes, batch limits and chunk sizes: the
+    pool stays balanced every step, and each request produces exactly what it produces alone."""
     d = Driver(blocks, max_batch=max_batch, prefill_chunk=chunk)
     seqs = []
-    for family, length, max_tokens in specs:
+    for family, length, max_tokens, priority in specs:
         prompt = toks(1000 * family, length)  # families share prefixes
-        seq = Seq(prompt, max_tokens)
+        seq = Seq(prompt, max_tokens, priority=priority)
         if d.sched.fits(seq):
             d.sched.add(seq)
             seqs.append(seq)
