@@ -1,9 +1,9 @@
 """The router's upstream client: HTTP/1.1 POSTs to engines over pooled keep-alive connections.
 
-Why not aiohttp's ClientSession, which the router used before: on the proxy's
-hot path it cost ~63 µs of CPU per request against ~13 µs for this client
-(same loopback engine, 64 concurrent requests), and it was the largest single
-item in a profile of the router at full load (bench/router_overhead.py).
+Why not aiohttp's ClientSession, which the router used before: it was the
+largest single item in a profile of the router at full load, and it costs
+4.1× the CPU per request of this client (3.5× reading a stream;
+bench/upstream_client.py, results in bench/results/upstream_client.md).
 
 What it does, and only that: one request per connection at a time; bodies
 framed by Content-Length, chunked transfer coding, or the connection closing;
