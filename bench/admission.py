@@ -235,12 +235,9 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
     base = pct(idle, 0.99)
     return {
         "idle": {"p50": pct(idle, 0.5), "p99": base, "n": len(idle)},
-        "admission_on": {"p50": pct(on["ttft"], 0.5), "p99": pct(on["ttft"], 0.99), "n": len(on["ttft"]),
-                         "bronze_per_s": on["bronze_per_s"], "bronze_failed": on["bronze_failed"]},
-        "admission_off": {"p50": pct(off["ttft"], 0.5), "p99": pct(off["ttft"], 0.99), "n": len(off["ttft"]),
-                          "bronze_per_s": off["bronze_per_s"], "bronze_failed": off["bronze_failed"]},
-        "priority_only": {"p50": pct(prio["ttft"], 0.5), "p99": pct(prio["ttft"], 0.99), "n": len(prio["ttft"]),
-                          "bronze_per_s": prio["bronze_per_s"], "bronze_failed": prio["bronze_failed"]},
+        "admission_on": _loaded(on),
+        "admission_off": _loaded(off),
+        "priority_only": _loaded(prio),
         "ratio_on": pct(on["ttft"], 0.99) / base,
         "ratio_off": pct(off["ttft"], 0.99) / base,
         "ratio_priority_only": pct(prio["ttft"], 0.99) / base,
@@ -249,6 +246,13 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
         "ttft_ms": {"idle": _ms(idle), "admission_on": _ms(on["ttft"]), "admission_off": _ms(off["ttft"]),
                     "priority_only": _ms(prio["ttft"])},
     }  # fmt: skip
+
+
+def _loaded(phase: dict[str, Any]) -> dict[str, Any]:
+    """A phase under load: platinum TTFT p50/p99 (seconds) and the bronze traffic beside it."""
+    ttft = phase["ttft"]
+    return {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99), "n": len(ttft),
+            "bronze_per_s": phase["bronze_per_s"], "bronze_failed": phase["bronze_failed"]}  # fmt: skip
 
 
 def _ms(xs: list[float]) -> list[float]:

@@ -58,6 +58,11 @@ class Capacity:
     full_scrapes: int = 0  # consecutive scrapes that reported requests waiting
     full_running: float = 0.0  # the most running over those scrapes
 
+    @property
+    def value(self) -> float:
+        """The capacity now: the learned slots, never below the floor."""
+        return max(self.slots, self.floor)
+
     def observe(self, running: float, waiting: float, scraped_at: float) -> float:
         """Count one scrape (a repeat of the last one changes nothing); the capacity now."""
         if scraped_at != self.scraped_at:
@@ -71,7 +76,7 @@ class Capacity:
                 self.slots = self.full_running  # the batch is full at this size
             else:
                 self.slots = max(self.slots, running)
-        return max(self.slots, self.floor)
+        return self.value
 
 
 class Verdict(Enum):

@@ -42,7 +42,7 @@ class Gate:
         for eid, s in self.registry.states.items():
             pool = s.endpoint.model
             learned = self.learned.setdefault(eid, Capacity(floor))
-            cap = max(learned.slots, floor)
+            cap = learned.value
             load = s.load
             if load is not None and now - load.scraped_at <= self.registry.stale_s:
                 cap = learned.observe(load.running, load.waiting, load.scraped_at)

@@ -214,7 +214,7 @@ class Response:
         self._pool, self._origin = pool, o
         self._conn: _Conn | None = conn  # None once pooled again or dropped
         self._mode = mode  # "length", "chunked" or "close"
-        self._left = length  # body bytes left ("length"), or in the current chunk ("chunked")
+        self._left = length  # body bytes left to read ("length" only)
         self._buf = bytearray()
         self._eof = False
         self._keep = keep
