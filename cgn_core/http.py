@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,11 +15,13 @@ from aiohttp import web
 from cgn_core.errors import (
     CognitoraError,
     Forbidden,
+    InternalError,
     InvalidRequest,
     PayloadTooLarge,
     http_response_parts,
 )
 
+log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The router → engine scheduling priority of a request (its key's band; lower runs sooner).
 # cgn-infer queues by it, ahead of the body's `priority`; other engines ignore the header.
@@ -47,6 +53,11 @@ def error_middleware(
             return json_error(too_large)
         except web.HTTPException as exc:  # 404/405 from routing
             return json_error(_http_error(exc))
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nothing to answer
+        except Exception:  # NOTE: the top of a request; the traceback stays in the log
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return json_error(InternalError("internal error; the server log has the details"))
 
     return middleware
 
@@ -58,17 +69,54 @@ def _http_error(exc: web.HTTPException) -> CognitoraError:
     return err
 
 
-async def read_json(request: web.Request) -> Any:
-    """The request body parsed as JSON; InvalidRequest when it is not."""
-    return parse_json(await request.read())
+MAX_JSON_DEPTH = 400  # arrays and objects nested in one another
 
 
 def parse_json(raw: bytes) -> Any:
-    """`raw` parsed as JSON; InvalidRequest when it is not."""
+    """`raw` parsed as JSON; InvalidRequest when it is not, when it nests deeper than
+    `MAX_JSON_DEPTH`, or when a string holds a lone UTF-16 surrogate (an escape like
+    \\ud800 with no pair: valid JSON, but no UTF-8 text, so no tokenizer can take it)."""
+    # NOTE: bytes.count runs at memory speed; only a body with that many brackets at all
+    # is measured, before json.loads, whose recursion would fail far deeper and as a 500.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise InvalidRequest("the request body is not valid JSON") from None
+    if b"\\u" in raw or b"\\U" in raw:  # a surrogate can only arrive as an escape
+        _refuse_lone_surrogates(value)
+    return value
+
+
+_STRING = re.compile(rb'"(?:[^"\\\\]|\\\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of [ and { outside strings; every loop here runs in C."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(
+                    "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                    "\\udfff escape), which is not text"
+                ) from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def mtls_middleware(open_paths: frozenset[str]) -> Any:

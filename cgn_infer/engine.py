@@ -7,6 +7,15 @@ reports back. A sequence ends on EOS/end-of-turn, a stop string or token,
 `max_tokens`, or cancellation (a client that went away). Events go back to the
 asyncio side through each job's callback; KV-cache events through
 `on_kv_events`.
+
+Failure containment (NOTE: one request must never stop the others): a job
+whose per-request state cannot be built, or whose sampling fails, ends alone
+with an "error" finish; a batch step that fails ends that batch's sequences;
+any other exception in an iteration fails the requests then active and the
+loop goes on. Only `MAX_LOOP_FAILURES` failed iterations in a row (a broken
+invariant, not a bad request) stop the worker: every pending job then ends
+with an error, `failure` says why (the server's /health answers 503 with it,
+so the agent restarts the engine) and `submit` refuses new work.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.errors import Unavailable
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.paged import BatchItem
@@ -33,6 +43,7 @@ from cgn_infer.scheduler import Plan, Scheduler, Seq, SeqId
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+MAX_LOOP_FAILURES = 3  # failed loop iterations in a row that stop the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +144,8 @@ class Engine:
         # up to 40% slower on 2 cores (measured).
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-engine")
         self._done: Future[None] | None = None
+        self._gate = threading.Lock()  # orders submit() against the worker's death
+        self.failure: str | None = None  # why the worker stopped; None while it serves
 
     @property
     def capacity_tokens(self) -> int:
@@ -150,28 +163,72 @@ class Engine:
         self._executor.shutdown(wait=False)
 
     def submit(self, job: Job) -> None:
+        """Queue `job`; Unavailable once the worker has stopped for good."""
         seq = Seq(job.request.prompt, job.request.max_tokens, priority=job.request.priority)
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
-        self.metrics.waiting.inc()
-        self._jobs.put((job, seq))
+        with self._gate:
+            if self.failure is not None:
+                raise Unavailable(f"the engine's worker stopped: {self.failure}")
+            self.metrics.waiting.inc()
+            self._jobs.put((job, seq))
 
     # ---- the worker thread ----------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stopping:
-            self._take_jobs(block=not self.scheduler.has_work())
-            self._drop_cancelled()
-            plan = self.scheduler.schedule()
-            if plan.preempted:
-                self.metrics.preemptions.inc(len(plan.preempted))
-            if plan.work:
-                self._step(plan)
-            elif self.scheduler.has_work():  # nothing fits this step; wait for a change
-                self._take_jobs(block=True, timeout_s=0.01)
-            self._publish()
+        failures = 0
+        try:
+            while not self._stopping:
+                try:
+                    self._iterate()
+                    failures = 0
+                except Exception as exc:  # NOTE: top of the worker loop
+                    failures += 1
+                    log.exception("engine loop iteration failed (%d in a row)", failures)
+                    if failures >= MAX_LOOP_FAILURES:
+                        raise
+                    self._fail_active(f"internal error: {type(exc).__name__}: {exc}")
+        except BaseException as exc:
+            self._die(f"{type(exc).__name__}: {exc}")
+            raise
         for active in list(self._active.values()):
             self._finish(active, "cancelled")
         self._publish()
+
+    def _iterate(self) -> None:
+        """One turn: take new jobs, plan a step, run it, publish gauges and KV events."""
+        self._take_jobs(block=not self.scheduler.has_work())
+        self._drop_cancelled()
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            self.metrics.preemptions.inc(len(plan.preempted))
+        if plan.work:
+            self._step(plan)
+        elif self.scheduler.has_work():  # nothing fits this step; wait for a change
+            self._take_jobs(block=True, timeout_s=0.01)
+        self._publish()
+
+    def _fail_active(self, error: str) -> None:
+        """End every active request with `error` (after an iteration failed under them)."""
+        for active in list(self._active.values()):
+            self._finish(active, "error", error=error)
+
+    def _die(self, reason: str) -> None:
+        """The worker is stopping for good: end every job it holds or that is queued."""
+        log.critical("the engine's worker stopped: %s", reason)
+        with self._gate:
+            self.failure = reason
+        jobs = [a.job for a in self._active.values()]
+        self._active.clear()
+        while True:
+            try:
+                entry = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if entry is not None:
+                jobs.append(entry[0])
+        for job in jobs:
+            n = len(job.request.prompt)
+            job.emit(FinishEvent("error", "", n, 0, error=f"the engine stopped: {reason}"))
 
     def _take_jobs(self, *, block: bool, timeout_s: float | None = None) -> None:
         while True:
@@ -186,14 +243,21 @@ class Engine:
             job, seq = entry
             req = job.request
             eos = frozenset() if req.ignore_eos else self.tokenizer.stop_ids
-            self._active[seq.id] = _Active(
-                job,
-                seq,
-                Sampler(req.params, prompt=req.prompt),
-                IncrementalText(self.tokenizer, req.stop),
-                req.stop_token_ids | eos,
-                job.enqueued,
-            )
+            try:
+                active = _Active(
+                    job,
+                    seq,
+                    Sampler(req.params, prompt=req.prompt),
+                    IncrementalText(self.tokenizer, req.stop),
+                    req.stop_token_ids | eos,
+                    job.enqueued,
+                )
+            except Exception as exc:  # NOTE: a request the server let through; it alone fails
+                log.exception("could not start a request")
+                n = len(req.prompt)
+                job.emit(FinishEvent("error", "", n, 0, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            self._active[seq.id] = active
             self.scheduler.add(seq)
 
     def _drop_cancelled(self) -> None:
@@ -213,6 +277,7 @@ class Engine:
         m = self.metrics
         m.step_sequences.observe(len(plan.work))
         sampled: dict[SeqId, Sampled] = {}
+        failed: list[tuple[_Active, str]] = []
         for w, row in zip(plan.work, logits, strict=True):
             active = self._active[w.seq.id]
             if not active.counted:
@@ -221,7 +286,16 @@ class Engine:
                 m.prefix_queries.inc(len(w.seq.prompt))
                 m.prefix_hits.inc(w.seq.cached_tokens)
             if w.sample:
-                sampled[w.seq.id] = active.sampler.sample(row)
+                try:
+                    sampled[w.seq.id] = active.sampler.sample(row)
+                except Exception as exc:  # NOTE: this sequence alone fails
+                    log.exception("sampling failed for one sequence")
+                    failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}"))
+        if failed:
+            for active, why in failed:
+                self._finish(active, "error", error=why)
+            gone = {a.seq.id for a, _ in failed}
+            plan = Plan(tuple(w for w in plan.work if w.seq.id not in gone), plan.preempted)
         self.scheduler.update(plan, {sid: s.token for sid, s in sampled.items()})
         now = time.monotonic()
         for sid, s in sampled.items():

@@ -7,6 +7,12 @@ the renormalised distribution with the request's own seeded generator (so a
 `seed` reproduces a generation). Log-probabilities reported to the client are
 those of the model's distribution after penalties, before temperature and
 truncation (OpenAI's and vLLM's convention).
+
+Numerics: a temperature under `MIN_TEMPERATURE` samples greedily (vLLM's
+cut-off; dividing by 1e-300 would overflow every logit to inf), a negative
+seed is taken modulo 2**64, and a logits row holding NaN or +inf (a broken
+model, not a request) is made finite before the draw, so no parameter in its
+documented range can make a draw fail.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +60,8 @@ class Sampler:
     counts: Counter[int] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        seed = self.params.seed
+        self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
 
     def sample(self, logits: np.ndarray) -> Sampled:
         """Pick the next token from float32 `logits` [vocab] and record it."""
@@ -88,7 +97,13 @@ class Sampler:
         the best token's probability each, below float32's resolution of the mass."""
         p = self.params
         x = x / p.temperature
-        probs = np.exp(x - x.max())
+        top = x.max()
+        if not np.isfinite(top):  # NaN or +inf from the model: the max must be finite
+            x = np.nan_to_num(x, nan=-np.inf, posinf=float(np.finfo(np.float32).max))
+            top = x.max()
+            if not np.isfinite(top):
+                return int(np.argmax(x))  # every logit -inf: nothing to weigh
+        probs = np.exp(x - top)
         idx = np.flatnonzero(probs > _NEGLIGIBLE)
         probs = probs[idx]
         if 0 < p.top_k < idx.size:

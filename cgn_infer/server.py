@@ -26,7 +26,7 @@ from cgn_core.errors import (
     NotFound,
     Unavailable,
 )
-from cgn_core.http import PRIORITY_HEADER, error_middleware, read_json
+from cgn_core.http import PRIORITY_HEADER, error_middleware, parse_json
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.kv_events import KvEventHub
@@ -36,6 +36,7 @@ from cgn_infer.responses import ResponseBuilder
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+OFF_LOOP_BYTES = 64 << 10  # bodies from this size on are tokenized on a worker thread
 
 
 @dataclass(slots=True)
@@ -147,10 +148,14 @@ def build_app(svc: InferenceService) -> web.Application:
 
 
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
-    parsed = parse_request(kind, await read_json(request))
+    raw = await request.read()
+    parsed = parse_request(kind, parse_json(raw))
     if (header := request.headers.get(PRIORITY_HEADER)) is not None:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
-    gen = svc.prepare(parsed)
+    if len(raw) < OFF_LOOP_BYTES:
+        gen = svc.prepare(parsed)
+    else:  # templating and tokenizing a long prompt would stall every other stream
+        gen = await asyncio.to_thread(svc.prepare, parsed)
     assert svc.loaded is not None
     build = ResponseBuilder(
         kind,
@@ -242,6 +247,8 @@ async def _kv_events(svc: InferenceService, request: web.Request) -> web.StreamR
 async def _health(svc: InferenceService) -> web.Response:
     if svc.loaded is None:
         return web.json_response({"status": "loading"}, status=503)
+    if (failure := svc.loaded.engine.failure) is not None:
+        return web.json_response({"status": "failed", "reason": failure}, status=503)
     return web.json_response({"status": "ok"})
 
 

@@ -151,6 +151,12 @@ class Limiter:
             u.tokens.level -= prompt_tokens
         u.in_flight += 1
 
+    def charge(self, p: Principal, tokens: int) -> None:
+        """Correct the prompt estimate `acquire` charged by `tokens` (negative: refund)."""
+        u = self.usage.get(p.key_id) if p.record is not None else None
+        if u is not None and u.tokens:
+            u.tokens.level = min(u.tokens.capacity, u.tokens.level - tokens)
+
     def release(self, p: Principal, completion_tokens: int = 0) -> None:
         u = self.usage.get(p.key_id) if p.record is not None else None
         if u is None:

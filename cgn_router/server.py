@@ -10,6 +10,7 @@ accounting.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -32,13 +33,14 @@ from cgn_core.errors import (
     UpstreamTimeout,
 )
 from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json
+from cgn_core.openai_request import sampling_fields
 from cgn_router.auth import KeyStore, Limiter, Principal, authorize, authorize_admin
 from cgn_router.catalog import Catalog
 from cgn_router.control import ControlState
 from cgn_router.gate import Gate
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Decision, Pipeline
-from cgn_router.prompts import HashedPrompt
+from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import Attempt, AttemptFailed, Proxy
 from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
@@ -50,6 +52,9 @@ PATHS = {
     "completion": "/v1/completions",
     "embeddings": "/v1/embeddings",
 }
+# Bodies from this size on are templated, tokenized and hashed on a worker thread: ~64 KiB
+# tokenizes in ~10 ms here, the longest a stream relay should wait for the loop.
+OFF_LOOP_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -160,6 +165,11 @@ async def _reconciler(svc: RouterService) -> web.Response:
 
 
 async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web.StreamResponse:
+    """Authenticate, validate, rate-limit, tokenize, admit, then route and proxy.
+
+    NOTE: the order bounds what a request costs before it is refused: the key is checked
+    before the body is read, and the rate limiter charges an estimate of the prompt (its
+    bytes / 4) before anything is tokenized; the exact count corrects it afterwards."""
     started = time.monotonic()
     who = svc.principal(request)  # 401 before anything else is read
     raw = await request.read()
@@ -169,9 +179,8 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
         raise InvalidRequest("'model' is required", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be true or false", param="stream")
+    # What cgn-infer would refuse for its generation fields is refused here, before any work.
+    stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
     if model is None:
         known = ", ".join(sorted(svc.known_models())) or "none"
@@ -181,14 +190,17 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
             param="model",
         )
     authorize(who, model)
-    first = _hash(svc, kind, model, body)
+    estimate = len(raw) // CHARS_PER_TOKEN
     try:
-        svc.limiter.acquire(who, first.tokens or len(raw) // 4)
+        svc.limiter.acquire(who, estimate)
     except RateLimited:
         svc.metrics.admission_rejections.labels(who.band, "rate_limited").inc()
         raise
     completion = 0
     try:
+        first = await _hash_off_loop(svc, kind, model, body, len(raw))
+        if first.tokens:
+            svc.limiter.charge(who, first.tokens - estimate)
         waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
         try:
             resp, completion = await _route_and_proxy(
@@ -264,6 +276,15 @@ async def _route_and_proxy(
     if last.timeout:
         raise UpstreamTimeout(f"no engine answered in time: {last.message}", code=last.cause)
     raise BadGateway(f"no engine could serve the request: {last.message}", code=last.cause)
+
+
+async def _hash_off_loop(
+    svc: RouterService, kind: str, model: str, body: dict[str, Any], size: int
+) -> HashedPrompt:
+    """`_hash`, on a worker thread when the body is big enough to stall other streams."""
+    if size < OFF_LOOP_BYTES:
+        return _hash(svc, kind, model, body)
+    return await asyncio.to_thread(_hash, svc, kind, model, body)
 
 
 def _hash(svc: RouterService, kind: str, model: str, body: dict[str, Any]) -> HashedPrompt:
