@@ -22,10 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_core import records
 from cgn_core.errors import PermanentError
 
 KEYS_PREFIX = "/cognitora/keys/"
 _KEY = re.compile(r"^cgn_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
+_HASH = re.compile(r"^[0-9a-f]{64}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -117,34 +119,42 @@ def create(
 
 
 def parse_record(doc: Any) -> KeyRecord:
-    """A stored record; ApiKeyError names what is wrong."""
-    if not isinstance(doc, Mapping):
-        raise ApiKeyError("key record: expected an object")
+    """A stored record, every field checked (it comes from etcd); ApiKeyError names the field."""
     try:
-        limits = doc.get("limits") or {}
+        d = records.obj(doc, "key record")
+        limits = records.obj(d.get("limits") or {}, "limits")
+        models = d.get("models", ["*"])
+        if (
+            not isinstance(models, list)
+            or not models
+            or not all(isinstance(m, str) and m for m in models)
+        ):
+            raise records.RecordError("'models' must be a non-empty list of model names")
+        digest = records.text(d, "hash", required=True)
+        if not _HASH.match(digest):
+            raise records.RecordError("'hash' must be a SHA-256 hex digest")
         return KeyRecord(
-            id=str(doc["id"]),
-            hash=str(doc["hash"]),
-            tenant=str(doc["tenant"]),
-            band=str(doc["band"]),
-            models=tuple(str(m) for m in doc.get("models", ["*"])),
-            admin=bool(doc.get("admin", False)),
+            id=records.text(d, "id", required=True),
+            hash=digest,
+            tenant=records.text(d, "tenant", required=True),
+            band=records.text(d, "band", required=True),
+            models=tuple(models),
+            admin=records.flag(d, "admin"),
             limits=Limits(
-                _num(limits.get("rps")),
-                _int(limits.get("tokens_per_min")),
-                _int(limits.get("concurrent")),
+                _positive(records.number(limits, "rps", None), "rps"),
+                _positive(records.integer(limits, "tokens_per_min", 0), "tokens_per_min"),
+                _positive(records.integer(limits, "concurrent", 0), "concurrent"),
             ),
-            created_unix=float(doc.get("created_unix", 0.0)),
-            expires_unix=None if doc.get("expires_unix") is None else float(doc["expires_unix"]),
-            note=str(doc.get("note", "")),
+            created_unix=records.number(d, "created_unix", 0.0) or 0.0,
+            expires_unix=records.number(d, "expires_unix", None),
+            note=records.text(d, "note"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except records.RecordError as exc:
         raise ApiKeyError(f"key record: {exc}") from None
 
 
-def _num(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _int(v: Any) -> int | None:
-    return None if v is None else int(v)
+def _positive(value: float | None, name: str) -> Any:
+    """A limit: None or 0 means none; a negative one is refused."""
+    if value is not None and value < 0:
+        raise records.RecordError(f"limit '{name}' must be positive, got {value}")
+    return value or None

@@ -8,18 +8,21 @@ replicas already placed count as used). The router's reconciler and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cgn_core import keys
-from cgn_core.catalog import CatalogError, ModelSpec, parse_model
+from cgn_core import records as records_
+from cgn_core.catalog import ModelSpec, parse_model
 from cgn_core.etcd.client import EtcdClient
 from cgn_core.etcd.types import KeyValue
 from cgn_core.placement import NodeState, NodeView, node_view
+from cgn_core.records import RecordLog
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (node, replica)
@@ -56,8 +59,12 @@ def views(
     return out
 
 
-async def read_snapshot(client: EtcdClient) -> Snapshot:
-    """Catalog, nodes, placements, statuses and cordons as of one moment (each a fresh list)."""
+async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) -> Snapshot:
+    """Catalog, nodes, placements, statuses and cordons as of one moment (each a fresh list).
+
+    Every record is validated (`cgn_core.records`); a bad one is left out of the snapshot and
+    reported through `records` once per revision (pass the same RecordLog on every pass)."""
+    rec = records or RecordLog(log)
     catalog, _ = await client.get_prefix(keys.CATALOG)
     nodes, _ = await client.get_prefix(keys.NODES)
     placements, _ = await client.get_prefix(keys.PLACEMENTS)
@@ -66,32 +73,42 @@ async def read_snapshot(client: EtcdClient) -> Snapshot:
     models: dict[str, ModelSpec] = {}
     for kv in catalog:
         name = kv.key[len(keys.CATALOG) :]
-        try:
-            models[name] = parse_model(kv.json(), where=name)
-        except (CatalogError, ValueError) as exc:
-            log.warning("catalog entry %s ignored: %s", name, exc)
+        spec = rec.parse(
+            kv.key, kv.mod_revision, kv.value, functools.partial(parse_model, where=name)
+        )
+        if spec is not None:
+            models[name] = spec
     return Snapshot(
         models=models,
-        nodes={kv.key[len(keys.NODES) :]: _obj(kv) for kv in nodes},
-        placements=_by_replica(placements, keys.PLACEMENTS),
-        statuses=_by_replica(statuses, keys.REPLICAS),
-        cordons={kv.key[len(keys.CORDON) :]: _obj(kv) for kv in cordons},
+        nodes=_by_name(rec, nodes, keys.NODES, records_.node_inventory),
+        placements=_by_replica(rec, placements, keys.PLACEMENTS, records_.placement),
+        statuses=_by_replica(rec, statuses, keys.REPLICAS, records_.replica_status),
+        cordons=_by_name(rec, cordons, keys.CORDON, records_.cordon),
         wall=time.time(),
     )
 
 
-def _obj(kv: KeyValue) -> dict[str, Any]:
-    try:
-        doc = kv.json()
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
+Parse = Callable[[Any], dict[str, Any]]
 
 
-def _by_replica(kvs: list[KeyValue], prefix: str) -> dict[Key, dict[str, Any]]:
+def _by_name(rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Parse) -> dict[str, Any]:
+    out: dict[str, dict[str, Any]] = {}
+    for kv in kvs:
+        doc = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
+        if doc is not None:
+            out[kv.key[len(prefix) :]] = doc
+    return out
+
+
+def _by_replica(
+    rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Parse
+) -> dict[Key, dict[str, Any]]:
     out: dict[Key, dict[str, Any]] = {}
     for kv in kvs:
         node, _, replica = kv.key[len(prefix) :].partition("/")
-        if node and replica:
-            out[(node, replica)] = _obj(kv)
+        if not node or not replica:
+            continue
+        doc = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
+        if doc is not None:
+            out[(node, replica)] = doc
     return out

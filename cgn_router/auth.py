@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from cgn_core.apikeys import ApiKeyError, KeyRecord, key_id, matches, parse_record
+from cgn_core.apikeys import KeyRecord, key_id, matches
 from cgn_core.errors import Forbidden, RateLimited, Unauthorized
 
 
@@ -33,20 +33,13 @@ class KeyStore:
         self.records: dict[str, KeyRecord] = {}
         self.synced = False
 
-    def replace(self, docs: dict[str, object]) -> list[str]:
-        """All records at once (a listing); returns the problems with the ones skipped."""
-        records, problems = {}, []
-        for kid, doc in docs.items():
-            try:
-                records[kid] = parse_record(doc)
-            except ApiKeyError as exc:
-                problems.append(f"{kid}: {exc.message}")
-        self.records = records
+    def replace(self, records: dict[str, KeyRecord]) -> None:
+        """All records at once (a listing, each already validated)."""
+        self.records = dict(records)
         self.synced = True
-        return problems
 
-    def put(self, kid: str, doc: object) -> None:
-        self.records[kid] = parse_record(doc)
+    def put(self, kid: str, record: KeyRecord) -> None:
+        self.records[kid] = record
 
     def delete(self, kid: str) -> None:
         self.records.pop(kid, None)

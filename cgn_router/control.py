@@ -25,6 +25,7 @@ from cgn_core.backoff import Backoff
 from cgn_core.cluster import read_snapshot
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import Compare, Election, EtcdClient, Op
+from cgn_core.records import RecordLog
 from cgn_router.reconciler import Memory, Put, reconcile
 from cgn_router.settings import ReconcilerSettings
 
@@ -61,6 +62,7 @@ async def run_reconciler(
 ) -> None:
     """Campaign, lead, pass, forever (cancel to stop)."""
     backoff = Backoff(base=0.5, cap=5.0)
+    records = RecordLog(log)  # each bad record is reported once, not on every pass
     while True:
         election = Election(client, ELECTION, state.candidate, settings.lease_ttl_s)
         try:
@@ -69,13 +71,17 @@ async def run_reconciler(
             state.leading = True
             memory = Memory()
             while election.leading:
-                await _pass(client, election, settings, state, memory)
+                await _pass(client, election, settings, state, memory, records)
                 backoff.reset()
                 await asyncio.sleep(settings.interval_s)
             log.warning("reconciler: leadership lost")
         except CognitoraError as exc:
             delay = backoff.next()
             log.warning("reconciler: %s; campaigning again in %.1fs", exc.message, delay)
+            await asyncio.sleep(delay)
+        except Exception:  # NOTE: top of the control loop: a bug must not end the router
+            delay = backoff.next()
+            log.exception("reconciler: pass failed; campaigning again in %.1fs", delay)
             await asyncio.sleep(delay)
         finally:
             state.leading = False
@@ -88,8 +94,9 @@ async def _pass(
     settings: ReconcilerSettings,
     state: ControlState,
     memory: Memory,
+    records: RecordLog,
 ) -> None:
-    snap = await read_snapshot(client)
+    snap = await read_snapshot(client, records)
     actions = reconcile(snap, memory, time.monotonic(), settings, random.random())
     lead = [Compare.value(election.key, "==", state.candidate.encode())]
     for a in actions:

@@ -22,29 +22,25 @@ import aiohttp
 from aiohttp import web
 from google.protobuf import json_format
 
-from cgn_core.apikeys import KEYS_PREFIX
 from cgn_core.backoff import Backoff
-from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
-from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
-from cgn_router.catalog import CATALOG_PREFIX, Catalog, entry_from_etcd, entry_from_settings
+from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
+from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
-    CORDON_PREFIX,
-    ENDPOINTS_PREFIX,
     Registry,
     Sessions,
-    endpoint_from_etcd,
     endpoint_from_static,
 )
 from cgn_router.scrape import engine_load, name_map
@@ -54,8 +50,8 @@ from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
 
 log = logging.getLogger(__name__)
-POLICY_KEY = "/cognitora/policy/routing"
 DRAIN_CAP_S = 30.0
+MAX_METRICS_PAGE = 4 << 20  # an engine's /metrics beyond this is cut (vLLM's is ~100 KiB)
 
 
 def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService:
@@ -232,107 +228,14 @@ def _listener_ssl(name: str, settings: RouterSettings) -> ssl.SSLContext | None:
 
 async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.TaskGroup) -> None:
     client = EtcdClient(svc.settings.etcd)
-    prefixes = [ENDPOINTS_PREFIX, CORDON_PREFIX, CATALOG_PREFIX, POLICY_KEY]
-    if svc.settings.auth.enabled:
-        prefixes.append(KEYS_PREFIX)
-    listed = {p: asyncio.Event() for p in prefixes}
-    reg, catalog = svc.registry, svc.catalog
-
-    def endpoints_list(kvs: list[KeyValue]) -> None:
-        parsed = []
-        for kv in kvs:
-            try:
-                parsed.append(endpoint_from_etcd(kv.key, kv.value))
-            except ValueError as exc:
-                log.warning("ignoring endpoint: %s", exc)
-        reg.replace_source("etcd", parsed)
-        follower.reconcile()
-
-    def endpoints_event(ev: WatchEvent) -> None:
-        if ev.kind == "delete":
-            reg.remove(EndpointId(ev.kv.key[len(ENDPOINTS_PREFIX) :]))
-        else:
-            try:
-                reg.upsert(endpoint_from_etcd(ev.kv.key, ev.kv.value), "etcd")
-            except ValueError as exc:
-                log.warning("ignoring endpoint: %s", exc)
-        follower.reconcile()
-
-    def cordon_list(kvs: list[KeyValue]) -> None:
-        reg.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs}
-
-    def cordon_event(ev: WatchEvent) -> None:
-        node = ev.kv.key[len(CORDON_PREFIX) :]
-        (reg.cordoned.discard if ev.kind == "delete" else reg.cordoned.add)(node)
-
-    def catalog_list(kvs: list[KeyValue]) -> None:
-        entries = {}
-        for kv in kvs:
-            name = kv.key[len(CATALOG_PREFIX) :]
-            try:
-                entries[name] = entry_from_etcd(name, kv.json())
-            except ValueError as exc:
-                log.warning("ignoring catalog entry: %s", exc)
-        catalog.set_source("etcd", entries)
-
-    def catalog_event(ev: WatchEvent) -> None:
-        name = ev.kv.key[len(CATALOG_PREFIX) :]
-        if ev.kind == "delete":
-            catalog.delete("etcd", name)
-            return
-        try:
-            catalog.put("etcd", entry_from_etcd(name, ev.kv.json()))
-        except ValueError as exc:
-            log.warning("ignoring catalog entry: %s", exc)
-
-    def policy_list(kvs: list[KeyValue]) -> None:
-        svc.pipeline.weights = weights_from(svc.settings.routing)
-        for kv in kvs:
-            if kv.key == POLICY_KEY:
-                _apply_policy(svc, kv)
-
-    def policy_event(ev: WatchEvent) -> None:
-        if ev.kv.key != POLICY_KEY:
-            return
-        if ev.kind == "delete":
-            svc.pipeline.weights = weights_from(svc.settings.routing)
-        else:
-            _apply_policy(svc, ev.kv)
-
-    def keys_list(kvs: list[KeyValue]) -> None:
-        docs: dict[str, object] = {}
-        for kv in kvs:
-            try:
-                docs[kv.key[len(KEYS_PREFIX) :]] = kv.json()
-            except ValueError:
-                log.warning("ignoring API key %s: not JSON", kv.key)
-        for problem in svc.keys.replace(docs):
-            log.warning("ignoring API key %s", problem)
-
-    def keys_event(ev: WatchEvent) -> None:
-        kid = ev.kv.key[len(KEYS_PREFIX) :]
-        if ev.kind == "delete":
-            svc.keys.delete(kid)  # revoked: refused from the next request on
-            return
-        try:
-            svc.keys.put(kid, ev.kv.json())
-        except (ValueError, CognitoraError) as exc:
-            log.warning("ignoring API key %s: %s", kid, exc)
-
-    followed = [
-        (ENDPOINTS_PREFIX, endpoints_list, endpoints_event),
-        (CORDON_PREFIX, cordon_list, cordon_event),
-        (CATALOG_PREFIX, catalog_list, catalog_event),
-        (POLICY_KEY, policy_list, policy_event),
-    ]
-    if svc.settings.auth.enabled:
-        followed.append((KEYS_PREFIX, keys_list, keys_event))
-    for prefix, on_list, on_event in followed:
-        tg.create_task(list_and_watch(client, prefix, on_list, on_event, listed[prefix]))
+    table = EtcdFollowers(svc, on_endpoints=follower.reconcile).table()
+    listed = {f.prefix: asyncio.Event() for f in table}
+    for f in table:
+        tg.create_task(list_and_watch(client, f.prefix, f.on_list, f.on_event, listed[f.prefix]))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))
         svc.synced = True
-        log.info("registry synced from etcd: %d endpoints", len(reg.states))
+        log.info("registry synced from etcd: %d endpoints", len(svc.registry.states))
         await asyncio.Event().wait()  # the client lives as long as the watches
     finally:
         await client.close()
@@ -341,18 +244,6 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
 async def _control(settings: RouterSettings, state: ControlState) -> None:
     async with EtcdClient(settings.etcd) as client:
         await run_reconciler(client, settings.reconciler, state)
-
-
-def _apply_policy(svc: RouterService, kv: KeyValue) -> None:
-    try:
-        data = kv.json()
-        weights = data.get("weights", data) if isinstance(data, dict) else None
-        if not isinstance(weights, dict):
-            raise ValueError('expected {"weights": {scorer: weight}}')
-        svc.pipeline.set_weights(weights)
-        log.info("routing weights from etcd: %s", svc.pipeline.weights)
-    except ValueError as exc:
-        log.warning("ignoring %s: %s", POLICY_KEY, exc)
 
 
 # ---- engines: metrics and KV events -------------------------------------------
@@ -370,10 +261,11 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
             async with session.get(state.endpoint.url + "/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                text = await resp.text()
+                page = await resp.content.read(MAX_METRICS_PAGE)
         except (aiohttp.ClientError, TimeoutError) as exc:
             state.scrape_error = str(exc) or type(exc).__name__
             return
+        text = page.decode("utf-8", "replace")  # the page is the engine's word: never trusted
         load = engine_load(text, name_map(state.endpoint.engine), time.monotonic())
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
 
@@ -427,6 +319,8 @@ class KvFollowers:
                             metrics.kv_events.labels(eid).inc()
             except (aiohttp.ClientError, json_format.ParseError, ValueError, TimeoutError) as exc:
                 log.debug("KV events of %s: %s", eid, exc)
+            except Exception:  # NOTE: a peer's stream must never end the router's TaskGroup
+                log.exception("KV events of %s: unexpected failure; reconnecting", eid)
             index.lost(eid)
             await asyncio.sleep(backoff.next())
 

@@ -14,6 +14,7 @@ less than `default_capacity`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from cgn_core.errors import Overloaded, UpstreamTimeout
@@ -22,6 +23,8 @@ from cgn_router.metrics import RouterMetrics
 from cgn_router.registry import Registry
 from cgn_router.settings import AdmissionSettings
 from cgn_router.types import EndpointId
+
+log = logging.getLogger(__name__)
 
 
 class Gate:
@@ -101,15 +104,22 @@ class Gate:
 
     async def run(self) -> None:
         while True:
-            self.refresh()
-            for ticket in self.adm.expire(time.monotonic()):
-                fut = self.waiting.pop(ticket.id, None)
-                self.metrics.admission_rejections.labels(ticket.band, "ttl").inc()
-                self._depth(ticket.band)
-                if fut is not None and not fut.done():
-                    ttl = self.settings.bands[ticket.band].ttl_s
-                    fut.set_exception(UpstreamTimeout(
-                        f"waited {ttl:.0f}s in the {ticket.band} queue", code="queue_timeout"
-                    ))  # fmt: skip
-            self._pump()
+            try:
+                self._tick()
+            except Exception:  # NOTE: top of the gate's loop: queued requests depend on it
+                log.exception("admission tick failed; the next tick retries")
             await asyncio.sleep(self.settings.tick_s)
+
+    def _tick(self) -> None:
+        """Refresh the pools' saturation, time out expired tickets, admit what now fits."""
+        self.refresh()
+        for ticket in self.adm.expire(time.monotonic()):
+            fut = self.waiting.pop(ticket.id, None)
+            self.metrics.admission_rejections.labels(ticket.band, "ttl").inc()
+            self._depth(ticket.band)
+            if fut is not None and not fut.done():
+                ttl = self.settings.bands[ticket.band].ttl_s
+                fut.set_exception(UpstreamTimeout(
+                    f"waited {ttl:.0f}s in the {ticket.band} queue", code="queue_timeout"
+                ))  # fmt: skip
+        self._pump()

@@ -109,7 +109,7 @@ def check_weights(weights: Mapping[str, object]) -> dict[str, float]:
     for name, value in weights.items():
         if name not in WEIGHT_NAMES:
             raise ValueError(f"unknown scorer {name!r} (known: {', '.join(WEIGHT_NAMES)})")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ValueError(f"weight of {name!r} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+            raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
         out[name] = float(value)
     return out

@@ -146,8 +146,17 @@ def endpoint_from_etcd(key: str, value: bytes) -> Endpoint:
         raise ValueError(f"{key}: expected {ENDPOINTS_PREFIX}<model>/<replica>")
     try:
         data = json.loads(value)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"{key}: value is not JSON ({exc})") from None
+    return endpoint_from_doc(key, data)
+
+
+def endpoint_from_doc(key: str, data: Any) -> Endpoint:
+    """`endpoint_from_etcd` for a value already decoded from JSON."""
+    rest = key[len(ENDPOINTS_PREFIX) :]
+    model, _, replica = rest.rpartition("/")
+    if not model or not replica:
+        raise ValueError(f"{key}: expected {ENDPOINTS_PREFIX}<model>/<replica>")
     if not isinstance(data, dict):
         raise ValueError(f"{key}: value must be a JSON object")
     return _endpoint(EndpointId(rest), model, data, key)

@@ -23,4 +23,10 @@ def engine_load(text: str, names: NameMap, now: float) -> EngineLoad | None:
     running, waiting, kv = first(names.running), first(names.waiting), first(names.kv_usage)
     if running is None and waiting is None:
         return None
-    return EngineLoad(running or 0.0, waiting or 0.0, kv or 0.0, now)
+    # NOTE: an engine's figures are clamped to what they can mean (counts >= 0, usage 0..1)
+    return EngineLoad(
+        min(max(running or 0.0, 0.0), 1e9),
+        min(max(waiting or 0.0, 0.0), 1e9),
+        min(max(kv or 0.0, 0.0), 1.0),
+        now,
+    )

@@ -211,9 +211,9 @@ def test_zero_weight_scorers_are_skipped() -> None:
     ("weights", "message"),
     [
         ({"bogus": 1}, "unknown scorer 'bogus'"),
-        ({"prefix": -1}, "must be a number >= 0"),
-        ({"load": "x"}, "must be a number >= 0"),
-        ({"load": True}, "must be a number >= 0"),
+        ({"prefix": -1}, "must be a number from 0 to 1e9"),
+        ({"load": "x"}, "must be a number from 0 to 1e9"),
+        ({"load": True}, "must be a number from 0 to 1e9"),
     ],
 )
 def test_bad_weights_are_refused(weights: dict[str, object], message: str) -> None:

@@ -225,7 +225,7 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         ("", ("--static",), "discovery is 'static' but no endpoints are configured"),
         ("endpoints: {a: {url: 'ftp://x', model: m}}\n", (), "endpoints.a: 'url' must be an http"),
         ("endpoints: {a: {url: 'http://x'}}\n", (), "endpoints.a.model is required"),
-        ("routing: {prefix: -1}\n", (), "weight of 'prefix' must be a number >= 0"),
+        ("routing: {prefix: -1}\n", (), "weight of 'prefix' must be a number from 0 to 1e9"),
         ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be positive"),
     ],
 )

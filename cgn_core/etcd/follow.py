@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 from cgn_core.backoff import Backoff
 from cgn_core.errors import CognitoraError
@@ -18,6 +19,7 @@ from cgn_core.etcd.client import EtcdClient
 from cgn_core.etcd.types import KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def list_and_watch(
@@ -36,10 +38,22 @@ async def list_and_watch(
             delay = backoff.next()
             log.warning("etcd: cannot list %s (%s); retrying in %.1fs", prefix, exc.message, delay)
             await asyncio.sleep(delay)
-    on_list(kvs)
+    _contained(prefix, on_list, kvs)
     listed.set()
     async for batch in client.watch_prefix(prefix, start_revision=rev + 1):
         if batch.resync is not None:
-            on_list(list(batch.resync))
+            _contained(prefix, on_list, list(batch.resync))
         for ev in batch.events:
-            on_event(ev)
+            _contained(ev.kv.key, on_event, ev)
+
+
+def _contained(where: str, handler: Callable[[T], None], arg: T) -> None:
+    """Run one handler; whatever it raises is logged with the key and skipped.
+
+    NOTE: handlers validate their records and should raise nothing; this is the backstop
+    that keeps one bad record (or a bug it triggers) from ending the watch, and with it the
+    process whose TaskGroup owns it."""
+    try:
+        handler(arg)
+    except Exception:
+        log.exception("etcd: the handler for %s failed; skipping this change", where)

@@ -1,0 +1,161 @@
+"""What the router mirrors from etcd: one (prefix, on_list, on_event) entry per kind of record.
+
+Endpoints, cordons, the catalog, the routing policy and (with auth on) API
+keys. Every record is parsed by its kind's validating function; a bad one is
+logged once per revision with its key (`cgn_core.records.RecordLog`) and
+skipped, and the rest of the listing still applies. The handlers are plain
+methods over the router's state, so tests drive them with recorded
+key-values and no etcd; `cgn_core.etcd.follow.list_and_watch` feeds them in
+the daemon, and contains anything a handler still raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cgn_core import keys
+from cgn_core.apikeys import KEYS_PREFIX, parse_record
+from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.records import RecordLog, cordon
+from cgn_router.catalog import CATALOG_PREFIX, entry_from_etcd
+from cgn_router.pipeline import check_weights, weights_from
+from cgn_router.registry import CORDON_PREFIX, ENDPOINTS_PREFIX, endpoint_from_doc
+from cgn_router.server import RouterService
+from cgn_router.types import EndpointId
+
+log = logging.getLogger(__name__)
+POLICY_KEY = keys.POLICY_ROUTING
+
+
+@dataclass(frozen=True, slots=True)
+class Followed:
+    prefix: str
+    on_list: Callable[[list[KeyValue]], None]
+    on_event: Callable[[WatchEvent], None]
+
+
+class EtcdFollowers:
+    """The router's etcd mirrors; `on_endpoints` runs after the endpoint set changed."""
+
+    def __init__(self, svc: RouterService, on_endpoints: Callable[[], None] = lambda: None):
+        self.svc, self.on_endpoints = svc, on_endpoints
+        self.records = RecordLog(log)
+
+    def table(self) -> list[Followed]:
+        out = [
+            Followed(ENDPOINTS_PREFIX, self.endpoints_list, self.endpoints_event),
+            Followed(CORDON_PREFIX, self.cordon_list, self.cordon_event),
+            Followed(CATALOG_PREFIX, self.catalog_list, self.catalog_event),
+            Followed(POLICY_KEY, self.policy_list, self.policy_event),
+        ]
+        if self.svc.settings.auth.enabled:
+            out.append(Followed(KEYS_PREFIX, self.keys_list, self.keys_event))
+        return out
+
+    def _parse(self, kv: KeyValue, parse: Callable[[Any], Any]) -> Any | None:
+        return self.records.parse(kv.key, kv.mod_revision, kv.value, parse)
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    def _endpoint(self, kv: KeyValue) -> Any | None:
+        return self._parse(kv, lambda doc: endpoint_from_doc(kv.key, doc))
+
+    def endpoints_list(self, kvs: list[KeyValue]) -> None:
+        parsed = [ep for kv in kvs if (ep := self._endpoint(kv)) is not None]
+        self.svc.registry.replace_source("etcd", parsed)
+        self.on_endpoints()
+
+    def endpoints_event(self, ev: WatchEvent) -> None:
+        if ev.kind == "delete":
+            self.svc.registry.remove(EndpointId(ev.kv.key[len(ENDPOINTS_PREFIX) :]))
+        elif (ep := self._endpoint(ev.kv)) is not None:
+            self.svc.registry.upsert(ep, "etcd")
+        self.on_endpoints()
+
+    # ---- cordons: the key names the node; the value must still be a valid cordon -----------
+
+    def cordon_list(self, kvs: list[KeyValue]) -> None:
+        reg = self.svc.registry
+        reg.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs if self._cordon_ok(kv)}
+
+    def cordon_event(self, ev: WatchEvent) -> None:
+        node, reg = ev.kv.key[len(CORDON_PREFIX) :], self.svc.registry
+        if ev.kind == "delete":
+            reg.cordoned.discard(node)
+        elif self._cordon_ok(ev.kv):
+            reg.cordoned.add(node)
+
+    def _cordon_ok(self, kv: KeyValue) -> bool:
+        # NOTE: a cordon whose value is unreadable still cordons: keeping traffic off a node
+        # someone meant to cordon is the safe side. The value is checked only to report it.
+        if not kv.value.strip():
+            return True
+        self._parse(kv, cordon)
+        return True
+
+    # ---- catalog ---------------------------------------------------------------------------
+
+    def _entry(self, kv: KeyValue) -> Any | None:
+        name = kv.key[len(CATALOG_PREFIX) :]
+        return self._parse(kv, lambda doc: entry_from_etcd(name, doc))
+
+    def catalog_list(self, kvs: list[KeyValue]) -> None:
+        entries = {e.name: e for kv in kvs if (e := self._entry(kv)) is not None}
+        self.svc.catalog.set_source("etcd", entries)
+
+    def catalog_event(self, ev: WatchEvent) -> None:
+        if ev.kind == "delete":
+            self.svc.catalog.delete("etcd", ev.kv.key[len(CATALOG_PREFIX) :])
+        elif (entry := self._entry(ev.kv)) is not None:
+            self.svc.catalog.put("etcd", entry)
+
+    # ---- routing policy: live scorer weights -----------------------------------------------
+
+    def policy_list(self, kvs: list[KeyValue]) -> None:
+        self.svc.pipeline.weights = weights_from(self.svc.settings.routing)
+        for kv in kvs:
+            if kv.key == POLICY_KEY:
+                self._policy(kv)
+
+    def policy_event(self, ev: WatchEvent) -> None:
+        if ev.kv.key != POLICY_KEY:
+            return
+        if ev.kind == "delete":
+            self.svc.pipeline.weights = weights_from(self.svc.settings.routing)
+        else:
+            self._policy(ev.kv)
+
+    def _policy(self, kv: KeyValue) -> None:
+        weights = self._parse(kv, policy_weights)
+        if weights is not None:
+            self.svc.pipeline.set_weights(weights)
+            log.info("routing weights from etcd: %s", self.svc.pipeline.weights)
+
+    # ---- API keys --------------------------------------------------------------------------
+
+    def _key(self, kv: KeyValue) -> Any | None:
+        return self._parse(kv, parse_record)
+
+    def keys_list(self, kvs: list[KeyValue]) -> None:
+        records = {kv.key[len(KEYS_PREFIX) :]: r for kv in kvs if (r := self._key(kv)) is not None}
+        self.svc.keys.replace(records)
+
+    def keys_event(self, ev: WatchEvent) -> None:
+        kid = ev.kv.key[len(KEYS_PREFIX) :]
+        if ev.kind == "delete":
+            self.svc.keys.delete(kid)  # revoked: refused from the next request on
+        elif (record := self._key(ev.kv)) is not None:
+            self.svc.keys.put(kid, record)
+        else:  # a record that no longer parses must not keep its old permissions
+            self.svc.keys.delete(kid)
+
+
+def policy_weights(doc: Any) -> dict[str, float]:
+    """`{"weights": {scorer: weight}}` (or the bare mapping) from the policy key, checked."""
+    weights = doc.get("weights", doc) if isinstance(doc, dict) else None
+    if not isinstance(weights, dict):
+        raise ValueError('expected {"weights": {scorer: weight}}')
+    return check_weights(weights)

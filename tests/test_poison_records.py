@@ -1,0 +1,236 @@
+"""Nothing read from etcd is trusted: every record parser, the router's followers and the
+reconciler take arbitrary JSON without raising anything but a ValueError-kind refusal.
+
+Property tests (hypothesis) feed arbitrary JSON into every parser; table tests replay the
+records that used to kill every router (an API key whose `limits` is a string, a replica
+status whose `failures` is not a number) through the real follower handlers and the real
+reconciler, and check that the good records around them still apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgn_agent.spec import parse_placement
+from cgn_core import records
+from cgn_core.apikeys import Limits, create, parse_record
+from cgn_core.catalog import parse_model
+from cgn_core.cluster import Snapshot, views
+from cgn_core.errors import CognitoraError
+from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.placement import node_view
+from cgn_router.catalog import entry_from_etcd
+from cgn_router.daemon import build_service
+from cgn_router.followers import EtcdFollowers, policy_weights
+from cgn_router.reconciler import Memory, reconcile
+from cgn_router.registry import endpoint_from_doc
+from cgn_router.settings import ReconcilerSettings, RouterSettings
+from cgn_router.upstream import Upstream
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                max_size=4),
+    max_leaves=20,
+)  # fmt: skip
+FIELDS = st.sampled_from([
+    "phase", "reason", "failures", "log_tail", "model", "owner", "devices", "profile", "drain",
+    "since_unix", "grace_s", "accelerators", "index", "accel_class", "health", "engines",
+    "labels", "power", "watts", "id", "hash", "tenant", "band", "models", "admin", "limits",
+    "rps", "tokens_per_min", "concurrent", "expires_unix", "url", "engine", "role", "node",
+    "block_size", "aliases", "fallbacks", "tokenizer", "source", "weights", "prefix", "load",
+])  # fmt: skip
+# Objects whose keys are the fields parsers read: arbitrary values where they look.
+RECORDS = st.recursive(
+    JSON,
+    lambda inner: st.dictionaries(FIELDS, inner, max_size=8) | st.lists(inner, max_size=3),
+    max_leaves=30,
+)
+REFUSALS = (ValueError, CognitoraError)
+# One valid record of each kind: the property tests also corrupt these a field at a time,
+# the way a buggy or hostile writer would (random objects rarely hold every required field).
+VALID: dict[str, dict[str, Any]] = {
+    "replica_status": {"phase": "Failed", "reason": "exit 1", "failures": 2, "log_tail": ["x"]},
+    "placement": {"model": "m", "engine": "cgn_infer", "devices": [0], "owner": "reconciler",
+                  "profile": {"ctx": 512, "extra_args": [], "env": {}}},
+    "cordon": {"drain": True, "since_unix": 1.0, "grace_s": 30.0},
+    "node_inventory": {"accelerators": [{"index": 0, "accel_class": "cpu", "health": []}],
+                       "engines": ["cgn_infer"], "labels": {"fabric": "f"},
+                       "power": {"watts": 5.0}},
+    "api_key": create("acme", "gold", limits=Limits(5, 100, 2))[1].to_json(),
+    "catalog_model": {"name": "m", "source": "smollm2", "replicas": {"min": 1, "max": 2},
+                      "profiles": [{"engine": "cgn_infer", "accelerator": "cpu"}]},
+    "router_catalog_entry": {"aliases": ["a"], "fallbacks": ["b"], "tokenizer": "t.gguf"},
+    "endpoint": {"url": "http://127.0.0.1:1", "engine": "cgn-infer", "role": "both",
+                 "block_size": 16},
+    "policy": {"weights": {"prefix": 1.0, "load": 0.5}},
+    "agent_placement": {"model": "m", "engine": "cgn_infer", "devices": [0],
+                        "profile": {"ctx": 512, "extra_args": ["-x"], "env": {"A": "b"}}},
+}  # fmt: skip
+
+
+@st.composite
+def corrupted(draw: st.DrawFn, kind: str) -> Any:
+    """A valid record of `kind` with one or two fields, top-level or nested, replaced."""
+    doc = json.loads(json.dumps(VALID[kind]))
+    for _ in range(draw(st.integers(1, 2))):
+        paths = [(doc, k) for k in doc] + [
+            (v, k2) for v in doc.values() if isinstance(v, dict) for k2 in v
+        ]
+        if not paths:
+            break
+        parent, key = draw(st.sampled_from(paths))
+        parent[key] = draw(JSON)
+    return doc
+
+
+PARSERS: dict[str, Callable[[Any], object]] = {
+    "replica_status": records.replica_status,
+    "placement": records.placement,
+    "cordon": records.cordon,
+    "node_inventory": lambda d: node_view("n", records.node_inventory(d)),
+    "api_key": parse_record,
+    "catalog_model": parse_model,
+    "router_catalog_entry": lambda d: entry_from_etcd("m", d),
+    "endpoint": lambda d: endpoint_from_doc("/cognitora/endpoints/m/r", d),
+    "policy": policy_weights,
+    "agent_placement": lambda d: parse_placement("r1", d),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=RECORDS)
+def test_every_parser_refuses_arbitrary_json_cleanly(kind: str, doc: Any) -> None:
+    with contextlib.suppress(REFUSALS):
+        PARSERS[kind](doc)
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_parser_refuses_corrupted_records_cleanly(kind: str, data: st.DataObject) -> None:
+    PARSERS[kind](VALID[kind])  # the unspoilt record parses
+    with contextlib.suppress(REFUSALS):
+        PARSERS[kind](data.draw(corrupted(kind)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    statuses=st.lists(RECORDS, max_size=3),
+    placements=st.lists(RECORDS, max_size=3),
+    nodes=st.lists(RECORDS, max_size=2),
+    cordons=st.lists(RECORDS, max_size=2),
+)
+def test_reconciler_survives_whatever_passes_validation(
+    statuses: list[Any], placements: list[Any], nodes: list[Any], cordons: list[Any]
+) -> None:
+    def valid(docs: list[Any], parse: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for d in docs:
+            with contextlib.suppress(REFUSALS):
+                out.append(parse(d))
+        return out
+
+    ok_nodes = {f"n{i}": d for i, d in enumerate(valid(nodes, records.node_inventory))}
+    snap = Snapshot(
+        models={},
+        nodes=ok_nodes,
+        placements={("n0", f"r{i}"): d for i, d in enumerate(valid(placements, records.placement))},
+        statuses={
+            ("n0", f"r{i}"): d for i, d in enumerate(valid(statuses, records.replica_status))
+        },
+        cordons={f"n{i}": d for i, d in enumerate(valid(cordons, records.cordon))},
+        wall=1000.0,
+    )
+    reconcile(snap, Memory(), 10.0, ReconcilerSettings())
+    views(snap, {n: "ready" for n in ok_nodes})
+
+
+# ---- the router's followers, with recorded key-values ---------------------------------------
+
+
+def kv(key: str, value: object, rev: int = 1) -> KeyValue:
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+    return KeyValue(key, raw, rev, rev, 1, 0)
+
+
+@pytest.fixture
+def followers() -> EtcdFollowers:
+    return EtcdFollowers(build_service(RouterSettings(discovery="etcd"), Upstream()))
+
+
+def test_a_key_whose_limits_is_a_string_is_skipped_and_the_rest_apply(
+    followers: EtcdFollowers, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, good = create("acme", "gold")
+    bad = {**good.to_json(), "id": "0badbad0", "limits": "lots"}
+    listing = [kv("/cognitora/keys/0badbad0", bad), kv(f"/cognitora/keys/{good.id}", good.to_json()),
+               kv("/cognitora/keys/deep", b"[" * 5000 + b"]" * 5000),
+               kv("/cognitora/keys/bytes", b"\xff\xfe")]  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        followers.keys_list(listing)
+        followers.keys_list(listing)  # the same revisions again: not logged again
+    assert set(followers.svc.keys.records) == {good.id}
+    warned = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(warned) == 3 and "limits" in warned[0], warned
+
+
+def test_a_key_edited_into_garbage_loses_its_access(followers: EtcdFollowers) -> None:
+    _, good = create("acme", "gold")
+    key = f"/cognitora/keys/{good.id}"
+    followers.keys_event(WatchEvent("put", kv(key, good.to_json())))
+    assert good.id in followers.svc.keys.records
+    followers.keys_event(WatchEvent("put", kv(key, {**good.to_json(), "limits": "x"}, rev=2)))
+    assert good.id not in followers.svc.keys.records
+
+
+def test_poison_endpoints_catalog_and_policy_are_skipped(followers: EtcdFollowers) -> None:
+    svc = followers.svc
+    good = {"url": "http://127.0.0.1:9", "engine": "cgn-infer"}
+    followers.endpoints_list([
+        kv("/cognitora/endpoints/m/ok", good),
+        kv("/cognitora/endpoints/m/bad-url", {**good, "url": 5}),
+        kv("/cognitora/endpoints/m/bad-block", {**good, "block_size": "16"}),
+        kv("/cognitora/endpoints/m/not-json", b"{"),
+    ])  # fmt: skip
+    assert list(svc.registry.states) == ["m/ok"]
+    followers.endpoints_event(WatchEvent("put", kv("/cognitora/endpoints/m/x", [1, 2])))
+    assert list(svc.registry.states) == ["m/ok"]
+
+    followers.catalog_list([
+        kv("/cognitora/catalog/models/a", {"aliases": ["alpha"]}),
+        kv("/cognitora/catalog/models/b", {"aliases": "beta"}),
+        kv("/cognitora/catalog/models/c", {"tokenizer": 7}),
+    ])  # fmt: skip
+    assert set(svc.catalog.names()) >= {"a", "alpha"} and "b" not in svc.catalog.names()
+
+    before = dict(svc.pipeline.weights)
+    for doc in ({"weights": {"prefix": "x"}}, {"weights": {"nope": 1}}, {"weights": []},
+                {"weights": {"prefix": 1e300}}, "prefix"):  # fmt: skip
+        followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", doc)))
+    assert svc.pipeline.weights == before
+    followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", {"load": 2})))
+    assert svc.pipeline.weights["load"] == 2.0
+
+
+def test_a_cordon_with_an_unreadable_value_still_cordons(followers: EtcdFollowers) -> None:
+    followers.cordon_list([kv("/cognitora/cordon/n1", {"drain": "yes"}),
+                           kv("/cognitora/cordon/n2", b"")])  # fmt: skip
+    assert followers.svc.registry.cordoned == {"n1", "n2"}
+
+
+def test_a_status_whose_failures_is_not_a_number_is_left_out() -> None:
+    """The reconciler's snapshot reader: the bad status is dropped, the good one kept."""
+    rec = records.RecordLog()
+    bad = rec.parse("k1", 1, b'{"phase": "Failed", "failures": "many"}', records.replica_status)
+    good = rec.parse("k2", 1, b'{"phase": "Failed", "failures": 4}', records.replica_status)
+    assert bad is None and good is not None and good["failures"] == 4
