@@ -53,7 +53,7 @@ from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.http import mtls_middleware
+from cgn_core.http import Runner, mtls_middleware
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 
@@ -226,7 +226,7 @@ async def _start_admin(
     app.router.add_get("/replicas", replicas)
     app.router.add_get("/inventory", inventory)
     sock = bind_tcp(settings.admin.host, settings.admin.port)
-    runner = web.AppRunner(app, access_log=None)
+    runner = Runner(app, idle_timeout_s=settings.admin.idle_timeout_s, access_log=None)
     await runner.setup()
     ssl_ctx = server_ssl_context(tls, client_cert="optional") if tls.enabled else None
     if ssl_ctx is None:

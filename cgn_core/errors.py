@@ -77,6 +77,13 @@ class PayloadTooLarge(PermanentError):
     openai_type = "invalid_request_error"
 
 
+class RequestTimeout(PermanentError):
+    """The client did not send its request body in time."""
+
+    http_status = 408
+    openai_type = "invalid_request_error"
+
+
 class ConfigError(PermanentError):
     """A daemon's or a CLI's own configuration is wrong (not the client's request)."""
 

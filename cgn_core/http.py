@@ -8,9 +8,12 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from cgn_core.errors import (
     CognitoraError,
@@ -18,6 +21,7 @@ from cgn_core.errors import (
     InternalError,
     InvalidRequest,
     PayloadTooLarge,
+    RequestTimeout,
     http_response_parts,
 )
 
@@ -63,10 +67,67 @@ def error_middleware(
 
 
 def _http_error(exc: web.HTTPException) -> CognitoraError:
-    err = CognitoraError(exc.reason)
-    err.http_status = exc.status  # type: ignore[misc]
-    err.openai_type = "invalid_request_error" if exc.status < 500 else "server_error"  # type: ignore[misc]
+    return _status_error(exc.status, exc.reason)
+
+
+def _status_error(status: int, message: str) -> CognitoraError:
+    err = CognitoraError(message)
+    err.http_status = status  # type: ignore[misc]
+    err.openai_type = "invalid_request_error" if status < 500 else "server_error"  # type: ignore[misc]
     return err
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole request body, or RequestTimeout when it takes longer than `timeout_s`
+    (a client that trickles its body must not hold a handler forever)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's protocol handler, answering its own errors (malformed request lines and
+    headers, oversized heads) as OpenAI-style JSON instead of text/plain."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once bytes went out
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "error"
+        text = message if status < 500 and message else phrase
+        resp = json_error(_status_error(status, text))
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class Runner(web.AppRunner):
+    """`web.AppRunner` for every Cognitora listener: protocol errors as JSON, and a connection
+    that sends no complete request head for `idle_timeout_s` closed (aiohttp's keep-alive
+    timer also runs from the moment a connection opens, so it bounds slow heads too)."""
+
+    def __init__(self, app: web.Application, *, idle_timeout_s: float, **kwargs: Any):
+        super().__init__(app, keepalive_timeout=idle_timeout_s, **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # NOTE: only __call__ differs; no state added
+        return server
 
 
 MAX_JSON_DEPTH = 400  # arrays and objects nested in one another

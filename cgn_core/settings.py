@@ -78,8 +78,21 @@ class LogSettings:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ListenSettings:
+    """One HTTP listener. A connection that has not sent a complete request head for
+    `idle_timeout_s` (a slow client, or an idle keep-alive one) is closed; a request body
+    not read within `body_timeout_s` is refused with 408."""
+
     host: str = "127.0.0.1"
     port: int = 0
+    idle_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0-65535, got {self.port}")
+        for name in ("idle_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 # ---- loading -----------------------------------------------------------------
@@ -133,15 +146,19 @@ class _Str(str):
 
 def _merge_yaml(cls: type, raw: dict[str, Any], path: Path) -> None:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read settings file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise SettingsError(f"{path}: not valid YAML{where}") from None
+    except RecursionError:
+        raise SettingsError(f"{path}: nested too deeply to be a settings file") from None
     if data is None:
         return
     if not isinstance(data, dict):
@@ -178,16 +195,24 @@ def _set_path(cls: type, raw: dict[str, Any], path: list[str], value: Any, where
         node_cls, node = sub, node.setdefault(key, {})
 
 
-def _build(cls: type[T], raw: Mapping[str, Any]) -> T:
+def _build(cls: type[T], raw: Mapping[str, Any], trail: tuple[str, ...] = ()) -> T:
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
         sub = _dataclass_of(hints[name])
         if sub is not None and isinstance(value, dict):
-            kwargs[name] = _build(sub, value)
+            kwargs[name] = _build(sub, value, (*trail, name))
         else:
             kwargs[name] = value
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    check = getattr(built, "check", None)
+    if callable(check):  # a sub-tree's own range checks, named by its path
+        try:
+            check()
+        except ConfigError as exc:
+            where = ".".join(trail)
+            raise SettingsError(f"{where}.{exc.message}" if where else exc.message) from None
+    return built
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:

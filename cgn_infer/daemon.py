@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.http import Runner
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_events import KvEventHub
@@ -47,10 +48,16 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     name = model_name(settings)
-    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name))
+    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name),
+                           body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
     sock = bind_tcp(settings.http.host, settings.http.port)
     port = sock.getsockname()[1]
-    runner = web.AppRunner(build_app(svc), handler_cancellation=True, access_log=None)
+    runner = Runner(
+        build_app(svc),
+        idle_timeout_s=settings.http.idle_timeout_s,
+        handler_cancellation=True,
+        access_log=None,
+    )
     await runner.setup()
     await web.SockSite(runner, sock).start()
     log.info("listening on http://%s:%d (model %s loading)", settings.http.host, port, name)
@@ -71,6 +78,12 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
             torch_thread.shutdown(wait=False)
             await runner.cleanup()
             raise ConfigError(exc.message) from None
+    try:
+        check_pool_fits(settings, loaded.backend.kv_bytes_per_token(), available_memory())
+    except ConfigError:
+        torch_thread.shutdown(wait=False)
+        await runner.cleanup()
+        raise
     config = EngineConfig(
         ctx=settings.ctx,
         kv_pool_tokens=settings.kv_pool_tokens,
@@ -109,6 +122,37 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+POOL_MEMORY_SHARE = 0.8  # of the memory available at start, at most, for the KV pool
+
+
+def check_pool_fits(settings: InferSettings, bytes_per_token: int, available: int | None) -> None:
+    """Refuse a KV pool the host cannot hold: allocating it would end in the OOM killer.
+
+    Only a pool in host memory is checked (the sim allocates none; a GPU's own allocator
+    fails cleanly); `available` is MemAvailable, None where it cannot be read."""
+    if settings.backend == "sim" or not settings.device.startswith("cpu") or available is None:
+        return
+    need = settings.kv_pool_tokens * bytes_per_token
+    if need > POOL_MEMORY_SHARE * available:
+        raise ConfigError(
+            f"kv_pool_tokens={settings.kv_pool_tokens} needs {need / 2**30:.1f} GiB of KV cache "
+            f"({bytes_per_token} bytes per token); this host has {available / 2**30:.1f} GiB "
+            f"available and the pool may take {POOL_MEMORY_SHARE:.0%} of it: lower "
+            f"--kv-pool-tokens (or use --kv-dtype bfloat16)"
+        )
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is none (macOS)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_settings(settings: InferSettings) -> None:

@@ -26,7 +26,7 @@ from cgn_core.errors import (
     NotFound,
     Unavailable,
 )
-from cgn_core.http import PRIORITY_HEADER, error_middleware, parse_json
+from cgn_core.http import PRIORITY_HEADER, error_middleware, parse_json, read_body
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.kv_events import KvEventHub
@@ -54,6 +54,7 @@ class InferenceService:
     ctx: int
     kv_events: KvEventHub
     kv_capacity: int = 0  # KV slots one request may use (set once the engine exists)
+    body_timeout_s: float = 60.0  # a request body must arrive within this
     loaded: Loaded | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -148,7 +149,7 @@ def build_app(svc: InferenceService) -> web.Application:
 
 
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
-    raw = await request.read()
+    raw = await read_body(request, svc.body_timeout_s)
     parsed = parse_request(kind, parse_json(raw))
     if (header := request.headers.get(PRIORITY_HEADER)) is not None:
         parsed = dataclasses.replace(parsed, priority=_priority(header))

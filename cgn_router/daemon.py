@@ -26,6 +26,7 @@ from cgn_core.backoff import Backoff
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
+from cgn_core.http import Runner
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
@@ -51,6 +52,7 @@ from cgn_router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 DRAIN_CAP_S = 30.0
+UPSTREAM_IDLE_S = 10.0  # a pooled upstream connection idle this long is closed
 MAX_METRICS_PAGE = 4 << 20  # an engine's /metrics beyond this is cut (vLLM's is ~100 KiB)
 
 
@@ -84,6 +86,7 @@ def check_settings(s: RouterSettings) -> None:
     """Refuse values the router cannot run with, naming the setting."""
     positive = {
         "attempts": s.attempts,
+        "max_body_bytes": s.max_body_bytes,
         "routing.saturation_tokens": s.routing.saturation_tokens,
         "routing.approx_blocks": s.routing.approx_blocks,
         "routing.chars_per_block": s.routing.chars_per_block,
@@ -131,13 +134,15 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
     # serves the background work only: metrics scrapes and KV event streams.
     # NOTE: no cookie jar: one client's upstream cookies must never ride along on another's
     # requests. The upstream client keeps none either.
+    # NOTE: idle connections are dropped after UPSTREAM_IDLE_S, before an engine's own idle
+    # timeout (http.idle_timeout_s, 15 s by default) closes them under a request being sent.
     async with (
         aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
         ) as session,
-        Upstream(keepalive_s=30.0) as upstream,
+        Upstream(keepalive_s=UPSTREAM_IDLE_S) as upstream,
     ):
         svc = build_service(settings, upstream)
         svc.catalog.set_source(
@@ -151,8 +156,9 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
             ("admin", settings.admin, build_admin_app(svc)),
         ):
             sock = bind_tcp(listen.host, listen.port)
-            runner = web.AppRunner(
+            runner = Runner(
                 app,
+                idle_timeout_s=listen.idle_timeout_s,
                 handler_cancellation=True,
                 access_log=None,
                 shutdown_timeout=min(DRAIN_CAP_S, settings.deadlines.total_s),

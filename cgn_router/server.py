@@ -32,7 +32,7 @@ from cgn_core.errors import (
     Unavailable,
     UpstreamTimeout,
 )
-from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json
+from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json, read_body
 from cgn_core.openai_request import sampling_fields
 from cgn_router.auth import KeyStore, Limiter, Principal, authorize, authorize_admin
 from cgn_router.catalog import Catalog
@@ -172,7 +172,7 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
     bytes / 4) before anything is tokenized; the exact count corrects it afterwards."""
     started = time.monotonic()
     who = svc.principal(request)  # 401 before anything else is read
-    raw = await request.read()
+    raw = await read_body(request, svc.settings.http.body_timeout_s)
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")

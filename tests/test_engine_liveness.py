@@ -7,9 +7,12 @@ requests that used to kill its worker thread, then a normal request that must st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import queue
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +40,7 @@ from tests.support.procs import cgn_infer
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 WAIT_S = 30.0
+IDLE_S = 1.0  # the HTTP engine's idle and body timeouts in these tests
 
 
 def sim_engine(smollm2_path: Path) -> Engine:
@@ -176,7 +180,9 @@ def test_a_dead_worker_fails_everything_it_holds_and_refuses_new_work(
 
 @pytest.fixture(scope="module")
 def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with cgn_infer(tmp_path_factory.mktemp("liveness"), "--backend", "sim", "--speed", "50") as url:
+    args = ("--backend", "sim", "--speed", "50", "--set", f"http.idle_timeout_s={IDLE_S}",
+            "--set", f"http.body_timeout_s={IDLE_S}")  # fmt: skip
+    with cgn_infer(tmp_path_factory.mktemp("liveness"), *args) as url:
         yield url
 
 
@@ -240,3 +246,55 @@ def test_odd_json_is_400_json(sim_url: str, raw: bytes, fragment: str) -> None:
     assert fragment in resp.json()["error"]["message"]
     ok = httpx.post(sim_url + "/v1/chat/completions", json=chat(), timeout=WAIT_S)
     assert ok.status_code == 200
+
+
+# ---- the listener: slow and idle clients, malformed HTTP ------------------------------------
+
+
+def raw_exchange(url: str, data: bytes, *, pause_s: float = 0.0, more: bytes = b"") -> bytes:
+    """Send `data` on a fresh socket (then `more` after `pause_s`) and read until it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(data)
+        if pause_s:
+            time.sleep(pause_s)
+            with contextlib.suppress(OSError):
+                sock.sendall(more)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_a_slow_request_head_is_cut_off(sim_url: str) -> None:
+    start = time.monotonic()
+    answer = raw_exchange(sim_url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    assert answer == b"" and time.monotonic() - start < IDLE_S + 5
+
+
+def test_an_idle_keep_alive_connection_is_closed(sim_url: str) -> None:
+    start = time.monotonic()
+    answer = raw_exchange(sim_url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - start < IDLE_S + 5
+
+
+def test_a_trickled_body_gets_408_json(sim_url: str) -> None:
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+            b"Connection: close\r\n\r\n{")  # fmt: skip
+    answer = raw_exchange(sim_url, head)
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert "did not arrive within" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+     b"GET /health HTTP/9.9\r\n\r\n",
+     b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"],
+)  # fmt: skip
+def test_malformed_http_is_answered_as_json(sim_url: str, request_bytes: bytes) -> None:
+    answer = raw_exchange(sim_url, request_bytes)
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.split()[1].startswith(b"4") and b"application/json" in status, answer[:300]
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"

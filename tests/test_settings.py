@@ -129,5 +129,32 @@ def test_empty_yaml_is_defaults(tmp_path: Path) -> None:
 
 def test_round_trip_to_plain_data() -> None:
     d = settings_to_dict(load_settings(InferSettings, "infer"))
-    assert d["http"] == {"host": "127.0.0.1", "port": 8001}
+    assert d["http"] == {"host": "127.0.0.1", "port": 8001, "idle_timeout_s": 15.0,
+                         "body_timeout_s": 60.0}  # fmt: skip
     assert d["backend"] == "torch" and d["model"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"http.port": "70000"}, "http.port must be 0-65535, got 70000"),
+        ({"http.port": "-1"}, "http.port must be 0-65535, got -1"),
+        ({"http.idle_timeout_s": "0"}, "http.idle_timeout_s must be positive"),
+    ],
+)
+def test_listener_values_are_range_checked(flags: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(InferSettings, "infer", flags=flags)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"\xff\xfehttp: {}", "not UTF-8 text"), (b"a: " + b"[" * 5000, "nested too deeply")],
+)
+def test_unreadable_yaml_is_one_settings_error(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(RouterSettings, "router", yaml_path=path)
