@@ -155,7 +155,8 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             stop_grace_s=eh.stop_grace_s,
             probe_interval_s=eh.probe_interval_s,
         )
-        agent = NodeAgent(node, ctx, tools, eh.bind_host, lambda: rt.inventory, free_port)
+        agent = NodeAgent(node, ctx, tools, eh.bind_host, lambda: rt.inventory, free_port,
+                          settings.model_dirs)  # fmt: skip
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())

@@ -15,16 +15,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cgn_agent import supervisor as sv
 from cgn_agent.drivers import DRIVERS, Launch, LaunchContext, PlacementRefused, Toolbox
+from cgn_agent.drivers.base import check_source
 from cgn_agent.inventory.nvidia import GpuProcess
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.processes import EngineProcess, matches
 from cgn_agent.runner import ReplicaRunner, RunnerContext
 from cgn_agent.spec import ReplicaSpec
-from cgn_core import keys
+from cgn_core import engine_args, keys
+from cgn_core.engine_args import ArgsRefused
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,10 @@ class NodeAgent:
         bind_host: str,
         inventory: Callable[[], Inventory],
         free_port: Callable[[str], int],
+        model_dirs: tuple[Path, ...] = (),
     ):
         self.node, self.ctx, self.tools = node, ctx, tools
+        self.model_dirs = model_dirs
         self.bind_host = bind_host
         self.inventory = inventory
         self.free_port = free_port
@@ -140,7 +145,13 @@ class NodeAgent:
     async def _start(self, spec: ReplicaSpec) -> None:
         driver = DRIVERS[spec.engine]
         try:
+            # NOTE: least privilege first: what a placement may run, then whether it can run
+            engine_args.check(spec.engine, spec.profile.extra_args, spec.profile.env)
+            check_source(spec, self.model_dirs)
             driver.validate(spec, self.inventory(), self.tools)
+        except ArgsRefused as exc:
+            self._refuse(spec.replica, spec, f"refused: {exc}")
+            return
         except PlacementRefused as exc:
             self._refuse(spec.replica, spec, f"refused: {exc.message}")
             return

@@ -111,6 +111,10 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Engine
             stderr=subprocess.STDOUT,
             # NOTE: systemd's notification socket is the agent's own, not its engines'.
             env={**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, **env},
+            # NOTE: the replica's own directory, not the agent's: a relative path in a
+            # placement (a hub id like `org/name` that an engine also tries as a local path)
+            # can then only name something in there.
+            cwd=log_path.parent,
             start_new_session=True,
         )
     fp = fingerprint(popen.pid) or Fingerprint(popen.pid, "", boot_id())

@@ -36,6 +36,9 @@ class AgentSettings:
     lease_ttl_s: int = 10
     inventory_interval_s: float = 30.0  # re-read GPU health and memory holders
     labels: dict[str, str] = field(default_factory=dict)
+    # Where placements may load model files from (a placement naming any other path is
+    # refused); bundled models and, for hub engines, Hugging Face repo ids need none.
+    model_dirs: tuple[Path, ...] = ()
     engines: EngineHostSettings = EngineHostSettings()
     supervisor: Policy = Policy()
     power: PowerSettings = PowerSettings()

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_core import engine_args
+
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
 ROLES = ("both", "prefill", "decode")
 KV_CONNECTORS = ("none", "lmcache", "nixl", "hicache", "kvbm")
@@ -171,8 +173,14 @@ def _parse_profile(raw: Any, where: str) -> Profile:
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise CatalogError(f"{_p(where, 'extra_args')}: expected a list of strings")
     env = raw.get("env", {})
-    if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
         raise CatalogError(f"{_p(where, 'env')}: expected a mapping of strings")
+    try:  # the agents refuse these too; saying so at `models apply` saves a placement round
+        engine_args.check(engine, extra, env)
+    except engine_args.ArgsRefused as exc:
+        raise CatalogError(f"{where}: {exc}") from None
     gmu = raw.get("gpu_memory_utilization")
     if gmu is not None and (
         not isinstance(gmu, int | float) or isinstance(gmu, bool) or not 0 < gmu <= 1

@@ -179,7 +179,17 @@ def admin_json(url: str) -> Any:
 async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
     async with EtcdClient(fleet.settings()) as c:
         await c.put(PLACE + "r-bad", "{not json")
-        await c.put_json(PLACE + "r-vllm", {"model": "llama-8b", "engine": "vllm", "source": "x"})
+        await c.put_json(PLACE + "r-vllm", {"model": "llama-8b", "engine": "vllm",
+                                            "source": "meta-llama/Llama-3.1-8B"})  # fmt: skip
+        # What a writer of placements could once run as the agent's user:
+        smol = {"model": "m", "engine": "cgn_infer", "source": "smollm2"}
+        poison = {
+            "r-preload": {**smol, "profile": {"env": {"LD_PRELOAD": "/tmp/evil.so"}}},
+            "r-ready-file": {**smol, "profile": {"extra_args": ["--ready-file", "/etc/motd"]}},
+            "r-passwd": {**smol, "source": "/etc/passwd"},
+        }
+        for replica, doc in poison.items():
+            await c.put_json(PLACE + replica, doc)
 
         async def failed(replica: str) -> dict[str, Any] | None:
             st = await get(c, status_key(replica))
@@ -193,8 +203,18 @@ async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
         assert vllm["reason"] == (
             "refused: vllm needs an NVIDIA GPU; node n1 is class cpu (no GPU found by nvidia-smi)"
         )
-        await c.delete(PLACE + "r-bad")
-        await c.delete(PLACE + "r-vllm")
+        reasons = {r: (await eventually(lambda r=r: failed(r), f"{r} refused"))["reason"]
+                   for r in poison}  # fmt: skip
+        assert reasons == {
+            "r-preload": "refused: cgn_infer: environment variable LD_PRELOAD is never allowed",
+            "r-ready-file": "refused: cgn_infer: flag --ready-file is not allowed in extra_args "
+            "(allowed: --decode-threads, --kv-dtype, --kv-pool-tokens, --max-batch, "
+            "--prefill-chunk, --speed)",
+            "r-passwd": "refused: cgn_infer: source /etc/passwd is not under a model directory "
+            "(none configured (agent setting model_dirs))",
+        }
+        for replica in ("r-bad", "r-vllm", *poison):
+            await c.delete(PLACE + replica)
         await eventually(lambda: _absent(c, status_key("r-vllm")), "r-vllm status removed")
 
 

@@ -9,17 +9,20 @@ importable modules, files) it asks a `Toolbox`, so tests use a fake one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
-from cgn_core import executables
-from cgn_core.errors import PermanentError
+from cgn_core import bundled_models, executables
+from cgn_core.errors import CognitoraError, PermanentError
 
 
 class PlacementRefused(PermanentError):
@@ -133,6 +136,45 @@ def require_connector_none(spec: ReplicaSpec, engine: str) -> None:
 def require_source(spec: ReplicaSpec, engine: str) -> None:
     if not spec.source:
         raise PlacementRefused(f"{engine}: placement has no 'source' (the model to load)")
+
+
+HUB_ENGINES = ("vllm", "sglang", "trtllm", "mlx_lm")  # they take a Hugging Face repo id
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
+    """The model a placement names must be one this node offers, never an arbitrary path:
+    a bundled model (cgn_infer), a Hugging Face repo id `org/name` (engines that download
+    from the hub), the file of a bundled model, or a file or directory under one of the
+    agent's `model_dirs` (symlinks resolved first)."""
+    src, engine = spec.source, spec.engine
+    if engine == "openai_compat" or not src:
+        return  # nothing is loaded here / require_source reports the missing one
+    if engine == "cgn_infer" and src in bundled_models.BUNDLED:
+        return
+    if engine in HUB_ENGINES and _HUB_ID.match(src) and ".." not in src:
+        return
+    path = Path(src)
+    if not path.is_absolute():
+        raise PlacementRefused(
+            f"{engine}: source {src!r} must be an absolute path under the agent's model_dirs"
+            + (", a bundled model" if engine == "cgn_infer" else "")
+            + (" or a Hugging Face repo id (org/name)" if engine in HUB_ENGINES else "")
+        )
+    real = Path(os.path.realpath(path))
+    allowed = [Path(os.path.realpath(d)) for d in model_dirs]
+    if any(real == d or d in real.parents for d in allowed) or real in _bundled_files():
+        return
+    where = ", ".join(str(d) for d in model_dirs) or "none configured (agent setting model_dirs)"
+    raise PlacementRefused(f"{engine}: source {src} is not under a model directory ({where})")
+
+
+def _bundled_files() -> set[Path]:
+    """Where the bundled models' files are (only looked up: nothing is assembled here)."""
+    out = {Path(os.path.realpath(bundled_models.cache_dir() / bundled_models.QWEN_FILE))}
+    with contextlib.suppress(CognitoraError):  # not installed here
+        out.add(Path(os.path.realpath(bundled_models.smollm2())))
+    return out
 
 
 def optional_flags(*pairs: tuple[str, object | None]) -> list[str]:
