@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,9 +74,12 @@ class HttpProber:
             async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
                 if r.status != 200:
                     return False, False, f"{launch.health_path} answered {r.status}"
-            async with self.session.get(launch.url + launch.models_path, timeout=self.timeout) as r:
+            auth = {"Authorization": f"Bearer {launch.token}"} if launch.token else {}
+            async with self.session.get(
+                launch.url + launch.models_path, timeout=self.timeout, headers=auth
+            ) as r:
                 doc = await r.json(content_type=None) if r.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON
             return False, False, f"{launch.url}: {type(exc).__name__} {exc}".strip()
         data = doc.get("data") if isinstance(doc, dict) else None
         names = (
@@ -115,6 +118,15 @@ class Runtime:
         return self._inventory_doc[1]
 
 
+def engine_addresses(bind: str, advertise: str, primary: Callable[[], str]) -> tuple[str, str]:
+    """(where engines listen, the address the router is told). By default both are the
+    advertised address (this machine's primary one unless set): engines are not reachable on
+    interfaces nobody routes to. A wildcard bind must be asked for explicitly."""
+    wildcard = bind in ("0.0.0.0", "::")
+    adv = advertise or (bind if bind and not wildcard else primary())
+    return (bind or adv), adv
+
+
 def check_identity(settings: AgentSettings, node: str) -> None:
     """Refuse to start with a client certificate that etcd or our peers would refuse."""
     for what, tls in (("etcd.tls", settings.etcd.tls), ("admin_tls", settings.admin_tls)):
@@ -140,9 +152,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     rt = Runtime(inv)
     publisher = Publisher()
     eh = settings.engines
-    advertise = eh.advertise_host or (
-        eh.bind_host if eh.bind_host not in ("0.0.0.0", "::") else primary_address()
-    )
+    bind_host, advertise = engine_addresses(eh.bind_host, eh.advertise_host, primary_address)
     async with aiohttp.ClientSession() as session, EtcdClient(settings.etcd) as client:
         ctx = RunnerContext(
             node=node,
@@ -155,7 +165,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             stop_grace_s=eh.stop_grace_s,
             probe_interval_s=eh.probe_interval_s,
         )
-        agent = NodeAgent(node, ctx, tools, eh.bind_host, lambda: rt.inventory, free_port,
+        agent = NodeAgent(node, ctx, tools, bind_host, lambda: rt.inventory, free_port,
                           settings.model_dirs)  # fmt: skip
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:

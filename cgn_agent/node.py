@@ -13,6 +13,7 @@ engines serving.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,7 @@ class NodeAgent:
                          rec.fingerprint.pid)  # fmt: skip
                 self.ctx.store.remove(replica)
                 continue
-            launch = self._launch(rec.spec, rec.port)
+            launch = self._launch(rec.spec, rec.port, rec.token)
             runner = ReplicaRunner(rec.spec, launch, rec.port, self.ctx)
             self.runners[replica] = runner
             if rec.fingerprint is None:
@@ -159,12 +160,13 @@ class NodeAgent:
         port = spec.port or (
             self.free_port(self.bind_host) if driver.name != "openai_compat" else 0
         )
-        runner = ReplicaRunner(spec, self._launch(spec, port), port, self.ctx)
+        token = secrets.token_urlsafe(32)  # the router presents it; other peers cannot
+        runner = ReplicaRunner(spec, self._launch(spec, port, token), port, self.ctx)
         self.runners[spec.replica] = runner
         await runner.begin()
 
-    def _launch(self, spec: ReplicaSpec, port: int) -> Launch:
-        ctx = LaunchContext(self.bind_host, port)
+    def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
+        ctx = LaunchContext(self.bind_host, port, token=token)
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
     def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:

@@ -90,6 +90,8 @@ class ReplicaRunner:
             "node": self.ctx.node,
             "replica": self.spec.replica,
         }
+        if self.launch.token:
+            doc["api_token"] = self.launch.token
         if self.spec.engine == "cgn_infer":  # it streams KV events with our hash scheme
             doc |= {
                 "block_size": BLOCK_SIZE,
@@ -189,8 +191,19 @@ class ReplicaRunner:
         except OSError as exc:
             await self.observe(sv.SpawnFailed(now, str(exc), self.ctx.rand()))
             return
+        try:
+            self.ctx.store.save(
+                ReplicaRecord(self.spec, self.port, self.url, proc.fp, self.launch.token)
+            )
+        except OSError as exc:
+            # NOTE: an engine the state file does not know could not be adopted after an agent
+            # restart (an orphan on every restart): it is stopped, and the spawn retried later.
+            log.error("replica %s: cannot record the engine (%s); stopping it", self.spec.replica,
+                      exc)  # fmt: skip
+            await proc.stop(self.ctx.stop_grace_s)
+            await self.observe(sv.SpawnFailed(now, f"state file: {exc}", self.ctx.rand()))
+            return
         self.proc = proc
-        self.ctx.store.save(ReplicaRecord(self.spec, self.port, self.url, proc.fp))
         await self.observe(sv.Spawned(now, proc.pid))
 
     async def _terminate(self) -> None:

@@ -13,7 +13,7 @@ from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSett
 class EngineHostSettings:
     """Where engines listen, and the address the router is told to reach them at."""
 
-    bind_host: str = "0.0.0.0"
+    bind_host: str = ""  # empty: the advertised address (0.0.0.0 must be asked for)
     advertise_host: str = ""  # empty: this machine's primary address
     stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
     probe_interval_s: float = 2.0  # readiness/liveness probes of Ready engines

@@ -30,6 +30,7 @@ class ReplicaRecord:
     port: int
     url: str
     fingerprint: Fingerprint | None  # None: nothing spawned (an external engine)
+    token: str = ""  # the engine's API secret (the file is 0600), so an adopted one keeps it
 
 
 class StateStore:
@@ -45,6 +46,7 @@ class StateStore:
             "port": rec.port,
             "url": rec.url,
             "fingerprint": rec.fingerprint and fingerprint_to_json(rec.fingerprint),
+            "token": rec.token,
         }
         atomic_write_json(self.path(rec.spec.replica), doc, mode=0o600)
 
@@ -66,6 +68,7 @@ class StateStore:
                         int(doc["port"]),
                         str(doc["url"]),
                         None if fp is None else fingerprint_from_json(fp),
+                        str(doc.get("token") or ""),
                     )
                 )
             except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -112,13 +112,21 @@ def make_app(service: str, help_text: str, settings_cls: type[Any]) -> typer.Typ
         double underscore, e.g. CGN_ROUTER_HTTP__PORT=8081.
         """
         settings = load_service_settings(settings_cls, service, config, parse_overrides(set_))
-        data = settings_to_dict(settings)
+        data = _masked(settings_to_dict(settings))
         if as_json:
             typer.echo(json.dumps(data, indent=2))
         else:
             typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
 
     return app
+
+
+def _masked(data: Any) -> Any:
+    """Settings as printed: secrets (a field named *token*, *secret* or *password*) hidden."""
+    if isinstance(data, dict):
+        return {k: "***" if v and any(w in k for w in ("token", "secret", "password"))
+                else _masked(v) for k, v in data.items()}  # fmt: skip
+    return data
 
 
 def not_built(app: typer.Typer, name: str, summary: str, issue: int | None) -> None:

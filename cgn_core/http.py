@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ from cgn_core.errors import (
     InvalidRequest,
     PayloadTooLarge,
     RequestTimeout,
+    Unauthorized,
     http_response_parts,
 )
 
@@ -178,6 +180,24 @@ def _refuse_lone_surrogates(value: Any) -> None:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+
+
+def bearer_middleware(token: str, open_paths: frozenset[str]) -> Any:
+    """Every path but `open_paths` needs `Authorization: Bearer <token>` (401 otherwise).
+
+    Sets `request["authenticated"]` for handlers that trust authenticated callers more
+    (cgn-infer honours x-cgn-priority only from them)."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        request["authenticated"] = hmac.compare_digest(given, expected)
+        if request.path not in open_paths and not request["authenticated"]:
+            return json_error(Unauthorized("this engine takes requests from its router only"))
+        return await handler(request)
+
+    return check
 
 
 def mtls_middleware(open_paths: frozenset[str]) -> Any:

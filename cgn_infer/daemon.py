@@ -52,8 +52,13 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
                            body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
     sock = bind_tcp(settings.http.host, settings.http.port)
     port = sock.getsockname()[1]
+    if not settings.api_token:
+        log.warning(
+            "engine API authentication is OFF (no api_token): anyone who reaches its port "
+            "can use it; fine for development only"
+        )
     runner = Runner(
-        build_app(svc),
+        build_app(svc, settings.api_token),
         idle_timeout_s=settings.http.idle_timeout_s,
         handler_cancellation=True,
         access_log=None,

@@ -26,7 +26,13 @@ from cgn_core.errors import (
     NotFound,
     Unavailable,
 )
-from cgn_core.http import PRIORITY_HEADER, error_middleware, parse_json, read_body
+from cgn_core.http import (
+    PRIORITY_HEADER,
+    bearer_middleware,
+    error_middleware,
+    parse_json,
+    read_body,
+)
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.kv_events import KvEventHub
@@ -134,11 +140,15 @@ class InferenceService:
             job.cancelled.set()
 
 
-def build_app(svc: InferenceService) -> web.Application:
-    app = web.Application(
-        client_max_size=MAX_BODY_BYTES,
-        middlewares=[error_middleware(MAX_BODY_BYTES, lambda _: svc.metrics.rejected.inc())],
-    )
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no token
+
+
+def build_app(svc: InferenceService, api_token: str = "") -> web.Application:
+    """The engine's HTTP surface; with `api_token`, /v1/* answers only bearers of it."""
+    middlewares = [error_middleware(MAX_BODY_BYTES, lambda _: svc.metrics.rejected.inc())]
+    if api_token:
+        middlewares.append(bearer_middleware(api_token, OPEN_PATHS))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
     app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
     app.router.add_get("/v1/models", lambda r: _models(svc))
@@ -151,7 +161,10 @@ def build_app(svc: InferenceService) -> web.Application:
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
     raw = await read_body(request, svc.body_timeout_s)
     parsed = parse_request(kind, parse_json(raw))
-    if (header := request.headers.get(PRIORITY_HEADER)) is not None:
+    # NOTE: the router's priority jumps queues: trusted only from a caller holding the token
+    # (or from anyone while the engine runs without one: development, logged at start).
+    trusted = request.get("authenticated", True)
+    if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
     if len(raw) < OFF_LOOP_BYTES:
         gen = svc.prepare(parsed)

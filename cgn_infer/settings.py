@@ -42,3 +42,7 @@ class InferSettings:
     aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
     sim: SimSettings = SimSettings()
     log: LogSettings = LogSettings()
+    # Requests to /v1/* must carry `Authorization: Bearer <api_token>`; only they may set
+    # x-cgn-priority. The agent sets it (CGN_INFER_API_TOKEN) for every engine it launches
+    # and publishes it to the router; empty: no authentication (development only, logged).
+    api_token: str = ""

@@ -38,7 +38,7 @@ from cgn_router.gate import Gate
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
-from cgn_router.proxy import Proxy
+from cgn_router.proxy import Proxy, engine_auth
 from cgn_router.registry import (
     Registry,
     Sessions,
@@ -286,23 +286,23 @@ class KvFollowers:
 
     def __init__(self, svc: RouterService, session: aiohttp.ClientSession, tg: asyncio.TaskGroup):
         self.svc, self.session, self.tg = svc, session, tg
-        self.tasks: dict[EndpointId, tuple[str, asyncio.Task[None]]] = {}
+        self.tasks: dict[EndpointId, tuple[tuple[str, str], asyncio.Task[None]]] = {}
 
     def reconcile(self) -> None:
         want = {
-            eid: s.endpoint.kv_events_url
+            eid: (s.endpoint.kv_events_url, s.endpoint.token)
             for eid, s in self.svc.registry.states.items()
             if s.endpoint.kv_events_url
         }
-        for eid, (url, task) in list(self.tasks.items()):
-            if want.get(eid) != url:
+        for eid, (source, task) in list(self.tasks.items()):
+            if want.get(eid) != source:
                 task.cancel()
                 del self.tasks[eid]
-        for eid, url in want.items():
+        for eid, source in want.items():
             if eid not in self.tasks:
-                self.tasks[eid] = (url, self.tg.create_task(self._follow(eid, url)))
+                self.tasks[eid] = (source, self.tg.create_task(self._follow(eid, *source)))
 
-    async def _follow(self, eid: EndpointId, url: str) -> None:
+    async def _follow(self, eid: EndpointId, url: str, token: str) -> None:
         index, metrics = self.svc.registry.index, self.svc.metrics
         backoff = Backoff(base=0.2, cap=5.0)
         timeout = aiohttp.ClientTimeout(
@@ -310,7 +310,9 @@ class KvFollowers:
         )
         while True:
             try:
-                async with self.session.get(url, timeout=timeout, read_bufsize=1 << 24) as resp:
+                async with self.session.get(
+                    url, timeout=timeout, read_bufsize=1 << 24, headers=engine_auth(token)
+                ) as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                     async for line in resp.content:

@@ -88,7 +88,7 @@ class Proxy:
         now = asyncio.get_running_loop().time()
         total_at = now + d.total_s - (time.monotonic() - started)
         ep = a.state.endpoint
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **engine_auth(ep.token)}
         rid = request.headers.get("x-request-id")
         if rid and "\r" not in rid and "\n" not in rid:
             headers["x-request-id"] = rid
@@ -207,6 +207,11 @@ class Proxy:
         headers["x-cognitora-endpoint"] = a.state.endpoint.id
         headers.update(a.extra_headers)
         return headers
+
+
+def engine_auth(token: str) -> dict[str, str]:
+    """The header that proves to an agent-launched engine that the router is calling."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @contextlib.asynccontextmanager

@@ -186,7 +186,10 @@ def _endpoint(eid: EndpointId, model: str, data: Mapping[str, Any], where: str) 
     block_size = data.get("block_size", BLOCK_SIZE)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"{where}: 'block_size' must be a positive integer")
-    endpoint = Endpoint(eid, model, url.rstrip("/"), block_size=block_size, **fields)
+    token = data.get("api_token", "")
+    if not isinstance(token, str):
+        raise ValueError(f"{where}: 'api_token' must be a string")
+    endpoint = Endpoint(eid, model, url.rstrip("/"), block_size=block_size, token=token, **fields)
     if "kv_events_url" not in fields and endpoint.engine == "cgn-infer":
         endpoint = replace(endpoint, kv_events_url=endpoint.url + "/v1/kv/events")
     if endpoint.kv_events_url and (

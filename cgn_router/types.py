@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 from cgn_core.blockhash import BLOCK_SIZE
@@ -24,6 +24,9 @@ class Endpoint:
     block_size: int = BLOCK_SIZE
     hash_scheme: str = "cognitora.kv.v1"
     kv_events_url: str = ""  # "" when the engine publishes no KV events
+    # The engine's API secret from its endpoint record (sent as Authorization: Bearer);
+    # "" for engines that take none. Never shown by /endpoints.
+    token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

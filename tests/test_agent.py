@@ -105,8 +105,10 @@ async def ready(c: EtcdClient, model: str, replica: str) -> dict[str, Any]:
     return await eventually(probe, f"{replica} Ready with its endpoint published")
 
 
-def chat(url: str, model: str) -> str:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def chat(url: str, model: str, token: str = "") -> str:
+    """One chat completion straight to an engine (with its API secret, if it has one)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=token or "unused", max_retries=0,
+                           timeout=60)  # fmt: skip
     out = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, temperature=0
     )
@@ -141,7 +143,11 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
             llama["endpoint"]["engine"] == "llamacpp" and "kv_events_url" not in llama["endpoint"]
         )
         assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
-        await asyncio.to_thread(chat, ep["url"], "smol-infer")
+        # The engine answers its router only: the secret is in its endpoint record.
+        assert len(ep["api_token"]) > 30 and "api_token" not in llama["endpoint"]
+        with pytest.raises(openai.AuthenticationError, match="from its router only"):
+            await asyncio.to_thread(chat, ep["url"], "smol-infer")
+        await asyncio.to_thread(chat, ep["url"], "smol-infer", ep["api_token"])
         await asyncio.to_thread(chat, llama["endpoint"]["url"], "smol-llama")
         node = await get(c, f"/cognitora/nodes/{NODE}")
         assert node["node_class"] == "cpu" and node["cpu"]["cores"] >= 1
@@ -238,12 +244,15 @@ async def test_killed_engine_is_withdrawn_then_restarted_with_backoff(fleet: Fle
         after = await ready(c, "smol-infer", INFER)
         assert after["status"]["pid"] != before["pid"]
         assert after["status"]["restarts"] == before["restarts"] + 1
-        await asyncio.to_thread(chat, after["endpoint"]["url"], "smol-infer")
+        await asyncio.to_thread(
+            chat, after["endpoint"]["url"], "smol-infer", after["endpoint"]["api_token"]
+        )
 
 
 async def test_agent_killed_and_restarted_adopts_the_running_engines(fleet: Fleet) -> None:
     async with EtcdClient(fleet.settings()) as c:
         pids = {r: (await get(c, status_key(r)))["pid"] for r in (INFER, LLAMA)}
+        token = (await get(c, endpoint_key("smol-infer", INFER)))["api_token"]
         assert fleet.agent is not None
         fleet.agent.proc.send_signal(signal.SIGKILL)
         fleet.agent.proc.wait(10)
@@ -258,8 +267,9 @@ async def test_agent_killed_and_restarted_adopts_the_running_engines(fleet: Flee
         for r, model in ((INFER, "smol-infer"), (LLAMA, "smol-llama")):
             ep = await ready(c, model, r)
             assert ep["status"]["pid"] == pids[r]
-        await asyncio.to_thread(chat, (await get(c, endpoint_key("smol-infer", INFER)))["url"],
-                                "smol-infer")  # fmt: skip
+        ep = (await ready(c, "smol-infer", INFER))["endpoint"]
+        assert ep["api_token"] == token  # the adopted engine keeps its secret (state file)
+        await asyncio.to_thread(chat, ep["url"], "smol-infer", ep["api_token"])
 
 
 async def _all_ready(agent: Agent) -> dict[str, Any] | None:
@@ -285,9 +295,10 @@ async def test_etcd_outage_engines_keep_serving_and_the_agent_registers_again(
         await eventually(
             lambda: _etcd_flag(agent, False), "the agent to notice etcd is gone", timeout_s=15
         )
-        await asyncio.to_thread(chat, infer["endpoint"]["url"], "smol-infer")
+        url, token = infer["endpoint"]["url"], infer["endpoint"]["api_token"]
+        await asyncio.to_thread(chat, url, "smol-infer", token)
         await asyncio.sleep(max(0.0, 20 - (time.monotonic() - outage_started)))
-        await asyncio.to_thread(chat, infer["endpoint"]["url"], "smol-infer")
+        await asyncio.to_thread(chat, url, "smol-infer", token)
         phases = {
             r["phase"]
             for r in (await asyncio.to_thread(admin, agent, "/replicas"))["replicas"].values()

@@ -43,6 +43,8 @@ class Launch:
     # Prometheus page, so the router relies on its own in-flight counts.
     metrics_dialect: str | None = None
     http_ranks: tuple[int, ...] = (0,)  # of a multi-process engine, the ranks with an HTTP server
+    # The secret the router must present (Authorization: Bearer); "" when the engine takes none.
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class LaunchContext:
     host: str  # the address engines bind
     port: int  # resolved (never 0)
     python: str = sys.executable
+    token: str = ""  # a fresh per-replica secret, for engines that can require one
 
 
 class Toolbox(Protocol):

@@ -48,9 +48,13 @@ class CgnInferDriver:
         argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
         argv += ["--device", "cuda"] if spec.devices else []
         argv += optional_flags(("--dtype", p.dtype))
+        env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
+        if ctx.token:  # NOTE: in the environment, not argv: argv is world-readable in ps
+            env["CGN_INFER_API_TOKEN"] = ctx.token
         return Launch(
             tuple(argv + list(p.extra_args)),
-            {**(cuda_env(spec) if spec.devices else {}), **p.env},
+            env,
             url_for(ctx),
             metrics_dialect="cgn-infer",
+            token=ctx.token,
         )
