@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from cgn_agent.drivers import Launch
 from cgn_agent.identity import node_id
 from cgn_agent.inventory.nvidia import GpuProcess
 from cgn_agent.node import stray_engine_pids
 from cgn_agent.processes import EngineProcess, fingerprint, log_tail, matches, spawn
 from cgn_agent.publisher import Publisher
+from cgn_agent.runner import ReplicaRunner, RunnerContext
 from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
+from cgn_agent.supervisor import Phase, Policy
 from cgn_core.errors import ConfigError, EtcdUnavailable
 
 SPEC = ReplicaSpec(ReplicaId("r1"), "smol", "cgn_infer", "/m/smol.gguf", 8001,
@@ -189,3 +194,55 @@ def test_a_process_that_execs_again_is_still_the_one_we_started(tmp_path: Path) 
         proc.kill()
         proc.wait()
         proc.stdin.close()  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs, filled: every write there fails with ENOSPC (as root only)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode:  # fmt: skip
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        (mnt / "replicas").mkdir()
+        with contextlib.suppress(OSError), (mnt / "fill").open("wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_a_full_disk_stops_the_engine_it_cannot_record(
+    tmp_path: Path, full_disk: Path
+) -> None:
+    """The engine starts, its state record cannot be written: it must not be left running
+    (a restarted agent could never adopt it), and the replica fails with the reason."""
+    marker = f"cgn-full-disk-{os.getpid()}"
+    argv = (sys.executable, "-c", "import time; time.sleep(60)", marker)
+    ctx = RunnerContext(node="n1", publisher=Publisher(), store=StateStore(full_disk),
+                        prober=NeverReady(), policy=Policy(), log_dir=tmp_path / "logs",
+                        advertise_url=lambda port: f"http://127.0.0.1:{port}", stop_grace_s=5,
+                        probe_interval_s=1)  # fmt: skip
+    runner = ReplicaRunner(SPEC, Launch(argv, url="http://127.0.0.1:1"), 1, ctx)
+    await runner.begin()
+    assert runner.state.phase == Phase.FAILED and "No space left" in runner.state.reason
+    assert runner.proc is None and not running(marker)
+
+
+def running(marker: str) -> bool:
+    """Whether any process has `marker` in its command line."""
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if marker.encode() in path.read_bytes():
+                return True
+    return False
+
+
+class NeverReady:
+    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
+        return False, False, "not probed in this test"
+
+    async def in_flight(self, launch: Launch) -> int | None:
+        return None
