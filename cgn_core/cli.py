@@ -145,7 +145,8 @@ def not_built(app: typer.Typer, name: str, summary: str, issue: int | None) -> N
 
 
 def run(app: typer.Typer) -> Callable[[], None]:
-    """A console-script entry point that turns a stray CognitoraError into one line + exit code."""
+    """A console-script entry point: whatever escapes a command becomes one line and an exit
+    code, never a traceback (the user gets what went wrong; a bug says it is one)."""
 
     def main() -> None:
         try:
@@ -153,5 +154,21 @@ def run(app: typer.Typer) -> Callable[[], None]:
         except CognitoraError as exc:
             typer.echo(f"error: {exc.message}", err=True)
             sys.exit(EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE)
+        except OSError as exc:  # a full disk, a permission, a port in use, a missing file
+            where = f"{exc.filename}: " if exc.filename else ""
+            typer.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            sys.exit(EXIT_FAILURE)
+        except UnicodeError as exc:
+            typer.echo(f"error: not UTF-8 text ({exc})", err=True)
+            sys.exit(EXIT_USAGE)
+        except RecursionError:
+            typer.echo("error: input nested too deeply", err=True)
+            sys.exit(EXIT_USAGE)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as exc:  # NOTE: the top of the program: a bug, said in one line
+            typer.echo(f"error: unexpected {type(exc).__name__}: {exc} (a bug: please report it)",
+                       err=True)  # fmt: skip
+            sys.exit(EXIT_FAILURE)
 
     return main

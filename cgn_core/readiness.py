@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cgn_core.errors import ConfigError
 from cgn_core.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,10 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     try:
         sock.bind((host, port))
         sock.listen(1024)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        # NOTE: a ConfigError, so every daemon says which address in one line (exit 2)
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
 

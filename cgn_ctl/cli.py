@@ -86,12 +86,25 @@ def explain_placement(
 def cordon(
     node: Annotated[str, typer.Argument(help="Node id.")],
     reason: Annotated[str, typer.Option("--reason", help="Recorded with the cordon.")] = "",
+    pre: Annotated[
+        bool, typer.Option("--pre", help="Cordon a node that has not joined (yet).")
+    ] = False,
     etcd: Etcd = None,
     config: Config = None,
 ) -> None:
     """Place nothing new on NODE (what runs there keeps running). Survives agent restarts."""
-    with_etcd(etcd, config, lambda c: ops.cordon(c, node, reason=reason))
-    typer.echo(f"{node} cordoned")
+
+    async def work(c: EtcdClient) -> bool:
+        known = await ops.node_exists(c, node)
+        if known or pre:
+            await ops.cordon(c, node, reason=reason)
+        return known
+
+    known = with_etcd(etcd, config, work)
+    if not known and not pre:
+        fail(f"no node {node!r} is registered (cgn-ctl nodes lists them); --pre cordons it "
+             "before it joins", EXIT_USAGE)  # fmt: skip
+    typer.echo(f"{node} cordoned" if known else f"{node} pre-cordoned (it has not joined yet)")
 
 
 @app.command()
@@ -179,9 +192,13 @@ def models_apply(
 ) -> None:
     """Validate and store models; refused as a whole, with the field path, if any is wrong."""
     try:
-        docs = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
+        docs = [d for d in yaml.safe_load_all(file.read_text(encoding="utf-8")) if d is not None]
     except OSError as exc:
         fail(f"{file}: {exc.strerror}", EXIT_USAGE)
+    except UnicodeDecodeError:
+        fail(f"{file}: not UTF-8 text", EXIT_USAGE)
+    except RecursionError:
+        fail(f"{file}: nested too deeply", EXIT_USAGE)
     except yaml.YAMLError as exc:
         fail(f"{file}: not YAML ({str(exc).splitlines()[0]})", EXIT_USAGE)
     if len(docs) == 1 and isinstance(docs[0], list):
@@ -272,7 +289,10 @@ def up(
     if doc.get("joined"):
         typer.echo(f"node {doc['node']} joined the cluster at {doc['etcd']}")
         return
-    typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}\n")
+    typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}")
+    typer.echo(f"etcd:       {doc['etcd']}")
+    typer.echo(f"router admin: {doc.get('router_admin', '-')} (/metrics, /endpoints)")
+    typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}\n")
     typer.echo(f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{doc['model']}\", "
                f"\"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}]}}'")  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -15,11 +16,17 @@ from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
+from cgn_core.settings import EtcdSettings
 from cgn_ctl.settings import CtlSettings
+from cgn_ctl.up import read_record
 
 T = TypeVar("T")
 
-Etcd = Annotated[str | None, flag("--etcd", "etcd endpoints, comma-separated (127.0.0.1:2379).")]
+Etcd = Annotated[
+    str | None,
+    flag("--etcd", "etcd endpoints, comma-separated (default: the one `cgn-ctl up` started, "
+                   "else 127.0.0.1:2379)."),
+]  # fmt: skip
 Config = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
@@ -27,13 +34,28 @@ Config = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
+def ctl_settings(etcd: str | None, config: Path | None) -> CtlSettings:
+    """cgn-ctl's settings; with no etcd given anywhere, the one `cgn-ctl up` started."""
+    flags = {"etcd.endpoints": etcd} if etcd else {}
+    settings = load_service_settings(CtlSettings, "ctl", config, flags)
+    if etcd or settings.etcd.endpoints != EtcdSettings().endpoints:
+        return settings
+    try:
+        record = read_record(settings.state_dir)
+    except CognitoraError:
+        return settings  # a damaged record: `status` reports it; the default still applies
+    found = record.get("etcd") if record else None
+    if isinstance(found, str) and found:
+        return replace(settings, etcd=replace(settings.etcd, endpoints=(found,)))
+    return settings
+
+
 def with_etcd(
     etcd: str | None, config: Path | None, work: Callable[[EtcdClient], Awaitable[T]]
 ) -> T:
     """Load settings, open a client, run `work`; errors become one line and an exit code
     (2 for input the catalog or the key store refuses, 1 for everything else)."""
-    flags = {"etcd.endpoints": etcd} if etcd else {}
-    settings = load_service_settings(CtlSettings, "ctl", config, flags)
+    settings = ctl_settings(etcd, config)
     setup_logging("ctl", settings.log)
 
     async def main() -> T:

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from cgn_core.apikeys import KEYS_PREFIX, Limits, create, parse_record
+from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
-from cgn_ctl.common import Config, Etcd, Json, with_etcd
+from cgn_ctl.common import Config, Etcd, Json, ctl_settings, with_etcd
 
 app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
 
@@ -50,6 +51,11 @@ def create_cmd(
 ) -> None:
     """Create a key and print it (once: only its hash is stored)."""
     names = tuple(m.strip() for m in models.split(",") if m.strip())
+    known = ctl_settings(etcd, config).bands
+    if band not in known:
+        why = f"band {band!r} is not one of the routers' bands ({', '.join(known)})"
+        fail(f"{why}; for routers with other admission.bands, list them in the `bands` setting",
+             EXIT_USAGE)  # fmt: skip
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
         key, record = create(tenant, band, models=names, admin=admin,

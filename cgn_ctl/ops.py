@@ -150,6 +150,14 @@ async def cordon(client: EtcdClient, node: str, *, drain: bool = False, grace_s:
     return doc
 
 
+async def node_exists(client: EtcdClient, node: str) -> bool:
+    """Whether `node` is registered now or has placements (a node that is down still counts)."""
+    if await client.get(keys.NODES + node) is not None:
+        return True
+    placed, _ = await client.get_prefix(f"{keys.PLACEMENTS}{node}/")
+    return bool(placed)
+
+
 async def uncordon(client: EtcdClient, node: str) -> bool:
     return await client.delete(keys.CORDON + node) > 0
 

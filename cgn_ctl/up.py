@@ -150,12 +150,14 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
     if opts.join is None:
         router_cfg = state / "router.yaml"
         router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
-        port = _free(opts.port)
         router = executables.require("cgn-router")
-        starter.start("router", [router, "serve", "--config", str(router_cfg),
-                                 "--port", str(port), "--admin-port", str(_free(opts.admin_port)),
+        started = starter.start("router", [router, "serve", "--config", str(router_cfg),
+                                 "--port", str(_free(opts.port)),
+                                 "--admin-port", str(_free(opts.admin_port)),
                                  "--ready-file", str(ready_dir / "router.ready")],
                       ready_dir / "router.ready")  # fmt: skip
+        # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
+        port, admin_port = int(started["ports"]["http"]), int(started["ports"]["admin"])
     agent_argv = [executables.require("cgn-agent"), "run", "--etcd", etcd,
                   "--state-dir", str(state / "agent"),
                   "--admin-port", str(_free(opts.agent_port)),
@@ -170,7 +172,9 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         return read_record(state) or {}
     url = f"http://127.0.0.1:{port}/v1"
     model, key = _declare(etcd, opts, say)
-    starter.save({"etcd": etcd, "url": url, "model": model, "key": key, "node": agent["node"]})
+    starter.save({"etcd": etcd, "url": url, "model": model, "key": key, "node": agent["node"],
+                  "router_admin": f"http://127.0.0.1:{admin_port}",
+                  "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}"})  # fmt: skip
     _wait_served(url, model, key, opts.timeout_s, etcd, say)
     return read_record(state) or {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,3 +162,41 @@ def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Pat
         == "error: model 'nope' is not in the catalog"
     )
     assert ctl(etcd, "drain", "g1", "--grace", "0").returncode == 2
+
+
+def test_operator_mistakes_are_refused_in_one_line(etcd: LocalEtcd, tmp_path: Path) -> None:
+    etcd_put(etcd.endpoint, "/cognitora/nodes/c1", CPU_NODE)
+    typo = ctl(etcd, "cordon", "c1-typo")
+    assert typo.returncode == 2 and typo.stderr.startswith("error: no node 'c1-typo' is registered")
+    assert etcd_get(etcd, "/cognitora/cordon/c1-typo") is None
+    pre = ctl(etcd, "cordon", "c9", "--pre")
+    assert pre.returncode == 0 and pre.stdout.strip() == "c9 pre-cordoned (it has not joined yet)"
+    band = ctl(etcd, "keys", "create", "--tenant", "acme", "--band", "golden")
+    assert band.returncode == 2 and "band 'golden' is not one of the routers' bands" in band.stderr
+    for content, why in (
+        (b"\xff\xfe", "not UTF-8 text"),
+        (b"a: " + b"[" * 5000, "nested too deeply"),
+    ):
+        path = tmp_path / "bad.yaml"
+        path.write_bytes(content)
+        res = ctl(etcd, "models", "apply", "-f", str(path))
+        assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr
+
+
+def test_commands_find_the_etcd_that_up_started(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """With no --etcd, cgn-ctl reads the etcd `up` recorded (it may have moved off 2379)."""
+    etcd_put(etcd.endpoint, "/cognitora/nodes/c1", CPU_NODE)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "up.json").write_text(json.dumps({"etcd": etcd.endpoint, "processes": []}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGN_CTL_")}
+    res = subprocess.run([CTL, "nodes", "--json"], capture_output=True, text=True, timeout=60,
+                         env={**env, "CGN_CTL_STATE_DIR": str(state)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "c1" in {n["node"] for n in json.loads(res.stdout)}
+
+
+def etcd_get(etcd: LocalEtcd, key: str) -> Any:
+    from tests.support.procs import etcd_run
+
+    return etcd_run(etcd.endpoint, lambda c: c.get(key))

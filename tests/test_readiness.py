@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cgn_core.errors import ConfigError
 from cgn_core.process import stop_group
 from cgn_core.readiness import bind_tcp, sd_notify, wait_ready_file, write_ready_file
 
@@ -69,7 +70,9 @@ def test_bind_tcp_port_zero_and_conflict() -> None:
     try:
         port = sock.getsockname()[1]
         assert port > 0
-        with pytest.raises(OSError):
+        with pytest.raises(
+            ConfigError, match=f"cannot listen on 127.0.0.1:{port}: Address already"
+        ):
             bind_tcp("127.0.0.1", port)
     finally:
         sock.close()
