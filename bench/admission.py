@@ -13,7 +13,12 @@ the probes, bronze keys for the load. Phases, each on a fresh load:
 2. admission on: `--bronze` concurrent bronze streams without pause, then the
    same platinum probes through the router with admission;
 3. admission off: the same load and probes through the unprotected router;
-4. engine priority only: the same through the third router.
+4. engine priority only: the same through the third router;
+5. two routers (`--two-routers`): a fourth router with admission on in front of
+   the same engines; the bronze load is split evenly between it and the first,
+   the probes go through the first. Admission counts what the engines run
+   beyond a router's own requests as the other router's, so platinum should
+   keep the one-router ratio. With `--two-routers` only phases 1, 2 and 5 run.
 
 A probe is a streaming completion of a 1000-token prompt of its own (no
 prefix-cache hits), timed to its first token (TTFT, measured by the client);
@@ -63,6 +68,7 @@ class Fleet:
     without_admission: Router  # and without engine priorities
     priority_only: Router  # engine priorities, no admission
     keys: dict[str, str]  # name -> API key
+    twin: Router | None = None  # a second router with admission on, same engines
 
 
 def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
@@ -72,7 +78,7 @@ def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
 
 
 @contextmanager
-def fleet(tmp: Path) -> Iterator[Fleet]:
+def fleet(tmp: Path, twin: bool = False) -> Iterator[Fleet]:
     """etcd, two sim engines, two routers (admission on / off) and the keys; all stopped after."""
     with ExitStack() as stack:
         etcd = LocalEtcd(tmp / "etcd")
@@ -94,7 +100,8 @@ def fleet(tmp: Path) -> Iterator[Fleet]:
                 "bronze": put_key(etcd, "batch", "bronze"),
                 "bronze-big": put_key(etcd, "big-tenant", "bronze"),
                 "bronze-small": put_key(etcd, "small-tenant", "bronze")}  # fmt: skip
-        yield Fleet(etcd, on, off, prio, keys)
+        second = stack.enter_context(cgn_router(tmp, base)) if twin else None
+        yield Fleet(etcd, on, off, prio, keys, second)
 
 
 async def completion(session: aiohttp.ClientSession, url: str, key: str, prompt: list[int],
@@ -175,25 +182,33 @@ def _load_process(url: str, key: str, n: int, seed: int) -> None:
 
 
 async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: int,
-                     seed: int) -> dict[str, Any]:  # fmt: skip
-    """Platinum probes while `n_bronze` bronze streams run without pause (in their own process,
-    as other users' traffic would: the probes' timings are not the load generator's)."""
-    code = (
-        "from bench.admission import _load_process; "
-        f"_load_process({url!r}, {keys['bronze']!r}, {n_bronze}, {seed})"
-    )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT
-    )
+                     seed: int, load_urls: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """Platinum probes through `url` while `n_bronze` bronze streams run without pause, split
+    evenly over `load_urls` (default: `url`), each share in its own process as other users'
+    traffic would be (the probes' timings are not the load generator's)."""
+    urls = load_urls or (url,)
+    procs = []
+    for i, load_url in enumerate(urls):
+        n = n_bronze // len(urls) + (1 if i < n_bronze % len(urls) else 0)
+        code = (
+            "from bench.admission import _load_process; "
+            f"_load_process({load_url!r}, {keys['bronze']!r}, {n}, {seed * 10 + i})"
+        )
+        procs.append(await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT
+        ))  # fmt: skip
     try:
         await asyncio.sleep(4.0)  # the load settles: engines busy, queues filled
         ttfts = await probes(url, keys["platinum"], n_probes, random.Random(seed))
     finally:
-        proc.terminate()
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
-    counts = json.loads(out.decode().strip().splitlines()[-1])
-    return {"ttft": ttfts, "bronze_per_s": counts["done"] / counts["seconds"],
-            "bronze_failed": counts["failed"]}  # fmt: skip
+        outs = []
+        for proc in procs:
+            proc.terminate()
+            outs.append((await asyncio.wait_for(proc.communicate(), timeout=120))[0])
+    counts = [json.loads(out.decode().strip().splitlines()[-1]) for out in outs]
+    return {"ttft": ttfts,
+            "bronze_per_s": sum(c["done"] / c["seconds"] for c in counts),
+            "bronze_failed": sum(c["failed"] for c in counts)}  # fmt: skip
 
 
 async def fairness(
@@ -219,6 +234,42 @@ async def fairness(
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+async def measure_two_routers(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
+    """Idle, one router with admission, then two routers sharing the bronze load."""
+    assert f.twin is not None
+    rng = random.Random(7)
+    await probes(f.with_admission.url, f.keys["platinum"], 3, rng)  # warm-up
+    idle = await probes(f.with_admission.url, f.keys["platinum"], n_probes, rng)
+    on = await under_load(f.with_admission.url, f.keys, n_bronze, n_probes, seed=1)
+    await asyncio.sleep(2.0)
+    two = await under_load(f.with_admission.url, f.keys, n_bronze, n_probes, seed=4,
+                           load_urls=(f.with_admission.url, f.twin.url))  # fmt: skip
+    base = pct(idle, 0.99)
+    return {
+        "idle": {"p50": pct(idle, 0.5), "p99": base, "n": len(idle)},
+        "admission_on": _loaded(on),
+        "two_routers": _loaded(two),
+        "ratio_on": pct(on["ttft"], 0.99) / base,
+        "ratio_two_routers": pct(two["ttft"], 0.99) / base,
+        "bronze_streams": n_bronze,
+        "ttft_ms": {"idle": _ms(idle), "admission_on": _ms(on["ttft"]),
+                    "two_routers": _ms(two["ttft"])},
+    }  # fmt: skip
+
+
+def table_two_routers(r: dict[str, Any]) -> str:
+    rows = ["| phase | platinum TTFT p50 | p99 | p99 / idle | bronze done/s |",
+            "|---|---|---|---|---|",
+            f"| idle | {r['idle']['p50'] * 1000:.0f} ms | {r['idle']['p99'] * 1000:.0f} ms | 1.00 | - |"]  # fmt: skip
+    for name, key, ratio in (("one router, admission on", "admission_on", "ratio_on"),
+                             ("two routers, load split", "two_routers", "ratio_two_routers")):  # fmt: skip
+        p = r[key]
+        rows.append(f"| {name} | {p['p50'] * 1000:.0f} ms | {p['p99'] * 1000:.0f} ms | "
+                    f"{r[ratio]:.2f} | {p['bronze_per_s']:.1f} |")  # fmt: skip
+    rows += ["", f"{r['bronze_streams']} concurrent bronze streams in each loaded phase."]
+    return "\n".join(rows)
 
 
 async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
@@ -289,10 +340,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bronze", type=int, default=500)
     ap.add_argument("--probes", type=int, default=20)
+    ap.add_argument(
+        "--two-routers",
+        action="store_true",
+        help="idle, one router, then two routers sharing the load (phases 1, 2, 5)",
+    )
     args = ap.parse_args()
+    from bench.common import write_result
+
+    if args.two_routers:
+        with tempfile.TemporaryDirectory() as tmp, fleet(Path(tmp), twin=True) as f:
+            result = asyncio.run(measure_two_routers(f, args.bronze, args.probes))
+        cmd = (
+            f"python -m bench.admission --two-routers --bronze {args.bronze} --probes {args.probes}"
+        )
+        write_result("admission_two_routers", cmd, result, table_two_routers(result))
+        print(table_two_routers(result))
+        return
     with tempfile.TemporaryDirectory() as tmp, fleet(Path(tmp)) as f:
         result = asyncio.run(measure(f, args.bronze, args.probes))
-    from bench.common import write_result
 
     cmd = f"python -m bench.admission --bronze {args.bronze} --probes {args.probes}"
     write_result("admission", cmd, result, table(result))

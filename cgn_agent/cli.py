@@ -50,7 +50,7 @@ def run_agent(
 
     Watches /cognitora/placements/<node>/, starts each replica with its engine's
     driver, publishes /cognitora/replicas/<node>/<replica> and, once Ready,
-    /cognitora/endpoints/<model>/<node>.<replica>; see docs/cgn-agent.md.
+    /cognitora/endpoints/<node>/<model>/<replica>; see docs/cgn-agent.md.
     """
     flags = parse_overrides(set_)
     for key, value in {

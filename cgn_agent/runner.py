@@ -75,8 +75,9 @@ class ReplicaRunner:
 
     @property
     def endpoint_key(self) -> str:
-        # NOTE: the node is part of the id, so two nodes' replica ids never collide.
-        return f"{keys.ENDPOINTS}{self.spec.model}/{self.ctx.node}.{self.spec.replica}"
+        # NOTE: under the node's own prefix, so etcd RBAC can confine a node to its endpoints;
+        # the router's id for it is <model>/<node>.<replica> (two nodes' ids never collide).
+        return f"{keys.ENDPOINTS}{self.ctx.node}/{self.spec.model}/{self.spec.replica}"
 
     @property
     def url(self) -> str:

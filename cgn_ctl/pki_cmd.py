@@ -19,6 +19,7 @@ from cryptography import x509
 
 from cgn_core import pki
 from cgn_core.cli import EXIT_USAGE, fail
+from cgn_ctl.common import Config, Etcd, with_etcd
 
 app = typer.Typer(help="The cluster's private CA and certificates.", no_args_is_help=True)
 
@@ -179,3 +180,37 @@ def _leaf_params(cert: x509.Certificate) -> tuple[str, str, list[str], pki.Usage
         "both" if len(ekus) == 2 else ("server" if "serverAuth" in ekus else "client")
     )
     return node, role, sans, usage
+
+
+@app.command()
+def rbac(
+    node: Annotated[
+        list[str] | None,
+        typer.Option("--node", help="A node id to give its own role (repeatable)."),
+    ] = None,
+    router: Annotated[
+        list[str] | None,
+        typer.Option("--router", help="A node id whose certificate runs a router (repeatable)."),
+    ] = None,
+    admin: Annotated[
+        list[str] | None,
+        typer.Option("--admin", help="An operator's certificate CN to make root (repeatable)."),
+    ] = None,
+    no_enable: Annotated[
+        bool, typer.Option("--no-enable", help="Create roles and users, leave auth off.")
+    ] = False,
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Confine each certificate to its own keys in etcd (roles per node, routers, operators),
+    then switch etcd's auth on. etcd must run with --client-cert-auth; call this with a `root`
+    certificate (`cgn-ctl pki issue --node root --role ctl`) in cgn-ctl's etcd.tls settings.
+    Idempotent: run it again with more --node to add nodes."""
+    from cgn_core import rbac as rbac_plan
+    from cgn_core.etcd.auth import apply_plan
+
+    plan = rbac_plan.plan(node or [], router or [], admin or [])
+    with_etcd(etcd, config, lambda c: apply_plan(c, plan, enable=not no_enable))
+    for user, roles in sorted(plan.users.items()):
+        typer.echo(f"{user}: {', '.join(roles)}")
+    typer.echo("etcd auth enabled" if not no_enable else "roles and users created; auth is off")

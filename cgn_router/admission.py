@@ -1,10 +1,14 @@
 """Admission: *when* a request may proceed (routing decides *where*). Pure; gate.py does the I/O.
 
 Saturation of a pool (the endpoints serving one model) is one number: the
-worse of its batch occupancy, (requests admitted and not finished) / (learned
-batch capacity), and its KV usage. Requests admitted count from the moment of
-admission (a lease), so a burst that arrives at once cannot slip past the
-ceiling before any of it reaches an engine.
+worse of its batch occupancy, (requests admitted and not finished + requests
+other routers have at its engines) / (learned batch capacity), and its KV
+usage. Requests admitted here count from the moment of admission (a lease),
+so a burst that arrives at once cannot slip past the ceiling before any of
+it reaches an engine. Other routers' requests come from the engines' own
+running and waiting counts (the shared truth every router scrapes) less this
+router's requests there at the time of the scrape, so several routers in
+front of one pool hold the same ceilings as one (to within a scrape).
 
 Each priority band has a ceiling: a request is admitted at once while its
 band has nobody waiting and the pool would stay at or below the ceiling;
@@ -97,10 +101,12 @@ class Admission:
         self.active: Counter[str] = Counter()  # pool -> admitted, not yet finished
         self.capacity: dict[str, float] = {}  # pool -> batch slots
         self.kv_usage: dict[str, float] = {}  # pool -> 0..1
+        self.others: dict[str, float] = {}  # pool -> requests other routers have there
 
     def saturation(self, pool: str, extra: int = 0) -> float:
         cap = max(self.capacity.get(pool, 1.0), 1.0)
-        return max((self.active[pool] + extra) / cap, self.kv_usage.get(pool, 0.0))
+        busy = self.active[pool] + self.others.get(pool, 0.0) + extra
+        return max(busy / cap, self.kv_usage.get(pool, 0.0))
 
     def offer(self, t: Ticket) -> Verdict:
         band = self.bands.get(t.band)

@@ -16,6 +16,7 @@ import logging
 import signal
 import ssl
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -273,6 +274,8 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
             return
         text = page.decode("utf-8", "replace")  # the page is the engine's word: never trusted
         load = engine_load(text, name_map(state.endpoint.engine), time.monotonic())
+        if load is not None:
+            load = replace(load, own_in_flight=state.in_flight)
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
 
     while True:

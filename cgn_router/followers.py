@@ -11,6 +11,7 @@ the daemon, and contains anything a handler still raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,13 @@ from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import RecordLog, cordon
 from cgn_router.catalog import CATALOG_PREFIX, entry_from_etcd
 from cgn_router.pipeline import check_weights, weights_from
-from cgn_router.registry import CORDON_PREFIX, ENDPOINTS_PREFIX, endpoint_from_doc
+from cgn_router.registry import (
+    CORDON_PREFIX,
+    ENDPOINTS_PREFIX,
+    endpoint_from_doc,
+    endpoint_key_parts,
+)
 from cgn_router.server import RouterService
-from cgn_router.types import EndpointId
 
 log = logging.getLogger(__name__)
 POLICY_KEY = keys.POLICY_ROUTING
@@ -70,7 +75,8 @@ class EtcdFollowers:
 
     def endpoints_event(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":
-            self.svc.registry.remove(EndpointId(ev.kv.key[len(ENDPOINTS_PREFIX) :]))
+            with contextlib.suppress(ValueError):  # a key that never parsed was never registered
+                self.svc.registry.remove(endpoint_key_parts(ev.kv.key)[0])
         elif (ep := self._endpoint(ev.kv)) is not None:
             self.svc.registry.upsert(ep, "etcd")
         self.on_endpoints()

@@ -41,6 +41,7 @@ class Gate:
         now = time.monotonic()
         caps: dict[str, float] = {}
         kvs: dict[str, list[float]] = {}
+        others: dict[str, float] = {}
         floor = float(self.settings.default_capacity)
         for eid, s in self.registry.states.items():
             pool = s.endpoint.model
@@ -50,11 +51,15 @@ class Gate:
             if load is not None and now - load.scraped_at <= self.registry.stale_s:
                 cap = learned.observe(load.running, load.waiting, load.scraped_at)
                 kvs.setdefault(pool, []).append(load.kv_usage)
+                # NOTE: what the engine holds beyond our own requests is other routers' load
+                theirs = max(0.0, load.running + load.waiting - load.own_in_flight)
+                others[pool] = others.get(pool, 0.0) + theirs
             caps[pool] = caps.get(pool, 0.0) + cap
         for gone in self.learned.keys() - self.registry.states.keys():
             del self.learned[gone]
         self.adm.capacity = caps
         self.adm.kv_usage = {p: sum(v) / len(v) for p, v in kvs.items() if v}
+        self.adm.others = others
         for pool in caps:
             self.metrics.saturation.labels(pool).set(self.adm.saturation(pool))
 

@@ -1,7 +1,7 @@
 """The endpoints the router knows, with the live state it keeps for each.
 
 Endpoints come from two sources, merged: the static list in settings and the
-etcd prefix `/cognitora/endpoints/<model>/<replica>`. Re-registering an
+etcd prefix `/cognitora/endpoints/` (`endpoint_key_parts`). Re-registering an
 endpoint (a lease renewal, a changed field) keeps its live state: in-flight
 counts, breaker, scraped load. Cordoned nodes come from `/cognitora/cordon/`.
 `views()` freezes everything routing needs into `EndpointView`s.
@@ -139,11 +139,8 @@ class Registry:
 
 
 def endpoint_from_etcd(key: str, value: bytes) -> Endpoint:
-    """Parse `/cognitora/endpoints/<model>/<replica>`; ValueError says what is wrong."""
-    rest = key[len(ENDPOINTS_PREFIX) :]
-    model, _, replica = rest.rpartition("/")
-    if not model or not replica:
-        raise ValueError(f"{key}: expected {ENDPOINTS_PREFIX}<model>/<replica>")
+    """Parse an endpoint record (`endpoint_key_parts` says which keys); ValueError says why."""
+    endpoint_key_parts(key)
     try:
         data = json.loads(value)
     except (ValueError, RecursionError) as exc:
@@ -151,15 +148,32 @@ def endpoint_from_etcd(key: str, value: bytes) -> Endpoint:
     return endpoint_from_doc(key, data)
 
 
+def endpoint_key_parts(key: str) -> tuple[EndpointId, str, str]:
+    """(endpoint id, model, node) of an endpoint key, in either layout:
+
+    * `/cognitora/endpoints/<node>/<model>/<replica>`: what agents write, so a node's etcd
+      role can be limited to its own prefix (docs/security.md); id `<model>/<node>.<replica>`;
+    * `/cognitora/endpoints/<model>/<replica>`: registered by hand (an admin's key); node "".
+    """
+    parts = key[len(ENDPOINTS_PREFIX) :].split("/")
+    if len(parts) == 3 and all(parts):
+        node, model, replica = parts
+        return EndpointId(f"{model}/{node}.{replica}"), model, node
+    if len(parts) == 2 and all(parts):
+        return EndpointId("/".join(parts)), parts[0], ""
+    raise ValueError(
+        f"{key}: expected {ENDPOINTS_PREFIX}<node>/<model>/<replica> or <model>/<replica>"
+    )
+
+
 def endpoint_from_doc(key: str, data: Any) -> Endpoint:
     """`endpoint_from_etcd` for a value already decoded from JSON."""
-    rest = key[len(ENDPOINTS_PREFIX) :]
-    model, _, replica = rest.rpartition("/")
-    if not model or not replica:
-        raise ValueError(f"{key}: expected {ENDPOINTS_PREFIX}<model>/<replica>")
+    eid, model, node = endpoint_key_parts(key)
     if not isinstance(data, dict):
         raise ValueError(f"{key}: value must be a JSON object")
-    return _endpoint(EndpointId(rest), model, data, key)
+    if node and data.get("node", node) != node:  # NOTE: a node speaks for itself only
+        raise ValueError(f"{key}: the record names node {data.get('node')!r}, the key {node!r}")
+    return _endpoint(eid, model, {"node": node, **data} if node else data, key)
 
 
 def endpoint_from_static(name: str, s: StaticEndpoint) -> Endpoint:

@@ -37,6 +37,7 @@ class EngineLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     scraped_at: float = 0.0  # monotonic seconds
+    own_in_flight: int = 0  # this router's requests at the engine when the page was read
 
 
 @dataclass(frozen=True, slots=True)

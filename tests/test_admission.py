@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cgn_router.admission import Admission, Capacity, Ticket, Verdict
@@ -119,3 +121,36 @@ def test_capacity_counts_each_scrape_once() -> None:
     for _ in range(5):  # the gate refreshes faster than the router scrapes
         assert cap.observe(4, 3, 2.0) == 10
     assert cap.observe(4, 3, 3.0) == 10 and cap.observe(4, 3, 4.0) == 4
+
+
+def test_other_routers_requests_at_the_engines_count_against_the_ceilings() -> None:
+    """Two routers in front of one pool: what the engines run beyond this router's own
+    requests is the other router's, and fills the same slots."""
+    a = adm(capacity=4)
+    a.others["m"] = 2.0  # the engines report 2 more than we sent
+    assert a.offer(t("bronze")) == Verdict.QUEUED  # 2 of 4 slots taken elsewhere: bronze waits
+    assert [a.offer(t("platinum")) for _ in range(5)] == [Verdict.ADMIT] * 4 + [Verdict.QUEUED]
+    assert a.saturation("m") == 1.5
+    a.others["m"] = 0.0  # the other router's requests finished: the queued platinum goes
+    assert [x.band for x in a.dispatch()] == ["platinum"]
+
+
+def test_the_gate_reads_other_routers_load_from_the_scrapes() -> None:
+    from cgn_router.gate import Gate
+    from cgn_router.kv_index import PrefixIndex
+    from cgn_router.metrics import RouterMetrics
+    from cgn_router.registry import Registry, Sessions
+    from cgn_router.settings import AdmissionSettings, BreakerSettings
+    from cgn_router.types import Endpoint, EndpointId, EngineLoad
+
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 1000, 5), Sessions(60), stale_s=5.0)
+    reg.upsert(Endpoint(EndpointId("m/a"), "m", "http://127.0.0.1:1"), "static")
+    now = time.monotonic()
+    state = reg.states[EndpointId("m/a")]
+    state.load = EngineLoad(running=6, waiting=2, kv_usage=0.1, scraped_at=now, own_in_flight=3)
+    gate = Gate(AdmissionSettings(default_capacity=8), reg, RouterMetrics())
+    gate.refresh()
+    assert gate.adm.others == {"m": 5.0}  # 8 at the engine, 3 of them ours
+    state.load = EngineLoad(running=2, waiting=0, scraped_at=now + 1, own_in_flight=4)
+    gate.refresh()
+    assert gate.adm.others == {"m": 0.0}  # ours still in transit: never negative

@@ -93,7 +93,7 @@ def status_key(replica: str) -> str:
 
 
 def endpoint_key(model: str, replica: str) -> str:
-    return f"/cognitora/endpoints/{model}/{NODE}.{replica}"
+    return f"/cognitora/endpoints/{NODE}/{model}/{replica}"
 
 
 async def ready(c: EtcdClient, model: str, replica: str) -> dict[str, Any]:

@@ -136,10 +136,18 @@ def test_endpoint_from_etcd_defaults_and_errors() -> None:
         "/cognitora/endpoints/m/r2", b'{"url": "http://h:1", "engine": "vllm"}'
     )
     assert vllm.kv_events_url == ""  # approximate tracking
+    agent = endpoint_from_etcd("/cognitora/endpoints/n1/m/r4", b'{"url": "http://h:1"}')
+    assert (agent.id, agent.model, agent.node) == ("m/n1.r4", "m", "n1")  # an agent's layout
     odd = b'{"url": "http://h:1", "block_size": 32}'  # its hashes cannot be ours
     assert endpoint_from_etcd("/cognitora/endpoints/m/r3", odd).kv_events_url == ""
     for key, value_, message in [
-        ("/cognitora/endpoints/r1", b"{}", "expected /cognitora/endpoints/<model>/<replica>"),
+        ("/cognitora/endpoints/r1", b"{}", "expected /cognitora/endpoints/<node>/<model>/<repl"),
+        ("/cognitora/endpoints/n1/m/r/x", b"{}", "expected /cognitora/endpoints/<node>/<model>/"),
+        (
+            "/cognitora/endpoints/n1/m/r",
+            b'{"url": "http://x", "node": "n2"}',
+            "the record names node 'n2', the key 'n1'",
+        ),
         ("/cognitora/endpoints/m/r", b"not json", "not JSON"),
         ("/cognitora/endpoints/m/r", b"[]", "must be a JSON object"),
         ("/cognitora/endpoints/m/r", b'{"url": "ftp://x"}', "'url' must be an http"),

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
+from cgn_core import keys
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.lease import Lease
 from cgn_core.etcd.types import Compare, Op
@@ -27,7 +28,7 @@ from cgn_core.etcd.types import Compare, Op
 if TYPE_CHECKING:
     from cgn_core.etcd.client import EtcdClient
 
-LEADER_PREFIX = "/cognitora/leader/"
+LEADER_PREFIX = keys.LEADER
 
 
 class Election:

@@ -1,0 +1,87 @@
+"""etcd roles for the cluster's identities: what each certificate may read and write (pure).
+
+With etcd's `--client-cert-auth` and auth enabled, a client certificate's CN
+is its etcd user. Cognitora's certificates carry the node id as CN, so:
+
+* every node `N` gets role `cgn-node-N`: read and write its own inventory
+  (`/cognitora/nodes/N`), replica statuses (`/cognitora/replicas/N/`) and
+  endpoints (`/cognitora/endpoints/N/`); read its own placements
+  (`/cognitora/placements/N/`). Nothing else: a node cannot place work on
+  another, publish endpoints for another, or read API keys.
+* a node that runs a router also gets `cgn-router`: read all of
+  `/cognitora/`, write placements (the reconciler) and the leader keys.
+* an operator identity (`cgn-ctl`) gets `root`; etcd requires a user named
+  `root` before auth can be enabled, so `root` is always one of them.
+
+`plan` returns the roles and users; `cgn-ctl pki rbac` applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from cgn_core import keys
+
+Perm = Literal["read", "write", "readwrite"]
+ROUTER_ROLE = "cgn-router"
+ROOT = "root"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    key: str
+    range_end: str  # "" for the key alone; prefix_end(key) for everything under it
+    perm: Perm
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    roles: dict[str, tuple[Grant, ...]]
+    users: dict[str, tuple[str, ...]]  # user (a certificate CN) -> roles
+
+
+def prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with `prefix` (etcd's convention)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return "\0"  # every key
+    raw[-1] += 1
+    return raw.decode("latin-1")
+
+
+def under(prefix: str, perm: Perm) -> Grant:
+    return Grant(prefix, prefix_end(prefix), perm)
+
+
+def node_role(node: str) -> tuple[Grant, ...]:
+    return (
+        Grant(keys.NODES + node, "", "readwrite"),
+        under(f"{keys.REPLICAS}{node}/", "readwrite"),
+        under(f"{keys.ENDPOINTS}{node}/", "readwrite"),
+        under(f"{keys.PLACEMENTS}{node}/", "read"),
+    )
+
+
+ROUTER_GRANTS = (
+    under(keys.ROOT, "read"),
+    under(keys.PLACEMENTS, "readwrite"),
+    under(keys.LEADER, "readwrite"),
+)
+
+
+def plan(nodes: Iterable[str], routers: Iterable[str] = (), admins: Iterable[str] = ()) -> Plan:
+    """Roles and users for these node ids, the node ids that run routers, and operators."""
+    roles: dict[str, tuple[Grant, ...]] = {ROUTER_ROLE: ROUTER_GRANTS}
+    users: dict[str, list[str]] = {ROOT: [ROOT]}
+    for node in nodes:
+        roles[f"cgn-node-{node}"] = node_role(node)
+        users.setdefault(node, []).append(f"cgn-node-{node}")
+    for router in routers:
+        users.setdefault(router, []).append(ROUTER_ROLE)
+    for admin in admins:
+        users.setdefault(admin, []).append(ROOT)
+    return Plan(roles, {u: tuple(dict.fromkeys(r)) for u, r in users.items()})
