@@ -55,6 +55,7 @@ from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.http import Runner, mtls_middleware
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
+from cgn_core.revocation import RevocationList, follow_revocations
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Runtime:
 
     inventory: Inventory
     power: PowerReading = field(default_factory=lambda: PowerReading(None, "unknown"))
+    revoked: RevocationList = field(default_factory=RevocationList)  # for the admin listener
     energy_j: float = 0.0
     etcd_ok: bool = False
     admin_url: str = ""
@@ -181,6 +183,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_supervise(agent, publisher, node, rt))
                 tg.create_task(_follow_placements(client, agent, node))
+                tg.create_task(follow_revocations(client, rt.revoked))
                 tg.create_task(_register(client, publisher, settings.lease_ttl_s, rt))
                 tg.create_task(_refresh_inventory(settings, agent, rt, engines))
                 tg.create_task(_measure_power(settings, rt))
@@ -230,7 +233,7 @@ async def _start_admin(
         return web.json_response(rt.inventory_doc())
 
     tls = settings.admin_tls
-    middlewares = [mtls_middleware(OPEN_ADMIN_PATHS)] if tls.enabled else []
+    middlewares = [mtls_middleware(OPEN_ADMIN_PATHS, rt.revoked)] if tls.enabled else []
     app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
@@ -278,7 +281,7 @@ async def _follow_placements(client: EtcdClient, agent: NodeAgent, node: str) ->
         replica = kv.key[len(prefix) :]
         try:
             data = kv.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return replica, Invalid(f"placement {replica}: value is not JSON ({exc})")
         try:
             return replica, parse_placement(replica, data)

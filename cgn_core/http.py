@@ -10,7 +10,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -26,6 +26,9 @@ from cgn_core.errors import (
     Unauthorized,
     http_response_parts,
 )
+
+if TYPE_CHECKING:
+    from cgn_core.revocation import RevocationList
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -200,9 +203,10 @@ def bearer_middleware(token: str, open_paths: frozenset[str]) -> Any:
     return check
 
 
-def mtls_middleware(open_paths: frozenset[str]) -> Any:
+def mtls_middleware(open_paths: frozenset[str], revoked: RevocationList | None = None) -> Any:
     """HTTPS admin listeners: every path but `open_paths` needs a verified client certificate,
-    whose CN must equal the node id the caller claims in `x-cgn-node` (when it claims one).
+    not on the deny-list `revoked`, whose CN must equal the node id the caller claims in
+    `x-cgn-node` (when it claims one).
 
     The listener's SSL context verifies certificates optionally (CERT_OPTIONAL), so health
     checks and metric scrapers need none; management calls are refused with 403 without one.
@@ -220,6 +224,8 @@ def mtls_middleware(open_paths: frozenset[str]) -> Any:
                 Forbidden("a client certificate signed by the cluster CA is required")
             )
         cn = peer_common_name(cert)
+        if revoked is not None and (node := revoked.revoked(cert)) is not None:
+            return json_error(Forbidden(f"certificate of {node!r} (CN {cn!r}) is revoked"))
         claimed = request.headers.get(NODE_HEADER)
         if claimed is not None and claimed != cn:
             why = f"certificate CN {cn!r} does not match the claimed node id {claimed!r}"

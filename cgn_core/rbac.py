@@ -6,7 +6,8 @@ is its etcd user. Cognitora's certificates carry the node id as CN, so:
 * every node `N` gets role `cgn-node-N`: read and write its own inventory
   (`/cognitora/nodes/N`), replica statuses (`/cognitora/replicas/N/`) and
   endpoints (`/cognitora/endpoints/N/`); read its own placements
-  (`/cognitora/placements/N/`). Nothing else: a node cannot place work on
+  (`/cognitora/placements/N/`) and the certificate deny-list
+  (`/cognitora/revoked/`). Nothing else: a node cannot place work on
   another, publish endpoints for another, or read API keys.
 * a node that runs a router also gets `cgn-router`: read all of
   `/cognitora/`, write placements (the reconciler) and the leader keys.
@@ -63,6 +64,7 @@ def node_role(node: str) -> tuple[Grant, ...]:
         under(f"{keys.REPLICAS}{node}/", "readwrite"),
         under(f"{keys.ENDPOINTS}{node}/", "readwrite"),
         under(f"{keys.PLACEMENTS}{node}/", "read"),
+        under(keys.REVOKED, "read"),  # its admin listener refuses revoked certificates
     )
 
 

@@ -19,6 +19,7 @@ from cryptography import x509
 
 from cgn_core import pki
 from cgn_core.cli import EXIT_USAGE, fail
+from cgn_core.etcd import EtcdClient
 from cgn_ctl.common import Config, Etcd, with_etcd
 
 app = typer.Typer(help="The cluster's private CA and certificates.", no_args_is_help=True)
@@ -214,3 +215,42 @@ def rbac(
     for user, roles in sorted(plan.users.items()):
         typer.echo(f"{user}: {', '.join(roles)}")
     typer.echo("etcd auth enabled" if not no_enable else "roles and users created; auth is off")
+
+
+@app.command()
+def revoke(
+    node: Annotated[str, typer.Argument(help="The node (certificate CN) to revoke.")],
+    directory: Dir = DEFAULT_DIR,
+    reason: Annotated[str, typer.Option("--reason", help="Kept with the revocation.")] = "",
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Revoke every certificate of NODE in the PKI directory: their serials go on the deny-list
+    in etcd that every Cognitora TLS listener checks, and NODE's etcd user (RBAC) is deleted so
+    etcd refuses it too. Issue the node new certificates to let it back in."""
+    import time
+
+    from cgn_core import keys
+    from cgn_core.etcd.auth import delete_user
+    from cgn_core.revocation import normal_serial
+
+    serials = []
+    for path in sorted(directory.glob("*.pem")):  # every leaf whose CN is the node
+        if path.name == "ca.pem":
+            continue
+        cert = pki.load_cert(path)
+        if _leaf_params(cert)[0] == node:
+            serials.append((path, normal_serial(cert.serial_number)))
+    if not serials:
+        fail(f"no certificate of node {node!r} in {directory}", EXIT_USAGE)
+    doc = {"node": node, "at_unix": time.time(), "reason": reason}
+
+    async def work(c: EtcdClient) -> bool:
+        for _, serial in serials:
+            await c.put_json(keys.REVOKED + serial, doc)
+        return await delete_user(c, node)
+
+    had_user = with_etcd(etcd, config, work)
+    for path, serial in serials:
+        typer.echo(f"revoked {path.name} (serial {serial})")
+    typer.echo(f"etcd user {node!r} deleted" if had_user else f"no etcd user {node!r} (RBAC off)")

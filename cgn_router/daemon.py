@@ -30,6 +30,7 @@ from cgn_core.etcd.follow import list_and_watch
 from cgn_core.http import Runner
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
+from cgn_core.revocation import follow_revocations
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import Catalog, entry_from_settings
@@ -239,6 +240,7 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
     listed = {f.prefix: asyncio.Event() for f in table}
     for f in table:
         tg.create_task(list_and_watch(client, f.prefix, f.on_list, f.on_event, listed[f.prefix]))
+    tg.create_task(follow_revocations(client, svc.revoked))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))
         svc.synced = True

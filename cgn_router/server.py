@@ -34,6 +34,7 @@ from cgn_core.errors import (
 )
 from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json, read_body
 from cgn_core.openai_request import sampling_fields
+from cgn_core.revocation import RevocationList
 from cgn_router.auth import KeyStore, Limiter, Principal, authorize, authorize_admin
 from cgn_router.catalog import Catalog
 from cgn_router.control import ControlState
@@ -71,6 +72,7 @@ class RouterService:
     keys: KeyStore = field(default_factory=KeyStore)
     limiter: Limiter = field(default_factory=Limiter)
     gate: Gate | None = None  # admission; None when switched off
+    revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
 
     def principal(self, request: web.Request) -> Principal:
         """Who is asking: the API key's principal, or the anonymous one while auth is off."""
@@ -135,7 +137,7 @@ def build_admin_app(svc: RouterService) -> web.Application:
     certificate when the listener is HTTPS, else an admin-scoped API key while auth is on."""
     middlewares = [error_middleware(1 << 20)]
     if svc.settings.admin_tls.enabled:
-        middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS))
+        middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS, svc.revoked))
     elif svc.settings.auth.enabled:
         middlewares.append(_admin_key_middleware(svc))
     app = web.Application(middlewares=middlewares)

@@ -5,8 +5,12 @@ registers and serves its node under its role."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.client import EtcdError
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings, TlsSettings
-from tests.support.procs import cgn_agent
+from tests.support.procs import cgn_agent, cgn_router
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
@@ -142,5 +146,55 @@ def test_the_plan_is_what_the_docs_say() -> None:
         ("/cognitora/replicas/n1/", "/cognitora/replicas/n10", "readwrite"),
         ("/cognitora/endpoints/n1/", "/cognitora/endpoints/n10", "readwrite"),
         ("/cognitora/placements/n1/", "/cognitora/placements/n10", "read"),
+        ("/cognitora/revoked/", "/cognitora/revoked0", "read"),
     ]
     assert rbac.prefix_end("ab") == "ac"
+
+
+def test_a_revoked_node_is_refused_by_our_listeners_and_by_etcd(
+    secured: LocalEtcd, pkidir: Path, tmp_path: Path
+) -> None:
+    """`cgn-ctl pki revoke n1`: n1's certificate stops opening the router's admin API (the
+    deny-list the router follows) and etcd (its user is gone)."""
+    r1 = tls(pkidir, "r1")
+    config = {
+        "etcd": {"endpoints": [secured.endpoint], "tls": {k: str(v) for k, v in (
+            ("ca_file", r1.ca_file), ("cert_file", r1.cert_file), ("key_file", r1.key_file))}},
+        "admin_tls": {"ca_file": str(r1.ca_file), "cert_file": str(r1.cert_file),
+                      "key_file": str(r1.key_file)},
+        "reconciler": {"enabled": False},
+    }  # fmt: skip
+    with cgn_router(tmp_path, config) as router:
+        admin = router.admin.replace("http://", "https://")
+        n1 = ssl.create_default_context(cafile=str(pkidir / "ca.pem"))
+        n1.load_cert_chain(pkidir / "n1.pem", pkidir / "n1.key")
+        assert https_status(admin + "/endpoints", n1) == 200
+        cfg = tmp_path / "ctl.yaml"
+        root = tls(pkidir, "root")
+        cfg.write_text(f"etcd: {{tls: {{ca_file: {root.ca_file}, cert_file: {root.cert_file}, "
+                       f"key_file: {root.key_file}}}}}\n")  # fmt: skip
+        res = subprocess.run([CTL, "pki", "revoke", "n1", "--dir", str(pkidir), "--etcd",
+                              secured.endpoint, "--config", str(cfg), "--reason", "stolen"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        assert "revoked n1.pem" in res.stdout and "etcd user 'n1' deleted" in res.stdout
+        deadline = time.monotonic() + 15
+        while https_status(admin + "/endpoints", n1) != 403:
+            assert time.monotonic() < deadline, "the router never saw the revocation"
+            time.sleep(0.1)
+        assert https_status(admin + "/healthz", n1) == 200  # open paths stay open
+
+    async def n1_put() -> None:
+        async with client(secured, pkidir, "n1") as c:
+            await c.put("/cognitora/nodes/n1", "{}")
+
+    with pytest.raises(EtcdError):
+        asyncio.run(n1_put())
+
+
+def https_status(url: str, ctx: ssl.SSLContext) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code

@@ -49,3 +49,14 @@ async def _rpc(client: EtcdClient, method: str, request: object, exists_ok: bool
     except EtcdError as exc:
         if not (exists_ok and "already exists" in exc.message):
             raise
+
+
+async def delete_user(client: EtcdClient, user: str) -> bool:
+    """Delete etcd user `user`; False when there is none (RBAC never applied for it)."""
+    try:
+        await _rpc(client, "UserDelete", rpc_pb2.AuthUserDeleteRequest(name=user))
+    except EtcdError as exc:
+        if "not found" in exc.message:
+            return False
+        raise
+    return True
