@@ -53,7 +53,7 @@ from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.http import Runner, mtls_middleware
+from cgn_core.http import Runner, error_middleware, loopback_middleware, mtls_middleware
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import RevocationList, follow_revocations
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
@@ -233,8 +233,9 @@ async def _start_admin(
         return web.json_response(rt.inventory_doc())
 
     tls = settings.admin_tls
-    middlewares = [mtls_middleware(OPEN_ADMIN_PATHS, rt.revoked)] if tls.enabled else []
-    app = web.Application(middlewares=middlewares)
+    guard = (mtls_middleware(OPEN_ADMIN_PATHS, rt.revoked) if tls.enabled
+             else loopback_middleware(OPEN_ADMIN_PATHS))  # fmt: skip
+    app = web.Application(middlewares=[error_middleware(1 << 20), guard])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/replicas", replicas)

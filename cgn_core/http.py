@@ -203,6 +203,29 @@ def bearer_middleware(token: str, open_paths: frozenset[str]) -> Any:
     return check
 
 
+def loopback_middleware(open_paths: frozenset[str]) -> Any:
+    """A plaintext admin listener: management paths answer loopback callers only (403 JSON
+    otherwise); give the listener a certificate (admin_tls) to manage it from elsewhere."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in open_paths and not _is_loopback(request.remote):
+            why = "management over plaintext is answered on loopback only; configure admin_tls"
+            return json_error(Forbidden(why))
+        return await handler(request)
+
+    return check
+
+
+def _is_loopback(remote: str | None) -> bool:
+    import ipaddress
+
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
 def mtls_middleware(open_paths: frozenset[str], revoked: RevocationList | None = None) -> Any:
     """HTTPS admin listeners: every path but `open_paths` needs a verified client certificate,
     not on the deny-list `revoked`, whose CN must equal the node id the caller claims in

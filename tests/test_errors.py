@@ -42,3 +42,32 @@ def test_code_and_param_carried() -> None:
     )
     body = e.openai_error_body(err)["error"]
     assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("peer", "path", "status"),
+    [("127.0.0.1", "/replicas", 200), ("::1", "/replicas", 200), ("10.1.2.3", "/replicas", 403),
+     ("10.1.2.3", "/healthz", 200)],
+)  # fmt: skip
+async def test_a_plaintext_admin_listener_manages_from_loopback_only(
+    peer: str, path: str, status: int
+) -> None:
+    from unittest import mock
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from cgn_core.http import loopback_middleware
+
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (
+        (peer, 40000) if name == "peername" else default
+    )
+    request = make_mocked_request("GET", path, transport=transport)
+    check = loopback_middleware(frozenset({"/healthz"}))
+
+    async def handler(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    resp = await check(request, handler)
+    assert resp.status == status
