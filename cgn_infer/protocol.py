@@ -9,7 +9,7 @@ does not implement is refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
@@ -56,17 +56,8 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     else:
         messages = ()
         text, ids = completion_prompt(body)
-    params = SamplingParams(
-        temperature=f.temperature,
-        top_p=f.top_p,
-        top_k=f.top_k,
-        min_p=f.min_p,
-        repetition_penalty=f.repetition_penalty,
-        presence_penalty=f.presence_penalty,
-        frequency_penalty=f.frequency_penalty,
-        seed=f.seed,
-        logprobs=f.logprobs,
-    )
+    # NOTE: every sampling parameter has its validated field of the same name
+    params = SamplingParams(**{p.name: getattr(f, p.name) for p in fields(SamplingParams)})
     return ParsedRequest(
         kind=kind,
         model=model,
