@@ -56,7 +56,7 @@ from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.http import Runner, error_middleware, loopback_middleware, mtls_middleware
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import RevocationList, follow_revocations
-from cgn_core.tls import server_ssl_context, warn_if_plaintext
+from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
@@ -155,7 +155,12 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     publisher = Publisher()
     eh = settings.engines
     bind_host, advertise = engine_addresses(eh.bind_host, eh.advertise_host, primary_address)
-    async with aiohttp.ClientSession() as session, EtcdClient(settings.etcd) as client:
+    probe_ssl = client_ssl_context(eh.tls) if eh.tls.enabled else None
+    connector = aiohttp.TCPConnector(ssl=probe_ssl or True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        EtcdClient(settings.etcd) as client,
+    ):
         ctx = RunnerContext(
             node=node,
             publisher=publisher,
@@ -168,7 +173,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             probe_interval_s=eh.probe_interval_s,
         )
         agent = NodeAgent(node, ctx, tools, bind_host, lambda: rt.inventory, free_port,
-                          settings.model_dirs)  # fmt: skip
+                          settings.model_dirs, eh.tls if eh.tls.enabled else None)  # fmt: skip
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())

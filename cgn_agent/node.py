@@ -29,6 +29,7 @@ from cgn_agent.runner import ReplicaRunner, RunnerContext
 from cgn_agent.spec import ReplicaSpec
 from cgn_core import engine_args, keys
 from cgn_core.engine_args import ArgsRefused
+from cgn_core.settings import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,11 @@ class NodeAgent:
         inventory: Callable[[], Inventory],
         free_port: Callable[[str], int],
         model_dirs: tuple[Path, ...] = (),
+        engine_tls: TlsSettings | None = None,
     ):
         self.node, self.ctx, self.tools = node, ctx, tools
         self.model_dirs = model_dirs
+        self.engine_tls = engine_tls
         self.bind_host = bind_host
         self.inventory = inventory
         self.free_port = free_port
@@ -166,7 +169,7 @@ class NodeAgent:
         await runner.begin()
 
     def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
-        ctx = LaunchContext(self.bind_host, port, token=token)
+        ctx = LaunchContext(self.bind_host, port, token=token, tls=self.engine_tls)
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
     def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:

@@ -81,7 +81,12 @@ class ReplicaRunner:
 
     @property
     def url(self) -> str:
-        return self.launch.url if not self.launch.spawn else self.ctx.advertise_url(self.port)
+        if not self.launch.spawn:
+            return self.launch.url
+        url = self.ctx.advertise_url(self.port)
+        if self.launch.url.startswith("https://"):  # the engine serves HTTPS (engines.tls)
+            url = "https://" + url.removeprefix("http://")
+        return url
 
     def endpoint_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {

@@ -19,6 +19,9 @@ class EngineHostSettings:
     probe_interval_s: float = 2.0  # readiness/liveness probes of Ready engines
     probe_timeout_s: float = 3.0
     stop_on_exit: bool = False  # stop engines when the agent exits (default: keep serving)
+    # cgn-infer engines serve HTTPS with this certificate (usually the node's) and require the
+    # caller's from the same CA on /v1/*; the agent presents it when probing. Empty: HTTP.
+    tls: TlsSettings = TlsSettings()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.http import Runner
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
+from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_events import KvEventHub
 from cgn_infer.loader import load_model
@@ -57,15 +58,21 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
             "engine API authentication is OFF (no api_token): anyone who reaches its port "
             "can use it; fine for development only"
         )
+    ssl_ctx = (
+        server_ssl_context(settings.tls, client_cert="optional") if settings.tls.enabled else None
+    )
+    if ssl_ctx is None:
+        warn_if_plaintext(log, "engine API", settings.tls)
     runner = Runner(
-        build_app(svc, settings.api_token),
+        build_app(svc, settings.api_token, client_certs=ssl_ctx is not None),
         idle_timeout_s=settings.http.idle_timeout_s,
         handler_cancellation=True,
         access_log=None,
     )
     await runner.setup()
-    await web.SockSite(runner, sock).start()
-    log.info("listening on http://%s:%d (model %s loading)", settings.http.host, port, name)
+    await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
+    scheme = "https" if ssl_ctx else "http"
+    log.info("listening on %s://%s:%d (model %s loading)", scheme, settings.http.host, port, name)
 
     started = time.monotonic()
     # One thread does all torch work: loading, allocating the KV pool, then every step.

@@ -30,6 +30,7 @@ from cgn_core.http import (
     PRIORITY_HEADER,
     bearer_middleware,
     error_middleware,
+    mtls_middleware,
     parse_json,
     read_body,
 )
@@ -143,9 +144,14 @@ class InferenceService:
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no token
 
 
-def build_app(svc: InferenceService, api_token: str = "") -> web.Application:
-    """The engine's HTTP surface; with `api_token`, /v1/* answers only bearers of it."""
+def build_app(
+    svc: InferenceService, api_token: str = "", client_certs: bool = False
+) -> web.Application:
+    """The engine's HTTP surface; with `api_token`, /v1/* answers only bearers of it, and with
+    `client_certs` (an HTTPS listener) only callers with a certificate from the cluster CA."""
     middlewares = [error_middleware(MAX_BODY_BYTES, lambda _: svc.metrics.rejected.inc())]
+    if client_certs:
+        middlewares.append(mtls_middleware(OPEN_PATHS))
     if api_token:
         middlewares.append(bearer_middleware(api_token, OPEN_PATHS))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cgn_core.settings import ListenSettings, LogSettings
+from cgn_core.settings import ListenSettings, LogSettings, TlsSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,6 @@ class InferSettings:
     # x-cgn-priority. The agent sets it (CGN_INFER_API_TOKEN) for every engine it launches
     # and publishes it to the router; empty: no authentication (development only, logged).
     api_token: str = ""
+    # HTTPS with client certificates (the cluster CA): /v1/* then also needs a verified
+    # certificate (the router's); /health and /metrics need none. Empty: plain HTTP.
+    tls: TlsSettings = TlsSettings()

@@ -31,7 +31,7 @@ from cgn_core.http import Runner
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
-from cgn_core.tls import server_ssl_context, warn_if_plaintext
+from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
@@ -138,13 +138,16 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
     # requests. The upstream client keeps none either.
     # NOTE: idle connections are dropped after UPSTREAM_IDLE_S, before an engine's own idle
     # timeout (http.idle_timeout_s, 15 s by default) closes them under a request being sent.
+    engine_ssl = client_ssl_context(settings.engine_tls) if settings.engine_tls.enabled else None
     async with (
         aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S),
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=UPSTREAM_IDLE_S, ssl=engine_ssl or True
+            ),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
         ) as session,
-        Upstream(keepalive_s=UPSTREAM_IDLE_S) as upstream,
+        Upstream(keepalive_s=UPSTREAM_IDLE_S, tls=engine_ssl) as upstream,
     ):
         svc = build_service(settings, upstream)
         svc.catalog.set_source(

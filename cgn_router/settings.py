@@ -138,6 +138,9 @@ class RouterSettings:
     admin: ListenSettings = ListenSettings(port=9091)  # /metrics, /healthz, /readyz
     tls: TlsSettings = TlsSettings()  # HTTPS on the OpenAI surface when cert_file is set
     admin_tls: TlsSettings = TlsSettings()  # HTTPS admin; management paths need a client cert
+    # Engines served over HTTPS (agent `engines.tls`): the CA to verify them and the client
+    # certificate the router presents, which those engines require on /v1/*.
+    engine_tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
     # etcd: watch /cognitora/endpoints/, cordon/, catalog/ and policy/ (plus `endpoints`);

@@ -91,11 +91,15 @@ class _Conn:
 class Upstream:
     """A pool of keep-alive connections per origin; `post` sends one request."""
 
-    def __init__(self, *, keepalive_s: float = 30.0, max_idle: int = 256):
+    def __init__(
+        self, *, keepalive_s: float = 30.0, max_idle: int = 256, tls: ssl.SSLContext | None = None
+    ):
+        """`tls`: the context for https origins (the cluster CA, and the router's client
+        certificate for engines that require one); default: the system's trust store."""
         self.keepalive_s = keepalive_s
         self.max_idle = max_idle
         self._idle: dict[Origin, list[_Conn]] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls: ssl.SSLContext | None = tls
 
     async def post(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str], connect_s: float

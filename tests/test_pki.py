@@ -295,3 +295,54 @@ def test_router_serves_https_and_guards_its_admin_api(pkidir: Path, tmp_path: Pa
         mine = ssl.create_default_context(cafile=str(pkidir / "ca.pem"))
         mine.load_cert_chain(pkidir / "n2-agent.pem", pkidir / "n2-agent.key")
         assert get(admin + "/endpoints", mine)[0] == 200
+
+
+def test_engines_over_mutual_tls(pkidir: Path, tmp_path: Path) -> None:
+    """An engine serving HTTPS with its node's certificate answers /v1/* only to a caller with
+    a certificate of the cluster CA; the router presents its own (engine_tls) and serves."""
+    from tests.support.procs import cgn_infer
+
+    t = tls(pkidir, "n1-agent")
+    sets = ("--set", f"tls.ca_file={t.ca_file}", "--set", f"tls.cert_file={t.cert_file}",
+            "--set", f"tls.key_file={t.key_file}")  # fmt: skip
+    with cgn_infer(
+        tmp_path, "--backend", "sim", "--speed", "50", "--model-name", "m", *sets
+    ) as plain_url:
+        url = plain_url.replace("http://", "https://")
+        trust = ssl.create_default_context(cafile=str(pkidir / "ca.pem"))
+        assert get(url + "/health", trust)[0] == 200  # probes need no certificate
+        status, body = get(url + "/v1/models", trust)
+        assert status == 403 and "client certificate" in body["error"]["message"]
+        n2 = ssl.create_default_context(cafile=str(pkidir / "ca.pem"))
+        n2.load_cert_chain(pkidir / "n2-agent.pem", pkidir / "n2-agent.key")
+        assert get(url + "/v1/models", n2)[0] == 200
+        r = tls(pkidir, "n2-agent")  # the router's identity
+        config = {
+            "discovery": "static",
+            "endpoints": {"e1": {"url": url, "model": "m", "engine": "cgn-infer"}},
+            "engine_tls": {"ca_file": str(r.ca_file), "cert_file": str(r.cert_file),
+                           "key_file": str(r.key_file)},
+        }  # fmt: skip
+        with cgn_router(tmp_path, config) as router:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            req = urllib.request.Request(router.url + "/v1/chat/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.load(resp)["usage"]["completion_tokens"] == 2
+
+
+def test_the_agent_launches_cgn_infer_over_https_when_engines_have_a_certificate() -> None:
+    from cgn_agent.drivers import DRIVERS, LaunchContext
+    from cgn_agent.drivers.base import SystemToolbox
+    from cgn_agent.spec import ReplicaId, ReplicaSpec
+    from cgn_core.settings import TlsSettings as Tls
+
+    cert = Tls(ca_file=Path("/pki/ca.pem"), cert_file=Path("/pki/n1.pem"), key_file=Path("/k"))
+    spec = ReplicaSpec(ReplicaId("r1"), "m", "cgn_infer", "smollm2")
+    launch = DRIVERS["cgn_infer"].launch(spec, LaunchContext("10.0.0.5", 8001, tls=cert),
+                                         SystemToolbox())  # fmt: skip
+    assert launch.url == "https://10.0.0.5:8001"
+    assert "tls.cert_file=/pki/n1.pem" in launch.argv and "tls.key_file=/k" in launch.argv
+    plain = DRIVERS["cgn_infer"].launch(spec, LaunchContext("10.0.0.5", 8001), SystemToolbox())
+    assert plain.url == "http://10.0.0.5:8001" and not any("tls." in a for a in plain.argv)

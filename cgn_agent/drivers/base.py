@@ -23,6 +23,7 @@ from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
 from cgn_core import bundled_models, executables
 from cgn_core.errors import CognitoraError, PermanentError
+from cgn_core.settings import TlsSettings
 
 
 class PlacementRefused(PermanentError):
@@ -53,6 +54,7 @@ class LaunchContext:
     port: int  # resolved (never 0)
     python: str = sys.executable
     token: str = ""  # a fresh per-replica secret, for engines that can require one
+    tls: TlsSettings | None = None  # the certificate engines that can serve HTTPS use
 
 
 class Toolbox(Protocol):
@@ -193,8 +195,9 @@ def cuda_env(spec: ReplicaSpec) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices)}
 
 
-def url_for(ctx: LaunchContext) -> str:
+def url_for(ctx: LaunchContext, secure: bool = False) -> str:
     host = "127.0.0.1" if ctx.host in ("0.0.0.0", "") else ctx.host
     if host == "::":
         host = "::1"
-    return f"http://[{host}]:{ctx.port}" if ":" in host else f"http://{host}:{ctx.port}"
+    scheme = "https" if secure else "http"
+    return f"{scheme}://[{host}]:{ctx.port}" if ":" in host else f"{scheme}://{host}:{ctx.port}"

@@ -48,13 +48,17 @@ class CgnInferDriver:
         argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
         argv += ["--device", "cuda"] if spec.devices else []
         argv += optional_flags(("--dtype", p.dtype))
+        if ctx.tls is not None:  # HTTPS; the router must present a certificate of the CA
+            argv += ["--set", f"tls.ca_file={ctx.tls.ca_file}",
+                     "--set", f"tls.cert_file={ctx.tls.cert_file}",
+                     "--set", f"tls.key_file={ctx.tls.key_file}"]  # fmt: skip
         env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
         if ctx.token:  # NOTE: in the environment, not argv: argv is world-readable in ps
             env["CGN_INFER_API_TOKEN"] = ctx.token
         return Launch(
             tuple(argv + list(p.extra_args)),
             env,
-            url_for(ctx),
+            url_for(ctx, secure=ctx.tls is not None),
             metrics_dialect="cgn-infer",
             token=ctx.token,
         )
