@@ -53,7 +53,13 @@ from cgn_core.etcd import EtcdClient, Lease, LeaseNotFound
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.etcd.local import free_port
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.http import Runner, error_middleware, loopback_middleware, mtls_middleware
+from cgn_core.http import (
+    Runner,
+    bearer_header,
+    error_middleware,
+    loopback_middleware,
+    mtls_middleware,
+)
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import RevocationList, follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
@@ -75,7 +81,7 @@ class HttpProber:
             async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
                 if r.status != 200:
                     return False, False, f"{launch.health_path} answered {r.status}"
-            auth = {"Authorization": f"Bearer {launch.token}"} if launch.token else {}
+            auth = bearer_header(launch.token)
             async with self.session.get(
                 launch.url + launch.models_path, timeout=self.timeout, headers=auth
             ) as r:
@@ -94,7 +100,10 @@ class HttpProber:
         if launch.metrics_dialect is None:
             return None
         try:
-            async with self.session.get(launch.url + "/metrics", timeout=self.timeout) as r:
+            auth = bearer_header(launch.token)
+            async with self.session.get(
+                launch.url + "/metrics", timeout=self.timeout, headers=auth
+            ) as r:
                 text = await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError):
             return None

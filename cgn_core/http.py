@@ -185,6 +185,11 @@ def _refuse_lone_surrogates(value: Any) -> None:
             stack.extend(v)
 
 
+def bearer_header(token: str) -> dict[str, str]:
+    """`Authorization: Bearer <token>` for a caller holding an engine's secret ({} for none)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def bearer_middleware(token: str, open_paths: frozenset[str]) -> Any:
     """Every path but `open_paths` needs `Authorization: Bearer <token>` (401 otherwise).
 

@@ -27,7 +27,7 @@ from cgn_core.backoff import Backoff
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
-from cgn_core.http import Runner
+from cgn_core.http import Runner, bearer_header
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
@@ -40,7 +40,7 @@ from cgn_router.gate import Gate
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
-from cgn_router.proxy import Proxy, engine_auth
+from cgn_router.proxy import Proxy
 from cgn_router.registry import (
     Registry,
     Sessions,
@@ -270,7 +270,10 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
         if state is None:
             return
         try:
-            async with session.get(state.endpoint.url + "/metrics", timeout=timeout) as resp:
+            async with session.get(
+                state.endpoint.url + "/metrics", timeout=timeout,
+                headers=bearer_header(state.endpoint.token),
+            ) as resp:  # fmt: skip
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 page = await resp.content.read(MAX_METRICS_PAGE)
@@ -319,7 +322,7 @@ class KvFollowers:
         while True:
             try:
                 async with self.session.get(
-                    url, timeout=timeout, read_bufsize=1 << 24, headers=engine_auth(token)
+                    url, timeout=timeout, read_bufsize=1 << 24, headers=bearer_header(token)
                 ) as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from cgn_core.http import PRIORITY_HEADER
+from cgn_core.http import PRIORITY_HEADER, bearer_header
 from cgn_router.registry import EndpointState
 from cgn_router.settings import DeadlineSettings
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -88,7 +88,7 @@ class Proxy:
         now = asyncio.get_running_loop().time()
         total_at = now + d.total_s - (time.monotonic() - started)
         ep = a.state.endpoint
-        headers = {"Content-Type": "application/json", **engine_auth(ep.token)}
+        headers = {"Content-Type": "application/json", **bearer_header(ep.token)}
         rid = request.headers.get("x-request-id")
         if rid and "\r" not in rid and "\n" not in rid:
             headers["x-request-id"] = rid
@@ -207,11 +207,6 @@ class Proxy:
         headers["x-cognitora-endpoint"] = a.state.endpoint.id
         headers.update(a.extra_headers)
         return headers
-
-
-def engine_auth(token: str) -> dict[str, str]:
-    """The header that proves to an agent-launched engine that the router is calling."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @contextlib.asynccontextmanager

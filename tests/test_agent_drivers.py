@@ -279,3 +279,21 @@ def test_placement_parsing_round_trips_and_names_bad_fields() -> None:
             parse_placement("r7", bad)
     with pytest.raises(ValueError, match="replica id"):
         parse_placement("../etc", {"model": "m", "engine": "vllm"})
+
+
+@pytest.mark.parametrize(
+    ("engine", "launcher", "variable"),
+    [("cgn_infer", "auto", "CGN_INFER_API_TOKEN"), ("vllm", "auto", "VLLM_API_KEY"),
+     ("llama_cpp", "llama_server", "LLAMA_API_KEY")],
+)  # fmt: skip
+def test_engines_that_can_require_a_secret_get_it_in_their_environment(
+    engine: str, launcher: str, variable: str
+) -> None:
+    spec = ReplicaSpec(ReplicaId("r1"), "m", engine, "/m/x.gguf", devices=(),
+                       profile=EngineProfile(launcher=launcher))  # fmt: skip
+    tools = FakeTools(binaries={b: f"/usr/bin/{b}" for b in ("vllm", "llama-server", "cgn-infer")})
+    launch = DRIVERS[engine].launch(spec, LaunchContext("127.0.0.1", 8001, token="s3cret"), tools)
+    assert launch.env[variable] == "s3cret" and launch.token == "s3cret"
+    assert not any("s3cret" in a for a in launch.argv)  # never on the command line (ps)
+    bare = DRIVERS[engine].launch(spec, LaunchContext("127.0.0.1", 8001), tools)
+    assert variable not in bare.env and bare.token == ""

@@ -56,11 +56,15 @@ class VllmDriver:
         if p.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
         argv += kv_connectors.vllm_args(p.kv_connector)
+        env = {**cuda_env(spec), **p.env}
+        if ctx.token:  # vLLM's server reads it (as --api-key) and guards /v1/* with it
+            env["VLLM_API_KEY"] = ctx.token
         return Launch(
             tuple(argv + list(p.extra_args)),
-            {**cuda_env(spec), **p.env},
+            env,
             url_for(ctx),
             metrics_dialect="vllm",
+            token=ctx.token,
         )
 
 
