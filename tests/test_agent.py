@@ -144,11 +144,14 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
         )
         assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
         # The engine answers its router only: the secret is in its endpoint record.
-        assert len(ep["api_token"]) > 30 and "api_token" not in llama["endpoint"]
+        assert len(ep["api_token"]) > 30 and len(llama["endpoint"]["api_token"]) > 30
         with pytest.raises(openai.AuthenticationError, match="from its router only"):
             await asyncio.to_thread(chat, ep["url"], "smol-infer")
         await asyncio.to_thread(chat, ep["url"], "smol-infer", ep["api_token"])
-        await asyncio.to_thread(chat, llama["endpoint"]["url"], "smol-llama")
+        with pytest.raises(openai.AuthenticationError):  # llama.cpp refuses without it too
+            await asyncio.to_thread(chat, llama["endpoint"]["url"], "smol-llama")
+        await asyncio.to_thread(chat, llama["endpoint"]["url"], "smol-llama",
+                                llama["endpoint"]["api_token"])  # fmt: skip
         node = await get(c, f"/cognitora/nodes/{NODE}")
         assert node["node_class"] == "cpu" and node["cpu"]["cores"] >= 1
         assert {r["replica"] for r in node["running"]} == {INFER, LLAMA}
@@ -256,8 +259,9 @@ async def test_agent_killed_and_restarted_adopts_the_running_engines(fleet: Flee
         assert fleet.agent is not None
         fleet.agent.proc.send_signal(signal.SIGKILL)
         fleet.agent.proc.wait(10)
-        llama_url = (await get(c, endpoint_key("smol-llama", LLAMA)))["url"]
-        await asyncio.to_thread(chat, llama_url, "smol-llama")  # the engine outlived its agent
+        llama_ep = await get(c, endpoint_key("smol-llama", LLAMA))
+        await asyncio.to_thread(chat, llama_ep["url"], "smol-llama",
+                                llama_ep["api_token"])  # the engine outlived its agent  # fmt: skip
         agent = fleet.start_agent()
         replicas = await eventually(
             lambda: _all_ready(agent), "the new agent reports both replicas Ready", timeout_s=30

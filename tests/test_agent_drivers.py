@@ -284,7 +284,7 @@ def test_placement_parsing_round_trips_and_names_bad_fields() -> None:
 @pytest.mark.parametrize(
     ("engine", "launcher", "variable"),
     [("cgn_infer", "auto", "CGN_INFER_API_TOKEN"), ("vllm", "auto", "VLLM_API_KEY"),
-     ("llama_cpp", "llama_server", "LLAMA_API_KEY")],
+     ("llama_cpp", "llama_server", "LLAMA_API_KEY"), ("llama_cpp", "xllamacpp", "LLAMA_API_KEY")],
 )  # fmt: skip
 def test_engines_that_can_require_a_secret_get_it_in_their_environment(
     engine: str, launcher: str, variable: str

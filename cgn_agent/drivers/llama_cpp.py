@@ -89,10 +89,9 @@ class LlamaCppDriver:
                     "--host", host, "--port", port, "--alias", spec.model, "--metrics"]  # fmt: skip
             argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
             argv += ["-ngl", "999"] if gpu else []
-            if ctx.token:  # llama-server reads --api-key from LLAMA_API_KEY (not argv: ps)
-                env["LLAMA_API_KEY"] = ctx.token
-                return Launch(tuple(argv + list(p.extra_args)), env, url_for(ctx),
-                              metrics_dialect="llamacpp", token=ctx.token)  # fmt: skip
+        if ctx.token:  # llama-server (and our runner) read --api-key's LLAMA_API_KEY: not in ps
+            env["LLAMA_API_KEY"] = ctx.token
         return Launch(
-            tuple(argv + list(p.extra_args)), env, url_for(ctx), metrics_dialect="llamacpp"
-        )
+            tuple(argv + list(p.extra_args)), env, url_for(ctx), metrics_dialect="llamacpp",
+            token=ctx.token,
+        )  # fmt: skip

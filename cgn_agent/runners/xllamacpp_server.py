@@ -9,6 +9,7 @@ Prometheus /metrics (as `llama-server --metrics`) until SIGTERM.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         "off": fa.LLAMA_FLASH_ATTN_TYPE_DISABLED,
     }[args.flash_attn]
     params.endpoint_metrics = True
+    if key := os.environ.get("LLAMA_API_KEY"):  # as llama-server reads it: never on argv
+        params.api_keys = [key]
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
