@@ -64,8 +64,8 @@ class RamTier:
         return True
 
     def unpin(self, key: BlockKey) -> None:
-        if self._pins[key] <= 1:
-            del self._pins[key]
+        if self._pins.get(key, 0) <= 1:
+            self._pins.pop(key, None)
         else:
             self._pins[key] -= 1
 

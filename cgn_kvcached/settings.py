@@ -10,9 +10,10 @@ from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSett
 class KvcachedSettings:
     grpc: ListenSettings = ListenSettings(port=7071)
     admin: ListenSettings = ListenSettings(port=9094)
-    ram_bytes: int = 4 << 30
-    ssd_dir: Path | None = None
-    ssd_bytes: int = 0
+    ram_bytes: int = 4 << 30  # the RAM tier's budget
+    ssd_dir: Path | None = None  # the SSD tier's directory; None: RAM only
+    ssd_bytes: int = 0  # the SSD tier's budget
+    write_through: bool = False  # also write every block to the SSD at once (default: on eviction)
     tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

@@ -1,0 +1,92 @@
+"""`cgn-kvcached serve`: the block store behind its gRPC service, until SIGTERM.
+
+Start-up: settings checked (budgets, the SSD directory writable), the SSD
+index rebuilt from its directory, the gRPC listener bound (mutual TLS with the
+cluster CA when `tls` is set, plaintext otherwise, logged), then the ready
+file and systemd's READY=1. Shutdown stops accepting and lets calls in flight
+finish for a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+
+from cgn_core.errors import ConfigError
+from cgn_core.readiness import announce_ready, announce_stopping
+from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
+from cgn_kvcached.ram_tier import RamTier
+from cgn_kvcached.service import KvCacheService
+from cgn_kvcached.settings import KvcachedSettings
+from cgn_kvcached.ssd_tier import SsdTier
+from cgn_kvcached.store import BlockStore
+from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+GRACE_S = 5.0
+
+
+def check_settings(s: KvcachedSettings) -> None:
+    if s.ram_bytes < 1 << 20:
+        raise ConfigError(f"ram_bytes must be at least 1 MiB, got {s.ram_bytes}")
+    if s.ssd_dir is not None and s.ssd_bytes < 1 << 20:
+        raise ConfigError(f"ssd_bytes must be at least 1 MiB with ssd_dir, got {s.ssd_bytes}")
+    if s.ssd_dir is None and s.ssd_bytes:
+        raise ConfigError("ssd_bytes is set but ssd_dir is not")
+
+
+def build_store(s: KvcachedSettings) -> BlockStore:
+    ssd = None
+    if s.ssd_dir is not None:
+        try:
+            ssd = SsdTier(Path(s.ssd_dir), s.ssd_bytes)
+        except OSError as exc:
+            raise ConfigError(f"ssd_dir {s.ssd_dir}: {exc.strerror}") from None
+    return BlockStore(RamTier(s.ram_bytes), ssd, write_through=s.write_through)
+
+
+async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
+    check_settings(settings)
+    store = await asyncio.to_thread(build_store, settings)
+    tls = settings.tls
+    service = KvCacheService(store, tls=tls.enabled)
+    # NOTE: with TLS every call needs a client certificate of the cluster CA, and one that
+    # claims a node id (x-cgn-node) must carry that id as its CN
+    server = grpc.aio.server(interceptors=[NodeIdentityInterceptor()] if tls.enabled else [])
+    pb_grpc.add_KvCacheServicer_to_server(service, server)
+    address = f"{settings.grpc.host}:{settings.grpc.port}"
+    try:
+        if tls.enabled:
+            port = server.add_secure_port(address, server_credentials(tls))
+        else:
+            warn_if_plaintext(log, "gRPC listener", tls)
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise ConfigError(f"cannot listen on {address}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ssd = f", SSD {settings.ssd_dir} ({len(store.ssd)} blocks)" if store.ssd else ", no SSD tier"
+    log.info("serving on %s:%d: RAM %d bytes%s", settings.grpc.host, port, settings.ram_bytes, ssd)
+    announce_ready(ready_file, f"serving on port {port}", ports={"grpc": port})
+    try:
+        await stop.wait()
+    finally:
+        announce_stopping()
+        await server.stop(GRACE_S)
+        if ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                await asyncio.to_thread(ready_file.unlink)
+
+
+def run(settings: KvcachedSettings, ready_file: Path | None) -> None:
+    asyncio.run(serve(settings, ready_file))
