@@ -8,7 +8,8 @@ sd_notify protocol) and STOPPING=1 when it shuts down; the agent keeps the
 notification socket from its engines. The embedded etcd is Type=simple. Hardening: a
 dedicated user, NoNewPrivileges, a read-only system, private /tmp, state
 under /var/lib/cognitora/<service>, configuration in /etc/cognitora.
-cgn-kvcached and cgn-metrics get their units with the daemons themselves.
+cgn-kvcached (the node's KV block store; its SSD tier under
+/var/lib/cognitora/kv) is Type=notify too; cgn-metrics gets its unit with the daemon.
 
 systemd/ in the repository holds the units rendered for /opt/cognitora/bin
 (`render(in_directory(Path("/opt/cognitora/bin")), Path("/opt/cognitora/bin/etcd"))`;
@@ -103,6 +104,23 @@ StateDirectory=cognitora/agent
 [Install]
 WantedBy=cognitora.target
 """,
+    "cgn-kvcached.service": """\
+[Unit]
+Description=Cognitora KV block store (RAM, then SSD) for this node's engines
+PartOf=cognitora.target
+After=network-online.target
+
+[Service]
+Type=notify
+ExecStart={cgn_kvcached} serve --config /etc/cognitora/kvcached.yaml
+Restart=always
+RestartSec=2
+TimeoutStopSec=30
+StateDirectory=cognitora/kv
+{hardening}
+[Install]
+WantedBy=cognitora.target
+""",
     "cgn-infer@.service": """\
 [Unit]
 Description=Cognitora standalone engine %i (settings in /etc/cognitora/infer-%i.yaml)
@@ -125,7 +143,7 @@ WantedBy=cognitora.target
 }
 
 
-EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-infer")
+EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-kvcached", "cgn-infer")
 
 
 def render(paths: Mapping[str, Path], etcd: Path | None, user: str = "cognitora") -> dict[str, str]:

@@ -18,6 +18,9 @@ def serve(
     port: Annotated[
         int | None, flag("--port", "gRPC port (0: any free port) (default 7071).")
     ] = None,
+    admin_port: Annotated[
+        int | None, flag("--admin-port", "Admin port: /metrics, /healthz (default 9094).")
+    ] = None,
     ram_bytes: Annotated[
         int | None, flag("--ram-bytes", "The RAM tier's budget in bytes (default 4 GiB).")
     ] = None,
@@ -40,7 +43,8 @@ def serve(
     Not yet wired into engines or routers (issue #19): the store and its service stand
     alone for now."""
     flags = parse_overrides(set_)
-    for key, value in {"grpc.host": host, "grpc.port": port, "ram_bytes": ram_bytes,
+    for key, value in {"grpc.host": host, "grpc.port": port, "admin.port": admin_port,
+                       "ram_bytes": ram_bytes,
                        "ssd_dir": ssd_dir, "ssd_bytes": ssd_bytes}.items():  # fmt: skip
         if value is not None:
             flags[key] = str(value)

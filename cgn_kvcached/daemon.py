@@ -16,10 +16,14 @@ import signal
 from pathlib import Path
 
 import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
-from cgn_core.readiness import announce_ready, announce_stopping
+from cgn_core.http import Runner, error_middleware
+from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
+from cgn_kvcached.metrics import registry_for
 from cgn_kvcached.ram_tier import RamTier
 from cgn_kvcached.service import KvCacheService
 from cgn_kvcached.settings import KvcachedSettings
@@ -71,21 +75,45 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
     if port == 0:
         raise ConfigError(f"cannot listen on {address}")
     await server.start()
+    admin, admin_port = await _start_admin(settings, store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ssd = f", SSD {settings.ssd_dir} ({len(store.ssd)} blocks)" if store.ssd else ", no SSD tier"
     log.info("serving on %s:%d: RAM %d bytes%s", settings.grpc.host, port, settings.ram_bytes, ssd)
-    announce_ready(ready_file, f"serving on port {port}", ports={"grpc": port})
+    announce_ready(ready_file, f"serving on port {port}", ports={"grpc": port, "admin": admin_port})
     try:
         await stop.wait()
     finally:
         announce_stopping()
         await server.stop(GRACE_S)
+        await admin.cleanup()
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+async def _start_admin(settings: KvcachedSettings, store: BlockStore) -> tuple[web.AppRunner, int]:
+    """/metrics (Prometheus) and /healthz, open to probes and scrapers."""
+    registry = registry_for(store)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "ssd_degraded": store.ssd_degraded})
+
+    app = web.Application(middlewares=[error_middleware(1 << 20)])
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    sock = bind_tcp(settings.admin.host, settings.admin.port)
+    runner = Runner(app, idle_timeout_s=settings.admin.idle_timeout_s, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner, int(sock.getsockname()[1])
 
 
 def run(settings: KvcachedSettings, ready_file: Path | None) -> None:

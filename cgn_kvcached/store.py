@@ -35,6 +35,8 @@ class StoreStats:
     misses: int = 0
     dropped: int = 0  # blocks neither tier could take
     ssd_write_failures: int = 0
+    ram_evictions: int = 0  # blocks RAM let go to make room (to the SSD, if it took them)
+    ssd_evictions: int = 0  # block files the SSD budget deleted
 
 
 class BlockStore:
@@ -65,6 +67,7 @@ class BlockStore:
             if not self._to_ssd(key, data):
                 self.stats.dropped += 1
             return
+        self.stats.ram_evictions += len(evicted)
         for old_key, old_data in evicted:
             self._to_ssd(old_key, old_data)
         if self.write_through:
@@ -81,10 +84,12 @@ class BlockStore:
             return None
         self.stats.hits["ssd"] += 1
         try:  # promoted: the next reader finds it in RAM
-            for old_key, old_data in self.ram.put(key, data):
-                self._to_ssd(old_key, old_data)
+            evicted = self.ram.put(key, data)
         except RamFull:
-            pass
+            evicted = []
+        self.stats.ram_evictions += len(evicted)
+        for old_key, old_data in evicted:
+            self._to_ssd(old_key, old_data)
         return data, "ssd"
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[Tier]:
@@ -106,7 +111,7 @@ class BlockStore:
         if self._ssd_down_until is not None and now < self._ssd_down_until:
             return False
         try:
-            self.ssd.put(key, data)
+            self.stats.ssd_evictions += len(self.ssd.put(key, data))
         except SsdFull as exc:
             self.stats.ssd_write_failures += 1
             if self._ssd_down_until is None:

@@ -4,12 +4,14 @@ the SSD tier survives SIGTERM and SIGKILL in the middle of writes, and nothing c
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -38,7 +40,8 @@ def kvcached(
     tmp: Path, *args: str
 ) -> Iterator[tuple[pb_grpc.KvCacheStub, subprocess.Popen[bytes]]]:
     ready = tmp / f"kvcached-{os.getpid()}-{len(list(tmp.glob('*.ready*')))}.ready"
-    argv = [str(BIN / "cgn-kvcached"), "serve", "--port", "0", "--ready-file", str(ready), *args]
+    argv = [str(BIN / "cgn-kvcached"), "serve", "--port", "0", "--admin-port", "0",
+            "--ready-file", str(ready), *args]  # fmt: skip
     with (tmp / f"{ready.name}.log").open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -47,6 +50,14 @@ def kvcached(
             yield pb_grpc.KvCacheStub(channel), proc
     finally:
         stop(proc)
+
+
+def metrics(tmp: Path) -> str:
+    """The /metrics page of the kvcached started last in `tmp`."""
+    ready = sorted(tmp.glob("kvcached-*.ready"))[-1]
+    port = json.loads(ready.read_text())["ports"]["admin"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
 
 
 def put(stub: pb_grpc.KvCacheStub, ids: range) -> pb.PutReply:
@@ -80,6 +91,9 @@ def test_blocks_in_ram_then_ssd_and_back_in_prefix_order(tmp_path: Path) -> None
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Lookup(bad)
             assert refused.value.code() == code
+        page = metrics(tmp_path)
+        assert 'cgn_kvcached_hits_total{tier="ssd"}' in page and "cgn_kvcached_evictions" in page
+        assert 'cgn_kvcached_blocks{tier="ram"}' in page and "cgn_kvcached_ssd_degraded 0.0" in page
         assert stub.Clear(pb.ClearRequest()).evicted == 20  # loopback: admin calls allowed
         assert stub.Stats(pb.StatsRequest()).ram_blocks == 0
 
