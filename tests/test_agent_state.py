@@ -25,6 +25,7 @@ from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_agent.supervisor import Phase, Policy
 from cgn_core.errors import ConfigError, EtcdUnavailable
+from tests.support.disks import small_tmpfs
 
 SPEC = ReplicaSpec(ReplicaId("r1"), "smol", "cgn_infer", "/m/smol.gguf", 8001,
                    profile=EngineProfile(threads=2, extra_args=("--max-batch", "4")))  # fmt: skip
@@ -199,19 +200,12 @@ def test_a_process_that_execs_again_is_still_the_one_we_started(tmp_path: Path) 
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs, filled: every write there fails with ENOSPC (as root only)."""
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-                                            str(mnt)], capture_output=True).returncode:  # fmt: skip
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with small_tmpfs(tmp_path / "full") as mnt:
         (mnt / "replicas").mkdir()
         with contextlib.suppress(OSError), (mnt / "fill").open("wb") as f:
             while True:
                 f.write(b"\0" * 4096)
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_a_full_disk_stops_the_engine_it_cannot_record(

@@ -4,8 +4,6 @@ two tiers together. The gRPC service around them is not built yet."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from cgn_kvcached.layout import BlockKey, Layout, LayoutError
 from cgn_kvcached.ram_tier import RamFull, RamTier
 from cgn_kvcached.ssd_tier import HEADER, SsdTier
 from cgn_kvcached.store import BlockStore
+from tests.support.disks import small_tmpfs
 
 LAYOUT = Layout("float32", layers=30, kv_heads=3, head_dim=64, block_size=16,
                 engine="cgn-infer 0.1.0")  # fmt: skip
@@ -131,15 +130,8 @@ def test_ssd_budget_evicts_the_oldest_files(tmp_path: Path) -> None:
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs (root only): the SSD tier's disk, to fill up."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-                                            str(mnt)], capture_output=True).returncode:  # fmt: skip
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with small_tmpfs(tmp_path / "disk") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_degrades_to_ram_and_leaves_no_partial_block(tiny_disk: Path) -> None:
