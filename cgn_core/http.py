@@ -214,7 +214,7 @@ def loopback_middleware(open_paths: frozenset[str]) -> Any:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in open_paths and not _is_loopback(request.remote):
+        if request.path not in open_paths and not is_loopback(request.remote):
             why = "management over plaintext is answered on loopback only; configure admin_tls"
             return json_error(Forbidden(why))
         return await handler(request)
@@ -222,7 +222,8 @@ def loopback_middleware(open_paths: frozenset[str]) -> Any:
     return check
 
 
-def _is_loopback(remote: str | None) -> bool:
+def is_loopback(remote: str | None) -> bool:
+    """Whether a peer address (an IP, no port) is a loopback one."""
     import ipaddress
 
     try:

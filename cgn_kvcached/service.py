@@ -13,13 +13,13 @@ answer loopback peers only.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 
+from cgn_core.http import is_loopback
 from cgn_kvcached.layout import BlockKey, Layout, LayoutError
 from cgn_kvcached.store import BlockStore
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
@@ -54,12 +54,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 layout = await _layout(req.layout, context)
                 self.layouts.add(layout)
             key = await _key(layout, req.block.hash, context)
-            before = self.store.stats.dropped
-            await self._run(self.store.put, key, bytes(req.block.data))
-            if self.store.stats.dropped > before:
-                dropped += 1
-            else:
+            if await self._run(self.store.put, key, bytes(req.block.data)):
                 stored += 1
+            else:
+                dropped += 1
         return pb.PutReply(stored=stored, dropped=dropped)
 
     async def Get(self, req: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetReply]:
@@ -141,13 +139,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
     async def _admin(self, context: Any) -> None:
         if self.tls:
             return  # the listener verified a client certificate from the cluster CA
-        peer = context.peer() or ""
+        peer = context.peer() or ""  # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"
         host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else ""
-        try:
-            local = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            local = False
-        if not local:
+        if not is_loopback(host):
             why = "Evict and Clear over plaintext answer loopback callers only"
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 

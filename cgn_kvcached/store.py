@@ -60,18 +60,21 @@ class BlockStore:
     def ssd_degraded(self) -> bool:
         return self._ssd_down_until is not None
 
-    def put(self, key: BlockKey, data: bytes) -> None:
+    def put(self, key: BlockKey, data: bytes) -> bool:
+        """Store a block; False when neither tier could take it (counted as dropped)."""
         try:
             evicted = self.ram.put(key, data)
         except RamFull:
-            if not self._to_ssd(key, data):
-                self.stats.dropped += 1
-            return
+            if self._to_ssd(key, data):
+                return True
+            self.stats.dropped += 1
+            return False
         self.stats.ram_evictions += len(evicted)
         for old_key, old_data in evicted:
             self._to_ssd(old_key, old_data)
         if self.write_through:
             self._to_ssd(key, data)
+        return True
 
     def get(self, key: BlockKey) -> tuple[bytes, Tier] | None:
         data = self.ram.get(key)

@@ -83,24 +83,25 @@ class EtcdFollowers:
 
     # ---- cordons: the key names the node; the value must still be a valid cordon -----------
 
+    # NOTE: a cordon whose value is unreadable still cordons: keeping traffic off a node
+    # someone meant to cordon is the safe side. The value is checked only to report it.
+
     def cordon_list(self, kvs: list[KeyValue]) -> None:
-        reg = self.svc.registry
-        reg.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs if self._cordon_ok(kv)}
+        for kv in kvs:
+            self._report_bad_cordon(kv)
+        self.svc.registry.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs}
 
     def cordon_event(self, ev: WatchEvent) -> None:
         node, reg = ev.kv.key[len(CORDON_PREFIX) :], self.svc.registry
         if ev.kind == "delete":
             reg.cordoned.discard(node)
-        elif self._cordon_ok(ev.kv):
+        else:
+            self._report_bad_cordon(ev.kv)
             reg.cordoned.add(node)
 
-    def _cordon_ok(self, kv: KeyValue) -> bool:
-        # NOTE: a cordon whose value is unreadable still cordons: keeping traffic off a node
-        # someone meant to cordon is the safe side. The value is checked only to report it.
-        if not kv.value.strip():
-            return True
-        self._parse(kv, cordon)
-        return True
+    def _report_bad_cordon(self, kv: KeyValue) -> None:
+        if kv.value.strip():  # an empty value is a bare cordon, nothing to check
+            self._parse(kv, cordon)
 
     # ---- catalog ---------------------------------------------------------------------------
 
