@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NewType
 
 from cgn_core.blockhash import BLOCK_SIZE, ROOT, BlockHash, block_hash, iter_block_hashes
+from cgn_core.kv_events import KvEvent
 
 BlockId = NewType("BlockId", int)
 
@@ -39,13 +40,6 @@ class Block:
     ref_count: int = 0
     hash: BlockHash | None = None
     tokens: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class KvEvent:
-    seq: int
-    kind: Literal["stored", "removed"]
-    hashes: tuple[BlockHash, ...]
 
 
 class PoolExhausted(Exception):
@@ -82,6 +76,16 @@ class BlockPool:
     def cached_hashes(self) -> list[BlockHash]:
         """Every registered block hash (the snapshot a KV-event subscriber starts from)."""
         return list(self._by_hash)
+
+    def cached_prefix_hint(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` the pool holds now. Safe to call from another thread,
+        but only a hint there: the engine thread may change the pool right after."""
+        n = 0
+        for h in hashes:
+            if h not in self._by_hash:
+                break
+            n += 1
+        return n
 
     def acquire_prefix(self, tokens: Sequence[int]) -> list[BlockId]:
         """Take references on the longest run of leading full blocks already in the pool."""

@@ -23,14 +23,22 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.http import Runner
+from cgn_core.kv_events import KvEventHub
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
+from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig
-from cgn_infer.kv_events import KvEventHub
+from cgn_infer.kv_tiering import RestoreCost
 from cgn_infer.loader import load_model
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.server import InferenceService, Loaded, build_app
 from cgn_infer.settings import InferSettings
+from cgn_kvcached.client import KvCacheClient
+from cgn_kvcached.layout import Layout
+
+# Bumped whenever the serialized block format (Backend.read_blocks) changes: blocks written
+# under another format are then never read back.
+KV_FORMAT = "kv1"
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +111,13 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         prefill_chunk=settings.prefill_chunk,
         aging_steps=settings.aging_steps,
     )
+    kvcache, restore_cost = kvcache_client(settings, loaded.backend)
     engine = await loop.run_in_executor(  # the pool is allocated (and zeroed) there too
         torch_thread,
         lambda: Engine(
             loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=name,
             on_kv_events=lambda events: loop.call_soon_threadsafe(svc.kv_events.publish, events),
-            executor=torch_thread,
+            executor=torch_thread, kvcache=kvcache, restore_cost=restore_cost,
         ),
     )  # fmt: skip
     svc.metrics.load_seconds.set(time.monotonic() - started)
@@ -134,6 +143,37 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+def kvcache_client(
+    settings: InferSettings, backend: Backend
+) -> tuple[KvCacheClient | None, RestoreCost | None]:
+    """The client of the node's KV store, under this engine's block layout; (None, None)
+    when no address is set. Connecting is lazy: a kvcached that is down means recompute."""
+    s = settings.kvcached
+    if not s.address:
+        return None, None
+    dtype, layers, kv_heads, head_dim = backend.kv_layout()
+    layout = Layout(dtype, layers, kv_heads, head_dim, BLOCK_SIZE,
+                    f"cgn-infer {backend.name} {KV_FORMAT}")  # fmt: skip
+    tls = settings.tls if settings.tls.enabled else None
+    client = KvCacheClient(s.address, layout, tls=tls, timeout_s=s.timeout_s,
+                           shared_memory=s.shared_memory)  # fmt: skip
+    cost = RestoreCost(
+        fixed_s=s.fixed_ms / 1e3,
+        s_per_byte={"ram": 1 / (s.ram_mb_per_s * 1e6), "ssd": 1 / (s.ssd_mb_per_s * 1e6)},
+        prefill_s_per_token=1 / s.prefill_tokens_per_s,
+    )
+    if settings.backend == "sim":  # start from what the sim charges: its modelled costs
+        speed = settings.sim.speed
+        cost = RestoreCost(
+            fixed_s=cost.fixed_s / speed,
+            s_per_byte={t: r / speed for t, r in cost.s_per_byte.items()},
+            prefill_s_per_token=settings.sim.prefill_s_per_token / speed,
+        )
+    log.info("KV store: cgn-kvcached at %s (layout %s, %d bytes per block)", s.address,
+             layout.digest.hex(), layout.block_bytes)  # fmt: skip
+    return client, cost
 
 
 POOL_MEMORY_SHARE = 0.8  # of the memory available at start, at most, for the KV pool
@@ -175,6 +215,14 @@ def check_settings(settings: InferSettings) -> None:
             raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
     if settings.sim.speed <= 0:
         raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
+    kvc = settings.kvcached
+    for key in ("timeout_s", "ram_mb_per_s", "ssd_mb_per_s", "prefill_tokens_per_s"):
+        if getattr(kvc, key) <= 0:
+            raise ConfigError(f"kvcached.{key} must be positive, got {getattr(kvc, key)}")
+    if kvc.fixed_ms < 0:
+        raise ConfigError(f"kvcached.fixed_ms must not be negative, got {kvc.fixed_ms}")
+    if kvc.address and ":" not in kvc.address:
+        raise ConfigError(f"kvcached.address must be host:port, got {kvc.address!r}")
 
 
 def _progress() -> Progress:

@@ -31,14 +31,17 @@ from typing import Literal
 
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import Unavailable
+from cgn_core.kv_events import KvEvent
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.paged import BatchItem
-from cgn_infer.block_pool import BlockPool, KvEvent
+from cgn_infer.block_pool import BlockPool
 from cgn_infer.detokenizer import IncrementalText
+from cgn_infer.kv_tiering import KvTiering, RestoreCost
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler, SamplingParams
-from cgn_infer.scheduler import Plan, Scheduler, Seq, SeqId
+from cgn_infer.scheduler import Plan, Restored, Scheduler, Seq, SeqId
+from cgn_kvcached.client import KvCacheClient
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class Job:
     emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
+    restored: Restored | None = None  # prompt blocks fetched from cgn-kvcached
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +125,8 @@ class Engine:
         namespace: str,
         on_kv_events: Callable[[list[KvEvent]], object] | None = None,
         executor: ThreadPoolExecutor | None = None,
+        kvcache: KvCacheClient | None = None,
+        restore_cost: RestoreCost | None = None,
     ):
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
         self.ctx = min(config.ctx, backend.args.ctx_len)
@@ -136,6 +142,15 @@ class Engine:
             aging_steps=config.aging_steps,
         )
         self.on_kv_events = on_kv_events
+        # The node's KV store (cgn-kvcached): blocks offered after requests, prompts restored.
+        self.tiering: KvTiering | None = None
+        if kvcache is not None:
+            modelled = backend.kv_bytes_per_token() * BLOCK_SIZE
+            sim = modelled != kvcache.layout.block_bytes  # the sim's blocks stand for bigger ones
+            self.tiering = KvTiering(
+                kvcache, backend, self.pool, metrics, restore_cost or RestoreCost(),
+                modelled_block_bytes=modelled if sim else None,
+            )  # fmt: skip
         self._active: dict[SeqId, _Active] = {}
         self._jobs: queue.Queue[tuple[Job, Seq] | None] = queue.Queue()
         self._stopping = False
@@ -161,10 +176,13 @@ class Engine:
         if self._done is not None:
             wait([self._done], timeout_s)
         self._executor.shutdown(wait=False)
+        if self.tiering is not None:
+            self.tiering.close()
 
     def submit(self, job: Job) -> None:
         """Queue `job`; Unavailable once the worker has stopped for good."""
-        seq = Seq(job.request.prompt, job.request.max_tokens, priority=job.request.priority)
+        req = job.request
+        seq = Seq(req.prompt, req.max_tokens, priority=req.priority, restored=job.restored)
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         with self._gate:
             if self.failure is not None:
@@ -267,7 +285,13 @@ class Engine:
 
     def _step(self, plan: Plan) -> None:
         items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
+        prefill = sum(len(w.tokens) for w in plan.work if len(w.tokens) > 1)
+        started = time.monotonic()
         try:
+            for r in plan.restores:  # fetched blocks into the pool before anything reads them
+                assert r.seq.restored is not None
+                rows = r.seq.restored.data[r.first : r.first + len(r.ids)]
+                self.backend.write_blocks(self.kv, r.ids, rows)
             logits = self.backend.forward_batch(items, self.kv)
         except Exception as exc:  # NOTE: top of the worker loop: fail this batch, keep serving
             log.exception("a batch step failed")
@@ -276,6 +300,9 @@ class Engine:
             return
         m = self.metrics
         m.step_sequences.observe(len(plan.work))
+        m.prefill_computed.inc(prefill)
+        if self.tiering is not None and prefill >= 4 * BLOCK_SIZE and not plan.restores:
+            self.tiering.observe_prefill(prefill, time.monotonic() - started)
         sampled: dict[SeqId, Sampled] = {}
         failed: list[tuple[_Active, str]] = []
         for w, row in zip(plan.work, logits, strict=True):
@@ -284,7 +311,10 @@ class Engine:
                 active.counted = True
                 m.prompt_tokens.inc(len(w.seq.prompt))
                 m.prefix_queries.inc(len(w.seq.prompt))
-                m.prefix_hits.inc(w.seq.cached_tokens)
+                restored = w.seq.restored_tokens
+                m.prefix_hits.inc(w.seq.cached_tokens - sum(restored.values()))
+                for tier, n in restored.items():
+                    m.restored(tier, n)
             if w.sample:
                 try:
                     sampled[w.seq.id] = active.sampler.sample(row)
@@ -318,7 +348,6 @@ class Engine:
 
     def _finish(self, active: _Active, reason: FinishReason, error: str | None = None) -> None:
         seq, m = active.seq, self.metrics
-        self.scheduler.finish(seq)
         del self._active[seq.id]
         m.e2e.observe(time.monotonic() - active.job.enqueued)
         m.finished("abort" if reason == "cancelled" else reason)
@@ -328,6 +357,13 @@ class Engine:
                 reason, tail, len(seq.prompt), len(seq.output), seq.cached_tokens, error=error
             )
         )
+        # NOTE: after the client has its answer, before the blocks go back to the pool
+        if self.tiering is not None and reason != "error" and seq.hashes:
+            try:
+                self.tiering.offer(self.kv, seq)
+            except Exception:  # an offer is an optimisation; the request has ended anyway
+                log.exception("could not offer a finished sequence's blocks")
+        self.scheduler.finish(seq)
 
     def _publish(self) -> None:
         m, s = self.metrics, self.scheduler

@@ -34,9 +34,9 @@ from cgn_core.http import (
     parse_json,
     read_body,
 )
+from cgn_core.kv_events import KvEventHub, serve_sse
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
-from cgn_infer.kv_events import KvEventHub
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
@@ -129,8 +129,13 @@ class InferenceService:
         def emit(ev: Event) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        job = Job(gen, emit)
-        self.loaded.engine.submit(job)
+        engine = self.loaded.engine
+        restored = None
+        if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
+            tiering = engine.tiering
+            restored = await loop.run_in_executor(tiering.restorer, tiering.prefetch, gen.prompt)
+        job = Job(gen, emit, restored=restored)
+        engine.submit(job)
         try:
             while True:
                 ev = await events.get()
@@ -158,7 +163,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
     app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
     app.router.add_get("/v1/models", lambda r: _models(svc))
-    app.router.add_get("/v1/kv/events", lambda r: _kv_events(svc, r))
+    app.router.add_get("/v1/kv/events", lambda r: serve_sse(svc.kv_events, r))
     app.router.add_get("/health", lambda r: _health(svc))
     app.router.add_get("/metrics", lambda r: _metrics(svc))
     return app
@@ -245,23 +250,6 @@ async def _models(svc: InferenceService) -> web.Response:
         "max_model_len": svc.ctx,
     }
     return web.json_response({"object": "list", "data": [card]})
-
-
-async def _kv_events(svc: InferenceService, request: web.Request) -> web.StreamResponse:
-    """SSE: a KvSnapshot, then every KvBlockEvent (ARCHITECTURE.md §5, kv_events.proto)."""
-    snapshot, sub = svc.kv_events.subscribe()
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    try:
-        await resp.prepare(request)
-        await resp.write(snapshot)
-        while (msg := await sub.queue.get()) is not None:
-            await resp.write(msg)
-    finally:
-        svc.kv_events.unsubscribe(sub)
-    await resp.write_eof()
-    return resp
 
 
 async def _health(svc: InferenceService) -> web.Response:

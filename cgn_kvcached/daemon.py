@@ -20,7 +20,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
-from cgn_core.http import Runner, error_middleware
+from cgn_core.http import Runner, bearer_middleware, error_middleware
+from cgn_core.kv_events import serve_sse
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_kvcached.metrics import registry_for
@@ -33,6 +34,7 @@ from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0
+OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz"})
 
 
 def check_settings(s: KvcachedSettings) -> None:
@@ -42,6 +44,19 @@ def check_settings(s: KvcachedSettings) -> None:
         raise ConfigError(f"ssd_bytes must be at least 1 MiB with ssd_dir, got {s.ssd_bytes}")
     if s.ssd_dir is None and s.ssd_bytes:
         raise ConfigError("ssd_bytes is set but ssd_dir is not")
+
+
+def prepare_shm_dir(directory: Path | None) -> Path | None:
+    """The shared-memory transfer directory, made private to this user; None if unusable."""
+    if directory is None:
+        return None
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory.chmod(0o700)
+    except OSError as exc:
+        log.warning("shared memory off: shm_dir %s: %s", directory, exc.strerror)
+        return None
+    return directory
 
 
 def build_store(s: KvcachedSettings) -> BlockStore:
@@ -58,7 +73,8 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
     check_settings(settings)
     store = await asyncio.to_thread(build_store, settings)
     tls = settings.tls
-    service = KvCacheService(store, tls=tls.enabled)
+    shm_dir = await asyncio.to_thread(prepare_shm_dir, settings.shm_dir)
+    service = KvCacheService(store, tls=tls.enabled, shm_dir=shm_dir)
     # NOTE: with TLS every call needs a client certificate of the cluster CA, and one that
     # claims a node id (x-cgn-node) must carry that id as its CN
     server = grpc.aio.server(interceptors=[NodeIdentityInterceptor()] if tls.enabled else [])
@@ -75,18 +91,21 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
     if port == 0:
         raise ConfigError(f"cannot listen on {address}")
     await server.start()
-    admin, admin_port = await _start_admin(settings, store)
+    admin, admin_port = await _start_admin(settings, service)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ssd = f", SSD {settings.ssd_dir} ({len(store.ssd)} blocks)" if store.ssd else ", no SSD tier"
+    ssd = ", no SSD tier"
+    if store.ssd is not None:
+        ssd = f", SSD {settings.ssd_dir} ({len(store.ssd)} blocks)"
     log.info("serving on %s:%d: RAM %d bytes%s", settings.grpc.host, port, settings.ram_bytes, ssd)
     announce_ready(ready_file, f"serving on port {port}", ports={"grpc": port, "admin": admin_port})
     try:
         await stop.wait()
     finally:
         announce_stopping()
+        service.events.close()
         await server.stop(GRACE_S)
         await admin.cleanup()
         if ready_file is not None:
@@ -94,8 +113,12 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
                 await asyncio.to_thread(ready_file.unlink)
 
 
-async def _start_admin(settings: KvcachedSettings, store: BlockStore) -> tuple[web.AppRunner, int]:
-    """/metrics (Prometheus) and /healthz, open to probes and scrapers."""
+async def _start_admin(
+    settings: KvcachedSettings, service: KvCacheService
+) -> tuple[web.AppRunner, int]:
+    """/metrics (Prometheus) and /healthz, open to probes and scrapers; /v1/kv/events (what
+    each tier holds, for routers) to bearers of `events_token` when one is set."""
+    store = service.store
     registry = registry_for(store)
 
     async def metrics(_: web.Request) -> web.Response:
@@ -106,9 +129,13 @@ async def _start_admin(settings: KvcachedSettings, store: BlockStore) -> tuple[w
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "ssd_degraded": store.ssd_degraded})
 
-    app = web.Application(middlewares=[error_middleware(1 << 20)])
+    middlewares = [error_middleware(1 << 20)]
+    if settings.events_token:
+        middlewares.append(bearer_middleware(settings.events_token, OPEN_ADMIN_PATHS))
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/kv/events", lambda r: serve_sse(service.events, r))
     sock = bind_tcp(settings.admin.host, settings.admin.port)
     runner = Runner(app, idle_timeout_s=settings.admin.idle_timeout_s, access_log=None)
     await runner.setup()

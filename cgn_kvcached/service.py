@@ -8,18 +8,31 @@ gets a gRPC status with a message (INVALID_ARGUMENT for a malformed layout or
 hash, FAILED_PRECONDITION for a layout nothing was ever stored under), never
 a dead server. `Evict` and `Clear` are admin calls: over plaintext they
 answer loopback peers only.
+
+Shared memory: a same-node client may move a call's bytes through a file it
+made in `shm_dir` (a tmpfs) instead of the messages, which is what makes a
+restore fast enough to pay (the Python gRPC path alone moves ~250 MB/s,
+bench/results/kvcached_tiers.md). The server only ever opens an existing
+regular file directly inside `shm_dir` (no symlinks, no other directory),
+never creates, grows or removes one, and checks its size before any write.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import stat
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
+from cgn_core.blockhash import BlockHash
 from cgn_core.http import is_loopback
+from cgn_core.kv_events import KvEventHub
 from cgn_kvcached.layout import BlockKey, Layout, LayoutError
 from cgn_kvcached.store import BlockStore
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
@@ -29,12 +42,24 @@ from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 T = TypeVar("T")
 TIERS = {"ram": ev_pb.KV_TIER_RAM, "ssd": ev_pb.KV_TIER_SSD}
 MAX_HASHES = 1 << 16  # blocks one request may name (a 1M-token prompt at 16 per block)
+PUT_BATCH = 32  # blocks stored per hop to the store's thread
+_SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class ShmRefused(ValueError):
+    """A shared-memory file the server will not use; the message says why."""
 
 
 class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
-    def __init__(self, store: BlockStore, *, tls: bool = False):
+    def __init__(self, store: BlockStore, *, tls: bool = False, shm_dir: Path | None = None):
         self.store = store
         self.tls = tls
+        self.shm_dir = shm_dir
+        # What each tier holds, for routers (served as SSE by the admin listener).
+        self.events = KvEventHub("", ("ram", "ssd"))
+        for tier, hashes in store.held().items():
+            self.events.held[tier] = dict.fromkeys(BlockHash(h) for h in hashes)
+        store.drain_events()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvcached-store")
         # Layouts blocks were stored under (also those found on the SSD at start).
         self.layouts: set[bytes] = {k.layout for k in store.ram.block_keys()}
@@ -42,27 +67,76 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             self.layouts |= {k.layout for k in store.ssd.block_keys()}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        """`fn` on the store's thread; the tier changes it made go to the event hub, in order."""
+        loop = asyncio.get_running_loop()
+
+        def call() -> T:
+            try:
+                return fn(*args)
+            finally:
+                if events := self.store.drain_events():
+                    loop.call_soon_threadsafe(self.events.publish, events)
+
+        return await loop.run_in_executor(self._worker, call)
 
     # ---- the calls ------------------------------------------------------------------------
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutReply:
-        layout: bytes | None = None
+        layout: Layout | None = None
+        shm: int | None = None
+        batch: list[tuple[BlockKey, bytes | int]] = []  # data, or its offset in the shared file
         stored = dropped = 0
-        async for req in requests:
-            if layout is None:
-                layout = await _layout(req.layout, context)
-                self.layouts.add(layout)
-            key = await _key(layout, req.block.hash, context)
-            if await self._run(self.store.put, key, bytes(req.block.data)):
-                stored += 1
-            else:
-                dropped += 1
+        try:
+            async for req in requests:
+                if layout is None:
+                    layout = await _layout(req.layout, context)
+                    self.layouts.add(layout.digest)
+                    if req.shm_path:
+                        shm = await self._shm_open(req.shm_path, os.O_RDONLY, 0, context)
+                key = await _key(layout.digest, req.block.hash, context)
+                if shm is not None:
+                    batch.append((key, req.block.shm_offset))
+                elif len(req.block.data) != layout.block_bytes:
+                    got = len(req.block.data)
+                    why = f"a block of this layout is {layout.block_bytes} bytes, got {got}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+                else:
+                    batch.append((key, bytes(req.block.data)))
+                if len(batch) >= PUT_BATCH:
+                    n = await self._put_batch(batch, shm, layout, context)
+                    stored, dropped, batch = stored + n, dropped + len(batch) - n, []
+            if batch and layout is not None:
+                n = await self._put_batch(batch, shm, layout, context)
+                stored, dropped = stored + n, dropped + len(batch) - n
+        finally:
+            if shm is not None:
+                os.close(shm)
         return pb.PutReply(stored=stored, dropped=dropped)
+
+    async def _put_batch(
+        self, batch: list[tuple[BlockKey, bytes | int]], shm: int | None, layout: Layout,
+        context: Any,
+    ) -> int:  # fmt: skip
+        try:
+            return await self._run(self._put_many, batch, shm, layout.block_bytes)
+        except ShmRefused as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # not reached: abort raises
 
     async def Get(self, req: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetReply]:
         layout = await self._known_layout(req.layout, context)
-        keys = [await _key(layout, h, context) for h in await _hashes(req.hashes, context)]
+        keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
+        if req.shm_path:
+            size = len(keys) * layout.block_bytes
+            shm = await self._shm_open(req.shm_path, os.O_RDWR, size, context)
+            try:
+                tiers = await self._run(self._get_into, shm, keys, layout.block_bytes)
+            finally:
+                os.close(shm)
+            for i, (key, tier) in enumerate(zip(keys, tiers, strict=False)):
+                block = pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
+                yield pb.GetReply(block=block, tier=TIERS[tier])
+            return
         for key in keys:
             found = await self._run(self._get_pinned, key)
             if found is None:
@@ -75,7 +149,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
 
     async def Lookup(self, req: pb.LookupRequest, context: Any) -> pb.LookupReply:
         layout = await self._known_layout(req.layout, context)
-        keys = [await _key(layout, h, context) for h in await _hashes(req.hashes, context)]
+        keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         tiers = await self._run(self.store.lookup, keys)
         return pb.LookupReply(tiers=[TIERS[t] for t in tiers])
 
@@ -85,7 +159,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
     async def Evict(self, req: pb.EvictRequest, context: Any) -> pb.EvictReply:
         await self._admin(context)
         layout = await _layout(req.layout, context)
-        keys = [await _key(layout, h, context) for h in await _hashes(req.hashes, context)]
+        keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         return pb.EvictReply(evicted=await self._run(self._evict, keys))
 
     async def Clear(self, req: pb.ClearRequest, context: Any) -> pb.ClearReply:
@@ -100,13 +174,54 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             self.store.ram.pin(key)  # NOTE: not evicted while it streams (unpin is a no-op
         return found  # for a block RAM could not take: it was read from the SSD file)
 
+    def _get_into(self, fd: int, keys: list[BlockKey], block_bytes: int) -> list[str]:
+        """Write the chain's blocks into the shared file, block i at i * block_bytes, up to
+        the first miss; the tier of each. One call on this thread: no pins needed."""
+        tiers: list[str] = []
+        for i, key in enumerate(keys):
+            found = self.store.get(key)
+            if found is None:
+                break
+            os.pwrite(fd, found[0], i * block_bytes)
+            tiers.append(found[1])
+        return tiers
+
+    def _put_many(
+        self, batch: list[tuple[BlockKey, bytes | int]], shm: int | None, block_bytes: int
+    ) -> int:
+        """Store a batch of blocks (their bytes, or offsets in the shared file); how many
+        were stored. One call on this thread per batch, not one per block."""
+        stored = 0
+        for key, where in batch:
+            if isinstance(where, int):
+                assert shm is not None
+                data = os.pread(shm, block_bytes, where)
+                if len(data) != block_bytes:
+                    raise ShmRefused("a block's shm_offset lies past the end of shm_path")
+            else:
+                data = where
+            stored += self.store.put(key, data)
+        return stored
+
+    def _shm_check(self, path: str, flags: int, size: int) -> int:
+        """Open the client's shared file; ShmRefused unless it is safe and large enough."""
+        if self.shm_dir is None:
+            raise ShmRefused("this server offers no shared memory (shm_dir is unset)")
+        p = Path(path)
+        if p.parent != self.shm_dir or not _SHM_NAME.fullmatch(p.name):
+            raise ShmRefused(f"shm_path must be a plain file name directly in {self.shm_dir}")
+        try:
+            fd = os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmRefused(f"shm_path {path}: {exc.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            os.close(fd)
+            raise ShmRefused(f"shm_path must be a regular file of at least {size} bytes")
+        return fd
+
     def _evict(self, keys: list[BlockKey]) -> int:
-        n = 0
-        for key in keys:
-            in_ram = self.store.ram.discard(key) is not None
-            on_ssd = self.store.ssd.discard(key) if self.store.ssd is not None else False
-            n += in_ram or on_ssd
-        return n
+        return sum(self.store.discard(key) for key in keys)
 
     def _clear(self) -> int:
         keys = set(self.store.ram.block_keys())
@@ -122,19 +237,27 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             ssd_blocks=len(ssd) if ssd else 0, hits_ram=s.stats.hits["ram"],
             hits_ssd=s.stats.hits["ssd"], misses=s.stats.misses,
             checksum_failures=ssd.checksum_failures if ssd else 0, ssd_degraded=s.ssd_degraded,
+            shm_dir=str(self.shm_dir or ""),
         )  # fmt: skip
 
     # ---- checks -----------------------------------------------------------------------------
 
-    async def _known_layout(self, layout: pb.KvLayout, context: Any) -> bytes:
-        digest = await _layout(layout, context)
-        if digest not in self.layouts:
+    async def _shm_open(self, path: str, flags: int, size: int, context: Any) -> int:
+        try:
+            return await self._run(self._shm_check, path, flags, size)
+        except ShmRefused as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # not reached: abort raises
+
+    async def _known_layout(self, layout: pb.KvLayout, context: Any) -> Layout:
+        found = await _layout(layout, context)
+        if found.digest not in self.layouts:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "no block was ever stored under this layout (dtype, layers, KV heads, head dim, "
                 "block size and engine must all match the writer's)",
             )
-        return digest
+        return found
 
     async def _admin(self, context: Any) -> None:
         if self.tls:
@@ -146,10 +269,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
 
-async def _layout(layout: pb.KvLayout, context: Any) -> bytes:
+async def _layout(layout: pb.KvLayout, context: Any) -> Layout:
     try:
         return Layout(layout.dtype, layout.layers, layout.kv_heads, layout.head_dim,
-                      layout.block_size, layout.engine).digest  # fmt: skip
+                      layout.block_size, layout.engine)  # fmt: skip
     except LayoutError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout: {exc}")
         raise  # not reached: abort raises

@@ -14,6 +14,12 @@ class KvcachedSettings:
     ssd_dir: Path | None = None  # the SSD tier's directory; None: RAM only
     ssd_bytes: int = 0  # the SSD tier's budget
     write_through: bool = False  # also write every block to the SSD at once (default: on eviction)
+    # Same-node clients move blocks through files here instead of gRPC messages (a tmpfs;
+    # made 0700 at start, so engines must run as the same user). None: not offered.
+    shm_dir: Path | None = Path("/dev/shm/cognitora-kv")
+    # /v1/kv/events on the admin listener needs `Authorization: Bearer <events_token>` (the
+    # agent sets one and publishes it to routers); empty: open (development only).
+    events_token: str = ""
     tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

@@ -9,8 +9,12 @@
   without it).
 * A full or failing SSD degrades the store to RAM only, with a warning and
   `ssd_degraded`; a write is tried on the SSD again after `ssd_retry_s`.
+* Every change of what a tier holds is recorded as a KV event (stored or
+  removed, with the tier), for routers; `drain_events` hands them over in
+  order, numbered without gaps.
+* `discard` (admin eviction) drops a block from both tiers.
 
-The gRPC service (not built yet: issue #19) is the shell around this.
+The gRPC service (service.py) is the shell around this.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from cgn_core.blockhash import BlockHash
+from cgn_core.kv_events import KvEvent
+from cgn_core.kv_events import Tier as EventTier
 from cgn_kvcached.layout import BlockKey
 from cgn_kvcached.ram_tier import RamFull, RamTier
 from cgn_kvcached.ssd_tier import SsdFull, SsdTier
@@ -55,6 +62,8 @@ class BlockStore:
         self.clock = clock
         self.stats = StoreStats(hits={"ram": 0, "ssd": 0})
         self._ssd_down_until: float | None = None
+        self._events: list[KvEvent] = []
+        self._seq = 0
 
     @property
     def ssd_degraded(self) -> bool:
@@ -62,37 +71,69 @@ class BlockStore:
 
     def put(self, key: BlockKey, data: bytes) -> bool:
         """Store a block; False when neither tier could take it (counted as dropped)."""
-        try:
-            evicted = self.ram.put(key, data)
-        except RamFull:
+        if not self._to_ram(key, data):
             if self._to_ssd(key, data):
                 return True
             self.stats.dropped += 1
             return False
-        self.stats.ram_evictions += len(evicted)
-        for old_key, old_data in evicted:
-            self._to_ssd(old_key, old_data)
         if self.write_through:
             self._to_ssd(key, data)
         return True
+
+    def discard(self, key: BlockKey) -> bool:
+        """Drop a block from both tiers (pinned RAM copies stay); whether anything went."""
+        in_ram = self.ram.discard(key) is not None
+        on_ssd = self.ssd.discard(key) if self.ssd is not None else False
+        if in_ram:
+            self._note("removed", "ram", key)
+        if on_ssd:
+            self._note("removed", "ssd", key)
+        return in_ram or on_ssd
+
+    def drain_events(self) -> list[KvEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def held(self) -> dict[EventTier, list[bytes]]:
+        """The block hashes each tier holds (what an event subscriber starts from)."""
+        out: dict[EventTier, list[bytes]] = {"ram": [k.block for k in self.ram.block_keys()]}
+        out["ssd"] = [k.block for k in self.ssd.block_keys()] if self.ssd is not None else []
+        return out
+
+    def _to_ram(self, key: BlockKey, data: bytes) -> bool:
+        """Into RAM, what it evicts to the SSD (write-behind); False when RAM is full."""
+        new = key not in self.ram
+        try:
+            evicted = self.ram.put(key, data)
+        except RamFull:
+            return False
+        if new:
+            self._note("stored", "ram", key)
+        self.stats.ram_evictions += len(evicted)
+        for old_key, old_data in evicted:
+            self._note("removed", "ram", old_key)
+            self._to_ssd(old_key, old_data)
+        return True
+
+    def _note(self, kind: Literal["stored", "removed"], tier: Literal["ram", "ssd"],
+              key: BlockKey) -> None:  # fmt: skip
+        self._seq += 1
+        self._events.append(KvEvent(self._seq, kind, (BlockHash(key.block),), tier))
 
     def get(self, key: BlockKey) -> tuple[bytes, Tier] | None:
         data = self.ram.get(key)
         if data is not None:
             self.stats.hits["ram"] += 1
             return data, "ram"
+        on_ssd = self.ssd is not None and key in self.ssd
         data = self.ssd.get(key) if self.ssd is not None else None
         if data is None:
+            if on_ssd:  # unreadable or corrupt: the tier dropped it
+                self._note("removed", "ssd", key)
             self.stats.misses += 1
             return None
         self.stats.hits["ssd"] += 1
-        try:  # promoted: the next reader finds it in RAM
-            evicted = self.ram.put(key, data)
-        except RamFull:
-            evicted = []
-        self.stats.ram_evictions += len(evicted)
-        for old_key, old_data in evicted:
-            self._to_ssd(old_key, old_data)
+        self._to_ram(key, data)  # promoted: the next reader finds it in RAM
         return data, "ssd"
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[Tier]:
@@ -113,8 +154,9 @@ class BlockStore:
         now = self.clock()
         if self._ssd_down_until is not None and now < self._ssd_down_until:
             return False
+        new = key not in self.ssd
         try:
-            self.stats.ssd_evictions += len(self.ssd.put(key, data))
+            evicted = self.ssd.put(key, data)
         except SsdFull as exc:
             self.stats.ssd_write_failures += 1
             if self._ssd_down_until is None:
@@ -122,6 +164,11 @@ class BlockStore:
                             self.ssd_retry_s)  # fmt: skip
             self._ssd_down_until = now + self.ssd_retry_s
             return False
+        self.stats.ssd_evictions += len(evicted)
+        for old in evicted:
+            self._note("removed", "ssd", old)
+        if new:
+            self._note("stored", "ssd", key)
         if self._ssd_down_until is not None:
             log.info("ssd tier writable again")
             self._ssd_down_until = None

@@ -8,27 +8,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from cgn_core.readiness import wait_ready_file
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
-from tests.support.procs import stop
+from tests.support.procs import cgn_kvcached
 
-BIN = Path(sys.executable).parent
-LAYOUT = pb.KvLayout(dtype="float32", layers=2, kv_heads=1, head_dim=64, block_size=16,
+LAYOUT = pb.KvLayout(dtype="float32", layers=4, kv_heads=3, head_dim=64, block_size=16,
                      engine="cgn-infer 0.1.0")  # fmt: skip
-BLOCK = 100_000  # bytes per test block
+BLOCK = 98_304  # bytes per block of LAYOUT
 
 
 def block(i: int) -> pb.KvBlock:
@@ -39,17 +39,8 @@ def block(i: int) -> pb.KvBlock:
 def kvcached(
     tmp: Path, *args: str
 ) -> Iterator[tuple[pb_grpc.KvCacheStub, subprocess.Popen[bytes]]]:
-    ready = tmp / f"kvcached-{os.getpid()}-{len(list(tmp.glob('*.ready*')))}.ready"
-    argv = [str(BIN / "cgn-kvcached"), "serve", "--port", "0", "--admin-port", "0",
-            "--ready-file", str(ready), *args]  # fmt: skip
-    with (tmp / f"{ready.name}.log").open("ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        port = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]["grpc"]
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.KvCacheStub(channel), proc
-    finally:
-        stop(proc)
+    with cgn_kvcached(tmp, *args) as kv, grpc.insecure_channel(kv.address) as channel:
+        yield pb_grpc.KvCacheStub(channel), kv.proc
 
 
 def metrics(tmp: Path) -> str:
@@ -156,3 +147,86 @@ def test_mutual_tls_refuses_strangers_and_impostors(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.KvCacheStub(ch).Stats(pb.StatsRequest(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_shared_memory_moves_blocks_and_refuses_unsafe_files(tmp_path: Path) -> None:
+    from cgn_kvcached.client import KvCacheClient, KvCacheError
+    from cgn_kvcached.layout import Layout
+
+    layout = Layout(**{f.name: getattr(LAYOUT, f.name) for f in LAYOUT.DESCRIPTOR.fields})
+    data = np.random.default_rng(0).integers(0, 256, (8, BLOCK), dtype=np.uint8)
+    hashes = [block(i).hash for i in range(8)]
+    with cgn_kvcached(tmp_path) as kv, grpc.insecure_channel(kv.address) as channel:
+        shm = KvCacheClient(kv.address, layout)
+        inline = KvCacheClient(kv.address, layout, shared_memory=False)
+        assert shm.lookup(hashes) == []  # nothing under this layout yet: empty, not an error
+        assert shm.put(hashes[:4], data[:4]) == 4
+        assert inline.put(hashes[4:], data[4:]) == 4
+        for client in (shm, inline):
+            got, tiers = client.get([*hashes, (999).to_bytes(32, "big")])
+            assert np.array_equal(got, data) and tiers == ["ram"] * 8
+        assert shm._shm_dir == kv.shm_dir and not list(kv.shm_dir.iterdir())  # nothing left
+        stub = pb_grpc.KvCacheStub(channel)
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"x" * BLOCK)
+        (kv.shm_dir / "link.kv").symlink_to(secret)
+        (kv.shm_dir / "small.kv").write_bytes(b"")
+        for path, why in ((secret, "directly in"), (kv.shm_dir / "link.kv", "shm_path"),
+                          (kv.shm_dir / "small.kv", "at least"),
+                          (kv.shm_dir / "../secret", "directly in")):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Get(pb.GetRequest(layout=LAYOUT, hashes=hashes, shm_path=str(path))))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in str(refused.value.details())
+        assert secret.read_bytes() == b"x" * BLOCK  # never written through the link
+        short = [pb.PutRequest(layout=LAYOUT, block=pb.KvBlock(hash=hashes[0], data=b"x"))]
+        with pytest.raises(grpc.RpcError) as wrong_size:
+            stub.Put(iter(short))
+        assert wrong_size.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        shm.close()
+        inline.close()
+    gone = KvCacheClient(kv.address, layout, timeout_s=2)
+    with pytest.raises(KvCacheError):  # the server is gone: an error the engine recomputes on
+        gone.get(hashes)
+    gone.close()
+
+
+def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
+    """The store's KV event stream (bearer-protected), read as the router reads it: its view
+    of each tier equals what Lookup answers, through RAM evictions to the SSD."""
+    from google.protobuf import json_format
+
+    from cgn_router.daemon import _apply_tiers
+    from cgn_router.kv_index import TierIndex
+
+    args = ("--ram-bytes", str(1 << 20), "--ssd-dir", str(tmp_path / "ssd"),
+            "--ssd-bytes", str(16 << 20), "--set", "events_token=s3cret")  # fmt: skip
+    with (
+        ExitStack() as stack,
+        cgn_kvcached(tmp_path, *args) as kv,
+        grpc.insecure_channel(kv.address) as channel,
+    ):
+        stub = pb_grpc.KvCacheStub(channel)
+        url = kv.admin + "/v1/kv/events"
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(url, timeout=10)
+        assert denied.value.code == 401
+        denied.value.close()
+        put(stub, range(4))  # before subscribing: in the snapshot
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        stream = stack.enter_context(urllib.request.urlopen(req, timeout=10))
+        put(stub, range(4, 20))  # RAM holds 10: the oldest go to the SSD, as events
+        hashes = [block(i).hash for i in range(20)]
+        want = [t for t in stub.Lookup(pb.LookupRequest(layout=LAYOUT, hashes=hashes)).tiers]
+        tiers, first, n = TierIndex(), True, 0
+        while tiers.extend("n1", hashes, 0) != (
+            want.count(ev.KV_TIER_RAM),
+            want.count(ev.KV_TIER_SSD),
+        ):
+            line = stream.readline()
+            assert line, "the stream ended"
+            if line.startswith(b"data: "):
+                msg = json_format.Parse(line[6:], ev.KvEventEnvelope())
+                assert _apply_tiers(tiers, "n1", msg, first)
+                first, n = first and not msg.HasField("snapshot"), n + 1
+        assert want.count(ev.KV_TIER_SSD) >= 10 and n > 20

@@ -124,6 +124,32 @@ def post(url: str, body: dict[str, object], timeout_s: float = 120) -> dict[str,
 
 
 @dataclass(frozen=True, slots=True)
+class Kvcached:
+    address: str  # host:port of the gRPC listener
+    admin: str  # /metrics, /healthz
+    shm_dir: Path
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def cgn_kvcached(tmp: Path, *args: str, ram_bytes: int = 1 << 30) -> Iterator[Kvcached]:
+    """A real `cgn-kvcached serve` on free ports with its own shm_dir under `tmp`."""
+    ready = tmp / f"kvcached-{time.monotonic_ns()}.ready"
+    shm = tmp / f"{ready.stem}-shm"
+    argv = [str(BIN / "cgn-kvcached"), "serve", "--port", "0", "--admin-port", "0",
+            "--ram-bytes", str(ram_bytes), "--set", f"shm_dir={shm}",
+            "--ready-file", str(ready), *args]  # fmt: skip
+    with (tmp / f"{ready.stem}.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
+        yield Kvcached(f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['admin']}",
+                       shm, proc)  # fmt: skip
+    finally:
+        stop(proc)
+
+
+@dataclass(frozen=True, slots=True)
 class Router:
     url: str  # the OpenAI surface
     admin: str  # /metrics, /healthz, /readyz, /endpoints
