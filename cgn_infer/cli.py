@@ -65,6 +65,10 @@ def serve(
     model_name: Annotated[
         str | None, flag("--model-name", "Name clients use (default: the file's stem).")
     ] = None,
+    kvcached: Annotated[
+        str | None,
+        flag("--kvcached", "cgn-kvcached address (host:port): offer blocks, restore prompts."),
+    ] = None,
     config: Annotated[
         Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
@@ -80,6 +84,7 @@ def serve(
         "decode_threads": decode_threads, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
         "kv_pool_tokens": kv_pool_tokens, "kv_dtype": kv_dtype, "sim.speed": speed,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
+        "kvcached.address": kvcached,
     }.items():  # fmt: skip
         if value is not None:
             flags[key] = str(value)

@@ -74,6 +74,33 @@ class EngineMetrics:
         self.kv_pool_bytes = gauge("cgn_infer_kv_pool_bytes", "KV pool memory (sim: hash slots).")
         self.kv_pool_tokens = gauge("cgn_infer_kv_pool_tokens", "KV pool capacity in tokens.")
         self.rejected = counter("cgn_infer_requests_rejected", "Requests refused with a 4xx.")
+        self.prefill_computed = counter(
+            "cgn_infer_prefill_tokens_computed", "Prompt tokens run through the model (not reused)."
+        )
+        # cgn-kvcached (the node's KV store): restores and offers
+        self._restored = Counter(
+            "cgn_infer_kv_restored_tokens", "Prompt tokens restored from cgn-kvcached, by tier.",
+            [*labels, "tier"], registry=r,
+        )  # fmt: skip
+        self.kv_restore_seconds = hist(
+            "cgn_infer_kv_restore_seconds", "Time to fetch a prompt's blocks from cgn-kvcached.",
+            _LATENCY,
+        )  # fmt: skip
+        self.kv_restore_skipped = counter(
+            "cgn_infer_kv_restore_skipped", "Restores the cost model judged slower than recompute."
+        )
+        self.kv_restore_failures = counter(
+            "cgn_infer_kv_restore_failures", "Restores that failed or timed out (recomputed)."
+        )
+        self.kv_offloaded_blocks = counter(
+            "cgn_infer_kv_offloaded_blocks", "Blocks offered to and stored by cgn-kvcached."
+        )
+        self.kv_offload_dropped = counter(
+            "cgn_infer_kv_offload_dropped", "Blocks not offered (queue full, kvcached down)."
+        )
+
+    def restored(self, tier: str, tokens: int) -> None:
+        self._restored.labels(self._model, tier).inc(tokens)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()

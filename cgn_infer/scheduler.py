@@ -18,6 +18,13 @@ with `update()`. nano-vllm / vLLM v1 style, one token budget per step:
   preempted: its blocks are released (full ones stay cached, so re-admission
   usually finds them) and it goes back to the head of the queue, keeping its
   generated tokens, which are recomputed as part of its prompt;
+* a prompt may come with blocks fetched from the node's KV store
+  (`Restored`, kv_tiering.py): at admission, the fetched blocks that
+  continue the pool's own prefix hit go into freshly allocated blocks (the
+  plan's `restores`, copied by the engine before the step runs) and count as
+  computed, so the prompt is prefilled only from where they end. Fetched
+  blocks that no longer join the pool's hit (it shrank meanwhile) are
+  ignored: the prompt is recomputed, never wrong;
 * FIFO with an aging bound: when the head of the queue does not fit, later
   requests that fit may pass it, but only for `aging_steps` steps; after
   that nothing is admitted until the head fits;
@@ -36,13 +43,26 @@ import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
 from cgn_infer.block_pool import BlockId, BlockPool, PoolExhausted
 
 SeqId = NewType("SeqId", int)
 _ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Prompt blocks start.. fetched from the node's KV store before admission."""
+
+    start: int  # index of the first fetched block (the pool's prefix hit when fetched)
+    data: Any  # [blocks, block bytes], the backend's serialized K/V (opaque here)
+    tiers: tuple[str, ...]  # where each block was found: "ram" or "ssd"
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tiers)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,7 +77,10 @@ class Seq:
     table: list[BlockId] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)  # of table's leading full blocks
     computed: int = 0  # leading tokens whose K/V are in the pool
-    cached_tokens: int = 0  # prompt tokens reused from the pool at first admission
+    cached_tokens: int = 0  # prompt tokens reused (pool or restored) at first admission
+    restored: Restored | None = None  # fetched blocks, until the prefill has passed them
+    stored_blocks: int = 0  # leading blocks known to be in the node's store (not offered again)
+    restored_tokens: dict[str, int] = field(default_factory=dict)  # tier → tokens restored
     admitted: bool = False  # ever admitted (cached_tokens is final)
     preemptions: int = 0
     skipped_steps: int = 0  # steps this sequence, at the head of the queue, was passed over
@@ -84,9 +107,19 @@ class Work:
 
 
 @dataclass(frozen=True, slots=True)
+class Restore:
+    """Copy rows `first`.. of `seq.restored.data` into blocks `ids` before the step runs."""
+
+    seq: Seq
+    first: int
+    ids: tuple[BlockId, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     work: tuple[Work, ...]
     preempted: tuple[Seq, ...] = ()
+    restores: tuple[Restore, ...] = ()
 
 
 class Scheduler:
@@ -100,6 +133,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # in admission order: the last one is the youngest
         self.preemptions = 0
+        self._restores: list[Restore] = []  # planned by this schedule() call
 
     @property
     def capacity_tokens(self) -> int:
@@ -128,6 +162,7 @@ class Scheduler:
     def schedule(self) -> Plan:
         work: list[Work] = []
         preempted: list[Seq] = []
+        self._restores = []
         budget = self.prefill_chunk
         # 1. Decode: one token for every running sequence whose prompt is done.
         for seq in list(self.running):
@@ -163,7 +198,7 @@ class Scheduler:
             self.running.append(seq)
             work.append(self._chunk(seq, budget))
             budget -= len(work[-1].tokens)
-        return Plan(tuple(work), tuple(preempted))
+        return Plan(tuple(work), tuple(preempted), tuple(self._restores))
 
     def update(self, plan: Plan, sampled: Mapping[SeqId, int]) -> None:
         """Record that `plan` ran: K/V written for each chunk, one token sampled where asked."""
@@ -173,6 +208,8 @@ class Scheduler:
             if w.sample:
                 seq.output.append(sampled[seq.id])
             self._commit_full_blocks(seq)
+            if seq.restored is not None and seq.computed >= seq.restored.end * BLOCK_SIZE:
+                seq.restored = None  # in the pool now; let the fetched bytes go
 
     def finish(self, seq: Seq) -> None:
         """Drop a finished or cancelled sequence, wherever it is."""
@@ -181,7 +218,7 @@ class Scheduler:
             self.pool.release(seq.table)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.table, seq.hashes = [], []
+        seq.table, seq.hashes, seq.restored = [], [], None
 
     def _chunk(self, seq: Seq, budget: int) -> Work:
         tokens = seq.tokens
@@ -201,11 +238,27 @@ class Scheduler:
             return False
         seq.table = table
         seq.hashes = list(itertools.islice(iter_block_hashes(tokens, self.pool.namespace), reused))
-        seq.computed = reused * BLOCK_SIZE
+        seq.computed = self._restore(seq, reused, (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
         if not seq.admitted:
             seq.cached_tokens, seq.admitted = seq.computed, True
         seq.skipped_steps = 0
         return True
+
+    def _restore(self, seq: Seq, reused: int, full: int) -> int:
+        """Plan copying fetched blocks that continue the pool's hit of `reused` blocks (of
+        `full` reusable ones); returns the blocks now counted as computed."""
+        r = seq.restored
+        if r is None or not r.start <= reused < r.end:
+            return reused  # nothing fetched, or a gap before it: recompute from `reused`
+        end = min(r.end, full)
+        if end <= reused:
+            return reused
+        self._restores.append(Restore(seq, reused - r.start, tuple(seq.table[reused:end])))
+        seq.stored_blocks = max(seq.stored_blocks, end)
+        if not seq.admitted:
+            for tier in r.tiers[reused - r.start : end - r.start]:
+                seq.restored_tokens[tier] = seq.restored_tokens.get(tier, 0) + BLOCK_SIZE
+        return end
 
     def _reserve_slot(self, seq: Seq) -> bool:
         """Make sure position `seq.computed` has a block; False when the pool is exhausted."""

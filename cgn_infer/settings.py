@@ -20,6 +20,21 @@ class SimSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class KvcachedClientSettings:
+    """The node's KV store (cgn-kvcached): finished requests' blocks are offered to it and
+    prompts restored from it when the cost model says restoring beats recomputing. The
+    rates below are starting points; the engine replaces them with what it measures."""
+
+    address: str = ""  # host:port of cgn-kvcached's gRPC listener; empty: not used
+    timeout_s: float = 2.0  # per call; a slower answer means recompute
+    shared_memory: bool = True  # move blocks through kvcached's shm_dir when on the same host
+    ram_mb_per_s: float = 1000.0  # restore bandwidth from its RAM tier
+    ssd_mb_per_s: float = 200.0  # restore bandwidth from its SSD tier
+    fixed_ms: float = 5.0  # overhead of one restore
+    prefill_tokens_per_s: float = 1000.0  # this engine's prefill rate
+
+
+@dataclass(frozen=True, slots=True)
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
     pipeline: ListenSettings = ListenSettings(port=9101)
@@ -41,6 +56,7 @@ class InferSettings:
     kv_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
     sim: SimSettings = SimSettings()
+    kvcached: KvcachedClientSettings = KvcachedClientSettings()
     log: LogSettings = LogSettings()
     # Requests to /v1/* must carry `Authorization: Bearer <api_token>`; only they may set
     # x-cgn-priority. The agent sets it (CGN_INFER_API_TOKEN) for every engine it launches

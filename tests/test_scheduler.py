@@ -14,7 +14,7 @@ from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.models.args import Args
-from cgn_infer.scheduler import Plan, Scheduler, Seq
+from cgn_infer.scheduler import Plan, Restored, Scheduler, Seq
 
 NS = "m"
 ARGS = Args("llama", 64, 8, 1, 1, 1, 8, 8, 1e-5, 1e4, 8, False, False, 4096, True)
@@ -42,6 +42,9 @@ class Driver:
         self.tables.append([list(w.seq.table) for w in plan.work])
         for w in plan.work:  # every planned token has a block of its sequence to go to
             assert w.start + len(w.tokens) <= len(w.seq.table) * BLOCK_SIZE, (w, plan.preempted)
+        for r in plan.restores:  # as the engine does: fetched blocks in before the step
+            assert r.seq.restored is not None
+            MODEL.write_blocks(self.kv, r.ids, r.seq.restored.data[r.first : r.first + len(r.ids)])
         if plan.work:
             items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
             logits = MODEL.forward_batch(items, self.kv)
@@ -244,3 +247,56 @@ def test_random_workloads_finish_like_alone(
     for seq in seqs:
         assert seq.output == alone(seq.prompt, seq.max_tokens)
     assert all(b.ref_count == 0 for b in d.pool.blocks)
+
+
+def test_restored_blocks_continue_the_pool_hit_and_give_the_same_output() -> None:
+    prompt = toks(0, 70)  # four full blocks before the last token
+    first = Driver(16)
+    ref = Seq(prompt, max_tokens=4)
+    first.sched.add(ref)
+    first.step()
+    kv_blocks = MODEL.read_blocks(first.kv, ref.table[:4])  # as offered to kvcached
+    first.run()
+
+    d = Driver(16)
+    seq = Seq(prompt, max_tokens=4, restored=Restored(0, kv_blocks, ("ram", "ram", "ssd", "ssd")))
+    d.sched.add(seq)
+    plan = d.step()
+    assert [len(r.ids) for r in plan.restores] == [4] and plan.restores[0].first == 0
+    assert [(w.start, len(w.tokens)) for w in plan.work] == [(64, 6)]  # only the tail computed
+    assert seq.cached_tokens == 64 and seq.restored_tokens == {"ram": 32, "ssd": 32}
+    d.run()
+    assert seq.output == ref.output and seq.restored is None
+    # The restored blocks were registered: the next identical prompt hits the pool.
+    again = Seq(prompt, max_tokens=1)
+    d.sched.add(again)
+    assert not d.step().restores and again.cached_tokens == 64
+
+
+def test_restored_blocks_after_a_gap_are_ignored_and_the_prompt_recomputed() -> None:
+    prompt = toks(0, 70)
+    src = Driver(16)
+    ref = Seq(prompt, max_tokens=2)
+    src.sched.add(ref)
+    src.step()
+    data = MODEL.read_blocks(src.kv, ref.table[1:4])
+    src.run()
+    d = Driver(16)  # the pool holds nothing, the fetched blocks start at block 1: a gap
+    seq = Seq(prompt, max_tokens=2, restored=Restored(1, data, ("ram",) * 3))
+    d.sched.add(seq)
+    plan = d.step()
+    assert not plan.restores and seq.cached_tokens == 0 and seq.restored_tokens == {}
+    d.run()
+    assert seq.output == ref.output
+    # With the pool holding block 0 they continue it: blocks 1..3 restored, the rest computed.
+    d2 = Driver(16)
+    warm = Seq(toks(0, 17), max_tokens=1)
+    d2.sched.add(warm)
+    d2.run()
+    seq2 = Seq(prompt, max_tokens=2, restored=Restored(1, data, ("ssd",) * 3))
+    d2.sched.add(seq2)
+    plan = d2.step()
+    assert [(r.first, len(r.ids)) for r in plan.restores] == [(0, 3)]
+    assert seq2.cached_tokens == 64 and seq2.restored_tokens == {"ssd": 48}
+    d2.run()
+    assert seq2.output == ref.output

@@ -32,6 +32,17 @@ class Backend(Protocol):
     def kv_nbytes(self, kv: Any) -> int:
         """Bytes the pool's memory actually takes."""
 
+    def kv_layout(self) -> tuple[str, int, int, int]:
+        """What one token's K/V is in `read_blocks` bytes: (dtype, layers, KV heads, head dim),
+        the cgn-kvcached layout descriptor's fields."""
+
+    def read_blocks(self, kv: Any, ids: Sequence[int]) -> np.ndarray:
+        """Blocks `ids` of the pool as [len(ids), block bytes] uint8, each block K then V of
+        every layer ([2, layers, BLOCK_SIZE, KV heads, head dim] in the pool's dtype)."""
+
+    def write_blocks(self, kv: Any, ids: Sequence[int], data: np.ndarray) -> None:
+        """The inverse of `read_blocks`: fill blocks `ids` from `data` (may be read-only)."""
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: Any, *, all_logits: bool = False
     ) -> np.ndarray:

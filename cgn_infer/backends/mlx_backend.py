@@ -106,6 +106,30 @@ class MlxBackend(SingleSequence):
     def kv_nbytes(self, kv: MlxPagedKV) -> int:
         return sum(a.nbytes for a in (*kv.k, *kv.v))
 
+    def kv_layout(self) -> tuple[str, int, int, int]:
+        a = self.args
+        return {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
+            self.dtype, "float32"
+        ), a.n_layers, a.n_kv_heads, a.head_dim  # fmt: skip
+
+    def read_blocks(self, kv: MlxPagedKV, ids: Sequence[int]) -> np.ndarray:
+        slots = mx.array(_block_slots(ids))
+        per = [mx.stack([layer[slots] for layer in side]) for side in (kv.k, kv.v)]
+        blocks = mx.stack(per).reshape(2, len(kv.k), len(ids), BLOCK_SIZE, *kv.k[0].shape[1:])
+        out = blocks.transpose(2, 0, 1, 3, 4, 5).view(mx.uint8)  # [n, 2, L, 16, KVH, hd] bytes
+        return np.array(out).reshape(len(ids), -1)
+
+    def write_blocks(self, kv: MlxPagedKV, ids: Sequence[int], data: np.ndarray) -> None:
+        a = self.args
+        shape = (len(ids), 2, a.n_layers, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        src = mx.array(np.ascontiguousarray(data)).view(self.dtype).reshape(shape)
+        slots = mx.array(_block_slots(ids))
+        flat = (len(ids) * BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        for i in range(a.n_layers):
+            kv.k[i][slots] = src[:, 0, i].reshape(flat)
+            kv.v[i][slots] = src[:, 1, i].reshape(flat)
+        mx.eval(*kv.k, *kv.v)
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: MlxPagedKV, *, all_logits: bool = False
     ) -> np.ndarray:
@@ -166,6 +190,11 @@ class MlxBackend(SingleSequence):
             )  # [1, H, n, hd]
             out[prows] = pre[0].transpose(1, 0, 2)
         return (out.reshape(n, a.q_size) @ layer.wo.T).astype(mx.float32)  # [T, D]
+
+
+def _block_slots(ids: Sequence[int]) -> np.ndarray:
+    """The pool slots of blocks `ids`, block by block."""
+    return (np.asarray(ids, dtype=np.int64)[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).ravel()
 
 
 def _rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:

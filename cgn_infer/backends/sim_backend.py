@@ -77,6 +77,17 @@ class SimBackend(SingleSequence):
     def kv_nbytes(self, kv: np.ndarray) -> int:
         return kv.nbytes
 
+    def kv_layout(self) -> tuple[str, int, int, int]:
+        return "int8", 1, 1, 4  # 8 bytes per token: the running hash, as stored in the pool
+
+    def read_blocks(self, kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+        blocks = kv.reshape(-1, BLOCK_SIZE)[np.asarray(ids, dtype=np.int64)]
+        return blocks.view(np.uint8).reshape(len(ids), -1)
+
+    def write_blocks(self, kv: np.ndarray, ids: Sequence[int], data: np.ndarray) -> None:
+        rows = np.ascontiguousarray(data).view(np.uint64).reshape(len(ids), BLOCK_SIZE)
+        kv.reshape(-1, BLOCK_SIZE)[np.asarray(ids, dtype=np.int64)] = rows
+
     def forward_batch(
         self, items: Sequence[BatchItem], kv: np.ndarray, *, all_logits: bool = False
     ) -> np.ndarray:

@@ -16,6 +16,7 @@ pairs. Attention scores are unchanged, since q and k are permuted alike.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -197,6 +198,29 @@ class TorchBackend(SingleSequence):
 
     def kv_nbytes(self, kv: PagedKV) -> int:
         return kv.k.nbytes + kv.v.nbytes
+
+    def kv_layout(self) -> tuple[str, int, int, int]:
+        a = self.args
+        return str(self.kv_dtype).removeprefix("torch."), a.n_layers, a.n_kv_heads, a.head_dim
+
+    @torch.inference_mode()
+    def read_blocks(self, kv: PagedKV, ids: Sequence[int]) -> np.ndarray:
+        idx = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        out = torch.empty((len(idx), 2, *kv.k.shape[:1], *kv.k.shape[2:]), dtype=self.kv_dtype)
+        out[:, 0] = kv.k.index_select(1, idx).transpose(0, 1).cpu()  # [n, L, 16, KVH, hd]
+        out[:, 1] = kv.v.index_select(1, idx).transpose(0, 1).cpu()
+        raw: np.ndarray = out.view(torch.uint8).reshape(len(idx), -1).numpy()
+        return raw
+
+    @torch.inference_mode()
+    def write_blocks(self, kv: PagedKV, ids: Sequence[int], data: np.ndarray) -> None:
+        idx = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        with warnings.catch_warnings():  # NOTE: a read-only mapping; it is only read from
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(data)
+        src = raw.view(self.kv_dtype).view(len(idx), 2, kv.k.shape[0], *kv.k.shape[2:])
+        kv.k.index_copy_(1, idx, src[:, 0].transpose(0, 1).to(self.device))
+        kv.v.index_copy_(1, idx, src[:, 1].transpose(0, 1).to(self.device))
 
     @torch.inference_mode()
     def forward_batch(
