@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cgn_agent import processes
+from cgn_agent import kvcached, processes
 from cgn_agent.drivers import Launch, SystemToolbox, installed_engines
 from cgn_agent.identity import node_id, primary_address
 from cgn_agent.inventory import nvidia
@@ -153,6 +153,7 @@ def check_identity(settings: AgentSettings, node: str) -> None:
 async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     node = node_id(settings.node_id, settings.state_dir)
     check_identity(settings, node)
+    kvcached.check(settings.kvcached)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,6 +184,8 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         )
         agent = NodeAgent(node, ctx, tools, bind_host, lambda: rt.inventory, free_port,
                           settings.model_dirs, eh.tls if eh.tls.enabled else None)  # fmt: skip
+        store = _store_plan(settings, bind_host, advertise)
+        agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())
@@ -201,6 +204,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
                 tg.create_task(_register(client, publisher, settings.lease_ttl_s, rt))
                 tg.create_task(_refresh_inventory(settings, agent, rt, engines))
                 tg.create_task(_measure_power(settings, rt))
+                _start_store(tg, settings, store, tools, bind_host, publisher, node)
                 announce_ready(ready_file, f"node {node}", ports={"admin": port}, node=node)
                 await stop.wait()
                 raise _Stop
@@ -219,6 +223,32 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     if ready_file is not None:
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(ready_file.unlink)
+
+
+def _store_plan(settings: AgentSettings, bind_host: str, advertise: str) -> kvcached.StorePlan:
+    kv = settings.kvcached
+    token = kv.events_token if kv.mode == "external" else kvcached.new_token()
+    return kvcached.plan(kv, bind_host, advertise, token)
+
+
+def _start_store(
+    tg: asyncio.TaskGroup, settings: AgentSettings, store: kvcached.StorePlan,
+    tools: SystemToolbox, bind_host: str, publisher: Publisher, node: str,
+) -> None:  # fmt: skip
+    """Run the node's KV store (mode run) or publish the one that runs (mode external)."""
+    kv = settings.kvcached
+    if store.record is None:
+        return
+    if kv.mode == "external":
+        publisher.set(keys.KVCACHED + node, store.record)
+        return
+    exe = tools.which("cgn-kvcached") or "cgn-kvcached"
+    ready = settings.state_dir / "kvcached.ready"
+    tls = settings.engines.tls if settings.engines.tls.enabled else None
+    command = kvcached.argv(kv, exe, bind_host, ready, tls)
+    tg.create_task(kvcached.supervise(command, store.record["events_token"], ready,
+                                      settings.state_dir / "logs" / "kvcached.log", publisher,
+                                      node, store.record))  # fmt: skip
 
 
 class _Stop(Exception):

@@ -79,6 +79,7 @@ class NodeAgent:
         self.runners: dict[str, ReplicaRunner] = {}
         self.desired: dict[str, ReplicaSpec | Invalid] | None = None  # None: not listed yet
         self.refused: dict[str, tuple[ReplicaSpec | Invalid, str]] = {}  # replica: (spec, why)
+        self.kv_store, self.kv_offload_gib = "", 0.0  # the node's KV store, for launches
 
     # ---- inputs ----------------------------------------------------------------------
 
@@ -169,7 +170,8 @@ class NodeAgent:
         await runner.begin()
 
     def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
-        ctx = LaunchContext(self.bind_host, port, token=token, tls=self.engine_tls)
+        ctx = LaunchContext(self.bind_host, port, token=token, tls=self.engine_tls,
+                            kvcached=self.kv_store, offload_gib=self.kv_offload_gib)  # fmt: skip
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
     def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:

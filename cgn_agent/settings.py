@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from cgn_agent.supervisor import Policy
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
@@ -31,6 +32,20 @@ class PowerSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeKvcachedSettings:
+    """The node's KV store, cgn-kvcached (modes and flags: cgn_agent/kvcached.py)."""
+
+    mode: Literal["off", "run", "external"] = "off"
+    port: int = 7071  # its gRPC listener
+    admin_port: int = 9094  # /metrics, /healthz, /v1/kv/events
+    ram_bytes: int = 4 << 30
+    ssd_dir: Path | None = None  # run mode; None: RAM only
+    ssd_bytes: int = 0
+    events_token: str = ""  # external mode: the token its unit was given (run: generated)
+    engine_offload_gib: float = 0.0  # vLLM/SGLang built-in CPU offload per engine; 0: none
+
+
+@dataclass(frozen=True, slots=True)
 class AgentSettings:
     node_id: str = ""  # empty: derived once from the machine and kept in state_dir
     state_dir: Path = Path("/var/lib/cognitora/agent")
@@ -43,6 +58,7 @@ class AgentSettings:
     # refused); bundled models and, for hub engines, Hugging Face repo ids need none.
     model_dirs: tuple[Path, ...] = ()
     engines: EngineHostSettings = EngineHostSettings()
+    kvcached: NodeKvcachedSettings = NodeKvcachedSettings()  # the node's KV store (kvcached.py)
     supervisor: Policy = Policy()
     power: PowerSettings = PowerSettings()
     etcd: EtcdSettings = EtcdSettings()

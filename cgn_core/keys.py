@@ -9,5 +9,6 @@ ENDPOINTS = ROOT + "endpoints/"  # <node>/<model>/<replica>: Ready and routable,
 LEADER = ROOT + "leader/"  # <election>: the elected leader's candidate id (routers)
 CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
+KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), leased by the agent
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`
 HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (ARCHITECTURE.md §4)

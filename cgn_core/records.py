@@ -135,6 +135,19 @@ def cordon(doc: Any) -> dict[str, Any]:
     return out
 
 
+def kvcached(doc: Any) -> dict[str, Any]:
+    """A node's cgn-kvcached: its gRPC address and its KV event stream (http(s) URL)."""
+    d = obj(doc, "kvcached")
+    address = text(d, "address", required=True)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RecordError(f"'address' must be host:port, got {address!r}")
+    url = text(d, "events_url", required=True)
+    if not url.startswith(("http://", "https://")):
+        raise RecordError(f"'events_url' must be an http(s) URL, got {url!r}")
+    return {"address": address, "events_url": url, "events_token": text(d, "events_token")}
+
+
 def node_inventory(doc: Any) -> dict[str, Any]:
     """A node's inventory as its agent published it (only what placement reads is checked)."""
     d = obj(doc, "node")

@@ -266,6 +266,14 @@ def up(
     timeout: Annotated[
         float, typer.Option("--timeout", help="Seconds to wait for the model.")
     ] = 600.0,
+    kv_ram_gib: Annotated[
+        float,
+        typer.Option("--kv-ram-gib", help="The node's KV store: RAM tier in GiB (0: no store)."),
+    ] = 1.0,
+    kv_ssd_gib: Annotated[
+        float,
+        typer.Option("--kv-ssd-gib", help="Its SSD tier, under the state dir (0: RAM only)."),
+    ] = 2.0,
     state_dir: Annotated[
         Path | None, flag("--state-dir", "Where up keeps etcd data, logs, up.json.")
     ] = None,
@@ -280,7 +288,7 @@ def up(
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     opts = up_mod.UpOptions(
         state_dir or settings.state_dir, model, name, port, admin_port, agent_port, etcd, etcd_port,
-        join, threads, timeout, node_id,
+        join, threads, timeout, node_id, kv_ram_gib, kv_ssd_gib,
     )  # fmt: skip
     try:
         doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))

@@ -56,6 +56,8 @@ class UpOptions:
     threads: int = 0  # engine threads (0: cgn-infer's default)
     timeout_s: float = 600.0
     node_id: str = ""  # the agent's node id (default: derived from the host name)
+    kv_ram_gib: float = 1.0  # the node's KV store (cgn-kvcached): RAM tier; 0: no store
+    kv_ssd_gib: float = 2.0  # and its SSD tier under the state dir; 0: RAM only
 
 
 def record_path(state_dir: Path) -> Path:
@@ -79,6 +81,18 @@ def running(doc: dict[str, Any]) -> list[dict[str, Any]]:
         fp = fingerprint_from_json(p["fingerprint"])
         out.append({"name": p["name"], "pid": fp.pid, "alive": matches(fp), "log": p.get("log")})
     return out
+
+
+def _store_flags(opts: UpOptions, state: Path) -> list[str]:
+    """The agent runs the node's KV store (cgn-kvcached) on free ports, its SSD tier under
+    the state dir; engines it launches then offer and restore blocks through it."""
+    if opts.kv_ram_gib <= 0:
+        return []
+    flags = {"mode": "run", "port": _free(7071), "admin_port": _free(9094),
+             "ram_bytes": int(opts.kv_ram_gib * 2**30)}  # fmt: skip
+    if opts.kv_ssd_gib > 0:
+        flags |= {"ssd_dir": state / "kv", "ssd_bytes": int(opts.kv_ssd_gib * 2**30)}
+    return [arg for k, v in flags.items() for arg in ("--set", f"kvcached.{k}={v}")]
 
 
 def _free(port: int) -> int:
@@ -166,6 +180,7 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         agent_argv += ["--node-id", opts.node_id]
     if opts.join is None:  # one machine: engines on loopback, stopped with the agent
         agent_argv += ["--set", "engines.bind_host=127.0.0.1", "--set", "engines.stop_on_exit=true"]
+    agent_argv += _store_flags(opts, state)
     agent = starter.start("agent", agent_argv, ready_dir / "agent.ready")
     if opts.join is not None:
         starter.save({"etcd": etcd, "node": agent["node"], "joined": True})

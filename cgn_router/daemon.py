@@ -37,7 +37,7 @@ from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
-from cgn_router.kv_index import PrefixIndex
+from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline, weights_from
 from cgn_router.proxy import Proxy
@@ -81,6 +81,10 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     registry.replace_source("static", static)
+    for node, store in settings.stores.items():
+        if not node or not store.events_url.startswith(("http://", "https://")):
+            raise ConfigError(f"stores.{node}.events_url must be an http(s) URL")
+        registry.stores[node] = (store.events_url, store.events_token)
     return svc
 
 
@@ -106,6 +110,11 @@ def check_settings(s: RouterSettings) -> None:
         weights_from(s.routing)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
+    for key in ("ram_tier_weight", "ssd_tier_weight"):
+        if not 0 <= getattr(s.routing, key) <= 1:
+            raise ConfigError(
+                f"routing.{key} must be between 0 and 1, got {getattr(s.routing, key)}"
+            )
     bands = s.admission.bands
     if not bands:
         raise ConfigError("admission.bands: at least one band is needed")
@@ -293,33 +302,38 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
 
 
 class KvFollowers:
-    """One KV-event follower task per endpoint that publishes events."""
+    """One KV-event follower task per stream: each endpoint that publishes events (its pool),
+    and each node's cgn-kvcached (its RAM and SSD tiers, labelled `kvcached:<node>`)."""
 
     def __init__(self, svc: RouterService, session: aiohttp.ClientSession, tg: asyncio.TaskGroup):
         self.svc, self.session, self.tg = svc, session, tg
-        self.tasks: dict[EndpointId, tuple[tuple[str, str], asyncio.Task[None]]] = {}
+        self.tasks: dict[str, tuple[tuple[str, str], asyncio.Task[None]]] = {}
 
     def reconcile(self) -> None:
-        want = {
+        reg = self.svc.registry
+        want: dict[str, tuple[str, str]] = {
             eid: (s.endpoint.kv_events_url, s.endpoint.token)
-            for eid, s in self.svc.registry.states.items()
+            for eid, s in reg.states.items()
             if s.endpoint.kv_events_url
         }
-        for eid, (source, task) in list(self.tasks.items()):
-            if want.get(eid) != source:
+        want |= {STORE + node: source for node, source in reg.stores.items()}
+        for name, (source, task) in list(self.tasks.items()):
+            if want.get(name) != source:
                 task.cancel()
-                del self.tasks[eid]
-        for eid, source in want.items():
-            if eid not in self.tasks:
-                self.tasks[eid] = (source, self.tg.create_task(self._follow(eid, *source)))
+                del self.tasks[name]
+        for name, source in want.items():
+            if name not in self.tasks:
+                self.tasks[name] = (source, self.tg.create_task(self._follow(name, *source)))
 
-    async def _follow(self, eid: EndpointId, url: str, token: str) -> None:
-        index, metrics = self.svc.registry.index, self.svc.metrics
+    async def _follow(self, name: str, url: str, token: str) -> None:
+        reg, metrics = self.svc.registry, self.svc.metrics
+        node = name[len(STORE) :] if name.startswith(STORE) else None
         backoff = Backoff(base=0.2, cap=5.0)
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.svc.settings.deadlines.connect_s, sock_read=None
         )
         while True:
+            first = True
             try:
                 async with self.session.get(
                     url, timeout=timeout, read_bufsize=1 << 24, headers=bearer_header(token)
@@ -329,28 +343,55 @@ class KvFollowers:
                     async for line in resp.content:
                         if not line.startswith(b"data: "):
                             continue
-                        if not _apply_kv(index, eid, line[6:]):
+                        msg = json_format.Parse(line[6:], pb.KvEventEnvelope(),
+                                                ignore_unknown_fields=True)  # fmt: skip
+                        if node is None:
+                            applied = _apply_kv(reg.index, EndpointId(name), msg)
+                        else:
+                            applied = _apply_tiers(reg.tiers, node, msg, first)
+                        if not applied:
                             break  # a gap: reconnect for a fresh snapshot
-                        if line.startswith(b'data: {"snapshot"'):
-                            metrics.kv_resyncs.labels(eid).inc()
+                        if msg.HasField("snapshot"):
+                            if first:
+                                metrics.kv_resyncs.labels(name).inc()
+                            first = False
                             backoff.reset()
                         else:
-                            metrics.kv_events.labels(eid).inc()
+                            metrics.kv_events.labels(name).inc()
             except (aiohttp.ClientError, json_format.ParseError, ValueError, TimeoutError) as exc:
-                log.debug("KV events of %s: %s", eid, exc)
+                log.debug("KV events of %s: %s", name, exc)
             except Exception:  # NOTE: a peer's stream must never end the router's TaskGroup
-                log.exception("KV events of %s: unexpected failure; reconnecting", eid)
-            index.lost(eid)
+                log.exception("KV events of %s: unexpected failure; reconnecting", name)
+            if node is None:
+                reg.index.lost(EndpointId(name))
             await asyncio.sleep(backoff.next())
 
 
-def _apply_kv(index: PrefixIndex, eid: EndpointId, data: bytes) -> bool:
-    msg = json_format.Parse(data, pb.KvEventEnvelope(), ignore_unknown_fields=True)
+STORE = "kvcached:"  # the follower name of a node's KV store
+
+
+def _apply_kv(index: PrefixIndex, eid: EndpointId, msg: pb.KvEventEnvelope) -> bool:
     if msg.HasField("snapshot"):
         index.snapshot(eid, msg.snapshot.seq, msg.snapshot.block_hashes)
         return True
     ev = msg.event
     return index.event(eid, ev.seq, ev.kind == pb.KvBlockEvent.STORED, ev.block_hashes)
+
+
+_TIER_BITS = {pb.KV_TIER_RAM: RAM, pb.KV_TIER_SSD: SSD}
+
+
+def _apply_tiers(tiers: TierIndex, node: str, msg: pb.KvEventEnvelope, first: bool) -> bool:
+    """A node store's message; events of tiers other than RAM and SSD are skipped."""
+    if msg.HasField("snapshot"):
+        snap = msg.snapshot
+        bits = _TIER_BITS.get(snap.tier, 0)
+        tiers.snapshot(node, snap.seq, bits, snap.block_hashes if bits else (), first)
+        return True
+    ev = msg.event
+    bits = _TIER_BITS.get(ev.tier, 0)
+    stored = ev.kind == pb.KvBlockEvent.STORED
+    return tiers.event(node, ev.seq, stored, bits, ev.block_hashes if bits else ())
 
 
 def run(settings: RouterSettings, ready_file: Path | None) -> None:

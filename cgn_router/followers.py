@@ -1,12 +1,13 @@
 """What the router mirrors from etcd: one (prefix, on_list, on_event) entry per kind of record.
 
-Endpoints, cordons, the catalog, the routing policy and (with auth on) API
-keys. Every record is parsed by its kind's validating function; a bad one is
-logged once per revision with its key (`cgn_core.records.RecordLog`) and
-skipped, and the rest of the listing still applies. The handlers are plain
-methods over the router's state, so tests drive them with recorded
-key-values and no etcd; `cgn_core.etcd.follow.list_and_watch` feeds them in
-the daemon, and contains anything a handler still raises.
+Endpoints, cordons, the nodes' KV stores (cgn-kvcached), the catalog, the
+routing policy and (with auth on) API keys. Every record is parsed by its
+kind's validating function; a bad one is logged once per revision with its
+key (`cgn_core.records.RecordLog`) and skipped, and the rest of the listing
+still applies. The handlers are plain methods over the router's state, so
+tests drive them with recorded key-values and no etcd;
+`cgn_core.etcd.follow.list_and_watch` feeds them in the daemon, and contains
+anything a handler still raises.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from cgn_core import keys
 from cgn_core.apikeys import KEYS_PREFIX, parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.records import RecordLog, cordon
+from cgn_core.records import RecordLog, cordon, kvcached
 from cgn_router.catalog import CATALOG_PREFIX, entry_from_etcd
 from cgn_router.pipeline import check_weights, weights_from
 from cgn_router.registry import (
@@ -53,6 +54,7 @@ class EtcdFollowers:
         out = [
             Followed(ENDPOINTS_PREFIX, self.endpoints_list, self.endpoints_event),
             Followed(CORDON_PREFIX, self.cordon_list, self.cordon_event),
+            Followed(keys.KVCACHED, self.stores_list, self.stores_event),
             Followed(CATALOG_PREFIX, self.catalog_list, self.catalog_event),
             Followed(POLICY_KEY, self.policy_list, self.policy_event),
         ]
@@ -79,6 +81,28 @@ class EtcdFollowers:
                 self.svc.registry.remove(endpoint_key_parts(ev.kv.key)[0])
         elif (ep := self._endpoint(ev.kv)) is not None:
             self.svc.registry.upsert(ep, "etcd")
+        self.on_endpoints()
+
+    # ---- node KV stores: the key names the node; the router follows each one's events -----
+
+    def _store(self, kv: KeyValue) -> Any | None:
+        return self._parse(kv, kvcached)
+
+    def stores_list(self, kvs: list[KeyValue]) -> None:
+        stores = {kv.key[len(keys.KVCACHED) :]: r for kv in kvs if (r := self._store(kv))}
+        static = {n: (st.events_url, st.events_token)
+                  for n, st in self.svc.settings.stores.items()}  # fmt: skip
+        self.svc.registry.stores = static | {n: (r["events_url"], r["events_token"])
+                                             for n, r in stores.items() if n}  # fmt: skip
+        self.on_endpoints()
+
+    def stores_event(self, ev: WatchEvent) -> None:
+        node, stores = ev.kv.key[len(keys.KVCACHED) :], self.svc.registry.stores
+        if ev.kind == "delete" or (record := self._store(ev.kv)) is None:
+            stores.pop(node, None)
+            self.svc.registry.tiers.forget(node)
+        elif node:
+            stores[node] = (record["events_url"], record["events_token"])
         self.on_endpoints()
 
     # ---- cordons: the key names the node; the value must still be a valid cordon -----------

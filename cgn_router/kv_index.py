@@ -12,6 +12,11 @@ endpoints get the same treatment for `optimistic_ttl_s`, bridging the time
 between routing a request and its STORED event.
 
 match() is the longest run of leading prompt blocks an endpoint holds.
+
+Node tiers (`TierIndex`): each node's cgn-kvcached streams what its RAM and
+SSD tiers hold (one snapshot per tier, then events carrying their tier), so
+`extend()` says how many more of a prompt's blocks, past what an engine's own
+pool holds, that engine's node could restore, and from which tier.
 """
 
 from __future__ import annotations
@@ -113,3 +118,75 @@ class PrefixIndex:
     def forget(self, eid: EndpointId) -> None:
         """The endpoint left the registry."""
         self._by_endpoint.pop(eid, None)
+
+
+RAM, SSD = 1, 2  # tier bits
+
+
+@dataclass(slots=True)
+class _Tiers:
+    held: dict[BlockHash, int] = field(default_factory=dict)  # hash -> tier bits
+    seq: int | None = None
+
+
+class TierIndex:
+    """Per node, the blocks its cgn-kvcached holds in RAM and on SSD (exact, from events)."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, _Tiers] = {}
+
+    def extend(self, node: str, hashes: Sequence[BlockHash], start: int) -> tuple[int, int]:
+        """Of `hashes[start:]`, the leading run the node holds: (blocks in RAM, on SSD only)."""
+        tiers = self._by_node.get(node)
+        if tiers is None or start >= len(hashes):
+            return 0, 0
+        ram = ssd = 0
+        for h in hashes[start:]:
+            bits = tiers.held.get(h, 0)
+            if bits & RAM:
+                ram += 1
+            elif bits & SSD:
+                ssd += 1
+            else:
+                break
+        return ram, ssd
+
+    def size(self, node: str) -> int:
+        tiers = self._by_node.get(node)
+        return len(tiers.held) if tiers else 0
+
+    def snapshot(
+        self, node: str, seq: int, tier: int, hashes: Iterable[BlockHash], first: bool
+    ) -> None:
+        """A tier's snapshot; `first`: the first of a stream's snapshots (replaces all)."""
+        tiers = self._by_node.setdefault(node, _Tiers())
+        if first:
+            tiers.held = {}
+        held = tiers.held
+        for h in hashes:
+            held[h] = held.get(h, 0) | tier
+        tiers.seq = seq
+
+    def event(
+        self, node: str, seq: int, stored: bool, tier: int, hashes: Iterable[BlockHash]
+    ) -> bool:
+        """Apply one event; False when it does not follow the last one (resync needed)."""
+        tiers = self._by_node.get(node)
+        if tiers is None or tiers.seq is None or seq != tiers.seq + 1:
+            if tiers is not None:
+                tiers.seq = None
+            return False
+        tiers.seq = seq
+        held = tiers.held
+        for h in hashes:
+            bits = held.get(h, 0)
+            bits = bits | tier if stored else bits & ~tier
+            if bits:
+                held[h] = bits
+            else:
+                held.pop(h, None)
+        return True
+
+    def forget(self, node: str) -> None:
+        """The node's kvcached left etcd (or its stream is gone for good)."""
+        self._by_node.pop(node, None)

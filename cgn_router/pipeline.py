@@ -56,7 +56,12 @@ class Pipeline:
 
         return cls(
             [FILTERS[name]() for name in FILTER_ORDER],
-            [PrefixScorer(s.saturation_tokens), LoadScorer(), KvUsageScorer(), AffinityScorer()],
+            [
+                PrefixScorer(s.saturation_tokens, s.ram_tier_weight, s.ssd_tier_weight),
+                LoadScorer(),
+                KvUsageScorer(),
+                AffinityScorer(),
+            ],
             PICKERS[s.picker](),
             weights_from(s),
         )

@@ -18,7 +18,7 @@ from typing import Any
 from cgn_core import keys
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_router.breaker import Breaker
-from cgn_router.kv_index import PrefixIndex
+from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
@@ -68,6 +68,8 @@ class Registry:
         self.breaker = breaker
         self.stale_s = stale_s
         self.index = index
+        self.tiers = TierIndex()  # what each node's cgn-kvcached holds
+        self.stores: dict[str, tuple[str, str]] = {}  # node -> its kvcached's events URL, token
         self.sessions = sessions
         self.states: dict[EndpointId, EndpointState] = {}
         self.cordoned: set[str] = set()
@@ -123,6 +125,12 @@ class Registry:
         for eid, s in self.states.items():
             if s.endpoint.model != req.model or eid in exclude:
                 continue
+            matched = self.index.match(eid, req.blocks, now) if req.blocks else 0
+            ram, ssd = (
+                self.tiers.extend(s.endpoint.node, req.blocks, matched)
+                if req.blocks and s.endpoint.node
+                else (0, 0)
+            )
             out.append(
                 EndpointView(
                     endpoint=s.endpoint,
@@ -131,7 +139,9 @@ class Registry:
                     in_flight=s.in_flight,
                     pending_prefill=s.pending_prefill,
                     load=self.fresh_load(s, now),
-                    matched_blocks=self.index.match(eid, req.blocks, now) if req.blocks else 0,
+                    matched_blocks=matched,
+                    node_ram_blocks=ram,
+                    node_ssd_blocks=ssd,
                     session_owner=owner == eid,
                 )
             )

@@ -36,6 +36,14 @@ class StaticEndpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class StaticStore:
+    """A node's cgn-kvcached to follow without etcd (agents publish theirs in etcd)."""
+
+    events_url: str = ""  # e.g. http://10.0.0.5:9094/v1/kv/events
+    events_token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingSettings:
     """Scorer weights and the tunables of the routing pipeline (docs/cgn-router.md)."""
 
@@ -48,6 +56,10 @@ class RoutingSettings:
     # Saturation guard: an endpoint whose routed-but-not-yet-prefilled prompt tokens
     # exceed this gets no prefix credit (new requests spread instead of piling up).
     saturation_tokens: int = 16384
+    # A prompt block the endpoint's node holds in cgn-kvcached counts this much of one in
+    # the engine's own pool (1 - restore time / recompute time; docs/cgn-kvcached.md).
+    ram_tier_weight: float = 0.9
+    ssd_tier_weight: float = 0.7
     # Approximate KV tracking (engines without a KV event stream): blocks assumed
     # cached on the chosen endpoint for this long, at most this many per endpoint.
     approx_ttl_s: float = 300.0
@@ -147,6 +159,7 @@ class RouterSettings:
     # static: only the endpoints and models below (router-only runs, no etcd).
     discovery: Literal["etcd", "static"] = "etcd"
     endpoints: dict[str, StaticEndpoint] = field(default_factory=dict)
+    stores: dict[str, StaticStore] = field(default_factory=dict)  # node -> its KV store
     models: dict[str, ModelSettings] = field(default_factory=dict)
     routing: RoutingSettings = RoutingSettings()
     deadlines: DeadlineSettings = DeadlineSettings()

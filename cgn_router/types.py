@@ -63,6 +63,9 @@ class EndpointView:
     pending_prefill: int = 0  # uncached prompt tokens routed here and not yet answered
     load: EngineLoad | None = None  # None: never scraped, stale or unreachable
     matched_blocks: int = 0  # leading prompt blocks this endpoint is known to hold
+    # the blocks right after those that its node's cgn-kvcached holds: in RAM, on SSD only
+    node_ram_blocks: int = 0
+    node_ssd_blocks: int = 0
     session_owner: bool = False  # the request's session last went here
 
     @property

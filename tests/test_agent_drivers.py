@@ -23,11 +23,12 @@ CTX = LaunchContext("0.0.0.0", 8100, python="/venv/bin/python")
 # llama-cpp-python's server settings).
 DOCUMENTED = {
     "vllm": {"--host", "--port", "--served-model-name", "--tensor-parallel-size",
-             "--max-model-len", "--dtype", "--gpu-memory-utilization", "--kv-transfer-config"},
+             "--max-model-len", "--dtype", "--gpu-memory-utilization", "--kv-transfer-config",
+             "--kv-offloading-backend", "--kv-offloading-size"},
     "sglang": {"--model-path", "--host", "--port", "--served-model-name", "--tp-size",
                "--context-length", "--dtype", "--mem-fraction-static", "--enable-metrics",
                "--enable-hierarchical-cache", "--enable-lmcache", "--disaggregation-mode",
-               "--disaggregation-transfer-backend"},
+               "--disaggregation-transfer-backend", "--hicache-size"},
     "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
     "mlx_lm": {"--model", "--host", "--port"},
     "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl"},
@@ -167,8 +168,9 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     s = replace(spec("cgn_infer", source="/m/smol.gguf",
                      profile=EngineProfile(ctx=2048, threads=2, backend="sim", dtype="int8")), model="smol")  # fmt: skip
     DRIVERS["cgn_infer"].validate(s, CPU_NODE, tools)
-    launch = DRIVERS["cgn_infer"].launch(s, CTX, tools)
+    launch = DRIVERS["cgn_infer"].launch(s, replace(CTX, kvcached="127.0.0.1:7071"), tools)
     assert launch.argv[:2] == (str(BIN / "cgn-infer"), "serve")
+    assert launch.argv[launch.argv.index("--kvcached") + 1] == "127.0.0.1:7071"
     assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
     assert launch.metrics_dialect == "cgn-infer"
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
@@ -297,3 +299,51 @@ def test_engines_that_can_require_a_secret_get_it_in_their_environment(
     assert not any("s3cret" in a for a in launch.argv)  # never on the command line (ps)
     bare = DRIVERS[engine].launch(spec, LaunchContext("127.0.0.1", 8001), tools)
     assert variable not in bare.env and bare.token == ""
+
+
+@pytest.mark.parametrize(
+    ("engine", "connector", "gib", "args"),
+    [
+        ("vllm", "none", 8.0, ["--kv-offloading-backend", "native", "--kv-offloading-size", "8"]),
+        ("vllm", "none", 0.0, []),
+        ("vllm", "lmcache", 8.0, []),  # its own connector owns offloading
+        ("sglang", "none", 16.0, ["--enable-hierarchical-cache", "--hicache-size", "16"]),
+        ("sglang", "hicache", 16.0, []),
+        ("trtllm", "none", 8.0, []),
+    ],
+)  # fmt: skip
+def test_node_store_gives_gpu_engines_their_builtin_offload(
+    engine: str, connector: str, gib: float, args: list[str]
+) -> None:
+    from cgn_agent.drivers.kv_connectors import offload_args
+
+    assert offload_args(engine, connector, gib) == args  # type: ignore[arg-type]
+    if engine == "vllm" and args:
+        launch = DRIVERS["vllm"].launch(
+            spec("vllm", devices=(0,)), replace(CTX, offload_gib=gib), ALL_TOOLS
+        )
+        assert launch.argv[-4:] == tuple(args) and flags(launch.argv) <= DOCUMENTED["vllm"]
+
+
+def test_node_store_plan_and_settings() -> None:
+    from cgn_agent import kvcached
+    from cgn_agent.settings import NodeKvcachedSettings
+    from cgn_core.errors import ConfigError
+
+    off = kvcached.plan(NodeKvcachedSettings(), "10.0.0.5", "10.0.0.5", "t")
+    assert off.address == "" and off.record is None
+    run = NodeKvcachedSettings(mode="run", port=7100, admin_port=9100, engine_offload_gib=4)
+    got = kvcached.plan(run, "127.0.0.1", "10.0.0.5", "tok")
+    assert got.address == "127.0.0.1:7100" and got.offload_gib == 4
+    assert got.record == {"address": "10.0.0.5:7100", "events_token": "tok",
+                          "events_url": "http://10.0.0.5:9100/v1/kv/events"}  # fmt: skip
+    argv = kvcached.argv(run, "/bin/cgn-kvcached", "127.0.0.1", Path("/r"), None)
+    assert argv[:6] == ["/bin/cgn-kvcached", "serve", "--host", "127.0.0.1", "--port", "7100"]
+    assert "--ssd-dir" not in argv
+    helped = _help_flags([str(BIN / "cgn-kvcached"), "serve", "--help"])
+    assert flags(tuple(argv)) <= helped
+    for bad, why in ((replace(run, port=0), "kvcached.port"),
+                     (replace(run, ssd_dir=Path("/kv")), "go together"),
+                     (replace(run, engine_offload_gib=-1), "engine_offload_gib")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            kvcached.check(bad)

@@ -42,6 +42,7 @@ JSON = st.recursive(
     max_leaves=20,
 )  # fmt: skip
 FIELDS = st.sampled_from([
+    "address", "events_url", "events_token",
     "phase", "reason", "failures", "log_tail", "model", "owner", "devices", "profile", "drain",
     "since_unix", "grace_s", "accelerators", "index", "accel_class", "health", "engines",
     "labels", "power", "watts", "id", "hash", "tenant", "band", "models", "admin", "limits",
@@ -74,6 +75,8 @@ VALID: dict[str, dict[str, Any]] = {
     "policy": {"weights": {"prefix": 1.0, "load": 0.5}},
     "agent_placement": {"model": "m", "engine": "cgn_infer", "devices": [0],
                         "profile": {"ctx": 512, "extra_args": ["-x"], "env": {"A": "b"}}},
+    "kvcached": {"address": "10.0.0.1:7071", "events_url": "http://10.0.0.1:9094/v1/kv/events",
+                 "events_token": "t"},
 }  # fmt: skip
 
 
@@ -103,6 +106,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "endpoint": lambda d: endpoint_from_doc("/cognitora/endpoints/m/r", d),
     "policy": policy_weights,
     "agent_placement": lambda d: parse_placement("r1", d),
+    "kvcached": records.kvcached,
 }
 
 
@@ -234,3 +238,17 @@ def test_a_status_whose_failures_is_not_a_number_is_left_out() -> None:
     bad = rec.parse("k1", 1, b'{"phase": "Failed", "failures": "many"}', records.replica_status)
     good = rec.parse("k2", 1, b'{"phase": "Failed", "failures": 4}', records.replica_status)
     assert bad is None and good is not None and good["failures"] == 4
+
+
+def test_node_stores_follow_etcd_and_a_bad_record_withdraws_one(followers: EtcdFollowers) -> None:
+    reg = followers.svc.registry
+    good = {"address": "10.0.0.1:7071", "events_url": "http://10.0.0.1:9094/v1/kv/events"}
+    followers.stores_list([
+        kv("/cognitora/kvcached/n1", good),
+        kv("/cognitora/kvcached/n2", {**good, "address": "no-port"}),
+        kv("/cognitora/kvcached/n3", {**good, "events_url": "file:///etc/passwd"}),
+    ])  # fmt: skip
+    assert reg.stores == {"n1": (good["events_url"], "")}
+    reg.tiers.snapshot("n1", 1, 1, [b"h" * 32], first=True)
+    followers.stores_event(WatchEvent("put", kv("/cognitora/kvcached/n1", {"address": 5})))
+    assert reg.stores == {} and reg.tiers.size("n1") == 0  # its tiers no longer count

@@ -16,7 +16,7 @@ from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
-from cgn_router.kv_index import PrefixIndex
+from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import Registry, Sessions, endpoint_from_etcd
 from cgn_router.scrape import engine_load, name_map, parse_samples
@@ -67,6 +67,24 @@ def test_exact_tracking_follows_events_and_detects_a_gap() -> None:
     idx.snapshot(E, 20, H)
     assert idx.match(E, H, now=0) == 6 and idx.event(E, 21, False, [H[0]])
     assert idx.match(E, H, now=0) == 0
+
+
+def test_node_tiers_extend_the_pool_match_and_follow_events() -> None:
+    tiers = TierIndex()
+    h = [bytes([i]) * 32 for i in range(6)]
+    tiers.snapshot("n1", 7, RAM, h[:3], first=True)
+    tiers.snapshot("n1", 7, SSD, h[2:5], first=False)  # h[2] in both: counted as RAM
+    assert tiers.extend("n1", h, 0) == (3, 2)
+    assert tiers.extend("n1", h, 1) == (2, 2)  # the pool holds h[0]: only what follows
+    assert tiers.extend("n1", h, 5) == (0, 0) and tiers.extend("n2", h, 0) == (0, 0)
+    assert tiers.event("n1", 8, False, RAM, [h[1]])  # h[1] left RAM: the run stops there
+    assert tiers.extend("n1", h, 0) == (1, 0)
+    assert tiers.event("n1", 9, True, SSD, [h[1]])  # ... and went to SSD
+    assert tiers.extend("n1", h, 0) == (2, 3)
+    assert not tiers.event("n1", 11, True, RAM, [h[5]])  # a gap: resync
+    assert not tiers.event("n1", 12, True, RAM, [h[5]])  # until a snapshot
+    tiers.snapshot("n1", 20, RAM, [h[0]], first=True)  # the first snapshot replaces all
+    assert tiers.extend("n1", h, 0) == (1, 0) and tiers.event("n1", 21, True, RAM, [h[1]])
 
 
 def test_approximate_tracking_expires_and_evicts_least_recent() -> None:

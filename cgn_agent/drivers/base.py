@@ -55,6 +55,8 @@ class LaunchContext:
     python: str = sys.executable
     token: str = ""  # a fresh per-replica secret, for engines that can require one
     tls: TlsSettings | None = None  # the certificate engines that can serve HTTPS use
+    kvcached: str = ""  # host:port of the node's cgn-kvcached; "" when it has none
+    offload_gib: float = 0.0  # built-in CPU KV offload for engines that have one (vLLM, SGLang)
 
 
 class Toolbox(Protocol):

@@ -48,6 +48,7 @@ class CgnInferDriver:
         argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
         argv += ["--device", "cuda"] if spec.devices else []
         argv += optional_flags(("--dtype", p.dtype))
+        argv += ["--kvcached", ctx.kvcached] if ctx.kvcached else []
         if ctx.tls is not None:  # HTTPS; the router must present a certificate of the CA
             argv += ["--set", f"tls.ca_file={ctx.tls.ca_file}",
                      "--set", f"tls.cert_file={ctx.tls.cert_file}",

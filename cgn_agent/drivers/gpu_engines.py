@@ -56,6 +56,7 @@ class VllmDriver:
         if p.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
         argv += kv_connectors.vllm_args(p.kv_connector)
+        argv += kv_connectors.offload_args("vllm", p.kv_connector, ctx.offload_gib)
         env = {**cuda_env(spec), **p.env}
         if ctx.token:  # vLLM's server reads it (as --api-key) and guards /v1/* with it
             env["VLLM_API_KEY"] = ctx.token
@@ -88,6 +89,7 @@ class SglangDriver:
         if p.gpu_memory_utilization is not None:
             argv += ["--mem-fraction-static", str(p.gpu_memory_utilization)]
         argv += ["--enable-metrics", *kv_connectors.sglang_args(p.kv_connector, spec.role)]
+        argv += kv_connectors.offload_args("sglang", p.kv_connector, ctx.offload_gib)
         return Launch(
             tuple(argv + list(p.extra_args)),
             {**cuda_env(spec), **p.env},

@@ -16,6 +16,12 @@ SGLang:
 * kvbm: refused (KVBM integrates with vLLM and TensorRT-LLM).
 
 Every other engine takes `none` only.
+
+With the node's KV store on (cgn_agent/kvcached.py), an engine whose connector
+is `none` gets its own built-in CPU offload instead (`offload_args`): vLLM
+`--kv-offloading-backend native --kv-offloading-size <GiB>`, SGLang
+`--enable-hierarchical-cache --hicache-size <GB>`. Those engines keep offloaded
+blocks in their own process: they do not use cgn-kvcached's tiers.
 """
 
 from __future__ import annotations
@@ -65,3 +71,15 @@ def sglang_args(connector: KvConnector, role: Role) -> list[str]:
         f"sglang has no '{connector}' KV connector (KVBM integrates with vLLM and "
         "TensorRT-LLM); use one of none, hicache, lmcache, nixl"
     )
+
+
+def offload_args(engine: str, connector: KvConnector, gib: float) -> list[str]:
+    """Built-in CPU KV offload flags for `engine` (vllm, sglang), when it has no connector."""
+    if gib <= 0 or connector != "none":
+        return []
+    size = f"{gib:g}"
+    if engine == "vllm":
+        return ["--kv-offloading-backend", "native", "--kv-offloading-size", size]
+    if engine == "sglang":
+        return ["--enable-hierarchical-cache", "--hicache-size", size]
+    return []

@@ -1,6 +1,14 @@
 """Prefix-overlap scorer with the saturation guard.
 
-score = (leading prompt blocks the endpoint holds) / (blocks in the prompt).
+score = (leading prompt blocks the endpoint holds
+         + ram_weight * the next ones its node's cgn-kvcached holds in RAM
+         + ssd_weight * the ones after those it holds on SSD) / (blocks in the prompt).
+
+A block the engine must restore from its node's store is worth less than one
+in its pool, and much more than one it must recompute: the weights are
+1 - restore time / recompute time, from bench/results/kvcached_ttft.md
+(tunable: `routing.tier_weights`). So a request whose prefix an engine
+evicted still goes to that engine's node.
 
 Saturation guard: an endpoint whose pending uncached-prefill work (prompt
 tokens routed to it and not yet answered, less what it had cached) exceeds the
@@ -24,6 +32,8 @@ from cgn_router.types import EndpointId, EndpointView, RequestInfo
 @dataclass(frozen=True, slots=True)
 class PrefixScorer:
     saturation_tokens: int = 8192
+    ram_weight: float = 0.9
+    ssd_weight: float = 0.7
     name: str = "prefix"
 
     def saturated(self, view: EndpointView, floor: int) -> bool:
@@ -35,9 +45,12 @@ class PrefixScorer:
             return {v.id: 0.0 for v in views}
         n = len(req.blocks)
         floor = min_pending(views)
-        return {
-            v.id: 0.0 if self.saturated(v, floor) else min(v.matched_blocks, n) / n for v in views
-        }
+        return {v.id: 0.0 if self.saturated(v, floor) else self.held(v, n) / n for v in views}
+
+    def held(self, v: EndpointView, n: int) -> float:
+        """The prompt blocks `v` holds, node tiers discounted by their weight."""
+        held = v.matched_blocks + self.ram_weight * v.node_ram_blocks
+        return min(held + self.ssd_weight * v.node_ssd_blocks, float(n))
 
 
 def min_pending(views: Sequence[EndpointView]) -> int:

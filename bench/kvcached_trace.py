@@ -1,0 +1,119 @@
+"""Mooncake replay with small engine pools: with and without cgn-kvcached on every node, one run.
+
+    .venv/bin/python bench/kvcached_trace.py [--limit N] [--pool-tokens 65536]
+
+The fleet of bench/router_trace.py (4 sim engines behind a router, the
+default policy) with KV pools a quarter of that bench's (`--pool-tokens`,
+default 65,536 tokens each), replayed twice: engines alone, then each engine
+on its own node with a `cgn-kvcached` (RAM tier only, `--store-blocks`
+blocks) that it offers finished blocks to and restores prompts from, and the
+router following each store's KV events (`stores:` in its static config), so
+it weighs blocks in a node's store. Reported per run: prefix hit rate
+counting every tier (Σ cached_tokens / Σ prompt_tokens: the engine counts
+restored tokens as cached), TTFT p50/p90/p99, throughput, shed.
+
+The sim engine charges a restore the time its modelled blocks (SmolLM2's
+46,080 bytes per token) take at the configured restore bandwidth, scaled by
+its `--speed` like its compute (bench/results/kvcached_ttft.md measured
+restores on this CPU at ~600 MB/s from RAM against a ~240 token/s prefill).
+
+Results: bench/results/kvcached_trace.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import write_result
+from bench.router_trace import TRACE, fleet_speed, replay, summarize
+from bench.trace import load
+from tests.support.procs import cgn_infer_engines, cgn_kvcached, cgn_router
+
+MODEL = "trace"
+
+
+def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str, Any]:
+    engines = 4
+    sim = ["--backend", "sim", "--speed", str(fleet_speed(args.speed, engines)),
+           "--model-name", MODEL, "--kv-pool-tokens", str(args.pool_tokens), "--ctx",
+           str(args.ctx), "--max-batch", str(args.max_batch)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
+        tmp = Path(d)
+        stores = []
+        if with_store:
+            ram = max(1 << 20, args.store_blocks * 128)  # a sim block is 128 bytes
+            stores = [stack.enter_context(cgn_kvcached(tmp, ram_bytes=ram)) for _ in range(engines)]
+        fleet = []
+        for i in range(engines):  # one engine per node, each with its node's store
+            extra = ["--kvcached", stores[i].address] if with_store else []
+            fleet += stack.enter_context(cgn_infer_engines(tmp, 1, *sim, *extra))
+        config: dict[str, Any] = {
+            "discovery": "static",
+            "auth": {"enabled": False},
+            "endpoints": {
+                f"e{i}": {"url": e.url, "model": MODEL, "node": f"n{i}"}
+                for i, e in enumerate(fleet)
+            },
+        }
+        if with_store:
+            config["stores"] = {f"n{i}": {"events_url": s.admin + "/v1/kv/events"}
+                                for i, s in enumerate(stores)}  # fmt: skip
+        router = stack.enter_context(cgn_router(tmp, config))
+        outcomes, wall = asyncio.run(
+            replay(router.url, MODEL, reqs, args.blocks_per_id, args.output_scale)
+        )
+    return summarize(outcomes, wall)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--blocks-per-id", type=int, default=4)
+    p.add_argument("--time-scale", type=float, default=8.0)
+    p.add_argument("--output-scale", type=float, default=0.125)
+    p.add_argument("--speed", type=float, default=20.0)
+    p.add_argument("--pool-tokens", type=int, default=65536, help="each engine's KV pool")
+    p.add_argument("--store-blocks", type=int, default=1 << 16, help="each node store's RAM tier")
+    p.add_argument("--ctx", type=int, default=65536)
+    p.add_argument("--max-batch", type=int, default=16)
+    args = p.parse_args()
+    reqs = load(args.trace, args.limit, args.time_scale)
+    results: dict[str, Any] = {"requests": len(reqs), "pool_tokens": args.pool_tokens,
+                               "store_blocks": args.store_blocks, "runs": {}}  # fmt: skip
+    for name, with_store in (("engines alone", False), ("with cgn-kvcached", True)):
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        results["runs"][name] = run(reqs, args, with_store)
+        print(results["runs"][name], file=sys.stderr, flush=True)
+    command = " ".join([".venv/bin/python bench/kvcached_trace.py", *sys.argv[1:]])
+    write_result("kvcached_trace", command, results, render(results))
+    print(render(results))
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [f"{r['requests']} Mooncake requests on 4 sim engines with {r['pool_tokens']}-token "
+             f"pools (a quarter of bench/router_trace.py's); node stores of {r['store_blocks']} "
+             "blocks (RAM).", "",
+             "| run | hit rate (all tiers) | TTFT p50 ms | p90 ms | p99 ms | req/s | shed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, s in r["runs"].items():
+        t = s["ttft_ms"]
+        lines.append(f"| {name} | {s['hit_rate']:.3f} | {t['p50']} | {t['p90']} | {t['p99']} | "
+                     f"{s['throughput_req_s']} | {s['shed']} |")  # fmt: skip
+    a, b = r["runs"].get("engines alone"), r["runs"].get("with cgn-kvcached")
+    if a and b:
+        lines += ["", f"With the node stores: hit rate {a['hit_rate']:.3f} → {b['hit_rate']:.3f}, "
+                  f"TTFT p90 x{a['ttft_ms']['p90'] / b['ttft_ms']['p90']:.2f}."]  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The node's KV store (cgn-kvcached) as the agent sees it: run it, tell engines and routers.
+
+Modes (`kvcached.mode`):
+* `off`: no store; engines get no KV-store flags.
+* `run`: the agent starts `cgn-kvcached serve` as its own child on the
+  engines' bind address, restarts it when it exits (with backoff; its SSD
+  tier survives, its RAM tier does not) and stops it when the agent stops.
+* `external`: a store already runs on this node (the `cgn-kvcached.service`
+  unit) at `port`/`admin_port`; the agent only passes it on.
+
+In `run` and `external` modes, cgn-infer engines get `--kvcached host:port`
+(blocks move through shared memory: same host, same user), vLLM and SGLang
+engines without a KV connector of their own get their built-in CPU offload
+of `engine_offload_gib` (vLLM `--kv-offloading-backend native
+--kv-offloading-size`, SGLang `--enable-hierarchical-cache --hicache-size`),
+and while the store is up the agent publishes `/cognitora/kvcached/<node>`
+(its address and its KV event stream, with the stream's bearer token) under
+its lease, so routers weigh what the node's tiers hold.
+
+Lifecycle of a `run` store:
+
+    spawn ──ready file──▶ Serving (record published) ──exit──▶ Down (record withdrawn)
+      ▲                                                          │
+      └────────────────────────── backoff (1 s .. 30 s) ◀────────┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from cgn_agent.publisher import Publisher
+from cgn_agent.settings import NodeKvcachedSettings
+from cgn_core import keys
+from cgn_core.backoff import Backoff
+from cgn_core.errors import ConfigError
+from cgn_core.process import stop_group
+from cgn_core.readiness import wait_ready_file
+from cgn_core.settings import TlsSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What engines launched on this node are told, and what routers read from etcd."""
+
+    address: str = ""  # host:port engines reach the store at; "" when off
+    offload_gib: float = 0.0
+    record: dict[str, str] | None = None
+
+
+def check(s: NodeKvcachedSettings) -> None:
+    """Refuse settings the store cannot run with, naming the setting."""
+    if s.mode == "off":
+        return
+    for name in ("port", "admin_port"):
+        if not 0 < getattr(s, name) < 65536:
+            raise ConfigError(f"kvcached.{name} must be a port number (routers are told it)")
+    if s.engine_offload_gib < 0:
+        raise ConfigError("kvcached.engine_offload_gib must not be negative")
+    if s.mode == "run" and (s.ssd_dir is None) != (s.ssd_bytes == 0):
+        raise ConfigError("kvcached.ssd_dir and kvcached.ssd_bytes go together")
+
+
+def plan(s: NodeKvcachedSettings, bind_host: str, advertise: str, token: str) -> StorePlan:
+    if s.mode == "off":
+        return StorePlan(offload_gib=0.0)
+    record = {
+        "address": f"{advertise}:{s.port}",
+        "events_url": f"http://{advertise}:{s.admin_port}/v1/kv/events",
+        "events_token": token,
+    }
+    return StorePlan(f"{bind_host}:{s.port}", s.engine_offload_gib, record)
+
+
+def argv(s: NodeKvcachedSettings, exe: str, bind_host: str, ready: Path,
+         tls: TlsSettings | None) -> list[str]:  # fmt: skip
+    out = [exe, "serve", "--host", bind_host, "--port", str(s.port),
+           "--admin-port", str(s.admin_port), "--ram-bytes", str(s.ram_bytes),
+           "--set", f"admin.host={bind_host}", "--ready-file", str(ready)]  # fmt: skip
+    if s.ssd_dir is not None:
+        out += ["--ssd-dir", str(s.ssd_dir), "--ssd-bytes", str(s.ssd_bytes)]
+    if tls is not None:
+        out += ["--set", f"tls.ca_file={tls.ca_file}", "--set", f"tls.cert_file={tls.cert_file}",
+                "--set", f"tls.key_file={tls.key_file}"]  # fmt: skip
+    return out
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+async def supervise(
+    command: list[str], token: str, ready: Path, log_path: Path, publisher: Publisher,
+    node: str, record: dict[str, str],
+) -> None:  # fmt: skip
+    """Run the store until cancelled, restarting it when it exits; publish its record while it
+    serves. Cancellation stops it (SIGTERM, then SIGKILL)."""
+    key = keys.KVCACHED + node
+    backoff = Backoff(base=1.0, cap=30.0)
+    env = {**os.environ, "CGN_KVCACHED_EVENTS_TOKEN": token}
+    while True:
+        proc = await asyncio.to_thread(_spawn, command, env, ready, log_path)
+        try:
+            try:
+                await asyncio.to_thread(wait_ready_file, ready, 120.0, proc)
+            except (TimeoutError, RuntimeError) as exc:
+                log.error("cgn-kvcached did not start (%s); see %s", exc, log_path)
+            else:
+                log.info("cgn-kvcached serving at %s", record["address"])
+                publisher.set(key, record)
+                backoff.reset()
+                code = await asyncio.to_thread(proc.wait)
+                log.warning("cgn-kvcached exited with %s; see %s", code, log_path)
+            publisher.delete(key)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    await asyncio.to_thread(stop_group, proc, 10.0)
+        await asyncio.sleep(backoff.next())
+
+
+def _spawn(
+    command: list[str], env: dict[str, str], ready: Path, log_path: Path
+) -> subprocess.Popen[bytes]:
+    ready.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
