@@ -20,10 +20,10 @@ from tests.support.procs import REPO, stop, wait_http_ok
 RESULTS = REPO / "bench" / "results"
 
 
-def peak_rss_mib(pid: int) -> float:
-    """VmHWM (peak resident set) of a live process, MiB."""
+def peak_rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """VmHWM (peak resident set) of a live process, MiB; `field="VmRSS"`: the current one."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 

@@ -4,11 +4,14 @@
 
 The fleet of bench/router_trace.py (4 sim engines behind a router, the
 default policy) with KV pools a quarter of that bench's (`--pool-tokens`,
-default 65,536 tokens each), replayed twice: engines alone, then each engine
-on its own node with a `cgn-kvcached` (RAM tier only, `--store-blocks`
-blocks) that it offers finished blocks to and restores prompts from, and the
-router following each store's KV events (`stores:` in its static config), so
-it weighs blocks in a node's store. Reported per run: prefix hit rate
+default 65,536 tokens each), replayed twice: engines alone, then with a
+`cgn-kvcached` per node (`--engines-per-node`, default 2: two nodes; RAM
+tier only, `--store-blocks` blocks) that its engines offer finished blocks
+to and restore prompts from, and the router following each store's KV
+events (`stores:` in its static config), so it weighs blocks in a node's
+store. The store and the engines' offers and restores use real CPU (the sim
+engines' compute does not): on a 2-core machine `--time-scale` must leave
+the CPU some headroom, or the comparison measures CPU contention. Reported per run: prefix hit rate
 counting every tier (Σ cached_tokens / Σ prompt_tokens: the engine counts
 restored tokens as cached), TTFT p50/p90/p99, throughput, shed.
 
@@ -30,6 +33,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
@@ -41,7 +46,8 @@ MODEL = "trace"
 
 
 def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str, Any]:
-    engines = 4
+    engines, per_node = 4, args.engines_per_node
+    nodes = engines // per_node
     sim = ["--backend", "sim", "--speed", str(fleet_speed(args.speed, engines)),
            "--model-name", MODEL, "--kv-pool-tokens", str(args.pool_tokens), "--ctx",
            str(args.ctx), "--max-batch", str(args.max_batch)]  # fmt: skip
@@ -50,10 +56,10 @@ def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str
         stores = []
         if with_store:
             ram = max(1 << 20, args.store_blocks * 128)  # a sim block is 128 bytes
-            stores = [stack.enter_context(cgn_kvcached(tmp, ram_bytes=ram)) for _ in range(engines)]
+            stores = [stack.enter_context(cgn_kvcached(tmp, ram_bytes=ram)) for _ in range(nodes)]
         fleet = []
-        for i in range(engines):  # one engine per node, each with its node's store
-            extra = ["--kvcached", stores[i].address] if with_store else []
+        for i in range(engines):  # engine i on node i // per_node, with that node's store
+            extra = ["--kvcached", stores[i // per_node].address] if with_store else []
             fleet += stack.enter_context(cgn_infer_engines(tmp, 1, *sim, *extra))
         config: dict[str, Any] = {
             "discovery": "static",
@@ -70,7 +76,19 @@ def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str
         outcomes, wall = asyncio.run(
             replay(router.url, MODEL, reqs, args.blocks_per_id, args.output_scale)
         )
-    return summarize(outcomes, wall)
+        counters = {name: sum(metric(e.url, f"cgn_infer_{name}_total") for e in fleet)
+                    for name in COUNTERS}  # fmt: skip
+    return summarize(outcomes, wall) | {"engine_counters": counters}
+
+
+COUNTERS = ("prefill_tokens_computed", "kv_restored_tokens", "kv_restore_skipped",
+            "kv_restore_failures", "kv_offloaded_blocks", "kv_offload_dropped")  # fmt: skip
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))  # fmt: skip
 
 
 def main() -> None:
@@ -83,12 +101,14 @@ def main() -> None:
     p.add_argument("--speed", type=float, default=20.0)
     p.add_argument("--pool-tokens", type=int, default=65536, help="each engine's KV pool")
     p.add_argument("--store-blocks", type=int, default=1 << 16, help="each node store's RAM tier")
+    p.add_argument("--engines-per-node", type=int, default=2, choices=(1, 2, 4))
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
     reqs = load(args.trace, args.limit, args.time_scale)
     results: dict[str, Any] = {"requests": len(reqs), "pool_tokens": args.pool_tokens,
-                               "store_blocks": args.store_blocks, "runs": {}}  # fmt: skip
+                               "store_blocks": args.store_blocks, "time_scale": args.time_scale,
+                               "engines_per_node": args.engines_per_node, "runs": {}}  # fmt: skip
     for name, with_store in (("engines alone", False), ("with cgn-kvcached", True)):
         print(f"{name} ...", file=sys.stderr, flush=True)
         results["runs"][name] = run(reqs, args, with_store)
@@ -99,8 +119,9 @@ def main() -> None:
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [f"{r['requests']} Mooncake requests on 4 sim engines with {r['pool_tokens']}-token "
-             f"pools (a quarter of bench/router_trace.py's); node stores of {r['store_blocks']} "
+    lines = [f"{r['requests']} Mooncake requests (arrivals {r['time_scale']:g}x faster) on 4 sim "
+             f"engines, {r['engines_per_node']} per node, with {r['pool_tokens']}-token pools (a "
+             f"quarter of bench/router_trace.py's); one store per node of {r['store_blocks']} "
              "blocks (RAM).", "",
              "| run | hit rate (all tiers) | TTFT p50 ms | p90 ms | p99 ms | req/s | shed |",
              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -108,6 +129,10 @@ def render(r: dict[str, Any]) -> str:
         t = s["ttft_ms"]
         lines.append(f"| {name} | {s['hit_rate']:.3f} | {t['p50']} | {t['p90']} | {t['p99']} | "
                      f"{s['throughput_req_s']} | {s['shed']} |")  # fmt: skip
+    lines += ["", "| run | " + " | ".join(COUNTERS) + " |", "|---|" + "---:|" * len(COUNTERS)]
+    for name, s in r["runs"].items():
+        c = s["engine_counters"]
+        lines.append(f"| {name} | " + " | ".join(f"{c[k]:.0f}" for k in COUNTERS) + " |")
     a, b = r["runs"].get("engines alone"), r["runs"].get("with cgn-kvcached")
     if a and b:
         lines += ["", f"With the node stores: hit rate {a['hit_rate']:.3f} → {b['hit_rate']:.3f}, "

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import engine, model_id, write_result
+from bench.common import engine, model_id, peak_rss_mib, write_result
 from bench.kvcached_tiers import drop_page_cache
 from cgn_core.bundled_models import BUNDLED
 from cgn_core.etcd.local import free_port
@@ -65,13 +65,6 @@ def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{"))  # fmt: skip
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 @contextmanager
@@ -115,7 +108,7 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
         stats = httpx.get(kv.admin + "/metrics").text
         ram_bytes = sum(float(line.rsplit(" ", 1)[1]) for line in stats.splitlines()
                         if line.startswith('cgn_kvcached_bytes{tier="ram"}'))  # fmt: skip
-        kv_rss = rss_mib(kv.proc.pid)
+        kv_rss = peak_rss_mib(kv.proc.pid, "VmRSS")
         # The losing case, on purpose: a RAM tier believed to move 1 MB/s never pays.
         slow = ("--set", "kvcached.ram_mb_per_s=1", "--set", "kvcached.ssd_mb_per_s=1")
         with engine("cgn-infer", path, 2, *engine_args, *slow) as e:

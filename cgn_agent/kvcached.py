@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from cgn_agent.settings import NodeKvcachedSettings
 from cgn_core import keys
 from cgn_core.backoff import Backoff
 from cgn_core.errors import ConfigError
-from cgn_core.process import stop_group
+from cgn_core.process import cmdline, stop_group
 from cgn_core.readiness import wait_ready_file
 from cgn_core.settings import TlsSettings
 
@@ -130,8 +133,27 @@ async def supervise(
 def _spawn(
     command: list[str], env: dict[str, str], ready: Path, log_path: Path
 ) -> subprocess.Popen[bytes]:
+    _stop_leftover(ready)
     ready.unlink(missing_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
+
+
+def _stop_leftover(ready: Path) -> None:
+    """A store an agent killed with SIGKILL left running still holds the ports: stop it (its
+    ready file names it; only a live cgn-kvcached of that pid is signalled)."""
+    try:
+        pid = int(json.loads(ready.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if "cgn-kvcached" not in " ".join(cmdline(pid) or ()):
+        return
+    log.warning("stopping the cgn-kvcached (pid %d) a previous agent left running", pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ which is also what it does when it sees a gap in `seq`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -136,5 +137,6 @@ async def serve_sse(hub: KvEventHub, request: web.Request) -> web.StreamResponse
             await resp.write(msg)
     finally:
         hub.unsubscribe(sub)
-    await resp.write_eof()
+    with contextlib.suppress(ConnectionResetError):  # the subscriber already went away
+        await resp.write_eof()
     return resp

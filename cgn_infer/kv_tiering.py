@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 OFFER_QUEUE = 64  # offers waiting for the offload thread; more are dropped
 OFFERED_MEMORY = 1 << 16  # block hashes remembered as already offered
+RESTORE_THREADS = 4  # prompts looked up and fetched at once
 
 
 @dataclass(slots=True)
@@ -121,7 +122,8 @@ class KvTiering:
         self._offers: queue.Queue[_Offer | None] = queue.Queue(OFFER_QUEUE)
         self._offloader = threading.Thread(target=self._offload, name="kv-offload", daemon=True)
         self._offloader.start()
-        self.restorer = ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        # NOTE: several: a lookup that waits on the store must not queue the requests behind it
+        self.restorer = ThreadPoolExecutor(RESTORE_THREADS, thread_name_prefix="kv-restore")
         self._lock = threading.Lock()  # the cost model is read and updated by two threads
 
     def close(self) -> None:

@@ -106,13 +106,18 @@ class KvCacheClient:
         try:
             try:
                 for reply in self._stub.Get(req, timeout=self.timeout_s, metadata=self._meta):
-                    if len(tiers) >= len(hashes) or reply.block.hash != hashes[len(tiers)]:
-                        raise KvCacheError("the server answered blocks out of order")
-                    if shm is None:
-                        if len(reply.block.data) != bb:
-                            raise KvCacheError("the server sent a block of the wrong size")
-                        chunks.append(reply.block.data)
-                    tiers.append(TIER_NAMES.get(reply.tier, "ssd"))
+                    pairs = zip(reply.blocks, reply.tiers, strict=True) if reply.blocks else (
+                        (reply.block, reply.tier),)  # fmt: skip
+                    for block, tier in pairs:
+                        if len(tiers) >= len(hashes) or block.hash != hashes[len(tiers)]:
+                            raise KvCacheError("the server answered blocks out of order")
+                        if shm is None:
+                            if len(block.data) != bb:
+                                raise KvCacheError("the server sent a block of the wrong size")
+                            chunks.append(block.data)
+                        tiers.append(TIER_NAMES.get(tier, "ssd"))
+            except ValueError:  # zip(strict=True): as many tiers as blocks, or it is not ours
+                raise KvCacheError("the server's reply does not pair blocks with tiers") from None
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return np.empty((0, bb), np.uint8), []
@@ -160,16 +165,21 @@ class KvCacheClient:
     def _put_stream(
         self, hashes: Sequence[bytes], data: np.ndarray, path: str
     ) -> Iterator[pb.PutRequest]:
+        """Many blocks per message: ~4 MiB of bytes inline, or every block over shared memory
+        (then a block is a hash and an offset)."""
         bb = self.layout.block_bytes
-        for i, h in enumerate(hashes):
+        per = len(hashes) if path else max(1, (4 << 20) // bb)
+        for first in range(0, len(hashes), per):
             if path:
-                block = pb.KvBlock(hash=h, shm_offset=i * bb)
+                blocks = [pb.KvBlock(hash=h, shm_offset=(first + i) * bb)
+                          for i, h in enumerate(hashes[first : first + per])]  # fmt: skip
             else:
-                block = pb.KvBlock(hash=h, data=data[i].tobytes())
-            if i == 0:
-                yield pb.PutRequest(layout=self._pb_layout, block=block, shm_path=path)
+                blocks = [pb.KvBlock(hash=h, data=data[first + i].tobytes())
+                          for i, h in enumerate(hashes[first : first + per])]  # fmt: skip
+            if first == 0:
+                yield pb.PutRequest(layout=self._pb_layout, shm_path=path, blocks=blocks)
             else:
-                yield pb.PutRequest(block=block)
+                yield pb.PutRequest(blocks=blocks)
 
     # ---- shared memory ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ blockhash` contract: its namespace already carries the model (and tenant).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -52,8 +53,7 @@ class Layout:
 
     @property
     def digest(self) -> bytes:
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return blake3(b"cognitora.kvcached.layout.v1\0" + canonical.encode()).digest(16)
+        return _digest(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> Layout:
@@ -62,6 +62,13 @@ class Layout:
                 f"a layout needs exactly these fields: {', '.join(cls.__dataclass_fields__)}"
             )
         return cls(**doc)
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(layout: Layout) -> bytes:
+    """Layouts are few and asked for on every block: computed once each."""
+    canonical = json.dumps(asdict(layout), sort_keys=True, separators=(",", ":"))
+    return blake3(b"cognitora.kvcached.layout.v1\0" + canonical.encode()).digest(16)
 
 
 class BlockKey(NamedTuple):

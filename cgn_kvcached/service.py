@@ -42,7 +42,7 @@ from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 T = TypeVar("T")
 TIERS = {"ram": ev_pb.KV_TIER_RAM, "ssd": ev_pb.KV_TIER_SSD}
 MAX_HASHES = 1 << 16  # blocks one request may name (a 1M-token prompt at 16 per block)
-PUT_BATCH = 32  # blocks stored per hop to the store's thread
+PUT_BATCH = 64  # blocks stored per hop to the store's thread (at least)
 _SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -93,15 +93,17 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                     self.layouts.add(layout.digest)
                     if req.shm_path:
                         shm = await self._shm_open(req.shm_path, os.O_RDONLY, 0, context)
-                key = await _key(layout.digest, req.block.hash, context)
-                if shm is not None:
-                    batch.append((key, req.block.shm_offset))
-                elif len(req.block.data) != layout.block_bytes:
-                    got = len(req.block.data)
-                    why = f"a block of this layout is {layout.block_bytes} bytes, got {got}"
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-                else:
-                    batch.append((key, bytes(req.block.data)))
+                blocks = [req.block] if req.HasField("block") else []
+                for block in [*blocks, *req.blocks]:
+                    key = await _key(layout.digest, block.hash, context)
+                    if shm is not None:
+                        batch.append((key, block.shm_offset))
+                    elif len(block.data) != layout.block_bytes:
+                        got = len(block.data)
+                        why = f"a block of this layout is {layout.block_bytes} bytes, got {got}"
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+                    else:
+                        batch.append((key, bytes(block.data)))
                 if len(batch) >= PUT_BATCH:
                     n = await self._put_batch(batch, shm, layout, context)
                     stored, dropped, batch = stored + n, dropped + len(batch) - n, []
@@ -133,9 +135,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 tiers = await self._run(self._get_into, shm, keys, layout.block_bytes)
             finally:
                 os.close(shm)
-            for i, (key, tier) in enumerate(zip(keys, tiers, strict=False)):
-                block = pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
-                yield pb.GetReply(block=block, tier=TIERS[tier])
+            blocks = [pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
+                      for i, key in enumerate(keys[: len(tiers)])]  # fmt: skip
+            if blocks:
+                yield pb.GetReply(blocks=blocks, tiers=[TIERS[t] for t in tiers])
             return
         for key in keys:
             found = await self._run(self._get_pinned, key)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from cgn_core.blockhash import BlockHash
@@ -117,6 +117,10 @@ class BlockStore:
 
     def _note(self, kind: Literal["stored", "removed"], tier: Literal["ram", "ssd"],
               key: BlockKey) -> None:  # fmt: skip
+        last = self._events[-1] if self._events else None
+        if last is not None and last.kind == kind and last.tier == tier:  # one event per run
+            self._events[-1] = replace(last, hashes=(*last.hashes, BlockHash(key.block)))
+            return
         self._seq += 1
         self._events.append(KvEvent(self._seq, kind, (BlockHash(key.block),), tier))
 

@@ -24,7 +24,7 @@ import pytest
 from cgn_agent.processes import EngineProcess
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core.etcd import EtcdClient
-from cgn_core.etcd.local import LocalEtcd
+from cgn_core.etcd.local import LocalEtcd, free_port
 from cgn_core.settings import EtcdSettings
 from tests.support.procs import Agent, cgn_agent, cgn_router
 
@@ -375,3 +375,36 @@ async def test_removed_placement_stops_the_engine_and_withdraws_it(fleet: Fleet)
 
 async def _gone(proc: EngineProcess) -> bool:
     return proc.poll()[0]
+
+
+async def test_the_agent_runs_the_nodes_kv_store_and_announces_it(fleet: Fleet) -> None:
+    """kvcached.mode=run: a second agent (node n2) starts cgn-kvcached, publishes it under its
+    lease for routers (events behind the published token), and stops it when it stops."""
+    port, admin_port = free_port(), free_port()
+    state = fleet.tmp / "agent-n2"
+    args = ("--set", "kvcached.mode=run", "--set", f"kvcached.port={port}",
+            "--set", f"kvcached.admin_port={admin_port}", "--set", "kvcached.ram_bytes=16777216")  # fmt: skip
+    async with EtcdClient(fleet.settings()) as c:
+        with cgn_agent(state, fleet.etcd.endpoint, *args, node="n2"):
+            record = await eventually(lambda: get(c, "/cognitora/kvcached/n2"), "its record")
+            assert record["address"] == f"127.0.0.1:{port}" and len(record["events_token"]) > 20
+            assert record["events_url"] == f"http://127.0.0.1:{admin_port}/v1/kv/events"
+            first = await asyncio.to_thread(_first_event_line, record)
+            assert first.startswith(b'data: {"snapshot"')
+            pid = json.loads((state / "kvcached.ready").read_text())["pid"]
+        assert await eventually(lambda: _absent(c, "/cognitora/kvcached/n2"), "the record gone")
+    assert not await asyncio.to_thread(_is_kvcached, pid)  # stopped with its agent
+
+
+def _first_event_line(record: dict[str, str]) -> bytes:
+    bearer = {"Authorization": f"Bearer {record['events_token']}"}
+    req = urllib.request.Request(record["events_url"], headers=bearer)
+    with urllib.request.urlopen(req, timeout=10) as stream:
+        return bytes(stream.readline())
+
+
+def _is_kvcached(pid: int) -> bool:
+    try:
+        return b"cgn-kvcached" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cgn_proto.cognitora.v1 import kv_events_pb2 as cognitora_dot_v1_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ognitora/v1/kvcached.proto\x12\x0c\x63ognitora.v1\x1a\x1c\x63ognitora/v1/kv_events.proto\"q\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\"9\n\x07KvBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\"l\n\nPutRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x15.cognitora.v1.KvBlock\x12\x10\n\x08shm_path\x18\x03 \x01(\t\"+\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"V\n\nGetRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08shm_path\x18\x03 \x01(\t\"T\n\x08GetReply\x12$\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x15.cognitora.v1.KvBlock\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.cognitora.v1.KvTier\"G\n\rLookupRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"2\n\x0bLookupReply\x12#\n\x05tiers\x18\x01 \x03(\x0e\x32\x14.cognitora.v1.KvTier\"\x0e\n\x0cStatsRequest\"\x84\x02\n\nStatsReply\x12\x11\n\tram_bytes\x18\x01 \x01(\x04\x12\x18\n\x10ram_budget_bytes\x18\x02 \x01(\x04\x12\x12\n\nram_blocks\x18\x03 \x01(\x04\x12\x11\n\tssd_bytes\x18\x04 \x01(\x04\x12\x18\n\x10ssd_budget_bytes\x18\x05 \x01(\x04\x12\x12\n\nssd_blocks\x18\x06 \x01(\x04\x12\x10\n\x08hits_ram\x18\x07 \x01(\x04\x12\x10\n\x08hits_ssd\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\n \x01(\x04\x12\x14\n\x0cssd_degraded\x18\x0b \x01(\x08\x12\x0f\n\x07shm_dir\x18\x0c \x01(\t\"F\n\x0c\x45victRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x1d\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"\x0e\n\x0c\x43learRequest\"\x1d\n\nClearReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x04\x32\xfe\x02\n\x07KvCache\x12\x39\n\x03Put\x12\x18.cognitora.v1.PutRequest\x1a\x16.cognitora.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x18.cognitora.v1.GetRequest\x1a\x16.cognitora.v1.GetReply0\x01\x12@\n\x06Lookup\x12\x1b.cognitora.v1.LookupRequest\x1a\x19.cognitora.v1.LookupReply\x12=\n\x05Stats\x12\x1a.cognitora.v1.StatsRequest\x1a\x18.cognitora.v1.StatsReply\x12=\n\x05\x45vict\x12\x1a.cognitora.v1.EvictRequest\x1a\x18.cognitora.v1.EvictReply\x12=\n\x05\x43lear\x12\x1a.cognitora.v1.ClearRequest\x1a\x18.cognitora.v1.ClearReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ognitora/v1/kvcached.proto\x12\x0c\x63ognitora.v1\x1a\x1c\x63ognitora/v1/kv_events.proto\"q\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\"9\n\x07KvBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\"\x93\x01\n\nPutRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x15.cognitora.v1.KvBlock\x12\x10\n\x08shm_path\x18\x03 \x01(\t\x12%\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x15.cognitora.v1.KvBlock\"+\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"V\n\nGetRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08shm_path\x18\x03 \x01(\t\"\xa0\x01\n\x08GetReply\x12$\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x15.cognitora.v1.KvBlock\x12\"\n\x04tier\x18\x02 \x01(\x0e\x32\x14.cognitora.v1.KvTier\x12%\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x15.cognitora.v1.KvBlock\x12#\n\x05tiers\x18\x04 \x03(\x0e\x32\x14.cognitora.v1.KvTier\"G\n\rLookupRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"2\n\x0bLookupReply\x12#\n\x05tiers\x18\x01 \x03(\x0e\x32\x14.cognitora.v1.KvTier\"\x0e\n\x0cStatsRequest\"\x84\x02\n\nStatsReply\x12\x11\n\tram_bytes\x18\x01 \x01(\x04\x12\x18\n\x10ram_budget_bytes\x18\x02 \x01(\x04\x12\x12\n\nram_blocks\x18\x03 \x01(\x04\x12\x11\n\tssd_bytes\x18\x04 \x01(\x04\x12\x18\n\x10ssd_budget_bytes\x18\x05 \x01(\x04\x12\x12\n\nssd_blocks\x18\x06 \x01(\x04\x12\x10\n\x08hits_ram\x18\x07 \x01(\x04\x12\x10\n\x08hits_ssd\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\n \x01(\x04\x12\x14\n\x0cssd_degraded\x18\x0b \x01(\x08\x12\x0f\n\x07shm_dir\x18\x0c \x01(\t\"F\n\x0c\x45victRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.cognitora.v1.KvLayout\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x1d\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"\x0e\n\x0c\x43learRequest\"\x1d\n\nClearReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x04\x32\xfe\x02\n\x07KvCache\x12\x39\n\x03Put\x12\x18.cognitora.v1.PutRequest\x1a\x16.cognitora.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x18.cognitora.v1.GetRequest\x1a\x16.cognitora.v1.GetReply0\x01\x12@\n\x06Lookup\x12\x1b.cognitora.v1.LookupRequest\x1a\x19.cognitora.v1.LookupReply\x12=\n\x05Stats\x12\x1a.cognitora.v1.StatsRequest\x1a\x18.cognitora.v1.StatsReply\x12=\n\x05\x45vict\x12\x1a.cognitora.v1.EvictRequest\x1a\x18.cognitora.v1.EvictReply\x12=\n\x05\x43lear\x12\x1a.cognitora.v1.ClearRequest\x1a\x18.cognitora.v1.ClearReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,30 +36,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_end=188
   _globals['_KVBLOCK']._serialized_start=190
   _globals['_KVBLOCK']._serialized_end=247
-  _globals['_PUTREQUEST']._serialized_start=249
-  _globals['_PUTREQUEST']._serialized_end=357
-  _globals['_PUTREPLY']._serialized_start=359
-  _globals['_PUTREPLY']._serialized_end=402
-  _globals['_GETREQUEST']._serialized_start=404
-  _globals['_GETREQUEST']._serialized_end=490
-  _globals['_GETREPLY']._serialized_start=492
-  _globals['_GETREPLY']._serialized_end=576
-  _globals['_LOOKUPREQUEST']._serialized_start=578
-  _globals['_LOOKUPREQUEST']._serialized_end=649
-  _globals['_LOOKUPREPLY']._serialized_start=651
-  _globals['_LOOKUPREPLY']._serialized_end=701
-  _globals['_STATSREQUEST']._serialized_start=703
-  _globals['_STATSREQUEST']._serialized_end=717
-  _globals['_STATSREPLY']._serialized_start=720
-  _globals['_STATSREPLY']._serialized_end=980
-  _globals['_EVICTREQUEST']._serialized_start=982
-  _globals['_EVICTREQUEST']._serialized_end=1052
-  _globals['_EVICTREPLY']._serialized_start=1054
-  _globals['_EVICTREPLY']._serialized_end=1083
-  _globals['_CLEARREQUEST']._serialized_start=1085
-  _globals['_CLEARREQUEST']._serialized_end=1099
-  _globals['_CLEARREPLY']._serialized_start=1101
-  _globals['_CLEARREPLY']._serialized_end=1130
-  _globals['_KVCACHE']._serialized_start=1133
-  _globals['_KVCACHE']._serialized_end=1515
+  _globals['_PUTREQUEST']._serialized_start=250
+  _globals['_PUTREQUEST']._serialized_end=397
+  _globals['_PUTREPLY']._serialized_start=399
+  _globals['_PUTREPLY']._serialized_end=442
+  _globals['_GETREQUEST']._serialized_start=444
+  _globals['_GETREQUEST']._serialized_end=530
+  _globals['_GETREPLY']._serialized_start=533
+  _globals['_GETREPLY']._serialized_end=693
+  _globals['_LOOKUPREQUEST']._serialized_start=695
+  _globals['_LOOKUPREQUEST']._serialized_end=766
+  _globals['_LOOKUPREPLY']._serialized_start=768
+  _globals['_LOOKUPREPLY']._serialized_end=818
+  _globals['_STATSREQUEST']._serialized_start=820
+  _globals['_STATSREQUEST']._serialized_end=834
+  _globals['_STATSREPLY']._serialized_start=837
+  _globals['_STATSREPLY']._serialized_end=1097
+  _globals['_EVICTREQUEST']._serialized_start=1099
+  _globals['_EVICTREQUEST']._serialized_end=1169
+  _globals['_EVICTREPLY']._serialized_start=1171
+  _globals['_EVICTREPLY']._serialized_end=1200
+  _globals['_CLEARREQUEST']._serialized_start=1202
+  _globals['_CLEARREQUEST']._serialized_end=1216
+  _globals['_CLEARREPLY']._serialized_start=1218
+  _globals['_CLEARREPLY']._serialized_end=1247
+  _globals['_KVCACHE']._serialized_start=1250
+  _globals['_KVCACHE']._serialized_end=1632
 # @@protoc_insertion_point(module_scope)
