@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--blocks-per-id", type=int, default=4)
-    p.add_argument("--time-scale", type=float, default=8.0)
+    p.add_argument("--time-scales", default="3,5", help="arrivals this many times faster, each")
     p.add_argument("--output-scale", type=float, default=0.125)
     p.add_argument("--speed", type=float, default=20.0)
     p.add_argument("--pool-tokens", type=int, default=65536, help="each engine's KV pool")
@@ -105,38 +105,40 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
-    reqs = load(args.trace, args.limit, args.time_scale)
-    results: dict[str, Any] = {"requests": len(reqs), "pool_tokens": args.pool_tokens,
-                               "store_blocks": args.store_blocks, "time_scale": args.time_scale,
-                               "engines_per_node": args.engines_per_node, "runs": {}}  # fmt: skip
-    for name, with_store in (("engines alone", False), ("with cgn-kvcached", True)):
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        results["runs"][name] = run(reqs, args, with_store)
-        print(results["runs"][name], file=sys.stderr, flush=True)
+    results: dict[str, Any] = {"pool_tokens": args.pool_tokens, "store_blocks": args.store_blocks,
+                               "engines_per_node": args.engines_per_node, "scales": {}}  # fmt: skip
+    for scale in [float(x) for x in args.time_scales.split(",")]:
+        reqs = load(args.trace, args.limit, scale)
+        results["requests"] = len(reqs)
+        runs = results["scales"][f"{scale:g}"] = {}
+        for name, with_store in (("engines alone", False), ("with cgn-kvcached", True)):
+            print(f"{scale:g}x, {name} ...", file=sys.stderr, flush=True)
+            runs[name] = run(reqs, args, with_store)
+            print(runs[name], file=sys.stderr, flush=True)
     command = " ".join([".venv/bin/python bench/kvcached_trace.py", *sys.argv[1:]])
     write_result("kvcached_trace", command, results, render(results))
     print(render(results))
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [f"{r['requests']} Mooncake requests (arrivals {r['time_scale']:g}x faster) on 4 sim "
-             f"engines, {r['engines_per_node']} per node, with {r['pool_tokens']}-token pools (a "
-             f"quarter of bench/router_trace.py's); one store per node of {r['store_blocks']} "
-             "blocks (RAM).", "",
-             "| run | hit rate (all tiers) | TTFT p50 ms | p90 ms | p99 ms | req/s | shed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, s in r["runs"].items():
-        t = s["ttft_ms"]
-        lines.append(f"| {name} | {s['hit_rate']:.3f} | {t['p50']} | {t['p90']} | {t['p99']} | "
-                     f"{s['throughput_req_s']} | {s['shed']} |")  # fmt: skip
-    lines += ["", "| run | " + " | ".join(COUNTERS) + " |", "|---|" + "---:|" * len(COUNTERS)]
-    for name, s in r["runs"].items():
-        c = s["engine_counters"]
-        lines.append(f"| {name} | " + " | ".join(f"{c[k]:.0f}" for k in COUNTERS) + " |")
-    a, b = r["runs"].get("engines alone"), r["runs"].get("with cgn-kvcached")
-    if a and b:
-        lines += ["", f"With the node stores: hit rate {a['hit_rate']:.3f} → {b['hit_rate']:.3f}, "
-                  f"TTFT p90 x{a['ttft_ms']['p90'] / b['ttft_ms']['p90']:.2f}."]  # fmt: skip
+    lines = [f"{r['requests']} Mooncake requests on 4 sim engines, {r['engines_per_node']} per "
+             f"node, with {r['pool_tokens']}-token pools (a quarter of bench/router_trace.py's); "
+             f"one store per node of {r['store_blocks']} blocks (RAM).", "",
+             "| arrivals | run | hit rate (all tiers) | TTFT p50 ms | p90 ms | p99 ms | req/s | shed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for scale, runs in r["scales"].items():
+        for name, s in runs.items():
+            t = s["ttft_ms"]
+            lines.append(f"| {scale}x | {name} | {s['hit_rate']:.3f} | {t['p50']} | {t['p90']} | "
+                         f"{t['p99']} | {s['throughput_req_s']} | {s['shed']} |")  # fmt: skip
+    lines += ["", "| arrivals | run | " + " | ".join(COUNTERS) + " |",
+              "|---|---|" + "---:|" * len(COUNTERS)]  # fmt: skip
+    for scale, runs in r["scales"].items():
+        for name, s in runs.items():
+            c = s["engine_counters"]
+            lines.append(
+                f"| {scale}x | {name} | " + " | ".join(f"{c[k]:.0f}" for k in COUNTERS) + " |"
+            )
     return "\n".join(lines)
 
 

@@ -184,7 +184,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         )
         agent = NodeAgent(node, ctx, tools, bind_host, lambda: rt.inventory, free_port,
                           settings.model_dirs, eh.tls if eh.tls.enabled else None)  # fmt: skip
-        store = _store_plan(settings, bind_host, advertise)
+        store = _store_plan(settings, advertise)
         agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
@@ -225,10 +225,10 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             await asyncio.to_thread(ready_file.unlink)
 
 
-def _store_plan(settings: AgentSettings, bind_host: str, advertise: str) -> kvcached.StorePlan:
+def _store_plan(settings: AgentSettings, advertise: str) -> kvcached.StorePlan:
     kv = settings.kvcached
     token = kv.events_token if kv.mode == "external" else kvcached.new_token()
-    return kvcached.plan(kv, bind_host, advertise, token)
+    return kvcached.plan(kv, advertise, token)
 
 
 def _start_store(

@@ -2,13 +2,15 @@
 
 Modes (`kvcached.mode`):
 * `off`: no store; engines get no KV-store flags.
-* `run`: the agent starts `cgn-kvcached serve` as its own child on the
-  engines' bind address, restarts it when it exits (with backoff; its SSD
-  tier survives, its RAM tier does not) and stops it when the agent stops.
+* `run`: the agent starts `cgn-kvcached serve` as its own child (gRPC on
+  loopback: only this node's engines use it; the admin listener, with the
+  event stream, on the engines' bind address), restarts it when it exits
+  (with backoff; its SSD tier survives, its RAM tier does not) and stops it
+  when the agent stops.
 * `external`: a store already runs on this node (the `cgn-kvcached.service`
   unit) at `port`/`admin_port`; the agent only passes it on.
 
-In `run` and `external` modes, cgn-infer engines get `--kvcached host:port`
+In `run` and `external` modes, cgn-infer engines get `--kvcached 127.0.0.1:port`
 (blocks move through shared memory: same host, same user), vLLM and SGLang
 engines without a KV connector of their own get their built-in CPU offload
 of `engine_offload_gib` (vLLM `--kv-offloading-backend native
@@ -72,20 +74,23 @@ def check(s: NodeKvcachedSettings) -> None:
         raise ConfigError("kvcached.ssd_dir and kvcached.ssd_bytes go together")
 
 
-def plan(s: NodeKvcachedSettings, bind_host: str, advertise: str, token: str) -> StorePlan:
+def plan(s: NodeKvcachedSettings, advertise: str, token: str) -> StorePlan:
     if s.mode == "off":
         return StorePlan(offload_gib=0.0)
+    # NOTE: only engines on this node use the store (blocks move through shared memory), so
+    # its gRPC listener stays on loopback; routers read its events from the admin listener.
+    address = f"127.0.0.1:{s.port}"
     record = {
-        "address": f"{advertise}:{s.port}",
+        "address": address,
         "events_url": f"http://{advertise}:{s.admin_port}/v1/kv/events",
         "events_token": token,
     }
-    return StorePlan(f"{bind_host}:{s.port}", s.engine_offload_gib, record)
+    return StorePlan(address, s.engine_offload_gib, record)
 
 
 def argv(s: NodeKvcachedSettings, exe: str, bind_host: str, ready: Path,
          tls: TlsSettings | None) -> list[str]:  # fmt: skip
-    out = [exe, "serve", "--host", bind_host, "--port", str(s.port),
+    out = [exe, "serve", "--host", "127.0.0.1", "--port", str(s.port),
            "--admin-port", str(s.admin_port), "--ram-bytes", str(s.ram_bytes),
            "--set", f"admin.host={bind_host}", "--ready-file", str(ready)]  # fmt: skip
     if s.ssd_dir is not None:

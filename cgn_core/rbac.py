@@ -63,6 +63,7 @@ def node_role(node: str) -> tuple[Grant, ...]:
         Grant(keys.NODES + node, "", "readwrite"),
         under(f"{keys.REPLICAS}{node}/", "readwrite"),
         under(f"{keys.ENDPOINTS}{node}/", "readwrite"),
+        Grant(keys.KVCACHED + node, "", "readwrite"),  # its KV store's record
         under(f"{keys.PLACEMENTS}{node}/", "read"),
         under(keys.REVOKED, "read"),  # its admin listener refuses revoked certificates
     )

@@ -170,10 +170,10 @@ class KvTiering:
         return Restored(start, data, tuple(got))
 
     def _model_delay(self, tiers: Sequence[str], spent: float) -> None:
-        with self._lock:
-            want = self.cost.fixed_s + sum(
-                self.block_bytes * self.cost.s_per_byte[t] for t in tiers
-            )
+        """Sleep out what the modelled blocks would take at the configured (not the learned)
+        rates: learning from its own delays would only ever raise them."""
+        rates = self._model_s_per_byte
+        want = self._model_fixed_s + sum(self.block_bytes * rates[t] for t in tiers)
         if want > spent:
             time.sleep(want - spent)
 

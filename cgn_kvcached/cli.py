@@ -40,8 +40,10 @@ def serve(
 ) -> None:
     """Serve the node's KV block store (Put, Get, Lookup, Stats, Evict, Clear) over gRPC.
 
-    Not yet wired into engines or routers (issue #19): the store and its service stand
-    alone for now."""
+    cgn-infer engines on this node use it with `--kvcached 127.0.0.1:PORT` (blocks move
+    through shared memory in shm_dir); routers follow what each tier holds at
+    http://ADMIN_HOST:ADMIN_PORT/v1/kv/events (set admin.host and events_token for routers
+    on other machines). Under cgn-agent, `kvcached.mode=run` starts it for you."""
     flags = parse_overrides(set_)
     for key, value in {"grpc.host": host, "grpc.port": port, "admin.port": admin_port,
                        "ram_bytes": ram_bytes,

@@ -57,9 +57,9 @@ class RoutingSettings:
     # exceed this gets no prefix credit (new requests spread instead of piling up).
     saturation_tokens: int = 16384
     # A prompt block the endpoint's node holds in cgn-kvcached counts this much of one in
-    # the engine's own pool (1 - restore time / recompute time; docs/cgn-kvcached.md).
+    # the engine's own pool (1 - restore time / recompute time, rounded down; docs/cgn-router.md).
     ram_tier_weight: float = 0.9
-    ssd_tier_weight: float = 0.7
+    ssd_tier_weight: float = 0.8
     # Approximate KV tracking (engines without a KV event stream): blocks assumed
     # cached on the chosen endpoint for this long, at most this many per endpoint.
     approx_ttl_s: float = 300.0

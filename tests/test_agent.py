@@ -26,7 +26,7 @@ from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd, free_port
 from cgn_core.settings import EtcdSettings
-from tests.support.procs import Agent, cgn_agent, cgn_router
+from tests.support.procs import Agent, cgn_agent, cgn_router, runs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 T = TypeVar("T")
@@ -393,7 +393,7 @@ async def test_the_agent_runs_the_nodes_kv_store_and_announces_it(fleet: Fleet) 
             assert first.startswith(b'data: {"snapshot"')
             pid = json.loads((state / "kvcached.ready").read_text())["pid"]
         assert await eventually(lambda: _absent(c, "/cognitora/kvcached/n2"), "the record gone")
-    assert not await asyncio.to_thread(_is_kvcached, pid)  # stopped with its agent
+    assert not await asyncio.to_thread(runs, pid, "cgn-kvcached")  # stopped with its agent
 
 
 def _first_event_line(record: dict[str, str]) -> bytes:
@@ -401,10 +401,3 @@ def _first_event_line(record: dict[str, str]) -> bytes:
     req = urllib.request.Request(record["events_url"], headers=bearer)
     with urllib.request.urlopen(req, timeout=10) as stream:
         return bytes(stream.readline())
-
-
-def _is_kvcached(pid: int) -> bool:
-    try:
-        return b"cgn-kvcached" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return False

@@ -330,14 +330,15 @@ def test_node_store_plan_and_settings() -> None:
     from cgn_agent.settings import NodeKvcachedSettings
     from cgn_core.errors import ConfigError
 
-    off = kvcached.plan(NodeKvcachedSettings(), "10.0.0.5", "10.0.0.5", "t")
+    off = kvcached.plan(NodeKvcachedSettings(), "10.0.0.5", "t")
     assert off.address == "" and off.record is None
     run = NodeKvcachedSettings(mode="run", port=7100, admin_port=9100, engine_offload_gib=4)
-    got = kvcached.plan(run, "127.0.0.1", "10.0.0.5", "tok")
-    assert got.address == "127.0.0.1:7100" and got.offload_gib == 4
-    assert got.record == {"address": "10.0.0.5:7100", "events_token": "tok",
+    got = kvcached.plan(run, "10.0.0.5", "tok")
+    assert got.address == "127.0.0.1:7100" and got.offload_gib == 4  # engines: same node
+    assert got.record == {"address": "127.0.0.1:7100", "events_token": "tok",
                           "events_url": "http://10.0.0.5:9100/v1/kv/events"}  # fmt: skip
-    argv = kvcached.argv(run, "/bin/cgn-kvcached", "127.0.0.1", Path("/r"), None)
+    argv = kvcached.argv(run, "/bin/cgn-kvcached", "10.0.0.5", Path("/r"), None)
+    assert "admin.host=10.0.0.5" in argv  # the events: for routers on other machines
     assert argv[:6] == ["/bin/cgn-kvcached", "serve", "--host", "127.0.0.1", "--port", "7100"]
     assert "--ssd-dir" not in argv
     helped = _help_flags([str(BIN / "cgn-kvcached"), "serve", "--help"])

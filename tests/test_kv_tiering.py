@@ -170,3 +170,24 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
         assert c["usage"]["completion_tokens"] == 6
         assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert metric(url, "cgn_infer_kv_restore_failures_total") >= 1
+
+
+def test_the_sim_backend_restores_too_and_charges_the_modelled_time(tmp_path: Path) -> None:
+    """Sim engines (the fleet benchmarks' stand-ins) go through the same offer and restore
+    path; their output is a function of every KV slot, so a wrong restore would change it."""
+    sim = ("--backend", "sim", "--model-name", "sim", "--kv-pool-tokens", "1024", "--speed", "50")
+    with cgn_kvcached(tmp_path) as kv, cgn_infer(tmp_path, *sim, "--kvcached", kv.address) as url:
+
+        def complete(prompt: list[int]) -> dict[str, Any]:
+            body = {"model": "sim", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            return post(url + "/v1/completions", body)
+
+        a, b = _prompt(4, 900), _prompt(5, 900)
+        ref = complete(a)
+        complete(b)  # the pool holds one of them
+        wait_for(lambda: metric(url, "cgn_infer_kv_offloaded_blocks_total") >= 112, "offers")
+        got = complete(a)
+        assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 800
+        assert metric(url, RESTORED, 'tier="ram"') >= 700
+        assert metric(url, "cgn_infer_kv_restore_seconds_sum") > 0

@@ -145,6 +145,7 @@ def test_the_plan_is_what_the_docs_say() -> None:
         ("/cognitora/nodes/n1", "", "readwrite"),
         ("/cognitora/replicas/n1/", "/cognitora/replicas/n10", "readwrite"),
         ("/cognitora/endpoints/n1/", "/cognitora/endpoints/n10", "readwrite"),
+        ("/cognitora/kvcached/n1", "", "readwrite"),
         ("/cognitora/placements/n1/", "/cognitora/placements/n10", "read"),
         ("/cognitora/revoked/", "/cognitora/revoked0", "read"),
     ]

@@ -70,10 +70,10 @@ PREFIX_CASES = [
     # relative: a fleet busy everywhere still routes by cache
     (REQ, [view("a", matched_blocks=10, pending_prefill=5000), view("b", pending_prefill=4950)],
      {"a": 1.0, "b": 0.0}),
-    # blocks the endpoint's node holds in cgn-kvcached count, discounted by tier (0.9, 0.7)
+    # blocks the endpoint's node holds in cgn-kvcached count, discounted by tier (0.9, 0.8)
     (REQ, [view("a", matched_blocks=2, node_ram_blocks=4, node_ssd_blocks=4), view("b", matched_blocks=6)],
-     {"a": 0.84, "b": 0.6}),
-    (REQ, [view("a", node_ssd_blocks=10), view("b", matched_blocks=7)], {"a": 0.7, "b": 0.7}),
+     {"a": 0.88, "b": 0.6}),
+    (REQ, [view("a", node_ssd_blocks=10), view("b", matched_blocks=8)], {"a": 0.8, "b": 0.8}),
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from cgn_core.etcd.local import free_ports
 from cgn_core.process import fingerprint_from_json, matches
+from tests.support.procs import runs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
@@ -53,6 +54,8 @@ def test_up_serves_a_chat_completion_and_down_stops_everything(tmp_path: Path) -
             "agent",
         }
         assert st["models"][0]["model"] == "smollm2" and st["models"][0]["ready"] == 1
+        store = json.loads((state / "agent" / "kvcached.ready").read_text())  # the node's KV store
+        assert runs(store["pid"], "cgn-kvcached")
         again = ctl("up", "--state-dir", str(state))
         assert again.returncode == 1 and "already up" in again.stderr
         # a second machine joining: here, a second agent with its own state and node id
@@ -73,4 +76,5 @@ def test_up_serves_a_chat_completion_and_down_stops_everything(tmp_path: Path) -
         assert not matches(fingerprint_from_json(p["fingerprint"])), p["name"]
     for rec in (state / "agent" / "replicas").glob("*.json"):  # the engine the agent ran
         assert not matches(fingerprint_from_json(json.loads(rec.read_text())["fingerprint"]))
+    assert not runs(store["pid"], "cgn-kvcached")  # stopped with its agent
     assert ctl("down", "--state-dir", str(state)).stdout.strip() == "nothing was running"

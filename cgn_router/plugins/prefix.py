@@ -33,7 +33,7 @@ from cgn_router.types import EndpointId, EndpointView, RequestInfo
 class PrefixScorer:
     saturation_tokens: int = 8192
     ram_weight: float = 0.9
-    ssd_weight: float = 0.7
+    ssd_weight: float = 0.8
     name: str = "prefix"
 
     def saturated(self, view: EndpointView, floor: int) -> bool:

@@ -217,3 +217,11 @@ def etcd_run(endpoint: str, fn: Callable[[EtcdClient], Awaitable[T]]) -> T:
 
 def etcd_put(endpoint: str, key: str, value: Any, lease: int = 0) -> None:
     etcd_run(endpoint, lambda c: c.put_json(key, value, lease=lease))
+
+
+def runs(pid: int, program: str) -> bool:
+    """Whether `pid` is alive and runs `program` (a pid reused by another program: False)."""
+    try:
+        return program.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
