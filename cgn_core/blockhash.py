@@ -1,4 +1,4 @@
-"""Block identities shared by the router, the engines and the KV daemon (ARCHITECTURE.md §4).
+"""Block identities shared by the router, the engines and the KV store (docs/architecture.md).
 
 A prompt's token ids (after templating and tokenization) are cut into blocks
 of BLOCK_SIZE = 16 consecutive tokens; only full blocks are hashed. Hashes

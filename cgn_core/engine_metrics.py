@@ -1,4 +1,4 @@
-"""Engines' Prometheus vocabularies, read under vLLM's meaning (ARCHITECTURE.md §5).
+"""Engines' Prometheus vocabularies, read under vLLM's meaning (docs/architecture.md).
 
 Each engine family names the same signals differently; `NAME_MAPS` maps the
 router's engine names (the `engine` field of an endpoint record) onto them.

@@ -1,4 +1,4 @@
-"""The etcd key layout every service agrees on (ARCHITECTURE.md §3); values are JSON."""
+"""The etcd key layout every service agrees on (docs/architecture.md); values are JSON."""
 
 ROOT = "/cognitora/"
 NODES = ROOT + "nodes/"  # <node>: inventory, leased by the agent
@@ -11,4 +11,4 @@ CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
 KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), leased by the agent
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`
-HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (ARCHITECTURE.md §4)
+HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (docs/architecture.md)

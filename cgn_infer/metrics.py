@@ -1,6 +1,6 @@
 """cgn-infer's Prometheus metrics, under vLLM's names so routers read it like vLLM.
 
-vLLM names (ARCHITECTURE.md §5): requests running/waiting, KV-cache usage,
+vLLM names (docs/architecture.md, engine contract): requests running/waiting, KV-cache usage,
 prompt and generation token counters, prefix-cache queries and hits (in
 tokens, as vLLM v1 counts them), preemptions, TTFT, inter-token latency and
 end-to-end latency histograms, finished requests by reason. Cognitora's own

@@ -151,7 +151,7 @@ def reconcile(
 
 
 def placement_for(spec: ModelSpec, decision: Decision) -> Put:
-    """The agent's placement document for a decision (ARCHITECTURE.md §3)."""
+    """The agent's placement document for a decision (docs/architecture.md, etcd)."""
     assert decision.profile is not None
     p = spec.profiles[decision.profile]
     node, devices = decision.nodes[0]

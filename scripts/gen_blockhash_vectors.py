@@ -1,6 +1,6 @@
 """Write cgn_core/testdata/blockhash_vectors.json (run once; the file is committed).
 
-The vectors pin the block-hash contract of ARCHITECTURE.md §4 so that every
+The vectors pin the block-hash contract of docs/architecture.md, block-hash contract so that every
 implementation (router, engines, KV daemon, other languages) can check itself.
 tests/test_blockhash.py recomputes them with an independent reference.
 """

@@ -1,4 +1,4 @@
-"""The block-hash contract (ARCHITECTURE.md §4) against its committed vectors."""
+"""The block-hash contract (docs/architecture.md, block-hash contract) against its committed vectors."""
 
 from __future__ import annotations
 

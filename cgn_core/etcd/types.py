@@ -30,7 +30,7 @@ class KeyValue:
     lease: int
 
     def json(self) -> Any:
-        """The value decoded as JSON (Cognitora stores JSON values, ARCHITECTURE.md §3)."""
+        """The value decoded as JSON (Cognitora stores JSON values, docs/architecture.md, etcd)."""
         return json.loads(self.value)
 
     @classmethod
