@@ -24,6 +24,8 @@ from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.http import Runner
 from cgn_core.kv_events import KvEventHub
+from cgn_core.kv_layout import Layout
+from cgn_core.kvcache_client import KvCacheClient
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.backends.base import Backend
@@ -33,8 +35,6 @@ from cgn_infer.loader import load_model
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.server import InferenceService, Loaded, build_app
 from cgn_infer.settings import InferSettings
-from cgn_kvcached.client import KvCacheClient
-from cgn_kvcached.layout import Layout
 
 # Bumped whenever the serialized block format (Backend.read_blocks) changes: blocks written
 # under another format are then never read back.

@@ -32,6 +32,7 @@ from typing import Literal
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import Unavailable
 from cgn_core.kv_events import KvEvent
+from cgn_core.kvcache_client import KvCacheClient
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.paged import BatchItem
@@ -41,7 +42,6 @@ from cgn_infer.kv_tiering import KvTiering, RestoreCost
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler, SamplingParams
 from cgn_infer.scheduler import Plan, Restored, Scheduler, Seq, SeqId
-from cgn_kvcached.client import KvCacheClient
 
 log = logging.getLogger(__name__)
 

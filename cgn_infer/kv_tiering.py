@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 
 from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_core.kvcache_client import KvCacheClient, KvCacheError
 from cgn_infer.backends.base import Backend
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.scheduler import Restored, Seq
-from cgn_kvcached.client import KvCacheClient, KvCacheError
 
 log = logging.getLogger(__name__)
 

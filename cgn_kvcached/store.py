@@ -28,7 +28,7 @@ from typing import Literal
 from cgn_core.blockhash import BlockHash
 from cgn_core.kv_events import KvEvent
 from cgn_core.kv_events import Tier as EventTier
-from cgn_kvcached.layout import BlockKey
+from cgn_core.kv_layout import BlockKey
 from cgn_kvcached.ram_tier import RamFull, RamTier
 from cgn_kvcached.ssd_tier import SsdFull, SsdTier
 

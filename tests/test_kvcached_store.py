@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_kvcached.layout import BlockKey, Layout, LayoutError
+from cgn_core.kv_layout import BlockKey, Layout, LayoutError
 from cgn_kvcached.ram_tier import RamFull, RamTier
 from cgn_kvcached.ssd_tier import HEADER, SsdTier
 from cgn_kvcached.store import BlockStore

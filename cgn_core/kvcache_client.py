@@ -26,9 +26,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cgn_core.kv_layout import Layout
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import channel_credentials
-from cgn_kvcached.layout import Layout
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
