@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from cgn_core.blockhash import BlockHash
@@ -62,7 +62,8 @@ class BlockStore:
         self.clock = clock
         self.stats = StoreStats(hits={"ram": 0, "ssd": 0})
         self._ssd_down_until: float | None = None
-        self._events: list[KvEvent] = []
+        # runs of changes not drained yet: (kind, tier, hashes), one event each when drained
+        self._runs: list[tuple[Literal["stored", "removed"], EventTier, list[BlockHash]]] = []
         self._seq = 0
 
     @property
@@ -91,7 +92,11 @@ class BlockStore:
         return in_ram or on_ssd
 
     def drain_events(self) -> list[KvEvent]:
-        events, self._events = self._events, []
+        runs, self._runs = self._runs, []
+        events = []
+        for kind, tier, hashes in runs:
+            self._seq += 1
+            events.append(KvEvent(self._seq, kind, tuple(hashes), tier))
         return events
 
     def held(self) -> dict[EventTier, list[bytes]]:
@@ -117,12 +122,10 @@ class BlockStore:
 
     def _note(self, kind: Literal["stored", "removed"], tier: Literal["ram", "ssd"],
               key: BlockKey) -> None:  # fmt: skip
-        last = self._events[-1] if self._events else None
-        if last is not None and last.kind == kind and last.tier == tier:  # one event per run
-            self._events[-1] = replace(last, hashes=(*last.hashes, BlockHash(key.block)))
-            return
-        self._seq += 1
-        self._events.append(KvEvent(self._seq, kind, (BlockHash(key.block),), tier))
+        if self._runs and self._runs[-1][:2] == (kind, tier):  # one event per run
+            self._runs[-1][2].append(BlockHash(key.block))
+        else:
+            self._runs.append((kind, tier, [BlockHash(key.block)]))
 
     def get(self, key: BlockKey) -> tuple[bytes, Tier] | None:
         data = self.ram.get(key)
