@@ -307,27 +307,30 @@ class KvFollowers:
 
     def __init__(self, svc: RouterService, session: aiohttp.ClientSession, tg: asyncio.TaskGroup):
         self.svc, self.session, self.tg = svc, session, tg
-        self.tasks: dict[str, tuple[tuple[str, str], asyncio.Task[None]]] = {}
+        # (endpoint id, None) for an engine's pool, ("", node) for a node's store
+        self.tasks: dict[tuple[str, str | None], tuple[tuple[str, str], asyncio.Task[None]]] = {}
 
     def reconcile(self) -> None:
         reg = self.svc.registry
-        want: dict[str, tuple[str, str]] = {
-            eid: (s.endpoint.kv_events_url, s.endpoint.token)
+        want: dict[tuple[str, str | None], tuple[str, str]] = {
+            (eid, None): (s.endpoint.kv_events_url, s.endpoint.token)
             for eid, s in reg.states.items()
             if s.endpoint.kv_events_url
         }
-        want |= {STORE + node: source for node, source in reg.stores.items()}
-        for name, (source, task) in list(self.tasks.items()):
-            if want.get(name) != source:
+        want |= {("", node): source for node, source in reg.stores.items()}
+        for stream, (source, task) in list(self.tasks.items()):
+            if want.get(stream) != source:
                 task.cancel()
-                del self.tasks[name]
-        for name, source in want.items():
-            if name not in self.tasks:
-                self.tasks[name] = (source, self.tg.create_task(self._follow(name, *source)))
+                del self.tasks[stream]
+        for stream, source in want.items():
+            if stream not in self.tasks:
+                task = self.tg.create_task(self._follow(*stream, *source))
+                self.tasks[stream] = (source, task)
 
-    async def _follow(self, name: str, url: str, token: str) -> None:
+    async def _follow(self, eid: str, node: str | None, url: str, token: str) -> None:
+        """One stream: an engine's pool (`eid`) or, with `node`, that node's store."""
         reg, metrics = self.svc.registry, self.svc.metrics
-        node = name[len(STORE) :] if name.startswith(STORE) else None
+        name = eid if node is None else STORE + node  # its metrics label
         backoff = Backoff(base=0.2, cap=5.0)
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.svc.settings.deadlines.connect_s, sock_read=None
@@ -346,7 +349,7 @@ class KvFollowers:
                         msg = json_format.Parse(line[6:], pb.KvEventEnvelope(),
                                                 ignore_unknown_fields=True)  # fmt: skip
                         if node is None:
-                            applied = _apply_kv(reg.index, EndpointId(name), msg)
+                            applied = _apply_kv(reg.index, EndpointId(eid), msg)
                         else:
                             applied = _apply_tiers(reg.tiers, node, msg, first)
                         if not applied:
@@ -363,11 +366,11 @@ class KvFollowers:
             except Exception:  # NOTE: a peer's stream must never end the router's TaskGroup
                 log.exception("KV events of %s: unexpected failure; reconnecting", name)
             if node is None:
-                reg.index.lost(EndpointId(name))
+                reg.index.lost(EndpointId(eid))
             await asyncio.sleep(backoff.next())
 
 
-STORE = "kvcached:"  # the follower name of a node's KV store
+STORE = "kvcached:"  # the metrics label of a node's KV store stream: kvcached:<node>
 
 
 def _apply_kv(index: PrefixIndex, eid: EndpointId, msg: pb.KvEventEnvelope) -> bool:
