@@ -159,18 +159,18 @@ def kvcache_client(
     tls = settings.tls if settings.tls.enabled else None
     client = KvCacheClient(s.address, layout, tls=tls, timeout_s=s.timeout_s,
                            shared_memory=s.shared_memory)  # fmt: skip
+    # The sim starts from what it charges: its modelled costs, all `speed` times faster.
+    sim = settings.backend == "sim"
+    speed = settings.sim.speed if sim else 1.0
+    prefill = settings.sim.prefill_s_per_token if sim else 1 / s.prefill_tokens_per_s
     cost = RestoreCost(
-        fixed_s=s.fixed_ms / 1e3,
-        s_per_byte={"ram": 1 / (s.ram_mb_per_s * 1e6), "ssd": 1 / (s.ssd_mb_per_s * 1e6)},
-        prefill_s_per_token=1 / s.prefill_tokens_per_s,
+        fixed_s=s.fixed_ms / 1e3 / speed,
+        s_per_byte={
+            "ram": 1 / (s.ram_mb_per_s * 1e6 * speed),
+            "ssd": 1 / (s.ssd_mb_per_s * 1e6 * speed),
+        },
+        prefill_s_per_token=prefill / speed,
     )
-    if settings.backend == "sim":  # start from what the sim charges: its modelled costs
-        speed = settings.sim.speed
-        cost = RestoreCost(
-            fixed_s=cost.fixed_s / speed,
-            s_per_byte={t: r / speed for t, r in cost.s_per_byte.items()},
-            prefill_s_per_token=settings.sim.prefill_s_per_token / speed,
-        )
     log.info("KV store: cgn-kvcached at %s (layout %s, %d bytes per block)", s.address,
              layout.digest.hex(), layout.block_bytes)  # fmt: skip
     return client, cost

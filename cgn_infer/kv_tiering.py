@@ -162,6 +162,10 @@ class KvTiering:
             self.metrics.kv_restore_failures.inc()
             log.warning("restore from cgn-kvcached failed, recomputing: %s", exc)
             return None
+        except Exception:  # NOTE: a restore is an optimisation: never the request's failure
+            self.metrics.kv_restore_failures.inc()
+            log.exception("restore from cgn-kvcached failed unexpectedly, recomputing")
+            return None
         if not got:
             return None
         with self._lock:
