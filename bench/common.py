@@ -54,6 +54,13 @@ def engine(
         stop(proc)
 
 
+def metric_total(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's labelled lines on `url`/metrics."""
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))  # fmt: skip
+
+
 def model_id(url: str) -> str:
     return str(httpx.get(url + "/v1/models").json()["data"][0]["id"])
 

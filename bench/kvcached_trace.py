@@ -33,11 +33,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
+from bench.common import metric_total, write_result
 from bench.router_trace import TRACE, fleet_speed, replay, summarize
 from bench.trace import load
 from tests.support.procs import cgn_infer_engines, cgn_kvcached, cgn_router
@@ -76,19 +74,13 @@ def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str
         outcomes, wall = asyncio.run(
             replay(router.url, MODEL, reqs, args.blocks_per_id, args.output_scale)
         )
-        counters = {name: sum(metric(e.url, f"cgn_infer_{name}_total") for e in fleet)
+        counters = {name: sum(metric_total(e.url, f"cgn_infer_{name}_total") for e in fleet)
                     for name in COUNTERS}  # fmt: skip
     return summarize(outcomes, wall) | {"engine_counters": counters}
 
 
 COUNTERS = ("prefill_tokens_computed", "kv_restored_tokens", "kv_restore_skipped",
             "kv_restore_failures", "kv_offloaded_blocks", "kv_offload_dropped")  # fmt: skip
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))  # fmt: skip
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import engine, model_id, peak_rss_mib, write_result
-from bench.kvcached_tiers import drop_page_cache
+from bench.common import engine, metric_total, model_id, peak_rss_mib, write_result
+from bench.kvcached_tiers import MODELS, drop_page_cache
 from cgn_core.bundled_models import BUNDLED
 from cgn_core.etcd.local import free_port
 from tests.support.procs import cgn_kvcached
@@ -59,12 +59,6 @@ def ttft(url: str, model: str, tokens: list[int]) -> tuple[float, int]:
     resp.raise_for_status()
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     return time.perf_counter() - start, int(cached)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))  # fmt: skip
 
 
 @contextmanager
@@ -98,13 +92,13 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
             phase("pool", e["url"], model)
             want = sum(len(ps) * (n // 16) for n, ps in prompts.items())
             deadline = time.monotonic() + 120
-            while metric(e["url"], "cgn_infer_kv_offloaded_blocks_total") < want:
+            while metric_total(e["url"], "cgn_infer_kv_offloaded_blocks_total") < want:
                 assert time.monotonic() < deadline, "offers never reached kvcached"
                 time.sleep(0.2)
         with engine("cgn-infer", path, 2, *engine_args) as e:
             phase("ram", e["url"], model)
-            ram_bw = metric(e["url"], "cgn_infer_kv_restore_seconds_sum")
-            restored = metric(e["url"], "cgn_infer_kv_restored_tokens_total")
+            ram_bw = metric_total(e["url"], "cgn_infer_kv_restore_seconds_sum")
+            restored = metric_total(e["url"], "cgn_infer_kv_restored_tokens_total")
         stats = httpx.get(kv.admin + "/metrics").text
         ram_bytes = sum(float(line.rsplit(" ", 1)[1]) for line in stats.splitlines()
                         if line.startswith('cgn_kvcached_bytes{tier="ram"}'))  # fmt: skip
@@ -113,12 +107,12 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
         slow = ("--set", "kvcached.ram_mb_per_s=1", "--set", "kvcached.ssd_mb_per_s=1")
         with engine("cgn-infer", path, 2, *engine_args, *slow) as e:
             t, c = ttft(e["url"], model, prompts[max(lengths)][0])
-            skipped = metric(e["url"], "cgn_infer_kv_restore_skipped_total")
+            skipped = metric_total(e["url"], "cgn_infer_kv_restore_skipped_total")
     drop_page_cache(tmp / "ssd")
     with store(tmp, port), engine("cgn-infer", path, 2, *engine_args) as e:
         phase("ssd", e["url"], model)
-        ssd_bw = metric(e["url"], "cgn_infer_kv_restore_seconds_sum")
-        ssd_restored = metric(e["url"], "cgn_infer_kv_restored_tokens_total")
+        ssd_bw = metric_total(e["url"], "cgn_infer_kv_restore_seconds_sum")
+        ssd_restored = metric_total(e["url"], "cgn_infer_kv_restored_tokens_total")
     bpt = kv_bytes_per_token(name)
     return {
         "ttft_s": {k: {n: statistics.median(v) for n, v in per.items()} for k, per in out.items()},
@@ -136,8 +130,8 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
 
 
 def kv_bytes_per_token(name: str) -> int:
-    layers, heads, dim = {"smollm2": (30, 3, 64), "qwen2.5-coder-0.5b": (24, 2, 64)}[name]
-    return 2 * layers * heads * dim * 4
+    layers, heads, dim = MODELS[{"smollm2": "smollm2-135m"}.get(name, name)]
+    return 2 * layers * heads * dim * 4  # float32
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
