@@ -34,9 +34,7 @@ import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +43,15 @@ from cgn_agent.settings import NodeKvcachedSettings
 from cgn_core import keys
 from cgn_core.backoff import Backoff
 from cgn_core.errors import ConfigError
-from cgn_core.process import cmdline, stop_group
+from cgn_core.files import atomic_write_json
+from cgn_core.process import (
+    fingerprint,
+    fingerprint_from_json,
+    fingerprint_to_json,
+    matches,
+    stop_group,
+    stop_pid_group,
+)
 from cgn_core.readiness import wait_ready_file
 from cgn_core.settings import TlsSettings
 
@@ -138,27 +144,26 @@ async def supervise(
 def _spawn(
     command: list[str], env: dict[str, str], ready: Path, log_path: Path
 ) -> subprocess.Popen[bytes]:
-    _stop_leftover(ready)
+    record = ready.with_suffix(".process.json")  # the store's fingerprint, for a later agent
+    _stop_leftover(record)
     ready.unlink(missing_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
+    fp = fingerprint(proc.pid)
+    if fp is not None:
+        atomic_write_json(record, fingerprint_to_json(fp))
+    return proc
 
 
-def _stop_leftover(ready: Path) -> None:
-    """A store an agent killed with SIGKILL left running still holds the ports: stop it (its
-    ready file names it; only a live cgn-kvcached of that pid is signalled)."""
+def _stop_leftover(record: Path) -> None:
+    """A store an agent killed with SIGKILL left running still holds the ports: stop it. Only
+    the process its fingerprint names is signalled (a reused pid is not)."""
     try:
-        pid = int(json.loads(ready.read_text())["pid"])
+        fp = fingerprint_from_json(json.loads(record.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if "cgn-kvcached" not in " ".join(cmdline(pid) or ()):
-        return
-    log.warning("stopping the cgn-kvcached (pid %d) a previous agent left running", pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.1)
-        os.killpg(pid, signal.SIGKILL)
+    if matches(fp):
+        log.warning("stopping the cgn-kvcached (pid %d) a previous agent left running", fp.pid)
+        stop_pid_group(fp)

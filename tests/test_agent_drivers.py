@@ -348,3 +348,23 @@ def test_node_store_plan_and_settings() -> None:
                      (replace(run, engine_offload_gib=-1), "engine_offload_gib")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             kvcached.check(bad)
+
+
+def test_a_store_left_running_by_a_killed_agent_is_stopped_before_the_next(tmp_path: Path) -> None:
+    """The next spawn finds the last one's fingerprint and stops that process group, and only
+    a live process matching it (a record of a process long gone is left alone)."""
+    import os
+
+    from cgn_agent.kvcached import _spawn
+    from cgn_core.process import stop_group
+
+    ready, log = tmp_path / "kvcached.ready", tmp_path / "kvcached.log"
+    first = _spawn(["sleep", "60"], dict(os.environ), ready, log)
+    second = _spawn(["sleep", "60"], dict(os.environ), ready, log)
+    try:
+        assert first.wait(timeout=15) is not None  # stopped (SIGTERM) by the second spawn
+        assert second.poll() is None
+    finally:
+        stop_group(second, grace_s=5)
+    third = _spawn(["sleep", "60"], dict(os.environ), ready, log)  # the second is gone: no-op
+    stop_group(third, grace_s=5)
