@@ -33,6 +33,7 @@ from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
+from cgn_router.admin import build_admin_app
 from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
 from cgn_router.followers import EtcdFollowers
@@ -47,7 +48,8 @@ from cgn_router.registry import (
     endpoint_from_static,
 )
 from cgn_router.scrape import engine_load, name_map
-from cgn_router.server import RouterService, build_admin_app, build_app
+from cgn_router.server import build_app
+from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream

@@ -30,7 +30,7 @@ from cgn_router.registry import (
     endpoint_from_doc,
     endpoint_key_parts,
 )
-from cgn_router.server import RouterService
+from cgn_router.service import RouterService
 
 log = logging.getLogger(__name__)
 POLICY_KEY = keys.POLICY_ROUTING

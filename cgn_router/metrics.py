@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cgn_router.registry import Registry
+from cgn_router.registry import Lease, Outcome, Registry
+
+if TYPE_CHECKING:
+    from cgn_router.proxy import Relayed
 
 M = TypeVar("M", Counter, Histogram, Gauge)
 
@@ -127,6 +130,25 @@ class RouterMetrics:
             "cgn_router_kv_resyncs", "KV event streams (re)started from a snapshot.", "endpoint"
         )
         self.kv_events = counter("cgn_router_kv_events", "KV events applied.", "endpoint")
+
+    def attempt_ended(
+        self, model: str, outcome: Outcome, started: float, lease: Lease, relayed: Relayed | None
+    ) -> None:
+        """Count an attempt that answered the client (a failed one is counted by its cause)."""
+        if outcome in ("failed", "busy"):
+            return
+        self.requests.labels(model, outcome).inc()
+        self.latency.labels(model).observe(time.monotonic() - started)
+        if lease.first_byte_at is not None:
+            self.ttft.labels(model).observe(lease.first_byte_at - started)
+        if relayed is not None and relayed.cause:
+            self.errors.labels(relayed.cause).inc()
+        if relayed is not None and (u := relayed.usage) is not None:
+            self.tokens.labels(model, "prompt").inc(u.prompt_tokens)
+            self.tokens.labels(model, "completion").inc(u.completion_tokens)
+            self.prompt_tokens_routed.labels(model).inc(u.prompt_tokens)
+            self.prefix_predicted.labels(model).inc(lease.predicted)
+            self.prefix_reported.labels(model).inc(u.cached_tokens)
 
     def watch(self, endpoints: Registry) -> None:
         """Export per-endpoint live state at scrape time."""

@@ -16,6 +16,10 @@ Usage: a streaming request that did not ask for usage is sent upstream with
 and not relayed. Responses carry `x-cognitora-model` (the model that served,
 which differs from the one asked for after a fallback) and
 `x-cognitora-endpoint`.
+
+The proxy owns no routing state: it is given a `Call` (what to send where) and
+a `Lease` (told of the first byte), and returns a `Relayed` value saying how
+the attempt ended.
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from cgn_core.http import PRIORITY_HEADER, bearer_header
-from cgn_router.registry import EndpointState
 from cgn_router.settings import DeadlineSettings
+from cgn_router.types import Endpoint
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -57,22 +61,39 @@ class Usage:
     cached_tokens: int
 
 
-@dataclass(slots=True)
-class Attempt:
-    """One try of a request: where it goes and what it carries."""
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One attempt of a request: what goes to which endpoint, and how to answer the client."""
 
-    state: EndpointState
+    endpoint: Endpoint
     path: str
     payload: bytes
     stream: bool
     strip_usage: bool  # the client did not ask for the usage chunk: read it, do not relay it
     served_model: str
-    uncached_tokens: int  # counted into the endpoint's pending prefill until the first byte
-    usage: Usage | None = None
-    failed_mid_stream: str = ""  # the cause, when the stream broke after the first byte
-    client_gone: bool = False  # the client disconnected mid-stream
-    extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-cgn-queue-ms
+    total_at: float  # monotonic deadline of the whole request
+    response_headers: Mapping[str, str]  # added to the client's response (x-cgn-queue-ms)
     priority: int | None = None  # sent to the engine as x-cgn-priority
+    request_id: str = ""  # the client's x-request-id, passed on
+
+
+Ending = Literal["ok", "client_error", "client_disconnected", "upstream_error"]
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """An attempt that answered the client: how it ended and what the engine reported."""
+
+    response: web.StreamResponse
+    ending: Ending
+    usage: Usage | None = None
+    cause: str = ""  # why the stream broke after the first byte (ending upstream_error)
+
+
+class FirstByte(Protocol):
+    def first_byte(self, now: float) -> None:
+        """The answer's first byte is on its way to the client."""
+        ...
 
 
 class Proxy:
@@ -80,133 +101,127 @@ class Proxy:
         self.upstream = upstream
         self.deadlines = deadlines
 
-    async def run(
-        self, request: web.Request, a: Attempt, started: float, on_first_byte: Callable[[], None]
-    ) -> web.StreamResponse:
-        """Send `a` upstream and relay the answer to `request`'s client."""
+    async def run(self, request: web.Request, call: Call, lease: FirstByte) -> Relayed:
+        """Send `call` upstream and relay the answer to `request`'s client."""
         d = self.deadlines
         now = asyncio.get_running_loop().time()
-        total_at = now + d.total_s - (time.monotonic() - started)
-        ep = a.state.endpoint
+        total_at = now + call.total_at - time.monotonic()
+        ep = call.endpoint
         headers = {"Content-Type": "application/json", **bearer_header(ep.token)}
-        rid = request.headers.get("x-request-id")
-        if rid and "\r" not in rid and "\n" not in rid:
-            headers["x-request-id"] = rid
-        if a.priority is not None:
-            headers[PRIORITY_HEADER] = str(a.priority)
-        post = self.upstream.post(ep.url, a.path, a.payload, headers, d.connect_s)
-        if not a.stream:  # one deadline for the whole answer
+        if call.request_id:
+            headers["x-request-id"] = call.request_id
+        if call.priority is not None:
+            headers[PRIORITY_HEADER] = str(call.priority)
+        post = self.upstream.post(ep.url, call.path, call.payload, headers, d.connect_s)
+        if not call.stream:  # one deadline for the whole answer
             late = "answer not complete in time"
             async with _phase(ep.id, total_at, "total_timeout", late):
                 with await post as resp:
                     if resp.status != 200:
-                        return await self._refused(resp, a)
+                        return await self._refused(resp, call)
                     body = await resp.read()
-            return self._relay_body(body, resp.content_type, a, on_first_byte)
+            lease.first_byte(time.monotonic())
+            return self._relay_body(body, resp.content_type, call)
         first_at = min(total_at, now + d.first_token_s)
         async with _phase(ep.id, first_at, "first_token_timeout", "no answer in time"):
             resp = await post
         with resp:  # an unfinished body closes the connection: the engine stops generating
             if resp.status != 200:
-                return await self._refused(resp, a)
-            return await self._relay_stream(request, resp, a, first_at, total_at, on_first_byte)
+                return await self._refused(resp, call)
+            return await self._relay_stream(request, resp, call, first_at, total_at, lease)
 
-    async def _refused(self, resp: Response, a: Attempt) -> web.Response:
+    async def _refused(self, resp: Response, call: Call) -> Relayed:
         """A non-200 answer: a client error is relayed, anything else is retried elsewhere."""
-        ep = a.state.endpoint
+        eid = call.endpoint.id
         try:
             body = await resp.read(MAX_ERROR_BODY)
         except UpstreamError:
             body = b""
         if resp.status == 429:
-            raise AttemptFailed("busy", f"{ep.id}: engine busy (429)", breaker=False)
+            raise AttemptFailed("busy", f"{eid}: engine busy (429)", breaker=False)
         if resp.status >= 500 or resp.status < 400:
-            raise AttemptFailed(f"status_{resp.status}", f"{ep.id}: engine answered {resp.status}")
-        return web.Response(
-            body=body, status=resp.status, headers=self._headers(a, resp.content_type)
-        )
+            raise AttemptFailed(f"status_{resp.status}", f"{eid}: engine answered {resp.status}")
+        headers = _headers(call, resp.content_type)
+        return Relayed(web.Response(body=body, status=resp.status, headers=headers), "client_error")
 
-    def _relay_body(
-        self, body: bytes, content_type: str, a: Attempt, on_first_byte: Callable[[], None]
-    ) -> web.Response:
-        on_first_byte()
+    def _relay_body(self, body: bytes, content_type: str, call: Call) -> Relayed:
+        usage = None
         if b'"usage"' in body:
             with contextlib.suppress(ValueError):
-                a.usage = _usage(json.loads(body))
-        return web.Response(body=body, status=200, headers=self._headers(a, content_type))
+                usage = _usage(json.loads(body))
+        response = web.Response(body=body, status=200, headers=_headers(call, content_type))
+        return Relayed(response, "ok", usage)
 
     async def _relay_stream(
         self,
         request: web.Request,
         resp: Response,
-        a: Attempt,
+        call: Call,
         first_at: float,
         total_at: float,
-        on_first_byte: Callable[[], None],
-    ) -> web.StreamResponse:
-        ep = a.state.endpoint
+        lease: FirstByte,
+    ) -> Relayed:
+        eid = call.endpoint.id
         loop = asyncio.get_running_loop()
-        async with _phase(ep.id, first_at, "first_token_timeout", "no first token in time"):
+        async with _phase(eid, first_at, "first_token_timeout", "no first token in time"):
             event = await _next_event(resp)
         if event is None:
-            raise AttemptFailed("disconnect", f"{ep.id}: stream ended before the first event")
-        out = web.StreamResponse(status=200, headers=self._headers(a, None, sse=True))
+            raise AttemptFailed("disconnect", f"{eid}: stream ended before the first event")
+        out = web.StreamResponse(status=200, headers=_headers(call, None, sse=True))
         await out.prepare(request)
-        on_first_byte()
-        idle = self.deadlines.idle_s
+        lease.first_byte(time.monotonic())
+        idle, usage = self.deadlines.idle_s, None
         while event is not None:
-            if not self._usage_event(event, a):
+            got = _usage_chunk(event)
+            usage = got or usage
+            if got is None or not call.strip_usage:
                 try:
                     await out.write(event)
                 except ConnectionResetError:  # the client left: closing upstream stops the engine
-                    a.client_gone = True
-                    return out
+                    return Relayed(out, "client_disconnected", usage)
             try:
                 async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
                     event = await _next_event(resp)
             except TimeoutError:
                 cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
-                await self._break(out, a, cause, f"{ep.id}: the stream stalled ({cause})")
-                return out
+                await _break(out, cause, f"{eid}: the stream stalled ({cause})")
+                return Relayed(out, "upstream_error", usage, cause)
             except UpstreamError as exc:
-                msg = f"{ep.id}: the engine disconnected mid-stream ({_describe(exc)})"
-                await self._break(out, a, "disconnect_mid_stream", msg)
-                return out
+                cause = "disconnect_mid_stream"
+                msg = f"{eid}: the engine disconnected mid-stream ({_describe(exc)})"
+                await _break(out, cause, msg)
+                return Relayed(out, "upstream_error", usage, cause)
         await out.write_eof()
-        return out
+        return Relayed(out, "ok", usage)
 
-    def _usage_event(self, event: bytes, a: Attempt) -> bool:
-        """Record usage from a usage-only chunk; True when it must not be relayed."""
-        if b'"usage"' not in event or not event.startswith(b"data: {"):
-            return False
-        try:
-            chunk = json.loads(event[6:])
-        except ValueError:
-            return False
-        if (
-            not isinstance(chunk, dict)
-            or chunk.get("choices")
-            or not isinstance(chunk.get("usage"), dict)
-        ):
-            return False
-        a.usage = _usage(chunk)
-        return a.strip_usage
 
-    async def _break(self, out: web.StreamResponse, a: Attempt, cause: str, message: str) -> None:
-        a.failed_mid_stream = cause
-        body = {
-            "error": {"message": message, "type": "upstream_error", "param": None, "code": cause}
-        }
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-            await out.write_eof()
+def _usage_chunk(event: bytes) -> Usage | None:
+    """The usage of a usage-only chunk (no choices), else None."""
+    if b'"usage"' not in event or not event.startswith(b"data: {"):
+        return None
+    try:
+        chunk = json.loads(event[6:])
+    except ValueError:
+        return None
+    if not isinstance(chunk, dict) or chunk.get("choices"):
+        return None
+    return _usage(chunk)
 
-    def _headers(self, a: Attempt, content_type: str | None, sse: bool = False) -> dict[str, str]:
-        headers = dict(SSE_HEADERS) if sse else {"Content-Type": content_type or "application/json"}
-        headers["x-cognitora-model"] = a.served_model
-        headers["x-cognitora-endpoint"] = a.state.endpoint.id
-        headers.update(a.extra_headers)
-        return headers
+
+async def _break(out: web.StreamResponse, cause: str, message: str) -> None:
+    """End a stream that already answered 200 with one SSE error event (and no [DONE])."""
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": cause}}
+    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await out.write_eof()
+
+
+def _headers(call: Call, content_type: str | None, sse: bool = False) -> dict[str, str]:
+    headers = dict(SSE_HEADERS) if sse else {"Content-Type": content_type or "application/json"}
+    headers["x-cognitora-model"] = call.served_model
+    headers["x-cognitora-endpoint"] = call.endpoint.id
+    headers.update(call.response_headers)
+    return headers
 
 
 @contextlib.asynccontextmanager

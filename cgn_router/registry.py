@@ -4,7 +4,14 @@ Endpoints come from two sources, merged: the static list in settings and the
 etcd prefix `/cognitora/endpoints/` (`endpoint_key_parts`). Re-registering an
 endpoint (a lease renewal, a changed field) keeps its live state: in-flight
 counts, breaker, scraped load. Cordoned nodes come from `/cognitora/cordon/`.
-`views()` freezes everything routing needs into `EndpointView`s.
+`views()` freezes everything routing needs into `EndpointView`s, and `begin()`
+opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
+
+    begin ── in_flight +1, pending_prefill +uncached, optimistic blocks, session,
+      │      breaker.on_attempt
+      ├─ first_byte() ── pending_prefill -uncached, breaker.on_success
+      └─ end(outcome) ── in_flight -1 (pending_prefill -uncached if no first byte),
+                          breaker.on_failure when the outcome blames the engine
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from cgn_core import keys
 from cgn_core.blockhash import BLOCK_SIZE
@@ -36,6 +43,40 @@ class EndpointState:
     pending_prefill: int = 0
     load: EngineLoad | None = None
     scrape_error: str = ""
+
+
+# How an attempt ended. `failed`: refused or broken before the first byte (the request may
+# go elsewhere); `busy`: the engine said 429 (not its fault); `upstream_error`: the stream
+# broke after the first byte. Both of those last that blame the engine count to its breaker.
+Outcome = Literal["ok", "client_error", "client_disconnected", "upstream_error", "failed", "busy"]
+BLAMES_ENGINE = frozenset({"upstream_error", "failed"})
+
+
+@dataclass(slots=True)
+class Lease:
+    """One attempt's hold on an endpoint (`Registry.begin`); see the module docstring."""
+
+    state: EndpointState
+    predicted: int  # prompt tokens expected cached on the endpoint
+    uncached: int  # the rest: pending prefill until the first byte
+    first_byte_at: float | None = None
+    ended: bool = False
+
+    def first_byte(self, now: float) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = now
+            self.state.pending_prefill -= self.uncached
+            self.state.breaker.on_success()
+
+    def end(self, outcome: Outcome, now: float) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.state.in_flight -= 1
+        if self.first_byte_at is None:
+            self.state.pending_prefill -= self.uncached
+        if outcome in BLAMES_ENGINE:
+            self.state.breaker.on_failure(now)
 
 
 @dataclass(slots=True)
@@ -72,6 +113,8 @@ class Registry:
         self.stores: dict[str, tuple[str, str]] = {}  # node -> its kvcached's events URL, token
         self.sessions = sessions
         self.states: dict[EndpointId, EndpointState] = {}
+        # model -> its endpoints (an id names its model, so an endpoint never moves)
+        self.by_model: dict[str, dict[EndpointId, EndpointState]] = {}
         self.cordoned: set[str] = set()
 
     def upsert(self, endpoint: Endpoint, source: str) -> bool:
@@ -79,7 +122,8 @@ class Registry:
         state = self.states.get(endpoint.id)
         if state is None:
             b = Breaker(self.breaker.failures, self.breaker.open_s)
-            self.states[endpoint.id] = EndpointState(endpoint, b, source)
+            state = self.states[endpoint.id] = EndpointState(endpoint, b, source)
+            self.by_model.setdefault(endpoint.model, {})[endpoint.id] = state
             return True
         if state.endpoint != endpoint:
             if state.endpoint.url != endpoint.url:  # a different engine now: nothing carries
@@ -93,6 +137,10 @@ class Registry:
         state = self.states.pop(eid, None)
         if state is not None:
             self.index.forget(eid)
+            peers = self.by_model[state.endpoint.model]
+            del peers[eid]
+            if not peers:
+                del self.by_model[state.endpoint.model]
         return state
 
     def replace_source(self, source: str, endpoints: Iterable[Endpoint]) -> list[EndpointId]:
@@ -111,10 +159,10 @@ class Registry:
         return load if load is not None and now - load.scraped_at <= self.stale_s else None
 
     def serves(self, model: str) -> bool:
-        return any(s.endpoint.model == model for s in self.states.values())
+        return model in self.by_model
 
     def models(self) -> set[str]:
-        return {s.endpoint.model for s in self.states.values()}
+        return set(self.by_model)
 
     def views(
         self, req: RequestInfo, now: float, exclude: frozenset[EndpointId] = frozenset()
@@ -122,8 +170,8 @@ class Registry:
         """A snapshot of the endpoints serving `req.model`, minus `exclude`."""
         owner = self.sessions.owner(req.session, now)
         out = []
-        for eid, s in self.states.items():
-            if s.endpoint.model != req.model or eid in exclude:
+        for eid, s in self.by_model.get(req.model, {}).items():
+            if eid in exclude:
                 continue
             matched = self.index.match(eid, req.blocks, now) if req.blocks else 0
             ram, ssd = (
@@ -146,6 +194,18 @@ class Registry:
                 )
             )
         return out
+
+    def begin(self, view: EndpointView, req: RequestInfo, now: float) -> Lease:
+        """An attempt of `req` on the endpoint `view` was chosen for: account for it."""
+        state = self.states[view.id]
+        predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
+        lease = Lease(state, predicted, req.prompt_tokens - predicted)
+        state.breaker.on_attempt(now)
+        state.in_flight += 1
+        state.pending_prefill += lease.uncached
+        self.index.routed(view.id, req.blocks, now, exact=bool(state.endpoint.kv_events_url))
+        self.sessions.record(req.session, view.id, now)
+        return lease
 
 
 def endpoint_from_etcd(key: str, value: bytes) -> Endpoint:

@@ -200,6 +200,54 @@ def test_registry_keeps_live_state_across_updates() -> None:
     assert reg.replace_source("etcd", []) == [E] and reg.states == {}
 
 
+@pytest.mark.parametrize(
+    ("first_byte", "outcome", "failures"),
+    [
+        (True, "ok", 0),
+        (True, "client_error", 0),
+        (True, "client_disconnected", 0),
+        (True, "upstream_error", 1),  # broke mid-stream: the engine's fault
+        (False, "failed", 1),  # refused or dropped before the first byte
+        (False, "busy", 0),  # 429: busy is not broken
+        (False, "client_disconnected", 0),
+    ],
+)
+def test_a_lease_holds_an_attempts_accounting_until_it_ends(
+    first_byte: bool, outcome: str, failures: int
+) -> None:
+    idx = PrefixIndex(60, 100, 1)
+    reg = Registry(BreakerSettings(failures=1, open_s=5), idx, Sessions(60), stale_s=5)
+    reg.upsert(Endpoint(E, "m", "http://a"), "etcd")
+    state = reg.states[E]
+    req = RequestInfo("m", blocks=tuple(H[:4]), prompt_tokens=4 * 16 + 5, session="s")
+    (view,) = reg.views(req, now=0)
+    lease = reg.begin(view, req, now=0)
+    assert (state.in_flight, state.pending_prefill) == (1, 4 * 16 + 5)  # nothing cached yet
+    assert idx.match(E, req.blocks, 0.5) == 4 and reg.sessions.owner("s", 0.5) == E
+    (again,) = reg.views(req, now=0.5)  # optimistic: the next one expects 4 blocks there
+    second = reg.begin(again, req, now=0.5)
+    assert (second.predicted, second.uncached) == (64, 5) and state.pending_prefill == 74
+    second.end("ok", 0.6)
+    if first_byte:
+        lease.first_byte(1.0)
+        lease.first_byte(1.5)  # once only
+        assert lease.first_byte_at == 1.0 and state.pending_prefill == 0
+    lease.end(outcome, 2.0)  # type: ignore[arg-type]
+    lease.end(outcome, 2.0)  # type: ignore[arg-type]  # twice: counted once
+    assert (state.in_flight, state.pending_prefill) == (0, 0)
+    assert state.breaker.blocks(2.0) == (failures == 1)
+
+
+def test_registry_groups_endpoints_by_model() -> None:
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
+    a, b = Endpoint(E, "m", "http://a"), Endpoint(EndpointId("n/r1"), "n", "http://b")
+    reg.replace_source("etcd", [a, b])
+    assert reg.models() == {"m", "n"} and reg.serves("n")
+    assert [v.id for v in reg.views(RequestInfo("n"), now=0)] == ["n/r1"]
+    reg.remove(b.id)
+    assert reg.models() == {"m"} and not reg.serves("n") and reg.views(RequestInfo("n"), 0) == []
+
+
 def test_catalog_entry_from_etcd() -> None:
     entry = entry_from_etcd(
         "m", {"aliases": ["a"], "fallbacks": ["f"], "source": {"gguf": "/x.gguf"}}

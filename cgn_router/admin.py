@@ -1,0 +1,95 @@
+"""cgn-router's admin listener: /metrics, /healthz, /readyz, /endpoints, /reconciler.
+
+/metrics, /healthz and /readyz answer anyone; the management paths need a
+client certificate when the listener is HTTPS, else an admin-scoped API key
+while auth is on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cgn_core.http import Handler, error_middleware, mtls_middleware
+from cgn_router.auth import authorize_admin
+from cgn_router.service import RouterService
+
+OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # no client certificate needed
+
+
+def build_admin_app(svc: RouterService) -> web.Application:
+    middlewares = [error_middleware(1 << 20)]
+    if svc.settings.admin_tls.enabled:
+        middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS, svc.revoked))
+    elif svc.settings.auth.enabled:
+        middlewares.append(_admin_key_middleware(svc))
+    app = web.Application(middlewares=middlewares)
+    app.router.add_get("/metrics", lambda r: _metrics(svc))
+    app.router.add_get("/healthz", lambda r: _healthz())
+    app.router.add_get("/readyz", lambda r: _readyz(svc))
+    app.router.add_get("/endpoints", lambda r: _endpoints(svc))
+    app.router.add_get("/reconciler", lambda r: _reconciler(svc))
+    return app
+
+
+def _admin_key_middleware(svc: RouterService) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_ADMIN_PATHS:
+            authorize_admin(svc.principal(request))  # 401 without a key, 403 without the scope
+        return await handler(request)
+
+    return check
+
+
+async def _reconciler(svc: RouterService) -> web.Response:
+    """The control loop's state: leading or not, recent actions, models that cannot be placed."""
+    if svc.control is None:
+        return web.json_response({"enabled": False})
+    return web.json_response({"enabled": True, **svc.control.to_json()})
+
+
+async def _metrics(svc: RouterService) -> web.Response:
+    return web.Response(
+        body=generate_latest(svc.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+async def _healthz() -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(svc: RouterService) -> web.Response:
+    n = len(svc.registry.states)
+    ready = svc.synced and n > 0
+    auth = "enabled" if svc.settings.auth.enabled else "disabled (development only)"
+    body = {"status": "ready" if ready else "not ready", "synced": svc.synced, "endpoints": n,
+            "auth": auth, "admission": svc.gate is not None}  # fmt: skip
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _endpoints(svc: RouterService) -> web.Response:
+    """The registry as JSON (for `cgn-ctl` and for people)."""
+    now = time.monotonic()
+    reg = svc.registry
+    out = []
+    for eid, s in sorted(reg.states.items()):
+        ep, load = s.endpoint, s.load
+        out.append({
+            "id": eid, "model": ep.model, "url": ep.url, "engine": ep.engine, "role": ep.role,
+            "node": ep.node, "source": s.source, "cordoned": ep.node in reg.cordoned,
+            "kv_tracking": "exact" if ep.kv_events_url else "approximate",
+            "in_flight": s.in_flight, "pending_prefill_tokens": s.pending_prefill,
+            "breaker": s.breaker.state(now), "scrape_error": s.scrape_error,
+            "load": None if load is None else {
+                "running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+                "age_s": round(now - load.scraped_at, 3),
+            },
+            "kv_blocks": {
+                "exact": reg.index.exact_size(eid), "assumed": reg.index.assumed_size(eid),
+            },
+        })  # fmt: skip
+    return web.json_response({"weights": svc.pipeline.weights, "endpoints": out})

@@ -1,0 +1,48 @@
+"""The request context: one client request as the request path needs it, built once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cgn_router.prompts import HashedPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """One client request as the request path needs it, built once after admission."""
+
+    kind: str  # chat | completion | embeddings
+    asked: str  # the model name the client used
+    chain: Sequence[str]  # the model it means, then its fallbacks in order
+    body: Mapping[str, Any]
+    raw: bytes
+    stream: bool
+    strip_usage: bool  # usage injected upstream for accounting, not relayed
+    session: str | None
+    band: str
+    priority: int | None  # sent to engines as x-cgn-priority
+    started: float  # monotonic
+    deadline: float  # monotonic: started + deadlines.total_s
+    prompt: HashedPrompt  # for chain[0]
+    response_headers: Mapping[str, str]  # e.g. x-cgn-queue-ms
+    request_id: str  # the client's x-request-id, when it is a clean header value
+
+    @property
+    def model(self) -> str:
+        return self.chain[0]
+
+    def payload(self, served: str) -> bytes:
+        """The upstream body: the client's bytes unless the model or stream options change."""
+        if served == self.asked and not self.strip_usage:
+            return self.raw
+        changed = dict(self.body, model=served)
+        if self.strip_usage:
+            options = self.body.get("stream_options")
+            changed["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+        return json.dumps(changed, ensure_ascii=False).encode()

@@ -1,0 +1,84 @@
+"""The router's state, as one object the HTTP handlers and the etcd followers share."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from cgn_core.errors import Unauthorized
+from cgn_core.revocation import RevocationList
+from cgn_router.auth import KeyStore, Limiter, Principal
+from cgn_router.catalog import Catalog
+from cgn_router.control import ControlState
+from cgn_router.gate import Gate
+from cgn_router.metrics import RouterMetrics
+from cgn_router.pipeline import Decision, Pipeline
+from cgn_router.proxy import Proxy
+from cgn_router.registry import Registry
+from cgn_router.settings import RouterSettings
+from cgn_router.types import EndpointId, RequestInfo
+
+
+@dataclass(slots=True)
+class RouterService:
+    settings: RouterSettings
+    catalog: Catalog
+    registry: Registry
+    pipeline: Pipeline
+    proxy: Proxy
+    metrics: RouterMetrics
+    rng: random.Random = field(default_factory=random.Random)
+    synced: bool = False  # the registry has loaded its sources once
+    control: ControlState | None = None  # the reconciler, where this router runs one
+    keys: KeyStore = field(default_factory=KeyStore)
+    limiter: Limiter = field(default_factory=Limiter)
+    gate: Gate | None = None  # admission; None when switched off
+    revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def principal(self, request: web.Request) -> Principal:
+        """Who is asking: the API key's principal, or the anonymous one while auth is off."""
+        auth = self.settings.auth
+        if not auth.enabled:
+            return Principal("", auth.anonymous_tenant, auth.anonymous_band)
+        try:
+            return self.keys.authenticate(request.headers.get("Authorization"))
+        except Unauthorized:
+            self.metrics.admission_rejections.labels("-", "unauthorized").inc()
+            raise
+
+    def known_models(self) -> dict[str, str]:
+        """Every name a client may use → the model it means (catalog and registry)."""
+        names = dict(self.catalog.names())
+        for model in self.registry.models():
+            names.setdefault(model, model)
+        return names
+
+    def model_for(self, name: str) -> str | None:
+        """The model `name` means, or None when neither catalog nor registry knows it."""
+        model = self.catalog.names().get(name)
+        if model is None and self.registry.serves(name):
+            model = name
+        return model
+
+    def engine_priority(self, band: str) -> int | None:
+        """The priority engines should give a request of `band` (None: send none)."""
+        adm = self.settings.admission
+        spec = adm.bands.get(band)
+        return spec.priority if adm.engine_priority and spec is not None else None
+
+    def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
+        """The pipeline's decision over the live registry, counted in the metrics."""
+        views = self.registry.views(req, time.monotonic(), tried)
+        decision = self.pipeline.route(req, views, self.rng)
+        for name, n in decision.dropped.items():
+            self.metrics.filter_drops.labels(name).inc(n)
+        if decision.chosen is not None:
+            for scorer, values in decision.scores.items():
+                self.metrics.scores.labels(scorer).observe(values[decision.chosen])
+            if decision.saturated:
+                self.metrics.saturated.labels(req.model).inc(decision.saturated)
+        return decision
