@@ -53,8 +53,8 @@ from tests.support.procs import cgn_infer_engines, cgn_router
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/synthetic_trace.jsonl"
 POLICIES: dict[str, dict[str, Any]] = {
-    "round_robin": {"picker": "round_robin", "prefix": 0, "load": 0, "kv_usage": 0, "affinity": 0},
-    "least_loaded": {"prefix": 0, "load": 1.0, "kv_usage": 0, "affinity": 0},
+    "round_robin": {"picker": "round_robin", "scorers": []},
+    "least_loaded": {"scorers": [{"type": "load", "weight": 1.0}]},
     "cognitora": {},  # the defaults
 }
 

@@ -173,8 +173,11 @@ def node_inventory(doc: Any) -> dict[str, Any]:
 class RecordLog:
     """Parses records and reports each bad one once per (key, revision), then skips it."""
 
-    def __init__(self, logger: logging.Logger = log) -> None:
+    def __init__(
+        self, logger: logging.Logger = log, on_bad: Callable[[str], None] | None = None
+    ) -> None:
         self.logger = logger
+        self.on_bad = on_bad  # told each bad (key, revision) once, e.g. to count it
         self._reported: dict[str, int] = {}
 
     def parse(self, key: str, revision: int, raw: bytes, parse: Callable[[Any], Any]) -> Any | None:
@@ -186,6 +189,8 @@ class RecordLog:
                 self._reported[key] = revision
                 why = exc.message if isinstance(exc, CognitoraError) else str(exc)
                 self.logger.warning("ignoring %s: %s", key, why[:300])
+                if self.on_bad is not None:
+                    self.on_bad(key)
             return None
         self._reported.pop(key, None)
         return value

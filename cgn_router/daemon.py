@@ -40,7 +40,7 @@ from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.metrics import RouterMetrics
-from cgn_router.pipeline import Pipeline, weights_from
+from cgn_router.pipeline import Pipeline
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
     Registry,
@@ -50,7 +50,7 @@ from cgn_router.registry import (
 from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_app
 from cgn_router.service import RouterService
-from cgn_router.settings import RouterSettings
+from cgn_router.settings import RouterSettings, check_settings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
 
@@ -64,6 +64,10 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
     """Every object the router runs on, from its settings (no I/O)."""
     r = settings.routing
     check_settings(settings)
+    try:
+        pipeline = Pipeline.from_settings(r)
+    except ValueError as exc:
+        raise ConfigError(f"routing: {exc}") from None
     index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s)
     registry = Registry(settings.breaker, index, Sessions(r.session_ttl_s), settings.scrape.stale_s)
     metrics = RouterMetrics()
@@ -72,7 +76,7 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         settings,
         Catalog(r.chars_per_block),
         registry,
-        Pipeline.from_settings(r),
+        pipeline,
         Proxy(upstream, settings.deadlines),
         metrics,
     )
@@ -88,54 +92,6 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
             raise ConfigError(f"stores.{node}.events_url must be an http(s) URL")
         registry.stores[node] = (store.events_url, store.events_token)
     return svc
-
-
-def check_settings(s: RouterSettings) -> None:
-    """Refuse values the router cannot run with, naming the setting."""
-    positive = {
-        "attempts": s.attempts,
-        "max_body_bytes": s.max_body_bytes,
-        "routing.saturation_tokens": s.routing.saturation_tokens,
-        "routing.approx_blocks": s.routing.approx_blocks,
-        "routing.chars_per_block": s.routing.chars_per_block,
-        "breaker.failures": s.breaker.failures,
-        "scrape.interval_s": s.scrape.interval_s,
-        "deadlines.connect_s": s.deadlines.connect_s,
-        "deadlines.first_token_s": s.deadlines.first_token_s,
-        "deadlines.idle_s": s.deadlines.idle_s,
-        "deadlines.total_s": s.deadlines.total_s,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    try:
-        weights_from(s.routing)
-    except ValueError as exc:
-        raise ConfigError(f"routing: {exc}") from None
-    for key in ("ram_tier_weight", "ssd_tier_weight"):
-        if not 0 <= getattr(s.routing, key) <= 1:
-            raise ConfigError(
-                f"routing.{key} must be between 0 and 1, got {getattr(s.routing, key)}"
-            )
-    bands = s.admission.bands
-    if not bands:
-        raise ConfigError("admission.bands: at least one band is needed")
-    for name, band in bands.items():
-        if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
-            raise ConfigError(f"admission.bands.{name}: ceiling and ttl_s must be positive")
-    if not s.auth.enabled and s.auth.anonymous_band not in bands:
-        raise ConfigError(
-            f"auth.anonymous_band {s.auth.anonymous_band!r} is not in admission.bands"
-        )
-    if s.discovery == "static" and not s.endpoints:
-        raise ConfigError(
-            "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
-        )
-    if s.auth.enabled and s.discovery == "static":
-        raise ConfigError(
-            "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
-            "set auth.enabled: false for a router-only run"
-        )
 
 
 async def serve(settings: RouterSettings, ready_file: Path | None) -> None:

@@ -23,7 +23,7 @@ from cgn_core.apikeys import KEYS_PREFIX, parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import RecordLog, cordon, kvcached
 from cgn_router.catalog import CATALOG_PREFIX, entry_from_etcd
-from cgn_router.pipeline import check_weights, weights_from
+from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
 from cgn_router.registry import (
     CORDON_PREFIX,
     ENDPOINTS_PREFIX,
@@ -31,6 +31,7 @@ from cgn_router.registry import (
     endpoint_key_parts,
 )
 from cgn_router.service import RouterService
+from cgn_router.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
 POLICY_KEY = keys.POLICY_ROUTING
@@ -48,7 +49,11 @@ class EtcdFollowers:
 
     def __init__(self, svc: RouterService, on_endpoints: Callable[[], None] = lambda: None):
         self.svc, self.on_endpoints = svc, on_endpoints
-        self.records = RecordLog(log)
+        self.records = RecordLog(log, on_bad=self._count_bad)
+
+    def _count_bad(self, key: str) -> None:
+        kind = key.removeprefix(keys.ROOT).split("/", 1)[0]  # endpoints, policy, catalog, …
+        self.svc.metrics.records_ignored.labels(kind).inc()
 
     def table(self) -> list[Followed]:
         out = [
@@ -143,10 +148,10 @@ class EtcdFollowers:
         elif (entry := self._entry(ev.kv)) is not None:
             self.svc.catalog.put("etcd", entry)
 
-    # ---- routing policy: live scorer weights -----------------------------------------------
+    # ---- routing policy: the live pipeline (a bad value keeps the one in use) ------------
 
     def policy_list(self, kvs: list[KeyValue]) -> None:
-        self.svc.pipeline.weights = weights_from(self.svc.settings.routing)
+        self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
         for kv in kvs:
             if kv.key == POLICY_KEY:
                 self._policy(kv)
@@ -155,15 +160,16 @@ class EtcdFollowers:
         if ev.kv.key != POLICY_KEY:
             return
         if ev.kind == "delete":
-            self.svc.pipeline.weights = weights_from(self.svc.settings.routing)
+            self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
         else:
             self._policy(ev.kv)
 
     def _policy(self, kv: KeyValue) -> None:
-        weights = self._parse(kv, policy_weights)
-        if weights is not None:
-            self.svc.pipeline.set_weights(weights)
-            log.info("routing weights from etcd: %s", self.svc.pipeline.weights)
+        base = Policy.from_settings(self.svc.settings.routing)
+        pipeline = self._parse(kv, lambda doc: pipeline_from_policy(doc, base))
+        if pipeline is not None:
+            self.svc.pipeline = pipeline
+            log.info("routing policy from etcd: weights %s", pipeline.weights)
 
     # ---- API keys --------------------------------------------------------------------------
 
@@ -184,9 +190,6 @@ class EtcdFollowers:
             self.svc.keys.delete(kid)
 
 
-def policy_weights(doc: Any) -> dict[str, float]:
-    """`{"weights": {scorer: weight}}` (or the bare mapping) from the policy key, checked."""
-    weights = doc.get("weights", doc) if isinstance(doc, dict) else None
-    if not isinstance(weights, dict):
-        raise ValueError('expected {"weights": {scorer: weight}}')
-    return check_weights(weights)
+def routing_policy(doc: Any) -> Pipeline:
+    """The pipeline a policy value asks for over the default settings (for the poison tests)."""
+    return pipeline_from_policy(doc, Policy.from_settings(RoutingSettings()))

@@ -126,6 +126,11 @@ class RouterMetrics:
             "Cache-warm endpoints denied prefix credit by the saturation guard.",
             "model",
         )
+        self.records_ignored = counter(
+            "cgn_router_records_ignored",
+            "etcd records skipped as invalid (each key and revision once), by kind.",
+            "kind",
+        )
         self.kv_resyncs = counter(
             "cgn_router_kv_resyncs", "KV event streams (re)started from a snapshot.", "endpoint"
         )

@@ -1,26 +1,30 @@
 """The routing decision: filters → weighted scorers → picker, over a snapshot.
 
 total(e) = Σ weight(s) · s(e) over the scorers s with a non-zero weight.
-Weights come from `routing.*` settings and, live, from the etcd key
-`/cognitora/policy/routing` (`set_weights`). `route` is pure apart from the
-random generator it is given; it returns the whole decision so metrics and
-`explain` can show why an endpoint won.
+
+The pipeline is built through the plugin registries from a `Policy`: the
+`routing.filters / scorers / picker` settings, or the live etcd key
+`/cognitora/policy/routing`, whose value either re-weights the configured
+scorers (`{"weights": {"prefix": 2.0}}`) or replaces the policy
+(`{"scorers": [{"type": "load", "weight": 1}], "picker": "p2c"}`; parts left
+out keep their settings). `route` is pure apart from the random generator it
+is given; it returns the whole decision so metrics and `explain` can show why
+an endpoint won.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from cgn_router.plugins import FILTERS, PICKERS
-from cgn_router.plugins.base import Filter, Picker, Scorer
-from cgn_router.plugins.prefix import PrefixScorer, min_pending
-from cgn_router.settings import RoutingSettings
+from cgn_router.plugins import FILTERS, PICKERS, SCORERS
+from cgn_router.plugins.base import Filter, Picker, Scorer, build
+from cgn_router.settings import RoutingSettings, ScorerSpec
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
-FILTER_ORDER = ("model", "role", "ready", "cordon", "breaker")
-WEIGHT_NAMES = ("prefix", "load", "kv_usage", "affinity")
+MAX_WEIGHT = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,45 +34,58 @@ class Decision:
     totals: dict[EndpointId, float] = field(default_factory=dict)
     scores: dict[str, dict[EndpointId, float]] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # per filter
-    saturated: int = 0  # candidates the saturation guard held prefix credit back from
+    saturated: int = 0  # candidates the scorers held credit back from (saturation guard)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What a pipeline is made of, by registered plugin names."""
+
+    filters: tuple[str, ...]
+    scorers: tuple[ScorerSpec, ...]
+    picker: str
+
+    @classmethod
+    def from_settings(cls, s: RoutingSettings) -> Policy:
+        return cls(s.filters, s.scorers, s.picker)
 
 
 class Pipeline:
     """One configured routing pipeline."""
 
     def __init__(
-        self,
-        filters: Sequence[Filter],
-        scorers: Sequence[Scorer],
-        picker: Picker,
-        weights: Mapping[str, float],
+        self, filters: Sequence[Filter], scorers: Sequence[tuple[Scorer, float]], picker: Picker
     ):
         self.filters = tuple(filters)
-        self.scorers = tuple(scorers)
+        self.scorers = tuple(s for s, _ in scorers)
+        self.weights = {s.name: w for s, w in scorers}
         self.picker = picker
-        self.weights = dict(weights)
+
+    @classmethod
+    def build(cls, policy: Policy) -> Pipeline:
+        """A pipeline of registered plugins; ValueError names the first bad part."""
+        filters = [build(FILTERS, "filter", name) for name in policy.filters]
+        scorers = []
+        for spec in policy.scorers:
+            scorer = build(SCORERS, "scorer", spec.type, spec.name, spec.params)
+            scorers.append((scorer, check_weight(scorer.name, spec.weight)))
+        names = [s.name for s, _ in scorers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"scorer names must differ (give each a `name`): {names}")
+        return cls(filters, scorers, build(PICKERS, "picker", policy.picker))
 
     @classmethod
     def from_settings(cls, s: RoutingSettings) -> Pipeline:
-        from cgn_router.plugins.affinity import AffinityScorer
-        from cgn_router.plugins.kv_usage import KvUsageScorer
-        from cgn_router.plugins.load import LoadScorer
+        return cls.build(Policy.from_settings(s))
 
-        return cls(
-            [FILTERS[name]() for name in FILTER_ORDER],
-            [
-                PrefixScorer(s.saturation_tokens, s.ram_tier_weight, s.ssd_tier_weight),
-                LoadScorer(),
-                KvUsageScorer(),
-                AffinityScorer(),
-            ],
-            PICKERS[s.picker](),
-            weights_from(s),
-        )
-
-    def set_weights(self, weights: Mapping[str, float]) -> None:
-        """Replace the scorer weights (validated by `check_weights`)."""
-        self.weights = {**self.weights, **check_weights(weights)}
+    def set_weights(self, weights: Mapping[str, object]) -> None:
+        """Re-weight scorers by name; ValueError (and no change) for an unknown one."""
+        for name, value in weights.items():
+            if name not in self.weights:
+                known = ", ".join(self.weights)
+                raise ValueError(f"unknown scorer {name!r} (known: {known})")
+            check_weight(name, value)
+        self.weights |= {name: float(v) for name, v in weights.items()}  # type: ignore[arg-type]
 
     def route(
         self, req: RequestInfo, views: Sequence[EndpointView], rng: random.Random
@@ -84,37 +101,70 @@ class Pipeline:
             return Decision(None, dropped=dropped)
         scores: dict[str, dict[EndpointId, float]] = {}
         totals = {v.id: 0.0 for v in candidates}
+        saturated = 0
         for s in self.scorers:
-            w = self.weights.get(s.name, 0.0)
+            w = self.weights[s.name]
             if w == 0.0:
                 continue
-            scores[s.name] = got = s.score(req, candidates)
-            for eid, value in got.items():
+            got = s.score(req, candidates)
+            scores[s.name], saturated = got.values, saturated + got.held_back
+            for eid, value in got.values.items():
                 totals[eid] += w * value
-        floor = min_pending(candidates)
-        saturated = sum(
-            1
-            for s in self.scorers
-            if isinstance(s, PrefixScorer)
-            for v in candidates
-            if v.matched_blocks and s.saturated(v, floor)
-        )
         chosen = self.picker.pick(totals, rng)
         view = next(v for v in candidates if v.id == chosen)
         return Decision(chosen, view, totals, scores, dropped, saturated)
 
 
-def weights_from(s: RoutingSettings) -> dict[str, float]:
-    return check_weights({name: getattr(s, name) for name in WEIGHT_NAMES})
+def check_weight(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
+    if not 0 <= value < MAX_WEIGHT:
+        raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
+    return float(value)
 
 
-def check_weights(weights: Mapping[str, object]) -> dict[str, float]:
-    """Validated scorer weights; ValueError names the first bad entry."""
-    out: dict[str, float] = {}
-    for name, value in weights.items():
-        if name not in WEIGHT_NAMES:
-            raise ValueError(f"unknown scorer {name!r} (known: {', '.join(WEIGHT_NAMES)})")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
-            raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
-        out[name] = float(value)
-    return out
+def pipeline_from_policy(doc: Any, base: Policy) -> Pipeline:
+    """The pipeline a `/cognitora/policy/routing` value asks for; ValueError says why not.
+
+    `{"weights": {...}}` (or the bare mapping) keeps `base` and re-weights it; a value
+    with `scorers`, `filters` or `picker` replaces those parts of `base`."""
+    if not isinstance(doc, dict):
+        raise ValueError("the routing policy must be a JSON object")
+    parts = {"filters", "scorers", "picker", "weights"}
+    if not parts & doc.keys():
+        doc = {"weights": doc}
+    if unknown := sorted(doc.keys() - parts):
+        raise ValueError(f"unknown policy field(s) {unknown} (known: {sorted(parts)})")
+    policy = base
+    if "filters" in doc:
+        filters = doc["filters"]
+        if not isinstance(filters, list) or not all(isinstance(f, str) for f in filters):
+            raise ValueError("'filters' must be a list of filter names")
+        policy = replace(policy, filters=tuple(filters))
+    if "scorers" in doc:
+        if not isinstance(doc["scorers"], list):
+            raise ValueError("'scorers' must be a list of {type, weight, name, params}")
+        policy = replace(policy, scorers=tuple(_scorer_spec(x) for x in doc["scorers"]))
+    if "picker" in doc:
+        if not isinstance(doc["picker"], str):
+            raise ValueError("'picker' must be a picker name")
+        policy = replace(policy, picker=doc["picker"])
+    weights = doc.get("weights", {})
+    if not isinstance(weights, dict):
+        raise ValueError("'weights' must map scorer names to numbers")
+    pipeline = Pipeline.build(policy)
+    pipeline.set_weights(weights)
+    return pipeline
+
+
+def _scorer_spec(item: Any) -> ScorerSpec:
+    fields = {"type", "weight", "name", "params"}
+    if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+        raise ValueError("each scorer must be an object with a 'type'")
+    if unknown := sorted(item.keys() - fields):
+        raise ValueError(f"scorer {item['type']!r}: unknown field(s) {unknown}")
+    params, name = item.get("params", {}), item.get("name", "")
+    if not isinstance(params, dict) or not isinstance(name, str):
+        raise ValueError(f"scorer {item['type']!r}: 'params' must be an object, 'name' a string")
+    weight = check_weight(name or item["type"], item.get("weight", 1.0))
+    return ScorerSpec(item["type"], weight, name, params)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cgn_core.errors import ConfigError
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
 Role = Literal["both", "prefill", "decode"]
@@ -44,22 +45,33 @@ class StaticStore:
 
 
 @dataclass(frozen=True, slots=True)
-class RoutingSettings:
-    """Scorer weights and the tunables of the routing pipeline (docs/cgn-router.md)."""
+class ScorerSpec:
+    """One scorer of the routing pipeline: a registered type, its weight, its parameters."""
 
-    # Weights of the scorers; `/cognitora/policy/routing` in etcd overrides them live.
-    prefix: float = 3.0
-    load: float = 1.0
-    kv_usage: float = 0.5
-    affinity: float = 0.5
-    picker: Literal["max", "p2c", "round_robin"] = "max"  # round_robin: a baseline only
-    # Saturation guard: an endpoint whose routed-but-not-yet-prefilled prompt tokens
-    # exceed this gets no prefix credit (new requests spread instead of piling up).
-    saturation_tokens: int = 16384
-    # A prompt block the endpoint's node holds in cgn-kvcached counts this much of one in
-    # the engine's own pool (1 - restore time / recompute time, rounded down; docs/cgn-router.md).
-    ram_tier_weight: float = 0.9
-    ssd_tier_weight: float = 0.8
+    type: str = ""  # prefix | load | kv_usage | affinity (cgn_router/plugins/)
+    weight: float = 1.0
+    name: str = ""  # defaults to the type; two scorers of one type need two names
+    params: dict[str, float] = field(default_factory=dict)  # the scorer's fields
+
+
+def _default_scorers() -> tuple[ScorerSpec, ...]:
+    return (
+        ScorerSpec("prefix", 3.0),
+        ScorerSpec("load", 1.0),
+        ScorerSpec("kv_usage", 0.5),
+        ScorerSpec("affinity", 0.5),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """The routing pipeline and its tunables (docs/cgn-router.md).
+
+    `/cognitora/policy/routing` in etcd overrides filters, scorers, picker and weights live."""
+
+    filters: tuple[str, ...] = ("model", "role", "ready", "cordon", "breaker")
+    scorers: tuple[ScorerSpec, ...] = field(default_factory=_default_scorers)
+    picker: str = "max"  # max | p2c | round_robin (a baseline only)
     # Approximate KV tracking (engines without a KV event stream): blocks assumed
     # cached on the chosen endpoint for this long, at most this many per endpoint.
     approx_ttl_s: float = 300.0
@@ -170,3 +182,42 @@ class RouterSettings:
     admission: AdmissionSettings = AdmissionSettings()
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     max_body_bytes: int = 16 << 20
+
+
+def check_settings(s: RouterSettings) -> None:
+    """Refuse values the router cannot run with, naming the setting (the routing pipeline
+    is checked when it is built from `routing`)."""
+    positive = {
+        "attempts": s.attempts,
+        "max_body_bytes": s.max_body_bytes,
+        "routing.approx_blocks": s.routing.approx_blocks,
+        "routing.chars_per_block": s.routing.chars_per_block,
+        "breaker.failures": s.breaker.failures,
+        "scrape.interval_s": s.scrape.interval_s,
+        "deadlines.connect_s": s.deadlines.connect_s,
+        "deadlines.first_token_s": s.deadlines.first_token_s,
+        "deadlines.idle_s": s.deadlines.idle_s,
+        "deadlines.total_s": s.deadlines.total_s,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    bands = s.admission.bands
+    if not bands:
+        raise ConfigError("admission.bands: at least one band is needed")
+    for name, band in bands.items():
+        if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
+            raise ConfigError(f"admission.bands.{name}: ceiling and ttl_s must be positive")
+    if not s.auth.enabled and s.auth.anonymous_band not in bands:
+        raise ConfigError(
+            f"auth.anonymous_band {s.auth.anonymous_band!r} is not in admission.bands"
+        )
+    if s.discovery == "static" and not s.endpoints:
+        raise ConfigError(
+            "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
+        )
+    if s.auth.enabled and s.discovery == "static":
+        raise ConfigError(
+            "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
+            "set auth.enabled: false for a router-only run"
+        )

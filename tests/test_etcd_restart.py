@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from cgn_core.errors import EtcdUnavailable
-from cgn_core.etcd import Election, EtcdClient, Lease
+from cgn_core.etcd import Election, EtcdClient, Lease, WatchBatch
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
 
@@ -39,15 +39,19 @@ async def test_watch_survives_restart_without_loss_or_duplicates(own_etcd: Local
     seen: list[str] = []
     async with EtcdClient(settings(own_etcd)) as writer, EtcdClient(settings(own_etcd)) as watcher:
 
-        async def consume() -> None:
-            async for batch in watcher.watch_prefix("/w/"):
+        async def consume(watched: AsyncIterator[WatchBatch]) -> None:
+            async for batch in watched:
                 seen.extend(f"{e.kind}:{e.kv.key}={e.kv.value.decode()}" for e in batch.events)
                 assert batch.resync is None
                 if len(seen) >= 6:
                     return
 
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)  # let the watch register before the first write
+        # Watch from a known revision: no write is missed, however late the watch registers.
+        await writer.put("/w/0", "seed")
+        seed = await writer.get("/w/0")
+        assert seed is not None
+        watched = watcher.watch_prefix("/w/", start_revision=seed.mod_revision + 1)
+        task = asyncio.create_task(consume(watched))
         await writer.put("/w/1", "a")
         await writer.put("/w/2", "b")
         await _until(lambda: len(seen) >= 2, 10)

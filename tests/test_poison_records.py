@@ -29,7 +29,7 @@ from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.placement import node_view
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
-from cgn_router.followers import EtcdFollowers, policy_weights
+from cgn_router.followers import EtcdFollowers, routing_policy
 from cgn_router.reconciler import Memory, reconcile
 from cgn_router.registry import endpoint_from_doc
 from cgn_router.settings import ReconcilerSettings, RouterSettings
@@ -104,7 +104,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "catalog_model": parse_model,
     "router_catalog_entry": lambda d: entry_from_etcd("m", d),
     "endpoint": lambda d: endpoint_from_doc("/cognitora/endpoints/m/r", d),
-    "policy": policy_weights,
+    "policy": routing_policy,
     "agent_placement": lambda d: parse_placement("r1", d),
     "kvcached": records.kvcached,
 }
@@ -219,11 +219,21 @@ def test_poison_endpoints_catalog_and_policy_are_skipped(followers: EtcdFollower
 
     before = dict(svc.pipeline.weights)
     for doc in ({"weights": {"prefix": "x"}}, {"weights": {"nope": 1}}, {"weights": []},
-                {"weights": {"prefix": 1e300}}, "prefix"):  # fmt: skip
+                {"weights": {"prefix": 1e300}}, "prefix", {"scorers": [{"type": "nope"}]},
+                {"scorers": [{"type": "prefix", "params": {"ram_weight": 2}}]},
+                {"scorers": [{"type": "prefix", "params": {"bogus": 1}}]},
+                {"scorers": [{"type": "load"}, {"type": "load"}]}, {"scorers": "prefix"},
+                {"picker": "best"}, {"filters": ["model", "x"]}, {"scorer": []}):  # fmt: skip
         followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", doc)))
     assert svc.pipeline.weights == before
     followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", {"load": 2})))
     assert svc.pipeline.weights["load"] == 2.0
+    policy = {"scorers": [{"type": "load", "weight": 2}, {"type": "load", "name": "l2"}],
+              "picker": "p2c"}  # fmt: skip
+    followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", policy)))
+    assert svc.pipeline.weights == {"load": 2.0, "l2": 1.0} and svc.pipeline.picker.name == "p2c"
+    followers.policy_event(WatchEvent("delete", kv("/cognitora/policy/routing", b"")))
+    assert svc.pipeline.weights == before
 
 
 def test_a_cordon_with_an_unreadable_value_still_cordons(followers: EtcdFollowers) -> None:

@@ -28,6 +28,13 @@ pytestmark = pytest.mark.etcd
 FLEET = f"simfleet-{uuid.uuid4().hex[:8]}"  # the served model name (and hash namespace)
 NODES = ("node-a", "node-b", "node-c")
 SIM = ("--backend", "sim", "--speed", "20", "--kv-pool-tokens", "8192", "--max-batch", "16")
+# the default scorers, the saturation guard tighter so a short test trips it
+SCORERS_600 = [
+    {"type": "prefix", "weight": 3.0, "params": {"saturation_tokens": 600}},
+    {"type": "load", "weight": 1.0},
+    {"type": "kv_usage", "weight": 0.5},
+    {"type": "affinity", "weight": 0.5},
+]
 
 
 def register(endpoint: str, model: str, replica: str, url: str, node: str, lease: int = 0) -> None:
@@ -91,7 +98,7 @@ def router(
             FLEET: {"aliases": ["fleet-alias"], "tokenizer": "smollm2"},
             "ghost": {"fallbacks": [FLEET]},  # no endpoint serves it
         },
-        "routing": {"optimistic_ttl_s": 0.2, "saturation_tokens": 600},
+        "routing": {"optimistic_ttl_s": 0.2, "scorers": SCORERS_600},
         "scrape": {"interval_s": 0.2, "stale_s": 2.0},
         "breaker": {"failures": 1, "open_s": 60.0},
         "deadlines": {"first_token_s": 20.0, "idle_s": 10.0},
@@ -288,9 +295,15 @@ def test_routing_policy_from_etcd_is_applied_and_validated(
     etcd_run(etcd_server.endpoint, lambda c: c.put_json(key, {"weights": {"kv_usage": 0.25}}))
     try:
         until("policy applied", lambda: weights()["kv_usage"] == 0.25)
+        ignored = lambda: metric(router, "cgn_router_records_ignored_total", kind="policy")  # noqa: E731
+        before = ignored()
         etcd_run(etcd_server.endpoint, lambda c: c.put_json(key, {"weights": {"bogus": 1}}))
-        time.sleep(0.5)  # an invalid policy is ignored: nothing to poll for but its absence
+        until("the bad policy is counted as ignored", lambda: ignored() == before + 1)
         assert weights()["kv_usage"] == 0.25 and "bogus" not in weights()
+        # a whole policy: the configured scorers replaced, the rest kept
+        policy = {"scorers": [{"type": "load", "weight": 2.0}], "picker": "p2c"}
+        etcd_run(etcd_server.endpoint, lambda c: c.put_json(key, policy))
+        until("a whole policy applied", lambda: weights() == {"load": 2.0})
     finally:
         etcd_run(etcd_server.endpoint, lambda c: c.delete(key))
     until("policy reverted to the settings", lambda: weights()["kv_usage"] == 0.5)

@@ -7,14 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from cgn_router.pipeline import Pipeline, check_weights
-from cgn_router.plugins import FILTERS, PICKERS
+from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
+from cgn_router.plugins import FILTERS, PICKERS, SCORERS
 from cgn_router.plugins.affinity import AffinityScorer
+from cgn_router.plugins.base import build
 from cgn_router.plugins.kv_usage import KvUsageScorer
 from cgn_router.plugins.load import LoadScorer
 from cgn_router.plugins.picker import MaxScorePicker, PowerOfTwoPicker
 from cgn_router.plugins.prefix import PrefixScorer
-from cgn_router.settings import RoutingSettings
+from cgn_router.settings import RoutingSettings, ScorerSpec
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
 B = tuple(bytes([i]) * 32 for i in range(10))  # ten block hashes
@@ -81,7 +82,13 @@ PREFIX_CASES = [
 def test_prefix_scorer(
     req: RequestInfo, views: list[EndpointView], expected: dict[str, float]
 ) -> None:
-    assert ids(PrefixScorer(saturation_tokens=100).score(req, views)) == expected
+    assert ids(PrefixScorer(saturation_tokens=100).score(req, views).values) == expected
+
+
+def test_prefix_scorer_reports_the_credit_its_guard_held_back() -> None:
+    views = [view("a", matched_blocks=10, pending_prefill=100), view("b", pending_prefill=100),
+             view("c")]  # fmt: skip
+    assert PrefixScorer(saturation_tokens=100).score(REQ, views).held_back == 1  # b held none
 
 
 LOAD_CASES = [
@@ -101,7 +108,7 @@ LOAD_CASES = [
 
 @pytest.mark.parametrize(("views", "expected"), LOAD_CASES)
 def test_load_scorer(views: list[EndpointView], expected: dict[str, float]) -> None:
-    assert ids(LoadScorer().score(REQ, views)) == expected
+    assert ids(LoadScorer().score(REQ, views).values) == expected
 
 
 KV_CASES = [
@@ -114,7 +121,7 @@ KV_CASES = [
 
 @pytest.mark.parametrize(("views", "expected"), KV_CASES)
 def test_kv_usage_scorer(views: list[EndpointView], expected: dict[str, float]) -> None:
-    assert ids(KvUsageScorer().score(REQ, views)) == expected
+    assert ids(KvUsageScorer().score(REQ, views).values) == expected
 
 
 AFFINITY_CASES = [
@@ -127,7 +134,7 @@ AFFINITY_CASES = [
 def test_affinity_scorer(
     req: RequestInfo, views: list[EndpointView], expected: dict[str, float]
 ) -> None:
-    assert ids(AffinityScorer().score(req, views)) == expected
+    assert ids(AffinityScorer().score(req, views).values) == expected
 
 
 # ---- pickers -------------------------------------------------------------------
@@ -159,8 +166,15 @@ def test_registry_names_every_plugin() -> None:
 # ---- the pipeline ----------------------------------------------------------------
 
 
+def policy(**prefix: float) -> Policy:
+    """The default policy, the prefix scorer's parameters replaced."""
+    base = Policy.from_settings(RoutingSettings())
+    scorers = tuple(replace(s, params=prefix) if s.type == "prefix" else s for s in base.scorers)
+    return replace(base, scorers=scorers)
+
+
 def pipeline(**weights: float) -> Pipeline:
-    p = Pipeline.from_settings(RoutingSettings(saturation_tokens=1000))
+    p = Pipeline.build(policy(saturation_tokens=1000))
     p.set_weights(weights)
     return p
 
@@ -193,7 +207,7 @@ def test_saturation_guard_spreads_a_shared_prefix() -> None:
     """Every request shares its first blocks: without the guard all go to one replica."""
     counts = shared_prefix_counts(pipeline())
     assert min(counts.values()) >= 4 and max(counts.values()) <= 16, counts
-    unguarded = Pipeline.from_settings(RoutingSettings(saturation_tokens=10**9))
+    unguarded = Pipeline.build(policy(saturation_tokens=10**9))
     assert max(shared_prefix_counts(unguarded).values()) == 40
 
 
@@ -221,5 +235,48 @@ def test_zero_weight_scorers_are_skipped() -> None:
     ],
 )
 def test_bad_weights_are_refused(weights: dict[str, object], message: str) -> None:
+    p = pipeline()
     with pytest.raises(ValueError, match=message):
-        check_weights(weights)
+        p.set_weights(weights)
+    assert p.weights == pipeline().weights
+
+
+BUILD_ERRORS = [
+    (SCORERS, "scorer", "nope", {}, "unknown scorer 'nope' \\(known: affinity, kv_usage, load, prefix\\)"),
+    (SCORERS, "scorer", "prefix", {"bogus": 1}, "unknown parameter 'bogus' \\(known: saturation_tokens, ram_weight, ssd_weight\\)"),
+    (SCORERS, "scorer", "load", {"x": 1}, "unknown parameter 'x' \\(known: none\\)"),
+    (SCORERS, "scorer", "prefix", {"saturation_tokens": 1.5}, "must be a whole number"),
+    (SCORERS, "scorer", "prefix", {"saturation_tokens": 0}, "must be positive"),
+    (SCORERS, "scorer", "prefix", {"ram_weight": "high"}, "must be a number"),
+    (SCORERS, "scorer", "prefix", {"ssd_weight": 1.5}, "between 0 and 1"),
+    (FILTERS, "filter", "gpu", {}, "unknown filter 'gpu'"),
+    (PICKERS, "picker", "best", {}, "unknown picker 'best'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("table", "kind", "type_", "params", "message"), BUILD_ERRORS)
+def test_plugins_from_config_are_checked(
+    table: dict[str, object], kind: str, type_: str, params: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        build(table, kind, type_, "", params)  # type: ignore[arg-type]
+
+
+def test_a_pipeline_is_built_from_config_through_the_registries() -> None:
+    s = RoutingSettings(
+        filters=("model", "breaker"),
+        scorers=(ScorerSpec("prefix", 2.0, params={"saturation_tokens": 500.0}),
+                 ScorerSpec("load", 1.0, name="queue")),
+        picker="p2c",
+    )  # fmt: skip
+    p = Pipeline.from_settings(s)
+    assert [f.name for f in p.filters] == ["model", "breaker"]
+    assert p.weights == {"prefix": 2.0, "queue": 1.0} and p.picker.name == "p2c"
+    prefix = p.scorers[0]
+    assert isinstance(prefix, PrefixScorer) and prefix.saturation_tokens == 500
+    d = p.route(REQ, [view("a", cordoned=True, matched_blocks=10), view("b")], random.Random(0))
+    assert d.chosen == "m/a" and set(d.scores) == {"prefix", "queue"}  # no cordon filter
+    # the live policy replaces parts and keeps the rest of its base
+    live = pipeline_from_policy({"picker": "max", "weights": {"queue": 0}}, Policy.from_settings(s))
+    assert live.weights == {"prefix": 2.0, "queue": 0.0} and live.picker.name == "max"
+    assert [f.name for f in live.filters] == ["model", "breaker"]

@@ -299,7 +299,11 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         ("", ("--static",), "discovery is 'static' but no endpoints are configured"),
         ("endpoints: {a: {url: 'ftp://x', model: m}}\n", (), "endpoints.a: 'url' must be an http"),
         ("endpoints: {a: {url: 'http://x'}}\n", (), "endpoints.a.model is required"),
-        ("routing: {prefix: -1}\n", (), "weight of 'prefix' must be a number from 0 to 1e9"),
+        ("routing: {scorers: [{type: prefix, weight: -1}]}\n", (), "routing: weight of 'prefix' must be a number from 0 to 1e9"),
+        ("routing: {scorers: [{type: prefix, params: {ram_weight: 2}}]}\n", (), "routing: scorer 'prefix': ram_weight must be between 0 and 1"),
+        ("routing: {scorers: [{type: cache}]}\n", (), "routing: unknown scorer 'cache' (known: affinity, kv_usage, load, prefix)"),
+        ("routing: {picker: best}\n", (), "routing: unknown picker 'best'"),
+        ("routing: {prefix: 3}\n", (), "routing.prefix: unknown key"),
         ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be positive"),
     ],
 )

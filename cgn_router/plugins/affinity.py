@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import SCORERS, register
-from cgn_router.types import EndpointId, EndpointView, RequestInfo
+from cgn_router.plugins.base import SCORERS, Scores, register
+from cgn_router.types import EndpointView, RequestInfo
 
 
 @register(SCORERS, "affinity")
@@ -14,5 +14,6 @@ from cgn_router.types import EndpointId, EndpointView, RequestInfo
 class AffinityScorer:
     name: str = "affinity"
 
-    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
-        return {v.id: 1.0 if req.session is not None and v.session_owner else 0.0 for v in views}
+    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
+        owner = req.session is not None
+        return Scores({v.id: 1.0 if owner and v.session_owner else 0.0 for v in views})

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import SCORERS, register
-from cgn_router.types import EndpointId, EndpointView, RequestInfo
+from cgn_router.plugins.base import SCORERS, Scores, register
+from cgn_router.types import EndpointView, RequestInfo
 
 
 @register(SCORERS, "kv_usage")
@@ -14,8 +14,8 @@ from cgn_router.types import EndpointId, EndpointView, RequestInfo
 class KvUsageScorer:
     name: str = "kv_usage"
 
-    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
-        return {
+    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
+        return Scores({
             v.id: 0.0 if v.load is None else min(1.0, max(0.0, 1.0 - v.load.kv_usage))
             for v in views
-        }
+        })  # fmt: skip

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import SCORERS, register
+from cgn_router.plugins.base import SCORERS, Scores, register
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
 STALE_FACTOR = 0.5
@@ -39,12 +39,12 @@ def _share(value: float, top: float) -> float:
 class LoadScorer:
     name: str = "load"
 
-    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> dict[EndpointId, float]:
+    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
         queues = {v.id: queue(v) for v in views}
         top_q = max(queues.values(), default=0.0)
         top_w = float(max((v.pending_prefill for v in views), default=0))
-        out = {}
+        out: dict[EndpointId, float] = {}
         for v in views:
             busy = (_share(queues[v.id], top_q) + _share(v.pending_prefill, top_w)) / 2
             out[v.id] = (1.0 - busy) * (STALE_FACTOR if v.load is None else 1.0)
-        return out
+        return Scores(out)
