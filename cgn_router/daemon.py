@@ -21,9 +21,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from google.protobuf import json_format
 
-from cgn_core.backoff import Backoff
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
@@ -32,13 +30,13 @@ from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
-from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.admin import build_admin_app
 from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.control import ControlState, run_reconciler
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
-from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
+from cgn_router.kv_follow import KvFollowers
+from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Pipeline
 from cgn_router.proxy import Proxy
@@ -257,102 +255,6 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
         started = time.monotonic()
         await asyncio.gather(*(scrape_one(eid) for eid in list(svc.registry.states)))
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
-
-
-class KvFollowers:
-    """One KV-event follower task per stream: each endpoint that publishes events (its pool),
-    and each node's cgn-kvcached (its RAM and SSD tiers, labelled `kvcached:<node>`)."""
-
-    def __init__(self, svc: RouterService, session: aiohttp.ClientSession, tg: asyncio.TaskGroup):
-        self.svc, self.session, self.tg = svc, session, tg
-        # (endpoint id, None) for an engine's pool, ("", node) for a node's store
-        self.tasks: dict[tuple[str, str | None], tuple[tuple[str, str], asyncio.Task[None]]] = {}
-
-    def reconcile(self) -> None:
-        reg = self.svc.registry
-        want: dict[tuple[str, str | None], tuple[str, str]] = {
-            (eid, None): (s.endpoint.kv_events_url, s.endpoint.token)
-            for eid, s in reg.states.items()
-            if s.endpoint.kv_events_url
-        }
-        want |= {("", node): source for node, source in reg.stores.items()}
-        for stream, (source, task) in list(self.tasks.items()):
-            if want.get(stream) != source:
-                task.cancel()
-                del self.tasks[stream]
-        for stream, source in want.items():
-            if stream not in self.tasks:
-                task = self.tg.create_task(self._follow(*stream, *source))
-                self.tasks[stream] = (source, task)
-
-    async def _follow(self, eid: str, node: str | None, url: str, token: str) -> None:
-        """One stream: an engine's pool (`eid`) or, with `node`, that node's store."""
-        reg, metrics = self.svc.registry, self.svc.metrics
-        name = eid if node is None else STORE + node  # its metrics label
-        backoff = Backoff(base=0.2, cap=5.0)
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.svc.settings.deadlines.connect_s, sock_read=None
-        )
-        while True:
-            first = True
-            try:
-                async with self.session.get(
-                    url, timeout=timeout, read_bufsize=1 << 24, headers=bearer_header(token)
-                ) as resp:
-                    if resp.status != 200:
-                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                    async for line in resp.content:
-                        if not line.startswith(b"data: "):
-                            continue
-                        msg = json_format.Parse(line[6:], pb.KvEventEnvelope(),
-                                                ignore_unknown_fields=True)  # fmt: skip
-                        if node is None:
-                            applied = _apply_kv(reg.index, EndpointId(eid), msg)
-                        else:
-                            applied = _apply_tiers(reg.tiers, node, msg, first)
-                        if not applied:
-                            break  # a gap: reconnect for a fresh snapshot
-                        if msg.HasField("snapshot"):
-                            if first:
-                                metrics.kv_resyncs.labels(name).inc()
-                            first = False
-                            backoff.reset()
-                        else:
-                            metrics.kv_events.labels(name).inc()
-            except (aiohttp.ClientError, json_format.ParseError, ValueError, TimeoutError) as exc:
-                log.debug("KV events of %s: %s", name, exc)
-            except Exception:  # NOTE: a peer's stream must never end the router's TaskGroup
-                log.exception("KV events of %s: unexpected failure; reconnecting", name)
-            if node is None:
-                reg.index.lost(EndpointId(eid))
-            await asyncio.sleep(backoff.next())
-
-
-STORE = "kvcached:"  # the metrics label of a node's KV store stream: kvcached:<node>
-
-
-def _apply_kv(index: PrefixIndex, eid: EndpointId, msg: pb.KvEventEnvelope) -> bool:
-    if msg.HasField("snapshot"):
-        index.snapshot(eid, msg.snapshot.seq, msg.snapshot.block_hashes)
-        return True
-    ev = msg.event
-    return index.event(eid, ev.seq, ev.kind == pb.KvBlockEvent.STORED, ev.block_hashes)
-
-
-_TIER_BITS = {pb.KV_TIER_RAM: RAM, pb.KV_TIER_SSD: SSD}
-
-
-def _apply_tiers(tiers: TierIndex, node: str, msg: pb.KvEventEnvelope, first: bool) -> bool:
-    """A node store's message; events of tiers other than RAM and SSD are skipped."""
-    if msg.HasField("snapshot"):
-        snap = msg.snapshot
-        bits = _TIER_BITS.get(snap.tier, 0)
-        tiers.snapshot(node, snap.seq, bits, snap.block_hashes if bits else (), first)
-        return True
-    ev = msg.event
-    bits = _TIER_BITS.get(ev.tier, 0)
-    stored = ev.kind == pb.KvBlockEvent.STORED
-    return tiers.event(node, ev.seq, stored, bits, ev.block_hashes if bits else ())
 
 
 def run(settings: RouterSettings, ready_file: Path | None) -> None:

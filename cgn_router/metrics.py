@@ -134,6 +134,11 @@ class RouterMetrics:
         self.kv_resyncs = counter(
             "cgn_router_kv_resyncs", "KV event streams (re)started from a snapshot.", "endpoint"
         )
+        self.kv_refused = counter(
+            "cgn_router_kv_streams_refused",
+            "KV event streams refused for another block size or hash namespace.",
+            "endpoint",
+        )
         self.kv_events = counter("cgn_router_kv_events", "KV events applied.", "endpoint")
 
     def attempt_ended(

@@ -196,7 +196,7 @@ def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
     of each tier equals what Lookup answers, through RAM evictions to the SSD."""
     from google.protobuf import json_format
 
-    from cgn_router.daemon import _apply_tiers
+    from cgn_router.kv_follow import apply_tiers
     from cgn_router.kv_index import TierIndex
 
     args = ("--ram-bytes", str(1 << 20), "--ssd-dir", str(tmp_path / "ssd"),
@@ -227,6 +227,6 @@ def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
             assert line, "the stream ended"
             if line.startswith(b"data: "):
                 msg = json_format.Parse(line[6:], ev.KvEventEnvelope())
-                assert _apply_tiers(tiers, "n1", msg, first)
+                assert apply_tiers(tiers, "n1", msg, first)
                 first, n = first and not msg.HasField("snapshot"), n + 1
         assert want.count(ev.KV_TIER_SSD) >= 10 and n > 20

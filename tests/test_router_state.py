@@ -8,14 +8,17 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cgn_core.blockhash import block_hashes
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
+from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
+from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import Registry, Sessions, endpoint_from_etcd
@@ -67,6 +70,32 @@ def test_exact_tracking_follows_events_and_detects_a_gap() -> None:
     idx.snapshot(E, 20, H)
     assert idx.match(E, H, now=0) == 6 and idx.event(E, 21, False, [H[0]])
     assert idx.match(E, H, now=0) == 0
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "refused"),
+    [
+        ({"block_size": 16, "namespace": "m"}, ""),
+        ({"block_size": 32, "namespace": "m"}, "blocks of 32 tokens, the router hashes 16"),
+        (
+            {"block_size": 16, "namespace": "other"},
+            "hash namespace 'other', the router expects 'm'",
+        ),
+        ({"block_size": 16}, "hash namespace '', the router expects 'm'"),
+    ],
+)
+def test_a_pool_stream_must_match_the_hash_contract(snapshot: dict[str, Any], refused: str) -> None:
+    idx = PrefixIndex(60, 100, 1)
+    msg = ev.KvEventEnvelope(snapshot=ev.KvSnapshot(seq=3, block_hashes=H[:2], **snapshot))
+    if not refused:
+        assert apply_pool(idx, E, "m", msg) and idx.match(E, H, 0) == 2
+        return
+    with pytest.raises(StreamRefused, match=refused):
+        apply_pool(idx, E, "m", msg)
+    assert idx.match(E, H, 0) == 0  # nothing of it was applied
+    store = ev.KvEventEnvelope(snapshot=ev.KvSnapshot(seq=1, block_size=16, namespace="m"))
+    with pytest.raises(StreamRefused):  # a store holds several models: its namespace is ""
+        apply_tiers(TierIndex(), "n1", store, True)
 
 
 def test_node_tiers_extend_the_pool_match_and_follow_events() -> None:
@@ -299,9 +328,21 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         ("", ("--static",), "discovery is 'static' but no endpoints are configured"),
         ("endpoints: {a: {url: 'ftp://x', model: m}}\n", (), "endpoints.a: 'url' must be an http"),
         ("endpoints: {a: {url: 'http://x'}}\n", (), "endpoints.a.model is required"),
-        ("routing: {scorers: [{type: prefix, weight: -1}]}\n", (), "routing: weight of 'prefix' must be a number from 0 to 1e9"),
-        ("routing: {scorers: [{type: prefix, params: {ram_weight: 2}}]}\n", (), "routing: scorer 'prefix': ram_weight must be between 0 and 1"),
-        ("routing: {scorers: [{type: cache}]}\n", (), "routing: unknown scorer 'cache' (known: affinity, kv_usage, load, prefix)"),
+        (
+            "routing: {scorers: [{type: prefix, weight: -1}]}\n",
+            (),
+            "routing: weight of 'prefix' must be a number from 0 to 1e9",
+        ),
+        (
+            "routing: {scorers: [{type: prefix, params: {ram_weight: 2}}]}\n",
+            (),
+            "routing: scorer 'prefix': ram_weight must be between 0 and 1",
+        ),
+        (
+            "routing: {scorers: [{type: cache}]}\n",
+            (),
+            "routing: unknown scorer 'cache' (known: affinity, kv_usage, load, prefix)",
+        ),
         ("routing: {picker: best}\n", (), "routing: unknown picker 'best'"),
         ("routing: {prefix: 3}\n", (), "routing.prefix: unknown key"),
         ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be positive"),
