@@ -50,9 +50,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cgn_core.apikeys import KEYS_PREFIX, create
+from cgn_core import keys
+from cgn_core.apikeys import create
 from cgn_core.etcd.local import LocalEtcd
-from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
 
 MODEL = "sim"
 SIM = ("--backend", "sim", "--speed", "4", "--max-batch", "16", "--kv-pool-tokens", "65536",
@@ -73,7 +74,7 @@ class Fleet:
 
 def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
     key, record = create(tenant, band)
-    etcd_put(etcd.endpoint, KEYS_PREFIX + record.id, record.to_json())
+    etcd_put(etcd.endpoint, keys.API_KEYS + record.id, record.to_json())
     return key
 
 

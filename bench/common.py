@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from cgn_core.etcd.local import free_port
-from tests.support.procs import REPO, stop, wait_http_ok
+from harness.procs import REPO, stop, wait_http_ok
 
 RESULTS = REPO / "bench" / "results"
 
@@ -52,13 +52,6 @@ def engine(
         yield {"url": url, "pid": proc.pid, "load_s": time.monotonic() - start}
     finally:
         stop(proc)
-
-
-def metric_total(url: str, name: str) -> float:
-    """The sum of a Prometheus metric's labelled lines on `url`/metrics."""
-    text = httpx.get(url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))  # fmt: skip
 
 
 def model_id(url: str) -> str:

@@ -39,7 +39,7 @@ from cgn_core.kv_layout import Layout
 from cgn_core.readiness import wait_ready_file
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
-from tests.support.procs import BIN, stop
+from harness.procs import BIN, stop
 
 MODELS = {  # layers, KV heads, head dim (from the GGUFs)
     "smollm2-135m": (30, 3, 64),

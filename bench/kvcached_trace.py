@@ -35,10 +35,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import metric_total, write_result
+from bench.common import write_result
 from bench.router_trace import TRACE, fleet_speed, replay, summarize
 from bench.trace import load
-from tests.support.procs import cgn_infer_engines, cgn_kvcached, cgn_router
+from harness.metrics import metric
+from harness.procs import cgn_infer_engines, cgn_kvcached, cgn_router
 
 MODEL = "trace"
 
@@ -74,7 +75,7 @@ def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str
         outcomes, wall = asyncio.run(
             replay(router.url, MODEL, reqs, args.blocks_per_id, args.output_scale)
         )
-        counters = {name: sum(metric_total(e.url, f"cgn_infer_{name}_total") for e in fleet)
+        counters = {name: sum(metric(e.url, f"cgn_infer_{name}_total") for e in fleet)
                     for name in COUNTERS}  # fmt: skip
     return summarize(outcomes, wall) | {"engine_counters": counters}
 

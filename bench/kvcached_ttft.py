@@ -41,11 +41,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import engine, metric_total, model_id, peak_rss_mib, write_result
+from bench.common import engine, model_id, peak_rss_mib, write_result
 from bench.kvcached_tiers import MODELS, drop_page_cache
 from cgn_core.bundled_models import BUNDLED
 from cgn_core.etcd.local import free_port
-from tests.support.procs import cgn_kvcached
+from harness.metrics import metric
+from harness.procs import cgn_kvcached
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -92,13 +93,13 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
             phase("pool", e["url"], model)
             want = sum(len(ps) * (n // 16) for n, ps in prompts.items())
             deadline = time.monotonic() + 120
-            while metric_total(e["url"], "cgn_infer_kv_offloaded_blocks_total") < want:
+            while metric(e["url"], "cgn_infer_kv_offloaded_blocks_total") < want:
                 assert time.monotonic() < deadline, "offers never reached kvcached"
                 time.sleep(0.2)
         with engine("cgn-infer", path, 2, *engine_args) as e:
             phase("ram", e["url"], model)
-            ram_bw = metric_total(e["url"], "cgn_infer_kv_restore_seconds_sum")
-            restored = metric_total(e["url"], "cgn_infer_kv_restored_tokens_total")
+            ram_bw = metric(e["url"], "cgn_infer_kv_restore_seconds_sum")
+            restored = metric(e["url"], "cgn_infer_kv_restored_tokens_total")
         stats = httpx.get(kv.admin + "/metrics").text
         ram_bytes = sum(float(line.rsplit(" ", 1)[1]) for line in stats.splitlines()
                         if line.startswith('cgn_kvcached_bytes{tier="ram"}'))  # fmt: skip
@@ -107,12 +108,12 @@ def measure(name: str, lengths: list[int], repeats: int, tmp: Path) -> dict[str,
         slow = ("--set", "kvcached.ram_mb_per_s=1", "--set", "kvcached.ssd_mb_per_s=1")
         with engine("cgn-infer", path, 2, *engine_args, *slow) as e:
             t, c = ttft(e["url"], model, prompts[max(lengths)][0])
-            skipped = metric_total(e["url"], "cgn_infer_kv_restore_skipped_total")
+            skipped = metric(e["url"], "cgn_infer_kv_restore_skipped_total")
     drop_page_cache(tmp / "ssd")
     with store(tmp, port), engine("cgn-infer", path, 2, *engine_args) as e:
         phase("ssd", e["url"], model)
-        ssd_bw = metric_total(e["url"], "cgn_infer_kv_restore_seconds_sum")
-        ssd_restored = metric_total(e["url"], "cgn_infer_kv_restored_tokens_total")
+        ssd_bw = metric(e["url"], "cgn_infer_kv_restore_seconds_sum")
+        ssd_restored = metric(e["url"], "cgn_infer_kv_restored_tokens_total")
     bpt = kv_bytes_per_token(name)
     return {
         "ttft_s": {k: {n: statistics.median(v) for n, v in per.items()} for k, per in out.items()},

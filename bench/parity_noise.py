@@ -36,8 +36,8 @@ from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends import torch_backend
 from cgn_infer.backends.torch_backend import Linear, TorchBackend
 from cgn_infer.models import args_from_gguf
-from tests.support.procs import llamacpp, post
-from tests.test_llamacpp_parity import CORPUS, PROMPTS
+from harness.parity import CORPUS, PROMPTS
+from harness.procs import llamacpp, post
 
 TOP = 10
 Run = list[dict[int, float]]  # per position: token id -> log-probability

@@ -41,7 +41,7 @@ from bench.common import write_result
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
 from cgn_core.readiness import wait_ready_file
-from tests.support.procs import BIN, REPO, stop, wait_http_ok
+from harness.procs import BIN, REPO, stop, wait_http_ok
 
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ROUTER_CPU, CLIENT_CPU = "0", "1"

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 from bench.trace import BLOCK, TraceRequest, expand, load, simulate
 from cgn_infer.settings import SimSettings
-from tests.support.procs import cgn_infer_engines, cgn_router
+from harness.procs import cgn_infer_engines, cgn_router
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/synthetic_trace.jsonl"
 POLICIES: dict[str, dict[str, Any]] = {

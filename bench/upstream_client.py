@@ -35,7 +35,7 @@ from bench.common import write_result
 from bench.router_overhead import CLIENT_CPU, ROUTER_CPU, pinned, process
 from cgn_core.etcd.local import free_port
 from cgn_router.upstream import Upstream
-from tests.support.procs import REPO
+from harness.procs import REPO
 
 PATH = "/v1/chat/completions"
 HEADERS = {"Content-Type": "application/json"}

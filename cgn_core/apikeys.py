@@ -25,7 +25,6 @@ from typing import Any
 from cgn_core import records
 from cgn_core.errors import PermanentError
 
-KEYS_PREFIX = "/cognitora/keys/"
 _KEY = re.compile(r"^cgn_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -26,6 +27,7 @@ from cgn_core.errors import (
     Unauthorized,
     http_response_parts,
 )
+from cgn_core.kv_events import KvEventHub
 
 if TYPE_CHECKING:
     from cgn_core.revocation import RevocationList
@@ -262,3 +264,22 @@ def mtls_middleware(open_paths: frozenset[str], revoked: RevocationList | None =
         return await handler(request)
 
     return check
+
+
+async def serve_sse(hub: KvEventHub, request: web.Request) -> web.StreamResponse:
+    """GET handler: the snapshots, then every event, as server-sent events until the
+    subscriber falls behind or the hub closes."""
+    snapshot, sub = hub.subscribe()
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await resp.prepare(request)
+        await resp.write(snapshot)
+        while (msg := await sub.queue.get()) is not None:
+            await resp.write(msg)
+    finally:
+        hub.unsubscribe(sub)
+    with contextlib.suppress(ConnectionResetError):  # the subscriber already went away
+        await resp.write_eof()
+    return resp

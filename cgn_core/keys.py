@@ -9,6 +9,7 @@ ENDPOINTS = ROOT + "endpoints/"  # <node>/<model>/<replica>: Ready and routable,
 LEADER = ROOT + "leader/"  # <election>: the elected leader's candidate id (routers)
 CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
+API_KEYS = ROOT + "keys/"  # <key id>: an API key record (hash, tenant, band, limits), by ctl
 KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), leased by the agent
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`
 HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (docs/architecture.md)

@@ -18,11 +18,9 @@ which is also what it does when it sees a gap in `seq`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from typing import Literal
 
-from aiohttp import web
 from google.protobuf import json_format
 
 from cgn_core.blockhash import BLOCK_SIZE, BlockHash
@@ -121,22 +119,3 @@ class KvEventHub:
         sub.dropped = True
         self._subs.discard(sub)
         sub.queue.put_nowait(None)
-
-
-async def serve_sse(hub: KvEventHub, request: web.Request) -> web.StreamResponse:
-    """GET handler: the snapshots, then every event, as server-sent events until the
-    subscriber falls behind or the hub closes."""
-    snapshot, sub = hub.subscribe()
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    try:
-        await resp.prepare(request)
-        await resp.write(snapshot)
-        while (msg := await sub.queue.get()) is not None:
-            await resp.write(msg)
-    finally:
-        hub.unsubscribe(sub)
-    with contextlib.suppress(ConnectionResetError):  # the subscriber already went away
-        await resp.write_eof()
-    return resp

@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cgn_core.apikeys import KEYS_PREFIX, Limits, create, parse_record
+from cgn_core import keys
+from cgn_core.apikeys import Limits, create, parse_record
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
@@ -61,7 +62,7 @@ def create_cmd(
         key, record = create(tenant, band, models=names, admin=admin,
                              limits=Limits(rps, tokens_per_min, concurrent),
                              expires_in_s=expires_in, note=note)  # fmt: skip
-        await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+        await c.put_json(keys.API_KEYS + record.id, record.to_json())
         return key, record.to_json()
 
     key, doc = with_etcd(etcd, config, work)
@@ -84,7 +85,7 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
     """Every key: id, tenant, band, models, limits, expiry (never the key or its hash)."""
 
     async def work(c: EtcdClient) -> list[dict[str, Any]]:
-        kvs, _ = await c.get_prefix(KEYS_PREFIX)
+        kvs, _ = await c.get_prefix(keys.API_KEYS)
         out = []
         for kv in kvs:
             doc = parse_record(kv.json()).to_json()
@@ -113,7 +114,7 @@ def revoke_cmd(key_id: Annotated[str, typer.Argument(help="The key's id.")], etc
     """Delete a key: routers refuse it within seconds (they watch the keys)."""
 
     async def work(c: EtcdClient) -> None:
-        if not await c.delete(KEYS_PREFIX + key_id):
+        if not await c.delete(keys.API_KEYS + key_id):
             raise NotFound(f"no key {key_id!r}")
 
     with_etcd(etcd, config, work)
@@ -133,19 +134,19 @@ def rotate_cmd(
     """A new key with the old one's tenant, band, models and limits; the old ends after --grace."""
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
-        raw = await c.get_json(KEYS_PREFIX + key_id)
+        raw = await c.get_json(keys.API_KEYS + key_id)
         if raw is None:
             raise NotFound(f"no key {key_id!r}")
         old = parse_record(raw)
         key, record = create(old.tenant, old.band, models=old.models, admin=old.admin,
                              limits=old.limits, note=old.note)  # fmt: skip
-        await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+        await c.put_json(keys.API_KEYS + record.id, record.to_json())
         if grace > 0:
             await c.put_json(
-                KEYS_PREFIX + key_id, {**old.to_json(), "expires_unix": time.time() + grace}
+                keys.API_KEYS + key_id, {**old.to_json(), "expires_unix": time.time() + grace}
             )
         else:
-            await c.delete(KEYS_PREFIX + key_id)
+            await c.delete(keys.API_KEYS + key_id)
         return key, record.to_json()
 
     key, doc = with_etcd(etcd, config, work)

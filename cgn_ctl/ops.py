@@ -13,7 +13,8 @@ from typing import Any
 
 from cgn_core import keys
 from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model
-from cgn_core.cluster import Snapshot, read_snapshot, views
+from cgn_core.cluster import Snapshot, views
+from cgn_core.cluster_reader import read_snapshot
 from cgn_core.errors import NotFound, PermanentError
 from cgn_core.etcd import EtcdClient
 from cgn_core.placement import Decision, NodeState, place

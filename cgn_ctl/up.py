@@ -223,7 +223,7 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
     """The catalog entry for the model and an API key for the user."""
     import asyncio
 
-    from cgn_core.apikeys import KEYS_PREFIX, create
+    from cgn_core.apikeys import create
     from cgn_core.catalog import parse_model
     from cgn_core.etcd import EtcdClient
     from cgn_core.settings import EtcdSettings
@@ -244,7 +244,7 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
     async def write() -> None:
         async with EtcdClient(EtcdSettings(endpoints=(etcd,))) as c:
             await c.put_json(etcd_keys.CATALOG + name, spec.to_json())
-            await c.put_json(KEYS_PREFIX + record.id, record.to_json())
+            await c.put_json(etcd_keys.API_KEYS + record.id, record.to_json())
 
     asyncio.run(write())
     say(f"model {name} declared ({source}); API key {record.id} created")

@@ -33,8 +33,9 @@ from cgn_core.http import (
     mtls_middleware,
     parse_json,
     read_body,
+    serve_sse,
 )
-from cgn_core.kv_events import KvEventHub, serve_sse
+from cgn_core.kv_events import KvEventHub
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.metrics import EngineMetrics

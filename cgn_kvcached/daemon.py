@@ -20,8 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
-from cgn_core.http import Runner, bearer_middleware, error_middleware
-from cgn_core.kv_events import serve_sse
+from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_kvcached.metrics import registry_for

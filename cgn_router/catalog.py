@@ -25,7 +25,6 @@ from cgn_router.prompts import PromptHasher
 from cgn_router.settings import ModelSettings
 
 log = logging.getLogger(__name__)
-CATALOG_PREFIX = "/cognitora/catalog/models/"
 
 
 @dataclass(frozen=True, slots=True)

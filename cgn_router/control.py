@@ -22,7 +22,7 @@ from typing import Any
 
 from cgn_core import keys
 from cgn_core.backoff import Backoff
-from cgn_core.cluster import read_snapshot
+from cgn_core.cluster_reader import read_snapshot
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import Compare, Election, EtcdClient, Op
 from cgn_core.records import RecordLog

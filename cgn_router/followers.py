@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgn_core import keys
-from cgn_core.apikeys import KEYS_PREFIX, parse_record
+from cgn_core.apikeys import parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import RecordLog, cordon, kvcached
-from cgn_router.catalog import CATALOG_PREFIX, entry_from_etcd
+from cgn_router.catalog import entry_from_etcd
 from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
 from cgn_router.registry import (
-    CORDON_PREFIX,
-    ENDPOINTS_PREFIX,
     endpoint_from_doc,
     endpoint_key_parts,
 )
@@ -34,7 +32,6 @@ from cgn_router.service import RouterService
 from cgn_router.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
-POLICY_KEY = keys.POLICY_ROUTING
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +54,14 @@ class EtcdFollowers:
 
     def table(self) -> list[Followed]:
         out = [
-            Followed(ENDPOINTS_PREFIX, self.endpoints_list, self.endpoints_event),
-            Followed(CORDON_PREFIX, self.cordon_list, self.cordon_event),
+            Followed(keys.ENDPOINTS, self.endpoints_list, self.endpoints_event),
+            Followed(keys.CORDON, self.cordon_list, self.cordon_event),
             Followed(keys.KVCACHED, self.stores_list, self.stores_event),
-            Followed(CATALOG_PREFIX, self.catalog_list, self.catalog_event),
-            Followed(POLICY_KEY, self.policy_list, self.policy_event),
+            Followed(keys.CATALOG, self.catalog_list, self.catalog_event),
+            Followed(keys.POLICY_ROUTING, self.policy_list, self.policy_event),
         ]
         if self.svc.settings.auth.enabled:
-            out.append(Followed(KEYS_PREFIX, self.keys_list, self.keys_event))
+            out.append(Followed(keys.API_KEYS, self.keys_list, self.keys_event))
         return out
 
     def _parse(self, kv: KeyValue, parse: Callable[[Any], Any]) -> Any | None:
@@ -118,10 +115,10 @@ class EtcdFollowers:
     def cordon_list(self, kvs: list[KeyValue]) -> None:
         for kv in kvs:
             self._report_bad_cordon(kv)
-        self.svc.registry.cordoned = {kv.key[len(CORDON_PREFIX) :] for kv in kvs}
+        self.svc.registry.cordoned = {kv.key[len(keys.CORDON) :] for kv in kvs}
 
     def cordon_event(self, ev: WatchEvent) -> None:
-        node, reg = ev.kv.key[len(CORDON_PREFIX) :], self.svc.registry
+        node, reg = ev.kv.key[len(keys.CORDON) :], self.svc.registry
         if ev.kind == "delete":
             reg.cordoned.discard(node)
         else:
@@ -135,7 +132,7 @@ class EtcdFollowers:
     # ---- catalog ---------------------------------------------------------------------------
 
     def _entry(self, kv: KeyValue) -> Any | None:
-        name = kv.key[len(CATALOG_PREFIX) :]
+        name = kv.key[len(keys.CATALOG) :]
         return self._parse(kv, lambda doc: entry_from_etcd(name, doc))
 
     def catalog_list(self, kvs: list[KeyValue]) -> None:
@@ -144,7 +141,7 @@ class EtcdFollowers:
 
     def catalog_event(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":
-            self.svc.catalog.delete("etcd", ev.kv.key[len(CATALOG_PREFIX) :])
+            self.svc.catalog.delete("etcd", ev.kv.key[len(keys.CATALOG) :])
         elif (entry := self._entry(ev.kv)) is not None:
             self.svc.catalog.put("etcd", entry)
 
@@ -153,11 +150,11 @@ class EtcdFollowers:
     def policy_list(self, kvs: list[KeyValue]) -> None:
         self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
         for kv in kvs:
-            if kv.key == POLICY_KEY:
+            if kv.key == keys.POLICY_ROUTING:
                 self._policy(kv)
 
     def policy_event(self, ev: WatchEvent) -> None:
-        if ev.kv.key != POLICY_KEY:
+        if ev.kv.key != keys.POLICY_ROUTING:
             return
         if ev.kind == "delete":
             self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
@@ -177,11 +174,13 @@ class EtcdFollowers:
         return self._parse(kv, parse_record)
 
     def keys_list(self, kvs: list[KeyValue]) -> None:
-        records = {kv.key[len(KEYS_PREFIX) :]: r for kv in kvs if (r := self._key(kv)) is not None}
+        records = {
+            kv.key[len(keys.API_KEYS) :]: r for kv in kvs if (r := self._key(kv)) is not None
+        }
         self.svc.keys.replace(records)
 
     def keys_event(self, ev: WatchEvent) -> None:
-        kid = ev.kv.key[len(KEYS_PREFIX) :]
+        kid = ev.kv.key[len(keys.API_KEYS) :]
         if ev.kind == "delete":
             self.svc.keys.delete(kid)  # revoked: refused from the next request on
         elif (record := self._key(ev.kv)) is not None:

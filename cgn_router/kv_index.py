@@ -25,7 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cgn_router.types import BlockHash, EndpointId
+from cgn_core.blockhash import BlockHash
+from cgn_router.types import EndpointId
 
 
 @dataclass(slots=True)

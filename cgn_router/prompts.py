@@ -20,10 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cgn_core.blockhash import BLOCK_SIZE, block_hashes, namespace
+from cgn_core.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace
 from cgn_core.errors import InvalidRequest
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
-from cgn_router.types import BlockHash
 
 Method = Literal["token_ids", "tokenizer", "chars", "none"]
 CHARS_PER_TOKEN = 4  # for prompt-size estimates without a tokenizer

@@ -29,10 +29,6 @@ from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
-ENDPOINTS_PREFIX = keys.ENDPOINTS
-CORDON_PREFIX = keys.CORDON
-HASH_SCHEME = keys.HASH_SCHEME
-
 
 @dataclass(slots=True)
 class EndpointState:
@@ -225,14 +221,14 @@ def endpoint_key_parts(key: str) -> tuple[EndpointId, str, str]:
       role can be limited to its own prefix (docs/security.md); id `<model>/<node>.<replica>`;
     * `/cognitora/endpoints/<model>/<replica>`: registered by hand (an admin's key); node "".
     """
-    parts = key[len(ENDPOINTS_PREFIX) :].split("/")
+    parts = key[len(keys.ENDPOINTS) :].split("/")
     if len(parts) == 3 and all(parts):
         node, model, replica = parts
         return EndpointId(f"{model}/{node}.{replica}"), model, node
     if len(parts) == 2 and all(parts):
         return EndpointId("/".join(parts)), parts[0], ""
     raise ValueError(
-        f"{key}: expected {ENDPOINTS_PREFIX}<node>/<model>/<replica> or <model>/<replica>"
+        f"{key}: expected {keys.ENDPOINTS}<node>/<model>/<replica> or <model>/<replica>"
     )
 
 
@@ -277,11 +273,11 @@ def _endpoint(eid: EndpointId, model: str, data: Mapping[str, Any], where: str) 
     if "kv_events_url" not in fields and endpoint.engine == "cgn-infer":
         endpoint = replace(endpoint, kv_events_url=endpoint.url + "/v1/kv/events")
     if endpoint.kv_events_url and (
-        block_size != BLOCK_SIZE or endpoint.hash_scheme != HASH_SCHEME
+        block_size != BLOCK_SIZE or endpoint.hash_scheme != keys.HASH_SCHEME
     ):  # its hashes cannot equal ours: track it approximately instead
         endpoint = replace(endpoint, kv_events_url="")
     return endpoint
 
 
 def cordon_node(key: str) -> str:
-    return key[len(CORDON_PREFIX) :]
+    return key[len(keys.CORDON) :]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NewType
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core import keys
+from cgn_core.blockhash import BLOCK_SIZE, BlockHash
 
 EndpointId = NewType("EndpointId", str)  # "<model>/<replica>" as in the etcd key
-BlockHash = bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class Endpoint:
     role: str = "both"  # both | prefill | decode
     node: str = ""
     block_size: int = BLOCK_SIZE
-    hash_scheme: str = "cognitora.kv.v1"
+    hash_scheme: str = keys.HASH_SCHEME
     kv_events_url: str = ""  # "" when the engine publishes no KV events
     # The engine's API secret from its endpoint record (sent as Authorization: Bearer);
     # "" for engines that take none. Never shown by /endpoints.

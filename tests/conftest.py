@@ -54,7 +54,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def llamacpp_smollm2(smollm2_path: Path) -> Iterator[str]:
     """llama.cpp's own server on SmolLM2: the reference for tokens, templates and logits."""
-    from tests.support.procs import llamacpp
+    from harness.procs import llamacpp
 
     with llamacpp(smollm2_path) as url:
         yield url

@@ -26,7 +26,7 @@ from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd, free_port
 from cgn_core.settings import EtcdSettings
-from tests.support.procs import Agent, cgn_agent, cgn_router, runs
+from harness.procs import Agent, cgn_agent, cgn_router, runs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cgn_core.etcd.local import LocalEtcd
-from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")

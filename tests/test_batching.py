@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cgn_core.blockhash import block_hashes
-from tests.support.procs import cgn_infer
+from harness.metrics import metric
+from harness.procs import cgn_infer
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 QUESTIONS = [
@@ -52,15 +52,6 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--ctx", "2048", "--max-batch", "16", "--kv-pool-tokens", "8192",
     ) as url:  # fmt: skip
         yield url
-
-
-def metric(base_url: str, name: str, **labels: str) -> float:
-    """One sample from the engine's /metrics, parsed with prometheus_client's parser."""
-    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return float(sample.value)
-    raise AssertionError(f"{name} {labels} not in /metrics")
 
 
 async def tokens(client: openai.AsyncOpenAI, question: str, stream: bool) -> list[str]:

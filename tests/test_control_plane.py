@@ -29,7 +29,7 @@ import pytest
 from cgn_agent.processes import EngineProcess
 from cgn_agent.statefile import StateStore
 from cgn_core.etcd.local import LocalEtcd
-from tests.support.procs import Agent, Router, cgn_agent, cgn_router, etcd_run
+from harness.procs import Agent, Router, cgn_agent, cgn_router, etcd_run
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(420)]
 CTL = str(Path(sys.executable).parent / "cgn-ctl")

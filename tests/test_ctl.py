@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cgn_core.etcd.local import LocalEtcd
-from tests.support.procs import etcd_put
+from harness.procs import etcd_put
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
@@ -197,6 +197,6 @@ def test_commands_find_the_etcd_that_up_started(etcd: LocalEtcd, tmp_path: Path)
 
 
 def etcd_get(etcd: LocalEtcd, key: str) -> Any:
-    from tests.support.procs import etcd_run
+    from harness.procs import etcd_run
 
     return etcd_run(etcd.endpoint, lambda c: c.get(key))

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.procs import Router, cgn_infer, cgn_router
+from harness.procs import Router, cgn_infer, cgn_router
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TIMEOUT = httpx.Timeout(60.0)

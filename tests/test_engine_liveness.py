@@ -36,7 +36,7 @@ from cgn_infer.engine import (
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.models import args_from_gguf
 from cgn_infer.sampling import Sampler, SamplingParams
-from tests.support.procs import cgn_infer
+from harness.procs import cgn_infer
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 WAIT_S = 30.0

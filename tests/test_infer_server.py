@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.procs import cgn_infer
+from harness.procs import cgn_infer
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -227,7 +227,7 @@ def test_health_is_503_while_loading(tmp_path: Path, smollm2_path: Path) -> None
     import sys
 
     from cgn_core.etcd.local import free_port
-    from tests.support.procs import stop
+    from harness.procs import stop
 
     port = free_port()
     proc = subprocess.Popen(

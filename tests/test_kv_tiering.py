@@ -19,7 +19,7 @@ from cgn_core.etcd.local import free_port
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.kv_tiering import RestoreCost
 from cgn_infer.models.args import Args
-from tests.support.procs import cgn_infer, cgn_kvcached, post
+from harness.procs import cgn_infer, cgn_kvcached, post
 
 MB = 1e6
 COMPUTED = "cgn_infer_prefill_tokens_computed_total"

@@ -24,7 +24,7 @@ from cgn_core.readiness import wait_ready_file
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
-from tests.support.procs import cgn_kvcached
+from harness.procs import cgn_kvcached
 
 LAYOUT = pb.KvLayout(dtype="float32", layers=4, kv_heads=3, head_dim=64, block_size=16,
                      engine="cgn-infer 0.1.0")  # fmt: skip

@@ -27,7 +27,7 @@ from cgn_core.settings import EtcdSettings, TlsSettings
 from cgn_core.tls import NodeIdentityInterceptor, channel_credentials, server_credentials
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_proto.cognitora.v1 import kv_events_pb2_grpc as pb_grpc
-from tests.support.procs import cgn_agent, cgn_router
+from harness.procs import cgn_agent, cgn_router
 
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
 AGENT = str(Path(sys.executable).parent / "cgn-agent")
@@ -300,7 +300,7 @@ def test_router_serves_https_and_guards_its_admin_api(pkidir: Path, tmp_path: Pa
 def test_engines_over_mutual_tls(pkidir: Path, tmp_path: Path) -> None:
     """An engine serving HTTPS with its node's certificate answers /v1/* only to a caller with
     a certificate of the cluster CA; the router presents its own (engine_tls) and serves."""
-    from tests.support.procs import cgn_infer
+    from harness.procs import cgn_infer
 
     t = tls(pkidir, "n1-agent")
     sets = ("--set", f"tls.ca_file={t.ca_file}", "--set", f"tls.cert_file={t.cert_file}",

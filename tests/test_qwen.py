@@ -15,8 +15,8 @@ from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.torch_backend import TorchBackend
 from cgn_infer.models import args_from_gguf
-from tests.support.procs import llamacpp, post
-from tests.test_llamacpp_parity import CONVERSATIONS, CORPUS, reference_logprobs, reference_top2
+from harness.parity import CONVERSATIONS, CORPUS, reference_logprobs, reference_top2
+from harness.procs import llamacpp, post
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.client import EtcdError
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings, TlsSettings
-from tests.support.procs import cgn_agent, cgn_router
+from harness.procs import cgn_agent, cgn_router
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")

@@ -22,7 +22,8 @@ import openai
 import pytest
 
 from cgn_core.etcd.local import LocalEtcd
-from tests.support.procs import Router, cgn_infer_engines, cgn_router, etcd_run
+from harness.metrics import metric
+from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_run
 
 pytestmark = pytest.mark.etcd
 FLEET = f"simfleet-{uuid.uuid4().hex[:8]}"  # the served model name (and hash namespace)
@@ -143,10 +144,10 @@ def test_openai_client_through_the_router(client: openai.OpenAI) -> None:
 def test_usage_chunk_is_read_but_not_relayed_when_not_asked(
     client: openai.OpenAI, router: Router
 ) -> None:
-    before = metric(router, "cgn_router_tokens_total", kind="completion", model=FLEET)
+    before = metric(router.admin, "cgn_router_tokens_total", kind="completion", model=FLEET)
     chunks = list(client.completions.create(model=FLEET, prompt="Hello", max_tokens=6, stream=True))
     assert all(c.usage is None for c in chunks) and chunks[-1].choices
-    after = metric(router, "cgn_router_tokens_total", kind="completion", model=FLEET)
+    after = metric(router.admin, "cgn_router_tokens_total", kind="completion", model=FLEET)
     assert after - before == 6  # accounted all the same
 
 
@@ -206,19 +207,6 @@ def test_admin_endpoints(router: Router) -> None:
 # ---- routing -------------------------------------------------------------------------
 
 
-def metric(router: Router, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(router.admin + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
 def test_requests_land_on_the_replica_holding_their_prefix(router: Router) -> None:
     """Exact tracking from KV events: each conversation returns to the engine that holds it."""
     first: dict[str, str] = {}
@@ -231,8 +219,8 @@ def test_requests_land_on_the_replica_holding_their_prefix(router: Router) -> No
         first[topic] = headers["x-cognitora-endpoint"]
     assert len(set(first.values())) >= 2  # spread by load while nothing is cached
     time.sleep(0.3)  # past optimistic_ttl_s: only the engines' KV events can explain a hit
-    predicted0 = metric(router, "cgn_router_prefix_tokens_predicted_total", model=FLEET)
-    reported0 = metric(router, "cgn_router_prefix_tokens_reported_total", model=FLEET)
+    predicted0 = metric(router.admin, "cgn_router_prefix_tokens_predicted_total", model=FLEET)
+    reported0 = metric(router.admin, "cgn_router_prefix_tokens_reported_total", model=FLEET)
     for topic in "abcdef":
         prompt = long_prompt(topic) + " and then something new"
         status, headers, body = post(
@@ -240,8 +228,12 @@ def test_requests_land_on_the_replica_holding_their_prefix(router: Router) -> No
         )
         assert headers["x-cognitora-endpoint"] == first[topic], topic
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
-    predicted = metric(router, "cgn_router_prefix_tokens_predicted_total", model=FLEET) - predicted0
-    reported = metric(router, "cgn_router_prefix_tokens_reported_total", model=FLEET) - reported0
+    predicted = (
+        metric(router.admin, "cgn_router_prefix_tokens_predicted_total", model=FLEET) - predicted0
+    )
+    reported = (
+        metric(router.admin, "cgn_router_prefix_tokens_reported_total", model=FLEET) - reported0
+    )
     assert reported >= 6 * 256 and abs(predicted - reported) <= 6 * 16  # at most a block apart
 
 
@@ -249,7 +241,7 @@ def test_saturation_guard_spreads_a_shared_system_prompt(router: Router) -> None
     """All requests share a long system prompt: they must not all pile onto its one holder."""
     system = long_prompt("sys", 400)
     post(router.url + "/v1/completions", {"model": FLEET, "prompt": system, "max_tokens": 1})
-    guard0 = metric(router, "cgn_router_saturation_guard_total", model=FLEET)
+    guard0 = metric(router.admin, "cgn_router_saturation_guard_total", model=FLEET)
 
     async def burst() -> list[str]:
         async with aiohttp.ClientSession() as s:
@@ -269,7 +261,7 @@ def test_saturation_guard_spreads_a_shared_system_prompt(router: Router) -> None
     landed = asyncio.run(burst())
     counts = {e: landed.count(e) for e in set(landed)}
     assert len(counts) == 3 and max(counts.values()) <= 16, counts
-    assert metric(router, "cgn_router_saturation_guard_total", model=FLEET) > guard0
+    assert metric(router.admin, "cgn_router_saturation_guard_total", model=FLEET) > guard0
 
 
 def test_cordoned_node_gets_no_traffic(router: Router, etcd_server: LocalEtcd) -> None:
@@ -295,7 +287,7 @@ def test_routing_policy_from_etcd_is_applied_and_validated(
     etcd_run(etcd_server.endpoint, lambda c: c.put_json(key, {"weights": {"kv_usage": 0.25}}))
     try:
         until("policy applied", lambda: weights()["kv_usage"] == 0.25)
-        ignored = lambda: metric(router, "cgn_router_records_ignored_total", kind="policy")  # noqa: E731
+        ignored = lambda: metric(router.admin, "cgn_router_records_ignored_total", kind="policy")  # noqa: E731
         before = ignored()
         etcd_run(etcd_server.endpoint, lambda c: c.put_json(key, {"weights": {"bogus": 1}}))
         until("the bad policy is counted as ignored", lambda: ignored() == before + 1)
@@ -434,7 +426,9 @@ def test_client_disconnect_cancels_the_generation_upstream(
     router: Router, victims: tuple[str, dict[str, Any]]
 ) -> None:
     model, engines = victims
-    before = metric(router, "cgn_router_requests_total", model=model, outcome="client_disconnected")
+    before = metric(
+        router.admin, "cgn_router_requests_total", model=model, outcome="client_disconnected"
+    )
     body = {
         "model": model,
         "prompt": "go on",
@@ -458,7 +452,9 @@ def test_client_disconnect_cancels_the_generation_upstream(
     for e in engines.values():  # 400 tokens at sim speed 1 would take ~25 s
         until("the engine stopped generating", lambda e=e: engine_running(e.url) == 0)
     assert time.monotonic() - started < 10
-    after = metric(router, "cgn_router_requests_total", model=model, outcome="client_disconnected")
+    after = metric(
+        router.admin, "cgn_router_requests_total", model=model, outcome="client_disconnected"
+    )
     assert after == before + 1
 
 
@@ -488,11 +484,11 @@ def test_kv_view_resyncs_when_an_engine_restarts(
                 {"model": model, "prompt": long_prompt("r"), "max_tokens": 1},
             )
             until("blocks known", lambda: endpoints(router)[eid]["kv_blocks"]["exact"] >= 16)
-            resyncs = metric(router, "cgn_router_kv_resyncs_total", endpoint=eid)
+            resyncs = metric(router.admin, "cgn_router_kv_resyncs_total", endpoint=eid)
         with cgn_infer_engines(tmp_path, 1, *args):  # same port, an empty KV pool
             until(
                 "fresh snapshot",
-                lambda: metric(router, "cgn_router_kv_resyncs_total", endpoint=eid) > resyncs,
+                lambda: metric(router.admin, "cgn_router_kv_resyncs_total", endpoint=eid) > resyncs,
             )
             assert endpoints(router)[eid]["kv_blocks"]["exact"] == 0
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import Router, cgn_infer, cgn_router
+from harness.procs import Router, cgn_infer, cgn_router
 
 MODEL = "slow"
 

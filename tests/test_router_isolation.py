@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cgn_core.etcd.local import free_port
-from tests.support.procs import Router, cgn_router, stop, wait_http_ok
+from harness.procs import Router, cgn_router, stop, wait_http_ok
 
 # An engine that sets a cookie on every answer and reports the Cookie and x-cgn-priority
 # headers it received.

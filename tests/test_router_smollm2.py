@@ -8,8 +8,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.procs import Router, cgn_infer, cgn_router
-from tests.test_router import metric
+from harness.metrics import metric
+from harness.procs import Router, cgn_infer, cgn_router
 
 MODEL = "smol"
 
@@ -58,8 +58,11 @@ def test_router_predicts_the_engines_prefix_hits_exactly(stack: tuple[str, Route
             model=MODEL, max_tokens=2,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
         )  # fmt: skip
-    assert metric(router, "cgn_router_prompts_hashed_total", model=MODEL, method="tokenizer") >= 2
-    assert metric(router, "cgn_router_prompts_hashed_total", model=MODEL, method="chars") == 0
-    predicted = metric(router, "cgn_router_prefix_tokens_predicted_total", model=MODEL)
-    reported = metric(router, "cgn_router_prefix_tokens_reported_total", model=MODEL)
+    assert (
+        metric(router.admin, "cgn_router_prompts_hashed_total", model=MODEL, method="tokenizer")
+        >= 2
+    )
+    assert metric(router.admin, "cgn_router_prompts_hashed_total", model=MODEL, method="chars") == 0
+    predicted = metric(router.admin, "cgn_router_prefix_tokens_predicted_total", model=MODEL)
+    reported = metric(router.admin, "cgn_router_prefix_tokens_reported_total", model=MODEL)
     assert reported >= 160 and predicted == reported

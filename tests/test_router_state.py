@@ -371,7 +371,7 @@ def test_shipped_router_configs_load() -> None:
 def test_router_without_etcd_is_alive_but_not_ready(tmp_path: Path) -> None:
     """etcd unreachable at start: /healthz 200, /readyz 503, requests a clear error; no crash."""
     from cgn_core.etcd.local import free_port
-    from tests.support.procs import cgn_router
+    from harness.procs import cgn_router
 
     dead = f"127.0.0.1:{free_port()}"
     with cgn_router(tmp_path, {"etcd": {"endpoints": [dead], "timeout_s": 0.5}}) as r:

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from cgn_infer.backends.sim_backend import SimCost
-from tests.support.procs import BIN, cgn_infer_fleet
-from tests.test_batching import metric
+from harness.metrics import metric
+from harness.procs import BIN, cgn_infer_fleet
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 POOL_TOKENS = 128  # 8 blocks: a handful of sequences at once, then preemption

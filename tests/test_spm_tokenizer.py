@@ -16,7 +16,7 @@ from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.torch_backend import TorchBackend
 from cgn_infer.models import args_from_gguf
-from tests.support.procs import llamacpp, post
+from harness.procs import llamacpp, post
 from tests.support.tiny_spm import write_tiny_spm
 
 CORPUS = [

@@ -14,7 +14,7 @@ import pytest
 
 from cgn_core.etcd.local import free_ports
 from cgn_core.process import fingerprint_from_json, matches
-from tests.support.procs import runs
+from harness.procs import runs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 CTL = str(Path(sys.executable).parent / "cgn-ctl")

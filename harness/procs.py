@@ -24,7 +24,7 @@ from cgn_core.process import stop_group
 from cgn_core.readiness import wait_ready_file
 from cgn_core.settings import EtcdSettings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 BIN = Path(sys.executable).parent
 
