@@ -8,7 +8,10 @@ their own pair under another model name.
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -186,6 +189,43 @@ def test_oversized_body_and_unknown_path(router: Router) -> None:
     assert status == 413 and doc["error"]["type"] == "invalid_request_error"
     status, _, doc = post(router.url + "/v1/nothing", {})
     assert status == 404 and "error" in doc
+
+
+def _arrivals(url: str, stop: threading.Event, out: list[float]) -> None:
+    """Stream a long completion from `url`, noting when each event arrives, until `stop`."""
+    body = {"model": FLEET, "prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                out.append(time.monotonic())
+            if stop.is_set():
+                return
+
+
+def test_a_huge_prompt_stalls_no_other_stream(router: Router, fleet: list[str]) -> None:
+    """A ~100k-token prompt is templated and tokenized off the event loop, in the router and in
+    the engine: a stream in flight keeps flowing meanwhile. Measured against the huge request's
+    own time, so the bound holds on a slow machine as on a fast one."""
+    huge = {"model": FLEET, "max_tokens": 1,
+            "messages": [{"role": "user", "content": long_prompt("w", 50_000)}]}  # fmt: skip
+    for base in (router.url, fleet[0]):  # through the router; straight at one engine
+        stop, arrivals = threading.Event(), list[float]()
+        stream = threading.Thread(target=_arrivals, args=(base, stop, arrivals))
+        stream.start()
+        until("the stream flows", functools.partial(lambda got: len(got) >= 5, arrivals))
+        t0 = time.monotonic()
+        status, _, err = post(base + "/v1/chat/completions", huge)
+        t1 = time.monotonic()
+        stop.set()
+        stream.join(30)
+        assert status == 400 and "context" in err["error"]["message"], err  # counted, then refused
+        during = [b - a for a, b in itertools.pairwise(arrivals) if t0 <= b <= t1 + 0.05]
+        print(f"{base}: huge request {t1 - t0:.3f} s, {len(during)} events meanwhile, "
+              f"longest gap {max(during, default=-1):.3f} s")  # fmt: skip
+        assert len(during) >= 3 and max(during) < (t1 - t0) / 3
 
 
 def test_embeddings_are_routed_and_the_engines_answer_relayed(router: Router) -> None:
