@@ -1,15 +1,20 @@
 """A minimal OpenAI-shaped upstream that answers at once: the router's overhead benchmark.
 
-    python bench/fake_engine.py PORT
+    python bench/fake_engine.py PORT [PORT ...]
 
 POST /v1/chat/completions and /v1/completions: a fixed small completion (or,
-with "stream": true, three SSE chunks, a usage chunk and [DONE]);
-GET /metrics: vLLM-named gauges; GET /health: 200.
+with "stream": true, one SSE chunk per `max_tokens` (3 when absent, at most
+4096), a usage chunk and [DONE]); GET /metrics: vLLM-named gauges;
+GET /health: 200; GET /v1/models, /get_model_info, /get_server_info: what a
+gateway (SGLang's smg) asks a worker before routing to it. Several ports:
+one process serves them all, so a router sees several engines on one core.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import sys
 
 import uvloop
@@ -26,15 +31,32 @@ USAGE = b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 
 
+MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
+MODELS = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model",
+                                                 "owned_by": "bench"}]}).encode()  # fmt: skip
+INFO = json.dumps({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
+                   "served_model_name": "fake"}).encode()  # fmt: skip
+
+
 async def complete(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     if b'"stream": true' not in body and b'"stream":true' not in body:
         return web.Response(body=BODY, content_type="application/json")
+    m = MAX_TOKENS.search(body)
+    n = min(4096, int(m.group(1))) if m else 3
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(CHUNK * 3 + USAGE + b"data: [DONE]\n\n")
+    await resp.write(CHUNK * n + USAGE + b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def info(_: web.Request) -> web.Response:
+    return web.Response(body=INFO, content_type="application/json")
+
+
+async def models(_: web.Request) -> web.Response:
+    return web.Response(body=MODELS, content_type="application/json")
 
 
 async def metrics(_: web.Request) -> web.Response:
@@ -51,8 +73,19 @@ def main() -> None:
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
-    uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", info)
+    app.router.add_get("/get_server_info", info)
+    uvloop.run(serve([int(p) for p in sys.argv[1:]], app))
+
+
+async def serve(ports: list[int], app: web.Application) -> None:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
 
 
 if __name__ == "__main__":

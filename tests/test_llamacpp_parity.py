@@ -8,7 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cgn_core.text.bpe import BpeCodec, SegmentCache
 from cgn_core.text.chat_template import ChatTemplate
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
@@ -31,6 +34,52 @@ def test_decode_round_trips(tokenizer: GGUFTokenizer) -> None:
     for text in CORPUS:
         if "<|" not in text:
             assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+PIECES = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start",
+    "|>",
+    "user\n",
+    " ",
+    "\n\n",
+    "  ",
+    "Hello",
+    " world",
+    "123",
+    "4",
+    "é",
+    "日本",
+    "🤖",
+    "\t",
+    "'s",
+    "x" * 40,
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(PIECES) | st.text(max_size=8), max_size=20))
+def test_segment_cache_changes_no_token(tokenizer: GGUFTokenizer, parts: list[str]) -> None:
+    """Splitting on special tokens and caching segments gives `tokenizers`' own ids, cold and
+    cached alike."""
+    codec = tokenizer._codec
+    assert isinstance(codec, BpeCodec)
+    text = "".join(parts)
+    want = list(codec._tk.encode(text, add_special_tokens=False).ids)
+    assert codec.encode(text) == want
+    assert codec.encode(text) == want  # from the cache
+
+
+def test_segment_cache_stays_within_its_budget() -> None:
+    cache = SegmentCache(budget=4000)
+    for i in range(100):
+        cache.put(f"segment {i} " * 5, list(range(10)))
+    assert cache.used <= 4000 and cache.get("segment 99 " * 5) == list(range(10))
+    assert cache.get("segment 0 " * 5) is None  # the least recently used went first
+    cache.put("y" * 2000, [1])  # over a quarter of the budget: not kept
+    assert cache.get("y" * 2000) is None
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=lambda m: f"{len(m)}-messages")

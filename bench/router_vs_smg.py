@@ -1,0 +1,291 @@
+"""cgn-router against SGLang's Rust gateway (smg, cache_aware) on the same fake engines, one run.
+
+    .venv/bin/python bench/router_vs_smg.py [--rounds 3] [--seconds 8] [--requests 1000]
+
+Both gateways route the same chat requests (a ~150-token prompt: a shared
+system prompt and a user question that differs in every request, so nothing
+is answered from a whole-request cache) over the same four fake engines (bench/fake_engine.py: one process, four ports, answers at
+once). cgn-router runs its full pipeline: API key (etcd), admission,
+tokenizing with SmolLM2's tokenizer, block hashing, scoring four endpoints.
+smg runs `--policy cache_aware` (its approximate radix tree over the text).
+Nothing is pinned: gateways, engine and load generator share the machine
+alike, and the two gateways are measured in alternating rounds (cgn, smg,
+cgn, smg, ...) so drift on this noisy machine hits both; figures are the
+mean over rounds.
+
+* c=1: sequential requests on one keep-alive connection, alternating direct
+  (the engine itself), cgn and smg request by request; added = gateway - direct.
+* c=64: `wrk -t1 -c64 --latency` for `--seconds` per gateway per round:
+  requests/s and p99.
+* stream: sequential 64-token streams, time to the last byte, p50.
+* profile: with py-spy installed, cgn-router's CPU profile during one c=64
+  run (the functions with the most samples, self and total).
+
+Results: bench/results/router_vs_smg.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import write_result
+from cgn_core import keys
+from cgn_core.apikeys import create
+from cgn_core.etcd.local import LocalEtcd, free_port
+from harness.procs import BIN, REPO, cgn_router, etcd_put, stop, wait_http_ok
+
+SYSTEM = ("You are a careful assistant for a logistics company. Answer in short sentences, "
+          "cite the shipment number when you know it, never invent tracking data, and ask "
+          "for the order reference when it is missing. ") * 3  # fmt: skip
+BODY = {"model": "fake", "max_tokens": 1,
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": "Where is shipment NNNN?"}]}  # fmt: skip
+
+
+def body(n: int, **extra: object) -> bytes:
+    """BODY with shipment number `n` (a new user message per request)."""
+    return json.dumps({**BODY, **extra}).replace("NNNN", str(n)).encode()
+
+
+ENGINES = 4
+
+
+@contextmanager
+def process(argv: list[str], health: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http_ok(health, proc, timeout_s=120)
+        yield proc
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
+    """The fake engines, etcd with one API key, cgn-router and smg; all stopped after."""
+    with ExitStack() as stack:
+        ports = [free_port() for _ in range(ENGINES)]
+        fake = [sys.executable, str(REPO / "bench/fake_engine.py"), *map(str, ports)]
+        stack.enter_context(process(fake, f"http://127.0.0.1:{ports[0]}/health", tmp / "fake.log"))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        etcd = LocalEtcd(tmp / "etcd")
+        etcd.start()
+        stack.callback(etcd.stop)
+        key, record = create("bench", "gold")
+        etcd_put(etcd.endpoint, keys.API_KEYS + record.id, record.to_json())
+        for i, url in enumerate(urls):
+            etcd_put(etcd.endpoint, f"{keys.ENDPOINTS}fake/e{i}", {"url": url, "engine": "vllm"})
+        config = {
+            "etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
+            "log": {"level": "warning"}, "models": {"fake": {"tokenizer": "smollm2"}},
+            "reconciler": {"enabled": False},
+        }  # fmt: skip
+        cgn = stack.enter_context(cgn_router(tmp, config))
+        deadline = time.monotonic() + 30
+        while _status(cgn.url, key) != 200:  # the key and the endpoints are followed from etcd
+            assert time.monotonic() < deadline, "cgn-router never served"
+            time.sleep(0.1)
+        port = free_port()
+        smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
+        stack.enter_context(process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log"))
+        smg_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while _status(smg_url, key) != 200:  # workers are activated after its health is up
+            assert time.monotonic() < deadline, "smg never served"
+            time.sleep(0.1)
+        yield {
+            "direct": urls[0],
+            "cgn": cgn.url,
+            "smg": smg_url,
+            "key": key,
+            "cgn_pid": cgn.proc.pid,
+        }
+
+
+def _status(url: str, key: str) -> int:
+    try:
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        conn.request("POST", "/v1/chat/completions", body(0), _headers(key))
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    except OSError:
+        return 0
+
+
+def _headers(key: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+
+
+def sequential(urls: dict[str, str], key: str, n: int, **extra: object) -> dict[str, list[float]]:
+    """Alternate requests over one keep-alive connection per target; ms per request."""
+    conns = {k: http.client.HTTPConnection(u.removeprefix("http://"), timeout=30)
+             for k, u in urls.items()}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in urls}
+    for i in range(n + 50):
+        for k, conn in conns.items():
+            t = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body(i, **extra), _headers(key))
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, (k, resp.status)
+            if i >= 50:  # warm-up
+                times[k].append((time.perf_counter() - t) * 1000)
+    return times
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def wrk(url: str, key: str, seconds: int, tmp: Path) -> dict[str, float]:
+    script = tmp / "post.lua"
+    head, tail = body(0).decode().split('"Where is shipment 0?"')
+    script.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+        f"local head, tail, n = {json.dumps(head)}, {json.dumps(tail)}, 0\n"
+        "request = function()\n  n = n + 1\n"
+        "  return wrk.format(nil, nil, nil, head .. '\"Where is shipment ' .. n .. '?\"' .. tail)\n"
+        "end\n"
+    )
+    argv = ["wrk", "-t1", "-c64", f"-d{seconds}s", "--latency", "-s", str(script),
+            url + "/v1/chat/completions"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    if re.search(r"Non-2xx or 3xx responses: (\d+)", out):
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
+    assert rps and p99, out
+    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p99.group(2)]
+    return {"req_s": float(rps.group(1)), "p99_ms": float(p99.group(1)) * scale}
+
+
+def profile(pid: int, seconds: int, url: str, key: str, tmp: Path) -> list[dict[str, Any]] | str:
+    """cgn-router's hottest functions during a c=64 run, from py-spy's raw stacks."""
+    spy = shutil.which("py-spy") or str(BIN / "py-spy")
+    if not Path(spy).exists():
+        return "skipped: py-spy not installed (pip install py-spy)"
+    raw = tmp / "profile.txt"
+    rec = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(seconds),
+                            "--format", "raw", "--rate", "200", "--output", str(raw), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(0.5)
+    wrk(url, key, seconds, tmp)
+    rec.wait(timeout=seconds + 30)
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [re.sub(r" \((.*/)?([^/]+)\)$", r" (\2)", f) for f in stack.split(";")]
+        n = int(count)
+        samples += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            total[frame] += n
+    return [{"function": f, "self_pct": round(100 * own[f] / samples, 1),
+             "total_pct": round(100 * total[f] / samples, 1)}
+            for f, _ in own.most_common(25)]  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=int, default=8, help="wrk duration per gateway per round")
+    p.add_argument("--requests", type=int, default=1000, help="sequential requests per target")
+    args = p.parse_args()
+    if not shutil.which("wrk"):
+        sys.exit("install wrk (apt install wrk)")
+    if not (BIN / "smg").exists():
+        sys.exit("install smg (pip install smg) into this venv")
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        with gateways(tmp) as g:
+            targets = {k: g[k] for k in ("direct", "cgn", "smg")}
+            for r in range(args.rounds):
+                c1 = sequential(targets, g["key"], args.requests)
+                st = sequential(targets, g["key"], args.requests // 2, max_tokens=64, stream=True)
+                order = ("cgn", "smg") if r % 2 == 0 else ("smg", "cgn")
+                c64 = {k: wrk(g[k], g["key"], args.seconds, tmp) for k in order}
+                one = {k: {"c1_p50_ms": pct(c1[k], 0.5), "c1_p99_ms": pct(c1[k], 0.99),
+                           "stream64_p50_ms": pct(st[k], 0.5), **({} if k == "direct" else {
+                               "c64_req_s": c64[k]["req_s"], "c64_p99_ms": c64[k]["p99_ms"]})}
+                       for k in targets}  # fmt: skip
+                print(f"round {r + 1}: {json.dumps(one)}", file=sys.stderr, flush=True)
+                rounds.append(one)
+            prof = profile(g["cgn_pid"], args.seconds, g["cgn"], g["key"], tmp)
+    results = {"rounds": rounds, "mean": mean(rounds), "profile_cgn_c64": prof}
+    command = " ".join([".venv/bin/python bench/router_vs_smg.py", *sys.argv[1:]])
+    write_result("router_vs_smg", command, results, render(results))
+
+
+def mean(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for target in rounds[0]:
+        out[target] = {m: round(statistics.fmean(r[target][m] for r in rounds), 3)
+                       for m in rounds[0][target]}  # fmt: skip
+    direct, cgn, smg = out["direct"], out["cgn"], out["smg"]
+    for g in (cgn, smg):
+        g["added_c1_p50_ms"] = round(g["c1_p50_ms"] - direct["c1_p50_ms"], 3)
+        g["added_c1_p99_ms"] = round(g["c1_p99_ms"] - direct["c1_p99_ms"], 3)
+    out["cgn_over_smg_req_s"] = round(cgn["c64_req_s"] / smg["c64_req_s"], 2)
+    out["per_round_cgn_over_smg_req_s"] = [
+        round(r["cgn"]["c64_req_s"] / r["smg"]["c64_req_s"], 2) for r in rounds
+    ]
+    return out
+
+
+def render(r: dict[str, Any]) -> str:
+    m = r["mean"]
+    lines = [
+        f"Mean of {len(r['rounds'])} alternating rounds; nothing pinned (2 cores shared by "
+        "engine, gateways and wrk).",
+        "",
+        "| gateway | added c=1 p50 / p99 ms | c=64 req/s | c=64 p99 ms | 64-token stream p50 ms |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, label in (("cgn", "cgn-router (auth, admission, tokenize, hash, score)"),
+                        ("smg", "smg --policy cache_aware")):  # fmt: skip
+        g = m[name]
+        lines.append(f"| {label} | {g['added_c1_p50_ms']} / {g['added_c1_p99_ms']} | "
+                     f"{g['c64_req_s']:.0f} | {g['c64_p99_ms']} | {g['stream64_p50_ms']} |")  # fmt: skip
+    d = m["direct"]
+    lines += [
+        f"| (the engine itself) | c=1 p50 {d['c1_p50_ms']} ms | | | {d['stream64_p50_ms']} |",
+        "",
+        f"cgn-router / smg requests/s at c=64: **{m['cgn_over_smg_req_s']}x** "
+        f"(per round: {', '.join(map(str, m['per_round_cgn_over_smg_req_s']))}).",
+    ]
+    prof = r["profile_cgn_c64"]
+    if isinstance(prof, list):
+        lines += ["", "cgn-router CPU profile at c=64 (py-spy, % of samples):", "",
+                  "| function | self % | total % |", "|---|---:|---:|"]  # fmt: skip
+        lines += [f"| `{e['function']}` | {e['self_pct']} | {e['total_pct']} |" for e in prof]
+    else:
+        lines += ["", f"Profile: {prof}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
