@@ -171,17 +171,23 @@ class Proxy:
         await out.prepare(request)
         lease.first_byte(time.monotonic())
         idle, usage = self.deadlines.idle_s, None
-        while event is not None:
-            got = _usage_chunk(event)
-            usage = got or usage
-            if got is None or not call.strip_usage:
-                try:
-                    await out.write(event)
-                except ConnectionResetError:  # the client left: closing upstream stops the engine
-                    return Relayed(out, "client_disconnected", usage)
+        pending: bytes | None = event
+        while pending is not None:
+            batch = []  # the events already here go out in one write (one syscall, not one each)
+            while pending is not None:
+                got = _usage_chunk(pending)
+                usage = got or usage
+                if got is None or not call.strip_usage:
+                    batch.append(pending)
+                pending = await _next_event(resp) if resp.event_buffered() else None
+            try:
+                if batch:  # NOTE: never an empty write: in a chunked body it would end the stream
+                    await out.write(b"".join(batch))
+            except ConnectionResetError:  # the client left: closing upstream stops the engine
+                return Relayed(out, "client_disconnected", usage)
             try:
                 async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
-                    event = await _next_event(resp)
+                    pending = await _next_event(resp)
             except TimeoutError:
                 cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
                 await _break(out, cause, f"{eid}: the stream stalled ({cause})")

@@ -262,6 +262,10 @@ class Response:
             start = len(self._buf)
             await self._fill()
 
+    def event_buffered(self) -> bool:
+        """A whole SSE event (lines and the blank line) is read already: no I/O to get it."""
+        return b"\n\n" in self._buf or b"\n\r\n" in self._buf
+
     def close(self) -> None:
         """Drop the connection unless the body was read to its end (then it is pooled already)."""
         if self._conn is not None:
