@@ -197,7 +197,8 @@ def profile(pid: int, seconds: int, url: str, key: str, tmp: Path) -> list[dict[
     samples = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = [re.sub(r" \((.*/)?([^/]+)\)$", r" (\2)", f) for f in stack.split(";")]
+        # "fn (path/file.py:line)" -> "fn (file.py)": one entry per function, not per line
+        frames = [re.sub(r" \((.*/)?([^/:]+)(:\d+)?\)$", r" (\2)", f) for f in stack.split(";")]
         n = int(count)
         samples += n
         own[frames[-1]] += n

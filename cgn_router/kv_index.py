@@ -1,17 +1,33 @@
-"""Where KV blocks live: per endpoint, exact from KV events or approximate.
+"""Where KV blocks live: one index over every endpoint, exact from KV events or assumed.
 
 Exact: an engine that streams KV events (cgn-infer) sends a snapshot and then
 STORED/REMOVED events numbered seq+1, seq+2, ...; the index mirrors its block
 set and reports a gap (a missed event) so the subscriber resyncs from a fresh
 snapshot.
 
-Approximate: for engines without events, the blocks of each request routed
-to an endpoint are assumed cached there for `approx_ttl_s`, at most
-`approx_blocks` per endpoint, least recently used evicted first. Event-fed
-endpoints get the same treatment for `optimistic_ttl_s`, bridging the time
-between routing a request and its STORED event.
+Assumed: for engines without events, the blocks of each request routed to an
+endpoint are assumed cached there for `approx_ttl_s`, at most `approx_blocks`
+per endpoint, least recently used evicted first. Event-fed endpoints get the
+same treatment for `optimistic_ttl_s`, bridging the time between routing a
+request and its STORED event.
 
-match() is the longest run of leading prompt blocks an endpoint holds.
+One index for the whole fleet (issue #27): block key → the endpoints holding
+it, each endpoint a small slot number and a set of holders one int used as a
+bit mask. Because a block's hash covers every token before it, the endpoints
+holding block i of a prompt and all blocks before it are the intersection of
+the holders of blocks 0..i, so `match_all` walks the prompt once and reads
+every endpoint's longest cached prefix off the point where its bit drops out:
+O(prompt blocks), whatever the number of endpoints.
+
+Keys are the hashes' first 8 bytes as an int (half the memory of the 32-byte
+hash). Two blocks share a key with probability ~n²/2⁶⁵ (1e-5 for 16M blocks);
+a collision can only make the router believe an endpoint holds a block it
+does not (a worse pick, one prefill), never make an engine use the wrong KV:
+engines and stores key their blocks by the full hash. Memory per (endpoint,
+block): 8 bytes in the endpoint's key list, plus, per distinct block, one
+dict entry, its key and its holder mask (docs/cgn-router.md, "Fleet scale").
+
+`match(eid, ...)`: one endpoint's longest run of leading prompt blocks.
 
 Node tiers (`TierIndex`): each node's cgn-kvcached streams what its RAM and
 SSD tiers hold (one snapshot per tier, then events carrying their tier), so
@@ -21,6 +37,8 @@ pool holds, that engine's node could restore, and from which tier.
 
 from __future__ import annotations
 
+import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +47,19 @@ from cgn_core.blockhash import BlockHash
 from cgn_router.types import EndpointId
 
 
+def key(h: bytes) -> int:
+    """The index key of a block hash: its first 8 bytes."""
+    return int.from_bytes(h[:8], "little")
+
+
 @dataclass(slots=True)
-class _Blocks:
-    exact: set[BlockHash] = field(default_factory=set)
+class _Slot:
+    eid: EndpointId
+    bit: int  # 1 << slot
+    keys: array[int] = field(default_factory=lambda: array("Q"))  # exact keys set (some stale)
+    exact: int = 0  # how many keys hold this endpoint's bit now
     seq: int | None = None  # None: no snapshot yet (or lost); exact set not trusted
-    assumed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)  # → expiry
+    assumed: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> expiry
 
 
 class PrefixIndex:
@@ -41,84 +67,203 @@ class PrefixIndex:
         self.approx_ttl_s = approx_ttl_s
         self.approx_blocks = approx_blocks
         self.optimistic_ttl_s = optimistic_ttl_s
-        self._by_endpoint: dict[EndpointId, _Blocks] = {}
+        self._slots: dict[EndpointId, _Slot] = {}
+        self._by_bit: dict[int, _Slot] = {}
+        self._free: list[int] = []  # slot numbers to reuse
+        self._next = 0
+        self._exact: dict[int, int] = {}  # key -> mask of the endpoints holding it (events)
+        self._assumed: dict[int, int] = {}  # key -> mask of those assumed to hold it
+        self._expiry: list[tuple[float, int, EndpointId]] = []  # (front expiry, bit, endpoint)
 
-    def _get(self, eid: EndpointId) -> _Blocks:
-        blocks = self._by_endpoint.get(eid)
-        if blocks is None:
-            blocks = self._by_endpoint[eid] = _Blocks()
-        return blocks
+    # ---- reading ---------------------------------------------------------------------------
+
+    def match_all(
+        self, hashes: Sequence[BlockHash], now: float, among: int = -1
+    ) -> dict[EndpointId, int]:
+        """Every endpoint (within the `among` mask) holding the prompt's first blocks, and
+        how many it holds in a row. Endpoints holding none are left out."""
+        self._expire(now)
+        exact, assumed = self._exact, self._assumed
+        alive, ended = among, {}  # `among` may be -1 (every bit) until the first block
+        for i, h in enumerate(hashes):
+            k = key(h)
+            held = alive & (exact.get(k, 0) | assumed.get(k, 0))
+            if held != alive:
+                gone = alive & ~held
+                if i:
+                    ended[gone] = i
+                alive = held
+                if not alive:
+                    break
+        else:
+            if hashes and alive:
+                ended[alive] = len(hashes)
+        by_bit = self._by_bit
+        return {by_bit[b].eid: n for mask, n in ended.items() for b in _bits(mask) if b in by_bit}
 
     def match(self, eid: EndpointId, hashes: Sequence[BlockHash], now: float) -> int:
         """How many leading `hashes` the endpoint holds."""
-        blocks = self._by_endpoint.get(eid)
-        if blocks is None:
-            return 0
-        exact, assumed = blocks.exact, blocks.assumed
-        n = 0
-        for h in hashes:
-            if h in exact:
-                n += 1
-                continue
-            expiry = assumed.get(h)
-            if expiry is None or expiry <= now:
-                break
-            n += 1
-        return n
+        slot = self._slots.get(eid)
+        return 0 if slot is None else self.match_all(hashes, now, slot.bit).get(eid, 0)
+
+    def mask(self, eids: Iterable[EndpointId]) -> int:
+        """The bit mask of the endpoints among `eids` the index knows."""
+        out = 0
+        for eid in eids:
+            slot = self._slots.get(eid)
+            if slot is not None:
+                out |= slot.bit
+        return out
 
     def exact_size(self, eid: EndpointId) -> int:
-        blocks = self._by_endpoint.get(eid)
-        return len(blocks.exact) if blocks else 0
+        slot = self._slots.get(eid)
+        return slot.exact if slot else 0
 
     def assumed_size(self, eid: EndpointId) -> int:
-        blocks = self._by_endpoint.get(eid)
-        return len(blocks.assumed) if blocks else 0
+        slot = self._slots.get(eid)
+        return len(slot.assumed) if slot else 0
+
+    # ---- assumed blocks --------------------------------------------------------------------
 
     def routed(
         self, eid: EndpointId, hashes: Sequence[BlockHash], now: float, *, exact: bool
     ) -> None:
         """A request with `hashes` was sent to `eid`: assume its blocks cached there."""
-        blocks = self._get(eid)
-        ttl = self.optimistic_ttl_s if exact else self.approx_ttl_s
-        assumed = blocks.assumed
+        slot = self._get(eid)
+        expiry = now + (self.optimistic_ttl_s if exact else self.approx_ttl_s)
+        bit, held, assumed, mine = slot.bit, self._exact, self._assumed, slot.assumed
+        was_empty = not mine
         for h in hashes:
-            if h in blocks.exact:
+            k = key(h)
+            if held.get(k, 0) & bit:
                 continue
-            assumed[h] = now + ttl
-            assumed.move_to_end(h)
-        while len(assumed) > self.approx_blocks:
-            assumed.popitem(last=False)
+            if k not in mine:
+                assumed[k] = assumed.get(k, 0) | bit
+            mine[k] = expiry
+            mine.move_to_end(k)
+        while len(mine) > self.approx_blocks:
+            self._unassume(slot, mine.popitem(last=False)[0])
+        if was_empty and mine:
+            heapq.heappush(self._expiry, (next(iter(mine.values())), bit, eid))
+
+    def _expire(self, now: float) -> None:
+        """Drop assumed blocks whose time is up (each endpoint's list is in expiry order)."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, bit, eid = heapq.heappop(heap)
+            slot = self._slots.get(eid)
+            if slot is None or slot.bit != bit:
+                continue  # forgotten since
+            mine = slot.assumed
+            while mine:
+                k, expiry = next(iter(mine.items()))
+                if expiry > now:
+                    heapq.heappush(heap, (expiry, bit, eid))
+                    break
+                del mine[k]
+                self._unassume(slot, k)
+
+    def _unassume(self, slot: _Slot, k: int) -> None:
+        left = self._assumed.get(k, 0) & ~slot.bit
+        if left:
+            self._assumed[k] = left
+        else:
+            self._assumed.pop(k, None)
+
+    # ---- exact blocks, from KV events ------------------------------------------------------
 
     def snapshot(self, eid: EndpointId, seq: int, hashes: Iterable[BlockHash]) -> None:
         """Replace the endpoint's exact block set with a snapshot current to `seq`."""
-        blocks = self._get(eid)
-        blocks.exact = set(hashes)
-        blocks.seq = seq
+        slot = self._get(eid)
+        self._clear_exact(slot)
+        self._store(slot, hashes)
+        slot.seq = seq
 
     def event(self, eid: EndpointId, seq: int, stored: bool, hashes: Iterable[BlockHash]) -> bool:
         """Apply one KV event; False when it does not follow the last one (resync needed)."""
-        blocks = self._get(eid)
-        if blocks.seq is None or seq != blocks.seq + 1:
-            blocks.seq = None
+        slot = self._get(eid)
+        if slot.seq is None or seq != slot.seq + 1:
+            slot.seq = None
             return False
-        blocks.seq = seq
+        slot.seq = seq
         if stored:
-            for h in hashes:
-                blocks.exact.add(h)
-                blocks.assumed.pop(h, None)
-        else:
-            blocks.exact.difference_update(hashes)
+            self._store(slot, hashes)
+            return True
+        held, bit = self._exact, slot.bit
+        for h in hashes:
+            k = key(h)
+            mask = held.get(k, 0)
+            if mask & bit:
+                slot.exact -= 1
+                if mask == bit:
+                    del held[k]
+                else:
+                    held[k] = mask & ~bit
+        if len(slot.keys) > 2 * slot.exact + 1024:  # mostly stale: keep the live ones only
+            slot.keys = array("Q", (k for k in slot.keys if held.get(k, 0) & bit))
         return True
+
+    def _store(self, slot: _Slot, hashes: Iterable[BlockHash]) -> None:
+        held, bit, mine = self._exact, slot.bit, slot.assumed
+        for h in hashes:
+            k = key(h)
+            mask = held.get(k, 0)
+            if not mask & bit:
+                held[k] = mask | bit
+                slot.exact += 1
+                slot.keys.append(k)
+            if k in mine:  # confirmed: no longer only assumed
+                del mine[k]
+                self._unassume(slot, k)
+
+    def _clear_exact(self, slot: _Slot) -> None:
+        held, bit = self._exact, slot.bit
+        for k in slot.keys:
+            mask = held.get(k, 0)
+            if mask & bit:
+                if mask == bit:
+                    del held[k]
+                else:
+                    held[k] = mask & ~bit
+        slot.keys, slot.exact = array("Q"), 0
 
     def lost(self, eid: EndpointId) -> None:
         """The event stream broke: keep serving the last known set until the next snapshot."""
-        blocks = self._by_endpoint.get(eid)
-        if blocks is not None:
-            blocks.seq = None
+        slot = self._slots.get(eid)
+        if slot is not None:
+            slot.seq = None
 
     def forget(self, eid: EndpointId) -> None:
-        """The endpoint left the registry."""
-        self._by_endpoint.pop(eid, None)
+        """The endpoint left the registry: its bit is cleared everywhere and reused."""
+        slot = self._slots.pop(eid, None)
+        if slot is None:
+            return
+        self._clear_exact(slot)
+        for k in slot.assumed:
+            self._unassume(slot, k)
+        del self._by_bit[slot.bit]
+        self._free.append(slot.bit.bit_length() - 1)
+
+    # ---- slots -----------------------------------------------------------------------------
+
+    def _get(self, eid: EndpointId) -> _Slot:
+        slot = self._slots.get(eid)
+        if slot is None:
+            n = self._free.pop() if self._free else self._take()
+            slot = self._slots[eid] = self._by_bit[1 << n] = _Slot(eid, 1 << n)
+        return slot
+
+    def _take(self) -> int:
+        n, self._next = self._next, self._next + 1
+        return n
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Each set bit of a (non-negative) mask, as its own int."""
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
 
 
 RAM, SSD = 1, 2  # tier bits

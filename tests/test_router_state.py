@@ -7,10 +7,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cgn_core.blockhash import block_hashes
 from cgn_core.text.gguf_file import GGUFFile
@@ -70,6 +73,106 @@ def test_exact_tracking_follows_events_and_detects_a_gap() -> None:
     idx.snapshot(E, 20, H)
     assert idx.match(E, H, now=0) == 6 and idx.event(E, 21, False, [H[0]])
     assert idx.match(E, H, now=0) == 0
+
+
+class PerEndpointIndex:
+    """The brute-force model of `PrefixIndex`: one block set per endpoint, each walked alone
+    (what the router did before the one global index)."""
+
+    def __init__(self, approx_ttl_s: float, approx_blocks: int, optimistic_ttl_s: float):
+        self.ttl = {False: approx_ttl_s, True: optimistic_ttl_s}
+        self.cap = approx_blocks
+        self.exact: dict[str, set[bytes]] = {}
+        self.seq: dict[str, int | None] = {}
+        self.assumed: dict[str, OrderedDict[bytes, float]] = {}
+
+    def match(self, eid: str, hashes: list[bytes], now: float) -> int:
+        exact, assumed, n = self.exact.get(eid, set()), self.assumed.get(eid, {}), 0
+        for h in hashes:
+            if h not in exact and assumed.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def routed(self, eid: str, hashes: list[bytes], now: float, exact: bool) -> None:
+        mine = self.assumed.setdefault(eid, OrderedDict())
+        for h in hashes:
+            if h not in self.exact.get(eid, set()):
+                mine[h] = now + self.ttl[exact]
+                mine.move_to_end(h)
+        while len(mine) > self.cap:
+            mine.popitem(last=False)
+
+    def stored(self, eid: str, hashes: list[bytes]) -> None:
+        self.exact.setdefault(eid, set()).update(hashes)
+        for h in hashes:
+            self.assumed.get(eid, {}).pop(h, None)
+
+    def snapshot(self, eid: str, seq: int, hashes: list[bytes]) -> None:
+        self.exact[eid] = set()
+        self.stored(eid, hashes)
+        self.seq[eid] = seq
+
+    def event(self, eid: str, seq: int, stored: bool, hashes: list[bytes]) -> bool:
+        last = self.seq.get(eid)
+        if last is None or seq != last + 1:
+            self.seq[eid] = None
+            return False
+        self.seq[eid] = seq
+        if stored:
+            self.stored(eid, hashes)
+        else:
+            self.exact.get(eid, set()).difference_update(hashes)
+        return True
+
+    def forget(self, eid: str) -> None:
+        for table in (self.exact, self.seq, self.assumed):
+            table.pop(eid, None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_global_index_matches_a_walk_per_endpoint(data: st.DataObject) -> None:
+    """Random event streams (snapshots, stored, removed, gaps, routed blocks expiring or
+    evicted, endpoints leaving): every endpoint's match equals the brute-force model's."""
+    blocks = [bytes([i]) * 32 for i in range(12)]
+    eids = [EndpointId(f"m/e{i}") for i in range(5)]
+    idx, model = PrefixIndex(3.0, 6, 1.0), PerEndpointIndex(3.0, 6, 1.0)
+    now, seqs = 0.0, dict.fromkeys(eids, 0)
+    some = st.lists(st.sampled_from(blocks), max_size=8)
+    for _ in range(data.draw(st.integers(1, 40))):
+        op = data.draw(
+            st.sampled_from(["snapshot", "stored", "removed", "gap", "routed", "tick", "forget"])
+        )
+        eid = data.draw(st.sampled_from(eids))
+        if op == "snapshot":
+            hashes, seqs[eid] = data.draw(some), seqs[eid] + 5
+            idx.snapshot(eid, seqs[eid], hashes)
+            model.snapshot(eid, seqs[eid], hashes)
+        elif op in ("stored", "removed", "gap"):
+            seqs[eid] += 2 if op == "gap" else 1
+            hashes = data.draw(some)
+            stored = op != "removed"
+            assert idx.event(eid, seqs[eid], stored, hashes) == model.event(
+                eid, seqs[eid], stored, hashes
+            )
+        elif op == "routed":
+            hashes, exact = data.draw(some), data.draw(st.booleans())
+            idx.routed(eid, hashes, now, exact=exact)
+            model.routed(eid, hashes, now, exact)
+        elif op == "tick":
+            now += data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+        else:
+            idx.forget(eid)
+            model.forget(eid)
+        prompt = data.draw(st.lists(st.sampled_from(blocks), max_size=10) | st.just(blocks))
+        want = {e: model.match(e, prompt, now) for e in eids}
+        assert idx.match_all(prompt, now) == {e: n for e, n in want.items() if n}
+        assert {e: idx.match(e, prompt, now) for e in eids} == want
+        among = idx.mask(eids[:2])
+        assert idx.match_all(prompt, now, among) == {
+            e: n for e, n in want.items() if n and e in eids[:2]
+        }
 
 
 @pytest.mark.parametrize(
