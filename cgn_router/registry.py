@@ -16,6 +16,7 @@ opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -161,35 +162,72 @@ class Registry:
         return set(self.by_model)
 
     def views(
-        self, req: RequestInfo, now: float, exclude: frozenset[EndpointId] = frozenset()
+        self,
+        req: RequestInfo,
+        now: float,
+        exclude: frozenset[EndpointId] = frozenset(),
+        limit: int | None = None,
     ) -> list[EndpointView]:
-        """A snapshot of the endpoints serving `req.model`, minus `exclude`."""
+        """Snapshots of the endpoints serving `req.model`, minus `exclude`.
+
+        With `limit`, a model with more endpoints than that is seen through a short list:
+        the `limit` endpoints holding most of the prompt, the `limit` least loaded, the
+        session's owner, and those whose node's store holds the prompt's first block."""
+        peers = self.by_model.get(req.model, {})
+        matched = self.index.match_all(req.blocks, now) if req.blocks else {}
         owner = self.sessions.owner(req.session, now)
-        out = []
-        for eid, s in self.by_model.get(req.model, {}).items():
-            if eid in exclude:
-                continue
-            matched = self.index.match(eid, req.blocks, now) if req.blocks else 0
-            ram, ssd = (
-                self.tiers.extend(s.endpoint.node, req.blocks, matched)
-                if req.blocks and s.endpoint.node
-                else (0, 0)
-            )
-            out.append(
-                EndpointView(
-                    endpoint=s.endpoint,
-                    cordoned=s.endpoint.node in self.cordoned,
-                    breaker_open=s.breaker.blocks(now),
-                    in_flight=s.in_flight,
-                    pending_prefill=s.pending_prefill,
-                    load=self.fresh_load(s, now),
-                    matched_blocks=matched,
-                    node_ram_blocks=ram,
-                    node_ssd_blocks=ssd,
-                    session_owner=owner == eid,
-                )
-            )
-        return out
+        picked: Iterable[EndpointId] = peers
+        if limit is not None and len(peers) > limit:
+            picked = self._short_list(peers, matched, owner, req, now, limit)
+        return [
+            self._view(peers[eid], matched.get(eid, 0), owner == eid, req, now)
+            for eid in picked
+            if eid not in exclude
+        ]
+
+    def _short_list(
+        self,
+        peers: Mapping[EndpointId, EndpointState],
+        matched: Mapping[EndpointId, int],
+        owner: EndpointId | None,
+        req: RequestInfo,
+        now: float,
+        limit: int,
+    ) -> list[EndpointId]:
+        warm = heapq.nlargest(limit, (e for e in matched if e in peers), key=matched.__getitem__)
+        idle = heapq.nsmallest(limit, peers, key=lambda e: self._queue(peers[e], now))
+        picked = dict.fromkeys([*warm, *idle])  # ordered: the same request, the same list
+        if owner is not None and owner in peers:
+            picked[owner] = None
+        if req.blocks and self.stores:
+            first = req.blocks[:1]
+            picked.update((e, None) for e, s in peers.items() if s.endpoint.node in self.stores
+                          and self.tiers.extend(s.endpoint.node, first, 0) != (0, 0))  # fmt: skip
+        return list(picked)
+
+    def _queue(self, s: EndpointState, now: float) -> tuple[float, int]:
+        """What waits on an endpoint, as the load scorer counts it, then its pending prefill."""
+        load = self.fresh_load(s, now)
+        engine = load.running + load.waiting if load is not None else 0.0
+        return max(float(s.in_flight), engine), s.pending_prefill
+
+    def _view(
+        self, s: EndpointState, matched: int, owner: bool, req: RequestInfo, now: float
+    ) -> EndpointView:
+        node = s.endpoint.node
+        ram, ssd = self.tiers.extend(node, req.blocks, matched) if req.blocks and node else (0, 0)
+        return EndpointView(
+            endpoint=s.endpoint,
+            cordoned=node in self.cordoned,
+            breaker_open=s.breaker.blocks(now),
+            in_flight=s.in_flight,
+            pending_prefill=s.pending_prefill,
+            load=self.fresh_load(s, now),
+            matched_blocks=matched,
+            node_ram_blocks=ram,
+            node_ssd_blocks=ssd,
+            session_owner=owner,
+        )
 
     def begin(self, view: EndpointView, req: RequestInfo, now: float) -> Lease:
         """An attempt of `req` on the endpoint `view` was chosen for: account for it."""

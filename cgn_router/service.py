@@ -21,6 +21,10 @@ from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
 from cgn_router.types import EndpointId, RequestInfo
 
+# A model with more endpoints than this is scored over a short list of them (the ones
+# holding most of the prompt, the least loaded, ...): routing cost stays flat in fleet size.
+SHORT_LIST = 16
+
 
 @dataclass(slots=True)
 class RouterService:
@@ -71,9 +75,15 @@ class RouterService:
         return spec.priority if adm.engine_priority and spec is not None else None
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
-        """The pipeline's decision over the live registry, counted in the metrics."""
-        views = self.registry.views(req, time.monotonic(), tried)
+        """The pipeline's decision over the live registry, counted in the metrics.
+
+        A model with more than SHORT_LIST endpoints is scored over a short list first
+        (`Registry.views`); when the filters leave none of it, over all of them."""
+        now = time.monotonic()
+        views = self.registry.views(req, now, tried, SHORT_LIST)
         decision = self.pipeline.route(req, views, self.rng)
+        if decision.chosen is None and len(self.registry.by_model.get(req.model, ())) > SHORT_LIST:
+            decision = self.pipeline.route(req, self.registry.views(req, now, tried), self.rng)
         for name, n in decision.dropped.items():
             self.metrics.filter_drops.labels(name).inc(n)
         if decision.chosen is not None:

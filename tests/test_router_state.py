@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import urllib.error
@@ -23,10 +24,11 @@ from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
+from cgn_router.pipeline import Pipeline
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import Registry, Sessions, endpoint_from_etcd
 from cgn_router.scrape import engine_load, name_map, parse_samples
-from cgn_router.settings import BreakerSettings
+from cgn_router.settings import BreakerSettings, RoutingSettings
 from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -378,6 +380,33 @@ def test_registry_groups_endpoints_by_model() -> None:
     assert [v.id for v in reg.views(RequestInfo("n"), now=0)] == ["n/r1"]
     reg.remove(b.id)
     assert reg.models() == {"m"} and not reg.serves("n") and reg.views(RequestInfo("n"), 0) == []
+
+
+def test_a_large_model_is_scored_over_a_short_list() -> None:
+    """Past `limit` endpoints a request sees the ones holding most of its prompt, the least
+    loaded and its session's owner; the pipeline's pick is the one full scoring makes."""
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
+    eps = [Endpoint(EndpointId(f"m/e{i:03}"), "m", f"http://h{i}") for i in range(200)]
+    reg.replace_source("etcd", eps)
+    for i, ep in enumerate(eps):
+        reg.states[ep.id].in_flight = 5 + i % 7  # every endpoint busy…
+    reg.states[EndpointId("m/e150")].in_flight = 0  # …but one
+    reg.index.snapshot(EndpointId("m/e077"), 1, H[:4])  # one holds the prompt
+    reg.index.snapshot(EndpointId("m/e033"), 1, H[:2])
+    reg.sessions.record("s", EndpointId("m/e199"), now=0)
+    req = RequestInfo("m", blocks=tuple(H), prompt_tokens=96, session="s")
+    short = reg.views(req, now=1, limit=16)
+    ids = [v.id for v in short]
+    assert len(ids) <= 33 and {"m/e077", "m/e033", "m/e150", "m/e199"} <= set(ids)
+    assert ids == [v.id for v in reg.views(req, now=1, limit=16)]  # the same list each time
+    full = reg.views(req, now=1)
+    assert len(full) == 200
+    rng = random.Random(0)
+    pipeline = Pipeline.from_settings(RoutingSettings())
+    assert (
+        pipeline.route(req, short, rng).chosen == pipeline.route(req, full, rng).chosen == "m/e077"
+    )
+    assert len(reg.views(RequestInfo("m"), now=1, limit=300)) == 200  # under the limit: all
 
 
 def test_catalog_entry_from_etcd() -> None:
