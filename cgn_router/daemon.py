@@ -244,12 +244,14 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
                 page = await resp.content.read(MAX_METRICS_PAGE)
         except (aiohttp.ClientError, TimeoutError) as exc:
             state.scrape_error = str(exc) or type(exc).__name__
+            svc.registry.requeue(state, time.monotonic())  # its figures may be stale now
             return
         text = page.decode("utf-8", "replace")  # the page is the engine's word: never trusted
         load = engine_load(text, name_map(state.endpoint.engine), time.monotonic())
         if load is not None:
             load = replace(load, own_in_flight=state.in_flight)
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
+        svc.registry.requeue(state, time.monotonic())
 
     while True:
         started = time.monotonic()

@@ -16,10 +16,12 @@ opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
 
 from __future__ import annotations
 
+import functools
 import heapq
+import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -56,6 +58,7 @@ class Lease:
     state: EndpointState
     predicted: int  # prompt tokens expected cached on the endpoint
     uncached: int  # the rest: pending prefill until the first byte
+    requeue: Callable[[float], None] = lambda now: None  # re-place it in its load order
     first_byte_at: float | None = None
     ended: bool = False
 
@@ -70,6 +73,7 @@ class Lease:
             return
         self.ended = True
         self.state.in_flight -= 1
+        self.requeue(now)
         if self.first_byte_at is None:
             self.state.pending_prefill -= self.uncached
         if outcome in BLAMES_ENGINE:
@@ -99,6 +103,46 @@ class Sessions:
             self._last.popitem(last=False)
 
 
+class LoadOrder:
+    """One model's endpoints by what waits on them (requests, rounded down), least first.
+
+    Kept up to date as leases open and end and as scrapes land, so the least loaded come
+    without scanning the model's endpoints per request."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, dict[EndpointId, None]] = {}
+        self._at: dict[EndpointId, int] = {}
+
+    def place(self, eid: EndpointId, queue: int) -> None:
+        old = self._at.get(eid)
+        if old == queue:
+            return
+        if old is not None:
+            self._drop(eid, old)
+        self._at[eid] = queue
+        self._buckets.setdefault(queue, {})[eid] = None
+
+    def remove(self, eid: EndpointId) -> None:
+        old = self._at.pop(eid, None)
+        if old is not None:
+            self._drop(eid, old)
+
+    def least(self, n: int) -> list[EndpointId]:
+        """The `n` least loaded (ties: the longest at that load first)."""
+        out: list[EndpointId] = []
+        for queue in sorted(self._buckets):
+            out += itertools.islice(self._buckets[queue], n - len(out))
+            if len(out) >= n:
+                break
+        return out
+
+    def _drop(self, eid: EndpointId, queue: int) -> None:
+        bucket = self._buckets[queue]
+        del bucket[eid]
+        if not bucket:
+            del self._buckets[queue]
+
+
 class Registry:
     def __init__(
         self, breaker: BreakerSettings, index: PrefixIndex, sessions: Sessions, stale_s: float
@@ -112,6 +156,7 @@ class Registry:
         self.states: dict[EndpointId, EndpointState] = {}
         # model -> its endpoints (an id names its model, so an endpoint never moves)
         self.by_model: dict[str, dict[EndpointId, EndpointState]] = {}
+        self.load_order: dict[str, LoadOrder] = {}
         self.cordoned: set[str] = set()
 
     def upsert(self, endpoint: Endpoint, source: str) -> bool:
@@ -121,6 +166,7 @@ class Registry:
             b = Breaker(self.breaker.failures, self.breaker.open_s)
             state = self.states[endpoint.id] = EndpointState(endpoint, b, source)
             self.by_model.setdefault(endpoint.model, {})[endpoint.id] = state
+            self.load_order.setdefault(endpoint.model, LoadOrder()).place(endpoint.id, 0)
             return True
         if state.endpoint != endpoint:
             if state.endpoint.url != endpoint.url:  # a different engine now: nothing carries
@@ -134,10 +180,12 @@ class Registry:
         state = self.states.pop(eid, None)
         if state is not None:
             self.index.forget(eid)
-            peers = self.by_model[state.endpoint.model]
+            model = state.endpoint.model
+            peers = self.by_model[model]
             del peers[eid]
+            self.load_order[model].remove(eid)
             if not peers:
-                del self.by_model[state.endpoint.model]
+                del self.by_model[model], self.load_order[model]
         return state
 
     def replace_source(self, source: str, endpoints: Iterable[Endpoint]) -> list[EndpointId]:
@@ -195,7 +243,7 @@ class Registry:
         limit: int,
     ) -> list[EndpointId]:
         warm = heapq.nlargest(limit, (e for e in matched if e in peers), key=matched.__getitem__)
-        idle = heapq.nsmallest(limit, peers, key=lambda e: self._queue(peers[e], now))
+        idle = self.load_order[req.model].least(limit)
         picked = dict.fromkeys([*warm, *idle])  # ordered: the same request, the same list
         if owner is not None and owner in peers:
             picked[owner] = None
@@ -205,11 +253,14 @@ class Registry:
                           and self.tiers.extend(s.endpoint.node, first, 0) != (0, 0))  # fmt: skip
         return list(picked)
 
-    def _queue(self, s: EndpointState, now: float) -> tuple[float, int]:
-        """What waits on an endpoint, as the load scorer counts it, then its pending prefill."""
+    def requeue(self, s: EndpointState, now: float) -> None:
+        """Re-place an endpoint in its model's load order: what waits on it, as the load
+        scorer counts it (this router's requests there, or the engine's queue if more)."""
         load = self.fresh_load(s, now)
         engine = load.running + load.waiting if load is not None else 0.0
-        return max(float(s.in_flight), engine), s.pending_prefill
+        order = self.load_order.get(s.endpoint.model)
+        if order is not None and s.endpoint.id in self.states:
+            order.place(s.endpoint.id, int(max(s.in_flight, engine)))
 
     def _view(
         self, s: EndpointState, matched: int, owner: bool, req: RequestInfo, now: float
@@ -233,9 +284,11 @@ class Registry:
         """An attempt of `req` on the endpoint `view` was chosen for: account for it."""
         state = self.states[view.id]
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
-        lease = Lease(state, predicted, req.prompt_tokens - predicted)
+        requeue = functools.partial(self.requeue, state)
+        lease = Lease(state, predicted, req.prompt_tokens - predicted, requeue)
         state.breaker.on_attempt(now)
         state.in_flight += 1
+        self.requeue(state, now)
         state.pending_prefill += lease.uncached
         self.index.routed(view.id, req.blocks, now, exact=bool(state.endpoint.kv_events_url))
         self.sessions.record(req.session, view.id, now)

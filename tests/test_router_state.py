@@ -26,7 +26,7 @@ from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.pipeline import Pipeline
 from cgn_router.prompts import PromptHasher
-from cgn_router.registry import Registry, Sessions, endpoint_from_etcd
+from cgn_router.registry import LoadOrder, Registry, Sessions, endpoint_from_etcd
 from cgn_router.scrape import engine_load, name_map, parse_samples
 from cgn_router.settings import BreakerSettings, RoutingSettings
 from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
@@ -389,8 +389,8 @@ def test_a_large_model_is_scored_over_a_short_list() -> None:
     eps = [Endpoint(EndpointId(f"m/e{i:03}"), "m", f"http://h{i}") for i in range(200)]
     reg.replace_source("etcd", eps)
     for i, ep in enumerate(eps):
-        reg.states[ep.id].in_flight = 5 + i % 7  # every endpoint busy…
-    reg.states[EndpointId("m/e150")].in_flight = 0  # …but one
+        reg.states[ep.id].in_flight = 0 if i == 150 else 5 + i % 7  # every endpoint busy but one
+        reg.requeue(reg.states[ep.id], now=0)  # as a scrape or a lease would
     reg.index.snapshot(EndpointId("m/e077"), 1, H[:4])  # one holds the prompt
     reg.index.snapshot(EndpointId("m/e033"), 1, H[:2])
     reg.sessions.record("s", EndpointId("m/e199"), now=0)
@@ -407,6 +407,23 @@ def test_a_large_model_is_scored_over_a_short_list() -> None:
         pipeline.route(req, short, rng).chosen == pipeline.route(req, full, rng).chosen == "m/e077"
     )
     assert len(reg.views(RequestInfo("m"), now=1, limit=300)) == 200  # under the limit: all
+    # the load order follows leases: e150 is no longer among the least loaded holding six
+    (e150,) = [v for v in full if v.id == "m/e150"]
+    leases = [reg.begin(e150, req, now=1) for _ in range(6)]
+    assert "m/e150" not in reg.load_order["m"].least(16)
+    for lease in leases:
+        lease.end("ok", now=2)
+    assert reg.load_order["m"].least(1) == ["m/e150"]
+
+
+def test_load_order_keeps_the_least_loaded_first() -> None:
+    order = LoadOrder()
+    for name, queue in (("a", 3), ("b", 0), ("c", 1), ("d", 0)):
+        order.place(EndpointId(name), queue)
+    assert order.least(3) == ["b", "d", "c"] and order.least(10) == ["b", "d", "c", "a"]
+    order.place(EndpointId("b"), 5)  # busier now: to the back
+    order.remove(EndpointId("d"))
+    assert order.least(10) == ["c", "a", "b"] and order.least(0) == []
 
 
 def test_catalog_entry_from_etcd() -> None:
