@@ -25,6 +25,7 @@ from cgn_router.settings import AdmissionSettings
 from cgn_router.types import EndpointId
 
 log = logging.getLogger(__name__)
+REFRESH_S = 0.5
 
 
 class Gate:
@@ -35,6 +36,7 @@ class Gate:
         self.adm = Admission(settings.bands)
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.learned: dict[EndpointId, Capacity] = {}
+        self._refreshed = (-1, 0.0)  # the registry's version and the time of the last refresh
 
     def refresh(self) -> None:
         """Each pool's capacity and KV usage from the endpoints that serve it."""
@@ -116,8 +118,15 @@ class Gate:
             await asyncio.sleep(self.settings.tick_s)
 
     def _tick(self) -> None:
-        """Refresh the pools' saturation, time out expired tickets, admit what now fits."""
-        self.refresh()
+        """Refresh the pools' saturation, time out expired tickets, admit what now fits.
+
+        NOTE: refreshing walks every endpoint, so it runs when an endpoint came or went and
+        otherwise every REFRESH_S, not every tick: scraped loads change once a second."""
+        now = time.monotonic()
+        version = self.registry.version
+        if version != self._refreshed[0] or now - self._refreshed[1] >= REFRESH_S:
+            self.refresh()
+            self._refreshed = (version, now)
         for ticket in self.adm.expire(time.monotonic()):
             fut = self.waiting.pop(ticket.id, None)
             self.metrics.admission_rejections.labels(ticket.band, "ttl").inc()

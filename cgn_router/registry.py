@@ -157,6 +157,7 @@ class Registry:
         # model -> its endpoints (an id names its model, so an endpoint never moves)
         self.by_model: dict[str, dict[EndpointId, EndpointState]] = {}
         self.load_order: dict[str, LoadOrder] = {}
+        self.version = 0  # bumped when an endpoint comes or goes
         self.cordoned: set[str] = set()
 
     def upsert(self, endpoint: Endpoint, source: str) -> bool:
@@ -167,6 +168,7 @@ class Registry:
             state = self.states[endpoint.id] = EndpointState(endpoint, b, source)
             self.by_model.setdefault(endpoint.model, {})[endpoint.id] = state
             self.load_order.setdefault(endpoint.model, LoadOrder()).place(endpoint.id, 0)
+            self.version += 1
             return True
         if state.endpoint != endpoint:
             if state.endpoint.url != endpoint.url:  # a different engine now: nothing carries
@@ -180,6 +182,7 @@ class Registry:
         state = self.states.pop(eid, None)
         if state is not None:
             self.index.forget(eid)
+            self.version += 1
             model = state.endpoint.model
             peers = self.by_model[model]
             del peers[eid]
@@ -218,14 +221,14 @@ class Registry:
     ) -> list[EndpointView]:
         """Snapshots of the endpoints serving `req.model`, minus `exclude`.
 
-        With `limit`, a model with more endpoints than that is seen through a short list:
-        the `limit` endpoints holding most of the prompt, the `limit` least loaded, the
-        session's owner, and those whose node's store holds the prompt's first block."""
+        With `limit`, a model with more endpoints than twice that is seen through a short
+        list: the `limit` endpoints holding most of the prompt, the `limit` least loaded,
+        the session's owner, and those whose node's store holds the prompt's first block."""
         peers = self.by_model.get(req.model, {})
         matched = self.index.match_all(req.blocks, now) if req.blocks else {}
         owner = self.sessions.owner(req.session, now)
         picked: Iterable[EndpointId] = peers
-        if limit is not None and len(peers) > limit:
+        if limit is not None and len(peers) > 2 * limit:
             picked = self._short_list(peers, matched, owner, req, now, limit)
         return [
             self._view(peers[eid], matched.get(eid, 0), owner == eid, req, now)

@@ -21,9 +21,11 @@ from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
 from cgn_router.types import EndpointId, RequestInfo
 
-# A model with more endpoints than this is scored over a short list of them (the ones
-# holding most of the prompt, the least loaded, ...): routing cost stays flat in fleet size.
+# A model with more endpoints than SHORT_LIST is scored over a short list of them: the
+# SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
+# so routing costs the same at a thousand endpoints as at twenty.
 SHORT_LIST = 16
+SHORT_PICKS = 8
 
 
 @dataclass(slots=True)
@@ -80,9 +82,11 @@ class RouterService:
         A model with more than SHORT_LIST endpoints is scored over a short list first
         (`Registry.views`); when the filters leave none of it, over all of them."""
         now = time.monotonic()
-        views = self.registry.views(req, now, tried, SHORT_LIST)
+        by_model = self.registry.by_model.get(req.model, {})
+        picks = SHORT_PICKS if len(by_model) > SHORT_LIST else None
+        views = self.registry.views(req, now, tried, picks)
         decision = self.pipeline.route(req, views, self.rng)
-        if decision.chosen is None and len(self.registry.by_model.get(req.model, ())) > SHORT_LIST:
+        if decision.chosen is None and picks is not None:
             decision = self.pipeline.route(req, self.registry.views(req, now, tried), self.rng)
         for name, n in decision.dropped.items():
             self.metrics.filter_drops.labels(name).inc(n)
