@@ -6,8 +6,9 @@ Static configs whose endpoints all point at one fake engine (bench/fake_engine.p
 as in issue #27's table: every request is routed among all of a model's
 endpoints, the upstream costs the same whatever the fleet. Sizes: 4, 100 and
 1,000 endpoints of one model, and 1,000 spread over 50 models (20 each).
-Requests carry a ~130-token prompt that differs per request after a shared
-system prompt, hashed with SmolLM2's tokenizer. Engine scrapes every 10 s
+Requests carry a ~2,000-token shared system prompt (a long agent or RAG
+preamble: 125 blocks to match on every endpoint that holds it) and a user
+question that differs per request, hashed with SmolLM2's tokenizer. Engine scrapes every 10 s
 (1,000 endpoints scraping one engine every second would load the engine,
 not the router).
 
@@ -40,11 +41,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from bench.router_vs_smg import pct, process, sequential, wrk
+from bench.router_vs_smg import BODY, SYSTEM, pct, process, sequential, wrk
 from cgn_core.etcd.local import free_port
 from cgn_core.readiness import wait_ready_file
 from harness.procs import REPO, stop
 
+LONG = {**BODY, "messages": [{"role": "system", "content": SYSTEM * 15}, BODY["messages"][1]]}
 SIZES = {"4": (4, 1), "100": (100, 1), "1000": (1000, 1), "1000 over 50 models": (1000, 50)}
 
 
@@ -80,8 +82,8 @@ def measure(
     tmp: Path, upstream: str, size: int, models: int, src: Path, args: Any
 ) -> dict[str, float]:
     with router(tmp, upstream, size, models, src) as url:
-        c1 = sequential({"direct": upstream, "routed": url}, "unused", args.requests)
-        c64 = wrk(url, "unused", args.seconds, tmp)
+        c1 = sequential({"direct": upstream, "routed": url}, "unused", args.requests, LONG)
+        c64 = wrk(url, "unused", args.seconds, tmp, LONG)
     return {"added_c1_p50_ms": round(pct(c1["routed"], 0.5) - pct(c1["direct"], 0.5), 3),
             "added_c1_p99_ms": round(pct(c1["routed"], 0.99) - pct(c1["direct"], 0.99), 3),
             "c64_req_s": round(c64["req_s"]), "c64_p99_ms": round(c64["p99_ms"], 1)}  # fmt: skip

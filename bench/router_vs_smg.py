@@ -58,9 +58,9 @@ BODY = {"model": "fake", "max_tokens": 1,
                      {"role": "user", "content": "Where is shipment NNNN?"}]}  # fmt: skip
 
 
-def body(n: int, **extra: object) -> bytes:
-    """BODY with shipment number `n` (a new user message per request)."""
-    return json.dumps({**BODY, **extra}).replace("NNNN", str(n)).encode()
+def body(n: int, base: dict[str, Any] = BODY, **extra: object) -> bytes:
+    """`base` with shipment number `n` (a new user message per request)."""
+    return json.dumps({**base, **extra}).replace("NNNN", str(n)).encode()
 
 
 ENGINES = 4
@@ -135,7 +135,9 @@ def _headers(key: str) -> dict[str, str]:
     return {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
 
 
-def sequential(urls: dict[str, str], key: str, n: int, **extra: object) -> dict[str, list[float]]:
+def sequential(
+    urls: dict[str, str], key: str, n: int, base: dict[str, Any] = BODY, **extra: object
+) -> dict[str, list[float]]:
     """Alternate requests over one keep-alive connection per target; ms per request."""
     conns = {k: http.client.HTTPConnection(u.removeprefix("http://"), timeout=30)
              for k, u in urls.items()}  # fmt: skip
@@ -143,7 +145,7 @@ def sequential(urls: dict[str, str], key: str, n: int, **extra: object) -> dict[
     for i in range(n + 50):
         for k, conn in conns.items():
             t = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", body(i, **extra), _headers(key))
+            conn.request("POST", "/v1/chat/completions", body(i, base, **extra), _headers(key))
             resp = conn.getresponse()
             resp.read()
             assert resp.status == 200, (k, resp.status)
@@ -157,9 +159,11 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def wrk(url: str, key: str, seconds: int, tmp: Path) -> dict[str, float]:
+def wrk(
+    url: str, key: str, seconds: int, tmp: Path, base: dict[str, Any] = BODY
+) -> dict[str, float]:
     script = tmp / "post.lua"
-    head, tail = body(0).decode().split('"Where is shipment 0?"')
+    head, tail = body(0, base).decode().split('"Where is shipment 0?"')
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {key}"\n'

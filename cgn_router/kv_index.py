@@ -55,11 +55,13 @@ def key(h: bytes) -> int:
 @dataclass(slots=True)
 class _Slot:
     eid: EndpointId
-    bit: int  # 1 << slot
+    n: int  # the slot number
+    bit: int  # 1 << n
     keys: array[int] = field(default_factory=lambda: array("Q"))  # exact keys set (some stale)
     exact: int = 0  # how many keys hold this endpoint's bit now
     seq: int | None = None  # None: no snapshot yet (or lost); exact set not trusted
     assumed: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> expiry
+    ttl: float = 0.0  # of its assumed blocks: one per endpoint, so they expire in order
 
 
 class PrefixIndex:
@@ -71,23 +73,28 @@ class PrefixIndex:
         self._by_bit: dict[int, _Slot] = {}
         self._free: list[int] = []  # slot numbers to reuse
         self._next = 0
-        self._exact: dict[int, int] = {}  # key -> mask of the endpoints holding it (events)
+        # key -> its holders (events): a bit mask, or, for the common single holder, that
+        # slot's shared negative tag (-1 - slot): no int object per block for the mask
+        self._exact: dict[int, int] = {}
+        self._tags: list[int] = []  # slot -> its tag, one int object shared by every entry
         self._assumed: dict[int, int] = {}  # key -> mask of those assumed to hold it
         self._expiry: list[tuple[float, int, EndpointId]] = []  # (front expiry, bit, endpoint)
 
     # ---- reading ---------------------------------------------------------------------------
 
     def match_all(
-        self, hashes: Sequence[BlockHash], now: float, among: int = -1
+        self, hashes: Sequence[BlockHash], now: float, among: int = -1, top: int | None = None
     ) -> dict[EndpointId, int]:
         """Every endpoint (within the `among` mask) holding the prompt's first blocks, and
-        how many it holds in a row. Endpoints holding none are left out."""
+        how many it holds in a row; with `top`, only the `top` holding the most. Endpoints
+        holding none are left out."""
         self._expire(now)
         exact, assumed = self._exact, self._assumed
         alive, ended = among, {}  # `among` may be -1 (every bit) until the first block
         for i, h in enumerate(hashes):
             k = key(h)
-            held = alive & (exact.get(k, 0) | assumed.get(k, 0))
+            v = exact.get(k, 0)
+            held = alive & ((v if v >= 0 else 1 << (-1 - v)) | assumed.get(k, 0))
             if held != alive:
                 gone = alive & ~held
                 if i:
@@ -98,8 +105,15 @@ class PrefixIndex:
         else:
             if hashes and alive:
                 ended[alive] = len(hashes)
+        out: dict[EndpointId, int] = {}
         by_bit = self._by_bit
-        return {by_bit[b].eid: n for mask, n in ended.items() for b in _bits(mask) if b in by_bit}
+        for mask, n in reversed(ended.items()):  # the longest runs first
+            for b in _bits(mask):
+                if top is not None and len(out) >= top:
+                    return out
+                if b in by_bit:
+                    out[by_bit[b].eid] = n
+        return out
 
     def match(self, eid: EndpointId, hashes: Sequence[BlockHash], now: float) -> int:
         """How many leading `hashes` the endpoint holds."""
@@ -130,12 +144,18 @@ class PrefixIndex:
     ) -> None:
         """A request with `hashes` was sent to `eid`: assume its blocks cached there."""
         slot = self._get(eid)
-        expiry = now + (self.optimistic_ttl_s if exact else self.approx_ttl_s)
+        ttl = self.optimistic_ttl_s if exact else self.approx_ttl_s
+        if ttl != slot.ttl:  # NOTE: it started or stopped publishing events: start afresh
+            for k in slot.assumed:
+                self._unassume(slot, k)
+            slot.assumed.clear()
+            slot.ttl = ttl
+        expiry = now + ttl
         bit, held, assumed, mine = slot.bit, self._exact, self._assumed, slot.assumed
         was_empty = not mine
         for h in hashes:
             k = key(h)
-            if held.get(k, 0) & bit:
+            if self._holds(held.get(k, 0), slot):
                 continue
             if k not in mine:
                 assumed[k] = assumed.get(k, 0) | bit
@@ -189,27 +209,21 @@ class PrefixIndex:
         if stored:
             self._store(slot, hashes)
             return True
-        held, bit = self._exact, slot.bit
         for h in hashes:
-            k = key(h)
-            mask = held.get(k, 0)
-            if mask & bit:
+            if self._drop(key(h), slot):
                 slot.exact -= 1
-                if mask == bit:
-                    del held[k]
-                else:
-                    held[k] = mask & ~bit
         if len(slot.keys) > 2 * slot.exact + 1024:  # mostly stale: keep the live ones only
-            slot.keys = array("Q", (k for k in slot.keys if held.get(k, 0) & bit))
+            held = self._exact
+            slot.keys = array("Q", (k for k in slot.keys if self._holds(held.get(k, 0), slot)))
         return True
 
     def _store(self, slot: _Slot, hashes: Iterable[BlockHash]) -> None:
-        held, bit, mine = self._exact, slot.bit, slot.assumed
+        held, mine, tag = self._exact, slot.assumed, self._tags[slot.n]
         for h in hashes:
             k = key(h)
-            mask = held.get(k, 0)
-            if not mask & bit:
-                held[k] = mask | bit
+            v = held.get(k, 0)
+            if not self._holds(v, slot):
+                held[k] = tag if v == 0 else (v if v > 0 else 1 << (-1 - v)) | slot.bit
                 slot.exact += 1
                 slot.keys.append(k)
             if k in mine:  # confirmed: no longer only assumed
@@ -217,15 +231,29 @@ class PrefixIndex:
                 self._unassume(slot, k)
 
     def _clear_exact(self, slot: _Slot) -> None:
-        held, bit = self._exact, slot.bit
         for k in slot.keys:
-            mask = held.get(k, 0)
-            if mask & bit:
-                if mask == bit:
-                    del held[k]
-                else:
-                    held[k] = mask & ~bit
+            self._drop(k, slot)
         slot.keys, slot.exact = array("Q"), 0
+
+    @staticmethod
+    def _holds(v: int, slot: _Slot) -> bool:
+        """Whether holders `v` (a mask or a tag) include `slot`."""
+        return bool(v & slot.bit) if v >= 0 else -1 - v == slot.n
+
+    def _drop(self, k: int, slot: _Slot) -> bool:
+        """Take `slot` off key `k`'s holders; False when it was not one."""
+        held = self._exact
+        v = held.get(k, 0)
+        if not self._holds(v, slot):
+            return False
+        left = 0 if v < 0 else v & ~slot.bit
+        if not left:
+            del held[k]
+        elif left & (left - 1):  # still several
+            held[k] = left
+        else:  # one left: back to its tag
+            held[k] = self._tags[left.bit_length() - 1]
+        return True
 
     def lost(self, eid: EndpointId) -> None:
         """The event stream broke: keep serving the last known set until the next snapshot."""
@@ -242,7 +270,7 @@ class PrefixIndex:
         for k in slot.assumed:
             self._unassume(slot, k)
         del self._by_bit[slot.bit]
-        self._free.append(slot.bit.bit_length() - 1)
+        self._free.append(slot.n)
 
     # ---- slots -----------------------------------------------------------------------------
 
@@ -250,11 +278,12 @@ class PrefixIndex:
         slot = self._slots.get(eid)
         if slot is None:
             n = self._free.pop() if self._free else self._take()
-            slot = self._slots[eid] = self._by_bit[1 << n] = _Slot(eid, 1 << n)
+            slot = self._slots[eid] = self._by_bit[1 << n] = _Slot(eid, n, 1 << n)
         return slot
 
     def _take(self) -> int:
         n, self._next = self._next, self._next + 1
+        self._tags.append(-1 - n)
         return n
 
 

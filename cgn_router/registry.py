@@ -17,7 +17,6 @@ opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
 import json
 from collections import OrderedDict
@@ -225,11 +224,17 @@ class Registry:
         list: the `limit` endpoints holding most of the prompt, the `limit` least loaded,
         the session's owner, and those whose node's store holds the prompt's first block."""
         peers = self.by_model.get(req.model, {})
-        matched = self.index.match_all(req.blocks, now) if req.blocks else {}
         owner = self.sessions.owner(req.session, now)
-        picked: Iterable[EndpointId] = peers
-        if limit is not None and len(peers) > 2 * limit:
-            picked = self._short_list(peers, matched, owner, req, now, limit)
+        blocks, index = req.blocks, self.index
+        if limit is None or len(peers) <= 2 * limit:
+            picked: Iterable[EndpointId] = peers
+            matched = index.match_all(blocks, now) if blocks else {}
+        else:  # one walk for the warmest, one for the rest of the short list
+            matched = index.match_all(blocks, now, top=limit) if blocks else {}
+            picked = self._short_list(peers, matched, owner, req, limit)
+            rest = index.mask(e for e in picked if e not in matched)
+            if blocks and rest:
+                matched |= index.match_all(blocks, now, rest)
         return [
             self._view(peers[eid], matched.get(eid, 0), owner == eid, req, now)
             for eid in picked
@@ -239,15 +244,14 @@ class Registry:
     def _short_list(
         self,
         peers: Mapping[EndpointId, EndpointState],
-        matched: Mapping[EndpointId, int],
+        warm: Mapping[EndpointId, int],
         owner: EndpointId | None,
         req: RequestInfo,
-        now: float,
         limit: int,
     ) -> list[EndpointId]:
-        warm = heapq.nlargest(limit, (e for e in matched if e in peers), key=matched.__getitem__)
+        mine = [e for e in warm if e in peers]  # (a hash-key collision may name another's)
         idle = self.load_order[req.model].least(limit)
-        picked = dict.fromkeys([*warm, *idle])  # ordered: the same request, the same list
+        picked = dict.fromkeys([*mine, *idle])  # ordered: the same request, the same list
         if owner is not None and owner in peers:
             picked[owner] = None
         if req.blocks and self.stores:

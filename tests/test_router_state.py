@@ -87,6 +87,7 @@ class PerEndpointIndex:
         self.exact: dict[str, set[bytes]] = {}
         self.seq: dict[str, int | None] = {}
         self.assumed: dict[str, OrderedDict[bytes, float]] = {}
+        self.mode: dict[str, bool] = {}  # whether its blocks were last routed as exact
 
     def match(self, eid: str, hashes: list[bytes], now: float) -> int:
         exact, assumed, n = self.exact.get(eid, set()), self.assumed.get(eid, {}), 0
@@ -97,6 +98,9 @@ class PerEndpointIndex:
         return n
 
     def routed(self, eid: str, hashes: list[bytes], now: float, exact: bool) -> None:
+        if self.mode.get(eid, exact) != exact:  # it started or stopped publishing events
+            self.assumed.pop(eid, None)
+        self.mode[eid] = exact
         mine = self.assumed.setdefault(eid, OrderedDict())
         for h in hashes:
             if h not in self.exact.get(eid, set()):
@@ -128,7 +132,7 @@ class PerEndpointIndex:
         return True
 
     def forget(self, eid: str) -> None:
-        for table in (self.exact, self.seq, self.assumed):
+        for table in (self.exact, self.seq, self.assumed, self.mode):
             table.pop(eid, None)
 
 
@@ -171,6 +175,10 @@ def test_the_global_index_matches_a_walk_per_endpoint(data: st.DataObject) -> No
         want = {e: model.match(e, prompt, now) for e in eids}
         assert idx.match_all(prompt, now) == {e: n for e, n in want.items() if n}
         assert {e: idx.match(e, prompt, now) for e in eids} == want
+        best = idx.match_all(prompt, now, top=2)  # the two longest runs (ties: either)
+        assert all(want[e] == n for e, n in best.items())
+        longest = sorted((n for n in want.values() if n), reverse=True)[:2]
+        assert sorted(best.values(), reverse=True) == longest
         among = idx.mask(eids[:2])
         assert idx.match_all(prompt, now, among) == {
             e: n for e, n in want.items() if n and e in eids[:2]
