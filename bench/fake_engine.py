@@ -6,7 +6,9 @@ POST /v1/chat/completions and /v1/completions: a fixed small completion (or,
 with "stream": true, one SSE chunk per `max_tokens` (3 when absent, at most
 4096), a usage chunk and [DONE]); GET /metrics: vLLM-named gauges;
 GET /health: 200; GET /v1/models, /get_model_info, /get_server_info: what a
-gateway (SGLang's smg) asks a worker before routing to it. Several ports:
+gateway (SGLang's smg) asks a worker before routing to it; GET
+/v1/kv/events[?ns=MODEL]: a KV event stream holding no block (an empty
+snapshot in namespace MODEL, "fake" by default), kept open. Several ports:
 one process serves them all, so a router sees several engines on one core.
 """
 
@@ -51,6 +53,17 @@ async def complete(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def kv_events(request: web.Request) -> web.StreamResponse:
+    snapshot = {
+        "snapshot": {"seq": "0", "block_size": 16, "namespace": request.query.get("ns", "fake")}
+    }
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b"data: " + json.dumps(snapshot).encode() + b"\n\n")
+    await asyncio.Event().wait()  # open until the subscriber leaves
+    return resp
+
+
 async def info(_: web.Request) -> web.Response:
     return web.Response(body=INFO, content_type="application/json")
 
@@ -75,6 +88,7 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/kv/events", kv_events)
     app.router.add_get("/get_model_info", info)
     app.router.add_get("/get_server_info", info)
     uvloop.run(serve([int(p) for p in sys.argv[1:]], app))

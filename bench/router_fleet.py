@@ -7,10 +7,11 @@ as in issue #27's table: every request is routed among all of a model's
 endpoints, the upstream costs the same whatever the fleet. Sizes: 4, 100 and
 1,000 endpoints of one model, and 1,000 spread over 50 models (20 each).
 Requests carry a ~2,000-token shared system prompt (a long agent or RAG
-preamble: 125 blocks to match on every endpoint that holds it) and a user
-question that differs per request, hashed with SmolLM2's tokenizer. Engine scrapes every 10 s
-(1,000 endpoints scraping one engine every second would load the engine,
-not the router).
+preamble: 113 blocks to match on every endpoint that holds it) and a user
+question that differs per request, hashed with SmolLM2's tokenizer. The
+endpoints are cgn-infer engines with the router's defaults: each publishes a
+KV event stream (the fake engine's holds no block) and is scraped on the
+router's schedule (`scrape.interval_s` 1 s, or `--scrape-interval`).
 
 * c=1: sequential requests, alternating direct and routed; added = routed - direct.
 * c=64: `wrk -t1 -c64` for `--seconds`.
@@ -41,26 +42,29 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from bench.router_vs_smg import BODY, SYSTEM, pct, process, sequential, wrk
+from bench.router_vs_smg import BODY, SYSTEM, pct, sequential, wrk
 from cgn_core.etcd.local import free_port
 from cgn_core.readiness import wait_ready_file
-from harness.procs import REPO, stop
+from harness.procs import REPO, http_process, stop
 
 LONG = {**BODY, "messages": [{"role": "system", "content": SYSTEM * 15}, BODY["messages"][1]]}
 SIZES = {"4": (4, 1), "100": (100, 1), "1000": (1000, 1), "1000 over 50 models": (1000, 50)}
 
 
 @contextmanager
-def router(tmp: Path, upstream: str, size: int, models: int, src: Path) -> Iterator[str]:
+def router(
+    tmp: Path, upstream: str, size: int, models: int, src: Path, scrape_s: float = 1.0
+) -> Iterator[str]:
     """A cgn-router from source tree `src` routing model `fake` (and others) to `upstream`."""
     names = ["fake", *(f"other{i}" for i in range(1, models))]
-    endpoints = {f"e{i}": {"url": upstream, "model": names[i % models], "engine": "vllm",
-                           "kv_events_url": ""} for i in range(size)}  # fmt: skip
+    endpoints = {f"e{i}": {"url": upstream, "model": names[i % models],
+                           "kv_events_url": f"{upstream}/v1/kv/events?ns={names[i % models]}"}
+                 for i in range(size)}  # fmt: skip
     cfg = tmp / f"router-{size}-{models}-{src.name}.yaml"
     cfg.write_text(yaml.safe_dump({
         "discovery": "static", "auth": {"enabled": False}, "log": {"level": "warning"},
         "endpoints": endpoints, "models": {"fake": {"tokenizer": "smollm2"}},
-        "scrape": {"interval_s": 10.0, "stale_s": 30.0},
+        "scrape": {"interval_s": scrape_s, "stale_s": max(5.0, 3 * scrape_s)},
     }))  # fmt: skip
     ready = cfg.with_suffix(".ready")
     argv = [sys.executable, "-c", "import sys; from cgn_router.cli import main; sys.argv[0] = "
@@ -81,7 +85,7 @@ def router(tmp: Path, upstream: str, size: int, models: int, src: Path) -> Itera
 def measure(
     tmp: Path, upstream: str, size: int, models: int, src: Path, args: Any
 ) -> dict[str, float]:
-    with router(tmp, upstream, size, models, src) as url:
+    with router(tmp, upstream, size, models, src, args.scrape_interval) as url:
         c1 = sequential({"direct": upstream, "routed": url}, "unused", args.requests, LONG)
         c64 = wrk(url, "unused", args.seconds, tmp, LONG)
     return {"added_c1_p50_ms": round(pct(c1["routed"], 0.5) - pct(c1["direct"], 0.5), 3),
@@ -133,6 +137,9 @@ def main() -> None:
     p.add_argument("--seconds", type=int, default=6)
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="the routers' scrape.interval_s"
+    )
     args = p.parse_args()
     trees = {"this": REPO, **({"baseline": args.baseline_src} if args.baseline_src else {})}
     results: dict[str, Any] = {name: {} for name in trees}
@@ -140,7 +147,7 @@ def main() -> None:
         tmp = Path(d)
         port = free_port()
         fake = [sys.executable, str(REPO / "bench/fake_engine.py"), str(port)]
-        stack.enter_context(process(fake, f"http://127.0.0.1:{port}/health", tmp / "fake.log"))
+        stack.enter_context(http_process(fake, f"http://127.0.0.1:{port}/health", tmp / "fake.log"))
         upstream = f"http://127.0.0.1:{port}"
         for label, (size, models) in SIZES.items():
             for name, src in trees.items():
@@ -171,7 +178,9 @@ def render(r: dict[str, Any]) -> str:
                          f"{m['match_all_us']} µs ({m['endpoints_matched']} endpoints matched) |")  # fmt: skip
     lines += [
         "",
-        "All endpoints point at one fake engine; engine scrapes every 10 s; nothing pinned.",
+        "All endpoints point at one fake engine, each with its own KV event stream; the routers "
+        "scrape each every `scrape.interval_s` (1 s unless the command says otherwise); "
+        "nothing pinned.",
     ]
     return "\n".join(lines)
 

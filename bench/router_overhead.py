@@ -41,7 +41,7 @@ from bench.common import write_result
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
 from cgn_core.readiness import wait_ready_file
-from harness.procs import BIN, REPO, stop, wait_http_ok
+from harness.procs import BIN, REPO, http_process, stop
 
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ROUTER_CPU, CLIENT_CPU = "0", "1"
@@ -50,18 +50,6 @@ ROUTER_CPU, CLIENT_CPU = "0", "1"
 def pinned(cpu: str, argv: list[str]) -> list[str]:
     can_pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) > 1
     return ["taskset", "-c", cpu, *argv] if can_pin else argv
-
-
-@contextmanager
-def process(argv: list[str], health: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        wait_http_ok(health, proc, timeout_s=120)
-        yield proc
-    finally:
-        stop(proc)
 
 
 @contextmanager
@@ -167,7 +155,7 @@ def main() -> None:
         tmp = Path(d)
         port = free_port()
         fake = pinned(CLIENT_CPU, [sys.executable, str(REPO / "bench/fake_engine.py"), str(port)])
-        with process(fake, f"http://127.0.0.1:{port}/health"):
+        with http_process(fake, f"http://127.0.0.1:{port}/health"):
             results["fake_upstream"] = scenario(
                 "fake", f"http://127.0.0.1:{port}", "fake", "vllm", args, tmp
             )
@@ -175,7 +163,7 @@ def main() -> None:
         sim = pinned(CLIENT_CPU, [str(BIN / "cgn-infer"), "serve", "--model", str(smollm2()), "--backend", "sim",
                                   "--speed", "1000", "--port", str(port), "--model-name", "sim",
                                   "--max-batch", "64"])  # fmt: skip
-        with process(sim, f"http://127.0.0.1:{port}/health"):
+        with http_process(sim, f"http://127.0.0.1:{port}/health"):
             results["sim_engine"] = scenario(
                 "sim", f"http://127.0.0.1:{port}", "sim", "cgn-infer", args, tmp
             )

@@ -48,7 +48,7 @@ from bench.common import write_result
 from cgn_core import keys
 from cgn_core.apikeys import create
 from cgn_core.etcd.local import LocalEtcd, free_port
-from harness.procs import BIN, REPO, cgn_router, etcd_put, stop, wait_http_ok
+from harness.procs import BIN, REPO, cgn_router, etcd_put, http_process
 
 SYSTEM = ("You are a careful assistant for a logistics company. Answer in short sentences, "
           "cite the shipment number when you know it, never invent tracking data, and ask "
@@ -67,23 +67,14 @@ ENGINES = 4
 
 
 @contextmanager
-def process(argv: list[str], health: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http_ok(health, proc, timeout_s=120)
-        yield proc
-    finally:
-        stop(proc)
-
-
-@contextmanager
 def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
     """The fake engines, etcd with one API key, cgn-router and smg; all stopped after."""
     with ExitStack() as stack:
         ports = [free_port() for _ in range(ENGINES)]
         fake = [sys.executable, str(REPO / "bench/fake_engine.py"), *map(str, ports)]
-        stack.enter_context(process(fake, f"http://127.0.0.1:{ports[0]}/health", tmp / "fake.log"))
+        stack.enter_context(
+            http_process(fake, f"http://127.0.0.1:{ports[0]}/health", tmp / "fake.log")
+        )
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         etcd = LocalEtcd(tmp / "etcd")
         etcd.start()
@@ -105,7 +96,7 @@ def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
         port = free_port()
         smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
-        stack.enter_context(process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log"))
+        stack.enter_context(http_process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log"))
         smg_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while _status(smg_url, key) != 200:  # workers are activated after its health is up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +47,21 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} not healthy within {timeout_s}s")
         time.sleep(0.1)
+
+
+@contextmanager
+def http_process(
+    argv: list[str], health: str, log: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`argv` in a process group of its own, yielded once `health` answers 200, stopped after;
+    its output goes to `log` (discarded without one)."""
+    with log.open("wb") if log else open(os.devnull, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http_ok(health, proc, timeout_s=120)
+        yield proc
+    finally:
+        stop(proc)
 
 
 @contextmanager
