@@ -48,7 +48,7 @@ from cgn_router.registry import (
 from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_app
 from cgn_router.service import RouterService
-from cgn_router.settings import RouterSettings, check_settings
+from cgn_router.settings import RouterSettings, ScrapeSettings, check_settings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
 
@@ -253,10 +253,26 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
         svc.registry.requeue(state, time.monotonic())
 
-    while True:
+    while True:  # one pass: every endpoint once, in even slices over the pass's period
+        eids = list(svc.registry.states)
+        period, slices = scrape_plan(len(eids), svc.settings.scrape)
+        svc.registry.stale_s = max(svc.settings.scrape.stale_s, 2 * period)
         started = time.monotonic()
-        await asyncio.gather(*(scrape_one(eid) for eid in list(svc.registry.states)))
-        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        for k in range(slices):
+            part = eids[k * len(eids) // slices : (k + 1) * len(eids) // slices]
+            await asyncio.gather(*(scrape_one(eid) for eid in part))
+            await asyncio.sleep(max(0.0, started + (k + 1) * period / slices - time.monotonic()))
+
+
+SCRAPE_SLICE_S = 0.1  # a pass's scrapes go out in slices this far apart, not in one burst
+
+
+def scrape_plan(endpoints: int, s: ScrapeSettings) -> tuple[float, int]:
+    """(period of one pass over `endpoints`, slices it is sent in): every `interval_s`, or
+    slower when that would exceed `max_per_s` scrapes a second; the load figures are then
+    trusted for twice the period (a fleet of thousands is scraped less often, not slower)."""
+    period = max(s.interval_s, endpoints / s.max_per_s)
+    return period, max(1, min(endpoints, round(period / SCRAPE_SLICE_S)))
 
 
 def run(settings: RouterSettings, ready_file: Path | None) -> None:

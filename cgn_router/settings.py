@@ -102,6 +102,9 @@ class BreakerSettings:
 class ScrapeSettings:
     interval_s: float = 1.0  # each engine's /metrics
     stale_s: float = 5.0  # older load figures are not trusted
+    # At most this many scrapes a second: a fleet larger than interval_s x max_per_s is
+    # scraped less often (its figures then trusted for twice the longer period).
+    max_per_s: float = 200.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +197,7 @@ def check_settings(s: RouterSettings) -> None:
         "routing.chars_per_block": s.routing.chars_per_block,
         "breaker.failures": s.breaker.failures,
         "scrape.interval_s": s.scrape.interval_s,
+        "scrape.max_per_s": s.scrape.max_per_s,
         "deadlines.connect_s": s.deadlines.connect_s,
         "deadlines.first_token_s": s.deadlines.first_token_s,
         "deadlines.idle_s": s.deadlines.idle_s,

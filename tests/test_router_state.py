@@ -22,13 +22,14 @@ from cgn_core.text.prompt import PromptCodec
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
+from cgn_router.daemon import scrape_plan
 from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.pipeline import Pipeline
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import LoadOrder, Registry, Sessions, endpoint_from_etcd
 from cgn_router.scrape import engine_load, name_map, parse_samples
-from cgn_router.settings import BreakerSettings, RoutingSettings
+from cgn_router.settings import BreakerSettings, RoutingSettings, ScrapeSettings
 from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -432,6 +433,22 @@ def test_load_order_keeps_the_least_loaded_first() -> None:
     order.place(EndpointId("b"), 5)  # busier now: to the back
     order.remove(EndpointId("d"))
     assert order.least(10) == ["c", "a", "b"] and order.least(0) == []
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "period", "slices"),
+    [
+        (0, 1.0, 1),
+        (4, 1.0, 4),  # a pass every interval, in slices 0.1 s apart
+        (100, 1.0, 10),
+        (1000, 5.0, 50),  # 200 scrapes a second at most: each endpoint every 5 s
+        (5000, 25.0, 250),
+    ],
+)
+def test_scrapes_are_spread_and_bounded_per_second(
+    endpoints: int, period: float, slices: int
+) -> None:
+    assert scrape_plan(endpoints, ScrapeSettings()) == (period, slices)
 
 
 def test_catalog_entry_from_etcd() -> None:
