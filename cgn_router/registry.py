@@ -216,22 +216,22 @@ class Registry:
         req: RequestInfo,
         now: float,
         exclude: frozenset[EndpointId] = frozenset(),
-        limit: int | None = None,
+        picks: int | None = None,
     ) -> list[EndpointView]:
         """Snapshots of the endpoints serving `req.model`, minus `exclude`.
 
-        With `limit`, a model with more endpoints than twice that is seen through a short
-        list: the `limit` endpoints holding most of the prompt, the `limit` least loaded,
-        the session's owner, and those whose node's store holds the prompt's first block."""
+        With `picks`, a short list instead of all of them: the `picks` endpoints holding
+        most of the prompt, the `picks` least loaded, the session's owner, and those whose
+        node's store holds the prompt's first block."""
         peers = self.by_model.get(req.model, {})
         owner = self.sessions.owner(req.session, now)
         blocks, index = req.blocks, self.index
-        if limit is None or len(peers) <= 2 * limit:
+        if picks is None:
             picked: Iterable[EndpointId] = peers
             matched = index.match_all(blocks, now) if blocks else {}
         else:  # one walk for the warmest, one for the rest of the short list
-            matched = index.match_all(blocks, now, top=limit) if blocks else {}
-            picked = self._short_list(peers, matched, owner, req, limit)
+            matched = index.match_all(blocks, now, top=picks) if blocks else {}
+            picked = self._short_list(peers, matched, owner, req, picks)
             rest = index.mask(e for e in picked if e not in matched)
             if blocks and rest:
                 matched |= index.match_all(blocks, now, rest)

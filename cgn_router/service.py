@@ -25,7 +25,7 @@ from cgn_router.types import EndpointId, RequestInfo
 # SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
 # so routing costs the same at a thousand endpoints as at twenty.
 SHORT_LIST = 16
-SHORT_PICKS = 8
+SHORT_PICKS = 4
 
 
 @dataclass(slots=True)

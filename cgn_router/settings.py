@@ -104,7 +104,7 @@ class ScrapeSettings:
     stale_s: float = 5.0  # older load figures are not trusted
     # At most this many scrapes a second: a fleet larger than interval_s x max_per_s is
     # scraped less often (its figures then trusted for twice the longer period).
-    max_per_s: float = 200.0
+    max_per_s: float = 100.0
 
 
 @dataclass(frozen=True, slots=True)
