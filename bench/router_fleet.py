@@ -17,6 +17,9 @@ router's schedule (`scrape.interval_s` 1 s, or `--scrape-interval`).
 * c=64: `wrk -t1 -c64` for `--seconds`.
 * With `--baseline-src DIR` (a checkout of an older commit), that router runs
   the same configs, alternating with this one, size by size.
+* routing cost in-process (no HTTP, no machine noise): the registry's views,
+  the pipeline and a lease for one request whose 113 blocks every endpoint
+  holds, per fleet size, for each tree.
 * index memory: the RSS of a process holding a `PrefixIndex` of 1,000
   endpoints x 16,384 blocks, distinct blocks (the worst case) and with 90 % of
   each endpoint's blocks shared with others; and the time of one `match_all`.
@@ -67,10 +70,10 @@ def router(
         "scrape": {"interval_s": scrape_s, "stale_s": max(5.0, 3 * scrape_s)},
     }))  # fmt: skip
     ready = cfg.with_suffix(".ready")
-    argv = [sys.executable, "-c", "import sys; from cgn_router.cli import main; sys.argv[0] = "
+    argv = [sys.executable, "-P", "-c", "import sys; from cgn_router.cli import main; sys.argv[0] = "
             "'cgn-router'; main()", "serve", "--port", "0", "--admin-port", "0", "--config",
             str(cfg), "--ready-file", str(ready)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    env = {**os.environ, "PYTHONPATH": str(src)}  # NOTE: -P: the tree, not the current folder
     with (tmp / f"{cfg.stem}.log").open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
@@ -121,11 +124,54 @@ print(json.dumps({"rss_mib": round(after - before), "pairs": 1000 * 16384,
 """
 
 
+ROUTE_PROBE = """
+import json, random, sys, time
+from cgn_router.kv_index import PrefixIndex
+from cgn_router.pipeline import Pipeline
+from cgn_router.registry import Registry, Sessions
+from cgn_router.settings import BreakerSettings, RoutingSettings
+from cgn_router.types import Endpoint, EndpointId, RequestInfo
+try:  # this tree: past SHORT_LIST endpoints a short list of SHORT_PICKS each
+    from cgn_router.service import SHORT_LIST, SHORT_PICKS
+except ImportError:  # before issue #27
+    SHORT_LIST = SHORT_PICKS = None
+size, models = int(sys.argv[1]), int(sys.argv[2])
+reg = Registry(BreakerSettings(), PrefixIndex(300, 65536, 5), Sessions(600), 5.0)
+names = ["fake", *(f"other{i}" for i in range(1, models))]
+reg.replace_source("static", [Endpoint(EndpointId(f"{names[i % models]}/e{i}"), names[i % models],
+                                       "http://x") for i in range(size)])
+pipeline, rng = Pipeline.from_settings(RoutingSettings()), random.Random(0)
+req = RequestInfo("fake", "both", tuple(bytes([i % 256, i // 256]) * 16 for i in range(113)), 1822)
+now = time.monotonic()
+for e in reg.by_model["fake"]:  # every endpoint of the model holds the prompt (assumed)
+    reg.index.routed(e, req.blocks, now, exact=True)
+def once():
+    big = SHORT_LIST is not None and len(reg.by_model["fake"]) > SHORT_LIST
+    views = reg.views(req, now, frozenset(), SHORT_PICKS) if big else reg.views(req, now)
+    lease = reg.begin(pipeline.route(req, views, rng).view, req, now)
+    lease.end("ok", now)
+once()
+t = time.perf_counter()
+n = 0
+while time.perf_counter() - t < 2.0:
+    once()
+    n += 1
+print(json.dumps({"route_us": round((time.perf_counter() - t) / n * 1e6, 1)}))
+"""
+
+
+def route_cost(src: Path, size: int, models: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    res = subprocess.run([sys.executable, "-P", "-c", ROUTE_PROBE, str(size), str(models)], env=env,
+                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    return float(json.loads(res.stdout.strip().splitlines()[-1])["route_us"])
+
+
 def index_memory(src: Path) -> dict[str, Any]:
     out = {}
     for label, shared in (("distinct blocks", 0.0), ("90 % shared", 0.9)):
         env = {**os.environ, "PYTHONPATH": str(src)}
-        res = subprocess.run([sys.executable, "-c", INDEX_PROBE, str(shared)], env=env,
+        res = subprocess.run([sys.executable, "-P", "-c", INDEX_PROBE, str(shared)], env=env,
                              capture_output=True, text=True, check=True, timeout=1800)  # fmt: skip
         out[label] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
@@ -151,7 +197,9 @@ def main() -> None:
         upstream = f"http://127.0.0.1:{port}"
         for label, (size, models) in SIZES.items():
             for name, src in trees.items():
-                results[name][label] = got = measure(tmp, upstream, size, models, src, args)
+                got = measure(tmp, upstream, size, models, src, args)
+                got["route_us"] = route_cost(src, size, models)
+                results[name][label] = got
                 print(f"{name} {label}: {json.dumps(got)}", file=sys.stderr, flush=True)
     if not args.skip_memory:
         results["index_memory"] = index_memory(REPO)
@@ -160,14 +208,14 @@ def main() -> None:
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = ["| router | endpoints | added c=1 p50 / p99 ms | c=64 req/s | c=64 p99 ms | req/s vs 4 |",
-             "|---|---|---|---:|---:|---:|"]  # fmt: skip
+    lines = ["| router | endpoints | routing cost in-process µs | added c=1 p50 / p99 ms | c=64 req/s | "
+             "c=64 p99 ms | req/s vs 4 |", "|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
     for name in ("baseline", "this"):
         if name not in r:
             continue
         base = r[name]["4"]["c64_req_s"]
         for label, m in r[name].items():
-            lines.append(f"| {name} | {label} | {m['added_c1_p50_ms']} / {m['added_c1_p99_ms']} | "
+            lines.append(f"| {name} | {label} | {m['route_us']} | {m['added_c1_p50_ms']} / {m['added_c1_p99_ms']} | "
                          f"{m['c64_req_s']} | {m['c64_p99_ms']} | {m['c64_req_s'] / base:.2f} |")  # fmt: skip
     if "index_memory" in r:
         lines += ["", "Index of 1,000 endpoints x 16,384 blocks (one process, RSS growth):", "",

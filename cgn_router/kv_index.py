@@ -79,6 +79,17 @@ class PrefixIndex:
         self._tags: list[int] = []  # slot -> its tag, one int object shared by every entry
         self._assumed: dict[int, int] = {}  # key -> mask of those assumed to hold it
         self._expiry: list[tuple[float, int, EndpointId]] = []  # (front expiry, bit, endpoint)
+        self._memo: tuple[Sequence[BlockHash], list[int]] = ((), [])  # the last prompt's keys
+
+    def _keys(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The keys of `hashes`, computed once for a prompt looked up then routed (the same
+        tuple: a request's blocks; anything mutable is keyed afresh)."""
+        if hashes is self._memo[0]:
+            return self._memo[1]
+        keys = [key(h) for h in hashes]
+        if isinstance(hashes, tuple):
+            self._memo = (hashes, keys)
+        return keys
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -91,8 +102,7 @@ class PrefixIndex:
         self._expire(now)
         exact, assumed = self._exact, self._assumed
         alive, ended = among, {}  # `among` may be -1 (every bit) until the first block
-        for i, h in enumerate(hashes):
-            k = key(h)
+        for i, k in enumerate(self._keys(hashes)):
             v = exact.get(k, 0)
             held = alive & ((v if v >= 0 else 1 << (-1 - v)) | assumed.get(k, 0))
             if held != alive:
@@ -152,15 +162,16 @@ class PrefixIndex:
             slot.ttl = ttl
         expiry = now + ttl
         bit, held, assumed, mine = slot.bit, self._exact, self._assumed, slot.assumed
-        was_empty = not mine
-        for h in hashes:
-            k = key(h)
-            if self._holds(held.get(k, 0), slot):
+        was_empty, tag = not mine, self._tags[slot.n]
+        for k in self._keys(hashes):
+            v = held.get(k, 0)
+            if v == tag or (v > 0 and v & bit):  # held exactly: nothing to assume
                 continue
-            if k not in mine:
+            if k in mine:
+                mine.move_to_end(k)
+            else:
                 assumed[k] = assumed.get(k, 0) | bit
             mine[k] = expiry
-            mine.move_to_end(k)
         while len(mine) > self.approx_blocks:
             self._unassume(slot, mine.popitem(last=False)[0])
         if was_empty and mine:
