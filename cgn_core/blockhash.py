@@ -15,7 +15,6 @@ Published vectors: cgn_core/testdata/blockhash_vectors.json.
 
 from __future__ import annotations
 
-import struct
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,6 @@ BlockHash = NewType("BlockHash", bytes)
 BLOCK_SIZE = 16
 DOMAIN = b"cognitora.kv.v1\0"
 ROOT = BlockHash(bytes(32))
-_PACK = struct.Struct(f"<{BLOCK_SIZE}I")
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)  # the C type of 32 bits
 
 
@@ -43,7 +41,8 @@ def block_hash(parent: BlockHash, tokens: Sequence[int], ns: str) -> BlockHash:
     """The hash of one full block of BLOCK_SIZE token ids following `parent`."""
     if len(tokens) != BLOCK_SIZE:
         raise ValueError(f"a block holds exactly {BLOCK_SIZE} tokens, got {len(tokens)}")
-    return _hash(_prefix(ns), parent, tokens)
+    (h,) = iter_block_hashes(tokens, ns, parent)
+    return h
 
 
 def block_hashes(tokens: Sequence[int], ns: str, parent: BlockHash = ROOT) -> list[BlockHash]:
@@ -79,13 +78,3 @@ def _pack_all(tokens: Sequence[int]) -> bytes:
 
 def _prefix(ns: str) -> bytes:
     return DOMAIN + ns.encode("utf-8") + b"\0"
-
-
-def _hash(prefix: bytes, parent: bytes, block: Sequence[int]) -> BlockHash:
-    if len(parent) != 32:
-        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
-    try:
-        packed = _PACK.pack(*block)
-    except struct.error:
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
-    return BlockHash(blake3(prefix + parent + packed).digest())
