@@ -80,12 +80,13 @@ class Pipeline:
 
     def set_weights(self, weights: Mapping[str, object]) -> None:
         """Re-weight scorers by name; ValueError (and no change) for an unknown one."""
+        checked = {}
         for name, value in weights.items():
             if name not in self.weights:
                 known = ", ".join(self.weights)
                 raise ValueError(f"unknown scorer {name!r} (known: {known})")
-            check_weight(name, value)
-        self.weights |= {name: float(v) for name, v in weights.items()}  # type: ignore[arg-type]
+            checked[name] = check_weight(name, value)
+        self.weights |= checked
 
     def route(
         self, req: RequestInfo, views: Sequence[EndpointView], rng: random.Random
@@ -116,9 +117,8 @@ class Pipeline:
 
 
 def check_weight(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
-    if not 0 <= value < MAX_WEIGHT:
+    """`value` as a scorer weight; ValueError unless it is a number in [0, 1e9)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < MAX_WEIGHT:
         raise ValueError(f"weight of {name!r} must be a number from 0 to 1e9, got {value!r}")
     return float(value)
 

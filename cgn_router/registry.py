@@ -28,6 +28,7 @@ from cgn_core import keys
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex
+from cgn_router.plugins.load import queue_length
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
@@ -263,11 +264,9 @@ class Registry:
     def requeue(self, s: EndpointState, now: float) -> None:
         """Re-place an endpoint in its model's load order: what waits on it, as the load
         scorer counts it (this router's requests there, or the engine's queue if more)."""
-        load = self.fresh_load(s, now)
-        engine = load.running + load.waiting if load is not None else 0.0
         order = self.load_order.get(s.endpoint.model)
         if order is not None and s.endpoint.id in self.states:
-            order.place(s.endpoint.id, int(max(s.in_flight, engine)))
+            order.place(s.endpoint.id, int(queue_length(s.in_flight, self.fresh_load(s, now))))
 
     def _view(
         self, s: EndpointState, matched: int, owner: bool, req: RequestInfo, now: float
