@@ -52,6 +52,14 @@ def serve(
     speed: Annotated[
         float | None, flag("--speed", "sim backend: run this many times faster than modelled.")
     ] = None,
+    engines: Annotated[
+        int | None,
+        flag(
+            "--engines",
+            "sim backend: host this many virtual engines, each on its own port "
+            "(--port and the next ones; 0: any free ports) with its own scheduler and pool.",
+        ),
+    ] = None,
     device: Annotated[
         str | None, flag("--device", "torch device: cpu, cuda, cuda:1 (default cpu).")
     ] = None,
@@ -83,6 +91,7 @@ def serve(
         "model": model, "http.host": host, "http.port": port, "ctx": ctx, "threads": threads,
         "decode_threads": decode_threads, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
         "kv_pool_tokens": kv_pool_tokens, "kv_dtype": kv_dtype, "sim.speed": speed,
+        "sim.engines": engines,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
         "kvcached.address": kvcached,
     }.items():  # fmt: skip

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
+import ssl
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -31,7 +34,7 @@ from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_tiering import RestoreCost
-from cgn_infer.loader import load_model
+from cgn_infer.loader import LoadedModel, load_model
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.server import InferenceService, Loaded, build_app
 from cgn_infer.settings import InferSettings
@@ -49,6 +52,15 @@ def model_name(settings: InferSettings) -> str:
     return settings.model.stem if settings.model else "model"
 
 
+@dataclass(slots=True)
+class _Listener:
+    """One engine's HTTP side: its service (metrics, KV event hub) on its own port."""
+
+    svc: InferenceService
+    runner: Runner
+    port: int
+
+
 async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     check_settings(settings)
     stop = asyncio.Event()
@@ -57,10 +69,6 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     name = model_name(settings)
-    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name),
-                           body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
-    sock = bind_tcp(settings.http.host, settings.http.port)
-    port = sock.getsockname()[1]
     if not settings.api_token:
         log.warning(
             "engine API authentication is OFF (no api_token): anyone who reaches its port "
@@ -71,6 +79,39 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     )
     if ssl_ctx is None:
         warn_if_plaintext(log, "engine API", settings.tls)
+    listeners: list[_Listener] = []
+    try:
+        for port in engine_ports(settings):
+            listeners.append(await _listen(settings, name, port, ssl_ctx))
+        scheme = "https" if ssl_ctx else "http"
+        log.info("listening on %s://%s:%s (model %s loading)", scheme, settings.http.host,
+                 _port_list(listeners), name)  # fmt: skip
+        await _serve_loaded(settings, name, listeners, ready_file, stop)
+    finally:
+        for listener in listeners:
+            await listener.runner.cleanup()
+
+
+def _port_list(listeners: list[_Listener]) -> str:
+    ports = [str(x.port) for x in listeners]
+    return (
+        ports[0] if len(ports) == 1 else f"{ports[0]} and {len(ports) - 1} more (virtual engines)"
+    )
+
+
+def engine_ports(settings: InferSettings) -> list[int]:
+    """The port of each engine this process hosts: `http.port` and the ones after it, or all
+    0 (any free port) when `http.port` is 0. More than one only for the sim's `sim.engines`."""
+    base, n = settings.http.port, settings.sim.engines
+    return [base + i if base else 0 for i in range(n)]
+
+
+async def _listen(
+    settings: InferSettings, name: str, port: int, ssl_ctx: ssl.SSLContext | None
+) -> _Listener:
+    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name),
+                           body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
+    sock = bind_tcp(settings.http.host, port)
     runner = Runner(
         build_app(svc, settings.api_token, client_certs=ssl_ctx is not None),
         idle_timeout_s=settings.http.idle_timeout_s,
@@ -79,9 +120,19 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     )
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
-    scheme = "https" if ssl_ctx else "http"
-    log.info("listening on %s://%s:%d (model %s loading)", scheme, settings.http.host, port, name)
+    return _Listener(svc, runner, sock.getsockname()[1])
 
+
+async def _serve_loaded(
+    settings: InferSettings,
+    name: str,
+    listeners: list[_Listener],
+    ready_file: Path | None,
+    stop: asyncio.Event,
+) -> None:
+    """Load the model once, give every listener its own engine (scheduler, pool, worker
+    thread), announce ready, and run until `stop`."""
+    loop = asyncio.get_running_loop()
     started = time.monotonic()
     # One thread does all torch work: loading, allocating the KV pool, then every step.
     torch_thread = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-engine")
@@ -96,13 +147,11 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
             )
         except CognitoraError as exc:  # a bad model file is the operator's configuration
             torch_thread.shutdown(wait=False)
-            await runner.cleanup()
             raise ConfigError(exc.message) from None
     try:
         check_pool_fits(settings, loaded.backend.kv_bytes_per_token(), available_memory())
     except ConfigError:
         torch_thread.shutdown(wait=False)
-        await runner.cleanup()
         raise
     config = EngineConfig(
         ctx=settings.ctx,
@@ -111,38 +160,69 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         prefill_chunk=settings.prefill_chunk,
         aging_steps=settings.aging_steps,
     )
-    kvcache, restore_cost = kvcache_client(settings, loaded.backend)
-    engine = await loop.run_in_executor(  # the pool is allocated (and zeroed) there too
-        torch_thread,
-        lambda: Engine(
-            loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=name,
-            on_kv_events=lambda events: loop.call_soon_threadsafe(svc.kv_events.publish, events),
-            executor=torch_thread, kvcache=kvcache, restore_cost=restore_cost,
-        ),
-    )  # fmt: skip
-    svc.metrics.load_seconds.set(time.monotonic() - started)
-    engine.start()
-    svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
-    log.info(
-        "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)",
-        engine.capacity_tokens, BLOCK_SIZE,
-        engine.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
-        loaded.backend.kv_bytes_per_token(),
-    )  # fmt: skip
-    svc.loaded = Loaded(engine, loaded.codec)
-    log.info("model %s loaded in %.1fs; serving on port %d", name, time.monotonic() - started, port)
-    announce_ready(ready_file, f"serving {name} on port {port}", ports={"http": port}, model=name)
+    engines: list[Engine] = []
     try:
+        for i, listener in enumerate(listeners):
+            svc = listener.svc
+            # The first engine steps on the thread that loaded the model; a virtual sim
+            # engine gets its own (it only sleeps there). Pools are allocated there too.
+            executor = torch_thread if i == 0 else None
+            build = functools.partial(_engine, settings, loaded, svc, config, loop, executor)
+            engine = await loop.run_in_executor(torch_thread, build)
+            engines.append(engine)
+        for listener, engine in zip(listeners, engines, strict=True):
+            # NOTE: after every engine is built: the first one's worker takes torch_thread
+            listener.svc.metrics.load_seconds.set(time.monotonic() - started)
+            engine.start()
+            svc = listener.svc
+            svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
+            svc.loaded = Loaded(engine, loaded.codec)
+        first = engines[0]
+        log.info(
+            "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
+            first.capacity_tokens, BLOCK_SIZE,
+            first.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
+            loaded.backend.kv_bytes_per_token(),
+            f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
+        )  # fmt: skip
+        ports = [x.port for x in listeners]
+        log.info("model %s loaded in %.1fs; serving on port %s", name,
+                 time.monotonic() - started, _port_list(listeners))  # fmt: skip
+        announce_ready(ready_file, f"serving {name} on port {ports[0]}",
+                       ports={"http": ports[0]}, model=name, engines=ports)  # fmt: skip
         await stop.wait()
     finally:
         log.info("shutting down")
         announce_stopping()
-        svc.kv_events.close()
-        await runner.cleanup()
-        await asyncio.to_thread(engine.stop)
+        for listener in listeners:
+            listener.svc.kv_events.close()
+        for listener in listeners:
+            await listener.runner.cleanup()
+        for engine in engines:
+            await asyncio.to_thread(engine.stop)
+        if not engines:
+            torch_thread.shutdown(wait=False)
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+def _engine(
+    settings: InferSettings,
+    loaded: LoadedModel,
+    svc: InferenceService,
+    config: EngineConfig,
+    loop: asyncio.AbstractEventLoop,
+    executor: ThreadPoolExecutor | None,
+) -> Engine:
+    """One engine over the loaded model, publishing its KV events on `svc`'s hub."""
+    kvcache, restore_cost = kvcache_client(settings, loaded.backend)
+    hub = svc.kv_events
+    return Engine(
+        loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=svc.model_name,
+        on_kv_events=lambda events: loop.call_soon_threadsafe(hub.publish, events),
+        executor=executor, kvcache=kvcache, restore_cost=restore_cost,
+    )  # fmt: skip
 
 
 def kvcache_client(
@@ -215,6 +295,17 @@ def check_settings(settings: InferSettings) -> None:
             raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
     if settings.sim.speed <= 0:
         raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
+    if settings.sim.engines < 1:
+        raise ConfigError(f"sim.engines must be at least 1, got {settings.sim.engines}")
+    if settings.sim.engines > 1 and settings.backend != "sim":
+        raise ConfigError(
+            f"sim.engines={settings.sim.engines}: only the sim backend hosts several "
+            "engines in one process (--backend sim)"
+        )
+    if settings.http.port and settings.http.port + settings.sim.engines - 1 > 65535:
+        raise ConfigError(
+            f"sim.engines={settings.sim.engines} from port {settings.http.port} runs past 65535"
+        )
     kvc = settings.kvcached
     for key in ("timeout_s", "ram_mb_per_s", "ssd_mb_per_s", "prefill_tokens_per_s"):
         if getattr(kvc, key) <= 0:

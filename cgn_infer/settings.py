@@ -17,6 +17,10 @@ class SimSettings:
     decode_s_per_seq: float = 0.00037
     decode_s_per_ctx_token: float = 1.14e-5
     speed: float = 1.0  # >1: faster than modelled
+    # Virtual engines in this one process, each with its own port (http.port and the next
+    # ones; 0: any free ports), scheduler, KV pool, metrics and KV event stream, sharing
+    # the tokenizer: a fleet of hundreds on a small machine, for tests and benchmarks.
+    engines: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,8 @@ class Engine:
 def cgn_infer_fleet(
     tmp: Path, n: int, *args: str, model: Path | None = None
 ) -> Iterator[list[str]]:
-    """`n` real `cgn-infer serve` processes started together; yields their base URLs."""
+    """`n` real `cgn-infer serve` processes started together; yields their engines' base URLs
+    (`--engines N` among `args`: N virtual sim engines per process)."""
     with cgn_infer_engines(tmp, n, *args, model=model) as engines:
         yield [e.url for e in engines]
 
@@ -105,8 +106,10 @@ def cgn_infer_engines(
             procs.append((proc, ready))
         engines = []
         for proc, ready in procs:
-            port = wait_ready_file(ready, timeout_s=180, proc=proc)["ports"]["http"]
-            engines.append(Engine(f"http://127.0.0.1:{port}", proc))
+            doc = wait_ready_file(ready, timeout_s=180, proc=proc)
+            # a sim process with --engines N hosts N engines, each on its own port
+            for port in doc.get("engines") or [doc["ports"]["http"]]:
+                engines.append(Engine(f"http://127.0.0.1:{port}", proc))
         yield engines
 
 

@@ -113,8 +113,14 @@ def test_cost_model_arithmetic() -> None:
         (("--max-batch", "0"), "max_batch must be at least 1, got 0"),
         (("--kv-pool-tokens", "8"), "kv_pool_tokens must be at least 16, got 8"),
         (("--speed", "-1"), "sim.speed must be positive, got -1.0"),
+        (("--engines", "0"), "sim.engines must be at least 1, got 0"),
+        (("--engines", "3", "--backend", "torch"),
+         "sim.engines=3: only the sim backend hosts several engines in one process "
+         "(--backend sim)"),
+        (("--engines", "10", "--port", "65530"),
+         "sim.engines=10 from port 65530 runs past 65535"),
     ],
-)
+)  # fmt: skip
 def test_bad_engine_settings_are_one_line_errors(flags: tuple[str, ...], message: str) -> None:
     argv = [str(BIN / "cgn-infer"), "serve", "--model", "smollm2", "--backend", "sim", *flags]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
