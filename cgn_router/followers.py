@@ -12,7 +12,6 @@ anything a handler still raises.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from cgn_router.registry import (
 )
 from cgn_router.service import RouterService
 from cgn_router.settings import RoutingSettings
+from cgn_router.types import EndpointId
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,14 @@ class Followed:
 
 
 class EtcdFollowers:
-    """The router's etcd mirrors; `on_endpoints` runs after the endpoint set changed."""
+    """The router's etcd mirrors; `on_endpoints(eid)` runs after endpoint `eid` changed, or
+    with None after anything that may change several (a list, a node store)."""
 
-    def __init__(self, svc: RouterService, on_endpoints: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        svc: RouterService,
+        on_endpoints: Callable[[EndpointId | None], None] = lambda _: None,
+    ):
         self.svc, self.on_endpoints = svc, on_endpoints
         self.records = RecordLog(log, on_bad=self._count_bad)
 
@@ -75,15 +80,20 @@ class EtcdFollowers:
     def endpoints_list(self, kvs: list[KeyValue]) -> None:
         parsed = [ep for kv in kvs if (ep := self._endpoint(kv)) is not None]
         self.svc.registry.replace_source("etcd", parsed)
-        self.on_endpoints()
+        self.on_endpoints(None)
 
     def endpoints_event(self, ev: WatchEvent) -> None:
+        try:
+            eid = endpoint_key_parts(ev.kv.key)[0]
+        except ValueError:  # a key that never parses was never registered
+            eid = None
         if ev.kind == "delete":
-            with contextlib.suppress(ValueError):  # a key that never parsed was never registered
-                self.svc.registry.remove(endpoint_key_parts(ev.kv.key)[0])
+            if eid is not None:
+                self.svc.registry.remove(eid)
         elif (ep := self._endpoint(ev.kv)) is not None:
             self.svc.registry.upsert(ep, "etcd")
-        self.on_endpoints()
+        if eid is not None:
+            self.on_endpoints(eid)
 
     # ---- node KV stores: the key names the node; the router follows each one's events -----
 
@@ -96,7 +106,7 @@ class EtcdFollowers:
                   for n, st in self.svc.settings.stores.items()}  # fmt: skip
         self.svc.registry.stores = static | {n: (r["events_url"], r["events_token"])
                                              for n, r in stores.items() if n}  # fmt: skip
-        self.on_endpoints()
+        self.on_endpoints(None)
 
     def stores_event(self, ev: WatchEvent) -> None:
         node, stores = ev.kv.key[len(keys.KVCACHED) :], self.svc.registry.stores
@@ -105,7 +115,7 @@ class EtcdFollowers:
             self.svc.registry.tiers.forget(node)
         elif node:
             stores[node] = (record["events_url"], record["events_token"])
-        self.on_endpoints()
+        self.on_endpoints(None)
 
     # ---- cordons: the key names the node; the value must still be a valid cordon -----------
 

@@ -18,6 +18,7 @@ keeps the last known set and reconnects for a fresh snapshot.
 
     reconcile() ── wanted streams (registry endpoints + stores) vs running tasks:
        │            start the new, cancel the gone or changed
+       │            (reconcile(eid): that endpoint's stream only, for one etcd event)
        └ _follow(stream) ── GET events ─ snapshot ─ events… ─┐
               ^                                            gap / error / refused
               └──────────────── backoff 0.2 s … 5 s ──────────┘
@@ -106,23 +107,41 @@ class KvFollowers:
     def wanted(self) -> dict[tuple[str, str | None], Stream]:
         reg = self.svc.registry
         out: dict[tuple[str, str | None], Stream] = {
-            (eid, None): Stream(eid, None, ep.kv_events_url, ep.token, namespace(ep.model))
-            for eid, s in reg.states.items()
-            if (ep := s.endpoint).kv_events_url
+            (eid, None): stream for eid in reg.states if (stream := self._pool_stream(eid))
         }
         for node, (url, token) in reg.stores.items():
             out["", node] = Stream("", node, url, token, "")
         return out
 
-    def reconcile(self) -> None:
+    def _pool_stream(self, eid: EndpointId) -> Stream | None:
+        """The stream endpoint `eid` should be followed on; None for none (or no endpoint)."""
+        state = self.svc.registry.states.get(eid)
+        if state is None or not (ep := state.endpoint).kv_events_url:
+            return None
+        return Stream(eid, None, ep.kv_events_url, ep.token, namespace(ep.model))
+
+    def reconcile(self, changed: EndpointId | None = None) -> None:
+        """Start, restart or stop follower tasks to match the registry: every stream, or only
+        endpoint `changed`'s (an etcd event about one endpoint costs O(1), not O(fleet))."""
+        if changed is not None:
+            self._set((changed, None), self._pool_stream(changed))
+            return
         want = self.wanted()
-        for key, (stream, task) in list(self.tasks.items()):
-            if want.get(key) != stream:
-                task.cancel()
-                del self.tasks[key]
+        for key in list(self.tasks):
+            if key not in want:
+                self._set(key, None)
         for key, stream in want.items():
-            if key not in self.tasks:
-                self.tasks[key] = (stream, self.tg.create_task(self._follow(stream)))
+            self._set(key, stream)
+
+    def _set(self, key: tuple[str, str | None], stream: Stream | None) -> None:
+        have = self.tasks.get(key)
+        if have is not None and have[0] == stream:
+            return
+        if have is not None:
+            have[1].cancel()
+            del self.tasks[key]
+        if stream is not None:
+            self.tasks[key] = (stream, self.tg.create_task(self._follow(stream)))
 
     async def _follow(self, stream: Stream) -> None:
         reg, metrics = self.svc.registry, self.svc.metrics

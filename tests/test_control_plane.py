@@ -29,6 +29,7 @@ import pytest
 from cgn_agent.processes import EngineProcess
 from cgn_agent.statefile import StateStore
 from cgn_core.etcd.local import LocalEtcd
+from harness.poll import until as poll_until
 from harness.procs import Agent, Router, cgn_agent, cgn_router, etcd_run
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -100,14 +101,7 @@ def admin(router: Router, path: str) -> Any:
 
 
 def until(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.2)
+    return poll_until(what, check, timeout_s, poll_s=0.2)
 
 
 def routed_urls(router: Router) -> set[str]:

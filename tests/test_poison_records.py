@@ -9,12 +9,14 @@ reconciler, and check that the good records around them still apply.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +32,7 @@ from cgn_core.placement import node_view
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers, routing_policy
+from cgn_router.kv_follow import KvFollowers
 from cgn_router.reconciler import Memory, reconcile
 from cgn_router.registry import endpoint_from_doc
 from cgn_router.settings import ReconcilerSettings, RouterSettings
@@ -262,3 +265,39 @@ def test_node_stores_follow_etcd_and_a_bad_record_withdraws_one(followers: EtcdF
     reg.tiers.snapshot("n1", 1, 1, [b"h" * 32], first=True)
     followers.stores_event(WatchEvent("put", kv("/cognitora/kvcached/n1", {"address": 5})))
     assert reg.stores == {} and reg.tiers.size("n1") == 0  # its tiers no longer count
+
+
+async def test_one_endpoint_event_restarts_only_that_endpoints_kv_stream() -> None:
+    """A fleet's etcd events each touch one follower task: no rescan of every endpoint."""
+    svc = build_service(RouterSettings(discovery="etcd"), Upstream())
+    async with aiohttp.ClientSession() as session, asyncio.TaskGroup() as tg:
+        kvf = KvFollowers(svc, session, tg)
+        followers = EtcdFollowers(svc, on_endpoints=kvf.reconcile)
+        good = {"url": "http://127.0.0.1:9", "engine": "cgn-infer"}  # refused: backoff
+        followers.endpoints_list([kv(f"/cognitora/endpoints/n{i % 5}/m/e{i}", good)
+                                  for i in range(50)])  # fmt: skip
+        before = {key: task for key, (_, task) in kvf.tasks.items()}
+        assert len(before) == 50
+
+        def rescan() -> None:
+            raise AssertionError("an event about one endpoint rebuilt every stream")
+
+        kvf.wanted = rescan  # type: ignore[method-assign]
+        followers.endpoints_event(WatchEvent("put", kv("/cognitora/endpoints/n2/m/e7",
+                                                       {**good, "api_token": "t2"}, rev=2)))  # fmt: skip
+        followers.endpoints_event(WatchEvent("put", kv("/cognitora/endpoints/n3/m/e8", good, 2)))
+        followers.endpoints_event(WatchEvent("delete", kv("/cognitora/endpoints/n4/m/e9", b"")))
+        followers.endpoints_event(WatchEvent("put", kv("/cognitora/endpoints/n0/m/new", good)))
+        followers.endpoints_event(WatchEvent("delete", kv("/cognitora/endpoints/bad", b"")))
+        after = {key: task for key, (_, task) in kvf.tasks.items()}
+        assert (
+            kvf.tasks["m/n2.e7", None][0].token == "t2"
+            and after["m/n2.e7", None] is not before["m/n2.e7", None]
+        )
+        assert ("m/n4.e9", None) not in after and ("m/n0.new", None) in after
+        unchanged = set(before) - {("m/n2.e7", None), ("m/n4.e9", None)}
+        assert all(after[k] is before[k] for k in unchanged)  # e8's same record: same task
+        await asyncio.sleep(0)
+        assert before["m/n2.e7", None].cancelled() and before["m/n4.e9", None].cancelled()
+        for _, task in kvf.tasks.values():
+            task.cancel()

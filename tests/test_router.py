@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import pytest
 
 from cgn_core.etcd.local import LocalEtcd
 from harness.metrics import metric
+from harness.poll import get_json, router_endpoints, until
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_run
 
 pytestmark = pytest.mark.etcd
@@ -47,23 +48,8 @@ def register(endpoint: str, model: str, replica: str, url: str, node: str, lease
     etcd_run(endpoint, lambda c: c.put_json(key, value, lease=lease))
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.load(resp)
-
-
 def endpoints(router: Router) -> dict[str, dict[str, Any]]:
-    return {e["id"]: e for e in get_json(router.admin + "/endpoints")["endpoints"]}
-
-
-def until(what: str, predicate: Callable[[], bool], timeout_s: float = 15.0) -> float:
-    """Poll `predicate` (bounded); returns the monotonic time it became true."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.05)
-    return time.monotonic()
+    return router_endpoints(router.admin)
 
 
 def post(
@@ -352,8 +338,10 @@ def test_replica_removed_from_etcd_stops_receiving_traffic_within_its_ttl(
     register(etcd_server.endpoint, FLEET, "leased", fleet[0], "node-x", lease=lease)
     eid = f"{FLEET}/leased"
     until("leased endpoint seen", lambda: eid in endpoints(router))
-    gone = until("leased endpoint removed", lambda: eid not in endpoints(router), timeout_s=ttl + 5)
-    assert gone - granted <= ttl + 1.5  # etcd expires the lease; the watch removes it at once
+    until("leased endpoint removed", lambda: eid not in endpoints(router), timeout_s=ttl + 5)
+    assert (
+        time.monotonic() - granted <= ttl + 1.5
+    )  # etcd expires the lease; the watch removes it at once
     for i in range(12):
         _, headers, _ = post(
             router.url + "/v1/completions", {"model": FLEET, "prompt": f"l{i}", "max_tokens": 1}

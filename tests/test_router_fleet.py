@@ -22,8 +22,8 @@ from cgn_core import keys
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from harness.metrics import metric
+from harness.poll import router_endpoints, until
 from harness.procs import Router, cgn_infer_fleet, cgn_router, etcd_run
-from tests.test_router import endpoints, long_prompt, until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]
 MODEL = f"fleet200-{uuid.uuid4().hex[:8]}"
@@ -66,7 +66,7 @@ def router(
     with cgn_router(tmp_path_factory.mktemp("router200"), config) as r:
 
         def ready() -> bool:
-            eps = [e for k, e in endpoints(r).items() if MODEL in k]
+            eps = [e for k, e in router_endpoints(r.admin).items() if MODEL in k]
             return len(eps) == ENGINES and all(e["load"] is not None for e in eps)
 
         until("the router follows and has scraped all 200 engines", ready, timeout_s=60)
@@ -76,6 +76,10 @@ def router(
             timeout_s=60,
         )
         yield r
+
+
+def long_prompt(topic: str, words: int = 300) -> str:
+    return " ".join(f"{topic}{i % 17}" for i in range(words))
 
 
 async def complete_all(url: str, prompts: list[str], concurrency: int) -> list[tuple[str, Any]]:
@@ -130,12 +134,12 @@ def test_cordoning_half_the_nodes_keeps_new_traffic_off_them(
     try:
         until(
             "the router sees 25 cordoned nodes",
-            lambda: sum(e["cordoned"] for e in endpoints(router).values()) == 100,
+            lambda: sum(e["cordoned"] for e in router_endpoints(router.admin).values()) == 100,
         )
         landed = asyncio.run(
             complete_all(router.url, [long_prompt(f"c{i}y") for i in range(40)], 16)
         )
-        nodes = {endpoints(router)[eid]["node"] for eid, _ in landed}
+        nodes = {router_endpoints(router.admin)[eid]["node"] for eid, _ in landed}
         assert not nodes & cordoned, nodes & cordoned
         assert len({eid for eid, _ in landed}) >= 20
     finally:
