@@ -19,6 +19,11 @@ busiest engine's uncached-prefill tokens relative to the fleet mean. Beside
 them, the offline yardstick (bench/trace.py `simulate`, ideal load-aware
 affinity over exact LRU caches of the same size).
 
+Fleets of hundreds (`--fleets 200 --virtual`): each fleet's engines are
+virtual, hosted by one `cgn-infer serve --backend sim --engines N` process
+(each with its own port, scheduler, pool and KV event stream), so the router
+follows and routes among all of them on this 2-core machine.
+
 Load sweep (`--sweep`, default 5,6.5): the trace's offered load doubles from
 its start to its end, so at any one time scale every policy meets the same
 overload at the end, and TTFT p90 mostly measures how late each saturates.
@@ -26,7 +31,7 @@ The sweep replays it again on the fleet of 4 at slower time scales, where the
 fleet's capacity sits between what ours and round-robin need at the peak:
 the TTFT ratios there say how much load each policy carries before it queues.
 
-Results: bench/results/router_trace.{json,md}.
+Results: bench/results/router_trace.{json,md} (or `--result NAME`).
 """
 
 from __future__ import annotations
@@ -165,7 +170,8 @@ def run_fleet(
            "--max-batch", str(args.max_batch))  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        with cgn_infer_engines(tmp, engines, *sim) as fleet:
+        procs, per_proc = (1, ("--engines", str(engines))) if args.virtual else (engines, ())
+        with cgn_infer_engines(tmp, procs, *sim, *per_proc) as fleet:
             config = {
                 "discovery": "static",
                 "auth": {"enabled": False},
@@ -199,6 +205,11 @@ def main() -> None:
     p.add_argument("--pool-tokens", type=int, default=262144, help="each sim engine's KV pool")
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--result", default="router_trace", help="bench/results/ file name")
+    p.add_argument(
+        "--virtual", action="store_true",
+        help="each fleet's sim engines in one process (cgn-infer --engines N): fleets of hundreds",
+    )  # fmt: skip
     p.add_argument(
         "--sweep", default="5,6.5",
         help="more time scales, on the fleet of 4 ('' for none); see the load sweep above",
@@ -245,7 +256,7 @@ def main() -> None:
             print(json.dumps(point[policy]), file=sys.stderr, flush=True)
         results["sweep"][f"{scale:g}"] = point
     command = " ".join([".venv/bin/python bench/router_trace.py", *sys.argv[1:]])
-    write_result("router_trace", command, results, render(results))
+    write_result(args.result, command, results, render(results))
 
 
 def render(r: dict[str, Any]) -> str:

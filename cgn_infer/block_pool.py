@@ -15,7 +15,8 @@ Algorithm (vLLM/nano-vllm style):
 * `admit` does both for a new request, all or nothing;
 * `allocate` takes never-used free blocks first, then evicts cached blocks in
   least-recently-released order (each eviction publishes a `removed` event);
-* `commit` registers a block that has just become full (a `stored` event);
+* `commit` registers a block that has just become full (a `stored` event;
+  `drain_events` merges a run of them, or of evictions, into one event);
 * `release` drops references in reverse order, so a sequence's tail is
   evicted before its shared prefix.
 Tunables: `num_blocks` and the namespace (model plus optional salt).
@@ -54,7 +55,10 @@ class BlockPool:
     _free: list[BlockId] = field(init=False)  # never filled / dropped; popped from the end
     _cached: OrderedDict[BlockId, None] = field(default_factory=OrderedDict)  # LRU first
     _by_hash: dict[BlockHash, BlockId] = field(default_factory=dict)
-    _events: list[KvEvent] = field(default_factory=list)
+    # changes since the last drain, consecutive ones of a kind merged: one event per run
+    _pending: list[tuple[Literal["stored", "removed"], list[BlockHash]]] = field(
+        default_factory=list
+    )
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -163,7 +167,13 @@ class BlockPool:
                     self._free.append(bid)
 
     def drain_events(self) -> list[KvEvent]:
-        events, self._events = self._events, []
+        """The changes since the last drain, in order: one event per run of stored or removed
+        blocks (a step that fills 30 blocks publishes one event, not 30), numbered from 1."""
+        events = []
+        for kind, hashes in self._pending:
+            self._seq += 1
+            events.append(KvEvent(self._seq, kind, tuple(hashes)))
+        self._pending = []
         return events
 
     def check(self) -> None:
@@ -182,5 +192,7 @@ class BlockPool:
         assert len(self._by_hash) == sum(b.hash is not None for b in self.blocks)
 
     def _publish(self, kind: Literal["stored", "removed"], hashes: list[BlockHash]) -> None:
-        self._seq += 1
-        self._events.append(KvEvent(self._seq, kind, tuple(hashes)))
+        if self._pending and self._pending[-1][0] == kind:
+            self._pending[-1][1].extend(hashes)
+        else:
+            self._pending.append((kind, list(hashes)))

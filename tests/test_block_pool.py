@@ -34,9 +34,9 @@ def test_allocation_order_and_prefix_reuse() -> None:
     pool = BlockPool(6, NS)
     a = fill(pool, toks(0, 2, tail=5))
     assert a == [0, 1, 2] and pool.available == 3
-    events = pool.drain_events()
-    assert [e.kind for e in events] == ["stored", "stored"] and [e.seq for e in events] == [1, 2]
-    assert list(events[0].hashes) + list(events[1].hashes) == block_hashes(toks(0, 2), NS)
+    events = pool.drain_events()  # the two blocks filled since the last drain: one event
+    assert [(e.kind, e.seq) for e in events] == [("stored", 1)]
+    assert list(events[0].hashes) == block_hashes(toks(0, 2), NS)
     # Same two leading blocks, different tail: blocks 0 and 1 are shared.
     b = fill(pool, toks(0, 2) + [999] * 16)
     assert b[:2] == [0, 1] and b[2] == 3
@@ -121,3 +121,23 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_events_merge_runs_of_one_kind_and_keep_their_order() -> None:
+    """Runs of stored or removed blocks between two drains are one event each, numbered in
+    order, and replaying the events gives the pool's cached set."""
+    pool = BlockPool(4, NS)
+    pool.release(fill(pool, toks(0, 2)))
+    pool.release(fill(pool, toks(100, 2)))
+    first = pool.drain_events()
+    assert [(e.kind, e.seq, len(e.hashes)) for e in first] == [("stored", 1, 4)]
+    pool.release(fill(pool, toks(200, 2)))  # evicts two blocks, stores two
+    fill(pool, toks(300, 1))  # evicts one, stores one
+    events = pool.drain_events()
+    assert [(e.kind, e.seq, len(e.hashes)) for e in events] == [
+        ("removed", 2, 2), ("stored", 3, 2), ("removed", 4, 1), ("stored", 5, 1)]  # fmt: skip
+    held: set[bytes] = set()
+    for e in first + events:
+        held = held | set(e.hashes) if e.kind == "stored" else held - set(e.hashes)
+    assert held == {b.hash for b in pool.blocks if b.hash is not None}
+    assert pool.drain_events() == []
