@@ -21,14 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
 from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
+from cgn_core.kvstore.ram_tier import RamTier
+from cgn_core.kvstore.service import KvCacheService
+from cgn_core.kvstore.ssd_tier import SsdTier
+from cgn_core.kvstore.store import BlockStore
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_kvcached.metrics import registry_for
-from cgn_kvcached.ram_tier import RamTier
-from cgn_kvcached.service import KvCacheService
 from cgn_kvcached.settings import KvcachedSettings
-from cgn_kvcached.ssd_tier import SsdTier
-from cgn_kvcached.store import BlockStore
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)

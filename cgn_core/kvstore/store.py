@@ -29,8 +29,8 @@ from cgn_core.blockhash import BlockHash
 from cgn_core.kv_events import KvEvent
 from cgn_core.kv_events import Tier as EventTier
 from cgn_core.kv_layout import BlockKey
-from cgn_kvcached.ram_tier import RamFull, RamTier
-from cgn_kvcached.ssd_tier import SsdFull, SsdTier
+from cgn_core.kvstore.ram_tier import RamFull, RamTier
+from cgn_core.kvstore.ssd_tier import SsdFull, SsdTier
 
 log = logging.getLogger(__name__)
 Tier = Literal["ram", "ssd"]

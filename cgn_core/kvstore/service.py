@@ -34,7 +34,7 @@ from cgn_core.blockhash import BlockHash
 from cgn_core.http import is_loopback
 from cgn_core.kv_events import KvEventHub
 from cgn_core.kv_layout import BlockKey, Layout, LayoutError
-from cgn_kvcached.store import BlockStore
+from cgn_core.kvstore.store import BlockStore
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
