@@ -186,6 +186,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
                           settings.model_dirs, eh.tls if eh.tls.enabled else None)  # fmt: skip
         store = _store_plan(settings, advertise)
         agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
+        agent.advertise_host = advertise
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())

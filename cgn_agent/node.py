@@ -74,6 +74,7 @@ class NodeAgent:
         self.model_dirs = model_dirs
         self.engine_tls = engine_tls
         self.bind_host = bind_host
+        self.advertise_host = ""  # set by the daemon: where other nodes reach our engines
         self.inventory = inventory
         self.free_port = free_port
         self.runners: dict[str, ReplicaRunner] = {}
@@ -171,7 +172,8 @@ class NodeAgent:
 
     def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
         ctx = LaunchContext(self.bind_host, port, token=token, tls=self.engine_tls,
-                            kvcached=self.kv_store, offload_gib=self.kv_offload_gib)  # fmt: skip
+                            kvcached=self.kv_store, offload_gib=self.kv_offload_gib,
+                            advertise_host=self.advertise_host)  # fmt: skip
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
     def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:

@@ -32,7 +32,7 @@ from cgn_core.errors import InvalidRequest
 _COMMON = frozenset({
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k",
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "user", "priority", "logprobs",
+    "stop_token_ids", "ignore_eos", "user", "priority", "logprobs", "kv_transfer_params",
 })  # fmt: skip
 KNOWN_FIELDS = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},

@@ -52,6 +52,14 @@ def serve(
     speed: Annotated[
         float | None, flag("--speed", "sim backend: run this many times faster than modelled.")
     ] = None,
+    role: Annotated[
+        str | None,
+        flag(
+            "--role",
+            "both | prefill | decode: prefill/decode disaggregation (default both; "
+            "docs/cgn-infer.md).",
+        ),
+    ] = None,
     engines: Annotated[
         int | None,
         flag(
@@ -92,6 +100,7 @@ def serve(
         "decode_threads": decode_threads, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
         "kv_pool_tokens": kv_pool_tokens, "kv_dtype": kv_dtype, "sim.speed": speed,
         "sim.engines": engines,
+        "role": role,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
         "kvcached.address": kvcached,
     }.items():  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -38,6 +39,7 @@ from cgn_infer.loader import LoadedModel, load_model
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.server import InferenceService, Loaded, build_app
 from cgn_infer.settings import InferSettings
+from cgn_infer.transfer import TransferSink, TransferSource
 
 # Bumped whenever the serialized block format (Backend.read_blocks) changes: blocks written
 # under another format are then never read back.
@@ -161,6 +163,7 @@ async def _serve_loaded(
         aging_steps=settings.aging_steps,
     )
     engines: list[Engine] = []
+    sources: list[TransferSource] = []
     try:
         for i, listener in enumerate(listeners):
             svc = listener.svc
@@ -185,11 +188,19 @@ async def _serve_loaded(
             loaded.backend.kv_bytes_per_token(),
             f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
         )  # fmt: skip
+        for i, (listener, engine) in enumerate(zip(listeners, engines, strict=True)):
+            if (source := await _transfers(settings, listener, engine, i)) is not None:
+                sources.append(source)
         ports = [x.port for x in listeners]
+        extra = {"kv_transfer": sources[0].port} if sources else {}
+        if sources:
+            log.info("role %s: transfer blocks served on %s:%d", settings.role,
+                     settings.transfer.host, sources[0].port)  # fmt: skip
         log.info("model %s loaded in %.1fs; serving on port %s", name,
                  time.monotonic() - started, _port_list(listeners))  # fmt: skip
         announce_ready(ready_file, f"serving {name} on port {ports[0]}",
-                       ports={"http": ports[0]}, model=name, engines=ports)  # fmt: skip
+                       ports={"http": ports[0], **extra}, model=name, engines=ports,
+                       transfer_ports=[x.port for x in sources], role=settings.role)  # fmt: skip
         await stop.wait()
     finally:
         log.info("shutting down")
@@ -198,6 +209,11 @@ async def _serve_loaded(
             listener.svc.kv_events.close()
         for listener in listeners:
             await listener.runner.cleanup()
+        for source in sources:
+            await source.stop()
+        for listener in listeners:
+            if listener.svc.transfer_sink is not None:
+                listener.svc.transfer_sink.close()
         for engine in engines:
             await asyncio.to_thread(engine.stop)
         if not engines:
@@ -225,6 +241,40 @@ def _engine(
     )  # fmt: skip
 
 
+def engine_layout(backend: Backend) -> Layout:
+    """What this engine's serialized blocks are: the same for the node's store and for
+    transfers to a decode engine (blocks of another layout are never exchanged)."""
+    dtype, layers, kv_heads, head_dim = backend.kv_layout()
+    return Layout(dtype, layers, kv_heads, head_dim, BLOCK_SIZE,
+                  f"cgn-infer {backend.name} {KV_FORMAT}")  # fmt: skip
+
+
+async def _transfers(
+    settings: InferSettings, listener: _Listener, engine: Engine, index: int
+) -> TransferSource | None:
+    """Give `listener`'s service what its role needs: a source for prefill legs (started;
+    returned, to be stopped) and a sink for decode legs."""
+    svc, backend = listener.svc, engine.backend
+    layout, t = engine_layout(backend), settings.transfer
+    svc.role = settings.role
+    svc.engine_id = f"{svc.model_name}@{settings.http.host}:{listener.port}"
+    if settings.role != "prefill":
+        modelled = backend.kv_bytes_per_token() * BLOCK_SIZE
+        sim = settings.backend == "sim"
+        svc.transfer_sink = TransferSink(
+            layout, engine.pool, svc.metrics, t, settings.tls,
+            modelled_block_bytes=modelled if sim else None,
+            speed=settings.sim.speed if sim else 1.0,
+        )  # fmt: skip
+    if settings.role == "decode":
+        return None
+    port = t.port + index if t.port else 0  # virtual sim engines: the next ports
+    source = TransferSource(layout, dataclasses.replace(t, port=port), settings.tls)
+    await source.start()
+    svc.transfer_source = source
+    return source
+
+
 def kvcache_client(
     settings: InferSettings, backend: Backend
 ) -> tuple[KvCacheClient | None, RestoreCost | None]:
@@ -233,9 +283,7 @@ def kvcache_client(
     s = settings.kvcached
     if not s.address:
         return None, None
-    dtype, layers, kv_heads, head_dim = backend.kv_layout()
-    layout = Layout(dtype, layers, kv_heads, head_dim, BLOCK_SIZE,
-                    f"cgn-infer {backend.name} {KV_FORMAT}")  # fmt: skip
+    layout = engine_layout(backend)
     tls = settings.tls if settings.tls.enabled else None
     client = KvCacheClient(s.address, layout, tls=tls, timeout_s=s.timeout_s,
                            shared_memory=s.shared_memory)  # fmt: skip
@@ -295,6 +343,14 @@ def check_settings(settings: InferSettings) -> None:
             raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
     if settings.sim.speed <= 0:
         raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
+    t = settings.transfer
+    for key in ("lease_s", "timeout_s", "mb_per_s"):
+        if getattr(t, key) <= 0:
+            raise ConfigError(f"transfer.{key} must be positive, got {getattr(t, key)}")
+    if t.ram_bytes < 1 << 20:
+        raise ConfigError(f"transfer.ram_bytes must be at least 1 MiB, got {t.ram_bytes}")
+    if not 0 <= t.port <= 65535:
+        raise ConfigError(f"transfer.port must be in 0..65535, got {t.port}")
     if settings.sim.engines < 1:
         raise ConfigError(f"sim.engines must be at least 1, got {settings.sim.engines}")
     if settings.sim.engines > 1 and settings.backend != "sim":

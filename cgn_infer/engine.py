@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.blockhash import BLOCK_SIZE, BlockHash
 from cgn_core.errors import Unavailable
 from cgn_core.kv_events import KvEvent
 from cgn_core.kvcache_client import KvCacheClient
@@ -58,6 +58,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     priority: int = 0  # lower runs sooner
+    export_kv: bool = False  # a prefill leg: hand back the prompt's full KV blocks at the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,16 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
+    exported: Exported | None = None  # export_kv: the prompt's blocks, read before release
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """A prompt's full blocks (all but the block holding its last token, which the decode
+    engine computes itself), as the backend serializes them."""
+
+    hashes: tuple[BlockHash, ...]
+    data: Any  # [blocks, block bytes] uint8
 
 
 Event = TokenEvent | FinishEvent
@@ -352,11 +363,15 @@ class Engine:
         m.e2e.observe(time.monotonic() - active.job.enqueued)
         m.finished("abort" if reason == "cancelled" else reason)
         tail = active.text.flush() if reason in ("stop", "length") else ""
+        exported = None
+        if active.job.request.export_kv and reason in ("stop", "length"):
+            exported = self._export(seq)
         active.job.emit(
             FinishEvent(
-                reason, tail, len(seq.prompt), len(seq.output), seq.cached_tokens, error=error
+                reason, tail, len(seq.prompt), len(seq.output), seq.cached_tokens, error=error,
+                exported=exported,
             )
-        )
+        )  # fmt: skip
         # NOTE: after the client has its answer, before the blocks go back to the pool
         if self.tiering is not None and reason != "error" and seq.hashes:
             try:
@@ -364,6 +379,20 @@ class Engine:
             except Exception:  # an offer is an optimisation; the request has ended anyway
                 log.exception("could not offer a finished sequence's blocks")
         self.scheduler.finish(seq)
+
+    def _export(self, seq: Seq) -> Exported | None:
+        """A prefill leg's prompt blocks, read out of the pool; None if that fails (the leg
+        then names no KV and the decode replica computes the prompt itself)."""
+        full = min((len(seq.prompt) - 1) // BLOCK_SIZE, len(seq.hashes))
+        if full == 0:
+            return Exported((), None)
+        try:
+            return Exported(
+                tuple(seq.hashes[:full]), self.backend.read_blocks(self.kv, seq.table[:full])
+            )
+        except Exception:  # NOTE: under _finish: one request's export must not stop the loop
+            log.exception("could not read a prefill leg's blocks out of the pool")
+            return None
 
     def _publish(self) -> None:
         m, s = self.metrics, self.scheduler

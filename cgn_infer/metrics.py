@@ -99,8 +99,26 @@ class EngineMetrics:
             "cgn_infer_kv_offload_dropped", "Blocks not offered (queue full, kvcached down)."
         )
 
+        # prefill/decode disaggregation (transfer.py)
+        self.kv_transfer_held = counter(
+            "cgn_infer_kv_transfer_held_blocks", "Blocks held for decode engines (prefill legs)."
+        )
+        self.kv_transfer_blocks = counter(
+            "cgn_infer_kv_transfer_fetched_blocks", "Blocks fetched from prefill engines."
+        )
+        self.kv_transfer_seconds = hist(
+            "cgn_infer_kv_transfer_seconds", "Time to fetch a decode leg's blocks.", _LATENCY
+        )
+        self._pd_fallbacks = Counter(
+            "cgn_infer_pd_fallbacks", "Decode legs that recomputed what the transfer lacked.",
+            [*labels, "reason"], registry=r,
+        )  # fmt: skip
+
     def restored(self, tier: str, tokens: int) -> None:
         self._restored.labels(self._model, tier).inc(tokens)
+
+    def pd_fallback(self, reason: str) -> None:
+        self._pd_fallbacks.labels(self._model, reason).inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()

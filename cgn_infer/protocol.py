@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
+from cgn_core.kv_transfer import FIELD, TransferParams, parse_transfer_params
 from cgn_core.openai_request import sampling_fields, unsupported_fields
 from cgn_core.text.prompt import chat_messages, completion_prompt
 from cgn_infer.sampling import SamplingParams
@@ -35,6 +36,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int = 0  # lower runs sooner (vLLM's meaning); the router's x-cgn-priority wins
+    kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv_transfer)
 
 
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:
@@ -72,4 +74,17 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         stream=f.stream,
         include_usage=f.include_usage,
         priority=f.priority,
+        kv_transfer=_transfer(body, f.stream),
     )
+
+
+def _transfer(body: dict[str, Any], stream: bool) -> TransferParams | None:
+    if (value := body.get(FIELD)) is None:
+        return None
+    params = parse_transfer_params(value)
+    if params.do_remote_decode and stream:
+        raise InvalidRequest(
+            f"a prefill leg ('{FIELD}.do_remote_decode') answers once: 'stream' must be false",
+            param="stream",
+        )
+    return params

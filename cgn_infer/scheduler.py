@@ -52,13 +52,16 @@ SeqId = NewType("SeqId", int)
 _ids = itertools.count()
 
 
+PEER = "peer"  # a Restored block's tier when it came from a prefill engine
+
+
 @dataclass(frozen=True, slots=True)
 class Restored:
     """Prompt blocks start.. fetched from the node's KV store before admission."""
 
     start: int  # index of the first fetched block (the pool's prefix hit when fetched)
     data: Any  # [blocks, block bytes], the backend's serialized K/V (opaque here)
-    tiers: tuple[str, ...]  # where each block was found: "ram" or "ssd"
+    tiers: tuple[str, ...]  # where each block was found: "ram", "ssd" or PEER
 
     @property
     def end(self) -> int:
@@ -254,7 +257,8 @@ class Scheduler:
         if end <= reused:
             return reused
         self._restores.append(Restore(seq, reused - r.start, tuple(seq.table[reused:end])))
-        seq.stored_blocks = max(seq.stored_blocks, end)
+        if PEER not in r.tiers:  # blocks from a prefill engine are not in the node's store
+            seq.stored_blocks = max(seq.stored_blocks, end)
         if not seq.admitted:
             for tier in r.tiers[reused - r.start : end - r.start]:
                 seq.restored_tokens[tier] = seq.restored_tokens.get(tier, 0) + BLOCK_SIZE

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import (
+    Forbidden,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -36,11 +37,15 @@ from cgn_core.http import (
     serve_sse,
 )
 from cgn_core.kv_events import KvEventHub
+from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv_transfer import TransferParams
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
+from cgn_infer.scheduler import Restored
+from cgn_infer.transfer import TransferSink, TransferSource
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -65,6 +70,10 @@ class InferenceService:
     body_timeout_s: float = 60.0  # a request body must arrive within this
     loaded: Loaded | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    role: str = "both"  # both | prefill | decode (prefill/decode disaggregation)
+    engine_id: str = ""  # this engine's name in a prefill leg's answer
+    transfer_source: TransferSource | None = None  # holds prefill legs' KV (role != decode)
+    transfer_sink: TransferSink | None = None  # fetches decode legs' KV (role != prefill)
 
     def prepare(self, req: ParsedRequest) -> GenerationRequest:
         """Template, tokenize and bound a validated request."""
@@ -111,7 +120,9 @@ class InferenceService:
                 code="kv_capacity_exceeded",
                 param="max_tokens" if kv_room >= 1 else "messages",
             )
+        transfer = req.kv_transfer
         return GenerationRequest(
+            export_kv=transfer is not None and transfer.do_remote_decode,
             prompt=tuple(prompt),
             params=req.params,
             max_tokens=req.max_tokens or min(room, kv_room),
@@ -121,7 +132,42 @@ class InferenceService:
             priority=req.priority,
         )
 
-    async def generate(self, gen: GenerationRequest) -> AsyncIterator[Event]:
+    def check_transfer(self, params: TransferParams | None, trusted: bool) -> None:
+        """Refuse a leg this engine's role cannot run, or one from an untrusted caller (a
+        decode leg makes the engine dial the address it names)."""
+        if params is None:
+            return
+        if not trusted:
+            raise Forbidden(f"'{TRANSFER_FIELD}' is accepted from the router only",
+                            param=TRANSFER_FIELD)  # fmt: skip
+        if params.do_remote_decode and self.transfer_source is None:
+            raise InvalidRequest(f"this engine's role is {self.role}: it runs no prefill legs",
+                                 param=f"{TRANSFER_FIELD}.do_remote_decode")  # fmt: skip
+        if params.do_remote_prefill and self.transfer_sink is None:
+            raise InvalidRequest(f"this engine's role is {self.role}: it runs no decode legs",
+                                 param=f"{TRANSFER_FIELD}.do_remote_prefill")  # fmt: skip
+
+    async def restore(
+        self, gen: GenerationRequest, params: TransferParams | None
+    ) -> tuple[Restored | None, str | None]:
+        """Prompt blocks fetched before the request is queued (off the loop): from the prefill
+        engine a decode leg names, else from the node's KV store; and the transfer's note."""
+        assert self.loaded is not None
+        loop, engine = asyncio.get_running_loop(), self.loaded.engine
+        if params is not None and params.do_remote_prefill and self.transfer_sink is not None:
+            sink = self.transfer_sink
+            executor = engine.tiering.restorer if engine.tiering is not None else None
+            fetched = await loop.run_in_executor(executor, sink.fetch, gen.prompt, params)
+            return fetched.restored, fetched.note
+        if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
+            tiering = engine.tiering
+            restored = await loop.run_in_executor(tiering.restorer, tiering.prefetch, gen.prompt)
+            return restored, None
+        return None, None
+
+    async def generate(
+        self, gen: GenerationRequest, restored: Restored | None = None
+    ) -> AsyncIterator[Event]:
         """Run `gen` on the engine; cancelling the consumer cancels the generation."""
         assert self.loaded is not None
         loop = asyncio.get_running_loop()
@@ -131,10 +177,6 @@ class InferenceService:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         engine = self.loaded.engine
-        restored = None
-        if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
-            tiering = engine.tiering
-            restored = await loop.run_in_executor(tiering.restorer, tiering.prefetch, gen.prompt)
         job = Job(gen, emit, restored=restored)
         engine.submit(job)
         try:
@@ -147,6 +189,7 @@ class InferenceService:
             job.cancelled.set()
 
 
+TRANSFER_HEADER = "x-cgn-kv-transfer"  # a decode leg: "fetched N blocks" or "fallback: why"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no token
 
 
@@ -178,10 +221,13 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     trusted = request.get("authenticated", True)
     if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
+    svc.check_transfer(parsed.kv_transfer, trusted)
     if len(raw) < OFF_LOOP_BYTES:
         gen = svc.prepare(parsed)
     else:  # templating and tokenizing a long prompt would stall every other stream
         gen = await asyncio.to_thread(svc.prepare, parsed)
+    restored, note = await svc.restore(gen, parsed.kv_transfer)
+    headers = {TRANSFER_HEADER: note} if note else {}
     assert svc.loaded is not None
     build = ResponseBuilder(
         kind,
@@ -190,21 +236,28 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         parsed.params.logprobs is not None,
     )
     if not parsed.stream:
-        async for ev in svc.generate(gen):
+        async for ev in svc.generate(gen, restored):
             if isinstance(ev, TokenEvent):
                 build.add(ev)
             elif ev.reason == "error":
                 raise InternalError(f"generation failed: {ev.error}")
             else:
-                return web.json_response(build.final(ev))
+                body = build.final(ev)
+                if ev.exported is not None and svc.transfer_source is not None:
+                    # a prefill leg: keep its blocks, and say where (no blocks: nothing held)
+                    source = svc.transfer_source
+                    await source.hold(ev.exported)
+                    svc.metrics.kv_transfer_held.inc(len(ev.exported.hashes))
+                    body[TRANSFER_FIELD] = source.params(ev.exported, svc.engine_id).to_json()
+                return web.json_response(body, headers=headers)
         raise InternalError("generation ended without a result")
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
     await resp.prepare(request)
     if (first := build.first_chunk()) is not None:
         await _send(resp, first)
-    async for ev in svc.generate(gen):
+    async for ev in svc.generate(gen, restored):
         if isinstance(ev, TokenEvent):
             if (chunk := build.token_chunk(ev)) is not None:
                 await _send(resp, chunk)

@@ -39,12 +39,29 @@ class KvcachedClientSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferSettings:
+    """Prefill/decode disaggregation (docs/cgn-infer.md, "Prefill and decode"): a prefill
+    engine holds a prompt's KV blocks for a decode engine to fetch over gRPC."""
+
+    host: str = "127.0.0.1"  # the KV source listener (engines whose role is not decode)
+    port: int = 0  # 0: any free port (the ready file and the endpoint record say which)
+    advertise: str = ""  # the host decode engines dial; empty: `host`
+    ram_bytes: int = 1 << 30  # blocks held for transfers, at most (least recent dropped)
+    lease_s: float = 30.0  # a transfer's blocks are dropped this long after the prefill
+    timeout_s: float = 5.0  # decode side: a fetch slower than this is recomputed instead
+    mb_per_s: float = 1000.0  # sim backend: the modelled link (transfer time = bytes / this)
+
+
+@dataclass(frozen=True, slots=True)
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
     pipeline: ListenSettings = ListenSettings(port=9101)
     model: Path | None = None  # a GGUF file
     model_name: str = ""  # the name clients ask for; empty: the GGUF file's stem
     backend: Literal["torch", "mlx", "sim"] = "torch"
+    # prefill: serves prefill legs and holds their KV for transfer; decode: fetches it;
+    # both (default): either, and ordinary requests
+    role: Literal["both", "prefill", "decode"] = "both"
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
     # Weight storage after dequantizing the GGUF: float32 tracks llama.cpp's logits
     # best; bfloat16 halves the memory; int8 and int4 (CPU) decode faster at a
@@ -61,6 +78,7 @@ class InferSettings:
     aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()
+    transfer: TransferSettings = TransferSettings()
     log: LogSettings = LogSettings()
     # Requests to /v1/* must carry `Authorization: Bearer <api_token>`; only they may set
     # x-cgn-priority. The agent sets it (CGN_INFER_API_TOKEN) for every engine it launches

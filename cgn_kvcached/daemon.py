@@ -15,21 +15,18 @@ import logging
 import signal
 from pathlib import Path
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
 from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
 from cgn_core.kvstore.ram_tier import RamTier
-from cgn_core.kvstore.service import KvCacheService
+from cgn_core.kvstore.service import KvCacheService, start_server
 from cgn_core.kvstore.ssd_tier import SsdTier
 from cgn_core.kvstore.store import BlockStore
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
-from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_kvcached.metrics import registry_for
 from cgn_kvcached.settings import KvcachedSettings
-from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0
@@ -74,22 +71,7 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
     tls = settings.tls
     shm_dir = await asyncio.to_thread(prepare_shm_dir, settings.shm_dir)
     service = KvCacheService(store, tls=tls.enabled, shm_dir=shm_dir)
-    # NOTE: with TLS every call needs a client certificate of the cluster CA, and one that
-    # claims a node id (x-cgn-node) must carry that id as its CN
-    server = grpc.aio.server(interceptors=[NodeIdentityInterceptor()] if tls.enabled else [])
-    pb_grpc.add_KvCacheServicer_to_server(service, server)
-    address = f"{settings.grpc.host}:{settings.grpc.port}"
-    try:
-        if tls.enabled:
-            port = server.add_secure_port(address, server_credentials(tls))
-        else:
-            warn_if_plaintext(log, "gRPC listener", tls)
-            port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot listen on {address}: {exc}") from None
-    if port == 0:
-        raise ConfigError(f"cannot listen on {address}")
-    await server.start()
+    server, port = await start_server(service, settings.grpc.host, settings.grpc.port, tls)
     admin, admin_port = await _start_admin(settings, service)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -38,6 +38,9 @@ class RequestContext:
         """The upstream body: the client's bytes unless the model or stream options change."""
         if served == self.asked and not self.strip_usage:
             return self.raw
+        return _encode(self._upstream_body(served))
+
+    def _upstream_body(self, served: str) -> dict[str, Any]:
         changed = dict(self.body, model=served)
         if self.strip_usage:
             options = self.body.get("stream_options")
@@ -45,4 +48,21 @@ class RequestContext:
                 **(options if isinstance(options, dict) else {}),
                 "include_usage": True,
             }
-        return json.dumps(changed, ensure_ascii=False).encode()
+        return changed
+
+    def prefill_leg(self, served: str) -> bytes:
+        """A disaggregated request's first leg: compute the prompt, answer one token, hold
+        the KV for a decode engine (cgn_core/kv_transfer.py)."""
+        body = {k: v for k, v in self.body.items()
+                if k not in ("stream_options", "max_completion_tokens")}  # fmt: skip
+        body.update(model=served, max_tokens=1, stream=False,
+                    kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        return _encode(body)
+
+    def decode_leg(self, served: str, params: Mapping[str, Any]) -> bytes:
+        """The second leg: the client's request, with where its prompt's KV waits."""
+        return _encode({**self._upstream_body(served), "kv_transfer_params": dict(params)})
+
+
+def _encode(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()

@@ -140,6 +140,17 @@ class RouterMetrics:
             "endpoint",
         )
         self.kv_events = counter("cgn_router_kv_events", "KV events applied.", "endpoint")
+        self.pd_decisions = counter(
+            "cgn_router_pd_decisions",
+            "Requests of models with a prefill pool: split, or why not (cgn_router/disagg.py).",
+            "model", "reason",
+        )  # fmt: skip
+        self.pd_fallbacks = counter(
+            "cgn_router_pd_fallbacks",
+            "Split requests whose decode replica recomputed the prompt, by cause (prefill leg "
+            "failures; decode_<reason>: the decode engine could not fetch the KV).",
+            "reason",
+        )  # fmt: skip
 
     def attempt_ended(
         self, model: str, outcome: Outcome, started: float, lease: Lease, relayed: Relayed | None

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -44,6 +45,9 @@ from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 MAX_ERROR_BODY = 64 << 10
+MAX_EXCHANGE_BODY = 1 << 20  # a prefill leg's answer: one token and its params
+# engine answer headers relayed to the client (a decode leg's: how its KV arrived)
+PASSED_ON = ("x-cgn-kv-transfer",)
 
 
 class AttemptFailed(Exception):
@@ -101,22 +105,29 @@ class Proxy:
         self.upstream = upstream
         self.deadlines = deadlines
 
-    async def run(self, request: web.Request, call: Call, lease: FirstByte) -> Relayed:
-        """Send `call` upstream and relay the answer to `request`'s client."""
-        d = self.deadlines
-        now = asyncio.get_running_loop().time()
-        total_at = now + call.total_at - time.monotonic()
+    def _post(self, call: Call) -> Awaitable[Response]:
         ep = call.endpoint
         headers = {"Content-Type": "application/json", **bearer_header(ep.token)}
         if call.request_id:
             headers["x-request-id"] = call.request_id
         if call.priority is not None:
             headers[PRIORITY_HEADER] = str(call.priority)
-        post = self.upstream.post(ep.url, call.path, call.payload, headers, d.connect_s)
+        return self.upstream.post(
+            ep.url, call.path, call.payload, headers, self.deadlines.connect_s
+        )
+
+    async def run(self, request: web.Request, call: Call, lease: FirstByte) -> Relayed:
+        """Send `call` upstream and relay the answer to `request`'s client."""
+        d = self.deadlines
+        now = asyncio.get_running_loop().time()
+        total_at = now + call.total_at - time.monotonic()
+        ep = call.endpoint
+        post = self._post(call)
         if not call.stream:  # one deadline for the whole answer
             late = "answer not complete in time"
             async with _phase(ep.id, total_at, "total_timeout", late):
                 with await post as resp:
+                    call = _passed_on(call, resp)
                     if resp.status != 200:
                         return await self._refused(resp, call)
                     body = await resp.read()
@@ -125,10 +136,30 @@ class Proxy:
         first_at = min(total_at, now + d.first_token_s)
         async with _phase(ep.id, first_at, "first_token_timeout", "no answer in time"):
             resp = await post
+        call = _passed_on(call, resp)
         with resp:  # an unfinished body closes the connection: the engine stops generating
             if resp.status != 200:
                 return await self._refused(resp, call)
             return await self._relay_stream(request, resp, call, first_at, total_at, lease)
+
+    async def exchange(self, call: Call) -> Any:
+        """POST `call` and return its JSON answer, relaying nothing (a prefill leg); the
+        whole exchange bounded by `call.total_at`. AttemptFailed on a connect error, a
+        timeout, an answer other than 200 or a body that is not a JSON object."""
+        ep = call.endpoint
+        total_at = asyncio.get_running_loop().time() + call.total_at - time.monotonic()
+        async with _phase(ep.id, total_at, "total_timeout", "answer not complete in time"):
+            with await self._post(call) as resp:
+                body = await resp.read(MAX_EXCHANGE_BODY)
+        if resp.status != 200:
+            raise AttemptFailed(f"status_{resp.status}", f"{ep.id}: engine answered {resp.status}")
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise AttemptFailed("bad_answer", f"{ep.id}: the answer is not a JSON object")
+        return answer
 
     async def _refused(self, resp: Response, call: Call) -> Relayed:
         """A non-200 answer: a client error is relayed, anything else is retried elsewhere."""
@@ -220,6 +251,15 @@ async def _break(out: web.StreamResponse, cause: str, message: str) -> None:
     with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
         await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         await out.write_eof()
+
+
+def _passed_on(call: Call, resp: Response) -> Call:
+    """`call` with the engine's answer headers the client should see added (a decode
+    leg's `x-cgn-kv-transfer`: how its KV arrived)."""
+    extra = {h: v for h in PASSED_ON if (v := resp.headers.get(h)) and "\n" not in v}
+    if not extra:
+        return call
+    return dataclasses.replace(call, response_headers={**call.response_headers, **extra})
 
 
 def _headers(call: Call, content_type: str | None, sse: bool = False) -> dict[str, str]:

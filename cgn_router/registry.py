@@ -159,6 +159,19 @@ class Registry:
         self.load_order: dict[str, LoadOrder] = {}
         self.version = 0  # bumped when an endpoint comes or goes
         self.cordoned: set[str] = set()
+        self._prefill: dict[str, int] = {}  # model -> its prefill-role endpoints, counted
+
+    def has_prefill_pool(self, model: str) -> bool:
+        """Some endpoint of `model` is a prefill replica (disaggregation is possible)."""
+        return self._prefill.get(model, 0) > 0
+
+    def _count_role(self, endpoint: Endpoint, delta: int) -> None:
+        if endpoint.role == "prefill":
+            left = self._prefill.get(endpoint.model, 0) + delta
+            if left:
+                self._prefill[endpoint.model] = left
+            else:
+                self._prefill.pop(endpoint.model, None)
 
     def upsert(self, endpoint: Endpoint, source: str) -> bool:
         """Add or update an endpoint; True when it is new. Live state survives updates."""
@@ -168,12 +181,15 @@ class Registry:
             state = self.states[endpoint.id] = EndpointState(endpoint, b, source)
             self.by_model.setdefault(endpoint.model, {})[endpoint.id] = state
             self.load_order.setdefault(endpoint.model, LoadOrder()).place(endpoint.id, 0)
+            self._count_role(endpoint, 1)
             self.version += 1
             return True
         if state.endpoint != endpoint:
             if state.endpoint.url != endpoint.url:  # a different engine now: nothing carries
                 self.index.forget(endpoint.id)
                 state.load = None
+            self._count_role(state.endpoint, -1)
+            self._count_role(endpoint, 1)
             state.endpoint = endpoint
         state.source = source
         return False
@@ -183,6 +199,7 @@ class Registry:
         if state is not None:
             self.index.forget(eid)
             self.version += 1
+            self._count_role(state.endpoint, -1)
             model = state.endpoint.model
             peers = self.by_model[model]
             del peers[eid]

@@ -15,6 +15,7 @@ go to another endpoint, and only before the first byte reached the client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import (
     BadGateway,
     CognitoraError,
@@ -33,9 +35,12 @@ from cgn_core.errors import (
     UpstreamTimeout,
 )
 from cgn_core.http import error_middleware, parse_json, read_body
+from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv_transfer import parse_transfer_params
 from cgn_core.openai_request import sampling_fields
 from cgn_router.auth import Principal, authorize
 from cgn_router.context import RequestContext
+from cgn_router.disagg import decide
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import AttemptFailed, Call, Relayed
 from cgn_router.registry import Outcome
@@ -51,6 +56,8 @@ PATHS = {
 # Bodies from this size on are templated, tokenized and hashed on a worker thread: ~64 KiB
 # tokenizes in ~10 ms here, the longest a stream relay should wait for the loop.
 OFF_LOOP_BYTES = 64 << 10
+PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
+TRANSFER_HEADER = "x-cgn-kv-transfer"  # a decode engine's: fetched N blocks, or fallback: why
 
 
 def build_app(svc: RouterService) -> web.Application:
@@ -106,6 +113,8 @@ def _parse(svc: RouterService, kind: str, raw: bytes) -> tuple[dict[str, Any], s
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
         raise InvalidRequest("'model' is required", param="model")
+    if TRANSFER_FIELD in body:  # it makes an engine dial the address it names
+        raise InvalidRequest(f"'{TRANSFER_FIELD}' is set by the router only", param=TRANSFER_FIELD)
     # What cgn-infer would refuse for its generation fields is refused here, before any work.
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
@@ -160,7 +169,11 @@ async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) 
     last: AttemptFailed | None = None
     for served in ctx.chain:
         prompt = ctx.prompt if served == ctx.model else _hash(svc, ctx.kind, served, ctx.body)
-        req = RequestInfo(served, "both", prompt.blocks, prompt.tokens, ctx.session)
+        # a model with a prefill pool: the request goes to a decode (or both) replica, and
+        # maybe (_disaggregate) its prompt to a prefill replica first
+        pd = ctx.kind != "embeddings" and svc.registry.has_prefill_pool(served)
+        role = "decode" if pd else "both"
+        req = RequestInfo(served, role, prompt.blocks, prompt.tokens, ctx.session)
         payload = ctx.payload(served)
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
@@ -170,8 +183,11 @@ async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) 
             if tried:
                 svc.metrics.retries.labels(ctx.model).inc()
             tried.add(view.id)
+            body, headers = payload, dict[str, str]()
+            if pd:
+                body, headers = await _disaggregate(svc, ctx, req, view, payload)
             try:
-                relayed = await _attempt(svc, request, ctx, req, view, payload)
+                relayed = await _attempt(svc, request, ctx, req, view, body, headers)
             except AttemptFailed as exc:
                 log.info("attempt failed: %s", exc.message)
                 svc.metrics.errors.labels(exc.cause).inc()
@@ -190,16 +206,21 @@ async def _attempt(
     req: RequestInfo,
     view: EndpointView,
     payload: bytes,
+    headers: Mapping[str, str],
 ) -> Relayed:
     """One attempt on the chosen endpoint, its accounting held by a lease."""
     call = Call(view.endpoint, PATHS[ctx.kind], payload, ctx.stream, ctx.strip_usage, req.model,
-                ctx.deadline, ctx.response_headers, ctx.priority, ctx.request_id)  # fmt: skip
+                ctx.deadline, {**ctx.response_headers, **headers}, ctx.priority,
+                ctx.request_id)  # fmt: skip
     lease = svc.registry.begin(view, req, time.monotonic())
     outcome: Outcome = "client_disconnected"  # until known otherwise: aiohttp cancels us
     relayed = None
     try:
         relayed = await svc.proxy.run(request, call, lease)
         outcome = relayed.ending
+        note = relayed.response.headers.get(TRANSFER_HEADER, "")
+        if note.startswith("fallback: "):  # the decode engine could not fetch the prompt's KV
+            svc.metrics.pd_fallbacks.labels("decode_" + note.removeprefix("fallback: ")).inc()
         return relayed
     except AttemptFailed as exc:
         outcome = "failed" if exc.breaker else "busy"
@@ -207,6 +228,65 @@ async def _attempt(
     finally:
         lease.end(outcome, time.monotonic())
         svc.metrics.attempt_ended(req.model, outcome, ctx.started, lease, relayed)
+
+
+async def _disaggregate(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, view: EndpointView, payload: bytes
+) -> tuple[bytes, dict[str, str]]:
+    """The decode replica `view`'s body and the P/D header: split (cgn_router/disagg.py), the
+    prefill leg run and its KV named in the body; else the client's body, computed whole
+    there. A failed prefill leg is a fallback (counted), never the request's failure."""
+    uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)
+    pre = svc.route(dataclasses.replace(req, role="prefill"), frozenset({view.id})).view
+    queue = None if pre is None else _queue(pre)
+    split = decide(svc.settings.pd, prefill_pool=True, uncached_tokens=uncached,
+                   prefill_queue=queue)  # fmt: skip
+    svc.metrics.pd_decisions.labels(req.model, split.reason).inc()
+    if not split.split or pre is None:
+        return payload, {PD_HEADER: f"aggregated: {split.reason}"}
+    try:
+        params = await _prefill_leg(svc, ctx, req, pre)
+    except AttemptFailed as exc:
+        svc.metrics.pd_fallbacks.labels(exc.cause).inc()
+        log.warning("prefill leg on %s failed, the decode replica computes it: %s", pre.id,
+                    exc.message)  # fmt: skip
+        return payload, {PD_HEADER: f"aggregated: prefill leg failed ({exc.cause})"}
+    return ctx.decode_leg(req.model, params), {PD_HEADER: f"disaggregated (prefill {pre.id})"}
+
+
+def _queue(view: EndpointView) -> int:
+    """Requests running and waiting on an endpoint: the engine's figures, or the router's own
+    in-flight count where it has none fresh."""
+    return view.in_flight if view.load is None else round(view.load.running + view.load.waiting)
+
+
+async def _prefill_leg(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, view: EndpointView
+) -> dict[str, Any]:
+    """Run the prompt on prefill replica `view`; the answer's `kv_transfer_params`."""
+    now = time.monotonic()
+    deadline = min(ctx.deadline, now + svc.settings.pd.prefill_timeout_s)
+    call = Call(view.endpoint, PATHS[ctx.kind], ctx.prefill_leg(req.model), False, False,
+                req.model, deadline, {}, ctx.priority, ctx.request_id)  # fmt: skip
+    leg = dataclasses.replace(req, role="prefill")
+    lease = svc.registry.begin(view, leg, now)
+    outcome: Outcome = "client_disconnected"
+    try:
+        answer = await svc.proxy.exchange(call)
+        lease.first_byte(time.monotonic())
+        outcome = "ok"
+    except AttemptFailed as exc:
+        outcome = "failed" if exc.breaker else "busy"
+        raise
+    finally:
+        lease.end(outcome, time.monotonic())
+    try:
+        params = parse_transfer_params(answer.get(TRANSFER_FIELD))
+    except InvalidRequest as exc:
+        raise AttemptFailed("bad_answer", f"{view.id}: {exc.message}", breaker=False) from None
+    if not params.do_remote_prefill:
+        raise AttemptFailed("bad_answer", f"{view.id}: no KV named in the answer", breaker=False)
+    return params.to_json()
 
 
 def _no_answer(svc: RouterService, model: str, last: AttemptFailed | None) -> CognitoraError:

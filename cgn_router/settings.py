@@ -85,6 +85,17 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PdSettings:
+    """Prefill/decode disaggregation, for models with prefill-role endpoints
+    (cgn_router/disagg.py has the rule)."""
+
+    enabled: bool = True
+    min_uncached_tokens: int = 512  # shorter uncached prompts run whole on the decode replica
+    max_prefill_queue: int = 4  # a prefill replica busier than this is not used
+    prefill_timeout_s: float = 60.0  # the prefill leg's answer, at most (then recompute)
+
+
+@dataclass(frozen=True, slots=True)
 class DeadlineSettings:
     connect_s: float = 3.0
     first_token_s: float = 120.0  # request sent → first response byte
@@ -178,6 +189,7 @@ class RouterSettings:
     models: dict[str, ModelSettings] = field(default_factory=dict)
     routing: RoutingSettings = RoutingSettings()
     deadlines: DeadlineSettings = DeadlineSettings()
+    pd: PdSettings = PdSettings()
     breaker: BreakerSettings = BreakerSettings()
     scrape: ScrapeSettings = ScrapeSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
@@ -202,10 +214,13 @@ def check_settings(s: RouterSettings) -> None:
         "deadlines.first_token_s": s.deadlines.first_token_s,
         "deadlines.idle_s": s.deadlines.idle_s,
         "deadlines.total_s": s.deadlines.total_s,
+        "pd.prefill_timeout_s": s.pd.prefill_timeout_s,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if s.pd.min_uncached_tokens < 0 or s.pd.max_prefill_queue < 0:
+        raise ConfigError("pd.min_uncached_tokens and pd.max_prefill_queue must not be negative")
     bands = s.admission.bands
     if not bands:
         raise ConfigError("admission.bands: at least one band is needed")

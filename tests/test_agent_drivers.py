@@ -14,6 +14,8 @@ import pytest
 from cgn_agent.drivers import DRIVERS, LaunchContext, PlacementRefused, installed_engines
 from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
 from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec, parse_placement, spec_to_json
+from cgn_core.cli import load_service_settings, parse_overrides
+from cgn_infer.settings import InferSettings
 
 BIN = Path(sys.executable).parent
 CTX = LaunchContext("0.0.0.0", 8100, python="/venv/bin/python")
@@ -179,6 +181,27 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     assert launch.argv[1:3] == ("-m", "cgn_agent.runners.xllamacpp_server")
     helped = _help_flags([sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--help"])
     assert flags(launch.argv[3:]) <= helped
+
+
+def test_cgn_infer_roles_and_the_transfer_address_reach_the_engine() -> None:
+    """A prefill (or both) engine serves its KV on the engines' bind address and tells decode
+    engines the node's advertised one; a decode engine serves none. The settings parse."""
+    tools = FakeTools({"cgn-infer": "/bin/cgn-infer"}, set(), {"/m/smol.gguf"})
+    ctx = replace(CTX, advertise_host="10.0.0.2")
+    sets: dict[str, list[str]] = {}
+    for role in ("prefill", "decode", "both"):
+        s = replace(spec("cgn_infer", source="/m/smol.gguf", role=role), model="smol")
+        argv = DRIVERS["cgn_infer"].launch(s, ctx, tools).argv
+        assert ("--role" in argv) == (role != "both")
+        if role != "both":
+            assert argv[argv.index("--role") + 1] == role
+        sets[role] = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert (
+        sets["prefill"] == sets["both"] == ["transfer.host=0.0.0.0", "transfer.advertise=10.0.0.2"]
+    )
+    assert sets["decode"] == []
+    settings = load_service_settings(InferSettings, "infer", None, parse_overrides(sets["prefill"]))
+    assert (settings.transfer.host, settings.transfer.advertise) == ("0.0.0.0", "10.0.0.2")
 
 
 @pytest.mark.parametrize(

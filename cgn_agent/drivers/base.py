@@ -57,6 +57,7 @@ class LaunchContext:
     tls: TlsSettings | None = None  # the certificate engines that can serve HTTPS use
     kvcached: str = ""  # host:port of the node's cgn-kvcached; "" when it has none
     offload_gib: float = 0.0  # built-in CPU KV offload for engines that have one (vLLM, SGLang)
+    advertise_host: str = ""  # the address other nodes reach this one's engines on
 
 
 class Toolbox(Protocol):

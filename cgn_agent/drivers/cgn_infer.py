@@ -49,6 +49,12 @@ class CgnInferDriver:
         argv += ["--device", "cuda"] if spec.devices else []
         argv += optional_flags(("--dtype", p.dtype))
         argv += ["--kvcached", ctx.kvcached] if ctx.kvcached else []
+        argv += ["--role", spec.role] if spec.role != "both" else []
+        if spec.role != "decode":  # it holds prefill legs' KV for decode engines on any node
+            argv += ["--set", f"transfer.host={ctx.host}"]
+            argv += (
+                ["--set", f"transfer.advertise={ctx.advertise_host}"] if ctx.advertise_host else []
+            )
         if ctx.tls is not None:  # HTTPS; the router must present a certificate of the CA
             argv += ["--set", f"tls.ca_file={ctx.tls.ca_file}",
                      "--set", f"tls.cert_file={ctx.tls.cert_file}",

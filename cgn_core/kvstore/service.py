@@ -20,10 +20,11 @@ never creates, grows or removes one, and checks its size before any write.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,15 +32,19 @@ from typing import Any, TypeVar
 import grpc
 
 from cgn_core.blockhash import BlockHash
+from cgn_core.errors import ConfigError
 from cgn_core.http import is_loopback
 from cgn_core.kv_events import KvEventHub
 from cgn_core.kv_layout import BlockKey, Layout, LayoutError
 from cgn_core.kvstore.store import BlockStore
+from cgn_core.settings import TlsSettings
+from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 TIERS = {"ram": ev_pb.KV_TIER_RAM, "ssd": ev_pb.KV_TIER_SSD}
 MAX_HASHES = 1 << 16  # blocks one request may name (a 1M-token prompt at 16 per block)
 PUT_BATCH = 64  # blocks stored per hop to the store's thread (at least)
@@ -78,6 +83,21 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                     loop.call_soon_threadsafe(self.events.publish, events)
 
         return await loop.run_in_executor(self._worker, call)
+
+    # ---- for the process that owns the store (an engine holding blocks for a transfer) -------
+
+    async def put_blocks(self, layout: Layout, hashes: Sequence[bytes], rows: Any) -> int:
+        """Store blocks (`rows[i]`: block i's bytes) under `layout`; how many were stored."""
+        self.layouts.add(layout.digest)
+        batch: list[tuple[BlockKey, bytes | int]] = [
+            (BlockKey(layout.digest, bytes(h)), bytes(row))
+            for h, row in zip(hashes, rows, strict=True)
+        ]
+        return await self._run(self._put_many, batch, None, layout.block_bytes)
+
+    async def discard(self, layout: Layout, hashes: Sequence[bytes]) -> int:
+        """Drop these blocks of `layout` wherever they are; how many were held."""
+        return await self._run(self._evict, [BlockKey(layout.digest, bytes(h)) for h in hashes])
 
     # ---- the calls ------------------------------------------------------------------------
 
@@ -270,6 +290,31 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
         if not is_loopback(host):
             why = "Evict and Clear over plaintext answer loopback callers only"
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+
+async def start_server(
+    service: KvCacheService, host: str, port: int, tls: TlsSettings
+) -> tuple[grpc.aio.Server, int]:
+    """`service` listening on host:port (0: any free port), with mutual TLS and the
+    node-identity check when `tls` is enabled, plaintext (logged) otherwise; returns the
+    started server and its port. ConfigError when the address cannot be bound."""
+    # NOTE: with TLS every call needs a client certificate of the cluster CA, and one that
+    # claims a node id (x-cgn-node) must carry that id as its CN
+    server = grpc.aio.server(interceptors=[NodeIdentityInterceptor()] if tls.enabled else [])
+    pb_grpc.add_KvCacheServicer_to_server(service, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if tls.enabled:
+            bound = server.add_secure_port(address, server_credentials(tls))
+        else:
+            warn_if_plaintext(log, f"KV gRPC listener {address}", tls)
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from None
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {address}")
+    await server.start()
+    return server, bound
 
 
 async def _layout(layout: pb.KvLayout, context: Any) -> Layout:

@@ -1,0 +1,268 @@
+"""Prefill/decode disaggregation between real engines: the two-leg protocol, real KV movement
+over gRPC, and every failure ending in a served request.
+
+SmolLM2 on the torch backend: a prefill engine (`--role prefill`) computes a prompt and
+holds its blocks; a decode engine (`--role decode`) fetches them and continues; its
+greedy output equals the aggregated run's and it computes only the prompt's last
+partial block. Failures run on sim engines (cheap): an unreachable prefill engine, a
+killed one, blocks whose lease ran out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cgn_core.errors import InvalidRequest
+from cgn_core.etcd.local import free_port
+from cgn_core.kv_transfer import TransferParams, parse_transfer_params
+from cgn_router.disagg import decide
+from cgn_router.settings import PdSettings
+from harness.metrics import metric
+from harness.procs import Engine, Router, cgn_infer, cgn_infer_engines, cgn_router
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+PREFILL = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+PROMPTS = [
+    "The history of the printing press begins in",
+    "List three facts about octopuses. " * 6,
+    "def fibonacci(n):\n    " + "# compute the nth number, iteratively\n    " * 12,
+    " ".join(f"word{i}" for i in range(150)) + " and the next word is",
+]
+
+
+def post(url: str, body: dict[str, Any], timeout_s: float = 120) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+
+
+def two_legs(prefill: str, decode: str, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
+    """The router's protocol by hand: the prefill leg, then the decode leg with its params."""
+    first = post(prefill, {**body, **PREFILL})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    return post(decode, {**body, "kv_transfer_params": params}), params
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    tmp = tmp_path_factory.mktemp("pd")
+    with cgn_infer(tmp, "--role", "prefill") as prefill, cgn_infer(tmp, "--role", "decode") as d:
+        yield prefill, d
+
+
+def test_decode_leg_continues_the_prefill_legs_kv_with_identical_greedy_output(
+    pair: tuple[str, str],
+) -> None:
+    prefill, decode = pair
+    for prompt in PROMPTS:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        aggregated = post(prefill, body).json()  # the prefill engine also serves whole requests
+        computed0 = metric(decode, "cgn_infer_prefill_tokens_computed_total")
+        resp, params = two_legs(prefill, decode, body)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        assert out["choices"][0]["text"] == aggregated["choices"][0]["text"], prompt[:30]
+        n = out["usage"]["prompt_tokens"]
+        blocks = (n - 1) // 16
+        assert params.get("remote_block_count", 0) == blocks
+        assert resp.headers["x-cgn-kv-transfer"] == (
+            f"fetched {blocks} blocks" if blocks else "nothing to fetch (under one block)"
+        )
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 16
+        # the decode engine ran only what follows the fetched blocks: the last partial block
+        computed = metric(decode, "cgn_infer_prefill_tokens_computed_total") - computed0
+        assert computed == n - blocks * 16, (prompt[:30], computed, n)
+    assert metric(decode, "cgn_infer_pd_fallbacks_total") == 0
+    assert metric(prefill, "cgn_infer_kv_transfer_held_blocks_total") > 0
+
+
+def test_roles_refuse_the_other_leg(pair: tuple[str, str]) -> None:
+    prefill, decode = pair
+    body = {"model": MODEL, "prompt": "hello there", **PREFILL}
+    refused = post(decode, body)
+    assert refused.status_code == 400
+    assert "role is decode" in refused.json()["error"]["message"]
+    leg = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9}
+    refused = post(prefill, {"model": MODEL, "prompt": "hi", "kv_transfer_params": leg})
+    assert refused.status_code == 400 and "role is prefill" in refused.json()["error"]["message"]
+    stream = post(prefill, {**body, "stream": True})
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"
+
+
+# ---- failures: every one ends in a served request, within the fetch timeout ------------------
+
+SIM = ("--backend", "sim", "--speed", "50", "--model-name", "sim", "--set", "transfer.timeout_s=2")
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+    tmp = tmp_path_factory.mktemp("pd-sim")
+    with cgn_infer_engines(tmp, 2, *SIM, "--set", "transfer.lease_s=1") as engines:
+        yield engines
+
+
+def sim_body(i: int) -> dict[str, Any]:
+    return {"model": "sim", "prompt": f"case {i} " + "a long shared context " * 40,
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+
+
+def test_sim_engines_transfer_and_the_lease_ends(sims: list[Engine]) -> None:
+    prefill, decode = sims[0].url, sims[1].url
+    resp, params = two_legs(prefill, decode, sim_body(1))
+    assert resp.status_code == 200 and resp.headers["x-cgn-kv-transfer"].startswith("fetched")
+    assert params["remote_block_count"] > 0
+    # past transfer.lease_s the blocks are gone: the decode leg recomputes, and says so
+    first = post(prefill, {**sim_body(2), **PREFILL}).json()["kv_transfer_params"]
+    fallbacks0 = metric(decode, "cgn_infer_pd_fallbacks_total", reason="missing")
+    time.sleep(2.5)  # lease_s 1, swept every second
+    late = post(decode, {**sim_body(2), "kv_transfer_params": first})
+    assert late.status_code == 200 and late.headers["x-cgn-kv-transfer"] == "fallback: missing"
+    assert late.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(decode, "cgn_infer_pd_fallbacks_total", reason="missing") == fallbacks0 + 1
+
+
+def test_an_unreachable_prefill_engine_means_recompute_not_a_hang(sims: list[Engine]) -> None:
+    decode = sims[1].url
+    dead = TransferParams(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=free_port())
+    started = time.monotonic()
+    resp = post(decode, {**sim_body(3), "kv_transfer_params": dead.to_json()})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cgn-kv-transfer"] == "fallback: unreachable"
+    assert time.monotonic() - started < 2 + 5  # the fetch timeout, plus the request itself
+    assert metric(decode, "cgn_infer_pd_fallbacks_total", reason="unreachable") >= 1
+
+
+def test_a_prefill_engine_killed_after_its_leg_means_recompute(tmp_path: Path) -> None:
+    with cgn_infer_engines(tmp_path, 2, *SIM) as (prefill, decode):
+        params = post(prefill.url, {**sim_body(4), **PREFILL}).json()["kv_transfer_params"]
+        prefill.proc.kill()
+        prefill.proc.wait(10)
+        started = time.monotonic()
+        resp = post(decode.url, {**sim_body(4), "kv_transfer_params": params})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-cgn-kv-transfer"] == "fallback: unreachable"
+        assert time.monotonic() - started < 2 + 5
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ([], "kv_transfer_params"),
+        ({"do_remote_decode": "yes"}, "kv_transfer_params.do_remote_decode"),
+        ({"remote_block_ids": [1, 2]}, "kv_transfer_params.remote_block_ids"),
+        ({"do_remote_prefill": True, "remote_host": "h"}, "kv_transfer_params.remote_host"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": True},
+         "kv_transfer_params.remote_port"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "kv_transfer_params"),
+        ({"remote_block_count": -1}, "kv_transfer_params.remote_block_count"),
+    ],
+)  # fmt: skip
+def test_transfer_params_are_checked(value: Any, param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_transfer_params(value)
+    assert err.value.param == param
+
+
+def test_transfer_params_round_trip() -> None:
+    p = TransferParams(
+        do_remote_prefill=True, remote_host="::1", remote_port=7, remote_block_count=3
+    )
+    assert parse_transfer_params(p.to_json()) == p and p.address == "[::1]:7"
+
+
+# ---- through the router: the decision, the two legs, the fallbacks ---------------------------
+
+
+def test_the_decision_rule() -> None:
+    s = PdSettings(min_uncached_tokens=512, max_prefill_queue=4)
+    table = [  # prefill pool?, uncached tokens, prefill queue -> split?, reason
+        (False, 5000, 0, False, "no_prefill_pool"),
+        (True, 511, 0, False, "short_prompt"),
+        (True, 512, 0, True, "split"),
+        (True, 5000, 4, True, "split"),
+        (True, 5000, 5, False, "prefill_busy"),
+        (True, 5000, None, False, "prefill_busy"),
+    ]
+    for pool, uncached, queue, split, reason in table:
+        got = decide(s, prefill_pool=pool, uncached_tokens=uncached, prefill_queue=queue)
+        assert (got.split, got.reason) == (split, reason), (pool, uncached, queue)
+    off = decide(PdSettings(enabled=False), prefill_pool=True, uncached_tokens=9999,
+                 prefill_queue=0)  # fmt: skip
+    assert off.reason == "disabled"
+
+
+@pytest.fixture(scope="module")
+def pd_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, list[Engine]]]:
+    tmp = tmp_path_factory.mktemp("pd-router")
+    with cgn_infer_engines(tmp, 2, *SIM) as engines:
+        prefill, decode = engines
+        config = {
+            "discovery": "static",
+            "models": {"sim": {"tokenizer": "smollm2"}},
+            "endpoints": {"p": {"url": prefill.url, "model": "sim", "role": "prefill"},
+                          "d": {"url": decode.url, "model": "sim", "role": "decode"}},
+            "pd": {"min_uncached_tokens": 256, "prefill_timeout_s": 5},
+            "attempts": 1,
+        }  # fmt: skip
+        with cgn_router(tmp, config) as router:
+            yield router, engines
+
+
+def long_body(i: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim", "prompt": f"topic {i}: " + "the context goes on and on " * 60,
+            "max_tokens": 6, "temperature": 0, **extra}  # fmt: skip
+
+
+def test_router_splits_a_long_prompt_and_the_decode_leg_streams(
+    pd_router: tuple[Router, list[Engine]],
+) -> None:
+    router, (prefill, _) = pd_router
+    # aggregated, on the prefill engine (the decode engine must not hold this prompt yet)
+    direct = post(prefill.url, long_body(1)).json()["choices"][0]["text"]
+    resp = post(router.url, long_body(2))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cognitora-pd"] == "disaggregated (prefill sim/p)"
+    assert resp.headers["x-cgn-kv-transfer"].startswith("fetched ")
+    assert resp.headers["x-cognitora-endpoint"] == "sim/d"
+    # the same context gives the same words whichever way its KV was made
+    again = post(router.url, long_body(1))
+    assert again.headers["x-cognitora-pd"].startswith("disaggregated")
+    assert again.json()["choices"][0]["text"] == direct
+    with httpx.stream("POST", router.url + "/v1/completions", json=long_body(3, stream=True),
+                      timeout=60) as stream:  # fmt: skip
+        assert stream.headers["x-cognitora-pd"].startswith("disaggregated")
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert metric(router.admin, "cgn_router_pd_decisions_total", reason="split") >= 3
+    short = post(router.url, {"model": "sim", "prompt": "hi", "max_tokens": 2})
+    assert short.headers["x-cognitora-pd"] == "aggregated: short_prompt"
+    assert short.headers["x-cognitora-endpoint"] == "sim/d"
+
+
+def test_router_refuses_transfer_params_from_clients(
+    pd_router: tuple[Router, list[Engine]],
+) -> None:
+    router, _ = pd_router
+    leg = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 1}
+    resp = post(router.url, {**long_body(4), "kv_transfer_params": leg})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_router_falls_back_when_the_prefill_engine_is_gone(
+    pd_router: tuple[Router, list[Engine]],
+) -> None:
+    """Runs last in this module: it kills the prefill engine."""
+    router, (prefill, _) = pd_router
+    prefill.proc.kill()
+    prefill.proc.wait(10)
+    started = time.monotonic()
+    resp = post(router.url, long_body(5))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cognitora-pd"].startswith("aggregated: prefill leg failed")
+    assert time.monotonic() - started < 5 + 5
+    assert metric(router.admin, "cgn_router_pd_fallbacks_total") >= 1
