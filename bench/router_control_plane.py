@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,6 @@ from typing import Any
 
 import aiohttp
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,10 +45,9 @@ from bench.common import peak_rss_mib, write_result
 from cgn_core import keys
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd, free_port
-from cgn_core.readiness import wait_ready_file
 from harness.metrics import metric
 from harness.poll import until
-from harness.procs import REPO, cgn_infer_fleet, etcd_run, http_process, stop
+from harness.procs import REPO, cgn_infer_fleet, cgn_router, etcd_run, http_process
 
 MODELS = 50
 TICK = os.sysconf("SC_CLK_TCK")
@@ -63,29 +60,14 @@ def cpu_s(pid: int) -> float:
 
 
 @contextmanager
-def etcd_router(tmp: Path, etcd: str, src: Path, tag: str) -> Iterator[tuple[str, int, float]]:
+def etcd_router(tmp: Path, etcd: str, src: Path) -> Iterator[tuple[str, int, float]]:
     """A cgn-router from source tree `src` following `etcd`; yields (admin URL, pid, seconds
     from start to ready)."""
-    cfg = tmp / f"router-{tag}-{src.name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "discovery": "etcd", "etcd": {"endpoints": [etcd]}, "auth": {"enabled": False},
-        "log": {"level": "warning"}, "scrape": {"interval_s": 1.0, "stale_s": 10.0},
-    }))  # fmt: skip
-    ready = cfg.with_suffix(".ready")
-    argv = [sys.executable, "-P", "-c", "import sys; from cgn_router.cli import main; sys.argv[0] = "
-            "'cgn-router'; main()", "serve", "--port", "0", "--admin-port", "0", "--config",
-            str(cfg), "--ready-file", str(ready)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(src)}  # NOTE: -P: the tree, not the current folder
+    config = {"discovery": "etcd", "etcd": {"endpoints": [etcd]}, "log": {"level": "warning"},
+              "scrape": {"interval_s": 1.0, "stale_s": 10.0}}  # fmt: skip
     started = time.monotonic()
-    with (tmp / f"{cfg.stem}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    try:
-        port = wait_ready_file(ready, timeout_s=300, proc=proc)["ports"]["admin"]
-        yield f"http://127.0.0.1:{port}", proc.pid, time.monotonic() - started
-    finally:
-        stop(proc)
-        ready.unlink(missing_ok=True)
+    with cgn_router(tmp, config, src=src) as router:
+        yield router.admin, router.proc.pid, time.monotonic() - started
 
 
 def endpoint_records(nodes: int, per_node: int, url: str) -> dict[str, dict[str, Any]]:
@@ -129,7 +111,7 @@ def startup_and_watch(tmp: Path, etcd: str, upstream: str, src: Path, args: Any)
     clear(etcd)
     put_all(etcd, records)
     t0 = time.monotonic()
-    with etcd_router(tmp, etcd, src, f"startup{n}") as (admin, pid, ready_s):
+    with etcd_router(tmp, etcd, src) as (admin, pid, ready_s):
         listed = timed("every endpoint listed", lambda: registered(admin) == n, 300, t0)
         streams = timed(  # polled every 2 s: a 5,000-endpoint /metrics page is not free
             "every KV stream open",
@@ -170,7 +152,7 @@ def kv_event_cost(tmp: Path, etcd: str, engines: int, requests: int) -> dict[str
         put_all(etcd, {f"{keys.ENDPOINTS}node-{i // 5}/{model}/r{i}": {
             "url": u, "engine": "cgn-infer", "node": f"node-{i // 5}", "block_size": 16}
             for i, u in enumerate(urls)})  # fmt: skip
-        with etcd_router(tmp, etcd, REPO, f"kv{engines}") as (admin, pid, _):
+        with etcd_router(tmp, etcd, REPO) as (admin, pid, _):
             until("every KV stream open",
                   lambda: metric(admin, "cgn_router_kv_resyncs_total") >= engines, 300, 0.2)  # fmt: skip
             time.sleep(2.0)

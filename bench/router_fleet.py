@@ -40,15 +40,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
 from bench.router_vs_smg import BODY, SYSTEM, pct, sequential, wrk
 from cgn_core.etcd.local import free_port
-from cgn_core.readiness import wait_ready_file
-from harness.procs import REPO, http_process, stop
+from harness.procs import REPO, cgn_router, http_process
 
 LONG = {**BODY, "messages": [{"role": "system", "content": SYSTEM * 15}, BODY["messages"][1]]}
 SIZES = {"4": (4, 1), "100": (100, 1), "1000": (1000, 1), "1000 over 50 models": (1000, 50)}
@@ -63,26 +60,11 @@ def router(
     endpoints = {f"e{i}": {"url": upstream, "model": names[i % models],
                            "kv_events_url": f"{upstream}/v1/kv/events?ns={names[i % models]}"}
                  for i in range(size)}  # fmt: skip
-    cfg = tmp / f"router-{size}-{models}-{src.name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "discovery": "static", "auth": {"enabled": False}, "log": {"level": "warning"},
-        "endpoints": endpoints, "models": {"fake": {"tokenizer": "smollm2"}},
-        "scrape": {"interval_s": scrape_s, "stale_s": max(5.0, 3 * scrape_s)},
-    }))  # fmt: skip
-    ready = cfg.with_suffix(".ready")
-    argv = [sys.executable, "-P", "-c", "import sys; from cgn_router.cli import main; sys.argv[0] = "
-            "'cgn-router'; main()", "serve", "--port", "0", "--admin-port", "0", "--config",
-            str(cfg), "--ready-file", str(ready)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(src)}  # NOTE: -P: the tree, not the current folder
-    with (tmp / f"{cfg.stem}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    try:
-        port = wait_ready_file(ready, timeout_s=120, proc=proc)["ports"]["http"]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-        ready.unlink(missing_ok=True)
+    config = {"discovery": "static", "log": {"level": "warning"}, "endpoints": endpoints,
+              "models": {"fake": {"tokenizer": "smollm2"}},
+              "scrape": {"interval_s": scrape_s, "stale_s": max(5.0, 3 * scrape_s)}}  # fmt: skip
+    with cgn_router(tmp, config, src=src) as r:
+        yield r.url
 
 
 def measure(

@@ -176,8 +176,11 @@ class Router:
 
 
 @contextmanager
-def cgn_router(tmp: Path, config: dict[str, Any], *args: str) -> Iterator[Router]:
-    """A real `cgn-router serve` with `config` as its YAML file, on free ports.
+def cgn_router(
+    tmp: Path, config: dict[str, Any], *args: str, src: Path | None = None
+) -> Iterator[Router]:
+    """A real `cgn-router serve` with `config` as its YAML file, on free ports; with `src`,
+    the router of that source tree (another checkout, for benchmarks against it).
 
     API keys are off unless `config` says otherwise (tests of keys set `auth:`).
     """
@@ -185,10 +188,17 @@ def cgn_router(tmp: Path, config: dict[str, Any], *args: str) -> Iterator[Router
     cfg = tmp / f"router-{time.monotonic_ns()}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     ready = cfg.with_suffix(".ready")
-    argv = [str(BIN / "cgn-router"), "serve", "--port", "0", "--admin-port", "0",
+    exe, env = [str(BIN / "cgn-router")], None
+    if src is not None:  # NOTE: -P: modules from the tree, not from the current folder
+        exe = [sys.executable, "-P", "-c", "import sys; from cgn_router.cli import main; "
+               "sys.argv[0] = 'cgn-router'; main()"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(src)}
+    argv = [*exe, "serve", "--port", "0", "--admin-port", "0",
             "--config", str(cfg), "--ready-file", str(ready), *args]  # fmt: skip
     with (tmp / f"{cfg.stem}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
         ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
         yield Router(

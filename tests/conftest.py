@@ -74,3 +74,14 @@ def smollm2_torch(smollm2_gguf):  # type: ignore[no-untyped-def]
     from cgn_infer.models import args_from_gguf
 
     return TorchBackend(smollm2_gguf, args_from_gguf(smollm2_gguf), threads=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_mlx(smollm2_gguf):  # type: ignore[no-untyped-def]
+    """The MLX backend on SmolLM2, loaded once (skipped where the mlx extra is missing)."""
+    mlx_backend = pytest.importorskip(
+        "cgn_infer.backends.mlx_backend", reason="the mlx extra is not installed"
+    )
+    from cgn_infer.models import args_from_gguf
+
+    return mlx_backend.MlxBackend(smollm2_gguf, args_from_gguf(smollm2_gguf))

@@ -59,7 +59,7 @@ async def tokens(client: openai.AsyncOpenAI, question: str, stream: bool) -> lis
     args = {
         "model": MODEL,
         "messages": [{"role": "user", "content": question}],
-        "max_tokens": 24,
+        "max_tokens": 12,
         "temperature": 0,
         "logprobs": True,
     }

@@ -1,19 +1,26 @@
 """bin/install.sh against this checkout in an isolated HOME: two venvs (control plane without
-torch, engine with it), every executable answering, and the README's first command serving a
-chat completion from that layout."""
+torch, engine with it), every executable answering, and the README's first command from that
+layout: `cgn-ctl up` from nothing to a served SmolLM2 behind the router (auth on, the node's
+KV store running, a second node joining), then `cgn-ctl down` leaving nothing. Then the
+`curl | sh` path (by name from an index) run again over it, and --uninstall."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from cgn_core.etcd.local import free_ports
+from cgn_core.process import fingerprint_from_json, matches
+from harness.procs import runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parent.parent
@@ -56,20 +63,18 @@ def test_installer_from_checkout_then_uninstall(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "unknown option --bogus" in bad.stderr
     index = tmp_path / "index"  # the wheels it built, standing in for PyPI below
     shutil.copytree(tmp_path / ".local/share/cognitora/wheels", index)
-    uninstall(env, "removed cognitora-infer")
-    assert not any((bin_dir / exe).exists() for exe in EXES)
-    # The default source (`curl | sh`, no --from): the control plane by name from an index,
-    # on a router-only node (--no-engine: the engine venv, torch and all, is what the first
-    # install already covered, and takes most of its time).
+    # The default source (`curl | sh`, no --from), run again over the install (it upgrades in
+    # place): the control plane by name from an index. --no-engine: the engine venv, torch and
+    # all, is what the first install covered, and most of its time.
     env["PIP_FIND_LINKS"] = f"{env.get('PIP_FIND_LINKS', '')} {index}".strip()
     res = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--no-model", "--no-engine"],
                          env=env, capture_output=True, text=True, timeout=840)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "installing the control plane" in res.stdout and "building" not in res.stdout
-    assert "no cgn-infer on this node" in res.stdout and not (bin_dir / "cgn-infer").exists()
+    assert "no cgn-infer on this node" in res.stdout and "installing pipx" not in res.stdout
     assert subprocess.run([str(bin_dir / "cgn-ctl"), "--version"], env=env, capture_output=True,
                           timeout=60).returncode == 0  # fmt: skip
-    uninstall(env, "cognitora-infer was not installed")
+    uninstall(env, "removed cognitora-infer")
     assert not any((bin_dir / exe).exists() for exe in EXES)
 
 
@@ -84,21 +89,58 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
     """`cgn-ctl up` as the README runs it (the bin directory not on PATH): the agent in the
     control-plane venv must find cgn-infer in the engine venv; `down` stops everything."""
     env = {**env, "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    ctl = str(bin_dir / "cgn-ctl")
-    http, admin, agent, etcd = free_ports(4)
-    up = subprocess.run([ctl, "up", "--state-dir", str(state), "--port", str(http),
-                         "--admin-port", str(admin), "--agent-port", str(agent),
-                         "--etcd-port", str(etcd), "--threads", "1"],
-                        capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+
+    def ctl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(bin_dir / "cgn-ctl"), *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)  # fmt: skip
+
+    agent, etcd = free_ports(2)
+    started = time.monotonic()
+    # --port 0 / --admin-port 0: any free port, and up must report the one the router took
+    up = ctl("up", "--state-dir", str(state), "--port", "0", "--admin-port", "0",
+             "--agent-port", str(agent), "--etcd-port", str(etcd), "--threads", "1")  # fmt: skip
+    took = time.monotonic() - started
+    record = json.loads((state / "up.json").read_text()) if (state / "up.json").exists() else {}
+    store: dict[str, Any] = {}
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        record = json.loads((state / "up.json").read_text())
-        client = openai.OpenAI(base_url=record["url"], api_key=record["key"], max_retries=0)
+        url, key = record["url"], record["key"]
+        assert f"OpenAI API: {url}" in up.stdout and key in up.stdout and "curl -s" in up.stdout
+        assert re.search(r"replica smollm2-\w+: (Starting|Loading|Ready)", up.stderr)  # progress
+        assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*/v1", url), url
+        assert f"etcd:       {record['etcd']}" in up.stdout and "router admin: http" in up.stdout
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
         out = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=4
+            model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
         )
         assert out.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):  # auth is on
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        st = json.loads(ctl("status", "--state-dir", str(state), "--json").stdout)
+        alive = {p["name"] for p in st["local_processes"] if p["alive"]}
+        assert alive == {"etcd", "router", "agent"}
+        assert st["models"][0]["model"] == "smollm2" and st["models"][0]["ready"] == 1
+        store = json.loads((state / "agent" / "kvcached.ready").read_text())  # the node's store
+        assert runs(store["pid"], "cgn-kvcached")
+        again = ctl("up", "--state-dir", str(state))
+        assert again.returncode == 1 and "already up" in again.stderr
+        # a second machine joining: here, a second agent with its own state and node id
+        second = state.parent / "second"
+        joined = ctl("up", "--join", record["etcd"], "--state-dir", str(second),
+                     "--node-id", "second-node", "--agent-port", str(free_ports(1)[0]))  # fmt: skip
+        assert joined.returncode == 0, joined.stderr
+        assert joined.stdout.strip() == f"node second-node joined the cluster at {record['etcd']}"
+        nodes = json.loads(ctl("nodes", "--etcd", record["etcd"], "--json").stdout)
+        assert {n["node"] for n in nodes} >= {"second-node", record["node"]}
+        assert ctl("down", "--state-dir", str(second)).stdout.strip() == "stopped: agent"
+        print(f"\ncgn-ctl up: {took:.1f}s to a served completion")
     finally:
-        down = subprocess.run([ctl, "down", "--state-dir", str(state)], capture_output=True,
-                              text=True, timeout=120, env=env)  # fmt: skip
-    assert down.returncode == 0 and down.stdout.strip() == "stopped: agent, router, etcd", down
+        down = ctl("down", "--state-dir", str(state), timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.strip() == "stopped: agent, router, etcd"
+    for p in record.get("processes", []):
+        assert not matches(fingerprint_from_json(p["fingerprint"])), p["name"]
+    for rec in (state / "agent" / "replicas").glob("*.json"):  # the engine the agent ran
+        assert not matches(fingerprint_from_json(json.loads(rec.read_text())["fingerprint"]))
+    assert not runs(store["pid"], "cgn-kvcached")  # stopped with its agent
+    assert ctl("down", "--state-dir", str(state)).stdout.strip() == "nothing was running"

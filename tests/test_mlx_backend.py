@@ -8,11 +8,8 @@ import pytest
 
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
-from cgn_infer.models import args_from_gguf
 
-mlx_backend = pytest.importorskip(
-    "cgn_infer.backends.mlx_backend", reason="the mlx extra is not installed"
-)
+pytest.importorskip("cgn_infer.backends.mlx_backend", reason="the mlx extra is not installed")
 
 
 def greedy(backend: Any, prompt: list[int], n: int) -> list[int]:
@@ -25,8 +22,10 @@ def greedy(backend: Any, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_mlx_greedy_equals_torch(smollm2_gguf: GGUFFile, smollm2_torch: Any) -> None:
-    mlx = mlx_backend.MlxBackend(smollm2_gguf, args_from_gguf(smollm2_gguf))
+def test_mlx_greedy_equals_torch(
+    smollm2_gguf: GGUFFile, smollm2_torch: Any, smollm2_mlx: Any
+) -> None:
+    mlx = smollm2_mlx
     tok = GGUFTokenizer(smollm2_gguf)
     for text in (
         "The quick brown fox",

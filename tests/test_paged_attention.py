@@ -8,9 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.paged import BatchItem
-from cgn_infer.models import args_from_gguf
 
 LENGTHS = (5, 37, 16, 70)
 TABLES = ([3, 4, 5, 6, 7], [10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35])
@@ -40,9 +38,8 @@ def test_torch_paged_batch_equals_alone(smollm2_torch: Any) -> None:
     check(smollm2_torch, tol=1e-3)
 
 
-def test_mlx_paged_batch_equals_alone(smollm2_gguf: GGUFFile) -> None:
-    mlx_backend = pytest.importorskip("cgn_infer.backends.mlx_backend")
-    check(mlx_backend.MlxBackend(smollm2_gguf, args_from_gguf(smollm2_gguf)), tol=1e-3)
+def test_mlx_paged_batch_equals_alone(smollm2_mlx: Any) -> None:
+    check(smollm2_mlx, tol=1e-3)
 
 
 def test_a_table_too_short_is_an_error(smollm2_torch: Any) -> None:
