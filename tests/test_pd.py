@@ -10,7 +10,11 @@ killed one, blocks whose lease ran out.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +25,11 @@ import pytest
 from cgn_core.errors import InvalidRequest
 from cgn_core.etcd.local import free_port
 from cgn_core.kv_transfer import TransferParams, parse_transfer_params
+from cgn_core.readiness import wait_ready_file
 from cgn_router.disagg import decide
 from cgn_router.settings import PdSettings
 from harness.metrics import metric
-from harness.procs import Engine, Router, cgn_infer, cgn_infer_engines, cgn_router
+from harness.procs import BIN, Engine, Router, cgn_infer, cgn_infer_engines, cgn_router, stop
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PREFILL = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
@@ -266,3 +271,67 @@ def test_router_falls_back_when_the_prefill_engine_is_gone(
     assert resp.headers["x-cognitora-pd"].startswith("aggregated: prefill leg failed")
     assert time.monotonic() - started < 5 + 5
     assert metric(router.admin, "cgn_router_pd_fallbacks_total") >= 1
+
+
+# ---- two "hosts": the prefill engine in a network namespace, over a veth pair ----------------
+
+
+@pytest.fixture
+def other_host() -> Iterator[tuple[str, str]]:
+    """A network namespace joined to this one by a veth pair: (namespace, its address)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace and a veth pair")
+    tag = uuid.uuid4().hex[:6]
+    ns, here, there = f"cgn-pd-{tag}", f"cgnh{tag}", f"cgnp{tag}"
+    net = f"198.18.{int(tag[:2], 16)}"  # RFC 2544's benchmarking range: routed nowhere
+
+    def ip(*args: str, check: bool = True) -> None:
+        subprocess.run(["ip", *args], check=check, capture_output=True, timeout=10)
+
+    try:
+        ip("netns", "add", ns)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot make a network namespace: {exc.stderr.decode().strip()}")
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", ns)
+        ip("addr", "add", f"{net}.1/24", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", there)
+        ip("-n", ns, "link", "set", there, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        yield ns, f"{net}.2"
+    finally:
+        ip("link", "del", here, check=False)
+        ip("netns", "del", ns, check=False)
+
+
+def test_the_transfer_crosses_a_veth_pair_between_two_hosts(
+    other_host: tuple[str, str], tmp_path: Path
+) -> None:
+    """The prefill engine runs in another network namespace, bound to its veth address; the
+    decode engine here fetches its blocks across the pair."""
+    ns, addr = other_host
+    ready = tmp_path / "prefill.ready"
+    argv = ["ip", "netns", "exec", ns, str(BIN / "cgn-infer"), "serve", "--model", "smollm2",
+            "--host", addr, "--port", "0", "--role", "prefill", "--ready-file", str(ready),
+            "--set", f"transfer.host={addr}", *SIM]  # fmt: skip
+    with (tmp_path / "prefill.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        doc = wait_ready_file(ready, timeout_s=120, proc=proc)
+        prefill = f"http://{addr}:{doc['ports']['http']}"
+        with cgn_infer_engines(tmp_path, 1, *SIM, "--role", "decode") as (decode,):
+            resp, params = two_legs(prefill, decode.url, sim_body(6))
+            assert (
+                params["remote_host"] == addr
+                and params["remote_port"] == doc["ports"]["kv_transfer"]
+            )
+            assert resp.status_code == 200, resp.text
+            assert (
+                resp.headers["x-cgn-kv-transfer"]
+                == f"fetched {params['remote_block_count']} blocks"
+            )
+            assert metric(decode.url, "cgn_infer_kv_transfer_fetched_blocks_total") > 0
+    finally:
+        stop(proc)
