@@ -10,6 +10,9 @@ apply -f model.yaml` writes it after `parse_model` (one model's fields) and
     tokenizer: /models/llama-8b.gguf           # for routing; default: source when it is a GGUF
     role: both                                 # both | prefill | decode
     replicas: {min: 1, max: 2}
+    # or, disaggregated (prefill/decode): replicas per role instead of `replicas`; a
+    # profile's `role` (default both) says which pool it may serve
+    # pools: {prefill: 1, decode: 2}
     aliases: [llama]
     fallbacks: [smollm2]
     profiles:                                  # in priority order: the first that fits is used
@@ -56,6 +59,7 @@ class Profile:
     url: str | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    role: str = "both"  # the pool(s) of a disaggregated model it may serve
 
     @property
     def on_cpu(self) -> bool:
@@ -73,6 +77,18 @@ class ModelSpec:
     max_replicas: int = 1
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
+    pools: Mapping[str, int] = field(default_factory=dict)  # role -> replicas (disaggregated)
+
+    def wants(self) -> list[tuple[str, int, int]]:
+        """(role, min, max) replicas of each pool: one for an aggregated model."""
+        if self.pools:
+            return [(role, n, n) for role, n in sorted(self.pools.items(), reverse=True)]
+        return [(self.role, self.min_replicas, self.max_replicas)]
+
+    def for_role(self, role: str) -> ModelSpec:
+        """This model with only the profiles that may serve `role`'s pool."""
+        keep = tuple(p for p in self.profiles if p.role in ("both", role))
+        return dataclasses.replace(self, profiles=keep) if keep != self.profiles else self
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: the YAML schema above (and what `parse_model` reads back)."""
@@ -81,10 +97,15 @@ class ModelSpec:
             "source": self.source,
             "tokenizer": self.tokenizer,
             "role": self.role,
-            "replicas": {"min": self.min_replicas, "max": self.max_replicas},
+            **(
+                {}
+                if self.pools
+                else {"replicas": {"min": self.min_replicas, "max": self.max_replicas}}
+            ),
             "aliases": list(self.aliases),
             "fallbacks": list(self.fallbacks),
             "profiles": [_profile_json(p) for p in self.profiles],
+            **({"pools": dict(self.pools)} if self.pools else {}),
         }
 
 
@@ -92,7 +113,9 @@ def _profile_json(p: Profile) -> dict[str, Any]:
     doc = dataclasses.asdict(p)
     doc["extra_args"] = list(p.extra_args)
     doc["env"] = dict(p.env)
-    return {k: v for k, v in doc.items() if v is not None and v != ""}
+    return {
+        k: v for k, v in doc.items() if v is not None and v != "" and (k, v) != ("role", "both")
+    }
 
 
 def parse_model(doc: Any, where: str = "") -> ModelSpec:
@@ -100,7 +123,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
     if not isinstance(doc, Mapping):
         raise CatalogError(f"{where or 'model'}: expected a mapping")
     _known(doc, {"name", "source", "tokenizer", "role", "replicas", "aliases", "fallbacks",
-                 "profiles"}, where)  # fmt: skip
+                 "profiles", "pools"}, where)  # fmt: skip
     name = _text(doc, "name", where, required=True)
     if not _NAME.match(name):
         raise CatalogError(f"{_p(where, 'name')}: use 1-128 of [A-Za-z0-9._:-]")
@@ -127,10 +150,12 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             raise CatalogError(
                 f"{_p(where, f'profiles[{i}]')}: no source (set source: on the model)"
             )
+    pools = _pools(doc, where, role, profiles)
     return ModelSpec(
         name=name,
         source=source,
         profiles=profiles,
+        pools=pools,
         tokenizer=_text(doc, "tokenizer", where),
         role=role,
         min_replicas=lo,
@@ -138,6 +163,34 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
         aliases=_names(doc, "aliases", where),
         fallbacks=_names(doc, "fallbacks", where),
     )
+
+
+MAX_POOL = 1000
+
+
+def _pools(
+    doc: Mapping[str, Any], where: str, role: str, profiles: tuple[Profile, ...]
+) -> dict[str, int]:
+    """A disaggregated model's `pools: {prefill: N, decode: M}`; {} when it has none."""
+    raw = doc.get("pools")
+    if raw is None:
+        return {}
+    at = _p(where, "pools")
+    if not isinstance(raw, Mapping):
+        raise CatalogError(f"{at}: expected {{prefill: N, decode: M}}")
+    _known(raw, {"prefill", "decode"}, at)
+    if "replicas" in doc:
+        raise CatalogError(f"{at}: a model has pools or replicas, not both")
+    if role != "both":
+        raise CatalogError(f"{_p(where, 'role')}: a model with pools has role both, got {role}")
+    pools = {r: _int(raw, r, at, 0, minimum=1) for r in ("prefill", "decode")}
+    for r, n in pools.items():
+        if n > MAX_POOL:
+            raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {n}")
+        if not any(p.role in ("both", r) for p in profiles):
+            raise CatalogError(f"{_p(at, r)}: no profile may serve it (a profile's role is "
+                               f"both or {r})")  # fmt: skip
+    return pools
 
 
 def _parse_profile(raw: Any, where: str) -> Profile:
@@ -187,7 +240,11 @@ def _parse_profile(raw: Any, where: str) -> Profile:
     ):
         raise CatalogError(f"{_p(where, 'gpu_memory_utilization')}: must be in (0, 1]")
     optional_ints = {k: _opt_int(raw, k, where) for k in ("ctx", "threads")}
+    role = _text(raw, "role", where) or "both"
+    if role not in ROLES:
+        raise CatalogError(f"{_p(where, 'role')}: must be one of {', '.join(ROLES)}")
     return Profile(
+        role=role,
         engine=engine,
         accelerator=accel,
         devices=devices,

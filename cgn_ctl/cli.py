@@ -68,14 +68,19 @@ def replicas(
 @app.command("explain-placement")
 def explain_placement(
     model: Annotated[str, typer.Argument(help="A model in the catalog.")],
+    role: Annotated[
+        str | None,
+        typer.Option("--role", help="A disaggregated model's pool: prefill or decode."),
+    ] = None,
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,
 ) -> None:
     """Where one more replica of MODEL would go now: every candidate and what rejected it."""
-    d = with_etcd(etcd, config, lambda c: ops.explain(c, model))
+    d = with_etcd(etcd, config, lambda c: ops.explain(c, model, role))
     data = {
-        "model": d.model, "profile": d.profile, "nodes": [list(n) for n in d.nodes],
+        "model": d.model, "role": role or "", "profile": d.profile,
+        "nodes": [list(n) for n in d.nodes],
         "candidates": [{"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
                        for c in d.candidates],
     }  # fmt: skip

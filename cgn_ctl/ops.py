@@ -15,7 +15,7 @@ from cgn_core import keys
 from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model
 from cgn_core.cluster import Snapshot, views
 from cgn_core.cluster_reader import read_snapshot
-from cgn_core.errors import NotFound, PermanentError
+from cgn_core.errors import InvalidRequest, NotFound, PermanentError
 from cgn_core.etcd import EtcdClient
 from cgn_core.placement import Decision, NodeState, place
 
@@ -67,6 +67,7 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
         ready = sum(snap.statuses.get(k, {}).get("phase") == "Ready" for k in mine)
         out.append({
             "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
+            **({"pools": dict(spec.pools)} if spec.pools else {}),
             "placed": len(mine), "ready": ready, "aliases": list(spec.aliases),
             "fallbacks": list(spec.fallbacks),
             "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
@@ -133,12 +134,16 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
     return out
 
 
-async def explain(client: EtcdClient, name: str) -> Decision:
+async def explain(client: EtcdClient, name: str, role: str | None = None) -> Decision:
+    """Where one more replica of model `name` (of its pool of `role`) would go now."""
     snap = await read_snapshot(client)
     spec = snap.models.get(name)
     if spec is None:
         raise NotFound(f"model {name!r} is not in the catalog")
-    return place(spec, views(snap, node_states(snap)))
+    if role is not None and role not in {r for r, _, _ in spec.wants()}:
+        pools = ", ".join(r for r, _, _ in spec.wants())
+        raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {pools})")
+    return place(spec.for_role(role) if role else spec, views(snap, node_states(snap)))
 
 
 async def cordon(client: EtcdClient, node: str, *, drain: bool = False, grace_s: float = 600.0,
@@ -173,11 +178,13 @@ async def status(client: EtcdClient) -> dict[str, Any]:
     unplaced = {}
     states = node_states(snap)
     for name, spec in sorted(snap.models.items()):
-        mine = [k for k, d in snap.placements.items() if d.get("model") == name]
-        if len(mine) < spec.min_replicas:
-            d = place(spec, views(snap, states))
-            if not d.ok:
-                unplaced[name] = d.explain()
+        for role, lo, _ in spec.wants():
+            mine = [k for k, d in snap.placements.items() if d.get("model") == name
+                    and (not spec.pools or d.get("role") == role)]  # fmt: skip
+            if len(mine) < lo:
+                d = place(spec.for_role(role), views(snap, states))
+                if not d.ok:
+                    unplaced[name if not spec.pools else f"{name} ({role})"] = d.explain()
     return {
         "leader": leader.value.decode() if leader else None,
         "nodes": await nodes(client),

@@ -40,11 +40,13 @@ def replicas(rows: list[dict[str, Any]]) -> None:
 
 
 def explain(d: dict[str, Any]) -> None:
+    # with a role, profiles are numbered among those that may serve that pool
+    name = f"{d['model']} ({d['role']} pool)" if d.get("role") else d["model"]
     if d["profile"] is None:
-        console.print(f"[bold red]{d['model']}: no node can take another replica[/bold red]")
+        console.print(f"[bold red]{name}: no node can take another replica[/bold red]")
     else:
         where = ", ".join(f"{n} (devices {list(devs) or 'cpu'})" for n, devs in d["nodes"])
-        console.print(f"[bold]{d['model']}[/bold]: profile {d['profile']} on {where}")
+        console.print(f"[bold]{name}[/bold]: profile {d['profile']} on {where}")
     t = Table("profile", "node", "", "reason")
     for c in d["candidates"]:
         t.add_row(str(c["profile"]), c["node"], "✓" if c["ok"] else "✗", c["reason"])

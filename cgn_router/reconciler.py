@@ -117,41 +117,58 @@ def reconcile(
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
 
     live = {k: d for k, d in owned.items() if k not in gone}
-    for name, spec in sorted(snap.models.items()):
-        mine = {k: d for k, d in live.items() if d.get("model") == name}
+    # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
+    # pool for a disaggregated one; each kept within its own counts
+    pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
+             for role, lo, hi in spec.wants()]  # fmt: skip
+    for name, spec, role, lo, hi in pools:
+        mine = {k: d for k, d in live.items() if _member(d, name, spec, role)}
         serving = {k for k in mine if k[0] not in draining}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
         for key in sorted(k for k in mine if k[0] in draining):
             cordon = snap.cordons[key[0]]
             grace = float(cordon.get("grace_s", policy.drain_grace_s))
             expired = snap.wall - float(cordon.get("since_unix", snap.wall)) >= grace
-            if len(ready_off_drain) >= spec.min_replicas:
+            if len(ready_off_drain) >= lo:
                 delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
             elif expired:
                 delete(key, "drain grace period over")
-        if len(serving) > spec.max_replicas:
+        if len(serving) > hi:
             extra = sorted(serving, key=lambda k: (_ready(snap.statuses.get(k)), k))
-            delete(extra[0], f"{len(serving)} replicas, max {spec.max_replicas}")
+            delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, max {hi}")
 
-    for name, spec in sorted(snap.models.items()):
-        placed = [k for k, d in live.items() if d.get("model") == name]
-        if sum(k not in gone and k[0] not in draining for k in placed) >= spec.min_replicas:
-            mem.unplaced.pop(name, None)
+    for name, spec, role, lo, _ in pools:
+        pool = name if not spec.pools else f"{name} ({role})"
+        placed = [k for k, d in live.items() if _member(d, name, spec, role)]
+        if sum(k not in gone and k[0] not in draining for k in placed) >= lo:
+            mem.unplaced.pop(pool, None)
             continue
         if now < mem.rebuild_after.get(name, 0.0):
             continue
-        decision = place(_single_node(spec), views(snap, states, gone))
+        sub = spec.for_role(role)
+        decision = place(_single_node(sub), views(snap, states, gone))
         if not decision.ok:
-            mem.unplaced[name] = decision
+            mem.unplaced[pool] = decision
             continue
-        mem.unplaced.pop(name, None)
-        actions.append(placement_for(spec, decision))
+        mem.unplaced.pop(pool, None)
+        actions.append(placement_for(sub, decision, role))
         break  # one placement per pass, from a fresh snapshot
     return actions
 
 
-def placement_for(spec: ModelSpec, decision: Decision) -> Put:
-    """The agent's placement document for a decision (docs/architecture.md, etcd)."""
+def _member(doc: Mapping[str, Any], name: str, spec: ModelSpec, role: str) -> bool:
+    """Whether placement `doc` counts in model `name`'s pool of `role` (an aggregated model's
+    one pool holds all its placements)."""
+    return doc.get("model") == name and (not spec.pools or doc.get("role") == role)
+
+
+def _pool(spec: ModelSpec, role: str) -> str:
+    return f"{role} " if spec.pools else ""
+
+
+def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) -> Put:
+    """The agent's placement document for a decision (docs/architecture.md, etcd), for the
+    pool of `role` (default: the model's role)."""
     assert decision.profile is not None
     p = spec.profiles[decision.profile]
     node, devices = decision.nodes[0]
@@ -162,16 +179,19 @@ def placement_for(spec: ModelSpec, decision: Decision) -> Put:
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
-           "devices": list(devices), "role": spec.role, "profile": profile,
+           "devices": list(devices), "role": role or spec.role, "profile": profile,
            "owner": OWNER}  # fmt: skip
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
-    return Put(node, replica, doc, f"profile {decision.profile} ({p.engine} on {p.accelerator})")
+    why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
+    return Put(node, replica, doc, f"{why}, {role} pool" if role and spec.pools else why)
 
 
 def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
-            policy: ReconcilerSettings) -> Decision:  # fmt: skip
-    """What placing one more replica of `spec` would decide now, with every candidate's reason."""
-    return place(_single_node(spec), views(snap, node_states(snap, mem, now, policy)))
+            policy: ReconcilerSettings, role: str | None = None) -> Decision:  # fmt: skip
+    """What placing one more replica of `spec` (in its pool of `role`) would decide now, with
+    every candidate's reason."""
+    sub = spec.for_role(role) if role else spec
+    return place(_single_node(sub), views(snap, node_states(snap, mem, now, policy)))
 
 
 def _single_node(spec: ModelSpec) -> ModelSpec:

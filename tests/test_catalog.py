@@ -40,6 +40,19 @@ def test_a_full_spec_parses_and_round_trips() -> None:
     assert parse_model(m.to_json()) == m
 
 
+def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
+    m = parse_model(model(pools={"prefill": 1, "decode": 2}, profiles=[
+        {"engine": "vllm", "accelerator": "h100-80g", "devices": 1, "role": "prefill"},
+        {"engine": "vllm", "accelerator": "l40s-48g", "devices": 1, "role": "decode"},
+        {"engine": "cgn_infer"},
+    ]))  # fmt: skip
+    assert m.wants() == [("prefill", 1, 1), ("decode", 2, 2)]
+    assert [p.accelerator for p in m.for_role("prefill").profiles] == ["h100-80g", "cpu"]
+    assert [p.accelerator for p in m.for_role("decode").profiles] == ["l40s-48g", "cpu"]
+    assert parse_model(m.to_json()) == m
+    assert parse_model(model()).wants() == [("both", 1, 1)]
+
+
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
@@ -63,6 +76,16 @@ def test_a_full_spec_parses_and_round_trips() -> None:
         (model(profiles=[{"engine": "cgn_infer", "ctx": 0}]), "profiles[0].ctx: expected an integer ≥ 1"),
         (model(profiles=[{"engine": "cgn_infer", "kv_connector": "x"}]), "profiles[0].kv_connector: must be one of"),
         (model(aliases=["a", "a"]), "aliases: a name is listed twice"),
+        (model(pools={"prefill": 1}), "pools.decode: expected an integer ≥ 1, got 0"),
+        (model(pools={"prefill": 1, "decode": 1, "both": 1}), "pools.both: unknown field"),
+        (model(pools={"prefill": 1, "decode": 1}, replicas={"min": 1}),
+         "pools: a model has pools or replicas, not both"),
+        (model(pools={"prefill": 1, "decode": 1}, role="decode"),
+         "role: a model with pools has role both, got decode"),
+        (model(pools={"prefill": 1, "decode": 1}, profiles=[{"engine": "cgn_infer", "role": "decode"}]),
+         "pools.prefill: no profile may serve it"),
+        (model(profiles=[{"engine": "cgn_infer", "role": "mixed"}]),
+         "profiles[0].role: must be one of both, prefill, decode"),
         ("just a string", "model: expected a mapping"),
     ],
 )  # fmt: skip

@@ -161,6 +161,10 @@ def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Pat
         ctl(etcd, "explain-placement", "nope").stderr.strip()
         == "error: model 'nope' is not in the catalog"
     )
+    assert (
+        ctl(etcd, "explain-placement", "small", "--role", "prefill").stderr.strip()
+        == "error: model 'small' has no prefill pool (its pools: both)"
+    )
     assert ctl(etcd, "drain", "g1", "--grace", "0").returncode == 2
 
 

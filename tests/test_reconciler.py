@@ -172,3 +172,55 @@ def test_placements_written_by_hand_are_left_alone_but_their_devices_stay_taken(
     actions = reconcile(s, mem, 100.0, S)  # node "lost" is long gone
     assert [type(a) for a in actions] == [Put]  # no Delete of the hand-written placements
     assert actions[0].doc["devices"] == [1]  # device 0 is held by the manual placement
+
+
+def pd_model(prefill: int = 1, decode: int = 2) -> ModelSpec:
+    return parse_model({"name": "pd", "source": "smollm2", "pools": {"prefill": prefill, "decode": decode},
+                        "profiles": [{"engine": "cgn_infer", "backend": "sim", "threads": 1}]})  # fmt: skip
+
+
+def pd_snap(placed: dict[tuple[str, str], str], **kw: Any) -> Snapshot:
+    """`placed`: key -> role of a placement of model pd."""
+    s = snap(models=[pd_model()], **kw)
+    s.placements.update({k: {"model": "pd", "role": r, "devices": [], "owner": "reconciler"}
+                         for k, r in placed.items()})  # fmt: skip
+    return s
+
+
+def test_a_disaggregated_model_gets_both_pools_and_keeps_them_when_a_node_dies() -> None:
+    mem = Memory()
+    placed: dict[tuple[str, str], str] = {}
+    for now in (0.0, 1.0, 2.0):  # one placement per pass: prefill first, then two decode
+        (put,) = reconcile(pd_snap(placed), mem, now, S)
+        assert isinstance(put, Put) and put.doc["model"] == "pd"
+        placed[(put.node, put.replica)] = put.doc["role"]
+    assert sorted(placed.values()) == ["decode", "decode", "prefill"]
+    assert {n for n, _ in placed} == {"a", "b", "c"}  # spread over the nodes
+    assert reconcile(pd_snap(placed), mem, 3.0, S) == []  # both pools full
+    # the prefill node dies: its replica is deleted once lost and a prefill one placed again
+    (dead,) = [k for k, r in placed.items() if r == "prefill"]
+    alive = tuple(n for n in ("a", "b", "c", "d") if n != dead[0])
+    reconcile(pd_snap(placed, nodes=alive), mem, 4.0, S)
+    actions = reconcile(pd_snap(placed, nodes=alive), mem, 40.0, S)
+    assert actions[0] == Delete(dead[0], dead[1], f"node {dead[0]} lost")
+    assert isinstance(actions[1], Put) and actions[1].doc["role"] == "prefill"
+    assert "prefill pool" in actions[1].why
+
+
+def test_each_pool_is_trimmed_to_its_own_count() -> None:
+    placed = {("a", "p1"): "prefill", ("b", "p2"): "prefill", ("a", "d1"): "decode",
+              ("b", "d2"): "decode"}  # fmt: skip
+    actions = reconcile(pd_snap(placed), Memory(), 0.0, S)
+    assert actions == [Delete("a", "p1", "2 prefill replicas, max 1")]  # decode: 2 of 2, kept
+
+
+def test_a_pool_no_profile_can_serve_is_unplaced_under_its_own_name() -> None:
+    spec = parse_model({"name": "pd", "source": "smollm2", "pools": {"prefill": 1, "decode": 1},
+                        "profiles": [{"engine": "vllm", "accelerator": "h100-80g", "devices": 1,
+                                      "role": "prefill"},
+                                     {"engine": "cgn_infer", "role": "decode"}]})  # fmt: skip
+    mem = Memory()
+    actions = reconcile(snap(models=[spec]), mem, 0.0, S)  # cpu nodes: no h100 for prefill
+    assert [a.doc["role"] for a in actions if isinstance(a, Put)] == ["decode"]
+    assert "pd (prefill)" in mem.unplaced
+    assert explain(spec, snap(models=[spec]), mem, 0.0, S, role="decode").ok
