@@ -85,6 +85,13 @@ class ModelSpec:
             return [(role, n, n) for role, n in sorted(self.pools.items(), reverse=True)]
         return [(self.role, self.min_replicas, self.max_replicas)]
 
+    def in_pool(self, placement: Mapping[str, Any], role: str) -> bool:
+        """Whether a placement document counts in this model's pool of `role` (an aggregated
+        model's one pool holds all its placements)."""
+        return placement.get("model") == self.name and (
+            not self.pools or placement.get("role") == role
+        )
+
     def for_role(self, role: str) -> ModelSpec:
         """This model with only the profiles that may serve `role`'s pool."""
         keep = tuple(p for p in self.profiles if p.role in ("both", role))

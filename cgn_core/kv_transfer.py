@@ -25,6 +25,22 @@ from typing import Any
 from cgn_core.errors import InvalidRequest
 
 FIELD = "kv_transfer_params"
+# A decode leg's answer says how its prompt's KV arrived: "fetched N blocks", "nothing to
+# fetch (...)" or "fallback: <reason>" (the engine recomputed; the router counts the reason).
+HEADER = "x-cgn-kv-transfer"
+_FALLBACK = "fallback: "
+
+
+def fallback_note(reason: str) -> str:
+    """The `HEADER` value of a decode leg that recomputed, for `reason`."""
+    return _FALLBACK + reason
+
+
+def fallback_reason(note: str) -> str | None:
+    """The reason in a `HEADER` value that says the decode leg recomputed; None otherwise."""
+    return note.removeprefix(_FALLBACK) if note.startswith(_FALLBACK) else None
+
+
 _TYPES: dict[str, type] = {
     "do_remote_decode": bool, "do_remote_prefill": bool, "remote_host": str, "remote_port": int,
     "remote_engine_id": str, "remote_block_count": int,

@@ -179,8 +179,7 @@ async def status(client: EtcdClient) -> dict[str, Any]:
     states = node_states(snap)
     for name, spec in sorted(snap.models.items()):
         for role, lo, _ in spec.wants():
-            mine = [k for k, d in snap.placements.items() if d.get("model") == name
-                    and (not spec.pools or d.get("role") == role)]  # fmt: skip
+            mine = [k for k, d in snap.placements.items() if spec.in_pool(d, role)]
             if len(mine) < lo:
                 d = place(spec.for_role(role), views(snap, states))
                 if not d.ok:

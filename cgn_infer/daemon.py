@@ -90,8 +90,10 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
                  _port_list(listeners), name)  # fmt: skip
         await _serve_loaded(settings, name, listeners, ready_file, stop)
     finally:
+        # what _serve_loaded did not close already (it failed before serving, or binding did)
         for listener in listeners:
-            await listener.runner.cleanup()
+            if listener.runner.server is not None:
+                await listener.runner.cleanup()
 
 
 def _port_list(listeners: list[_Listener]) -> str:

@@ -38,6 +38,7 @@ from cgn_core.http import (
 )
 from cgn_core.kv_events import KvEventHub
 from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv_transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv_transfer import TransferParams
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
@@ -189,7 +190,6 @@ class InferenceService:
             job.cancelled.set()
 
 
-TRANSFER_HEADER = "x-cgn-kv-transfer"  # a decode leg: "fetched N blocks" or "fallback: why"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no token
 
 

@@ -42,7 +42,7 @@ import grpc
 
 from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
 from cgn_core.kv_layout import Layout
-from cgn_core.kv_transfer import TransferParams
+from cgn_core.kv_transfer import TransferParams, fallback_note
 from cgn_core.kvcache_client import KvCacheClient, KvCacheError
 from cgn_core.kvstore.ram_tier import RamTier
 from cgn_core.kvstore.service import KvCacheService, start_server
@@ -133,7 +133,7 @@ class Fetched:
     """A decode leg's fetch: the blocks to restore (None: none), and what happened."""
 
     restored: Restored | None
-    note: str  # for the x-cgn-kv-transfer header: "fetched N blocks" or "fallback: why"
+    note: str  # the answer's kv_transfer.HEADER: "fetched N blocks" or a fallback_note
 
 
 class TransferSink:
@@ -196,7 +196,7 @@ class TransferSink:
     def _fallback(self, reason: str, detail: str) -> Fetched:
         self.metrics.pd_fallback(reason)
         log.warning("KV transfer fallback (%s): %s; recomputing", reason, detail)
-        return Fetched(None, f"fallback: {reason}")
+        return Fetched(None, fallback_note(reason))
 
     def _client(self, address: str) -> KvCacheClient:
         with self._lock:

@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 from aiohttp import web
 
+from cgn_core import kv_transfer
 from cgn_core.http import PRIORITY_HEADER, bearer_header
 from cgn_router.settings import DeadlineSettings
 from cgn_router.types import Endpoint
@@ -47,7 +48,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 MAX_ERROR_BODY = 64 << 10
 MAX_EXCHANGE_BODY = 1 << 20  # a prefill leg's answer: one token and its params
 # engine answer headers relayed to the client (a decode leg's: how its KV arrived)
-PASSED_ON = ("x-cgn-kv-transfer",)
+PASSED_ON = (kv_transfer.HEADER,)
 
 
 class AttemptFailed(Exception):
@@ -255,7 +256,7 @@ async def _break(out: web.StreamResponse, cause: str, message: str) -> None:
 
 def _passed_on(call: Call, resp: Response) -> Call:
     """`call` with the engine's answer headers the client should see added (a decode
-    leg's `x-cgn-kv-transfer`: how its KV arrived)."""
+    leg's `kv_transfer.HEADER`: how its KV arrived)."""
     extra = {h: v for h in PASSED_ON if (v := resp.headers.get(h)) and "\n" not in v}
     if not extra:
         return call

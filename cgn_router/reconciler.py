@@ -121,8 +121,8 @@ def reconcile(
     # pool for a disaggregated one; each kept within its own counts
     pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
              for role, lo, hi in spec.wants()]  # fmt: skip
-    for name, spec, role, lo, hi in pools:
-        mine = {k: d for k, d in live.items() if _member(d, name, spec, role)}
+    for _name, spec, role, lo, hi in pools:
+        mine = {k: d for k, d in live.items() if spec.in_pool(d, role)}
         serving = {k for k in mine if k[0] not in draining}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
         for key in sorted(k for k in mine if k[0] in draining):
@@ -139,7 +139,7 @@ def reconcile(
 
     for name, spec, role, lo, _ in pools:
         pool = name if not spec.pools else f"{name} ({role})"
-        placed = [k for k, d in live.items() if _member(d, name, spec, role)]
+        placed = [k for k, d in live.items() if spec.in_pool(d, role)]
         if sum(k not in gone and k[0] not in draining for k in placed) >= lo:
             mem.unplaced.pop(pool, None)
             continue
@@ -154,12 +154,6 @@ def reconcile(
         actions.append(placement_for(sub, decision, role))
         break  # one placement per pass, from a fresh snapshot
     return actions
-
-
-def _member(doc: Mapping[str, Any], name: str, spec: ModelSpec, role: str) -> bool:
-    """Whether placement `doc` counts in model `name`'s pool of `role` (an aggregated model's
-    one pool holds all its placements)."""
-    return doc.get("model") == name and (not spec.pools or doc.get("role") == role)
 
 
 def _pool(spec: ModelSpec, role: str) -> str:

@@ -36,7 +36,8 @@ from cgn_core.errors import (
 )
 from cgn_core.http import error_middleware, parse_json, read_body
 from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
-from cgn_core.kv_transfer import parse_transfer_params
+from cgn_core.kv_transfer import HEADER as TRANSFER_HEADER
+from cgn_core.kv_transfer import fallback_reason, parse_transfer_params
 from cgn_core.openai_request import sampling_fields
 from cgn_router.auth import Principal, authorize
 from cgn_router.context import RequestContext
@@ -57,7 +58,6 @@ PATHS = {
 # tokenizes in ~10 ms here, the longest a stream relay should wait for the loop.
 OFF_LOOP_BYTES = 64 << 10
 PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
-TRANSFER_HEADER = "x-cgn-kv-transfer"  # a decode engine's: fetched N blocks, or fallback: why
 
 
 def build_app(svc: RouterService) -> web.Application:
@@ -219,8 +219,8 @@ async def _attempt(
         relayed = await svc.proxy.run(request, call, lease)
         outcome = relayed.ending
         note = relayed.response.headers.get(TRANSFER_HEADER, "")
-        if note.startswith("fallback: "):  # the decode engine could not fetch the prompt's KV
-            svc.metrics.pd_fallbacks.labels("decode_" + note.removeprefix("fallback: ")).inc()
+        if (why := fallback_reason(note)) is not None:  # the decode engine recomputed the KV
+            svc.metrics.pd_fallbacks.labels("decode_" + why).inc()
         return relayed
     except AttemptFailed as exc:
         outcome = "failed" if exc.breaker else "busy"
