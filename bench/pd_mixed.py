@@ -102,9 +102,13 @@ async def stream_chat(
             if not line.startswith(b"data: {"):
                 continue
             delta = json.loads(line[6:])["choices"]
-            if not delta or not delta[0].get("delta", {}).get("content"):
+            if not delta:
                 continue
             now = time.monotonic()
+            if not first and delta[0].get("finish_reason"):
+                first = now - start  # an answer without text still had a first token
+            if not delta[0].get("delta", {}).get("content"):
+                continue
             if not first:
                 first = now - start
             else:
@@ -208,7 +212,12 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--bursts", type=int, default=6)
     p.add_argument("--burst-words", type=int, default=2000, help="~ prompt tokens per burst")
-    p.add_argument("--gap", type=float, default=4.0, help="seconds between bursts")
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=15.0,
+        help="seconds between bursts (a 2k prefill takes ~13 s here)",
+    )
     p.add_argument("--warmup", type=float, default=5.0)
     args = p.parse_args()
     results = {}

@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ class Outcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive token chunks
 
 
 async def replay(
@@ -92,7 +93,7 @@ async def replay(
                 "stream_options": {"include_usage": True},
             }).encode()  # fmt: skip
             await asyncio.sleep(max(0.0, start + req.at_s - time.monotonic()))
-            sent = time.monotonic()
+            sent = last = time.monotonic()
             out = Outcome(ok=False)
             try:
                 async with session.post(
@@ -112,8 +113,13 @@ async def replay(
                         if "error" in chunk:
                             out.error = str(chunk["error"].get("message"))[:200]
                             return out
-                        if chunk.get("choices") and out.ttft_s != out.ttft_s:  # first token
-                            out.ttft_s = time.monotonic() - sent
+                        if chunk.get("choices"):
+                            now = time.monotonic()
+                            if out.ttft_s != out.ttft_s:  # the first token
+                                out.ttft_s = now - sent
+                            else:
+                                out.gaps_s.append(now - last)
+                            last = now
                         if usage := chunk.get("usage"):
                             out.prompt_tokens = usage["prompt_tokens"]
                             out.output_tokens = usage["completion_tokens"]
@@ -130,11 +136,10 @@ async def replay(
 def summarize(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     ttft = sorted(o.ttft_s for o in ok)
+    gaps = sorted(g for o in ok for g in o.gaps_s)
 
-    def pct(p: float) -> float:
-        return (
-            round(ttft[min(len(ttft) - 1, int(p * len(ttft)))] * 1000, 1) if ttft else float("nan")
-        )
+    def pct(p: float, xs: list[float] = ttft) -> float:
+        return round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1000, 1) if xs else float("nan")
 
     uncached: dict[str, int] = {}
     for o in ok:
@@ -146,6 +151,7 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
         "shed": len(outcomes) - len(ok),
         "hit_rate": round(sum(o.cached_tokens for o in ok) / prompt, 4) if prompt else 0.0,
         "ttft_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
+        "itl_ms": {"p50": pct(0.5, gaps), "p99": pct(0.99, gaps)},
         "throughput_req_s": round(len(ok) / wall_s, 2),
         "output_tok_s": round(sum(o.output_tokens for o in ok) / wall_s, 1),
         "busiest_over_mean": round(max(uncached.values()) / mean, 3) if mean else 0.0,

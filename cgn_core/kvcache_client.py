@@ -77,6 +77,11 @@ class KvCacheClient:
     def close(self) -> None:
         self._channel.close()
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the last calls moved their bytes through shared memory."""
+        return self._shm_dir is not None
+
     # ---- calls ------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes]) -> list[str]:

@@ -126,7 +126,7 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
         st = snap.statuses.get((node, replica), {})
         out.append({
             "replica": replica, "node": node, "model": doc.get("model"),
-            "engine": doc.get("engine"),
+            "engine": doc.get("engine"), "role": doc.get("role") or "both",
             "devices": doc.get("devices", []), "phase": st.get("phase", "Pending"),
             "url": st.get("url"), "restarts": st.get("restarts", 0), "reason": st.get("reason", ""),
             "node_state": states.get(node, "unreachable"),

@@ -49,6 +49,9 @@ class TransferSettings:
     ram_bytes: int = 1 << 30  # blocks held for transfers, at most (least recent dropped)
     lease_s: float = 30.0  # a transfer's blocks are dropped this long after the prefill
     timeout_s: float = 5.0  # decode side: a fetch slower than this is recomputed instead
+    # same host: blocks cross through a file in /dev/shm instead of gRPC messages (a decode
+    # engine on another host cannot open it and uses the messages)
+    shared_memory: bool = True
     mb_per_s: float = 1000.0  # sim backend: the modelled link (transfer time = bytes / this)
 
 

@@ -22,6 +22,13 @@ layout) is a fallback: what is missing is recomputed, the reason is counted
 in `cgn_infer_pd_fallbacks_total{reason}` and said in the response's
 `x-cgn-kv-transfer` header. Nothing waits longer than `timeout_s`.
 
+Same host: the source offers a private directory in /dev/shm, and a decode
+engine that can write there (the same user on the same host; the name is
+random, so another host never has it) gets the blocks through a file in it
+instead of the gRPC messages. Decoding ~100 MB of messages holds the decode
+engine's GIL for most of a second, stalling its running streams; a file is
+one copy. `shared_memory = false` turns it off on either side.
+
 Sim backend: its blocks are a few bytes; a fetch sleeps for the time the
 modelled engine's blocks would take over a `mb_per_s` link, divided by the
 sim's speed, like its compute.
@@ -33,10 +40,13 @@ import asyncio
 import collections
 import contextlib
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -57,6 +67,7 @@ from cgn_infer.settings import TransferSettings
 log = logging.getLogger(__name__)
 SWEEP_S = 1.0  # how often expired leases are dropped
 MAX_CLIENTS = 64  # source addresses a decode engine keeps a channel to
+SHM_ROOT = Path("/dev/shm")
 
 
 class TransferSource:
@@ -74,6 +85,8 @@ class TransferSource:
 
     async def start(self) -> int:
         s = self.settings
+        if s.shared_memory:
+            self.service.shm_dir = await asyncio.to_thread(_private_shm_dir)
         self._server, self.port = await start_server(self.service, s.host, s.port, self.tls)
         self._sweeper = asyncio.create_task(self._sweep_forever())
         return self.port
@@ -86,6 +99,8 @@ class TransferSource:
         if self._server is not None:
             await self._server.stop(1.0)
         self.service.events.close()
+        if self.service.shm_dir is not None:
+            shutil.rmtree(self.service.shm_dir, ignore_errors=True)
 
     def params(self, exported: Exported, engine_id: str) -> TransferParams:
         """What the prefill leg answers: where the decode engine fetches the blocks."""
@@ -128,12 +143,24 @@ class TransferSource:
                 log.exception("dropping expired transfer blocks failed")
 
 
+def _private_shm_dir() -> Path | None:
+    """A fresh directory in /dev/shm only this user can use (mkdtemp: 0700); None: no tmpfs."""
+    if not SHM_ROOT.is_dir():
+        return None
+    try:
+        return Path(tempfile.mkdtemp(prefix="cgn-kv-transfer-", dir=SHM_ROOT))
+    except OSError as exc:
+        log.warning("KV transfer over shared memory off: %s", exc)
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """A decode leg's fetch: the blocks to restore (None: none), and what happened."""
 
     restored: Restored | None
-    note: str  # the answer's kv_transfer.HEADER: "fetched N blocks" or a fallback_note
+    note: str  # the answer's kv_transfer.HEADER: "fetched N blocks[ through shared memory]"
+    # or a fallback_note
 
 
 class TransferSink:
@@ -175,8 +202,9 @@ class TransferSink:
         if start >= full:
             return Fetched(None, f"nothing to fetch ({full} blocks cached here)")
         began = time.monotonic()
+        client = self._client(params.address)
         try:
-            data, tiers = self._client(params.address).get(hashes[start:full])
+            data, tiers = client.get(hashes[start:full])
         except KvCacheError as exc:
             return self._fallback("unreachable", f"{params.address}: {exc}")
         except Exception as exc:  # NOTE: a transfer must never fail the request itself
@@ -191,7 +219,8 @@ class TransferSink:
         if start + got < full:
             fallback = self._fallback("missing", f"{got} of {full - start} blocks held")
             return Fetched(restored, fallback.note)
-        return Fetched(restored, f"fetched {got} blocks")
+        how = " through shared memory" if client.shared_memory else ""
+        return Fetched(restored, f"fetched {got} blocks{how}")
 
     def _fallback(self, reason: str, detail: str) -> Fetched:
         self.metrics.pd_fallback(reason)
@@ -202,10 +231,9 @@ class TransferSink:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                # NOTE: bytes in the messages: a source on another host has no shared memory
                 client = KvCacheClient(address, self.layout, tls=self.tls if self.tls.enabled
                                        else None, timeout_s=self.settings.timeout_s,
-                                       shared_memory=False)  # fmt: skip
+                                       shared_memory=self.settings.shared_memory)  # fmt: skip
                 self._clients[address] = client
                 if len(self._clients) > MAX_CLIENTS:
                     self._clients.popitem(last=False)[1].close()

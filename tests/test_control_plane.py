@@ -4,7 +4,9 @@ A model declared once with `cgn-ctl models apply` is placed and served; when
 an agent and its engine are SIGKILLed, the node goes unreachable, then lost,
 its replica is rebuilt on a survivor and the router stops routing there,
 while four clients stream through the router; a drain under the same load
-fails no request; a second router takes over reconciliation when the leader dies.
+fails no request; a second router takes over reconciliation when the leader dies;
+a disaggregated model keeps its prefill and decode pools when a node dies, and
+long prompts keep being split between them with their KV moved.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ profiles:
     threads: 1
     extra_args: [--speed, "10", --kv-pool-tokens, "4096", --max-batch, "8"]
 """
+PD_YAML = MODEL_YAML.replace(f"name: {MODEL}", "name: pd").replace(
+    "replicas: {min: 2, max: 2}", "pools: {prefill: 1, decode: 1}"
+)
 
 
 class Cluster:
@@ -92,7 +97,8 @@ class Cluster:
         return [r for r in self.replicas() if r["phase"] == "Ready"]
 
     def leader(self) -> Router:
-        return next(r for r in self.routers if admin(r, "/reconciler")["leading"])
+        live = [r for r in self.routers if r.proc.poll() is None]  # one may have been killed
+        return next(r for r in live if admin(r, "/reconciler")["leading"])
 
 
 def admin(router: Router, path: str) -> Any:
@@ -105,7 +111,11 @@ def until(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
 
 
 def routed_urls(router: Router) -> set[str]:
-    return {e["url"] for e in admin(router, "/endpoints")["endpoints"] if e["model"] == MODEL}
+    return routed_urls_of(router, MODEL)
+
+
+def routed_urls_of(router: Router, model: str) -> set[str]:
+    return {e["url"] for e in admin(router, "/endpoints")["endpoints"] if e["model"] == model}
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +245,54 @@ def test_a_second_router_takes_over_reconciliation(cluster: Cluster, tmp_path: P
     )
     recent = admin(other, "/reconciler")["recent_actions"]
     assert any(a["action"] == "place" for a in recent)
+
+
+def pd_pools(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """The Ready replicas of model pd by role."""
+    return {r["role"]: r for r in cluster.ready() if r["model"] == "pd"}
+
+
+def split_request(router: Router) -> tuple[str, str]:
+    """A long new prompt through the router: its x-cognitora-pd and x-cgn-kv-transfer headers
+    (new: a prompt the decode replica has cached is not worth splitting)."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)  # fmt: skip
+    salt = time.monotonic_ns()
+    words = " ".join(f"w{salt}.{i}" for i in range(200))  # over the 512-token threshold
+    raw = client.chat.completions.with_raw_response.create(
+        model="pd", max_tokens=8, messages=[{"role": "user", "content": words}]
+    )
+    assert raw.parse().choices[0].message.content
+    return raw.headers.get("x-cognitora-pd", ""), raw.headers.get("x-cgn-kv-transfer", "")
+
+
+def test_a_disaggregated_model_keeps_both_pools_when_a_node_dies(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    model = tmp_path / "pd.yaml"
+    model.write_text(PD_YAML)
+    cluster.ctl("models", "apply", "-f", str(model))
+    pools = until("a Ready prefill and decode replica", lambda: (p := pd_pools(cluster)).keys()
+                  == {"prefill", "decode"} and p, timeout_s=90)  # fmt: skip
+    router = cluster.leader()
+    until("the router routing to both pools", lambda: {r["url"] for r in pools.values()}
+          <= routed_urls_of(router, "pd"))  # fmt: skip
+    pd, moved = split_request(router)
+    assert pd == f"disaggregated (prefill {endpoint_id(pools['prefill'])})"
+    assert moved.startswith("fetched ")
+    # the prefill replica's node dies: the pool is rebuilt on a survivor, and splits resume
+    node = pools["prefill"]["node"]
+    status = etcd_run(cluster.etcd.endpoint, lambda c: c.get_json(
+        f"/cognitora/replicas/{node}/{pools['prefill']['replica']}"))  # fmt: skip
+    cluster.agents[node].proc.send_signal(signal.SIGKILL)
+    os.killpg(status["pid"], signal.SIGKILL)
+    rebuilt = until("a new prefill replica Ready on a survivor", lambda: (
+        p := pd_pools(cluster)).get("prefill", {}).get("node") not in (None, node) and p,
+        timeout_s=90)  # fmt: skip
+    assert rebuilt["decode"]["replica"] == pools["decode"]["replica"]  # spread: another node
+    until("the router splitting onto the new prefill replica", lambda: split_request(router)[0]
+          == f"disaggregated (prefill {endpoint_id(rebuilt['prefill'])})")  # fmt: skip
+
+
+def endpoint_id(replica: dict[str, Any]) -> str:
+    return f"pd/{replica['node']}.{replica['replica']}"

@@ -1,5 +1,6 @@
 """One batched step over the paged pool (scattered block tables, prompt chunks and decode rows
-mixed) gives each sequence the logits it gets alone, on torch and on MLX."""
+mixed) gives each sequence the logits it gets alone, on torch and on MLX; decode rows are
+padded in groups of similar context width."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cgn_infer.backends.paged import BatchItem
+from cgn_infer.backends.paged import SHORT_BLOCKS, BatchItem, layout
 
-LENGTHS = (5, 37, 16, 70)
-TABLES = ([3, 4, 5, 6, 7], [10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35])
+# The two decode-shaped rows (1 and 10 blocks) land in groups of their own.
+LENGTHS = (5, 150, 16, 70)
+TABLES = ([3, 4, 5, 6, 7], list(range(10, 20)), [20, 21], [30, 31, 32, 33, 34, 35])
 
 
 def check(backend: Any, tol: float) -> None:
@@ -45,3 +47,23 @@ def test_mlx_paged_batch_equals_alone(smollm2_mlx: Any) -> None:
 def test_a_table_too_short_is_an_error(smollm2_torch: Any) -> None:
     with pytest.raises(ValueError, match="needs 2 blocks"):
         smollm2_torch.forward_batch([BatchItem(list(range(20)), 0, [0])], smollm2_torch.new_kv(4))
+
+
+@pytest.mark.parametrize(
+    ("widths", "groups"),
+    [
+        ((1, 3, 8, 2), [[0, 1, 2, 3]]),  # short contexts pad together
+        ((1, 125, 2, 3), [[1], [0, 2, 3]]),  # one long context alone
+        ((9, 5, 4), [[0, 1], [2]]),  # over half the widest joins it
+        ((40, 20, 21, 10, 11), [[0, 2], [1, 4], [3]]),  # 20 is not over half of 40
+        ((64, 64, 1), [[0, 1], [2]]),
+    ],
+)
+def test_decode_rows_group_by_width(widths: tuple[int, ...], groups: list[list[int]]) -> None:
+    assert SHORT_BLOCKS == 8
+    items = [BatchItem([7], w * 16 - 1, list(range(w))) for w in widths]
+    lay = layout(items)
+    assert sorted(g.rows.tolist() for g in lay.decodes) == sorted(groups)
+    for g in lay.decodes:
+        assert g.tables.shape == (len(g.rows), max(widths[r] for r in g.rows))
+        assert g.lengths.tolist() == [widths[r] * 16 for r in g.rows]

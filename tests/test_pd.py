@@ -10,11 +10,8 @@ killed one, blocks whose lease ran out.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from cgn_core.kv_transfer import TransferParams, parse_transfer_params
 from cgn_core.readiness import wait_ready_file
 from cgn_router.disagg import decide
 from cgn_router.settings import PdSettings
+from harness import netns
 from harness.metrics import metric
 from harness.procs import BIN, Engine, Router, cgn_infer, cgn_infer_engines, cgn_router, stop
 
@@ -76,7 +74,9 @@ def test_decode_leg_continues_the_prefill_legs_kv_with_identical_greedy_output(
         blocks = (n - 1) // 16
         assert params.get("remote_block_count", 0) == blocks
         assert resp.headers["x-cgn-kv-transfer"] == (
-            f"fetched {blocks} blocks" if blocks else "nothing to fetch (under one block)"
+            f"fetched {blocks} blocks through shared memory"  # same host
+            if blocks
+            else "nothing to fetch (under one block)"
         )
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 16
         # the decode engine ran only what follows the fetched blocks: the last partial block
@@ -279,31 +279,11 @@ def test_router_falls_back_when_the_prefill_engine_is_gone(
 @pytest.fixture
 def other_host() -> Iterator[tuple[str, str]]:
     """A network namespace joined to this one by a veth pair: (namespace, its address)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make a network namespace and a veth pair")
-    tag = uuid.uuid4().hex[:6]
-    ns, here, there = f"cgn-pd-{tag}", f"cgnh{tag}", f"cgnp{tag}"
-    net = f"198.18.{int(tag[:2], 16)}"  # RFC 2544's benchmarking range: routed nowhere
-
-    def ip(*args: str, check: bool = True) -> None:
-        subprocess.run(["ip", *args], check=check, capture_output=True, timeout=10)
-
     try:
-        ip("netns", "add", ns)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot make a network namespace: {exc.stderr.decode().strip()}")
-    try:
-        ip("link", "add", here, "type", "veth", "peer", "name", there)
-        ip("link", "set", there, "netns", ns)
-        ip("addr", "add", f"{net}.1/24", "dev", here)
-        ip("link", "set", here, "up")
-        ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", there)
-        ip("-n", ns, "link", "set", there, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
-        yield ns, f"{net}.2"
-    finally:
-        ip("link", "del", here, check=False)
-        ip("netns", "del", ns, check=False)
+        with netns.other_host() as (ns, addr, _):
+            yield ns, addr
+    except netns.NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def test_the_transfer_crosses_a_veth_pair_between_two_hosts(
@@ -321,7 +301,9 @@ def test_the_transfer_crosses_a_veth_pair_between_two_hosts(
     try:
         doc = wait_ready_file(ready, timeout_s=120, proc=proc)
         prefill = f"http://{addr}:{doc['ports']['http']}"
-        with cgn_infer_engines(tmp_path, 1, *SIM, "--role", "decode") as (decode,):
+        # NOTE: a network namespace shares /dev/shm with this one; another host would not
+        no_shm = ("--set", "transfer.shared_memory=false")
+        with cgn_infer_engines(tmp_path, 1, *SIM, "--role", "decode", *no_shm) as (decode,):
             resp, params = two_legs(prefill, decode.url, sim_body(6))
             assert (
                 params["remote_host"] == addr

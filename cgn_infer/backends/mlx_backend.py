@@ -47,17 +47,17 @@ class MlxStep:
     """A BatchLayout as MLX index arrays and masks, built once per step for every layer."""
 
     slots: mx.array  # [T]
-    decode: tuple[mx.array, mx.array, mx.array] | None  # rows [B], slots [B, S], mask
+    decodes: list[tuple[mx.array, mx.array, mx.array]]  # rows [B], slots [B, S], mask
     prefills: list[tuple[slice, mx.array, mx.array]]  # rows, slots [S], causal mask [n, S]
 
     @classmethod
     def build(cls, lay: BatchLayout) -> MlxStep:
-        step = cls(mx.array(lay.slots), None, [])
-        if (d := lay.decode) is not None:
+        step = cls(mx.array(lay.slots), [], [])
+        for d in lay.decodes:
             b, width = d.tables.shape[0], d.tables.shape[1] * BLOCK_SIZE
             idx = (d.tables[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(b, width)
             mask = (mx.arange(width)[None, :] < mx.array(d.lengths)[:, None])[:, None, None]
-            step.decode = (mx.array(d.rows), mx.array(idx), mask)
+            step.decodes.append((mx.array(d.rows), mx.array(idx), mask))
         for p in lay.prefills:
             idx = (p.table[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)[: p.length]
             q_pos = mx.arange(p.start, p.length)[:, None]
@@ -174,8 +174,7 @@ class MlxBackend(SingleSequence):
         pool_k, pool_v = kv.k[index], kv.v[index]  # [NB*16, KVH, hd]
         out = mx.zeros((n, a.n_heads, a.head_dim), dtype=self.dtype)
         scale = a.head_dim**-0.5
-        if step.decode is not None:
-            rows, idx, mask = step.decode
+        for rows, idx, mask in step.decodes:
             keys = pool_k[idx].transpose(0, 2, 1, 3)  # [B, KVH, S, hd]
             values = pool_v[idx].transpose(0, 2, 1, 3)
             dec = mx.fast.scaled_dot_product_attention(

@@ -7,7 +7,7 @@ Activations, norms, RoPE and the residual stream run in float32 on CPU. K/V
 live in one paged pool (`new_kv`); each step writes the new tokens' K/V into
 their slots with one index_copy per layer and reads each sequence's context
 through its block table (a gather of whole 16-token blocks, padded and masked
-for the decode batch), then runs SDPA.
+for decode rows, grouped by context width: backends/paged.py), then runs SDPA.
 
 RoPE always rotates adjacent pairs (one complex multiply): for NEOX-layout
 models (qwen2) the q/k rows are permuted at load so that halves become
@@ -117,9 +117,8 @@ class StepTensors:
     """A BatchLayout as tensors, built once per step and read by every layer."""
 
     slots: torch.Tensor  # [T]
-    dec_rows: torch.Tensor | None  # [B]
-    dec_tables: torch.Tensor | None  # [B, NB]
-    dec_mask: torch.Tensor | None  # [B, 1, 1, NB*16]
+    decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # rows [B], tables, mask
+    only_decode: bool  # one group of every row, in order: the batch is the group
     prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # rows, table [NB], mask [n, S]
 
 
@@ -253,12 +252,12 @@ class TorchBackend(SingleSequence):
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev)
 
-        step = StepTensors(t(lay.slots), None, None, None, [])
-        if (d := lay.decode) is not None:
+        only = len(lay.decodes) == 1 and len(lay.decodes[0].rows) == len(lay.ids)
+        step = StepTensors(t(lay.slots), [], only, [])
+        for d in lay.decodes:
             width = d.tables.shape[1] * BLOCK_SIZE
             mask = torch.arange(width, device=dev)[None, :] < t(d.lengths)[:, None]  # [B, S]
-            step.dec_rows, step.dec_tables = t(d.rows), t(d.tables)
-            step.dec_mask = mask[:, None, None]
+            step.decodes.append((t(d.rows), t(d.tables), mask[:, None, None]))  # mask [B,1,1,S]
         for p in lay.prefills:  # causal within the chunk, full view of the cached past
             q_pos = torch.arange(p.start, p.length, device=dev)[:, None]
             mask = torch.arange(p.length, device=dev)[None, :] <= q_pos  # [n, S]
@@ -289,22 +288,20 @@ class TorchBackend(SingleSequence):
         pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
         q = q.to(self.kv_dtype)
         out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
-        if step.dec_rows is not None:  # NOTE: layout() puts each item's rows in item order
-            assert step.dec_tables is not None
-            b = step.dec_rows.shape[0]
-            keys = pool_k[step.dec_tables].view(b, -1, *flat[1:]).transpose(1, 2)  # [B, KVH, S, hd]
-            values = pool_v[step.dec_tables].view(b, -1, *flat[1:]).transpose(1, 2)
-            only_decode = b == n  # every row is one sequence's single new token, in order
+        for dec_rows, tables, mask in step.decodes:
+            b = dec_rows.shape[0]
+            keys = pool_k[tables].view(b, -1, *flat[1:]).transpose(1, 2)  # [B, KVH, S, hd]
+            values = pool_v[tables].view(b, -1, *flat[1:]).transpose(1, 2)
             dec = F.scaled_dot_product_attention(
-                (q if only_decode else q[step.dec_rows])[:, :, None],  # [B, H, 1, hd]
+                (q if step.only_decode else q[dec_rows])[:, :, None],  # [B, H, 1, hd]
                 keys,
                 values,
-                attn_mask=step.dec_mask,
+                attn_mask=mask,
                 enable_gqa=True,
             )  # [B, H, 1, hd]
-            if only_decode:
+            if step.only_decode:
                 return _l(layer.wo)(dec.reshape(n, a.q_size).float())  # [T, D]
-            out[step.dec_rows] = dec[:, :, 0]
+            out[dec_rows] = dec[:, :, 0]
         for rows, table, mask in step.prefills:
             s = mask.shape[1]
             keys = pool_k[table].view(flat)[:s].transpose(0, 1)[None]  # [1, KVH, S, hd]
