@@ -48,3 +48,16 @@ def test_compact_formats_track_float32(smollm2_gguf: GGUFFile, smollm2_torch: An
         ours = _logits(backend, ids)
         corr = np.mean([np.corrcoef(ours[i], ref[i])[0, 1] for i in range(len(ids))])
         assert corr >= floor, (fmt, corr)
+
+
+def test_packed_formats_give_a_row_the_same_result_at_any_batch_size(
+    smollm2_gguf: GGUFFile,
+) -> None:
+    """int8 and int4 use one kernel at every row count, so batching cannot change greedy
+    output (an older int8 path switched to a float GEMM past 8 rows)."""
+    name = "blk.0.ffn_up.weight"
+    w = torch.from_numpy(dequantize(smollm2_gguf, name).copy())
+    x = torch.randn(16, w.shape[1])
+    for lin in (Linear(w, "int8"), Linear(w, "int4", q4_groups(smollm2_gguf, name))):
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
+        assert torch.equal(lin(x), alone), lin.kind

@@ -34,8 +34,6 @@ from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 WEIGHT_FORMATS = ("int4", "int8", "bfloat16", "float16", "float32")
 _INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Up to this many rows the int8 GEMV kernel beats a float GEMM on dequantized weights.
-_SMALL_STEP_ROWS = 8
 _ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
@@ -78,9 +76,10 @@ class Linear:
             return y.float()
         if self.kind == "int8":
             assert self.scale is not None
-            if x.shape[0] <= _SMALL_STEP_ROWS:
-                return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
-            return F.linear(x, self.w.float() * self.scale.float()[:, None])
+            # NOTE: at every batch size: the old float path for more than 8 rows dequantized
+            # the whole matrix per call (12x slower at 16 rows, bench/results/infer_profile.md),
+            # and one kernel keeps a row's result independent of the rows batched with it
+            return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
         if self.kind == "onednn":
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
             return out
