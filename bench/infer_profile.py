@@ -101,7 +101,8 @@ def profile_one(model: str, weights: str, threads: int) -> dict[str, Any]:
     return {"step_ms": round(step_ms, 1), "tok_s": round(1000 / step_ms, 1),
             "profiled_ms": round(profiled, 1),
             "buckets_ms": {k: round(v, 2) for k, v in sorted(buckets.items(), key=lambda kv: -kv[1])},
-            "tok_s_at_rows": batched, "weight_mb": round(b.weight_bytes() / 1e6, 1)}  # fmt: skip
+            "tok_s_at_rows": batched, "weight_mb": round(b.weight_bytes() / 1e6, 1),
+            "decode_threads": b.decode_threads}  # fmt: skip
 
 
 def main() -> None:
@@ -138,8 +139,10 @@ def table(r: dict[str, Any]) -> str:
             f"{r['runs'][n]['tok_s_at_rows'][int(rows_n)]}" for n in names) + " |")  # fmt: skip
     rows.append("| weight matrices MB | " + " | ".join(
         f"{r['runs'][n]['weight_mb']}" for n in names) + " |")  # fmt: skip
+    single = {run.get("decode_threads", 1) for run in r["runs"].values()}
     rows += ["", f"Single-stream decode at {r['context']} tokens of context; batched steps use "
-             f"{r['threads']} threads, a single stream one (decode_threads)."]  # fmt: skip
+             f"{r['threads']} threads, a single stream {', '.join(map(str, sorted(single)))} "
+             "(decode_threads)."]  # fmt: skip
     return "\n".join(rows)
 
 

@@ -30,7 +30,7 @@ def serve(
     threads: Annotated[int | None, flag("--threads", "CPU threads (0: one per core).")] = None,
     decode_threads: Annotated[
         int | None,
-        flag("--decode-threads", "Threads for single-stream decode steps (0: threads - 1)."),
+        flag("--decode-threads", "Threads for single-stream decode steps (0: --threads)."),
     ] = None,
     backend: Annotated[
         str | None,

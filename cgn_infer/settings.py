@@ -72,7 +72,7 @@ class InferSettings:
     weights: Literal["bfloat16", "float16", "float32", "int8", "int4"] = "float32"
     ctx: int = 4096
     threads: int = 0  # 0: torch's default (one per core); used for prompt processing
-    decode_threads: int = 0  # single-stream decode steps; 0: threads - 1 (at least 1)
+    decode_threads: int = 0  # single-stream decode steps; 0: `threads`
     prefill_chunk: int = 512  # prompt tokens per step, shared with the decoding streams
     max_batch: int = 8  # sequences running at once
     kv_pool_tokens: int = 16384  # KV pool size (16-token blocks), preallocated at start

@@ -151,12 +151,11 @@ class TorchBackend(SingleSequence):
             raise GGUFError(
                 f"{gguf.path}: partial RoPE (rope_dim {args.rope_dim}) is not supported"
             )
-        # NOTE: batched steps use every thread; a single-stream decode step leaves one core
-        # to the server's event loop, because an OpenMP team that shares its cores with
-        # another busy thread stalls at every barrier (measured: 2 threads decode 2× slower
-        # than 1 when one stream is served on a 2-core machine).
+        # NOTE: a single-stream decode step uses every thread too: served, 2 threads decode
+        # 1.3-1.5x faster than 1 on 2 cores (bench/results/infer_decode_threads.md). An older
+        # measurement on another machine had the team stalling behind the event loop.
         self.threads = threads if threads > 0 else torch.get_num_threads()
-        self.decode_threads = decode_threads if decode_threads > 0 else max(1, self.threads - 1)
+        self.decode_threads = decode_threads if decode_threads > 0 else self.threads
         torch.set_num_threads(self.threads)
         self.args = args
         self.device = torch.device(device)
