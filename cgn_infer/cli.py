@@ -75,7 +75,8 @@ def serve(
         str | None,
         flag(
             "--dtype",
-            "Weight storage: bfloat16 | float16 | float32 | int8 | int4 (default float32).",
+            "Weight storage: float32 | auto (int4 where the file's Q4_0/Q4_1 is exact, else "
+            "float32) | bfloat16 | float16 | int8 | int4 (default float32).",
         ),
     ] = None,
     model_name: Annotated[

@@ -31,7 +31,7 @@ from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
 
-WEIGHT_FORMATS = ("int4", "int8", "bfloat16", "float16", "float32")
+WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float16", "float32")
 _INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
@@ -46,6 +46,11 @@ class Linear:
     def __init__(self, w: torch.Tensor, kind: str, groups: np.ndarray | None = None):
         # int4 holds Q4_0/Q4_1 weights exactly (their own per-32 scale and min); anything
         # else would be re-quantized, so it takes int8 instead. torch's int4 GEMM is CPU-only.
+        # auto: int4 where that is exact, float32 elsewhere. An int8 LM head
+        # (SmolLM2's Q8_0 embedding re-quantized per row) is what broke parity with
+        # llama.cpp at its bars; a bfloat16 one missed the top-1 bar too (92.9 % < 93 %).
+        if kind == "auto":
+            kind = "int4" if groups is not None and w.device.type == "cpu" else "float32"
         if kind == "int4" and (groups is None or w.device.type != "cpu"):
             kind = "int8"
         self.kind = kind
