@@ -175,6 +175,12 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
 MAX_POOL = 1000
 
 
+def pool_label(name: str, spec: ModelSpec, role: str) -> str:
+    """How the pool of `role` of the catalog's model `name` is shown: "m (prefill)" for a
+    disaggregated model, the model's name for an aggregated one."""
+    return f"{name} ({role})" if spec.pools else name
+
+
 def _pools(
     doc: Mapping[str, Any], where: str, role: str, profiles: tuple[Profile, ...]
 ) -> dict[str, int]:

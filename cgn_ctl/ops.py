@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cgn_core import keys
-from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model, pool_label
 from cgn_core.cluster import Snapshot, views
 from cgn_core.cluster_reader import read_snapshot
 from cgn_core.errors import InvalidRequest, NotFound, PermanentError
@@ -140,9 +140,9 @@ async def explain(client: EtcdClient, name: str, role: str | None = None) -> Dec
     spec = snap.models.get(name)
     if spec is None:
         raise NotFound(f"model {name!r} is not in the catalog")
-    if role is not None and role not in {r for r, _, _ in spec.wants()}:
-        pools = ", ".join(r for r, _, _ in spec.wants())
-        raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {pools})")
+    roles = [r for r, _, _ in spec.wants()]
+    if role is not None and role not in roles:
+        raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {', '.join(roles)})")
     return place(spec.for_role(role) if role else spec, views(snap, node_states(snap)))
 
 
@@ -183,7 +183,7 @@ async def status(client: EtcdClient) -> dict[str, Any]:
             if len(mine) < lo:
                 d = place(spec.for_role(role), views(snap, states))
                 if not d.ok:
-                    unplaced[name if not spec.pools else f"{name} ({role})"] = d.explain()
+                    unplaced[pool_label(name, spec, role)] = d.explain()
     return {
         "leader": leader.value.decode() if leader else None,
         "nodes": await nodes(client),

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_core.catalog import ModelSpec
+from cgn_core.catalog import ModelSpec, pool_label
 from cgn_core.cluster import Key, Snapshot, views
 from cgn_core.placement import Decision, NodeState, place
 from cgn_router.settings import ReconcilerSettings
@@ -121,7 +121,7 @@ def reconcile(
     # pool for a disaggregated one; each kept within its own counts
     pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
              for role, lo, hi in spec.wants()]  # fmt: skip
-    for _name, spec, role, lo, hi in pools:
+    for _, spec, role, lo, hi in pools:
         mine = {k: d for k, d in live.items() if spec.in_pool(d, role)}
         serving = {k for k in mine if k[0] not in draining}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
@@ -138,7 +138,7 @@ def reconcile(
             delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, max {hi}")
 
     for name, spec, role, lo, _ in pools:
-        pool = name if not spec.pools else f"{name} ({role})"
+        pool = pool_label(name, spec, role)
         placed = [k for k, d in live.items() if spec.in_pool(d, role)]
         if sum(k not in gone and k[0] not in draining for k in placed) >= lo:
             mem.unplaced.pop(pool, None)

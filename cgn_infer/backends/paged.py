@@ -106,6 +106,7 @@ def _decode_groups(
         if not groups or (widest > SHORT_BLOCKS and 2 * len(tables[i]) <= widest):
             groups.append([])
         groups[-1].append(i)
+    all_rows, all_lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     out = []
     for members in groups:
         width = len(tables[members[0]])
@@ -114,7 +115,7 @@ def _decode_groups(
         for j, i in enumerate(members):
             padded[j, : len(tables[i])] = tables[i]
         picked = np.asarray(members)
-        out.append(DecodeGroup(np.asarray(rows)[picked], padded, np.asarray(lengths)[picked]))
+        out.append(DecodeGroup(all_rows[picked], padded, all_lengths[picked]))
     return tuple(out)
 
 
