@@ -33,7 +33,8 @@ def engine(
     kind: str, model: Path, threads: int, *extra: str, parallel: int = 1, ctx: int = 4096
 ) -> Iterator[dict[str, Any]]:
     """Start `cgn-infer` or llama.cpp (xllamacpp) on a free port; yields url, pid, load_s.
-    llama.cpp gets `ctx` tokens per parallel slot."""
+    llama.cpp gets `ctx` tokens per parallel slot, and cgn-infer a KV pool of the same token
+    capacity unless `extra` sets one."""
     port = free_port()
     if kind == "llama.cpp":
         argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
@@ -42,6 +43,8 @@ def engine(
     else:
         argv = [str(Path(sys.executable).parent / "cgn-infer"), "serve", "--model", str(model),
                 "--port", str(port), "--threads", str(threads), "--ctx", str(ctx), *extra]  # fmt: skip
+        if "--kv-pool-tokens" not in extra:
+            argv += ["--kv-pool-tokens", str(ctx * parallel)]
     start = time.monotonic()
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

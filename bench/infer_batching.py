@@ -43,8 +43,8 @@ CONCURRENCY = (1, 4, 8, 16)
 SLOT_CTX = 2048
 ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
     ("llama.cpp", "llama.cpp", ()),
+    ("cgn-infer (default: gguf)", "cgn-infer", ()),
     ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
-    ("cgn-infer int4", "cgn-infer", ("--dtype", "int4")),
 ]
 TOPICS = ["rivers", "bridges", "glaciers", "volcanoes", "forests", "deserts", "harbours",
           "islands", "canyons", "meadows", "lighthouses", "orchards", "caves", "lagoons",

@@ -1,6 +1,6 @@
 """Where a cgn-infer decode step's time goes, per weight format: the per-op profile.
 
-    python bench/infer_profile.py [--models smollm2 qwen] [--weights float32 int4 int8]
+    python bench/infer_profile.py [--models smollm2 qwen] [--weights gguf float32 int8]
 
 For each model and weight format: the torch backend in this process (no
 server), the prompt's KV in the pool, then single-stream decode steps (one
@@ -8,6 +8,8 @@ token each, the way a lone stream runs) under torch.profiler. Ops are put in
 buckets (weight matmuls, the LM head, attention with its KV gather, the KV
 write, norms, RoPE and the rest) and reported as milliseconds per token; the
 LM head is timed on its own, since its matmul is the same op as the layers'.
+The C kernels of `gguf` are not torch ops: their calls are wrapped in
+`record_function` here (only here) so that the profile sees them.
 A step at 4 and 16 rows is timed too (no profile), for tokens/s per row.
 
 This is the "where the time goes" table issue #22 asks for before and after
@@ -25,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
 from cgn_infer.backends.paged import BatchItem
+from cgn_infer.backends.quantized import QuantMatrix
 from cgn_infer.loader import load_model
 from cgn_infer.settings import InferSettings
 
@@ -39,12 +42,28 @@ MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
 CONTEXT = 128  # tokens already in the pool when decode starts
 STEPS = 20
 BUCKETS = [  # first match wins: (bucket, substrings of the aten op name)
-    ("weight matmuls", ("int4pack_mm", "int8pack_mm", "linear", "addmm", " mm", "matmul")),
+    (
+        "weight matmuls",
+        ("int4pack_mm", "int8pack_mm", "linear", "addmm", " mm", "matmul", "cgn::qmatmul"),
+    ),
+    ("embedding lookup", ("cgn::embed", "embedding")),
     ("attention + KV gather", ("scaled_dot_product", "flash_attention", "aten::index", "bmm")),
     ("KV write", ("index_copy",)),
     ("norms", ("rms_norm", "pow", "rsqrt", "mean")),
     ("RoPE", ("complex", "view_as_real", "polar")),
 ]
+
+
+def _traced(name: str, fn: Any) -> Any:
+    def call(*args: Any) -> Any:
+        with record_function(name):
+            return fn(*args)
+
+    return call
+
+
+QuantMatrix.__call__ = _traced("cgn::qmatmul", QuantMatrix.__call__)  # type: ignore[method-assign]
+QuantMatrix.rows = _traced("cgn::embed", QuantMatrix.rows)  # type: ignore[method-assign]
 
 
 def bucket(op: str) -> str:
@@ -108,7 +127,7 @@ def profile_one(model: str, weights: str, threads: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2", "qwen"], choices=list(MODELS))
-    p.add_argument("--weights", nargs="+", default=["float32", "int4", "int8"])
+    p.add_argument("--weights", nargs="+", default=["gguf", "float32", "int8"])
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     warnings.simplefilter("ignore", UserWarning)

@@ -5,8 +5,9 @@
 For each model and engine (one at a time, never concurrently): load time to
 /health = 200, single-stream decode tokens/s (64 tokens, greedy, EOS ignored,
 timed first token to last over SSE), prompt tokens/s (a fresh ~500-token
-prompt, one output token, so no prefix cache helps), and peak RSS. Results go
-to bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp.
+prompt, one output token, so no prefix cache helps), and peak RSS (cgn-infer's
+KV pool holds as many tokens as llama.cpp's context). Results go to
+bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp.
 """
 
 from __future__ import annotations
@@ -27,13 +28,9 @@ from cgn_core.bundled_models import qwen_coder_05b, smollm2
 MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
 ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
     ("llama.cpp", "llama.cpp", ()),
-    ("cgn-infer float32 (default)", "cgn-infer", ()),
-    ("cgn-infer auto", "cgn-infer", ("--dtype", "auto")),
-    ("cgn-infer bfloat16", "cgn-infer", ("--dtype", "bfloat16")),
+    ("cgn-infer (default: gguf)", "cgn-infer", ()),
+    ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
     ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
-    ("cgn-infer int4", "cgn-infer", ("--dtype", "int4")),
-    # One torch thread leaves the second core to the event loop and the client.
-    ("cgn-infer int4, 1 thread", "cgn-infer", ("--dtype", "int4", "--threads", "1")),
 ]
 WORDS = [
     "alpha",

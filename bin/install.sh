@@ -97,6 +97,10 @@ fi
 "$PYTHON" -c 'import ensurepip' 2>/dev/null \
     || die "Python's venv module is incomplete: apt-get install -y python3-venv (Debian/Ubuntu)"
 
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 \
+    || say "note: no C compiler; cgn-infer then runs GGUF models dequantized to float32 (4-8x" \
+           "the memory, slower decode): apt-get install -y gcc, and it builds its kernels on start"
+
 if [ ! -x "$PIPX" ]; then
     say "installing pipx into $BOOT"
     "$PYTHON" -m venv "$BOOT"

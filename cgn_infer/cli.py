@@ -75,8 +75,9 @@ def serve(
         str | None,
         flag(
             "--dtype",
-            "Weight storage: float32 | auto (int4 where the file's Q4_0/Q4_1 is exact, else "
-            "float32) | bfloat16 | float16 | int8 | int4 (default float32).",
+            "Weight storage: gguf (default: the file's own quantized blocks, computed on by "
+            "cgn-infer's C kernels; float32 for types without one) | float32 | auto (int4 "
+            "where Q4_0/Q4_1, else float32) | bfloat16 | float16 | int8 | int4.",
         ),
     ] = None,
     model_name: Annotated[

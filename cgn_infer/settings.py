@@ -66,11 +66,11 @@ class InferSettings:
     # both (default): either, and ordinary requests
     role: Literal["both", "prefill", "decode"] = "both"
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
-    # Weight storage: float32 tracks llama.cpp's logits best and prefills fastest; auto
-    # keeps Q4_0/Q4_1 matrices in int4 (exact) and the rest float32: 1.8x the decode speed
-    # at half the prompt speed; bfloat16 halves the memory; int8 and int4 everywhere decode
-    # faster at a fidelity cost (docs/cgn-infer.md).
-    weights: Literal["auto", "bfloat16", "float16", "float32", "int8", "int4"] = "float32"
+    # Weight storage: gguf keeps the file's quantized blocks (the memory the file takes, the
+    # fastest decode; C kernels built once per machine, float32 where a type has none or no
+    # C compiler exists); float32 dequantizes everything (4-8x the memory); the others are
+    # compared in docs/cgn-infer.md.
+    weights: Literal["gguf", "auto", "bfloat16", "float16", "float32", "int8", "int4"] = "gguf"
     ctx: int = 4096
     threads: int = 0  # 0: torch's default (one per core); used for prompt processing
     decode_threads: int = 0  # single-stream decode steps; 0: `threads`

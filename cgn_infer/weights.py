@@ -8,6 +8,12 @@ array into the backend's own type right away (role: "embedding", "matrix" or
 Q4_1, `groups` carries each 32-value group's exact (scale, min), so a 4-bit
 backend format can hold the very same values.
 
+A backend that computes on the file's own quantized blocks passes `raw`: each
+matrix and the embedding are then offered to it first as `RawPart`s (the
+tensors' block rows, straight from the mmap, never dequantized); where it
+returns None (a type it has no kernel for), that tensor takes the dequantized
+path above instead.
+
 With `rope_pairs=True`, the q/k rows of NEOX-layout models (qwen2) are
 reordered so that every backend can rotate adjacent pairs: each head's
 [x0..x_{h-1}, x_h..x_{2h-1}] becomes [x0, x_h, x1, x_{h+1}, ...]. Attention is
@@ -28,6 +34,19 @@ from cgn_infer.quants import dequantize, q4_groups
 
 T = TypeVar("T")
 Role = Literal["embedding", "matrix", "vector"]
+
+
+@dataclass(frozen=True, slots=True)
+class RawPart:
+    """One GGUF tensor's rows as stored: `rows` [N, bytes per row] of `type_name` blocks."""
+
+    name: str
+    type_name: str
+    rows: np.ndarray  # uint8 [N, row bytes], a view of the mmap (a copy when reordered)
+    cols: int  # values per row
+
+
+RawConvert = Callable[[Role, list[RawPart]], T | None]
 
 
 @dataclass(slots=True)
@@ -56,6 +75,7 @@ def load_weights(
     progress: Callable[[int, int], None] | None = None,
     *,
     rope_pairs: bool = False,
+    raw: RawConvert[T] | None = None,
 ) -> ModelWeights[T]:
     """Read, fuse and convert every weight; `progress(done, total)` after each layer."""
 
@@ -77,15 +97,43 @@ def load_weights(
             groups = None if groups is None else _qk_to_pairs(groups, args)
         return a, groups
 
-    def matrix(parts: tuple[np.ndarray, np.ndarray | None]) -> T:
-        return convert(parts[0], "matrix", parts[1])
+    def raw_parts(*names: str) -> list[RawPart]:
+        parts = []
+        for n in names:
+            if n not in gguf.tensors:
+                raise GGUFError(f"{gguf.path}: tensor {n} is missing")
+            info = gguf.tensors[n]
+            rows = gguf.raw(n).reshape(int(np.prod(info.shape[:-1])), -1)
+            if rope_pairs and args.rope_neox and n.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = args.n_heads if n.endswith("attn_q.weight") else args.n_kv_heads
+                rows = neox_to_pairs(rows, heads, args.head_dim)  # whole rows: blocks unchanged
+            parts.append(RawPart(n, info.type_name, rows, info.shape[-1]))
+        return parts
+
+    def weight(role: Role, names: tuple[str, ...], dense: Callable[[], T]) -> T:
+        """The backend's raw form of `names` where it takes them, else `dense()`."""
+        if raw is not None:
+            done = raw(role, raw_parts(*names))
+            if done is not None:
+                return done
+        return dense()
+
+    def matrix(*names: str) -> T:
+        def dense() -> T:
+            if names[0].endswith("attn_q.weight"):
+                a, groups = qkv(names[0].removesuffix("attn_q.weight"), "weight")
+            else:
+                a, groups = fused(*names)
+            return convert(a, "matrix", groups)
+
+        return weight("matrix", names, dense)
 
     def vector(name: str) -> T:
         return convert(get(name), "vector", None)
 
     total = args.n_layers + 2
-    embedding = get("token_embd.weight")
-    tok_embd = convert(embedding, "embedding", None)
+    embd = ("token_embd.weight",)
+    tok_embd = weight("embedding", embd, lambda: convert(get(embd[0]), "embedding", None))
     if progress:
         progress(1, total)
     layers: list[LayerWeights[T]] = []
@@ -94,21 +142,18 @@ def load_weights(
         layers.append(
             LayerWeights(
                 attn_norm=vector(p + "attn_norm.weight"),
-                wqkv=matrix(qkv(p, "weight")),
+                wqkv=matrix(*(p + f"attn_{x}.weight" for x in "qkv")),
                 bqkv=convert(qkv(p, "bias")[0], "vector", None) if args.qkv_bias else None,
-                wo=matrix(fused(p + "attn_output.weight")),
+                wo=matrix(p + "attn_output.weight"),
                 ffn_norm=vector(p + "ffn_norm.weight"),
-                w_gate_up=matrix(fused(p + "ffn_gate.weight", p + "ffn_up.weight")),
-                w_down=matrix(fused(p + "ffn_down.weight")),
+                w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                w_down=matrix(p + "ffn_down.weight"),
             )
         )
         if progress:
             progress(i + 2, total)
     out_norm = vector("output_norm.weight")
-    if args.tied_embeddings:
-        output = convert(embedding, "matrix", q4_groups(gguf, "token_embd.weight"))
-    else:
-        output = matrix(fused("output.weight"))
+    output = matrix(embd[0] if args.tied_embeddings else "output.weight")
     if progress:
         progress(total, total)
     return ModelWeights(tok_embd, layers, out_norm, output)

@@ -11,6 +11,7 @@ the mmap, paged in from the page cache only when dequantized.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -105,7 +106,10 @@ class GGUFFile:
             raise
 
     def close(self) -> None:
-        self._mm.close()
+        """Close the file; a mapping that `raw` views still use (a backend computing on
+        the quantized blocks in place) stays mapped until the last of them is gone."""
+        with contextlib.suppress(BufferError):
+            self._mm.close()
         self._fh.close()
 
     def __enter__(self) -> GGUFFile:

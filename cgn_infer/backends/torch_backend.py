@@ -1,8 +1,12 @@
 """The llama-family transformer in PyTorch (CPU here, CUDA where present).
 
-Weights are dequantized from GGUF once at load and stored per `weights`:
-`int8` (per-row symmetric int8 + scale; the fastest at small batch on CPU,
-through torch's int8 weight-only GEMM), `bfloat16`, `float16` or `float32`.
+Weights are stored per `weights`. `gguf` (the default on CPU) keeps every
+matrix, the embedding and the LM head in the file's own quantized blocks and
+multiplies them with cgn_infer/kernels (backends/quantized.py); a tensor whose
+type has no kernel is dequantized to float32 instead, with a log line. The
+others dequantize everything once at load: `int8` (per-row symmetric int8 +
+scale, through torch's int8 weight-only GEMM), `int4` (Q4_0/Q4_1 only),
+`auto`, `bfloat16`, `float16` or `float32`.
 Activations, norms, RoPE and the residual stream run in float32 on CPU. K/V
 live in one paged pool (`new_kv`); each step writes the new tokens' K/V into
 their slots with one index_copy per layer and reads each sequence's context
@@ -16,7 +20,10 @@ pairs. Attention scores are unchanged, since q and k are permuted alike.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,12 +33,16 @@ import torch.nn.functional as F
 
 from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
+from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
+from cgn_infer.backends.quantized import QuantMatrix
 from cgn_infer.models.args import Args
-from cgn_infer.weights import LayerWeights, ModelWeights, Role, load_weights
+from cgn_infer.weights import LayerWeights, ModelWeights, RawPart, Role, load_weights
 
-WEIGHT_FORMATS = ("auto", "int4", "int8", "bfloat16", "float16", "float32")
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("gguf", "auto", "int4", "int8", "bfloat16", "float16", "float32")
 _INT4_GROUP = 32  # the block size of GGUF's Q4/Q5/Q8 formats
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
@@ -124,6 +135,8 @@ class StepTensors:
     decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # rows [B], tables, mask
     only_decode: bool  # one group of every row, in order: the batch is the group
     prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # rows, table [NB], mask [n, S]
+    # for the C attention instead of the above: tables [G, NB], each row's table [T], lengths [T]
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
@@ -144,7 +157,7 @@ class TorchBackend(SingleSequence):
         args: Args,
         *,
         device: str = "cpu",
-        weights: str = "float32",
+        weights: str = "gguf",
         kv_dtype: str = "float32",
         threads: int = 0,
         decode_threads: int = 0,
@@ -166,15 +179,40 @@ class TorchBackend(SingleSequence):
         self.device = torch.device(device)
         self.kv_dtype = _FLOAT[kv_dtype]
 
-        def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> torch.Tensor | Linear:
+        lib = None
+        if weights == "gguf":
+            lib = kernels.load() if self.device.type == "cpu" else None
+            if lib is None:
+                why = kernels.failure() if self.device.type == "cpu" else f"on {device}"
+                log.warning("no quantized kernels (%s): weights dequantized to float32", why)
+        dense = "float32" if weights == "gguf" else weights
+        unsupported: Counter[str] = Counter()
+
+        def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> Weight:
             t = torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
             # The embedding is looked up by row, so it stays float32 like the vectors.
-            return Linear(t, weights, groups) if role == "matrix" else t.float()
+            return Linear(t, dense, groups) if role == "matrix" else t.float()
 
-        self.w: ModelWeights[torch.Tensor | Linear] = load_weights(
-            gguf, args, convert, progress, rope_pairs=True
+        def raw(role: Role, parts: list[RawPart]) -> Weight | None:
+            if lib is None:
+                return None
+            if not QuantMatrix.supports(parts):
+                unsupported.update(p.type_name for p in parts)
+                return None
+            return QuantMatrix(lib, parts)
+
+        self.w: ModelWeights[Weight] = load_weights(
+            gguf, args, convert, progress, rope_pairs=True, raw=raw
         )
-        self.tok_embd = _t(self.w.tok_embd)
+        if unsupported:
+            types = ", ".join(f"{t} ({n} parts)" for t, n in sorted(unsupported.items()))
+            log.info(
+                "%s: no quantized kernel for %s; those tensors are dequantized to float32",
+                gguf.path.name, types,
+            )  # fmt: skip
+        self.weights = weights if lib is not None or weights != "gguf" else "float32"
+        # Attention reads the float32 pool in place (C); other pools gather for SDPA.
+        self._attend = lib if lib is not None and kv_dtype == "float32" else None
         self.rope = rope_table(args, args.ctx_len, self.device)
 
     def weight_bytes(self) -> int:
@@ -182,9 +220,8 @@ class TorchBackend(SingleSequence):
         total = 0
         for layer in self.w.layers:
             for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                total += m.nbytes() if isinstance(m, Linear) else 0
-        out = self.w.output
-        return total + (out.nbytes() if isinstance(out, Linear) else 0)
+                total += _l(m).nbytes()
+        return total + _l(self.w.output).nbytes()
 
     def kv_bytes_per_token(self) -> int:
         a = self.args
@@ -193,10 +230,20 @@ class TorchBackend(SingleSequence):
     def new_kv(self, num_blocks: int) -> PagedKV:
         a = self.args
         shape = (a.n_layers, num_blocks, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
-        return PagedKV(
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-        )
+        if self.device.type != "cpu":
+            return PagedKV(
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            )
+        # NOTE: numpy's zeros come from calloc, i.e. fresh zero pages for a pool this size: memory
+        # is resident only once a block is written, so an idle 16k-token pool costs nothing.
+        # torch.zeros writes every page at start.
+        raw = np.dtype(np.float32 if self.kv_dtype == torch.float32 else np.uint16)
+
+        def pool() -> torch.Tensor:
+            return torch.from_numpy(np.zeros(shape, dtype=raw)).view(self.kv_dtype)
+
+        return PagedKV(pool(), pool())
 
     def kv_nbytes(self, kv: PagedKV) -> int:
         return kv.k.nbytes + kv.v.nbytes
@@ -234,9 +281,9 @@ class TorchBackend(SingleSequence):
         want = self.decode_threads if n == 1 else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
-        step = self._step_tensors(lay)
+        step = self._step_tensors(lay, kv.k.shape[1])
         rot = self.rope[torch.from_numpy(lay.positions).to(self.device)][:, None, :]  # [T, 1, hd/2]
-        x = self.tok_embd[torch.from_numpy(lay.ids).to(self.device)]  # [T, D] float32
+        x = self._embed(torch.from_numpy(lay.ids).to(self.device))  # [T, D] float32
         for i, layer in enumerate(w.layers):
             h = F.rms_norm(x, (a.dim,), _t(layer.attn_norm), a.norm_eps)
             x = x + self._attention(layer, i, h, rot, step, kv)
@@ -249,7 +296,11 @@ class TorchBackend(SingleSequence):
         out: np.ndarray = logits.cpu().numpy()
         return out
 
-    def _step_tensors(self, lay: BatchLayout) -> StepTensors:
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.w.tok_embd
+        return table.rows(ids) if isinstance(table, QuantMatrix) else _t(table)[ids]
+
+    def _step_tensors(self, lay: BatchLayout, pool_blocks: int) -> StepTensors:
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
@@ -257,6 +308,9 @@ class TorchBackend(SingleSequence):
 
         only = len(lay.decodes) == 1 and len(lay.decodes[0].rows) == len(lay.ids)
         step = StepTensors(t(lay.slots), [], only, [])
+        if self._attend is not None:  # every row: one kernel, one way (module docstring)
+            step.paged = tuple(t(a) for a in _paged_rows(lay, pool_blocks))  # type: ignore[assignment]
+            return step
         for d in lay.decodes:
             width = d.tables.shape[1] * BLOCK_SIZE
             mask = torch.arange(width, device=dev)[None, :] < t(d.lengths)[:, None]  # [B, S]
@@ -269,7 +323,7 @@ class TorchBackend(SingleSequence):
 
     def _attention(
         self,
-        layer: LayerWeights[torch.Tensor | Linear],
+        layer: LayerWeights[Weight],
         index: int,
         h: torch.Tensor,
         rot: torch.Tensor,
@@ -291,6 +345,15 @@ class TorchBackend(SingleSequence):
         pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
         q = q.to(self.kv_dtype)
         out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
+        if step.paged is not None and self._attend is not None:
+            tables, seq, lengths = step.paged
+            q = q.contiguous()
+            att = torch.empty_like(q)
+            self._attend.lib.cgn_attend(
+                _p(q), _p(pool_k), _p(pool_v), _p(tables), tables.shape[1], _p(seq), _p(lengths),
+                n, a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim**-0.5, _p(att),
+            )  # fmt: skip
+            return _l(layer.wo)(att.view(n, a.q_size))  # [T, D]
         for dec_rows, tables, mask in step.decodes:
             b = dec_rows.shape[0]
             keys = pool_k[tables].view(b, -1, *flat[1:]).transpose(1, 2)  # [B, KVH, S, hd]
@@ -316,11 +379,44 @@ class TorchBackend(SingleSequence):
         return _l(layer.wo)(out.reshape(n, a.q_size).float())  # [T, D]
 
 
-def _t(x: torch.Tensor | Linear | None) -> torch.Tensor:
+Weight = torch.Tensor | Linear | QuantMatrix
+
+
+def _paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The C attention's view of a step: every sequence's block table (padded), the table
+    each row reads and how many positions it attends to. Checked here, because the kernel
+    trusts them: every block inside the pool, every length inside its table."""
+    parts = [(d.rows, np.arange(len(d.rows)), d.lengths, list(d.tables)) for d in lay.decodes]
+    parts += [(np.arange(p.rows.start, p.rows.stop), np.zeros(p.length - p.start, np.int64),
+               np.arange(p.start + 1, p.length + 1), [p.table]) for p in lay.prefills]  # fmt: skip
+    all_rows = np.concatenate([r for r, *_ in parts])
+    order = np.argsort(all_rows, kind="stable")
+    tables: list[np.ndarray] = []
+    seq_parts, length_parts = [], []
+    for _, local, lens, tabs in parts:
+        seq_parts.append(local + len(tables))
+        length_parts.append(lens)
+        tables.extend(tabs)
+    seq = np.concatenate(seq_parts)[order]
+    lengths = np.concatenate(length_parts)[order].astype(np.int64)
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+    if padded.min() < 0 or padded.max() >= pool_blocks or lengths.max() > width * BLOCK_SIZE:
+        raise ValueError(f"block tables reach outside the KV pool of {pool_blocks} blocks")
+    return padded, seq, lengths
+
+
+def _p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _t(x: Weight | None) -> torch.Tensor:
     assert isinstance(x, torch.Tensor)
     return x
 
 
-def _l(x: torch.Tensor | Linear | None) -> Linear:
-    assert isinstance(x, Linear)
+def _l(x: Weight | None) -> Linear | QuantMatrix:
+    assert isinstance(x, (Linear, QuantMatrix))
     return x

@@ -1,0 +1,149 @@
+"""cgn-infer's C kernels (qmatmul.c): built on first use for this CPU, cached, loaded with ctypes.
+
+The library is compiled with the system C compiler (`-O3 -march=native -fopenmp`)
+into `~/.cache/cognitora/kernels/` (or `$CGN_KERNEL_CACHE`), under a name keyed by
+the source, the compiler and the CPU's flags, so a changed source, compiler or
+machine builds a fresh one. The build writes a temporary file and renames it into
+place, so concurrent engines never load a half-written library; one that fails to
+load is rebuilt once. Without a compiler, `load()` returns None with the reason,
+and the engine falls back to dequantized weights (and logs why).
+
+Load it after torch: it links libgomp.so.1, which the dynamic linker then resolves
+to the copy torch already loaded, so both share one OpenMP thread pool and
+`torch.set_num_threads` governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+# ggml type ids with a kernel, by GGUF type name
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    lib: ctypes.CDLL
+    path: Path
+
+
+_loaded: Kernels | None = None
+_failure: str | None = None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CGN_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cognitora" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library for this source, compiler and CPU lives."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()))
+    ).hexdigest()[:16]
+    return cache_dir() / f"qmatmul-{platform.machine()}-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.cgn_block_bytes.argtypes = [ctypes.c_int]
+    lib.cgn_block_bytes.restype = ctypes.c_int
+    lib.cgn_block_values.argtypes = [ctypes.c_int]
+    lib.cgn_block_values.restype = ctypes.c_int
+    lib.cgn_quantize_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.cgn_quantize_rows.restype = None
+    lib.cgn_dequantize_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
+    lib.cgn_dequantize_rows.restype = None
+    lib.cgn_qmatmul.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64,
+                                _ptr, _i64]  # fmt: skip
+    lib.cgn_qmatmul.restype = None
+    lib.cgn_attend.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                               ctypes.c_float, _ptr]  # fmt: skip
+    lib.cgn_attend.restype = None
+    for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree
+        if lib.cgn_block_bytes(type_id) == 0:
+            raise OSError(f"{path}: no kernel for {name}")
+    return lib
+
+
+def load() -> Kernels | None:
+    """The kernels, built if needed; None (and `failure()` says why) where they cannot be."""
+    global _loaded, _failure
+    if _loaded is not None or _failure is not None:
+        return _loaded
+    import torch  # noqa: F401  (its libgomp first: see the module docstring)
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        _failure = "no C compiler (cc/gcc) on PATH: apt-get install gcc"
+        return None
+    try:
+        path = library_path(compiler)
+        if not path.exists():
+            log.info("building cgn-infer's kernels for this CPU (once): %s", path)
+            _build(compiler, path)
+        try:
+            lib = _bind(path)
+        except OSError as e:  # a corrupt or stale file: build it again, once
+            log.warning("kernel library %s did not load (%s); rebuilding it", path, e)
+            _build(compiler, path)
+            lib = _bind(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        _failure = str(e)
+        return None
+    _loaded = Kernels(lib, path)
+    return _loaded
+
+
+def failure() -> str | None:
+    """Why `load()` returned None, if it did."""
+    return _failure

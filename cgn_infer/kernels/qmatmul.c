@@ -1,0 +1,404 @@
+/* Matrix products straight from GGUF's quantized blocks (cgn-infer's CPU kernels).
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k], where W's rows are the file's own blocks,
+ * untouched: no float copy of the model exists. Activations are quantized per row
+ * in groups of 32 (int8 + a float scale + the scaled sum, like ggml's q8_1), and
+ * each weight row is unpacked, a tile at a time, into a common form:
+ *
+ *     value[k] = d16[k / 16] * q[k] + m32[k / 32]        (q: int8)
+ *
+ * which holds every supported type exactly (Q6_K's scales are per 16 values, the
+ * others' per 32 or more; Q4_1, Q5_1 and Q4_K carry the additive m). One product is
+ * then integer dot products per 16 values, scaled in float:
+ *
+ *     y = sum_g d16 * da[g] * (q . qa)_g + sum_g m32[g] * sa[g]
+ *
+ * Each output row's arithmetic is the same whatever the number of rows M in the
+ * call, so a sequence's result never depends on the rows batched with it.
+ * Parallel over weight-row tiles with OpenMP; loaded after torch, this library
+ * shares torch's libgomp (same soname), so both use one thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define TILE 8   /* weight rows unpacked together (fits L1/L2 for K up to ~8k) */
+#define CHUNK 4  /* activation rows sharing one pass over a tile */
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Bytes of one block and values it holds, or 0 for a type without a kernel. */
+int cgn_block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int cgn_block_values(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : 32; }
+
+static void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* 16 bytes of nibbles -> 32 values: low nibbles first, then high (ggml's order), plus `add`. */
+static inline void nibbles16(const uint8_t *restrict qs, int8_t *restrict y, int add) {
+#ifdef __AVX2__
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+    _mm256_storeu_si256((__m256i *)y, _mm256_add_epi8(v, _mm256_set1_epi8((char)add)));
+#else
+    for (int j = 0; j < 16; j++) {
+        y[j] = (int8_t)((qs[j] & 0xf) + add);
+        y[j + 16] = (int8_t)((qs[j] >> 4) + add);
+    }
+#endif
+}
+
+/* Q5_0 / Q5_1: nibbles plus a fifth bit per value from qh (bit j for value j); `add` -16 or 0. */
+static inline void fives32(const uint8_t *restrict qh, const uint8_t *restrict qs,
+                           int8_t *restrict y, int add) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+#ifdef __AVX2__
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+    /* byte j = 0xff where bit j of h is set */
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                         0x0101010101010101, 0));
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+    v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+    _mm256_storeu_si256((__m256i *)y, _mm256_add_epi8(v, _mm256_set1_epi8((char)add)));
+#else
+    for (int j = 0; j < 16; j++) {
+        y[j] = (int8_t)(((qs[j] & 0xf) | (((h >> j) & 1) << 4)) + add);
+        y[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) + add);
+    }
+#endif
+}
+
+/* Q6_K, one half block: 64 bytes of low nibbles, 32 of high bit pairs -> 128 values. */
+static inline void sixes128(const uint8_t *restrict ql, const uint8_t *restrict qh,
+                            int8_t *restrict y) {
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    __m256i a = _mm256_loadu_si256((const __m256i *)ql), b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(h, m2), 4);
+    __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4);
+    __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4);
+    __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4);
+    __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4), bhi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    _mm256_storeu_si256((__m256i *)y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), h0), off));
+    _mm256_storeu_si256((__m256i *)(y + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(b, m4), h1), off));
+    _mm256_storeu_si256((__m256i *)(y + 64), _mm256_sub_epi8(_mm256_or_si256(ahi, h2), off));
+    _mm256_storeu_si256((__m256i *)(y + 96), _mm256_sub_epi8(_mm256_or_si256(bhi, h3), off));
+#else
+    for (int l = 0; l < 32; l++) {
+        y[l + 0] = (int8_t)(((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32);
+        y[l + 32] = (int8_t)(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        y[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        y[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+#endif
+}
+
+/* One row of K values from its blocks into q / d16 / m32 (the common form above).
+ * One loop per type, so that each compiles without per-block branches. */
+static void unpack_row(int type, const uint8_t *restrict src, int64_t K, int8_t *restrict q,
+                       float *restrict d16, float *restrict m32) {
+    int64_t nb = K / cgn_block_values(type);
+    switch (type) {
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, src += 210) {
+            const int8_t *sc = (const int8_t *)(src + 192);
+            float d = fp16(src + 208);
+            sixes128(src, src + 128, q + b * 256);
+            sixes128(src + 64, src + 160, q + b * 256 + 128);
+            for (int i = 0; i < 16; i++) d16[b * 16 + i] = d * sc[i];
+            for (int i = 0; i < 8; i++) m32[b * 8 + i] = 0.0f;
+        }
+        return;
+    case T_Q4_K:
+        for (int64_t b = 0; b < nb; b++, src += 144) {
+            float d = fp16(src), dmin = fp16(src + 2);
+            const uint8_t *scales = src + 4, *qs = src + 16;
+            for (int j = 0; j < 4; j++, qs += 32) {
+                int sc, m;
+                for (int h = 0; h < 2; h++) {
+                    scale_min_k4(2 * j + h, scales, &sc, &m);
+                    int64_t g = b * 8 + 2 * j + h;
+                    d16[2 * g] = d16[2 * g + 1] = d * sc;
+                    m32[g] = -dmin * m;
+                }
+                int8_t *y = q + b * 256 + 64 * j;
+#ifdef __AVX2__
+                __m256i v = _mm256_loadu_si256((const __m256i *)qs), m4 = _mm256_set1_epi8(0x0f);
+                _mm256_storeu_si256((__m256i *)y, _mm256_and_si256(v, m4));
+                _mm256_storeu_si256((__m256i *)(y + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+#else
+                for (int l = 0; l < 32; l++) {
+                    y[l] = (int8_t)(qs[l] & 0xf);
+                    y[32 + l] = (int8_t)(qs[l] >> 4);
+                }
+#endif
+            }
+        }
+        return;
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, src += 34) {
+            memcpy(q + b * 32, src + 2, 32);
+            d16[2 * b] = d16[2 * b + 1] = fp16(src);
+            m32[b] = 0.0f;
+        }
+        return;
+    case T_Q4_0:
+        for (int64_t b = 0; b < nb; b++, src += 18) {
+            nibbles16(src + 2, q + b * 32, -8);
+            d16[2 * b] = d16[2 * b + 1] = fp16(src);
+            m32[b] = 0.0f;
+        }
+        return;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, src += 20) {
+            nibbles16(src + 4, q + b * 32, 0);
+            d16[2 * b] = d16[2 * b + 1] = fp16(src);
+            m32[b] = fp16(src + 2);
+        }
+        return;
+    case T_Q5_0:
+        for (int64_t b = 0; b < nb; b++, src += 22) {
+            fives32(src + 2, src + 6, q + b * 32, -16);
+            d16[2 * b] = d16[2 * b + 1] = fp16(src);
+            m32[b] = 0.0f;
+        }
+        return;
+    default: /* Q5_1 */
+        for (int64_t b = 0; b < nb; b++, src += 24) {
+            fives32(src + 4, src + 8, q + b * 32, 0);
+            d16[2 * b] = d16[2 * b + 1] = fp16(src);
+            m32[b] = fp16(src + 2);
+        }
+        return;
+    }
+}
+
+/* x [M, K] float32 -> qa [M, K] int8, da and sa [M, K/32]: per group of 32,
+ * da = max|x| / 127, qa = round(x / da), sa = da * sum(qa). */
+void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, float *sa) {
+    int64_t groups = K / GROUP;
+    for (int64_t i = 0; i < M * groups; i++) {
+        const float *v = x + i * GROUP;
+        float amax = 0.0f;
+        for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < GROUP; j++) {
+            int r = (int)nearbyintf(v[j] * inv);
+            qa[i * GROUP + j] = (int8_t)r;
+            sum += r;
+        }
+        da[i] = d;
+        sa[i] = d * (float)sum;
+    }
+}
+
+/* Rows `ids` of a quantized matrix [N, K] as float32 (embedding lookups). */
+void cgn_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K,
+                         const int64_t *ids, int64_t n, float *out) {
+    #pragma omp parallel
+    {
+        int8_t *q = malloc(K);
+        float *d16 = malloc(sizeof(float) * (K / 16)), *m32 = malloc(sizeof(float) * (K / 32));
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            unpack_row(type, w + ids[i] * row_bytes, K, q, d16, m32);
+            for (int64_t k = 0; k < K; k++) out[i * K + k] = d16[k / 16] * q[k] + m32[k / 32];
+        }
+        free(q); free(d16); free(m32);
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* y[c][r] = row r of the unpacked tile against activation row c, for c < nc rows.
+ * Inlined with nc constant (1..CHUNK), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *restrict d16,
+         const float *restrict m32, const int nc, const int8_t *restrict qa,
+         const float *restrict da, const float *restrict sa, float *restrict y, int64_t ldy) {
+    int64_t groups = K / GROUP;
+    for (int r = 0; r < nr; r++) {
+        const int8_t *wq = q + r * K;
+        const float *wd = d16 + r * (K / 16), *wm = m32 + r * groups;
+#ifdef __AVX2__
+        __m256 acc[CHUNK];
+        for (int c = 0; c < CHUNK; c++) acc[c] = _mm256_setzero_ps();
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(wq + g * GROUP));
+            __m256i wabs = _mm256_sign_epi8(w, w);
+            __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(wd[2 * g])),
+                                                _mm_set1_ps(wd[2 * g + 1]), 1);
+            for (int c = 0; c < nc; c++) {
+                __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w)), ones);
+                __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(da[c * groups + g]));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[c]);
+            }
+        }
+        for (int c = 0; c < nc; c++) {
+            float mins = 0.0f;
+            for (int64_t g = 0; g < groups; g++) mins += wm[g] * sa[c * groups + g];
+            y[c * ldy + r] = hsum(acc[c]) + mins;
+        }
+#else
+        for (int c = 0; c < nc; c++) {
+            float total = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *a = qa + c * K + g * GROUP, *b = wq + g * GROUP;
+                int lo = 0, hi = 0;
+                for (int j = 0; j < 16; j++) lo += a[j] * b[j];
+                for (int j = 16; j < 32; j++) hi += a[j] * b[j];
+                total += da[c * groups + g] * (wd[2 * g] * lo + wd[2 * g + 1] * hi);
+                total += wm[g] * sa[c * groups + g];
+            }
+            y[c * ldy + r] = total;
+        }
+#endif
+    }
+}
+
+/* y[M, N] (row stride ldy) = activations (from cgn_quantize_rows) @ W[N, K].T */
+void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                 const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
+                 int64_t ldy) {
+    int64_t tiles = (N + TILE - 1) / TILE, groups = K / GROUP;
+    #pragma omp parallel
+    {
+        int8_t *q = malloc(TILE * K);
+        float *d16 = malloc(sizeof(float) * TILE * (K / 16));
+        float *m32 = malloc(sizeof(float) * TILE * groups);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * TILE;
+            int nr = (int)(N - n0 < TILE ? N - n0 : TILE);
+            for (int r = 0; r < nr; r++)
+                unpack_row(type, w + (n0 + r) * row_bytes, K, q + r * K, d16 + r * (K / 16),
+                           m32 + r * groups);
+            for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
+                int nc = (int)(M - c0 < CHUNK ? M - c0 : CHUNK);
+                const int8_t *a = qa + c0 * K;
+                const float *ad = da + c0 * groups, *as = sa + c0 * groups;
+                float *out = y + c0 * ldy + n0;
+                switch (nc) { /* each a copy with its own constant */
+                case 1: tile_dot(K, nr, q, d16, m32, 1, a, ad, as, out, ldy); break;
+                case 2: tile_dot(K, nr, q, d16, m32, 2, a, ad, as, out, ldy); break;
+                case 3: tile_dot(K, nr, q, d16, m32, 3, a, ad, as, out, ldy); break;
+                default: tile_dot(K, nr, q, d16, m32, 4, a, ad, as, out, ldy); break;
+                }
+            }
+        }
+        free(q); free(d16); free(m32);
+    }
+}
+
+/* Attention straight over the paged KV pool (float32), for every row of a step: prompt
+ * chunks and decode rows alike, with no gather into a scratch copy.
+ * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
+ * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
+ * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
+ * Every row is computed by the same code in the same order, whatever else is in the step
+ * and however its prompt was chunked, so results are exactly batch- and chunk-invariant. */
+void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
+                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
+                int64_t KVH, int64_t hd, float scale, float *out) {
+    int64_t group = H / KVH, maxlen = 1;
+    for (int64_t r = 0; r < R; r++) maxlen = lengths[r] > maxlen ? lengths[r] : maxlen;
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < R * KVH; job++) {
+            int64_t r = job / KVH, kvh = job % KVH, len = lengths[r];
+            const int64_t *table = tables + seq[r] * nb;
+            const float *qh = q + (r * H + kvh * group) * hd;
+            float *oh = out + (r * H + kvh * group) * hd;
+            for (int64_t t = 0; t < len; t++) {
+                const float *k = pool_k + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                for (int64_t g = 0; g < group; g++) {
+                    float s = 0.0f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int64_t i = 0; i < hd; i++) s += qh[g * hd + i] * k[i];
+                    scores[g * len + t] = s * scale;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * len, mx = -INFINITY, total = 0.0f;
+                for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
+                for (int64_t t = 0; t < len; t++) total += (sg[t] = expf(sg[t] - mx));
+                float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+                for (int64_t i = 0; i < hd; i++) oh[g * hd + i] = 0.0f;
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const float *v = pool_v + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                for (int64_t g = 0; g < group; g++) {
+                    float p = scores[g * len + t], *o = oh + g * hd;
+                    for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
+                }
+            }
+        }
+        free(scores);
+    }
+}

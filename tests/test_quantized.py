@@ -1,0 +1,159 @@
+"""cgn-infer's C kernels on GGUF's own blocks: exact unpacking, products that track float32,
+results independent of the batch, the build cache, and the dequantized fallback."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_infer import kernels
+from cgn_infer.backends.quantized import QuantMatrix
+from cgn_infer.backends.torch_backend import Linear, TorchBackend
+from cgn_infer.models import args_from_gguf
+from cgn_infer.quants import dequantize
+from cgn_infer.weights import RawPart
+
+K, N = 512, 24
+
+
+@pytest.fixture(scope="module")
+def lib() -> kernels.Kernels:
+    loaded = kernels.load()
+    assert loaded is not None, kernels.failure()
+    return loaded
+
+
+def _blocks(qtype: Q, seed: int) -> np.ndarray:
+    """[N, bytes per row] of `qtype`: quantized with gguf-py where it can, else random bits
+    with sane float16 scales (the K-quants, which gguf-py only dequantizes)."""
+    rng = np.random.default_rng(seed)
+    try:
+        return np.asarray(gguf.quants.quantize(rng.standard_normal((N, K), np.float32), qtype))
+    except NotImplementedError:
+        pass
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N, K // values, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (N, K // values, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:  # d and dmin lead the block
+        raw[..., 0:4] = scales.reshape(N, K // values, 4)
+    else:  # Q6_K: d closes it
+        raw[..., size - 2 : size] = scales[..., :2].reshape(N, K // values, 2)
+    return raw.reshape(N, -1)
+
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+
+
+def _matrix(lib: kernels.Kernels, *parts: tuple[Q, np.ndarray]) -> QuantMatrix:
+    return QuantMatrix(
+        lib, [RawPart(f"w{i}", t.name, rows, K) for i, (t, rows) in enumerate(parts)]
+    )
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_unpack_exactly_as_gguf_dequantizes_them(lib: kernels.Kernels, qtype: Q) -> None:
+    rows = _blocks(qtype, 1)
+    ref = gguf.quants.dequantize(rows, qtype).reshape(N, K)
+    ids = torch.tensor([5, 0, N - 1, 5])
+    assert torch.equal(_matrix(lib, (qtype, rows)).rows(ids), torch.from_numpy(ref[ids.numpy()]))
+    with pytest.raises(IndexError):
+        _matrix(lib, (qtype, rows)).rows(torch.tensor([N]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_track_float32_and_ignore_the_batch(lib: kernels.Kernels, qtype: Q) -> None:
+    rows = _blocks(qtype, 2)
+    w = torch.from_numpy(gguf.quants.dequantize(rows, qtype).reshape(N, K).astype(np.float32))
+    m = _matrix(lib, (qtype, rows))
+    x = torch.randn(7, K)
+    y, ref = m(x), x @ w.T
+    corr = np.corrcoef(y.flatten().numpy(), ref.flatten().numpy())[0, 1]
+    assert corr > 0.9999 and (y - ref).abs().max() / ref.abs().max() < 0.02, corr
+    alone = torch.cat([m(x[i : i + 1]) for i in range(7)])
+    assert torch.equal(y, alone)  # one row's arithmetic whatever the batch
+
+
+def test_parts_of_different_types_fill_their_own_columns(lib: kernels.Kernels) -> None:
+    a, b = _blocks(Q.Q5_0, 3), _blocks(Q.Q8_0, 4)
+    x = torch.randn(3, K)
+    fused = _matrix(lib, (Q.Q5_0, a), (Q.Q8_0, b))(x)
+    assert fused.shape == (3, 2 * N) and fused.is_contiguous()
+    assert torch.equal(fused[:, :N], _matrix(lib, (Q.Q5_0, a))(x))
+    assert torch.equal(fused[:, N:], _matrix(lib, (Q.Q8_0, b))(x))
+
+
+def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CGN_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_loaded", None)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    path = kernels.library_path(compiler)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")  # e.g. a crash mid-write by an older version
+    loaded = kernels.load()
+    assert loaded is not None and loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
+    source = tmp_path / "qmatmul.c"  # a new engine version: another library, not the old one
+    source.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(kernels, "SOURCE", source)
+    assert kernels.library_path(compiler) != path
+
+
+def test_no_compiler_means_dequantized_weights_not_a_failure(
+    smollm2_gguf: GGUFFile, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING):
+        backend = TorchBackend(smollm2_gguf, args_from_gguf(smollm2_gguf), threads=2)
+    assert backend.weights == "float32" and isinstance(backend.w.layers[0].wo, Linear)
+    assert "weights dequantized to float32" in caplog.text
+
+
+def _with_f16_matrix(src: Path, dst: Path, name: str) -> Path:
+    """A copy of GGUF `src` with tensor `name` stored as F16 (a type without a kernel)."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name == name:
+            values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16)
+            writer.add_tensor(t.name, values)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_a_type_without_a_kernel_loads_dequantized_with_a_log_line(
+    smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _with_f16_matrix(smollm2_path, tmp_path / "mixed.gguf", "blk.0.ffn_down.weight")
+    with GGUFFile(path) as g, caplog.at_level(logging.INFO):
+        backend = TorchBackend(g, args_from_gguf(g), threads=2)
+        down = backend.w.layers[0].w_down
+        assert isinstance(down, Linear) and down.kind in ("float32", "onednn")
+        assert isinstance(backend.w.layers[0].wo, QuantMatrix)
+        assert isinstance(backend.w.layers[1].w_down, QuantMatrix)
+        x = torch.randn(2, down_in := g.tensors["blk.0.ffn_down.weight"].shape[-1])
+        ref = x @ torch.from_numpy(dequantize(g, "blk.0.ffn_down.weight")).T
+        assert down_in == 1536 and torch.allclose(down(x), ref, rtol=1e-4, atol=1e-4)
+    assert "no quantized kernel for F16 (1 parts)" in caplog.text
