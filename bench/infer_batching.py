@@ -142,8 +142,8 @@ def main() -> None:
     dtype_bytes = 4  # cgn-infer's default KV dtype, float32
     predicted = 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes
     results["kv_bytes_per_token_predicted"] = predicted
-    write_result(
-        "infer_batching",
+    write_result(  # one result per model: smollm2's keeps the historical name
+        "infer_batching" if opts.model == "smollm2" else f"infer_batching_{opts.model}",
         "python bench/infer_batching.py " + " ".join(sys.argv[1:]),
         results,
         render(results, opts.tokens),

@@ -17,6 +17,8 @@ above 0.9999 on random inputs).
 from __future__ import annotations
 
 import ctypes
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +33,29 @@ def _ptr(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data)
 
 
+_buffers = threading.local()
+
+
+def _activation_buffers(m: int, k: int) -> tuple[ctypes.c_void_p, ...]:
+    """Scratch for one call's quantized activations (int8 [m, k], scales and sums [m, k/32]),
+    reused per thread and shape: a decode step makes ~120 calls, and three allocations each
+    cost more than the quantization itself."""
+    cache: dict[tuple[int, int], tuple[Any, ...]] = _buffers.__dict__.setdefault("c", {})
+    bufs = cache.get((m, k))
+    if bufs is None:
+        if len(cache) > 64:  # prompt chunks of many sizes: keep it bounded
+            cache.clear()
+        groups = (m, k // _GROUP)
+        arrays = (np.empty((m, k), np.int8), np.empty(groups, np.float32),
+                  np.empty(groups, np.float32))  # fmt: skip
+        bufs = cache[(m, k)] = (*(_ptr(a) for a in arrays), arrays)  # the arrays stay alive
+    return bufs[:3]
+
+
 class QuantMatrix:
     """[out, in] = the parts' rows stacked; `self(x)` = x @ W.T in float32."""
 
-    __slots__ = ("cols", "kernels", "out", "parts")
+    __slots__ = ("_calls", "cols", "kernels", "out", "parts")
 
     def __init__(self, kernels: Kernels, parts: list[RawPart]):
         cols = {p.cols for p in parts}
@@ -44,6 +65,7 @@ class QuantMatrix:
         self.kernels = kernels
         self.cols = cols.pop()
         self.parts = [(KERNEL_TYPES[p.type_name], np.ascontiguousarray(p.rows)) for p in parts]
+        self._calls = [(t, rows, _ptr(rows)) for t, rows in self.parts]
         self.out = sum(rows.shape[0] for _, rows in self.parts)
 
     @staticmethod
@@ -56,17 +78,14 @@ class QuantMatrix:
         x = x.float().contiguous()
         m, k = x.shape
         lib = self.kernels.lib
-        qa = torch.empty((m, k), dtype=torch.int8)
-        da = torch.empty((m, k // _GROUP), dtype=torch.float32)
-        sa = torch.empty_like(da)
-        lib.cgn_quantize_rows(_ptr(x), m, k, _ptr(qa), _ptr(da), _ptr(sa))
+        qa, da, sa = _activation_buffers(m, k)
+        lib.cgn_quantize_rows(_ptr(x), m, k, qa, da, sa)
         y = torch.empty((m, self.out), dtype=torch.float32)
-        col = 0
-        for type_id, rows in self.parts:
+        base, col = y.data_ptr(), 0
+        for type_id, rows, ptr in self._calls:
             n, row_bytes = rows.shape
-            out = ctypes.c_void_p(y.data_ptr() + 4 * col)
-            lib.cgn_qmatmul(type_id, _ptr(rows), row_bytes, n, k, _ptr(qa), _ptr(da), _ptr(sa),
-                            m, out, self.out)  # fmt: skip
+            lib.cgn_qmatmul(type_id, ptr, row_bytes, n, k, qa, da, sa, m,
+                            ctypes.c_void_p(base + 4 * col), self.out)  # fmt: skip
             col += n
         return y
 
