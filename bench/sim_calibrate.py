@@ -107,8 +107,8 @@ def main() -> None:
     lines.append(f"Largest relative decode-step error of the fit: {worst:.0%}")
     table = "\n".join(lines)
     print(table)
-    write_result(
-        "sim_calibration",
+    write_result(  # float32's keeps the historical name: the sim defaults come from it
+        "sim_calibration" if opts.dtype == "float32" else f"sim_calibration_{opts.dtype}",
         "python -m bench.sim_calibrate " + " ".join(sys.argv[1:]),
         {"prefill": prefill_rows, "decode": decode_rows, "fit": fit, "worst_rel_error": worst,
          "model": opts.model, "threads": opts.threads, "weights": opts.dtype},

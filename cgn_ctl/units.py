@@ -100,6 +100,9 @@ KillMode=process
 TimeoutStopSec=60
 LimitNOFILE=65536
 StateDirectory=cognitora/agent
+# cgn-infer compiles its CPU kernels once per machine; the home directory is hidden here
+CacheDirectory=cognitora/kernels
+Environment=CGN_KERNEL_CACHE=%C/cognitora/kernels
 {hardening}
 [Install]
 WantedBy=cognitora.target
@@ -136,6 +139,9 @@ Restart=always
 RestartSec=2
 TimeoutStopSec=45
 StateDirectory=cognitora/infer-%i
+# its CPU kernels, compiled once per machine; the home directory is hidden here
+CacheDirectory=cognitora/kernels
+Environment=CGN_KERNEL_CACHE=%C/cognitora/kernels
 {hardening}
 [Install]
 WantedBy=cognitora.target
