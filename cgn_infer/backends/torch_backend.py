@@ -37,6 +37,7 @@ from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.backends.quantized import QuantMatrix
+from cgn_infer.kernels import KERNEL_TYPES
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, RawPart, Role, load_weights
 
@@ -196,8 +197,8 @@ class TorchBackend(SingleSequence):
         def raw(role: Role, parts: list[RawPart]) -> Weight | None:
             if lib is None:
                 return None
-            if not QuantMatrix.supports(parts):
-                unsupported.update(p.type_name for p in parts)
+            if not QuantMatrix.supports(parts):  # the whole fused matrix goes dense
+                unsupported.update(p.type_name for p in parts if p.type_name not in KERNEL_TYPES)
                 return None
             return QuantMatrix(lib, parts)
 
@@ -207,7 +208,8 @@ class TorchBackend(SingleSequence):
         if unsupported:
             types = ", ".join(f"{t} ({n} parts)" for t, n in sorted(unsupported.items()))
             log.info(
-                "%s: no quantized kernel for %s; those tensors are dequantized to float32",
+                "%s: no quantized kernel for %s; those tensors (and any fused with them) are "
+                "dequantized to float32",
                 gguf.path.name, types,
             )  # fmt: skip
         self.weights = weights if lib is not None or weights != "gguf" else "float32"
