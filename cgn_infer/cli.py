@@ -44,7 +44,7 @@ def serve(
     ] = None,
     kv_pool_tokens: Annotated[
         int | None,
-        flag("--kv-pool-tokens", "KV pool size in tokens, preallocated (default 16384)."),
+        flag("--kv-pool-tokens", "KV pool size in tokens (default 16384; on CPU, memory as used)."),
     ] = None,
     kv_dtype: Annotated[
         str | None, flag("--kv-dtype", "KV pool: float32 | bfloat16 | float16 (default float32).")
