@@ -28,7 +28,7 @@ from typing import Generic, Literal, TypeVar
 
 import numpy as np
 
-from cgn_core.text.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile, TensorInfo
 from cgn_infer.models.args import Args
 from cgn_infer.quants import dequantize, q4_groups
 
@@ -79,10 +79,22 @@ def load_weights(
 ) -> ModelWeights[T]:
     """Read, fuse and convert every weight; `progress(done, total)` after each layer."""
 
-    def get(name: str) -> np.ndarray:
+    def info(name: str) -> TensorInfo:
         if name not in gguf.tensors:
             raise GGUFError(f"{gguf.path}: tensor {name} is missing")
-        return dequantize(gguf, name)
+        return gguf.tensors[name]
+
+    # A tied embedding, once dequantized, is kept for the LM head, which converts it again.
+    kept: dict[str, np.ndarray] = {}
+
+    def get(name: str) -> np.ndarray:
+        if name in kept:
+            return kept.pop(name)
+        info(name)
+        a = dequantize(gguf, name)
+        if name == "token_embd.weight" and args.tied_embeddings:
+            kept[name] = a
+        return a
 
     def fused(*names: str) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows of `names` stacked, with their Q4 groups when every part has them."""
@@ -100,14 +112,12 @@ def load_weights(
     def raw_parts(*names: str) -> list[RawPart]:
         parts = []
         for n in names:
-            if n not in gguf.tensors:
-                raise GGUFError(f"{gguf.path}: tensor {n} is missing")
-            info = gguf.tensors[n]
-            rows = gguf.raw(n).reshape(int(np.prod(info.shape[:-1])), -1)
+            t = info(n)
+            rows = gguf.raw(n).reshape(int(np.prod(t.shape[:-1])), -1)
             if rope_pairs and args.rope_neox and n.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = args.n_heads if n.endswith("attn_q.weight") else args.n_kv_heads
                 rows = neox_to_pairs(rows, heads, args.head_dim)  # whole rows: blocks unchanged
-            parts.append(RawPart(n, info.type_name, rows, info.shape[-1]))
+            parts.append(RawPart(n, t.type_name, rows, t.shape[-1]))
         return parts
 
     def weight(role: Role, names: tuple[str, ...], dense: Callable[[], T]) -> T:

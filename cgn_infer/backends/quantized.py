@@ -29,7 +29,8 @@ from cgn_infer.weights import RawPart
 _GROUP = 32
 
 
-def _ptr(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
+def address(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
+    """A tensor's or array's data, as the kernels take it."""
     return ctypes.c_void_p(t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data)
 
 
@@ -48,14 +49,14 @@ def _activation_buffers(m: int, k: int) -> tuple[ctypes.c_void_p, ...]:
         groups = (m, k // _GROUP)
         arrays = (np.empty((m, k), np.int8), np.empty(groups, np.float32),
                   np.empty(groups, np.float32))  # fmt: skip
-        bufs = cache[(m, k)] = (*(_ptr(a) for a in arrays), arrays)  # the arrays stay alive
+        bufs = cache[(m, k)] = (*(address(a) for a in arrays), arrays)  # the arrays stay alive
     return bufs[:3]
 
 
 class QuantMatrix:
     """[out, in] = the parts' rows stacked; `self(x)` = x @ W.T in float32."""
 
-    __slots__ = ("_calls", "cols", "kernels", "out", "parts")
+    __slots__ = ("cols", "kernels", "out", "parts")
 
     def __init__(self, kernels: Kernels, parts: list[RawPart]):
         cols = {p.cols for p in parts}
@@ -64,9 +65,11 @@ class QuantMatrix:
             raise ValueError(f"parts {names} do not share a width divisible by 32")
         self.kernels = kernels
         self.cols = cols.pop()
-        self.parts = [(KERNEL_TYPES[p.type_name], np.ascontiguousarray(p.rows)) for p in parts]
-        self._calls = [(t, rows, _ptr(rows)) for t, rows in self.parts]
-        self.out = sum(rows.shape[0] for _, rows in self.parts)
+        self.parts = []  # (ggml type id, block rows [n, bytes], their address)
+        for p in parts:
+            rows = np.ascontiguousarray(p.rows)
+            self.parts.append((KERNEL_TYPES[p.type_name], rows, address(rows)))
+        self.out = sum(rows.shape[0] for _, rows, _ in self.parts)
 
     @staticmethod
     def supports(parts: list[RawPart]) -> bool:
@@ -79,10 +82,10 @@ class QuantMatrix:
         m, k = x.shape
         lib = self.kernels.lib
         qa, da, sa = _activation_buffers(m, k)
-        lib.cgn_quantize_rows(_ptr(x), m, k, qa, da, sa)
+        lib.cgn_quantize_rows(address(x), m, k, qa, da, sa)
         y = torch.empty((m, self.out), dtype=torch.float32)
         base, col = y.data_ptr(), 0
-        for type_id, rows, ptr in self._calls:
+        for type_id, rows, ptr in self.parts:
             n, row_bytes = rows.shape
             lib.cgn_qmatmul(type_id, ptr, row_bytes, n, k, qa, da, sa, m,
                             ctypes.c_void_p(base + 4 * col), self.out)  # fmt: skip
@@ -91,14 +94,14 @@ class QuantMatrix:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), in] (one part only: an embedding table)."""
-        (type_id, rows), = self.parts  # fmt: skip
+        (type_id, rows, ptr), = self.parts  # fmt: skip
         idx = ids.to(torch.int64).contiguous()
         if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < rows.shape[0]):
             raise IndexError(f"row ids must lie in 0..{rows.shape[0] - 1}")
         out = torch.empty((idx.shape[0], self.cols), dtype=torch.float32)
-        self.kernels.lib.cgn_dequantize_rows(type_id, _ptr(rows), rows.shape[1], self.cols,
-                                             _ptr(idx), idx.shape[0], _ptr(out))  # fmt: skip
+        self.kernels.lib.cgn_dequantize_rows(type_id, ptr, rows.shape[1], self.cols,
+                                             address(idx), idx.shape[0], address(out))  # fmt: skip
         return out
 
     def nbytes(self) -> int:
-        return sum(rows.nbytes for _, rows in self.parts)
+        return sum(rows.nbytes for _, rows, _ in self.parts)

@@ -20,7 +20,6 @@ pairs. Attention scores are unchanged, since q and k are permuted alike.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import warnings
 from collections import Counter
@@ -36,7 +35,7 @@ from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
-from cgn_infer.backends.quantized import QuantMatrix
+from cgn_infer.backends.quantized import QuantMatrix, address
 from cgn_infer.kernels import KERNEL_TYPES
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights, ModelWeights, RawPart, Role, load_weights
@@ -346,16 +345,17 @@ class TorchBackend(SingleSequence):
         pool_k.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
         pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
         q = q.to(self.kv_dtype)
-        out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         if step.paged is not None and self._attend is not None:
             tables, seq, lengths = step.paged
             q = q.contiguous()
             att = torch.empty_like(q)
             self._attend.lib.cgn_attend(
-                _p(q), _p(pool_k), _p(pool_v), _p(tables), tables.shape[1], _p(seq), _p(lengths),
-                n, a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim**-0.5, _p(att),
+                address(q), address(pool_k), address(pool_v), address(tables), tables.shape[1],
+                address(seq), address(lengths), n, a.n_heads, a.n_kv_heads, a.head_dim,
+                a.head_dim**-0.5, address(att),
             )  # fmt: skip
             return _l(layer.wo)(att.view(n, a.q_size))  # [T, D]
+        out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for dec_rows, tables, mask in step.decodes:
             b = dec_rows.shape[0]
             keys = pool_k[tables].view(b, -1, *flat[1:]).transpose(1, 2)  # [B, KVH, S, hd]
@@ -400,7 +400,7 @@ def _paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndar
         length_parts.append(lens)
         tables.extend(tabs)
     seq = np.concatenate(seq_parts)[order]
-    lengths = np.concatenate(length_parts)[order].astype(np.int64)
+    lengths = np.concatenate(length_parts)[order].astype(np.int64, copy=False)
     width = max(len(t) for t in tables)
     padded = np.zeros((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):
@@ -408,10 +408,6 @@ def _paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndar
     if padded.min() < 0 or padded.max() >= pool_blocks or lengths.max() > width * BLOCK_SIZE:
         raise ValueError(f"block tables reach outside the KV pool of {pool_blocks} blocks")
     return padded, seq, lengths
-
-
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def _t(x: Weight | None) -> torch.Tensor:

@@ -36,7 +36,7 @@ static inline float fp16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #ifdef __F16C__
     return _cvtsh_ss(h);
-#endif
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
         if (man == 0) {
@@ -54,6 +54,7 @@ static inline float fp16(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 /* Bytes of one block and values it holds, or 0 for a type without a kernel. */
