@@ -19,6 +19,11 @@ Ranges (NOTE: equal to OpenAI's where OpenAI documents one): temperature
 0..20, n = 1, seed a signed or unsigned 64-bit integer, at most 16 stop
 strings. vLLM's extensions: top_k -1 (off) up to 2**20, min_p 0..1,
 repetition_penalty 0.01..10, stop_token_ids, ignore_eos, priority.
+`logit_bias` maps token ids to -100..100 (at most `MAX_LOGIT_BIAS` of them).
+
+`response_format`, `structured_outputs` (vLLM's field) and the tool fields are known
+here but checked by their own modules: the engine's grammar (cgn_infer.grammar) and
+`cgn_core.openai_tools`.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ _COMMON = frozenset({
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k",
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "user", "priority", "logprobs", "kv_transfer_params",
+    "logit_bias", "response_format", "structured_outputs",
 })  # fmt: skip
 KNOWN_FIELDS = {
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
     "completion": _COMMON | {"prompt", "echo"},
-}
+}  # fmt: skip
+MAX_LOGIT_BIAS = 300  # entries; OpenAI documents no limit, vLLM's default is 300
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 PRIORITY_LIMIT = 1 << 31
 MAX_STOP = 16
@@ -63,6 +71,7 @@ class SamplingFields:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     priority: int
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit
 
 
 def unsupported_fields(kind: str, body: Mapping[str, Any]) -> list[str]:
@@ -113,7 +122,34 @@ def sampling_fields(kind: str, body: Mapping[str, Any]) -> SamplingFields:
         stop_token_ids=frozenset(token_ids),
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
         priority=_int(body, "priority", 0, -PRIORITY_LIMIT, PRIORITY_LIMIT) or 0,
+        logit_bias=_logit_bias(body),
     )
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias in -100..100."""
+    bias = _get(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' accepts at most {MAX_LOGIT_BIAS} tokens",
+                             param="logit_bias")  # fmt: skip
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or not str(key).strip().lstrip("+").isdigit():
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {str(key)[:40]!r}",
+                                 param="logit_bias")  # fmt: skip
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not -100 <= value <= 100
+        ):
+            raise InvalidRequest(f"'logit_bias' values must be numbers in -100..100, got "
+                                 f"{str(value)[:40]}", param="logit_bias")  # fmt: skip
+        out.append((token, float(value)))
+    return tuple(sorted(out))
 
 
 def _get(

@@ -181,7 +181,7 @@ async def _serve_loaded(
             engine.start()
             svc = listener.svc
             svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
-            svc.loaded = Loaded(engine, loaded.codec)
+            svc.loaded = Loaded(engine, loaded.codec, loaded.grammars)
         first = engines[0]
         log.info(
             "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
@@ -203,7 +203,10 @@ async def _serve_loaded(
         announce_ready(ready_file, f"serving {name} on port {ports[0]}",
                        ports={"http": ports[0], **extra}, model=name, engines=ports,
                        transfer_ports=[x.port for x in sources], role=settings.role)  # fmt: skip
+        # the grammar vocabulary (up to a second) is built after ready, off the request path
+        warm = loop.run_in_executor(None, _warm_grammars, loaded)
         await stop.wait()
+        await warm
     finally:
         log.info("shutting down")
         announce_stopping()
@@ -225,6 +228,13 @@ async def _serve_loaded(
                 await asyncio.to_thread(ready_file.unlink)
 
 
+def _warm_grammars(loaded: LoadedModel) -> None:
+    try:
+        loaded.grammars.warm()
+    except Exception:  # NOTE: the first constrained request builds it again, and says why
+        log.exception("could not build the grammar vocabulary")
+
+
 def _engine(
     settings: InferSettings,
     loaded: LoadedModel,
@@ -239,7 +249,7 @@ def _engine(
     return Engine(
         loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=svc.model_name,
         on_kv_events=lambda events: loop.call_soon_threadsafe(hub.publish, events),
-        executor=executor, kvcache=kvcache, restore_cost=restore_cost,
+        executor=executor, kvcache=kvcache, restore_cost=restore_cost, grammars=loaded.grammars,
     )  # fmt: skip
 
 

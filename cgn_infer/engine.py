@@ -38,6 +38,7 @@ from cgn_infer.backends.base import Backend
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.detokenizer import IncrementalText
+from cgn_infer.grammar import Constraint, Grammars
 from cgn_infer.kv_tiering import KvTiering, RestoreCost
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler, SamplingParams
@@ -59,6 +60,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     priority: int = 0  # lower runs sooner
     export_kv: bool = False  # a prefill leg: hand back the prompt's full KV blocks at the end
+    constraint: Constraint | None = None  # a grammar the output must follow (its own state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +140,12 @@ class Engine:
         executor: ThreadPoolExecutor | None = None,
         kvcache: KvCacheClient | None = None,
         restore_cost: RestoreCost | None = None,
+        grammars: Grammars | None = None,
     ):
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
+        self.grammars = grammars
+        # NOTE: masks are computed here while the forward pass runs (llguidance drops the GIL)
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-grammar")
         self.ctx = min(config.ctx, backend.args.ctx_len)
         blocks = max(1, config.kv_pool_tokens // BLOCK_SIZE)
         self.pool = BlockPool(blocks, namespace)
@@ -187,6 +193,7 @@ class Engine:
         if self._done is not None:
             wait([self._done], timeout_s)
         self._executor.shutdown(wait=False)
+        self._masker.shutdown(wait=False)
         if self.tiering is not None:
             self.tiering.close()
 
@@ -298,6 +305,7 @@ class Engine:
         items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
         prefill = sum(len(w.tokens) for w in plan.work if len(w.tokens) > 1)
         started = time.monotonic()
+        masks = self._masks(plan)
         try:
             for r in plan.restores:  # fetched blocks into the pool before anything reads them
                 assert r.seq.restored is not None
@@ -328,7 +336,14 @@ class Engine:
                     m.restored(tier, n)
             if w.sample:
                 try:
-                    sampled[w.seq.id] = active.sampler.sample(row)
+                    constraint = active.job.request.constraint
+                    allowed = None
+                    if constraint is not None and masks is not None:
+                        allowed = masks.result()[w.seq.id]
+                    s = active.sampler.sample(row, allowed)
+                    if constraint is not None and (refused := constraint.advance(s.token)):
+                        raise ValueError(refused)
+                    sampled[w.seq.id] = s
                 except Exception as exc:  # NOTE: this sequence alone fails
                     log.exception("sampling failed for one sequence")
                     failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}"))
@@ -342,6 +357,24 @@ class Engine:
         for sid, s in sampled.items():
             self._emit_token(self._active[sid], s, now)
 
+    def _masks(self, plan: Plan) -> Future[dict[SeqId, Any]] | None:
+        """The grammar masks of the rows this step samples under a constraint, computed on
+        the masking thread while the forward pass runs (None: no such row)."""
+        rows = [
+            (w.seq.id, c)
+            for w in plan.work
+            if w.sample and (c := self._active[w.seq.id].job.request.constraint) is not None
+        ]
+        if not rows or self.grammars is None:
+            return None
+        grammars = self.grammars
+
+        def fill() -> dict[SeqId, Any]:
+            masks = grammars.fill([c for _, c in rows])
+            return {sid: grammars.allowed(m) for (sid, _), m in zip(rows, masks, strict=True)}
+
+        return self._masker.submit(fill)
+
     def _emit_token(self, active: _Active, sampled: Sampled, now: float) -> None:
         m, seq = self.metrics, active.seq
         (m.ttft if len(seq.output) == 1 else m.itl).observe(now - active.last)
@@ -352,7 +385,8 @@ class Engine:
             return
         delta, hit = active.text.add(sampled.token)
         active.job.emit(TokenEvent(delta, sampled))
-        if hit:
+        constraint = active.job.request.constraint
+        if hit or (constraint is not None and constraint.done):
             self._finish(active, "stop")
         elif len(seq.output) >= seq.max_tokens:
             self._finish(active, "length")

@@ -12,6 +12,7 @@ from cgn_core.errors import ConfigError
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.backends.base import Backend
+from cgn_infer.grammar import Grammars
 from cgn_infer.models import args_from_gguf
 from cgn_infer.settings import InferSettings
 
@@ -20,6 +21,7 @@ from cgn_infer.settings import InferSettings
 class LoadedModel:
     backend: Backend
     codec: PromptCodec
+    grammars: Grammars  # structured outputs over this model's vocabulary
 
 
 def load_model(
@@ -62,7 +64,7 @@ def load_model(
     except BaseException:  # a failed load leaves no file open
         gguf.close()
         raise
-    return LoadedModel(backend, codec)
+    return LoadedModel(backend, codec, Grammars(codec.tokenizer, args.vocab_size))
 
 
 def _require(module: str, hint: str) -> None:

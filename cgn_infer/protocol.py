@@ -15,7 +15,9 @@ from typing import Any, Literal
 from cgn_core.errors import InvalidRequest
 from cgn_core.kv_transfer import FIELD, TransferParams, parse_transfer_params
 from cgn_core.openai_request import sampling_fields, unsupported_fields
+from cgn_core.openai_tools import NO_TOOLS, ToolFields, tool_fields
 from cgn_core.text.prompt import chat_messages, completion_prompt
+from cgn_infer.grammar import GrammarSpec, request_grammar
 from cgn_infer.sampling import SamplingParams
 
 Kind = Literal["chat", "completion"]
@@ -37,6 +39,8 @@ class ParsedRequest:
     include_usage: bool
     priority: int = 0  # lower runs sooner (vLLM's meaning); the router's x-cgn-priority wins
     kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv_transfer)
+    tools: ToolFields = NO_TOOLS  # chat only
+    grammar: GrammarSpec | None = None  # structured output or forced tool calls
 
 
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:
@@ -53,6 +57,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
             param=unknown[0],
         )
     f = sampling_fields(kind, body)
+    tools = tool_fields(body) if kind == "chat" else NO_TOOLS
     if kind == "chat":
         messages, text, ids = chat_messages(body), None, None
     else:
@@ -75,6 +80,8 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         include_usage=f.include_usage,
         priority=f.priority,
         kv_transfer=_transfer(body, f.stream),
+        tools=tools,
+        grammar=request_grammar(body, tools),
     )
 
 

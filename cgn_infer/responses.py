@@ -7,8 +7,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_core.openai_tools import NO_TOOLS, ToolFields
 from cgn_infer.engine import FinishEvent, TokenEvent
 from cgn_infer.protocol import Kind
+from cgn_infer.tool_parsers import ToolCall, ToolParser, parser_for, split
 
 _OBJECT = {
     ("chat", False): "chat.completion",
@@ -29,6 +31,13 @@ class ResponseBuilder:
     text: list[str] = field(default_factory=list)
     lp_items: list[Any] = field(default_factory=list)
     _offset: int = 0
+    tools: ToolFields = NO_TOOLS
+    _parser: ToolParser | None = None
+    _calls: int = 0  # tool calls streamed so far
+
+    def __post_init__(self) -> None:
+        if self.kind == "chat" and self.tools.rendered:
+            self._parser = parser_for(t["function"]["name"] for t in self.tools.tools)
 
     @property
     def response_id(self) -> str:
@@ -81,6 +90,14 @@ class ResponseBuilder:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 delta["content"] = text
                 choice["delta"] = delta
+            elif self._parser is not None:
+                content, calls = split([*self._parser.feed(text), *self._parser.finish()])
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["content"] = content.strip() or None
+                    message["tool_calls"] = [_call_json(c) for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+                choice["message"] = message
             else:
                 choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -97,16 +114,37 @@ class ResponseBuilder:
             return None
         return self._envelope(True, [self._choice("", None, [], True, True)])
 
-    def token_chunk(self, ev: TokenEvent) -> dict[str, Any] | None:
+    def token_chunks(self, ev: TokenEvent) -> list[dict[str, Any]]:
+        """The chunks one token adds: its text (and logprobs), and any tool call it completed."""
         lp = [self._logprob_entry(ev)] if self.logprobs else []
-        if not ev.text and not lp:
-            return None
-        return self._envelope(True, [self._choice(ev.text, None, lp, False, True)])
+        return self._text_chunks(ev.text, lp)
 
-    def finish_chunk(self, ev: FinishEvent) -> dict[str, Any]:
-        choice = self._choice(ev.text, _reason(ev), [], False, True)
+    def finish_chunks(self, ev: FinishEvent) -> list[dict[str, Any]]:
+        """The held-back text and calls, then the chunk with the finish reason."""
+        chunks = self._text_chunks(ev.text, [], final=True)
+        reason = _reason(ev)
+        if self._calls and reason == "stop":
+            reason = "tool_calls"
+        choice = self._choice("", reason, [], False, True)
         choice["logprobs"] = None
-        return self._envelope(True, [choice])
+        return [*chunks, self._envelope(True, [choice])]
+
+    def _text_chunks(self, text: str, lp: list[Any], final: bool = False) -> list[dict[str, Any]]:
+        if self._parser is None:
+            if not text and not lp:
+                return []
+            return [self._envelope(True, [self._choice(text, None, lp, False, True)])]
+        pieces = self._parser.feed(text) + (self._parser.finish() if final else [])
+        content, calls = split(pieces)
+        chunks = []
+        if content or lp:
+            chunks.append(self._envelope(True, [self._choice(content, None, lp, False, True)]))
+        for call in calls:
+            choice = self._choice("", None, [], False, True)
+            choice["delta"] = {"tool_calls": [{"index": self._calls, **_call_json(call)}]}
+            chunks.append(self._envelope(True, [choice]))
+            self._calls += 1
+        return chunks
 
     def usage_chunk(self, ev: FinishEvent) -> dict[str, Any]:
         body = self._envelope(True, [])
@@ -125,6 +163,14 @@ class ResponseBuilder:
         body = self._envelope(False, [self._choice(text, _reason(ev), self.lp_items, True, False)])
         body["usage"] = usage(ev)
         return body
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def _reason(ev: FinishEvent) -> str:

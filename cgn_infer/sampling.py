@@ -1,12 +1,14 @@
 """Token sampling from one logits vector: penalties, temperature, top-k, top-p, min-p.
 
-Order (as vLLM applies them): repetition penalty (over prompt and output),
+Order (as vLLM applies them): `logit_bias` and a grammar's mask (tokens it rules out
+get -inf), repetition penalty (over prompt and output),
 presence and frequency penalties (output only), then greedy if temperature is
 0, else temperature scaling, top-k, top-p (nucleus), min-p, and a draw from
 the renormalised distribution with the request's own seeded generator (so a
 `seed` reproduces a generation). Log-probabilities reported to the client are
-those of the model's distribution after penalties, before temperature and
-truncation (OpenAI's and vLLM's convention).
+those of the model's distribution after bias, mask and penalties, before
+temperature and truncation (OpenAI's and vLLM's convention): under a grammar they
+are over the tokens it allowed.
 
 Numerics: a temperature under `MIN_TEMPERATURE` samples greedily (vLLM's
 cut-off; dividing by 1e-300 would overflow every logit to inf), a negative
@@ -37,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the sampled token's only; n: plus top n
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:
@@ -63,10 +66,20 @@ class Sampler:
         seed = self.params.seed
         self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
 
-    def sample(self, logits: np.ndarray) -> Sampled:
-        """Pick the next token from float32 `logits` [vocab] and record it."""
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> Sampled:
+        """Pick the next token from float32 `logits` [vocab] and record it; `allowed` (bool
+        [vocab], from a grammar) rules every other token out."""
         p = self.params
         x = logits.astype(np.float32, copy=True)
+        if p.logit_bias:
+            ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64)
+            x[ids] += np.fromiter((b for _, b in p.logit_bias), dtype=np.float32)
+        if allowed is not None:
+            n = min(allowed.size, x.size)
+            if not allowed[:n].any():
+                raise ValueError("the grammar allows no next token")
+            x[:n][~allowed[:n]] = -np.inf
+            x[n:] = -np.inf
         if p.repetition_penalty != 1.0:
             seen = np.fromiter(set(self.prompt) | set(self.counts), dtype=np.int64)
             if seen.size:
@@ -88,7 +101,8 @@ class Sampler:
             k = min(p.logprobs, x.size)
             idx = np.argpartition(-logprobs, k - 1)[:k]
             idx = idx[np.argsort(-logprobs[idx], kind="stable")]
-            top = tuple((int(i), float(logprobs[i])) for i in idx)
+            # NOTE: tokens a grammar or a bias of -100 ruled out are not alternatives
+            top = tuple((int(i), float(logprobs[i])) for i in idx if np.isfinite(logprobs[i]))
         return Sampled(token, float(logprobs[token]), top)
 
     def _draw(self, x: np.ndarray) -> int:

@@ -42,6 +42,7 @@ from cgn_core.kv_transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv_transfer import TransferParams
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
+from cgn_infer.grammar import Grammars
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
@@ -59,6 +60,7 @@ class Loaded:
 
     engine: Engine
     codec: PromptCodec
+    grammars: Grammars | None = None  # structured outputs; None: refused with a 400
 
 
 @dataclass(slots=True)
@@ -87,8 +89,13 @@ class InferenceService:
         if self.loaded is None:
             raise Unavailable("the model is still loading")
         tok = self.loaded.codec.tokenizer
+        if bad := [t for t, _ in req.params.logit_bias if t >= tok.vocab_size]:
+            raise InvalidRequest(
+                f"'logit_bias' names token {bad[0]}; this model's vocabulary has "
+                f"{tok.vocab_size} tokens", param="logit_bias",
+            )  # fmt: skip
         if req.kind == "chat":
-            prompt = self.loaded.codec.encode_chat(req.messages)
+            prompt = self.loaded.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
             prompt = self.loaded.codec.encode_text(req.prompt_text)
         else:
@@ -122,7 +129,14 @@ class InferenceService:
                 param="max_tokens" if kv_room >= 1 else "messages",
             )
         transfer = req.kv_transfer
+        constraint = None
+        if req.grammar is not None:
+            if self.loaded.grammars is None:
+                raise InvalidRequest(f"'{req.grammar.origin}' is not supported by this engine",
+                                     param=req.grammar.origin)  # fmt: skip
+            constraint = self.loaded.grammars.constraint(req.grammar)
         return GenerationRequest(
+            constraint=constraint,
             export_kv=transfer is not None and transfer.do_remote_decode,
             prompt=tuple(prompt),
             params=req.params,
@@ -222,10 +236,14 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
     svc.check_transfer(parsed.kv_transfer, trusted)
-    if len(raw) < OFF_LOOP_BYTES:
+    grammars = svc.loaded.grammars if svc.loaded is not None else None
+    compiles = (
+        parsed.grammar is not None and grammars is not None and not grammars.cached(parsed.grammar)
+    )
+    if len(raw) < OFF_LOOP_BYTES and not compiles:
         gen = svc.prepare(parsed)
-    else:  # templating and tokenizing a long prompt would stall every other stream
-        gen = await asyncio.to_thread(svc.prepare, parsed)
+    else:  # templating and tokenizing a long prompt, or compiling a grammar, would stall
+        gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
     restored, note = await svc.restore(gen, parsed.kv_transfer)
     headers = {TRANSFER_HEADER: note} if note else {}
     assert svc.loaded is not None
@@ -234,6 +252,7 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         svc.model_name,
         svc.loaded.codec.tokenizer.token_text,
         parsed.params.logprobs is not None,
+        tools=parsed.tools,
     )
     if not parsed.stream:
         async for ev in svc.generate(gen, restored):
@@ -259,7 +278,7 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         await _send(resp, first)
     async for ev in svc.generate(gen, restored):
         if isinstance(ev, TokenEvent):
-            if (chunk := build.token_chunk(ev)) is not None:
+            for chunk in build.token_chunks(ev):
                 await _send(resp, chunk)
             continue
         if ev.reason == "error":
@@ -275,7 +294,8 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
                 },
             )
         else:
-            await _send(resp, build.finish_chunk(ev))
+            for chunk in build.finish_chunks(ev):
+                await _send(resp, chunk)
             if parsed.include_usage:
                 await _send(resp, build.usage_chunk(ev))
     await resp.write(b"data: [DONE]\n\n")

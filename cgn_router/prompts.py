@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from cgn_core.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace
 from cgn_core.errors import InvalidRequest
+from cgn_core.openai_tools import tool_fields
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
 
 Method = Literal["token_ids", "tokenizer", "chars", "none"]
@@ -48,7 +49,8 @@ class PromptHasher:
             if kind == "chat":
                 messages = chat_messages(body)
                 if self.codec is not None:
-                    return self._tokens(self.codec.encode_chat(messages), "tokenizer")
+                    tools = tool_fields(body).rendered  # part of the prompt the engine hashes
+                    return self._tokens(self.codec.encode_chat(messages, tools), "tokenizer")
                 joined = "".join(f"\x00{m['role']}\x00{m['content']}" for m in messages)
                 return self._chars(joined)
             if kind == "completion":

@@ -79,6 +79,10 @@ FIELDS: dict[str, Any] = {
     "priority": st.integers(-(1 << 40), 1 << 40) | ANY,
     "user": st.text(max_size=8) | ANY,
     "tools": ANY,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | ANY,
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}]) | ANY,
+    "structured_outputs": st.fixed_dictionaries({"regex": st.text(max_size=6)}) | ANY,
+    "logit_bias": st.dictionaries(st.integers(-2, 60000).map(str), st.floats(-200, 200)) | ANY,
 }
 # NOTE: max_tokens is always small or refused: an absent one means "up to the context".
 BODIES = st.fixed_dictionaries(

@@ -109,10 +109,10 @@ def test_a_failing_sampler_fails_only_its_request(
 ) -> None:
     real = Sampler.sample
 
-    def sample(self: Sampler, logits: np.ndarray) -> object:
+    def sample(self: Sampler, logits: np.ndarray, allowed: np.ndarray | None = None) -> object:
         if self.params.seed == 666:
             raise FloatingPointError("poisoned")
-        return real(self, logits)
+        return real(self, logits, allowed)
 
     monkeypatch.setattr(Sampler, "sample", sample)
     bad = run(engine, SamplingParams(seed=666))
@@ -219,7 +219,9 @@ def test_issue_reproductions_are_served(sim_url: str, extra: dict[str, object]) 
             "'stream_options.include_usage' must be bool",
         ),
         ({"stream_options": {"include_usage": True}}, "only allowed when 'stream' is true"),
-        ({"tools": [], "logit_bias": {}}, "unsupported fields: logit_bias, tools"),
+        ({"functions": [], "audio": {}}, "unsupported fields: audio, functions"),
+        ({"tools": []}, "'tools' must be a non-empty list"),
+        ({"logit_bias": {"x": 1}}, "'logit_bias' keys must be token ids"),
         ({"priority": 1 << 40}, "'priority' must be at most"),
     ],
 )

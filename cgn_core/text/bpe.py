@@ -145,3 +145,24 @@ class BpeCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tk.decode(list(ids), skip_special_tokens=False))
+
+    def token_bytes(self, piece: str) -> bytes:
+        """The bytes a vocabulary piece stands for (byte-level BPE writes each byte as a
+        printable character; a piece outside that alphabet is taken as UTF-8 text)."""
+        try:
+            return bytes(_UNICODE_BYTES[c] for c in piece)
+        except KeyError:
+            return piece.encode("utf-8")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the
+    other 68 are shifted past U+0100 in order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+_UNICODE_BYTES = _byte_alphabet()

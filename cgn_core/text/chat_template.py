@@ -51,6 +51,8 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequest(f"the model's chat template does not compile: {exc}") from None
         self.bos_token, self.eos_token = bos_token, eos_token
+        # NOTE: a template that never reads `tools` would drop them silently
+        self.renders_tools = "tools" in self.source
 
     def render(
         self,

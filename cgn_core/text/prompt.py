@@ -7,11 +7,13 @@ the same request: the same message normalisation, chat template and tokenizer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cgn_core.errors import InvalidRequest
+from cgn_core.openai_tools import history_message
 from cgn_core.text.chat_template import ChatTemplate
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
@@ -40,13 +42,57 @@ class PromptCodec:
         )
         return cls(tokenizer, template)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the templated conversation (the template writes any BOS itself)."""
-        return self.tokenizer.encode(self.template.render(messages), add_bos=False)
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of the templated conversation (the template writes any BOS itself).
+        `tools` go to a template that renders them; any other template gets them as a
+        system message in the Hermes format (`fallback_tool_messages`)."""
+        if tools and not self.template.renders_tools:
+            messages, tools = fallback_tool_messages(messages, tools), None
+        return self.tokenizer.encode(self.template.render(messages, tools=tools), add_bos=False)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a completion prompt (BOS added where the model wants one)."""
         return self.tokenizer.encode(text)
+
+
+FALLBACK_TOOLS = """You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def fallback_tool_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """A conversation with tools for a template that has no tool section: the tools as a
+    system message (joined to the caller's own system message), earlier calls and results
+    as text in the same Hermes format the model is asked to answer in."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    text = FALLBACK_TOOLS.format(tools=listing)
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    for m in out:
+        for call in m.pop("tool_calls", None) or ():
+            body = json.dumps(call["function"], ensure_ascii=False)
+            m["content"] = f"{m['content']}\n<tool_call>\n{body}\n</tool_call>".lstrip("\n")
+        if m["role"] == "tool":
+            m["role"], m["content"] = "user", f"<tool_response>\n{m['content']}\n</tool_response>"
+    return out
 
 
 def chat_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -82,6 +128,7 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
             content = ""
         if not isinstance(content, str):
             raise InvalidRequest(f"{where}.content must be a string", param=where)
+        msg = history_message(msg, where)
         out.append({**msg, "role": "system" if role == "developer" else role, "content": content})
     return tuple(out)
 

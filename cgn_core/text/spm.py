@@ -100,6 +100,13 @@ class SpmCodec:
             for b in piece.encode("utf-8"):
                 out.append(self.byte_ids.get(b, self.unk))
 
+    def token_bytes(self, piece: str) -> bytes:
+        """The bytes a vocabulary piece stands for (`<0xXX>` byte tokens included)."""
+        i = self.vocab.get(piece)
+        if i is not None and i in self.byte_of:
+            return bytes([self.byte_of[i]])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def decode(self, ids: Sequence[int]) -> str:
         buf = bytearray()
         for i in ids:

@@ -22,6 +22,7 @@ CONTROL, USER_DEFINED = 3, 4
 class Codec(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def token_bytes(self, piece: str) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,17 @@ class GGUFTokenizer:
         if token_id in self._control:
             return ""
         return self._codec.decode([token_id])
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id; a control token (BOS, EOS, <|im_end|>) is its name
+        behind a 0xFF byte, which no text contains (llguidance's and llama.cpp's convention),
+        so a grammar over text can never produce one."""
+        return [
+            b"\xff" + piece.encode("utf-8")
+            if i in self._control
+            else self._codec.token_bytes(piece)
+            for i, piece in enumerate(self.pieces)
+        ]
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised."""
