@@ -94,7 +94,7 @@ class ResponseBuilder:
                 content, calls = split([*self._parser.feed(text), *self._parser.finish()])
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
-                    message["content"] = content.strip() or None
+                    message["content"] = content or None  # as streamed: see tool_parsers
                     message["tool_calls"] = [_call_json(c) for c in calls]
                     finish = "tool_calls" if finish == "stop" else finish
                 choice["message"] = message

@@ -75,11 +75,13 @@ class HermesParser:
         return out
 
     def _content(self, text: str) -> None:
-        if not text.strip():  # maybe only the newline between two calls: not content
-            self._space += text
-        else:
-            self._out.append(self._space + text)
+        # NOTE: trailing whitespace waits: it is dropped if a call follows (it only
+        # separated the two), whatever the stream's split
+        body = text.rstrip()
+        if body:
+            self._out.append(self._space + body)
             self._space = ""
+        self._space += text[len(body) :]
 
     def _block(self, body: str, *, closed: bool) -> None:
         call = _call(body, self.names)
