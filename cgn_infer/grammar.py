@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +226,6 @@ class Grammars:
         self._cache: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
-        self.compile_seconds: list[float] = []  # drained into metrics by the server
 
     @property
     def vocab(self) -> llg.LLTokenizer:
@@ -262,9 +261,12 @@ class Grammars:
         with self._lock:
             return spec.key in self._cache
 
-    def constraint(self, spec: GrammarSpec) -> Constraint:
+    def constraint(
+        self, spec: GrammarSpec, on_compile: Callable[[float], object] | None = None
+    ) -> Constraint:
         """A fresh state of `spec`'s grammar, compiled on first use (the GIL is released
-        meanwhile); a grammar llguidance cannot build is a 400 naming why."""
+        meanwhile; `on_compile` gets the seconds it took); a grammar llguidance cannot build
+        is a 400 naming why."""
         key = spec.key
         with self._lock:
             compiled = self._cache.get(key)
@@ -283,7 +285,8 @@ class Grammars:
         if compiled.is_error():
             why = _one_line([compiled.get_error()])
             raise InvalidRequest(f"'{spec.origin}' is not supported: {why}", param=spec.origin)
-        self.compile_seconds.append(time.perf_counter() - started)
+        if on_compile is not None:
+            on_compile(time.perf_counter() - started)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.cache_entries:

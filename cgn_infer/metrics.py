@@ -99,6 +99,15 @@ class EngineMetrics:
             "cgn_infer_kv_offload_dropped", "Blocks not offered (queue full, kvcached down)."
         )
 
+        # structured outputs (grammar.py)
+        self.constrained = counter(
+            "cgn_infer_constrained_requests", "Requests generated under a grammar (formats, tools)."
+        )
+        self.grammar_compile_seconds = hist(
+            "cgn_infer_grammar_compile_seconds", "Time to compile a grammar not in the cache.",
+            _LATENCY,
+        )  # fmt: skip
+
         # prefill/decode disaggregation (transfer.py)
         self.kv_transfer_held = counter(
             "cgn_infer_kv_transfer_held_blocks", "Blocks held for decode engines (prefill legs)."

@@ -134,7 +134,10 @@ class InferenceService:
             if self.loaded.grammars is None:
                 raise InvalidRequest(f"'{req.grammar.origin}' is not supported by this engine",
                                      param=req.grammar.origin)  # fmt: skip
-            constraint = self.loaded.grammars.constraint(req.grammar)
+            constraint = self.loaded.grammars.constraint(
+                req.grammar, self.metrics.grammar_compile_seconds.observe
+            )
+            self.metrics.constrained.inc()
         return GenerationRequest(
             constraint=constraint,
             export_kv=transfer is not None and transfer.do_remote_decode,

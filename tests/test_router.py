@@ -410,7 +410,11 @@ def test_engine_killed_before_the_first_byte_is_retried_elsewhere(
     router: Router, victims: tuple[str, dict[str, Any]]
 ) -> None:
     model, procs = victims
-    body = {"model": model, "prompt": "a long answer", "max_tokens": 60, "ignore_eos": True}
+    # NOTE: the schema (a string no 60 tokens can finish) must reach the engine that retries
+    long_string = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "string", "minLength": 2000}}}  # fmt: skip
+    body = {"model": model, "prompt": "a long answer", "max_tokens": 60, "ignore_eos": True,
+            "response_format": long_string}  # fmt: skip
     result: list[Any] = []
 
     async def call() -> None:
@@ -430,6 +434,7 @@ def test_engine_killed_before_the_first_byte_is_retried_elsewhere(
     asyncio.run(scenario())
     (status, landed, doc), victim = result
     assert status == 200 and landed != victim and doc["usage"]["completion_tokens"] == 60
+    assert doc["choices"][0]["text"].startswith('"')
     assert endpoints(router)[victim]["breaker"] == "open"
 
 

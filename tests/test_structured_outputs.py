@@ -23,6 +23,7 @@ from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.grammar import Grammars, GrammarSpec, request_grammar
 from cgn_infer.sampling import Sampler, SamplingParams
+from harness.metrics import metric
 from harness.procs import cgn_infer
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -263,7 +264,7 @@ def ask(client: openai.OpenAI, case: dict[str, Any], stream: bool = False) -> tu
     return "".join(text), finish
 
 
-def test_schema_corpus_answers_validate(client: openai.OpenAI) -> None:
+def test_schema_corpus_answers_validate(client: openai.OpenAI, base_url: str) -> None:
     """All schemas at once, 8 in flight (constrained rows share batched steps). Every
     finished answer validates; SmolLM2-135M greedy runs away in an unbounded string or
     number on a few schemas, which `max_tokens` ends (a valid prefix, 'length')."""
@@ -277,6 +278,9 @@ def test_schema_corpus_answers_validate(client: openai.OpenAI) -> None:
         else:
             assert finish == "length", (case["name"], finish)
     assert len(CORPUS) >= 50 and finished >= 0.9 * len(CORPUS), (finished, len(CORPUS))
+    assert metric(base_url, "cgn_infer_constrained_requests_total") >= len(CORPUS)
+    compiles = metric(base_url, "cgn_infer_grammar_compile_seconds_count")
+    assert compiles == len(CORPUS)  # each schema compiled once (the module's first use)
 
 
 def test_streamed_answers_equal_whole_ones(client: openai.OpenAI) -> None:
@@ -305,6 +309,20 @@ def test_json_object_and_vllm_fields(client: openai.OpenAI) -> None:
                                            extra_body={"structured_outputs": so})  # fmt: skip
         text = r.choices[0].message.content or ""
         assert check(text) and r.choices[0].finish_reason == "stop", (so, text)
+
+
+def test_logprobs_under_a_constraint_cover_only_allowed_tokens(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick one."}], max_tokens=4,  # type: ignore[list-item]
+        temperature=0, logprobs=True, top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["apple", "banana"]}},
+    )  # fmt: skip
+    assert r.choices[0].message.content in ("apple", "banana")
+    assert r.choices[0].logprobs is not None
+    first = r.choices[0].logprobs.content[0]  # type: ignore[index]
+    assert first.top_logprobs and all(
+        "apple".startswith(t.token) or "banana".startswith(t.token) for t in first.top_logprobs
+    ), first.top_logprobs
 
 
 def test_constrained_and_free_rows_in_one_batch_equal_alone(client: openai.OpenAI) -> None:
