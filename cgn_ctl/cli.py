@@ -279,21 +279,26 @@ def up(
         float,
         typer.Option("--kv-ssd-gib", help="Its SSD tier, under the state dir (0: RAM only)."),
     ] = 2.0,
+    metrics_port: Annotated[
+        int, typer.Option("--metrics-port", help="The dashboard's port (cgn-metrics).")
+    ] = 9092,
     state_dir: Annotated[
         Path | None, flag("--state-dir", "Where up keeps etcd data, logs, up.json.")
     ] = None,
     config: Config = None,
 ) -> None:
-    """Start a cluster on this machine (etcd, router, agent, a model) and wait until it serves.
+    """Start a cluster on this machine (etcd, router, agent, cgn-metrics, a model) and wait
+    until it serves.
 
-    Prints the OpenAI base URL, an API key and a curl line. `cgn-ctl down` stops it all.
+    Prints the OpenAI base URL, an API key, the dashboard's URL and a curl line. `cgn-ctl
+    down` stops it all.
     """
     from cgn_ctl import up as up_mod
 
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     opts = up_mod.UpOptions(
         state_dir or settings.state_dir, model, name, port, admin_port, agent_port, etcd, etcd_port,
-        join, threads, timeout, node_id, kv_ram_gib, kv_ssd_gib,
+        join, threads, timeout, node_id, kv_ram_gib, kv_ssd_gib, metrics_port,
     )  # fmt: skip
     try:
         doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
@@ -305,7 +310,8 @@ def up(
     typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}")
     typer.echo(f"etcd:       {doc['etcd']}")
     typer.echo(f"router admin: {doc.get('router_admin', '-')} (/metrics, /endpoints)")
-    typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}\n")
+    typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}")
+    typer.echo(f"dashboard:    {doc.get('dashboard', '-')}\n")
     typer.echo(f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{doc['model']}\", "
                f"\"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}]}}'")  # fmt: skip

@@ -9,7 +9,7 @@ notification socket from its engines. The embedded etcd is Type=simple. Hardenin
 dedicated user, NoNewPrivileges, a read-only system, private /tmp, state
 under /var/lib/cognitora/<service>, configuration in /etc/cognitora.
 cgn-kvcached (the node's KV block store; its SSD tier under
-/var/lib/cognitora/kv) is Type=notify too; cgn-metrics gets its unit with the daemon.
+/var/lib/cognitora/kv) and cgn-metrics (the fleet dashboard) are Type=notify too.
 
 systemd/ in the repository holds the units rendered for /opt/cognitora/bin
 (`render(in_directory(Path("/opt/cognitora/bin")), Path("/opt/cognitora/bin/etcd"))`;
@@ -124,6 +124,23 @@ StateDirectory=cognitora/kv
 [Install]
 WantedBy=cognitora.target
 """,
+    "cgn-metrics.service": """\
+[Unit]
+Description=Cognitora fleet metrics and dashboard (scrapes the fleet found in etcd)
+PartOf=cognitora.target
+After=network-online.target cognitora-etcd.service
+
+[Service]
+Type=notify
+ExecStart={cgn_metrics} serve --config /etc/cognitora/metrics.yaml
+Restart=always
+RestartSec=2
+TimeoutStopSec=15
+StateDirectory=cognitora/metrics
+{hardening}
+[Install]
+WantedBy=cognitora.target
+""",
     "cgn-infer@.service": """\
 [Unit]
 Description=Cognitora standalone engine %i (settings in /etc/cognitora/infer-%i.yaml)
@@ -149,7 +166,7 @@ WantedBy=cognitora.target
 }
 
 
-EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-kvcached", "cgn-infer")
+EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-kvcached", "cgn-metrics", "cgn-infer")
 
 
 def render(paths: Mapping[str, Path], etcd: Path | None, user: str = "cognitora") -> dict[str, str]:

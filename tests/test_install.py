@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from cgn_core.etcd.local import free_ports
 from cgn_core.process import fingerprint_from_json, matches
+from harness.poll import until
 from harness.procs import runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(900)]
@@ -118,7 +120,21 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
         st = json.loads(ctl("status", "--state-dir", str(state), "--json").stdout)
         alive = {p["name"] for p in st["local_processes"] if p["alive"]}
-        assert alive == {"etcd", "router", "agent"}
+        assert alive == {"etcd", "router", "agent", "metrics"}
+        # the dashboard: its page, and the fleet it shows (this node, the model Ready)
+        dashboard = record["dashboard"]
+        assert f"dashboard:    {dashboard}" in up.stdout
+        assert "Cognitora fleet" in httpx.get(dashboard, timeout=10).text
+        fleet = until(
+            "the dashboard sees the replica",
+            lambda: (
+                (v := httpx.get(dashboard + "api/v1/fleet", timeout=10).json()).get("models") and v
+            ),
+            timeout_s=30,
+        )
+        assert [(m["model"], m["ready"]) for m in fleet["models"]] == [("smollm2", 1)]
+        assert {n["node"]: n["state"] for n in fleet["nodes"]} == {record["node"]: "Ready"}
+        assert any(t["kind"] == "router" and t["state"] == "up" for t in fleet["targets"])
         assert st["models"][0]["model"] == "smollm2" and st["models"][0]["ready"] == 1
         store = json.loads((state / "agent" / "kvcached.ready").read_text())  # the node's store
         assert runs(store["pid"], "cgn-kvcached")
@@ -137,7 +153,7 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
     finally:
         down = ctl("down", "--state-dir", str(state), timeout=120)
     assert down.returncode == 0, down.stderr
-    assert down.stdout.strip() == "stopped: agent, router, etcd"
+    assert down.stdout.strip() == "stopped: metrics, agent, router, etcd"
     for p in record.get("processes", []):
         assert not matches(fingerprint_from_json(p["fingerprint"])), p["name"]
     for rec in (state / "agent" / "replicas").glob("*.json"):  # the engine the agent ran

@@ -21,11 +21,12 @@ def test_installed_units_verify(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["cgn-agent.service", "cgn-infer@.service", "cgn-kvcached.service",
-                     "cgn-router.service", "cognitora-etcd.service", "cognitora.target"]  # fmt: skip
+                     "cgn-metrics.service", "cgn-router.service", "cognitora-etcd.service",
+                     "cognitora.target"]  # fmt: skip
     (tmp_path / "cgn-infer@demo.service").write_text((tmp_path / "cgn-infer@.service").read_text())
     files = [str(tmp_path / n) for n in ("cognitora.target", "cognitora-etcd.service",
              "cgn-router.service", "cgn-agent.service", "cgn-kvcached.service",
-             "cgn-infer@demo.service")]  # fmt: skip
+             "cgn-metrics.service", "cgn-infer@demo.service")]  # fmt: skip
     check = subprocess.run([analyze, "verify", "--man=no", *files], capture_output=True, text=True,
                            timeout=60)  # fmt: skip
     assert check.returncode == 0 and not check.stderr.strip(), check.stderr

@@ -1,0 +1,179 @@
+"""`cgn-metrics serve`: discover, scrape, summarize, serve; until SIGTERM.
+
+Each round (every `scrape_interval_s`): the fleet is read from etcd (with
+discovery `etcd`; when etcd does not answer, the last fleet is kept and the page
+says so), every target's /metrics is scraped, the fleet view is recomputed and
+its scalars appended to the history rings; the file_sd list is rewritten when
+the targets changed. A round that fails is logged and the next one runs: no
+target, record or etcd outage stops the loop, and /health says when the loop
+itself has not completed a round for three intervals.
+
+Memory: each kept series of each target holds window_s / scrape_interval_s + 2
+points, each history series retention_s / scrape_interval_s points (720 by
+default), 16 bytes a point: about 12 KiB per history series and 0.2 KiB per
+target series (100 engines of ~200 kept series each: ~4 MiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cgn_core import keys
+from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.etcd.client import EtcdClient
+from cgn_core.files import atomic_write_text
+from cgn_core.readiness import announce_ready, announce_stopping
+from cgn_core.records import RecordLog
+from cgn_core.tls import client_ssl_context
+from cgn_metrics.fleet import Scraped, history_points, summarize
+from cgn_metrics.scrape import Scraper
+from cgn_metrics.series import Ring
+from cgn_metrics.settings import MetricsSettings
+from cgn_metrics.targets import Fleet, Target, file_sd, fleet_from_records, static_targets
+
+log = logging.getLogger(__name__)
+EMPTY = Fleet((), {}, {})
+
+
+class Monitor:
+    """The state the HTTP side reads: the latest view, the history, the loop's health."""
+
+    def __init__(self, settings: MetricsSettings, static: list[Target]):
+        self.settings = settings
+        self.static = static
+        self.fleet = EMPTY
+        self.etcd_error = ""
+        self.view: dict[str, Any] = {}
+        self.points = max(2, int(settings.retention_s / settings.scrape_interval_s))
+        self.history: dict[str, Ring] = {}
+        self.last_round = 0.0
+        self.rounds = 0
+        self.scraped: dict[str, Scraped] = {}  # the scraper's, for /federate
+        self._file_sd = ""
+
+    def record(self, view: dict[str, Any]) -> None:
+        self.view = view
+        for name, value in history_points(view).items():
+            ring = self.history.get(name)
+            if ring is None:
+                ring = self.history[name] = Ring(self.points)
+            ring.append(view["time"], value)
+        self.last_round = time.monotonic()
+        self.rounds += 1
+
+    def healthy(self) -> tuple[bool, str]:
+        stale = time.monotonic() - self.last_round
+        if (
+            self.rounds
+            and stale > 3 * self.settings.scrape_interval_s + self.settings.scrape_timeout_s
+        ):
+            return False, f"no scrape round completed for {stale:.0f} s"
+        return True, ""
+
+    def write_file_sd(self, targets: list[Target]) -> None:
+        path = self.settings.file_sd
+        if path is None:
+            return
+        text = file_sd(targets)
+        if text != self._file_sd:
+            atomic_write_text(Path(path), text)
+            self._file_sd = text
+
+
+async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
+    async def prefix(p: str) -> dict[str, bytes]:
+        kvs, _ = await client.get_prefix(p)
+        return {kv.key: kv.value for kv in kvs}
+
+    nodes, endpoints, kvcached, cordons, placements = await asyncio.gather(
+        prefix(keys.NODES), prefix(keys.ENDPOINTS), prefix(keys.KVCACHED), prefix(keys.CORDON),
+        prefix(keys.PLACEMENTS),
+    )  # fmt: skip
+    placed = {k.removeprefix(keys.PLACEMENTS).partition("/")[0] for k in placements}
+    return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec)
+
+
+async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) -> None:
+    s = monitor.settings
+    rec = RecordLog(log)
+    while True:
+        started = time.monotonic()
+        try:
+            if etcd is not None:
+                try:
+                    monitor.fleet = await asyncio.wait_for(read_fleet(etcd, rec), s.etcd.timeout_s)
+                    monitor.etcd_error = ""
+                except (TimeoutError, OSError, CognitoraError) as exc:
+                    monitor.etcd_error = f"etcd did not answer ({type(exc).__name__}); " \
+                                         "showing the last fleet read"  # fmt: skip
+            targets = [*monitor.static, *monitor.fleet.targets]
+            scraper.set_targets(targets)
+            await scraper.round()
+            view = summarize(monitor.fleet, scraper.scraped, time.time(), s.window_s)
+            view["etcd_error"] = monitor.etcd_error
+            monitor.record(view)
+            await asyncio.to_thread(monitor.write_file_sd, targets)
+        except Exception:  # NOTE: top of the loop: one bad round must not stop the page
+            log.exception("a scrape round failed")
+        await asyncio.sleep(max(0.0, s.scrape_interval_s - (time.monotonic() - started)))
+
+
+def check_settings(s: MetricsSettings) -> list[Target]:
+    if s.scrape_interval_s <= 0 or s.scrape_timeout_s <= 0:
+        raise ConfigError("scrape_interval_s and scrape_timeout_s must be positive")
+    if s.window_s < 2 * s.scrape_interval_s:
+        raise ConfigError("window_s must cover at least two scrape intervals")
+    if s.retention_s < s.window_s:
+        raise ConfigError("retention_s must be at least window_s")
+    try:
+        return static_targets(s.targets)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+async def serve(settings: MetricsSettings, ready_file: Path | None) -> None:
+    from cgn_metrics.server import start_http
+
+    static = check_settings(settings)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    monitor = Monitor(settings, static)
+    verify: Any = client_ssl_context(settings.tls) if settings.tls.enabled else True
+    capacity = int(settings.window_s / settings.scrape_interval_s) + 2
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(httpx.AsyncClient(
+            timeout=settings.scrape_timeout_s, verify=verify,
+            limits=httpx.Limits(max_connections=settings.scrape_concurrency),
+        ))  # fmt: skip
+        etcd = None
+        if settings.discovery == "etcd":
+            etcd = await stack.enter_async_context(EtcdClient(settings.etcd))
+        scraper = Scraper(client, timeout_s=settings.scrape_timeout_s,
+                          concurrency=settings.scrape_concurrency, capacity=capacity)  # fmt: skip
+        monitor.scraped = scraper.scraped
+        runner, port = await start_http(settings, monitor)
+        stack.push_async_callback(runner.cleanup)
+        loop_task = asyncio.create_task(run_loop(monitor, scraper, etcd))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("cgn-metrics on http://%s:%d (discovery %s, %d static targets)",
+                 settings.http.host, port, settings.discovery, len(static))  # fmt: skip
+        announce_ready(ready_file, f"serving on port {port}", ports={"http": port})
+        await stop.wait()
+        announce_stopping()
+        loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop_task
+
+
+def run(settings: MetricsSettings, ready_file: Path | None) -> None:
+    asyncio.run(serve(settings, ready_file))

@@ -1,0 +1,290 @@
+"""The fleet view from scraped samples: traffic, latency, queues, KV, nodes, watts, joules.
+
+Pure: `summarize` takes what was scraped (per target, rings of the samples kept)
+and returns the JSON the dashboard draws; `scrape.py` calls it after each round.
+Rates and percentiles are over `window_s` (counter restarts count from zero, as in
+Prometheus); rates divide by the part of the window the rings cover, so the first
+minute after a start is not under-counted. Energy: a node's joules are the increase of its agent's
+`cgn_agent_energy_joules` (the agent integrates its RAPL, NVML or powermetrics
+readings, RAPL wrap-around included) over the window, divided by the tokens its
+engines produced in the same window: per output token and per token (prompt plus
+output). A node whose agent exports no power has source `unavailable` and no
+figure: nothing is estimated. A model's joules are its nodes' joules shared by the
+tokens it produced there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cgn_metrics.series import Ring, increase, quantile
+from cgn_metrics.targets import Fleet, Target
+
+Labels = tuple[tuple[str, str], ...]
+SeriesKey = tuple[str, Labels]  # sample name, sorted labels
+# Families kept per target (prefixes): what the fleet view and the federation use.
+KEEP = (
+    "vllm:", "cgn_infer_", "cgn_router_requests", "cgn_router_tokens", "cgn_router_ttft_seconds",
+    "cgn_router_queue_depth", "cgn_router_admission_rejections", "cgn_agent_power_watts",
+    "cgn_agent_energy_joules", "cgn_kvcached_bytes", "cgn_kvcached_blocks", "cgn_kvcached_hits",
+    "cgn_kvcached_misses", "cgn_kvcached_budget_bytes",
+)  # fmt: skip
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+@dataclass(slots=True)
+class Scraped:
+    """One target's state and the rings of its kept samples."""
+
+    target: Target
+    capacity: int
+    state: str = "pending"  # pending | up | down
+    error: str = ""
+    last_ok: float = 0.0
+    duration_s: float = 0.0
+    rings: dict[SeriesKey, Ring] = field(default_factory=dict)
+    latest: dict[SeriesKey, float] = field(default_factory=dict)  # the last scrape, all kept
+
+    def record(self, t: float, samples: Mapping[SeriesKey, float]) -> None:
+        for key, value in samples.items():
+            ring = self.rings.get(key)
+            if ring is None:
+                ring = self.rings[key] = Ring(self.capacity)
+            ring.append(t, value)
+        for gone in set(self.rings) - set(samples):  # a series the target stopped exporting
+            del self.rings[gone]
+        self.latest = dict(samples)
+
+    def series(self, name: str, **want: str) -> Iterable[tuple[dict[str, str], Ring]]:
+        """The rings of sample `name` whose labels include `want`."""
+        for (n, labels), ring in self.rings.items():
+            if n == name:
+                lb = dict(labels)
+                if all(lb.get(k) == v for k, v in want.items()):
+                    yield lb, ring
+
+    def increase(self, name: str, since: float, **want: str) -> float:
+        return sum(increase(ring.points(since)[1]) for _, ring in self.series(name, **want))
+
+    def gauge(self, name: str, **want: str) -> float | None:
+        found = [last[1] for _, r in self.series(name, **want) if (last := r.last()) is not None]
+        return sum(found) if found else None
+
+    def label(self, name: str, label: str) -> str:
+        """`label`'s value on the first series of `name` ('' when none)."""
+        return next((lb.get(label, "") for lb, _ in self.series(name)), "")
+
+    def buckets(self, name: str, since: float) -> dict[float, float]:
+        out: dict[float, float] = defaultdict(float)
+        for labels, ring in self.series(name + "_bucket"):
+            le = _le(labels.get("le", ""))
+            if le is not None:
+                out[le] += increase(ring.points(since)[1])
+        return out
+
+
+def _le(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _percentiles(buckets: Mapping[float, float]) -> dict[str, float | None]:
+    return {f"p{round(q * 100)}": quantile(q, buckets) for q in QUANTILES}
+
+
+def _merge(maps: Iterable[Mapping[float, float]]) -> dict[float, float]:
+    out: dict[float, float] = defaultdict(float)
+    for m in maps:
+        for le, n in m.items():
+            out[le] += n
+    return out
+
+
+def _covered(scraped: Iterable[Scraped], since: float) -> float:
+    """The longest stretch of the window any target's rings hold (0: under two scrapes)."""
+    best = 0.0
+    for s in scraped:
+        for ring in s.rings.values():
+            t, _ = ring.points(since)
+            if t.size >= 2:
+                best = max(best, float(t[-1] - t[0]))
+            break  # a target's rings share their scrape times
+    return best
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _per(joules: float | None, tokens: float) -> float | None:
+    return None if joules is None else _ratio(joules, tokens)
+
+
+def _latency(engines: Iterable[Scraped], name: str, since: float) -> dict[str, float | None]:
+    return _percentiles(_merge(s.buckets(name, since) for s in engines))
+
+
+def summarize(
+    fleet: Fleet, scraped: Mapping[str, Scraped], now: float, window_s: float
+) -> dict[str, Any]:
+    """The whole fleet view as JSON-ready values (None where there is no figure)."""
+    since = now - window_s
+    span = _covered(scraped.values(), since)  # what the rings hold of the window
+    per_s = (lambda x: x / span) if span > 0 else (lambda x: None)
+    by_kind: dict[str, list[Scraped]] = defaultdict(list)
+    for s in scraped.values():
+        by_kind[s.target.kind].append(s)
+    engines, routers = by_kind["engine"], by_kind["router"]
+
+    replicas: list[dict[str, Any]] = []
+    node_tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    model_tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for s in engines:
+        t = s.target
+        if not t.model:  # listed by hand: the engine's metrics name its model
+            t = replace(t, model=s.label("vllm:num_requests_running", "model_name"))
+        out_tokens = s.increase("vllm:generation_tokens_total", since)
+        prompt_tokens = s.increase("vllm:prompt_tokens_total", since)
+        node_tokens[t.node]["output"] += out_tokens
+        node_tokens[t.node]["total"] += out_tokens + prompt_tokens
+        model_tokens[t.model]["output"] += out_tokens
+        model_tokens[t.model]["total"] += out_tokens + prompt_tokens
+        model_tokens[t.model].setdefault(f"node:{t.node}", 0.0)
+        model_tokens[t.model][f"node:{t.node}"] += out_tokens + prompt_tokens
+        replicas.append({
+            "model": t.model, "replica": t.replica, "node": t.node, "url": t.url,
+            "state": s.state, "error": s.error,
+            "running": s.gauge("vllm:num_requests_running"),
+            "waiting": s.gauge("vllm:num_requests_waiting"),
+            "kv_usage": s.gauge("vllm:kv_cache_usage_perc"),
+            "prefix_hit_rate": _ratio(s.increase("vllm:prefix_cache_hits_total", since),
+                                      s.increase("vllm:prefix_cache_queries_total", since)),
+            "tokens_per_s": per_s(out_tokens),
+        })  # fmt: skip
+
+    nodes: list[dict[str, Any]] = []
+    joules_by_node: dict[str, float] = {}
+    agents = {s.target.node: s for s in by_kind["agent"] if s.target.node}
+    names = sorted(set(fleet.nodes) | set(agents) | {r["node"] for r in replicas if r["node"]})
+    for node in names:
+        agent = agents.get(node)
+        watts = source = None
+        if agent is not None and agent.state == "up":
+            for labels, ring in agent.series("cgn_agent_power_watts"):
+                last = ring.last()
+                if last is not None:
+                    watts, source = (watts or 0.0) + last[1], labels.get("source", "unknown")
+        joules = None
+        if watts is not None and agent is not None:
+            joules = agent.increase("cgn_agent_energy_joules_total", since)
+        if joules is not None:
+            joules_by_node[node] = joules
+        tokens = node_tokens.get(node, {})
+        nodes.append({
+            "node": node,
+            "state": fleet.nodes.get(node, "Ready" if agent and agent.state == "up" else "Unknown"),
+            "agent": agent.state if agent else "absent",
+            "watts": watts, "source": source or "unavailable",
+            "joules": joules,
+            "j_per_output_token": _per(joules, tokens.get("output", 0.0)),
+            "j_per_token": _per(joules, tokens.get("total", 0.0)),
+            "tokens_per_joule": _ratio(tokens.get("output", 0.0), joules) if joules else None,
+        })  # fmt: skip
+
+    models: list[dict[str, Any]] = []
+    for model in sorted(set(model_tokens) | set(fleet.replicas)):
+        tok = model_tokens.get(model, {})
+        joules = 0.0
+        measured = False
+        for node, j in joules_by_node.items():
+            here, all_here = tok.get(f"node:{node}", 0.0), node_tokens[node].get("total", 0.0)
+            if here and all_here:
+                joules += j * here / all_here
+                measured = True
+        models.append({
+            "model": model,
+            "replicas": fleet.replicas.get(model, sum(1 for r in replicas if r["model"] == model)),
+            "ready": sum(1 for r in replicas if r["model"] == model and r["state"] == "up"),
+            "tokens_per_s": per_s(tok.get("output", 0.0)),
+            "j_per_output_token": _ratio(joules, tok.get("output", 0.0)) if measured else None,
+        })  # fmt: skip
+
+    kvcached = [{
+        "node": s.target.node or s.target.url, "state": s.state,
+        "bytes": {lb.get("tier", "?"): last[1] for lb, r in s.series("cgn_kvcached_bytes")
+                  if (last := r.last()) is not None},
+        "hits_per_s": per_s(s.increase("cgn_kvcached_hits_total", since)),
+        "misses_per_s": per_s(s.increase("cgn_kvcached_misses_total", since)),
+    } for s in by_kind["kvcached"]]  # fmt: skip
+
+    out_tokens = sum(t["output"] for t in node_tokens.values())
+    all_tokens = sum(t["total"] for t in node_tokens.values())
+    measured_tokens = sum(node_tokens[n]["output"] for n in joules_by_node)
+    fleet_joules = sum(joules_by_node.values())
+    if routers:
+        requests = sum(s.increase("cgn_router_requests_total", since) for s in routers)
+    else:
+        requests = sum(s.increase("vllm:request_success_total", since) for s in engines)
+    bands: dict[str, float] = defaultdict(float)
+    rejected: dict[str, float] = defaultdict(float)
+    for s in routers:
+        for labels, ring in s.series("cgn_router_queue_depth"):
+            last = ring.last()
+            bands[labels.get("band", "")] += last[1] if last else 0.0
+        for labels, ring in s.series("cgn_router_admission_rejections_total"):
+            rejected[labels.get("band", "")] += increase(ring.points(since)[1])
+    node_watts = [float(n["watts"]) for n in nodes if n["watts"] is not None]
+    sources = sorted({str(n["source"]) for n in nodes if n["watts"] is not None})
+    totals = {
+        "requests_per_s": per_s(requests),
+        "tokens_per_s": per_s(out_tokens),
+        "prompt_tokens_per_s": per_s(all_tokens - out_tokens),
+        "ttft_s": _latency(engines, "vllm:time_to_first_token_seconds", since),
+        "itl_s": _latency(engines, "vllm:inter_token_latency_seconds", since),
+        "waiting": sum(r["waiting"] or 0 for r in replicas),
+        "running": sum(r["running"] or 0 for r in replicas),
+        "queue_by_band": dict(bands),
+        "rejected_per_s_by_band": {band: per_s(n) for band, n in rejected.items()},
+        "watts": sum(node_watts) if node_watts else None,
+        "power_nodes": len(node_watts),
+        "j_per_output_token": _ratio(fleet_joules, measured_tokens) if joules_by_node else None,
+        "energy_source": "+".join(sources) or "unavailable",
+    }  # fmt: skip
+    targets = [{
+        "id": s.target.id, "kind": s.target.kind, "url": s.target.url, "node": s.target.node,
+        "model": s.target.model, "state": s.state, "error": s.error,
+        "age_s": None if not s.last_ok else round(now - s.last_ok, 1),
+        "scrape_ms": round(1e3 * s.duration_s, 1),
+    } for s in sorted(scraped.values(), key=lambda s: s.target.id)]  # fmt: skip
+    return {
+        "time": now, "window_s": window_s, "covered_s": span, "totals": totals,
+        "nodes": nodes, "models": models, "replicas": replicas, "kvcached": kvcached,
+        "targets": targets,
+    }  # fmt: skip
+
+
+def history_points(view: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of a view that are kept as history (name -> value; None left out)."""
+    t = view["totals"]
+    points: dict[str, float | None] = {
+        "fleet:requests_per_s": t["requests_per_s"],
+        "fleet:tokens_per_s": t["tokens_per_s"],
+        "fleet:waiting": t["waiting"],
+        "fleet:watts": t["watts"],
+        "fleet:j_per_output_token": t["j_per_output_token"],
+    }
+    for name in ("ttft_s", "itl_s"):
+        for q, v in t[name].items():
+            points[f"fleet:{name}:{q}"] = v
+    for n in view["nodes"]:
+        points[f"node:{n['node']}:watts"] = n["watts"]
+        points[f"node:{n['node']}:j_per_output_token"] = n["j_per_output_token"]
+    for m in view["models"]:
+        points[f"model:{m['model']}:tokens_per_s"] = m["tokens_per_s"]
+    return {k: float(v) for k, v in points.items() if v is not None and math.isfinite(v)}

@@ -1,0 +1,82 @@
+"""Scraping: every target's /metrics each round, bounded in time and in concurrency.
+
+A target that times out, refuses, answers non-200 or sends text the Prometheus
+parser rejects is `down` with the reason, and keeps its history; a round never
+waits longer than the timeout for it. Parsing (prometheus_client's parser) runs on
+a worker thread so the HTTP side stays responsive with 100 targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cgn_metrics.fleet import KEEP, Scraped, SeriesKey
+from cgn_metrics.targets import Target
+
+MAX_BYTES = 8 << 20  # a /metrics page larger than this is refused
+
+
+def parse(text: str) -> dict[SeriesKey, float]:
+    """The kept samples of an exposition text (`_created` timestamps left out)."""
+    out: dict[SeriesKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(KEEP):
+            continue
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+class Scraper:
+    """The targets' states and rings; `round()` scrapes them all once."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, *, timeout_s: float, concurrency: int, capacity: int
+    ):
+        self.client, self.timeout_s, self.capacity = client, timeout_s, capacity
+        self.gate = asyncio.Semaphore(max(1, concurrency))
+        self.scraped: dict[str, Scraped] = {}
+
+    def set_targets(self, targets: list[Target]) -> None:
+        """Track exactly `targets` (same id: history kept; gone: dropped)."""
+        wanted = {t.id: t for t in targets}
+        for gone in set(self.scraped) - set(wanted):
+            del self.scraped[gone]
+        for tid, t in wanted.items():
+            old = self.scraped.get(tid)
+            if old is None or old.target != t:
+                self.scraped[tid] = Scraped(t, self.capacity)
+
+    async def round(self) -> None:
+        await asyncio.gather(*(self._one(s) for s in list(self.scraped.values())))
+
+    async def _one(self, s: Scraped) -> None:
+        async with self.gate:
+            started = time.monotonic()
+            try:
+                samples = await asyncio.wait_for(self._fetch(s.target), self.timeout_s)
+            except TimeoutError:
+                s.state, s.error = "down", f"no answer within {self.timeout_s:g} s"
+            except (httpx.HTTPError, OSError) as exc:
+                s.state, s.error = "down", f"{type(exc).__name__}: {str(exc)[:200]}"
+            except ValueError as exc:  # not Prometheus text, or too big
+                s.state, s.error = "down", f"bad /metrics: {str(exc)[:200]}"
+            else:
+                s.record(time.time(), samples)
+                s.state, s.error, s.last_ok = "up", "", time.time()
+            s.duration_s = time.monotonic() - started
+
+    async def _fetch(self, t: Target) -> Mapping[SeriesKey, float]:
+        resp = await self.client.get(t.url + "/metrics")
+        if resp.status_code != 200:
+            raise httpx.HTTPError(f"HTTP {resp.status_code}")
+        if len(resp.content) > MAX_BYTES:
+            raise ValueError(f"{len(resp.content)} bytes, over {MAX_BYTES}")
+        return await asyncio.to_thread(parse, resp.text)

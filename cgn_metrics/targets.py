@@ -1,0 +1,154 @@
+"""What cgn-metrics scrapes: the fleet read from etcd, plus a static list.
+
+From etcd (every record validated; a bad one is logged once and skipped):
+* agents: `/cognitora/nodes/<node>`'s `admin_url` (its /metrics: power, energy);
+* engines: `/cognitora/endpoints/<node>/<model>/<replica>`'s `url` (vLLM-named /metrics);
+* kvcached: `/cognitora/kv/<node>`'s `events_url`, whose origin serves /metrics;
+* node states: Ready (a live inventory), Cordoned / Draining (`/cognitora/cordon/`),
+  Lost (named by a placement or an endpoint, no live inventory).
+
+Routers do not register in etcd: list them in `targets` as `router=http://HOST:9090`
+(any target is `KIND[@NODE]=URL` or a bare URL, kind `other`; NODE ties an engine and an
+agent listed by hand to one node for energy per token). A target's URL is its base;
+/metrics is appended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from cgn_core import keys, records
+from cgn_core.records import RecordError, RecordLog
+
+log = logging.getLogger(__name__)
+KINDS = ("router", "agent", "engine", "kvcached", "other")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    kind: str  # router | agent | engine | kvcached | other
+    url: str  # the base URL; scraped at url + "/metrics"
+    node: str = ""
+    model: str = ""
+    replica: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}:{self.replica or self.url}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    targets: tuple[Target, ...]
+    nodes: Mapping[str, str]  # node -> Ready | Cordoned | Draining | Lost
+    replicas: Mapping[str, int]  # model -> Ready endpoints
+
+
+def base_url(url: str) -> str:
+    """scheme://host:port of `url`, refusing anything but http(s) with a host."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RecordError(f"not an http(s) URL: {url[:80]!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def static_targets(entries: Iterable[str]) -> list[Target]:
+    """`KIND[@NODE]=URL` or `URL` entries from the settings; ValueError says what is wrong."""
+    out = []
+    for entry in entries:
+        head, sep, url = entry.partition("=")
+        if not sep or "://" in head:
+            head, url = "other", entry
+        kind, _, node = head.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"target {entry!r}: kind must be one of {', '.join(KINDS)}")
+        try:
+            out.append(Target(kind, base_url(url.rstrip("/")), node=node))
+        except RecordError as exc:
+            raise ValueError(f"target {entry!r}: {exc}") from None
+    return out
+
+
+def fleet_from_records(
+    nodes: Mapping[str, bytes],
+    endpoints: Mapping[str, bytes],
+    kvcached: Mapping[str, bytes],
+    cordons: Mapping[str, bytes],
+    placed_nodes: Iterable[str],
+    rec: RecordLog,
+    revision: int = 0,
+) -> Fleet:
+    """Targets, node states and ready replicas from etcd's raw values, keyed by their full
+    keys; every value is parsed and checked here."""
+    targets: list[Target] = []
+    live: set[str] = set()
+    for key, raw in nodes.items():
+        node = key.removeprefix(keys.NODES)
+        doc = rec.parse(key, revision, raw, _agent)
+        if doc is None:
+            continue
+        live.add(node)
+        if doc["admin_url"]:
+            targets.append(Target("agent", doc["admin_url"], node=node))
+    replicas: dict[str, int] = {}
+    named: set[str] = set(placed_nodes)
+    for key, raw in endpoints.items():
+        parts = key.removeprefix(keys.ENDPOINTS).split("/")
+        if len(parts) not in (2, 3) or not all(parts):  # <node>/<model>/<replica> (agents)
+            continue  # or <model>/<replica> (registered by hand)
+        node, model, replica = parts if len(parts) == 3 else ("", *parts)
+        doc = rec.parse(key, revision, raw, _endpoint)
+        if doc is None:
+            continue
+        node = node or doc["node"]
+        named.add(node)
+        replicas[model] = replicas.get(model, 0) + 1
+        targets.append(Target("engine", doc["url"], node=node, model=model,
+                              replica=f"{node}.{replica}" if node else replica))  # fmt: skip
+    for key, raw in kvcached.items():
+        node = key.removeprefix(keys.KVCACHED)
+        doc = rec.parse(key, revision, raw, _kvcached)
+        if doc is not None:
+            targets.append(Target("kvcached", doc["url"], node=node))
+    states = {n: "Lost" for n in named if n}
+    states.update(dict.fromkeys(live, "Ready"))
+    for key, raw in cordons.items():
+        node = key.removeprefix(keys.CORDON)
+        doc = rec.parse(key, revision, raw, records.cordon)
+        if doc is not None and node in states and states[node] != "Lost":
+            states[node] = "Draining" if doc["drain"] else "Cordoned"
+    return Fleet(tuple(targets), states, replicas)
+
+
+def _agent(doc: Any) -> dict[str, Any]:
+    d = records.obj(doc, "node")
+    url = records.text(d, "admin_url")
+    return {"admin_url": base_url(url) if url else ""}
+
+
+def _endpoint(doc: Any) -> dict[str, Any]:
+    d = records.obj(doc, "endpoint")
+    return {"url": base_url(records.text(d, "url", required=True)),
+            "node": records.text(d, "node"), "model": records.text(d, "model")}  # fmt: skip
+
+
+def _kvcached(doc: Any) -> dict[str, Any]:
+    d = records.kvcached(doc)
+    return {"url": base_url(d["events_url"])}
+
+
+def file_sd(targets: Iterable[Target]) -> str:
+    """Prometheus file_sd JSON for `targets` (one group per target, its labels attached)."""
+    groups = []
+    for t in sorted(targets, key=lambda t: t.id):
+        parts = urlsplit(t.url)
+        labels = {"cgn_kind": t.kind, "__scheme__": parts.scheme}
+        labels.update({k: v for k, v in (("node", t.node), ("model", t.model),
+                                         ("replica", t.replica)) if v})  # fmt: skip
+        groups.append({"targets": [parts.netloc], "labels": labels})
+    return json.dumps(groups, indent=1) + "\n"

@@ -1,0 +1,265 @@
+"""cgn-metrics' arithmetic and discovery as tables: rings, counter increases across restarts,
+histogram quantiles, energy per token (and `unavailable`), targets from etcd records."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgn_core.records import RecordLog
+from cgn_metrics.fleet import Scraped, history_points, summarize
+from cgn_metrics.scrape import parse
+from cgn_metrics.series import Ring, increase, quantile
+from cgn_metrics.targets import Fleet, Target, file_sd, fleet_from_records, static_targets
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def test_ring_keeps_the_last_points_in_order() -> None:
+    r = Ring(3)
+    assert r.last() is None and len(r) == 0
+    for i in range(5):
+        r.append(float(i), 10.0 * i)
+    t, v = r.points()
+    assert t.tolist() == [2.0, 3.0, 4.0] and v.tolist() == [20.0, 30.0, 40.0]
+    assert r.points(since=3.0)[0].tolist() == [3.0, 4.0]
+    assert r.last() == (4.0, 40.0)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([], 0.0),
+        ([5.0], 0.0),
+        ([1.0, 3.0, 6.0], 5.0),
+        ([10.0, 12.0, 2.0, 5.0], 2.0 + 2.0 + 3.0),  # restarted at 12 -> 2: 2 counted from zero
+        ([7.0, 0.0, 0.0, 1.0], 1.0),
+    ],
+)
+def test_counter_increase_counts_restarts_from_zero(values: list[float], expected: float) -> None:
+    assert increase(values) == expected
+
+
+@pytest.mark.parametrize(
+    ("q", "buckets", "expected"),
+    [
+        (0.5, {0.1: 0.0, 0.2: 10.0, math.inf: 10.0}, 0.15),
+        (0.99, {0.1: 50.0, 1.0: 100.0, math.inf: 100.0}, 0.1 + 0.9 * 49 / 50),
+        (0.5, {0.1: 0.0, math.inf: 4.0}, 0.1),  # all in +Inf: its lower bound
+        (0.5, {0.1: 0.0, math.inf: 0.0}, None),  # nothing counted
+        (0.5, {}, None),
+    ],
+)
+def test_histogram_quantile(q: float, buckets: dict[float, float], expected: float | None) -> None:
+    got = quantile(q, buckets)
+    assert got == expected if expected is None else got == pytest.approx(expected)
+
+
+def test_parse_keeps_the_fleets_families_only() -> None:
+    text = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 12.0\n'
+        'vllm:generation_tokens_created{model_name="m"} 1.7e9\n'
+        "# TYPE python_gc_objects_collected counter\n"
+        'python_gc_objects_collected_total{generation="0"} 5.0\n'
+    )
+    assert parse(text) == {("vllm:generation_tokens_total", (("model_name", "m"),)): 12.0}
+    with pytest.raises(ValueError):
+        parse("not { prometheus")
+
+
+def scraped(target: Target, series: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]],
+            times: list[float]) -> Scraped:  # fmt: skip
+    s = Scraped(target, capacity=32, state="up")
+    for i, t in enumerate(times):
+        s.record(t, {k: v[i] for k, v in series.items()})
+    return s
+
+
+M = (("model_name", "m"),)
+TIMES = [0.0, 10.0, 20.0, 30.0]
+
+
+def engine(node: str, tokens: list[float], replica: str = "r") -> Scraped:
+    return scraped(
+        Target("engine", f"http://{node}:8000", node=node, model="m", replica=f"{node}.{replica}"),
+        {("vllm:generation_tokens_total", M): tokens,
+         ("vllm:prompt_tokens_total", M): [0.0, 10.0, 20.0, 30.0],
+         ("vllm:num_requests_running", M): [1.0, 1.0, 2.0, 2.0],
+         ("vllm:kv_cache_usage_perc", M): [0.1, 0.2, 0.3, 0.4],
+         ("vllm:time_to_first_token_seconds_bucket", (*M, ("le", "0.1"))): [0, 5, 10, 15],
+         ("vllm:time_to_first_token_seconds_bucket", (*M, ("le", "+Inf"))): [0, 5, 10, 20]},
+        TIMES,
+    )  # fmt: skip
+
+
+def agent(node: str, joules: list[float], source: str = "rapl") -> Scraped:
+    return scraped(
+        Target("agent", f"http://{node}:9093", node=node),
+        {("cgn_agent_power_watts", (("source", source),)): [30.0, 30.0, 30.0, 30.0],
+         ("cgn_agent_energy_joules_total", ()): joules},
+        TIMES,
+    )  # fmt: skip
+
+
+def view(*s: Scraped, fleet: Fleet | None = None) -> dict[str, Any]:
+    return summarize(fleet or Fleet((), {}, {}), {x.target.id: x for x in s}, 30.0, 60.0)
+
+
+def test_energy_per_token_per_node_model_and_fleet() -> None:
+    v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]),
+             engine("b", [0, 50, 100, 150]), agent("b", [0, 100, 200, 300], source="nvidia"),
+             engine("c", [0, 10, 20, 30]))  # fmt: skip
+    nodes = {n["node"]: n for n in v["nodes"]}
+    assert nodes["a"]["j_per_output_token"] == pytest.approx(900 / 300)
+    assert nodes["a"]["j_per_token"] == pytest.approx(900 / 330)
+    assert nodes["a"]["tokens_per_joule"] == pytest.approx(300 / 900)
+    assert (nodes["a"]["source"], nodes["b"]["source"]) == ("rapl", "nvidia")
+    # no agent on c: no figure, and it says so
+    assert nodes["c"]["watts"] is None and nodes["c"]["source"] == "unavailable"
+    assert nodes["c"]["j_per_output_token"] is None
+    t = v["totals"]
+    assert t["watts"] == 60.0 and t["energy_source"] == "nvidia+rapl"
+    assert t["j_per_output_token"] == pytest.approx((900 + 300) / (300 + 150))  # measured nodes
+    assert t["tokens_per_s"] == pytest.approx(480 / 30)
+    (model,) = v["models"]
+    assert model["j_per_output_token"] == pytest.approx((900 + 300) / 480)  # c's tokens count
+    assert t["ttft_s"]["p50"] == pytest.approx(0.1 * 30 / 45)
+
+
+def test_counter_restarts_do_not_make_negative_energy_or_tokens() -> None:
+    v = view(engine("a", [500, 600, 20, 120]), agent("a", [1000, 1300, 100, 400]))
+    (node,) = v["nodes"]
+    assert node["joules"] == pytest.approx(300 + 100 + 300)
+    assert node["j_per_output_token"] == pytest.approx(700 / (100 + 20 + 100))
+
+
+def test_no_power_source_anywhere_is_unavailable_not_zero() -> None:
+    idle = scraped(
+        Target("agent", "http://a:9093", node="a"),
+        {("cgn_agent_replicas", ()): [1, 1, 1, 1]},
+        TIMES,
+    )
+    v = view(engine("a", [0, 10, 20, 30]), idle)
+    t = v["totals"]
+    assert t["watts"] is None and t["j_per_output_token"] is None
+    assert t["energy_source"] == "unavailable"
+    points = history_points(v)
+    assert "fleet:watts" not in points and points["fleet:tokens_per_s"] == pytest.approx(1.0)
+
+
+def test_a_down_agent_gives_no_figure() -> None:
+    a = agent("a", [0, 300, 600, 900])
+    a.state = "down"
+    (node,) = view(engine("a", [0, 100, 200, 300]), a)["nodes"]
+    assert node["agent"] == "down" and node["j_per_output_token"] is None
+
+
+def rec(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_targets_and_node_states_from_etcd_records() -> None:
+    nodes = {
+        "/cognitora/nodes/n1": rec({"admin_url": "http://10.0.0.1:9093", "power": {"watts": 40}}),
+        "/cognitora/nodes/n2": rec({"admin_url": "http://10.0.0.2:9093"}),
+        "/cognitora/nodes/n3": rec({"admin_url": "ftp://nope"}),  # bad: skipped
+        "/cognitora/nodes/n4": b"{not json",  # bad: skipped
+    }
+    endpoints = {
+        "/cognitora/endpoints/n1/smol/r1": rec({"url": "http://10.0.0.1:8001", "model": "smol"}),
+        "/cognitora/endpoints/n5/smol/r2": rec({"url": "http://10.0.0.5:8001"}),
+        "/cognitora/endpoints/manual/r3": rec({"url": "http://10.0.0.9:8001/v1"}),
+        "/cognitora/endpoints/n1/smol/bad": rec({"url": 5}),
+        "/cognitora/endpoints/a/b/c/d": rec({"url": "http://x:1"}),
+    }
+    kv = {"/cognitora/kvcached/n1": rec({"address": "10.0.0.1:7071",
+                                         "events_url": "http://10.0.0.1:9094/v1/kv/events"})}  # fmt: skip
+    cordons = {"/cognitora/cordon/n2": rec({"drain": True}), "/cognitora/cordon/n9": rec({})}
+    warnings: list[str] = []
+    fleet = fleet_from_records(
+        nodes, endpoints, kv, cordons, ["n6"], RecordLog(on_bad=warnings.append)
+    )
+    ids = sorted(t.id for t in fleet.targets)
+    assert ids == sorted([
+        "agent:http://10.0.0.1:9093", "agent:http://10.0.0.2:9093", "engine:n1.r1", "engine:n5.r2",
+        "engine:r3", "kvcached:http://10.0.0.1:9094",
+    ])  # fmt: skip
+    assert fleet.nodes == {"n1": "Ready", "n2": "Draining", "n5": "Lost", "n6": "Lost"}
+    assert fleet.replicas == {"smol": 2, "manual": 1}
+    assert sorted(warnings) == ["/cognitora/endpoints/n1/smol/bad", "/cognitora/nodes/n3",
+                                "/cognitora/nodes/n4"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("entry", "target"),
+    [
+        ("router=http://r:9090/", Target("router", "http://r:9090")),
+        ("engine@n1=https://e:8000/v1", Target("engine", "https://e:8000", node="n1")),
+        ("http://x:1", Target("other", "http://x:1")),
+    ],
+)
+def test_static_targets(entry: str, target: Target) -> None:
+    assert static_targets([entry]) == [target]
+
+
+@pytest.mark.parametrize("entry", ["robot=http://r:1", "router=r:9090", "file:///etc/passwd"])
+def test_bad_static_targets_say_why(entry: str) -> None:
+    with pytest.raises(ValueError, match="target"):
+        static_targets([entry])
+
+
+def test_file_sd_lists_every_target_with_its_labels() -> None:
+    doc = json.loads(file_sd([Target("engine", "https://e:8443", node="n1", model="m", replica="n1.r"),
+                              Target("router", "http://r:9090")]))  # fmt: skip
+    assert doc == [
+        {"targets": ["e:8443"], "labels": {"cgn_kind": "engine", "__scheme__": "https",
+                                           "node": "n1", "model": "m", "replica": "n1.r"}},
+        {"targets": ["r:9090"], "labels": {"cgn_kind": "router", "__scheme__": "http"}},
+    ]  # fmt: skip
+
+
+def exported_names() -> set[str]:
+    """Every sample name our components export: an engine (recorded), an agent with power,
+    a router, a KV store, and cgn-metrics' own fleet series."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cgn_kvcached.metrics import registry_for as kvcached_registry
+    from cgn_metrics.server import fleet_text
+    from cgn_router.metrics import RouterMetrics
+    from harness.fake_agent import FakePower, fake_agent
+
+    texts = [(FIXTURES / "metrics_cgn_infer.txt").read_text()]
+    with fake_agent(FakePower(10.0)) as url:
+        import httpx
+
+        texts.append(httpx.get(url + "/metrics", timeout=10).text)
+    texts.append(generate_latest(RouterMetrics().registry).decode())
+    from cgn_core.kvstore.ram_tier import RamTier
+    from cgn_core.kvstore.store import BlockStore
+
+    texts.append(generate_latest(kvcached_registry(BlockStore(RamTier(1 << 20), None))).decode())
+    v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]))
+    texts.append(fleet_text(v))
+    names = set()
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            # a labelled family with no child yet exports no sample: its names by its type
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+            names.update(family.name + x for x in suffixes.get(family.type, [""]))
+            names.update(s.name for s in family.samples)
+    return names
+
+
+def test_the_grafana_dashboard_queries_series_that_exist() -> None:
+    doc = json.loads((REPO / "configs" / "grafana" / "cognitora-fleet.json").read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\b(?:vllm:|cgn_)[a-z_:]+", e)}
+    assert used and used <= exported_names(), used - exported_names()

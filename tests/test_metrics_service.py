@@ -1,0 +1,172 @@
+"""A real `cgn-metrics serve`: the fleet from a real etcd (with bad records in it), a real
+sim engine under load, agents exporting power as the agent's own collector writes it
+(one with a RAPL-style source, one with none), and the dashboard rendered by headless
+Chromium, served and opened from disk."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cgn_core.etcd.local import LocalEtcd
+from cgn_metrics.server import dashboard_html
+from harness.fake_agent import FakePower, fake_agent
+from harness.poll import until
+from harness.procs import cgn_infer, cgn_metrics, etcd_put
+
+pytestmark = pytest.mark.etcd
+MODEL = "smolsim"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Its own etcd: cgn-metrics reads the cluster's fixed keys, which no other test's
+    agents or reconcilers may see."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    etcd_server = LocalEtcd(tmp / "etcd")
+    etcd_server.start()
+    powered = FakePower(35.0)
+    with (
+        cgn_infer(tmp, "--backend", "sim", "--speed", "20", "--model-name", MODEL) as engine,
+        fake_agent(powered) as agent1,
+        fake_agent(FakePower(None)) as agent2,
+    ):
+        prefix = "/cognitora/"
+        ep = etcd_server.endpoint
+        etcd_put(ep, prefix + "nodes/m1", {"admin_url": agent1, "power": {"watts": 35.0}})
+        etcd_put(ep, prefix + "nodes/m2", {"admin_url": agent2})
+        etcd_put(ep, prefix + "nodes/m3", {"admin_url": ["not", "a", "url"]})  # bad: skipped
+        etcd_put(ep, prefix + f"endpoints/m1/{MODEL}/r1", {"url": engine, "model": MODEL})
+        etcd_put(ep, prefix + f"endpoints/m9/{MODEL}/r2", {"url": "http://127.0.0.1:1"})  # dead
+        etcd_put(ep, prefix + "cordon/m2", {"drain": False})
+        etcd_put(ep, prefix + "placements/m9/r2", {"model": MODEL})
+        sd = tmp / "file_sd.json"
+        with cgn_metrics(tmp, "--set", f"etcd.endpoints={ep}", "--set", "scrape_interval_s=0.5",
+                         "--set", "window_s=20", "--set", "scrape_timeout_s=1",
+                         "--file-sd", str(sd)) as url:  # fmt: skip
+            yield {"url": url, "engine": engine, "sd": sd, "power": powered}
+    etcd_server.stop()
+
+
+def load(engine: str, n: int = 12) -> None:
+    for _ in range(n):
+        r = httpx.post(engine + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello there", "max_tokens": 16})  # fmt: skip
+        assert r.status_code == 200
+
+
+def fleet(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/api/v1/fleet", timeout=10).json()
+
+
+def test_fleet_view_from_etcd_with_energy_per_token(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    load(stack["engine"])
+
+    def measured() -> dict[str, Any] | None:
+        v = fleet(url)
+        nodes = {n["node"]: n for n in v.get("nodes", [])}
+        m1 = nodes.get("m1")
+        return v if m1 and m1["j_per_output_token"] and v["totals"]["tokens_per_s"] else None
+
+    v = until("energy per token on m1", measured, timeout_s=30)
+    nodes = {n["node"]: n for n in v["nodes"]}
+    assert {n: x["state"] for n, x in nodes.items()} == {
+        "m1": "Ready",
+        "m2": "Cordoned",
+        "m9": "Lost",
+    }
+    m1 = nodes["m1"]
+    assert m1["source"] == "rapl" and m1["watts"] == 35.0
+    # joules over the window (35 W x seconds covered) over the tokens made in it
+    assert m1["j_per_output_token"] > 0 and m1["j_per_token"] <= m1["j_per_output_token"]
+    assert nodes["m2"]["source"] == "unavailable" and nodes["m2"]["j_per_output_token"] is None
+    t = v["totals"]
+    assert t["energy_source"] == "rapl" and t["watts"] == 35.0 and t["ttft_s"]["p50"] is not None
+    (model,) = v["models"]
+    assert model["model"] == MODEL and (model["replicas"], model["ready"]) == (2, 1)
+    states = {x["id"]: x["state"] for x in v["targets"]}
+    assert states["engine:m9.r2"] == "down" and states["engine:m1.r1"] == "up"
+    assert not any(x["node"] == "m3" for x in v["targets"])  # its bad record was skipped
+    dead = next(x for x in v["targets"] if x["id"] == "engine:m9.r2")
+    assert "ConnectError" in dead["error"] and dead["scrape_ms"] < 1500  # bounded
+
+
+def test_metrics_federation_file_sd_and_history(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    until("a fleet view", lambda: fleet(url).get("totals"), timeout_s=30)
+    text = httpx.get(url + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {"cgn_fleet_tokens_per_second", "cgn_node_power_watts", "cgn_metrics_target_up"} <= set(
+        families
+    )
+    power = {s.labels["node"]: s.value for s in families["cgn_node_power_watts"].samples}
+    assert power == {"m1": 35.0}  # m2 has no source: absent, not 0
+    federated = list(text_string_to_metric_families(httpx.get(url + "/federate", timeout=10).text))
+    tokens = [s for f in federated for s in f.samples if s.name == "vllm:generation_tokens_total"]
+    assert tokens and tokens[0].labels["cgn_kind"] == "engine" and tokens[0].labels["node"] == "m1"
+    sd = until(
+        "file_sd written", lambda: stack["sd"].exists() and stack["sd"].read_text(), timeout_s=10
+    )
+    assert '"cgn_kind": "agent"' in sd and '"node": "m1"' in sd
+    hist = httpx.get(url + "/api/v1/history", params={"prefix": "fleet:"}, timeout=10).json()
+    assert len(hist["fleet:tokens_per_s"]) >= 2
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_an_agent_restart_does_not_make_negative_energy(stack: dict[str, Any]) -> None:
+    load(stack["engine"], 4)
+    stack["power"].reset()  # the agent's energy counter starts again from zero
+    time.sleep(1.5)
+    v = fleet(stack["url"])
+    m1 = next(n for n in v["nodes"] if n["node"] == "m1")
+    assert m1["joules"] is not None and m1["joules"] >= 0
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def render(page: str) -> str:
+    assert CHROMIUM, "chromium is not installed (apt install chromium)"
+    out = subprocess.run(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--virtual-time-budget=6000", "--dump-dom", page],
+        capture_output=True, timeout=120, check=True, text=True,
+    )  # fmt: skip
+    return out.stdout
+
+
+def test_dashboard_renders_in_chromium_served_and_from_disk(
+    stack: dict[str, Any], tmp_path: Path
+) -> None:
+    url = stack["url"]
+    until(
+        "a measured view",
+        lambda: fleet(url).get("totals", {}).get("j_per_output_token"),
+        timeout_s=30,
+    )
+    for page in (url + "/", None):
+        if page is None:  # the same file opened from disk against the service
+            copy = tmp_path / "dashboard.html"
+            copy.write_text(dashboard_html())
+            page = f"file://{copy}?api={url}"
+        dom = render(page)
+        status = re.search(r'<span id="status"[^>]*>([^<]*)</span>', dom)
+        assert status and "cannot reach" not in status.group(1), dom[-2000:]
+        assert re.search(r'<body data-rendered="[1-9]', dom), status.group(1)
+        assert 'data-figure="J / output token"' in dom
+        assert ">m1<" in dom and ">m2<" in dom and ">Cordoned<" in dom and ">Lost<" in dom
+        m1 = re.search(r"<tr><td>m1</td>.*?</tr>", dom)
+        m2 = re.search(r"<tr><td>m2</td>.*?</tr>", dom)
+        assert m1 and m2 and "rapl" in m1.group(0) and "unavailable" not in m1.group(0)
+        assert "unavailable" in m2.group(0)  # m2's energy: said, not invented
+        assert f">{MODEL}<" in dom and "engine:m9.r2" in dom
