@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cgn_core.catalog import ModelSpec
 from cgn_core.placement import NodeState, NodeView, node_view
+from cgn_core.records import fresh_efficiency
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (node, replica)
@@ -29,6 +30,7 @@ class Snapshot:
     statuses: Mapping[Key, Mapping[str, Any]]
     cordons: Mapping[str, Mapping[str, Any]]  # node -> {"drain": bool, "since_unix", "grace_s"}
     wall: float = 0.0  # time.time() when the snapshot was read (cordon times are wall-clock)
+    efficiency: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # cgn-metrics'
 
 
 def views(
@@ -46,7 +48,8 @@ def views(
     for name, state in sorted(states.items()):
         inv = snap.nodes.get(name, {})
         held = frozenset(used.get(name, ()))
+        tpj = fresh_efficiency(snap.efficiency.get(name), snap.wall)
         view = node_view(name, inv, cordoned=name in snap.cordons, state=state, used=held,
-                         replicas=counts.get(name))  # fmt: skip
+                         replicas=counts.get(name), tokens_per_joule=tpj)  # fmt: skip
         out.append(view)
     return out

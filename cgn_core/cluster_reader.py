@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) -> Snapshot:
-    """Catalog, nodes, placements, statuses and cordons as of one moment (each a fresh list).
+    """Catalog, nodes, placements, statuses, cordons and measured node efficiencies as of
+    one moment (each a fresh list).
 
     Every record is validated (`cgn_core.records`); a bad one is left out of the snapshot and
     reported through `records` once per revision (pass the same RecordLog on every pass)."""
@@ -34,6 +35,7 @@ async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) ->
     placements, _ = await client.get_prefix(keys.PLACEMENTS)
     statuses, _ = await client.get_prefix(keys.REPLICAS)
     cordons, _ = await client.get_prefix(keys.CORDON)
+    efficiency, _ = await client.get_prefix(keys.EFFICIENCY)
     models: dict[str, ModelSpec] = {}
     for kv in catalog:
         name = kv.key[len(keys.CATALOG) :]
@@ -49,6 +51,7 @@ async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) ->
         statuses=_by_replica(rec, statuses, keys.REPLICAS, records_.replica_status),
         cordons=_by_name(rec, cordons, keys.CORDON, records_.cordon),
         wall=time.time(),
+        efficiency=_by_name(rec, efficiency, keys.EFFICIENCY, records_.efficiency),
     )
 
 

@@ -11,5 +11,6 @@ CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
 API_KEYS = ROOT + "keys/"  # <key id>: an API key record (hash, tenant, band, limits), by ctl
 KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), leased by the agent
+EFFICIENCY = ROOT + "efficiency/"  # <node>: measured output tokens per joule, by cgn-metrics
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`
 HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (docs/architecture.md)

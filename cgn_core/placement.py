@@ -14,7 +14,10 @@ accepted node wins; among its accepted nodes:
   the fewest replicas overall;
 * multi-node replicas (`nodes > 1`) take the emptiest nodes of one fabric
   (the `fabric` label; never two fabrics, never an unlabelled node);
-* ties go to the node drawing less power where its power is known, then by name.
+* ties go to the node making more output tokens per joule where cgn-metrics
+  measured it (`/cognitora/efficiency/<node>`), then to the one drawing less power
+  where its power is known, then by name; the explanation shows each fitting
+  node's figure.
 Devices are the lowest free indices of the class.
 """
 
@@ -27,6 +30,7 @@ from typing import Any, Literal
 from cgn_core.catalog import ModelSpec, Profile
 
 NodeState = Literal["ready", "unreachable", "lost"]
+TIE_BREAK = "more output tokens per joule, then fewer watts, then the name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,7 @@ class NodeView:
     cordoned: bool = False
     state: NodeState = "ready"
     watts: float | None = None
+    tokens_per_joule: float | None = None  # measured by cgn-metrics; None: not measured
     used: frozenset[int] = frozenset()  # device indices held by existing placements
     replicas: Mapping[str, int] = field(default_factory=dict)  # model -> replicas here
 
@@ -92,6 +97,7 @@ def node_view(
     state: NodeState = "ready",
     used: frozenset[int] = frozenset(),
     replicas: Mapping[str, int] | None = None,
+    tokens_per_joule: float | None = None,
 ) -> NodeView:
     """A node as placement sees it, from its `/cognitora/nodes/<node>` document."""
     devices = []
@@ -110,6 +116,7 @@ def node_view(
         cordoned=cordoned,
         state=state,
         watts=power.get("watts"),
+        tokens_per_joule=tokens_per_joule,
         used=used,
         replicas=dict(replicas or {}),
     )
@@ -133,7 +140,9 @@ def place(model: ModelSpec, nodes: Sequence[NodeView]) -> Decision:
                 if node.name in picked:
                     devs = dict(chosen)[node.name]
                     what = f"devices {list(devs)}" if devs else "cpu"
-                    candidates.append(Candidate(node.name, i, True, f"chosen ({what})"))
+                    candidates.append(
+                        Candidate(node.name, i, True, f"chosen ({what}){_figure(node)}")
+                    )
             return Decision(model.name, i, tuple(chosen), tuple(candidates))
     return Decision(model.name, None, (), tuple(candidates))
 
@@ -168,6 +177,15 @@ def _watts(n: NodeView) -> float:
     return n.watts if n.watts is not None else float("inf")
 
 
+def _waste(n: NodeView) -> float:
+    """Joules per token as a sort key: measured nodes first, the most efficient first."""
+    return 1.0 / n.tokens_per_joule if n.tokens_per_joule else float("inf")
+
+
+def _figure(n: NodeView) -> str:
+    return f"; {n.tokens_per_joule:.3g} output tokens/J" if n.tokens_per_joule else ""
+
+
 def _choose(
     model: str, p: Profile, fits: list[NodeView], i: int, candidates: list[Candidate]
 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -176,21 +194,29 @@ def _choose(
     if p.nodes > 1:
         return _choose_multi(p, fits, i, candidates)
     if p.on_cpu:
-        ranked = sorted(fits, key=lambda n: (n.replicas.get(model, 0), sum(n.replicas.values()),
-                                             _watts(n), n.name))  # fmt: skip
+
+        def load(n: NodeView) -> tuple[int, int]:
+            return n.replicas.get(model, 0), sum(n.replicas.values())
+
+        ranked = sorted(fits, key=lambda n: (*load(n), _waste(n), _watts(n), n.name))
         best = ranked[0]
-        why = f"fits; {best.name} runs fewer replicas of {model}"
-        candidates.extend(Candidate(n.name, i, False, why) for n in ranked[1:])
+        for n in ranked[1:]:
+            why = f"fits; {best.name} runs fewer replicas of {model}"
+            if load(n) == load(best):
+                why = f"fits; as loaded as {best.name}, which wins the tie-break ({TIE_BREAK})"
+            candidates.append(Candidate(n.name, i, False, why + _figure(n)))
         return [(best.name, ())]
 
-    def key(n: NodeView) -> tuple[int, int, float, str]:
-        leftover = len(n.free(p.accelerator)) - p.devices
-        return (leftover, 0 if n.used else 1, _watts(n), n.name)
+    def fit(n: NodeView) -> tuple[int, int]:
+        return len(n.free(p.accelerator)) - p.devices, 0 if n.used else 1
 
-    ranked = sorted(fits, key=key)
+    ranked = sorted(fits, key=lambda n: (*fit(n), _waste(n), _watts(n), n.name))
     best = ranked[0]
     for n in ranked[1:]:
-        candidates.append(Candidate(n.name, i, False, f"fits; {best.name} packs tighter"))
+        why = f"fits; {best.name} packs tighter"
+        if fit(n) == fit(best):
+            why = f"fits; packs as tight as {best.name}, which wins the tie-break ({TIE_BREAK})"
+        candidates.append(Candidate(n.name, i, False, why + _figure(n)))
     return [(best.name, tuple(best.free(p.accelerator)[: p.devices]))]
 
 
@@ -213,7 +239,8 @@ def _choose_multi(
             candidates.extend(Candidate(n.name, i, False, why) for n in group)
             too_small.update(n.name for n in group)
             continue
-        emptiest = sorted(group, key=lambda n: (-len(n.free(p.accelerator)), _watts(n), n.name))
+        emptiest = sorted(group, key=lambda n: (-len(n.free(p.accelerator)), _waste(n), _watts(n),
+                                                n.name))  # fmt: skip
         pick = emptiest[: p.nodes]
         if not best or sum(len(n.free(p.accelerator)) for n in pick) > sum(
             len(n.free(p.accelerator)) for n in best

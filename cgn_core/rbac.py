@@ -11,6 +11,8 @@ is its etcd user. Cognitora's certificates carry the node id as CN, so:
   another, publish endpoints for another, or read API keys.
 * a node that runs a router also gets `cgn-router`: read all of
   `/cognitora/`, write placements (the reconciler) and the leader keys.
+* a node that runs cgn-metrics gets `cgn-metrics`: read all of `/cognitora/`,
+  write the measured node efficiencies (`/cognitora/efficiency/`).
 * an operator identity (`cgn-ctl`) gets `root`; etcd requires a user named
   `root` before auth can be enabled, so `root` is always one of them.
 
@@ -27,6 +29,7 @@ from cgn_core import keys
 
 Perm = Literal["read", "write", "readwrite"]
 ROUTER_ROLE = "cgn-router"
+METRICS_ROLE = "cgn-metrics"
 ROOT = "root"
 
 
@@ -74,17 +77,29 @@ ROUTER_GRANTS = (
     under(keys.PLACEMENTS, "readwrite"),
     under(keys.LEADER, "readwrite"),
 )
+METRICS_GRANTS = (
+    under(keys.ROOT, "read"),
+    under(keys.EFFICIENCY, "readwrite"),
+)
 
 
-def plan(nodes: Iterable[str], routers: Iterable[str] = (), admins: Iterable[str] = ()) -> Plan:
-    """Roles and users for these node ids, the node ids that run routers, and operators."""
-    roles: dict[str, tuple[Grant, ...]] = {ROUTER_ROLE: ROUTER_GRANTS}
+def plan(
+    nodes: Iterable[str],
+    routers: Iterable[str] = (),
+    admins: Iterable[str] = (),
+    metrics: Iterable[str] = (),
+) -> Plan:
+    """Roles and users for these node ids, the node ids that run routers (and cgn-metrics),
+    and operators."""
+    roles: dict[str, tuple[Grant, ...]] = {ROUTER_ROLE: ROUTER_GRANTS, METRICS_ROLE: METRICS_GRANTS}
     users: dict[str, list[str]] = {ROOT: [ROOT]}
     for node in nodes:
         roles[f"cgn-node-{node}"] = node_role(node)
         users.setdefault(node, []).append(f"cgn-node-{node}")
     for router in routers:
         users.setdefault(router, []).append(ROUTER_ROLE)
+    for node in metrics:
+        users.setdefault(node, []).append(METRICS_ROLE)
     for admin in admins:
         users.setdefault(admin, []).append(ROOT)
     return Plan(roles, {u: tuple(dict.fromkeys(r)) for u, r in users.items()})

@@ -11,7 +11,8 @@ so a bad value is logged once per revision, not on every pass.
 Kinds (the layout is in docs/architecture.md): replica status
 (`/cognitora/replicas/<node>/<replica>`), placement
 (`/cognitora/placements/<node>/<replica>`), node inventory
-(`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`). The
+(`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`), node efficiency
+(`/cognitora/efficiency/<node>`, written by cgn-metrics). The
 catalog, endpoints and API keys have their own parsers beside the types
 they build (`cgn_core.catalog.parse_model`, `cgn_router.registry.
 endpoint_from_etcd`, `cgn_core.apikeys.parse_record`); they raise
@@ -168,6 +169,30 @@ def node_inventory(doc: Any) -> dict[str, Any]:
     power = obj(d.get("power") or {}, "power")
     return {**d, "accelerators": checked, "engines": strings(d, "engines"), "labels": labels,
             "power": {**power, "watts": number(power, "watts", None, lo=0.0)}}  # fmt: skip
+
+
+EFFICIENCY_MAX_AGE_S = 600.0  # an efficiency figure older than this is not used
+
+
+def efficiency(doc: Any) -> dict[str, Any]:
+    """A node's measured efficiency (cgn-metrics): output tokens per joule over a window,
+    its power source, and when it was measured (wall clock)."""
+    d = obj(doc, "efficiency")
+    tpj = number(d, "tokens_per_joule", None, lo=0.0)
+    if tpj is None or tpj <= 0 or not math.isfinite(tpj):
+        raise RecordError("'tokens_per_joule' must be a positive number")
+    at = number(d, "at_unix", None, lo=0.0)
+    if at is None:
+        raise RecordError("'at_unix' is required")
+    return {"tokens_per_joule": tpj, "at_unix": at, "source": text(d, "source", "unknown"),
+            "window_s": number(d, "window_s", 0.0, lo=0.0)}  # fmt: skip
+
+
+def fresh_efficiency(doc: Mapping[str, Any] | None, now_unix: float) -> float | None:
+    """A validated efficiency record's tokens per joule, or None when absent or stale."""
+    if doc is None or now_unix - float(doc["at_unix"]) > EFFICIENCY_MAX_AGE_S:
+        return None
+    return float(doc["tokens_per_joule"])
 
 
 class RecordLog:

@@ -197,6 +197,10 @@ def rbac(
         list[str] | None,
         typer.Option("--admin", help="An operator's certificate CN to make root (repeatable)."),
     ] = None,
+    metrics: Annotated[
+        list[str] | None,
+        typer.Option("--metrics", help="A node id whose certificate runs cgn-metrics."),
+    ] = None,
     no_enable: Annotated[
         bool, typer.Option("--no-enable", help="Create roles and users, leave auth off.")
     ] = False,
@@ -210,7 +214,7 @@ def rbac(
     from cgn_core import rbac as rbac_plan
     from cgn_core.etcd.auth import apply_plan
 
-    plan = rbac_plan.plan(node or [], router or [], admin or [])
+    plan = rbac_plan.plan(node or [], router or [], admin or [], metrics or [])
     with_etcd(etcd, config, lambda c: apply_plan(c, plan, enable=not no_enable))
     for user, roles in sorted(plan.users.items()):
         typer.echo(f"{user}: {', '.join(roles)}")

@@ -101,9 +101,27 @@ async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
     return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec)
 
 
+def efficiency_records(view: dict[str, Any], now_unix: float) -> dict[str, dict[str, Any]]:
+    """The `/cognitora/efficiency/<node>` records of a view: measured nodes only."""
+    return {
+        keys.EFFICIENCY + n["node"]: {
+            "tokens_per_joule": n["tokens_per_joule"], "source": n["source"],
+            "window_s": view["window_s"], "at_unix": round(now_unix, 3),
+        }
+        for n in view.get("nodes", [])
+        if n.get("tokens_per_joule") and n["node"]
+    }  # fmt: skip
+
+
+async def publish_efficiency(etcd: EtcdClient, view: dict[str, Any]) -> None:
+    for key, doc in efficiency_records(view, time.time()).items():
+        await etcd.put_json(key, doc)
+
+
 async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) -> None:
     s = monitor.settings
     rec = RecordLog(log)
+    published = 0.0
     while True:
         started = time.monotonic()
         try:
@@ -121,6 +139,13 @@ async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) 
             view["etcd_error"] = monitor.etcd_error
             monitor.record(view)
             await asyncio.to_thread(monitor.write_file_sd, targets)
+            due = s.efficiency_publish_s and time.monotonic() - published >= s.efficiency_publish_s
+            if etcd is not None and due and not monitor.etcd_error:
+                published = time.monotonic()
+                try:
+                    await publish_efficiency(etcd, view)
+                except (OSError, CognitoraError) as exc:  # read-only role, etcd gone: next time
+                    log.warning("could not publish node efficiencies: %s", exc)
         except Exception:  # NOTE: top of the loop: one bad round must not stop the page
             log.exception("a scrape round failed")
         await asyncio.sleep(max(0.0, s.scrape_interval_s - (time.monotonic() - started)))

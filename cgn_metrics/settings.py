@@ -24,6 +24,10 @@ class MetricsSettings:
     # Write a Prometheus file_sd target list here on every change (a site's own Prometheus
     # scrapes the fleet directly); None: off
     file_sd: Path | None = None
+    # With discovery etcd: write each measured node's output tokens per joule to
+    # /cognitora/efficiency/<node> this often (placement's tie-break and the router's
+    # `efficiency` scorer read it); 0: never
+    efficiency_publish_s: float = 30.0
     tls: TlsSettings = TlsSettings()  # client certificate and CA for https targets
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

@@ -1,7 +1,8 @@
 """What the router mirrors from etcd: one (prefix, on_list, on_event) entry per kind of record.
 
-Endpoints, cordons, the nodes' KV stores (cgn-kvcached), the catalog, the
-routing policy and (with auth on) API keys. Every record is parsed by its
+Endpoints, cordons, the nodes' KV stores (cgn-kvcached), the nodes' measured
+efficiency (cgn-metrics), the catalog, the routing policy and (with auth on) API
+keys. Every record is parsed by its
 kind's validating function; a bad one is logged once per revision with its
 key (`cgn_core.records.RecordLog`) and skipped, and the rest of the listing
 still applies. The handlers are plain methods over the router's state, so
@@ -20,7 +21,7 @@ from typing import Any
 from cgn_core import keys
 from cgn_core.apikeys import parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.records import RecordLog, cordon, kvcached
+from cgn_core.records import RecordLog, cordon, efficiency, kvcached
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
 from cgn_router.registry import (
@@ -64,6 +65,7 @@ class EtcdFollowers:
             Followed(keys.KVCACHED, self.stores_list, self.stores_event),
             Followed(keys.CATALOG, self.catalog_list, self.catalog_event),
             Followed(keys.POLICY_ROUTING, self.policy_list, self.policy_event),
+            Followed(keys.EFFICIENCY, self.efficiency_list, self.efficiency_event),
         ]
         if self.svc.settings.auth.enabled:
             out.append(Followed(keys.API_KEYS, self.keys_list, self.keys_event))
@@ -138,6 +140,22 @@ class EtcdFollowers:
     def _report_bad_cordon(self, kv: KeyValue) -> None:
         if kv.value.strip():  # an empty value is a bare cordon, nothing to check
             self._parse(kv, cordon)
+
+    # ---- node efficiency (cgn-metrics): the key names the node ---------------------------
+
+    def efficiency_list(self, kvs: list[KeyValue]) -> None:
+        self.svc.registry.efficiency = {
+            kv.key[len(keys.EFFICIENCY) :]: doc
+            for kv in kvs
+            if (doc := self._parse(kv, efficiency)) is not None
+        }
+
+    def efficiency_event(self, ev: WatchEvent) -> None:
+        node, known = ev.kv.key[len(keys.EFFICIENCY) :], self.svc.registry.efficiency
+        if ev.kind == "delete" or (doc := self._parse(ev.kv, efficiency)) is None:
+            known.pop(node, None)
+        else:
+            known[node] = doc
 
     # ---- catalog ---------------------------------------------------------------------------
 

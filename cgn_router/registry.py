@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 from cgn_core import keys
 from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.records import fresh_efficiency
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.plugins.load import queue_length
@@ -159,6 +161,7 @@ class Registry:
         self.load_order: dict[str, LoadOrder] = {}
         self.version = 0  # bumped when an endpoint comes or goes
         self.cordoned: set[str] = set()
+        self.efficiency: dict[str, dict[str, Any]] = {}  # node -> its efficiency record
         self._prefill: dict[str, int] = {}  # model -> its prefill-role endpoints, counted
 
     def has_prefill_pool(self, model: str) -> bool:
@@ -301,6 +304,7 @@ class Registry:
             node_ram_blocks=ram,
             node_ssd_blocks=ssd,
             session_owner=owner,
+            tokens_per_joule=fresh_efficiency(self.efficiency.get(node), time.time()),
         )
 
     def begin(self, view: EndpointView, req: RequestInfo, now: float) -> Lease:

@@ -60,6 +60,7 @@ def _default_scorers() -> tuple[ScorerSpec, ...]:
         ScorerSpec("load", 1.0),
         ScorerSpec("kv_usage", 0.5),
         ScorerSpec("affinity", 0.5),
+        ScorerSpec("efficiency", 0.0),  # tokens per joule: off until a policy weighs it
     )
 
 

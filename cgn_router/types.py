@@ -67,6 +67,8 @@ class EndpointView:
     node_ram_blocks: int = 0
     node_ssd_blocks: int = 0
     session_owner: bool = False  # the request's session last went here
+    # its node's measured output tokens per joule (cgn-metrics); None: not measured
+    tokens_per_joule: float | None = None
 
     @property
     def id(self) -> EndpointId:

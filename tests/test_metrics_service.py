@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from cgn_core.etcd.local import LocalEtcd
 from cgn_metrics.server import dashboard_html
 from harness.fake_agent import FakePower, fake_agent
 from harness.poll import until
-from harness.procs import cgn_infer, cgn_metrics, etcd_put
+from harness.procs import cgn_infer, cgn_metrics, etcd_put, etcd_run
 
 pytestmark = pytest.mark.etcd
 MODEL = "smolsim"
@@ -42,8 +43,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ):
         prefix = "/cognitora/"
         ep = etcd_server.endpoint
-        etcd_put(ep, prefix + "nodes/m1", {"admin_url": agent1, "power": {"watts": 35.0}})
-        etcd_put(ep, prefix + "nodes/m2", {"admin_url": agent2})
+        etcd_put(ep, prefix + "nodes/m1", {"admin_url": agent1, "power": {"watts": 35.0},
+                                           "engines": ["cgn_infer"]})  # fmt: skip
+        etcd_put(ep, prefix + "nodes/m2", {"admin_url": agent2, "engines": ["cgn_infer"]})
+        etcd_put(ep, prefix + "catalog/models/" + MODEL, {"name": MODEL, "source": "smollm2",
+                 "profiles": [{"engine": "cgn_infer", "accelerator": "cpu"}]})  # fmt: skip
         etcd_put(ep, prefix + "nodes/m3", {"admin_url": ["not", "a", "url"]})  # bad: skipped
         etcd_put(ep, prefix + f"endpoints/m1/{MODEL}/r1", {"url": engine, "model": MODEL})
         etcd_put(ep, prefix + f"endpoints/m9/{MODEL}/r2", {"url": "http://127.0.0.1:1"})  # dead
@@ -52,8 +56,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         sd = tmp / "file_sd.json"
         with cgn_metrics(tmp, "--set", f"etcd.endpoints={ep}", "--set", "scrape_interval_s=0.5",
                          "--set", "window_s=20", "--set", "scrape_timeout_s=1",
+                         "--set", "efficiency_publish_s=1",
                          "--file-sd", str(sd)) as url:  # fmt: skip
-            yield {"url": url, "engine": engine, "sd": sd, "power": powered}
+            yield {"url": url, "engine": engine, "sd": sd, "power": powered, "etcd": ep}
     etcd_server.stop()
 
 
@@ -99,6 +104,21 @@ def test_fleet_view_from_etcd_with_energy_per_token(stack: dict[str, Any]) -> No
     assert not any(x["node"] == "m3" for x in v["targets"])  # its bad record was skipped
     dead = next(x for x in v["targets"] if x["id"] == "engine:m9.r2")
     assert "ConnectError" in dead["error"] and dead["scrape_ms"] < 1500  # bounded
+
+
+def test_the_measured_figure_reaches_etcd_and_explain_placement(stack: dict[str, Any]) -> None:
+    """cgn-metrics publishes m1's tokens per joule; placement's explanation shows it."""
+    load(stack["engine"])
+    ep = stack["etcd"]
+    doc = until("m1's efficiency record", lambda: etcd_run(
+        ep, lambda c: c.get_json("/cognitora/efficiency/m1")), timeout_s=30)  # fmt: skip
+    assert doc["source"] == "rapl" and doc["tokens_per_joule"] > 0
+    assert etcd_run(ep, lambda c: c.get_json("/cognitora/efficiency/m2")) is None  # no source
+    ctl = str(Path(sys.executable).parent / "cgn-ctl")
+    out = subprocess.run([ctl, "explain-placement", MODEL, "--etcd", ep], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "output tokens/J" in out.stdout and "m1" in out.stdout, out.stdout
 
 
 def test_metrics_federation_file_sd_and_history(stack: dict[str, Any]) -> None:

@@ -80,6 +80,8 @@ VALID: dict[str, dict[str, Any]] = {
                         "profile": {"ctx": 512, "extra_args": ["-x"], "env": {"A": "b"}}},
     "kvcached": {"address": "10.0.0.1:7071", "events_url": "http://10.0.0.1:9094/v1/kv/events",
                  "events_token": "t"},
+    "efficiency": {"tokens_per_joule": 2.5, "source": "rapl", "window_s": 60.0,
+                   "at_unix": 1.7e9},
 }  # fmt: skip
 
 
@@ -110,6 +112,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "policy": routing_policy,
     "agent_placement": lambda d: parse_placement("r1", d),
     "kvcached": records.kvcached,
+    "efficiency": lambda d: records.fresh_efficiency(records.efficiency(d), 1.7e9),
 }
 
 

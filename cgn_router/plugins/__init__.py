@@ -1,9 +1,9 @@
 """Routing plugins; importing this package registers every built-in one."""
 
-from cgn_router.plugins import affinity, filters, kv_usage, load, picker, prefix
+from cgn_router.plugins import affinity, efficiency, filters, kv_usage, load, picker, prefix
 from cgn_router.plugins.base import FILTERS, PICKERS, SCORERS, Filter, Picker, Scorer
 
 __all__ = [
     "FILTERS", "PICKERS", "SCORERS", "Filter", "Picker", "Scorer",
-    "affinity", "filters", "kv_usage", "load", "picker", "prefix",
+    "affinity", "efficiency", "filters", "kv_usage", "load", "picker", "prefix",
 ]  # fmt: skip
