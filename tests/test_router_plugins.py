@@ -242,7 +242,7 @@ def test_bad_weights_are_refused(weights: dict[str, object], message: str) -> No
 
 
 BUILD_ERRORS = [
-    (SCORERS, "scorer", "nope", {}, "unknown scorer 'nope' \\(known: affinity, kv_usage, load, prefix\\)"),
+    (SCORERS, "scorer", "nope", {}, "unknown scorer 'nope' \\(known: affinity, efficiency, kv_usage, load, prefix\\)"),
     (SCORERS, "scorer", "prefix", {"bogus": 1}, "unknown parameter 'bogus' \\(known: saturation_tokens, ram_weight, ssd_weight\\)"),
     (SCORERS, "scorer", "load", {"x": 1}, "unknown parameter 'x' \\(known: none\\)"),
     (SCORERS, "scorer", "prefix", {"saturation_tokens": 1.5}, "must be a whole number"),
