@@ -31,7 +31,7 @@ CORPUS: list[dict[str, Any]] = json.loads(
     (Path(__file__).parent / "fixtures" / "json_schemas.json").read_text()
 )
 V = jsonschema.Draft202012Validator
-MAX_TOKENS = 160
+MAX_TOKENS = 80  # finished answers take under 60; a runaway string ends here
 
 
 def validate(schema: dict[str, Any], text: str) -> None:
@@ -284,7 +284,7 @@ def test_schema_corpus_answers_validate(client: openai.OpenAI, base_url: str) ->
 
 
 def test_streamed_answers_equal_whole_ones(client: openai.OpenAI) -> None:
-    for case in CORPUS[:6]:
+    for case in CORPUS[:3]:
         whole = ask(client, case)
         assert ask(client, case, stream=True) == whole, case["name"]
         if whole[1] == "stop":
