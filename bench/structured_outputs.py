@@ -4,7 +4,7 @@ corpus against llama.cpp's server, one run, same GGUF, same threads.
 1. Overhead: cgn-infer (default flags) decodes 96 tokens per stream at 1 and 8 streams,
    free (`ignore_eos`) and under a JSON schema whose one string must be 2,000 characters
    long (so no answer ends early either): aggregate tokens/s and the per-token overhead,
-   medians of 5 interleaved rounds.
+   medians of 9 interleaved rounds.
    Then the first request of a new schema against the same schema again (compile vs
    cache hit), as time to the whole 1-token answer.
 2. Corpus: the 56 schemas of tests/fixtures/json_schemas.json, 8 requests in flight,
@@ -34,7 +34,7 @@ from bench.common import engine, model_id, write_result  # noqa: E402
 from cgn_core.bundled_models import smollm2  # noqa: E402
 
 CORPUS = json.loads((REPO / "tests" / "fixtures" / "json_schemas.json").read_text())
-ROUNDS, TOKENS = 5, 96
+ROUNDS, TOKENS = 9, 96
 LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
         "required": ["story"], "additionalProperties": False}  # fmt: skip
 PROMPT = "Tell me a long story about a lighthouse keeper."
