@@ -269,19 +269,18 @@ class Grammars:
         is a 400 naming why."""
         key = spec.key
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-                return Constraint(compiled.deep_copy())
+                return Constraint(hit.deep_copy())
         started = time.perf_counter()
+        # NOTE: the matcher reports what validate_grammar would (unimplemented keywords, bad
+        # regexes, dangling $refs) in its error state: one compile, not two
         try:
-            error, messages = llg.LLMatcher.validate_grammar_with_warnings(spec.grammar, self.vocab)
+            compiled = llg.LLMatcher(self.vocab, spec.grammar, log_level=0)
         except (ValueError, TypeError) as exc:
-            error, messages = True, [str(exc)]
-        if error:
-            raise InvalidRequest(f"'{spec.origin}' is not supported: {_one_line(messages)}",
-                                 param=spec.origin)  # fmt: skip
-        compiled = llg.LLMatcher(self.vocab, spec.grammar, log_level=0)
+            raise InvalidRequest(f"'{spec.origin}' is not supported: {_one_line([str(exc)])}",
+                                 param=spec.origin) from None  # fmt: skip
         if compiled.is_error():
             why = _one_line([compiled.get_error()])
             raise InvalidRequest(f"'{spec.origin}' is not supported: {why}", param=spec.origin)
