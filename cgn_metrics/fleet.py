@@ -155,7 +155,6 @@ def summarize(
         node_tokens[t.node]["total"] += out_tokens + prompt_tokens
         model_tokens[t.model]["output"] += out_tokens
         model_tokens[t.model]["total"] += out_tokens + prompt_tokens
-        model_tokens[t.model].setdefault(f"node:{t.node}", 0.0)
         model_tokens[t.model][f"node:{t.node}"] += out_tokens + prompt_tokens
         replicas.append({
             "model": t.model, "replica": t.replica, "node": t.node, "url": t.url,
