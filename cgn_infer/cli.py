@@ -87,6 +87,30 @@ def serve(
         str | None,
         flag("--kvcached", "cgn-kvcached address (host:port): offer blocks, restore prompts."),
     ] = None,
+    stages: Annotated[
+        str | None,
+        flag(
+            "--stages",
+            "Layer pipeline head: the stages' host:port, comma-separated, in layer order "
+            "(each a `cgn-infer stage`); this process keeps the layers before them.",
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        flag("--layers", "With --stages: this head's layers FIRST:END (default 0:first stage's)."),
+    ] = None,
+    activations: Annotated[
+        str | None,
+        flag(
+            "--activations",
+            "With --stages: f16 (default) | int8 (a quarter of f32's bytes, one scale per "
+            "row) | f32 (exact: the same output as one process).",
+        ),
+    ] = None,
+    micro_batches: Annotated[
+        int | None,
+        flag("--micro-batches", "With --stages: groups a step's rows go in (0: one per part)."),
+    ] = None,
     config: Annotated[
         Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
@@ -104,7 +128,8 @@ def serve(
         "sim.engines": engines,
         "role": role,
         "backend": backend, "device": device, "weights": weights, "model_name": model_name,
-        "kvcached.address": kvcached,
+        "kvcached.address": kvcached, "pipeline.stages": stages, "pipeline.layers": layers,
+        "pipeline.activations": activations, "pipeline.micro_batches": micro_batches,
     }.items():  # fmt: skip
         if value is not None:
             flags[key] = str(value)
@@ -113,6 +138,52 @@ def serve(
     from cgn_infer.daemon import run as run_daemon
 
     run_daemon(settings, ready_file)
+
+
+@app.command()
+def stage(
+    model: Annotated[
+        Path | None,
+        flag("--model", "The GGUF file the head serves (the same file).", "CGN_INFER_MODEL"),
+    ] = None,
+    layers: Annotated[
+        str | None, flag("--layers", "The layers this stage serves, FIRST:END (END excluded).")
+    ] = None,
+    host: Annotated[str | None, flag("--host", "Listen address (default 127.0.0.1).")] = None,
+    port: Annotated[
+        int | None, flag("--port", "Listen port (0: any free port) (default 9101).")
+    ] = None,
+    head: Annotated[
+        str | None,
+        flag("--head", "The node id (certificate CN) of the only head this stage serves (TLS)."),
+    ] = None,
+    threads: Annotated[int | None, flag("--threads", "CPU threads (0: one per core).")] = None,
+    weights: Annotated[
+        str | None, flag("--dtype", "Weight storage, as for serve (default gguf).")
+    ] = None,
+    config: Annotated[
+        Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, flag("--set", "Override a setting: --set tls.ca_file=ca.pem.")
+    ] = None,
+    ready_file: Annotated[
+        Path | None, flag("--ready-file", "Write {pid, ports: {pipeline}} here once serving.")
+    ] = None,
+) -> None:
+    """Serve layers FIRST:END of a model to a pipeline head (`serve --stages`) over gRPC."""
+    flags = parse_overrides(set_)
+    for key, value in {
+        "model": model, "pipeline.layers": layers, "pipeline.host": host, "pipeline.port": port,
+        "pipeline.head": head, "threads": threads, "weights": weights,
+    }.items():  # fmt: skip
+        if value is not None:
+            flags[key] = str(value)
+    settings = load_service_settings(InferSettings, "infer", config, flags)
+    setup_logging("infer", settings.log)
+    from cgn_infer.pipeline.stage import run as run_stage
+
+    run_stage(settings, ready_file)
 
 
 main = run(app)

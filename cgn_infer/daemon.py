@@ -175,6 +175,8 @@ async def _serve_loaded(
             build = functools.partial(_engine, settings, loaded, svc, config, loop, executor)
             engine = await loop.run_in_executor(torch_thread, build)
             engines.append(engine)
+        if hasattr(loaded.backend, "collect"):  # a pipeline head: its stages' traffic
+            listeners[0].svc.metrics.registry.register(loaded.backend)  # type: ignore[arg-type]
         for listener, engine in zip(listeners, engines, strict=True):
             # NOTE: after every engine is built: the first one's worker takes torch_thread
             listener.svc.metrics.load_seconds.set(time.monotonic() - started)
@@ -382,6 +384,36 @@ def check_settings(settings: InferSettings) -> None:
         raise ConfigError(f"kvcached.fixed_ms must not be negative, got {kvc.fixed_ms}")
     if kvc.address and ":" not in kvc.address:
         raise ConfigError(f"kvcached.address must be host:port, got {kvc.address!r}")
+    check_pipeline(settings)
+
+
+def check_pipeline(settings: InferSettings) -> None:
+    """A head (`pipeline.stages`) runs torch or MLX without block export: its KV lives on several
+    processes, so block export (kvcached, prefill/decode transfers) does not apply."""
+    p = settings.pipeline
+    for key in ("timeout_s", "connect_timeout_s"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"pipeline.{key} must be positive, got {getattr(p, key)}")
+    if p.micro_batches < 0:
+        raise ConfigError(f"pipeline.micro_batches must be 0 or more, got {p.micro_batches}")
+    if not p.stages:
+        if p.layers:
+            raise ConfigError(
+                "pipeline.layers without pipeline.stages: a single process serves "
+                "every layer (a stage is `cgn-infer stage --layers A:B`)"
+            )
+        return
+    if bad := [s for s in p.stages if not s.rpartition(":")[2].isdigit()]:
+        raise ConfigError(f"pipeline.stages: expected host:port, got {', '.join(bad)}")
+    if settings.backend not in ("torch", "mlx"):
+        raise ConfigError(f"a pipeline head runs the torch or mlx backend, not {settings.backend}")
+    if settings.kvcached.address:
+        raise ConfigError("a pipeline head cannot use cgn-kvcached (its KV is on the stages)")
+    if settings.role != "both":
+        raise ConfigError(
+            "a pipeline head serves role both (prefill/decode transfers move "
+            "whole-model blocks, which no one process of a pipeline holds)"
+        )
 
 
 def _progress() -> Progress:

@@ -12,7 +12,8 @@ Failure containment (NOTE: one request must never stop the others): a job
 whose per-request state cannot be built, or whose sampling fails, ends alone
 with an "error" finish; a batch step that fails ends that batch's sequences;
 any other exception in an iteration fails the requests then active and the
-loop goes on. Only `MAX_LOOP_FAILURES` failed iterations in a row (a broken
+loop goes on, except `BackendLost` (a pipeline stage is gone), which stops the worker at
+once. Only `MAX_LOOP_FAILURES` failed iterations in a row (a broken
 invariant, not a bad request) stop the worker: every pending job then ends
 with an error, `failure` says why (the server's /health answers 503 with it,
 so the agent restarts the engine) and `submit` refuses new work.
@@ -34,7 +35,7 @@ from cgn_core.errors import Unavailable
 from cgn_core.kv_events import KvEvent
 from cgn_core.kvcache_client import KvCacheClient
 from cgn_core.text.tokenizer import GGUFTokenizer
-from cgn_infer.backends.base import Backend
+from cgn_infer.backends.base import Backend, BackendLost
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.detokenizer import IncrementalText
@@ -217,6 +218,8 @@ class Engine:
                 try:
                     self._iterate()
                     failures = 0
+                except BackendLost:  # no step can run any more: stop now, say why
+                    raise
                 except Exception as exc:  # NOTE: top of the worker loop
                     failures += 1
                     log.exception("engine loop iteration failed (%d in a row)", failures)
@@ -312,6 +315,8 @@ class Engine:
                 rows = r.seq.restored.data[r.first : r.first + len(r.ids)]
                 self.backend.write_blocks(self.kv, r.ids, rows)
             logits = self.backend.forward_batch(items, self.kv)
+        except BackendLost:
+            raise
         except Exception as exc:  # NOTE: top of the worker loop: fail this batch, keep serving
             log.exception("a batch step failed")
             for w in plan.work:

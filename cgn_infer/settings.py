@@ -56,9 +56,31 @@ class TransferSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """The layer pipeline (docs/cgn-infer.md, "Layer pipeline"): a model split by layers
+    across processes. A stage (`cgn-infer stage`) serves `layers` on host:port; the head
+    (`cgn-infer serve` with `stages`) runs the rest and drives the stages in order."""
+
+    host: str = "127.0.0.1"  # stage: listen address
+    port: int = 9101  # stage: listen port (0: any free port; the ready file says which)
+    # this part's layers, FIRST:END (END excluded); the head's default: every layer before
+    # the first stage's
+    layers: str = ""
+    stages: tuple[str, ...] = ()  # head: each stage's host:port, in layer order
+    # what crosses the wire between parts: f32 (exact), f16 (half the bytes), int8 (a
+    # quarter, one scale per row)
+    activations: Literal["f32", "f16", "int8"] = "f16"
+    micro_batches: int = 0  # head: a step's rows split in this many groups; 0: one per part
+    # stage: the node id (certificate CN) of the one head it serves; required with TLS
+    head: str = ""
+    timeout_s: float = 60.0  # head: a stage that takes longer over one step is lost
+    connect_timeout_s: float = 120.0  # head: how long to wait for the stages at start
+
+
+@dataclass(frozen=True, slots=True)
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
-    pipeline: ListenSettings = ListenSettings(port=9101)
+    pipeline: PipelineSettings = PipelineSettings()
     model: Path | None = None  # a GGUF file
     model_name: str = ""  # the name clients ask for; empty: the GGUF file's stem
     backend: Literal["torch", "mlx", "sim"] = "torch"

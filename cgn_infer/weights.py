@@ -62,10 +62,14 @@ class LayerWeights(Generic[T]):
 
 @dataclass(slots=True)
 class ModelWeights(Generic[T]):
-    tok_embd: T  # [V, D]
+    """The weights of layers [first, first + len(layers)); the ends (embedding, final norm,
+    LM head) are None in a pipeline stage, which holds only its layers."""
+
+    tok_embd: T | None  # [V, D]
     layers: list[LayerWeights[T]]
-    out_norm: T  # [D]
-    output: T  # [V, D] (converted from the embedding when tied)
+    out_norm: T | None  # [D]
+    output: T | None  # [V, D] (converted from the embedding when tied)
+    first: int = 0
 
 
 def load_weights(
@@ -76,8 +80,17 @@ def load_weights(
     *,
     rope_pairs: bool = False,
     raw: RawConvert[T] | None = None,
+    layers: tuple[int, int] | None = None,
+    ends: bool = True,
 ) -> ModelWeights[T]:
-    """Read, fuse and convert every weight; `progress(done, total)` after each layer."""
+    """Read, fuse and convert every weight; `progress(done, total)` after each layer.
+
+    `layers` (first, end) loads only those layers and `ends=False` skips the embedding, the
+    final norm and the LM head (a pipeline stage): tensors not loaded are never read, so
+    their pages of the mmap never become resident."""
+    first, end = layers if layers is not None else (0, args.n_layers)
+    if not 0 <= first <= end <= args.n_layers:
+        raise GGUFError(f"{gguf.path}: layers {first}:{end} are outside 0:{args.n_layers}")
 
     def info(name: str) -> TensorInfo:
         if name not in gguf.tensors:
@@ -141,15 +154,17 @@ def load_weights(
     def vector(name: str) -> T:
         return convert(get(name), "vector", None)
 
-    total = args.n_layers + 2
+    total = end - first + 2
     embd = ("token_embd.weight",)
-    tok_embd = weight("embedding", embd, lambda: convert(get(embd[0]), "embedding", None))
+    tok_embd = None
+    if ends:
+        tok_embd = weight("embedding", embd, lambda: convert(get(embd[0]), "embedding", None))
     if progress:
         progress(1, total)
-    layers: list[LayerWeights[T]] = []
-    for i in range(args.n_layers):
+    loaded: list[LayerWeights[T]] = []
+    for i in range(first, end):
         p = f"blk.{i}."
-        layers.append(
+        loaded.append(
             LayerWeights(
                 attn_norm=vector(p + "attn_norm.weight"),
                 wqkv=matrix(*(p + f"attn_{x}.weight" for x in "qkv")),
@@ -161,12 +176,14 @@ def load_weights(
             )
         )
         if progress:
-            progress(i + 2, total)
-    out_norm = vector("output_norm.weight")
-    output = matrix(embd[0] if args.tied_embeddings else "output.weight")
+            progress(i - first + 2, total)
+    out_norm = output = None
+    if ends:
+        out_norm = vector("output_norm.weight")
+        output = matrix(embd[0] if args.tied_embeddings else "output.weight")
     if progress:
         progress(total, total)
-    return ModelWeights(tok_embd, layers, out_norm, output)
+    return ModelWeights(tok_embd, loaded, out_norm, output, first)
 
 
 def _qk_to_pairs(a: np.ndarray, args: Args) -> np.ndarray:

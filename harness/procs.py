@@ -113,6 +113,39 @@ def cgn_infer_engines(
         yield engines
 
 
+@dataclass(frozen=True, slots=True)
+class Stage:
+    address: str  # host:port the head dials
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def cgn_infer_stages(
+    tmp: Path, layers: list[str], *args: str, model: Path | None = None,
+    host: str = "127.0.0.1", wrap: tuple[str, ...] = (),
+) -> Iterator[list[Stage]]:  # fmt: skip
+    """One real `cgn-infer stage --layers L` per entry of `layers`, started together on free
+    ports of `host` (`wrap`: a command prefix, e.g. `ip netns exec NS`); yields them ready."""
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    with ExitStack() as stack:
+        for span in layers:
+            ready = tmp / f"stage-{time.monotonic_ns()}.ready"
+            log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
+            argv = [*wrap, str(BIN / "cgn-infer"), "stage", "--model", str(model or smollm2()),
+                    "--layers", span, "--host", host, "--port", "0", "--threads", "2",
+                    "--ready-file", str(ready), *args]  # fmt: skip
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            stack.callback(stop, proc)
+            procs.append((proc, ready))
+        stages = []
+        for proc, ready in procs:
+            doc = wait_ready_file(ready, timeout_s=180, proc=proc)
+            stages.append(Stage(f"{host}:{doc['ports']['pipeline']}", proc))
+        yield stages
+
+
 @contextmanager
 def llamacpp(
     model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2, flash_attn: str = "auto"

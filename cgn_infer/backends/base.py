@@ -17,6 +17,11 @@ from cgn_infer.backends.paged import BatchItem, SeqCache, blocks_for
 from cgn_infer.models.args import Args
 
 
+class BackendLost(RuntimeError):
+    """A part of the backend outside this process is gone (a pipeline stage): the engine
+    cannot step any more, so it stops at once and says why on /health."""
+
+
 class Backend(Protocol):
     """A loaded model on one runtime."""
 

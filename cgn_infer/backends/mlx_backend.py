@@ -75,7 +75,10 @@ class MlxBackend(SingleSequence):
         *,
         dtype: mx.Dtype | None = None,
         progress: Callable[[int, int], None] | None = None,
+        layers: tuple[int, int] | None = None,
+        ends: bool = True,
     ):
+        """`layers` and `ends` as in `load_weights` (a pipeline part)."""
         self.args = args
         self.dtype = dtype or default_dtype()
 
@@ -84,23 +87,33 @@ class MlxBackend(SingleSequence):
             return arr.astype(self.dtype) if role == "matrix" else arr.astype(mx.float32)
 
         self.w: ModelWeights[mx.array] = load_weights(
-            gguf, args, convert, progress, rope_pairs=True
+            gguf, args, convert, progress, rope_pairs=True, layers=layers, ends=ends
         )
+        self.first, self.end = self.w.first, self.w.first + len(self.w.layers)
+        self.n_local = len(self.w.layers)
         exps = np.arange(0, args.rope_dim, 2, dtype=np.float64) / args.rope_dim
         ang = np.outer(np.arange(args.ctx_len, dtype=np.float64), args.rope_theta**-exps)
         self.cos, self.sin = mx.array(np.cos(ang), mx.float32), mx.array(np.sin(ang), mx.float32)
-        mx.eval(self.w.tok_embd, self.w.output)
+        mx.eval(*(t for t in (self.w.tok_embd, self.w.output) if t is not None))
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the weight matrices."""
+        mats = [m for layer in self.w.layers
+                for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]  # fmt: skip
+        return sum(m.nbytes for m in mats) + (
+            self.w.output.nbytes if self.w.output is not None else 0
+        )
 
     def kv_bytes_per_token(self) -> int:
         a = self.args
-        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.dtype.size
+        return 2 * self.n_local * a.n_kv_heads * a.head_dim * self.dtype.size
 
     def new_kv(self, num_blocks: int) -> MlxPagedKV:
         a = self.args
         shape = (num_blocks * BLOCK_SIZE, a.n_kv_heads, a.head_dim)
         return MlxPagedKV(
-            [mx.zeros(shape, dtype=self.dtype) for _ in range(a.n_layers)],
-            [mx.zeros(shape, dtype=self.dtype) for _ in range(a.n_layers)],
+            [mx.zeros(shape, dtype=self.dtype) for _ in range(self.n_local)],
+            [mx.zeros(shape, dtype=self.dtype) for _ in range(self.n_local)],
         )
 
     def kv_nbytes(self, kv: MlxPagedKV) -> int:
@@ -110,7 +123,7 @@ class MlxBackend(SingleSequence):
         a = self.args
         return {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
             self.dtype, "float32"
-        ), a.n_layers, a.n_kv_heads, a.head_dim  # fmt: skip
+        ), self.n_local, a.n_kv_heads, a.head_dim  # fmt: skip
 
     def read_blocks(self, kv: MlxPagedKV, ids: Sequence[int]) -> np.ndarray:
         slots = mx.array(_block_slots(ids))
@@ -121,11 +134,11 @@ class MlxBackend(SingleSequence):
 
     def write_blocks(self, kv: MlxPagedKV, ids: Sequence[int], data: np.ndarray) -> None:
         a = self.args
-        shape = (len(ids), 2, a.n_layers, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        shape = (len(ids), 2, self.n_local, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
         src = mx.array(np.ascontiguousarray(data)).view(self.dtype).reshape(shape)
         slots = mx.array(_block_slots(ids))
         flat = (len(ids) * BLOCK_SIZE, a.n_kv_heads, a.head_dim)
-        for i in range(a.n_layers):
+        for i in range(self.n_local):
             kv.k[i][slots] = src[:, 0, i].reshape(flat)
             kv.v[i][slots] = src[:, 1, i].reshape(flat)
         mx.eval(*kv.k, *kv.v)
@@ -133,24 +146,52 @@ class MlxBackend(SingleSequence):
     def forward_batch(
         self, items: Sequence[BatchItem], kv: MlxPagedKV, *, all_logits: bool = False
     ) -> np.ndarray:
-        a, w = self.args, self.w
         lay = layout(items)
+        x = self.run_layers(self.embed(lay), lay, kv)
+        return self.logits(x, None if all_logits else lay.last_rows, kv)
+
+    # The three parts of a step, which a pipeline runs in different processes.
+
+    def embed(self, lay: BatchLayout) -> mx.array:
+        """The step's token embeddings [T, D] float32 (a part with the ends only)."""
+        assert self.w.tok_embd is not None
+        return self.w.tok_embd[mx.array(lay.ids)]
+
+    def run_layers(self, x: mx.array, lay: BatchLayout, kv: MlxPagedKV) -> mx.array:
+        """This part's layers over the residual stream `x` [T, D]; K/V into `kv`."""
+        a = self.args
+        if not self.w.layers:
+            return x
         pos = mx.array(lay.positions)
         rot = (self.cos[pos][:, None, :], self.sin[pos][:, None, :])  # [T, 1, hd/2] each
         step = MlxStep.build(lay)
-        x = w.tok_embd[mx.array(lay.ids)]  # [T, D]
-        for i, layer in enumerate(w.layers):
+        for i, layer in enumerate(self.w.layers):
             h = mx.fast.rms_norm(x, layer.attn_norm, a.norm_eps)
             x = x + self._attention(layer, i, h, rot, step, kv)
             h = mx.fast.rms_norm(x, layer.ffn_norm, a.norm_eps)
             gate, up = mx.split(h.astype(self.dtype) @ layer.w_gate_up.T, 2, axis=-1)  # [T, F]
             x = x + ((gate * mx.sigmoid(gate)) * up @ layer.w_down.T).astype(mx.float32)
-        if not all_logits:
-            x = x[mx.array(lay.last_rows)]  # [N, D]
+        mx.eval(x, *kv.k, *kv.v)
+        return x
+
+    def logits(self, x: mx.array, rows: np.ndarray | None, kv: MlxPagedKV) -> np.ndarray:
+        """float32 logits [len(rows) or T, V] of `x`'s `rows` (all when None)."""
+        a, w = self.args, self.w
+        assert w.out_norm is not None and w.output is not None
+        if rows is not None:
+            x = x[mx.array(rows)]  # [N, D]
         h = mx.fast.rms_norm(x, w.out_norm, a.norm_eps).astype(self.dtype)
         logits = (h @ w.output.T).astype(mx.float32)  # [N|T, V]
         mx.eval(logits, *kv.k, *kv.v)
         return np.array(logits)
+
+    # The numpy boundary a pipeline crosses (wire format: float32 [rows, D]).
+
+    def from_numpy(self, x: np.ndarray) -> mx.array:
+        return mx.array(x)
+
+    def to_numpy(self, x: mx.array, rows: np.ndarray | None = None) -> np.ndarray:
+        return np.array(x if rows is None else x[mx.array(rows)], dtype=np.float32)
 
     def _attention(
         self,

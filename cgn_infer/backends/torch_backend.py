@@ -162,7 +162,11 @@ class TorchBackend(SingleSequence):
         threads: int = 0,
         decode_threads: int = 0,
         progress: Callable[[int, int], None] | None = None,
+        layers: tuple[int, int] | None = None,
+        ends: bool = True,
     ):
+        """`layers` (first, end) and `ends` as in `load_weights`: a pipeline part (the head
+        with its first layers and both ends, or a stage with a middle range and no ends)."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}")
         if args.rope_dim != args.head_dim:
@@ -202,8 +206,9 @@ class TorchBackend(SingleSequence):
             return QuantMatrix(lib, parts)
 
         self.w: ModelWeights[Weight] = load_weights(
-            gguf, args, convert, progress, rope_pairs=True, raw=raw
+            gguf, args, convert, progress, rope_pairs=True, raw=raw, layers=layers, ends=ends
         )
+        self.first, self.end = self.w.first, self.w.first + len(self.w.layers)
         if unsupported:
             types = ", ".join(f"{t} ({n} parts)" for t, n in sorted(unsupported.items()))
             log.info(
@@ -222,15 +227,15 @@ class TorchBackend(SingleSequence):
         for layer in self.w.layers:
             for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
                 total += _l(m).nbytes()
-        return total + _l(self.w.output).nbytes()
+        return total + (_l(self.w.output).nbytes() if self.w.output is not None else 0)
 
     def kv_bytes_per_token(self) -> int:
         a = self.args
-        return 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.kv_dtype.itemsize
+        return 2 * len(self.w.layers) * a.n_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def new_kv(self, num_blocks: int) -> PagedKV:
         a = self.args
-        shape = (a.n_layers, num_blocks, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
+        shape = (len(self.w.layers), num_blocks, BLOCK_SIZE, a.n_kv_heads, a.head_dim)
         if self.device.type != "cpu":
             return PagedKV(
                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -251,7 +256,8 @@ class TorchBackend(SingleSequence):
 
     def kv_layout(self) -> tuple[str, int, int, int]:
         a = self.args
-        return str(self.kv_dtype).removeprefix("torch."), a.n_layers, a.n_kv_heads, a.head_dim
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return dtype, len(self.w.layers), a.n_kv_heads, a.head_dim
 
     @torch.inference_mode()
     def read_blocks(self, kv: PagedKV, ids: Sequence[int]) -> np.ndarray:
@@ -276,30 +282,60 @@ class TorchBackend(SingleSequence):
     def forward_batch(
         self, items: Sequence[BatchItem], kv: PagedKV, *, all_logits: bool = False
     ) -> np.ndarray:
-        a, w = self.args, self.w
         lay = layout(items)
-        n = len(lay.ids)
-        want = self.decode_threads if n == 1 else self.threads
+        x = self.run_layers(self.embed(lay), lay, kv)
+        return self.logits(x, None if all_logits else lay.last_rows, kv)
+
+    # The three parts of a step, which a pipeline runs in different processes.
+
+    @torch.inference_mode()
+    def embed(self, lay: BatchLayout) -> torch.Tensor:
+        """The step's token embeddings [T, D] float32 (a part with the ends only)."""
+        ids = torch.from_numpy(lay.ids).to(self.device)
+        table = self.w.tok_embd
+        return table.rows(ids) if isinstance(table, QuantMatrix) else _t(table)[ids]
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, lay: BatchLayout, kv: PagedKV) -> torch.Tensor:
+        """This part's layers over the residual stream `x` [T, D]; K/V into `kv`."""
+        a = self.args
+        want = self.decode_threads if len(lay.ids) == 1 else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+        if not self.w.layers:
+            return x
         step = self._step_tensors(lay, kv.k.shape[1])
         rot = self.rope[torch.from_numpy(lay.positions).to(self.device)][:, None, :]  # [T, 1, hd/2]
-        x = self._embed(torch.from_numpy(lay.ids).to(self.device))  # [T, D] float32
-        for i, layer in enumerate(w.layers):
+        for i, layer in enumerate(self.w.layers):
             h = F.rms_norm(x, (a.dim,), _t(layer.attn_norm), a.norm_eps)
             x = x + self._attention(layer, i, h, rot, step, kv)
             h = F.rms_norm(x, (a.dim,), _t(layer.ffn_norm), a.norm_eps)
             gate, up = _l(layer.w_gate_up)(h).chunk(2, dim=-1)  # [T, F] each
             x = x + _l(layer.w_down)(F.silu(gate) * up)  # [T, D]
-        if not all_logits:
-            x = x[torch.from_numpy(lay.last_rows).to(self.device)]  # [N, D]
+        return x
+
+    # The numpy boundary a pipeline crosses (wire format: float32 [rows, D]).
+
+    def from_numpy(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(self.device)
+
+    def to_numpy(self, x: torch.Tensor, rows: np.ndarray | None = None) -> np.ndarray:
+        if rows is not None:
+            x = x[torch.from_numpy(rows).to(self.device)]
+        out: np.ndarray = x.float().cpu().numpy()
+        return out
+
+    @torch.inference_mode()
+    def logits(
+        self, x: torch.Tensor, rows: np.ndarray | None, kv: PagedKV | None = None
+    ) -> np.ndarray:
+        """float32 logits [len(rows) or T, V] of `x`'s `rows` (all when None)."""
+        a, w = self.args, self.w
+        if rows is not None:
+            x = x[torch.from_numpy(rows).to(self.device)]  # [N, D]
         logits = _l(w.output)(F.rms_norm(x, (a.dim,), _t(w.out_norm), a.norm_eps))  # [N|T, V]
         out: np.ndarray = logits.cpu().numpy()
         return out
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.w.tok_embd
-        return table.rows(ids) if isinstance(table, QuantMatrix) else _t(table)[ids]
 
     def _step_tensors(self, lay: BatchLayout, pool_blocks: int) -> StepTensors:
         dev = self.device
