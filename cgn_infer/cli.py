@@ -149,6 +149,14 @@ def stage(
     layers: Annotated[
         str | None, flag("--layers", "The layers this stage serves, FIRST:END (END excluded).")
     ] = None,
+    part: Annotated[
+        str | None,
+        flag(
+            "--part",
+            "Or: part I of an N-part pipeline, I/N (the head is part 0), layers balanced by "
+            "weight bytes.",
+        ),
+    ] = None,
     host: Annotated[str | None, flag("--host", "Listen address (default 127.0.0.1).")] = None,
     port: Annotated[
         int | None, flag("--port", "Listen port (0: any free port) (default 9101).")
@@ -174,7 +182,8 @@ def stage(
     """Serve layers FIRST:END of a model to a pipeline head (`serve --stages`) over gRPC."""
     flags = parse_overrides(set_)
     for key, value in {
-        "model": model, "pipeline.layers": layers, "pipeline.host": host, "pipeline.port": port,
+        "model": model, "pipeline.layers": layers, "pipeline.part": part, "pipeline.host": host,
+        "pipeline.port": port,
         "pipeline.head": head, "threads": threads, "weights": weights,
     }.items():  # fmt: skip
         if value is not None:

@@ -66,6 +66,9 @@ class PipelineSettings:
     # this part's layers, FIRST:END (END excluded); the head's default: every layer before
     # the first stage's
     layers: str = ""
+    # stage: I/N, part I (1..N-1) of an N-part pipeline (the head is part 0), layers
+    # balanced by weight bytes (every part computes the same split from the same file)
+    part: str = ""
     stages: tuple[str, ...] = ()  # head: each stage's host:port, in layer order
     # what crosses the wire between parts: f32 (exact), f16 (half the bytes), int8 (a
     # quarter, one scale per row)

@@ -124,16 +124,17 @@ def cgn_infer_stages(
     tmp: Path, layers: list[str], *args: str, model: Path | None = None,
     host: str = "127.0.0.1", wrap: tuple[str, ...] = (),
 ) -> Iterator[list[Stage]]:  # fmt: skip
-    """One real `cgn-infer stage --layers L` per entry of `layers`, started together on free
-    ports of `host` (`wrap`: a command prefix, e.g. `ip netns exec NS`); yields them ready."""
+    """One real `cgn-infer stage --layers L` per entry of `layers` ("": no --layers, `args`
+    say which part), started together on free ports of `host` (`wrap`: a command prefix,
+    e.g. `ip netns exec NS`); yields them ready."""
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     with ExitStack() as stack:
         for span in layers:
             ready = tmp / f"stage-{time.monotonic_ns()}.ready"
             log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
             argv = [*wrap, str(BIN / "cgn-infer"), "stage", "--model", str(model or smollm2()),
-                    "--layers", span, "--host", host, "--port", "0", "--threads", "2",
-                    "--ready-file", str(ready), *args]  # fmt: skip
+                    *(["--layers", span] if span else []), "--host", host, "--port", "0",
+                    "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
             proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )

