@@ -69,6 +69,17 @@ TICK_S = 0.5
 OPEN_ADMIN_PATHS = frozenset({"/healthz", "/metrics"})  # for probes and scrapers, no certificate
 
 
+async def _tcp_probe(url: str, timeout_s: float) -> tuple[bool, bool, str]:
+    """Ready once `tcp://host:port` accepts a connection (closed again at once)."""
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except (OSError, TimeoutError, ValueError) as exc:
+        return False, False, f"{url}: {type(exc).__name__} {exc}".strip()
+    writer.close()
+    return True, True, ""
+
+
 class HttpProber:
     """Readiness over HTTP: the health path answers 200, then /v1/models lists the model."""
 
@@ -77,6 +88,8 @@ class HttpProber:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
+        if launch.probe == "tcp":
+            return await _tcp_probe(launch.url, self.timeout.total or 5.0)
         try:
             async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
                 if r.status != 200:

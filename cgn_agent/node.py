@@ -150,6 +150,13 @@ class NodeAgent:
 
     async def _start(self, spec: ReplicaSpec) -> None:
         driver = DRIVERS[spec.engine]
+        part = spec.pipeline
+        if part is not None and part.part == 0 and not part.stages:
+            # the head of a layer pipeline starts once the reconciler has written where its
+            # stages listen (every stage Ready); until then it is Starting, not refused
+            why = f"waiting for the pipeline's {part.parts - 1} stage(s) to be Ready"
+            self._refuse(spec.replica, spec, why, phase=sv.Phase.STARTING)
+            return
         try:
             # NOTE: least privilege first: what a placement may run, then whether it can run
             engine_args.check(spec.engine, spec.profile.extra_args, spec.profile.env)
@@ -176,12 +183,17 @@ class NodeAgent:
                             advertise_host=self.advertise_host)  # fmt: skip
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
-    def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str) -> None:
-        log.error("replica %s: %s", replica, reason)
+    def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str,
+                phase: sv.Phase = sv.Phase.FAILED) -> None:  # fmt: skip
+        """Not started, and not retried until its placement changes: refused (Failed), or a
+        pipeline head waiting for its stages (Starting)."""
+        (log.error if phase == sv.Phase.FAILED else log.info)("replica %s: %s", replica, reason)
         self.refused[replica] = (want, reason)
-        self.ctx.publisher.set(
-            self._status_key(replica), {"phase": str(sv.Phase.FAILED), "reason": reason}
-        )
+        doc: dict[str, Any] = {"phase": str(phase), "reason": reason}
+        if isinstance(want, ReplicaSpec) and want.pipeline is not None:
+            p = want.pipeline
+            doc["pipeline"] = {"part": p.part, "parts": p.parts, "head": p.head}
+        self.ctx.publisher.set(self._status_key(replica), doc)
 
     def _status_key(self, replica: str) -> str:
         return f"{keys.REPLICAS}{self.node}/{replica}"

@@ -119,7 +119,19 @@ class ReplicaRunner:
             "reason": s.reason,
             "since_unix": time.time() - (self.ctx.clock() - s.since),
             "log_tail": log_tail(self.log_path) if self.launch.spawn else [],
+            **self._pipeline_status(),
         }
+
+    def _pipeline_status(self) -> dict[str, Any]:
+        """A pipeline part's place in its replica; a stage's address for the head (the
+        reconciler copies it into the head's placement once every stage is Ready)."""
+        part = self.spec.pipeline
+        if part is None:
+            return {}
+        doc: dict[str, Any] = {"part": part.part, "parts": part.parts, "head": part.head}
+        if part.part > 0:
+            doc["address"] = self.url.split("://", 1)[-1]  # advertise host:port
+        return {"pipeline": doc}
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -169,7 +181,8 @@ class ReplicaRunner:
                 case sv.Terminate():
                     await self._terminate()
                 case sv.PublishEndpoint():
-                    self.ctx.publisher.set(self.endpoint_key, self.endpoint_doc())
+                    if self.launch.endpoint:  # not a pipeline stage: only its head is routed to
+                        self.ctx.publisher.set(self.endpoint_key, self.endpoint_doc())
                 case sv.WithdrawEndpoint():
                     self.ctx.publisher.delete(self.endpoint_key)
                 case sv.Report():

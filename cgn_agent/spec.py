@@ -9,6 +9,13 @@ through `spec_to_json` / `parse_placement` unchanged.
     {"model": "smollm2", "engine": "cgn_infer", "source": "/models/smollm2.gguf",
      "port": 0, "devices": [], "role": "both",
      "profile": {"ctx": 4096, "threads": 2, "extra_args": ["--max-batch", "4"]}}
+
+A replica that spans several nodes (a cgn-infer layer pipeline) has one placement per node,
+all under the same replica id, each naming its part: part 0 is the head (the only part the
+router sees), parts 1.. are stages. The head's placement gets the stages' addresses from
+the reconciler once every stage is Ready; until then the head waits.
+
+     "pipeline": {"part": 0, "parts": 2, "head": "n1", "stages": ["10.0.0.2:40123"]}
 """
 
 from __future__ import annotations
@@ -45,6 +52,16 @@ class EngineProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelinePart:
+    """This node's part of a multi-node replica (a cgn-infer layer pipeline)."""
+
+    part: int  # 0: the head; 1..parts-1: the stages, in layer order
+    parts: int
+    head: str  # the head's node id: stages serve only it (its certificate CN)
+    stages: tuple[str, ...] = ()  # head only: each stage's host:port, once all are Ready
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaSpec:
     replica: ReplicaId
     model: str  # the name clients use; the engine is told to serve under it
@@ -55,6 +72,7 @@ class ReplicaSpec:
     role: Role = "both"
     profile: EngineProfile = EngineProfile()
     owner: str = ""  # "reconciler" for the placements it manages; empty: written by hand
+    pipeline: PipelinePart | None = None  # one part of a replica that spans several nodes
 
 
 def parse_placement(replica: str, data: Any) -> ReplicaSpec:
@@ -91,7 +109,40 @@ def parse_placement(replica: str, data: Any) -> ReplicaSpec:
         role,
         _profile(data.get("profile", {}), f"{where}: profile"),
         _owner(data, where),
+        _pipeline(data.get("pipeline"), f"{where}: pipeline", engine),
     )
+
+
+MAX_PARTS = 64
+_ADDRESS = re.compile(r"^[A-Za-z0-9._:\[\]-]{1,253}:\d{1,5}$")
+
+
+def _pipeline(raw: Any, where: str, engine: str) -> PipelinePart | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a JSON object")
+    _no_unknown(raw, {f.name for f in dataclasses.fields(PipelinePart)}, where)
+    if engine != "cgn_infer":
+        raise ValueError(f"{where}: only cgn_infer runs as a layer pipeline, not {engine}")
+    part: Any = raw.get("part")
+    parts: Any = raw.get("parts")
+    if not (_is_int(parts) and 2 <= parts <= MAX_PARTS):
+        raise ValueError(f"{where}: 'parts' must be an integer 2-{MAX_PARTS}")
+    if not (_is_int(part) and 0 <= part < parts):
+        raise ValueError(f"{where}: 'part' must be an integer 0-{parts - 1}")
+    head = _str(raw, "head", where, required=True) or ""
+    if not _ID.match(head):
+        raise ValueError(f"{where}: 'head' must be a node id")
+    stages = raw.get("stages", [])
+    if not isinstance(stages, list) or not all(
+        isinstance(a, str) and _ADDRESS.match(a) for a in stages
+    ):
+        raise ValueError(f"{where}: 'stages' must be a list of host:port addresses")
+    if stages and (part != 0 or len(stages) != parts - 1):
+        raise ValueError(f"{where}: 'stages' belongs to the head (part 0) and lists all "
+                         f"{parts - 1} stages")  # fmt: skip
+    return PipelinePart(part, parts, head, tuple(stages))
 
 
 def _owner(data: Mapping[str, Any], where: str) -> str:
@@ -144,6 +195,8 @@ def spec_to_json(spec: ReplicaSpec) -> dict[str, Any]:
     doc["devices"] = list(spec.devices)
     doc["profile"]["extra_args"] = list(spec.profile.extra_args)
     doc["profile"]["env"] = dict(spec.profile.env)
+    if spec.pipeline is None:
+        del doc["pipeline"]
     out: dict[str, Any] = json.loads(json.dumps(doc))  # plain JSON types only
     return out
 

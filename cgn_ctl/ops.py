@@ -8,7 +8,7 @@ from __future__ import annotations
 import getpass
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cgn_core import keys
@@ -63,7 +63,9 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
     out = []
     for name, spec in sorted(snap.models.items()):
-        mine = [k for k, d in snap.placements.items() if d.get("model") == name]
+        # a multi-node replica counts once, as its head (the part routers see)
+        mine = [k for k, d in snap.placements.items()
+                if d.get("model") == name and not _part(d, {}).startswith("stage")]  # fmt: skip
         ready = sum(snap.statuses.get(k, {}).get("phase") == "Ready" for k in mine)
         out.append({
             "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
@@ -129,9 +131,23 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
             "engine": doc.get("engine"), "role": doc.get("role") or "both",
             "devices": doc.get("devices", []), "phase": st.get("phase", "Pending"),
             "url": st.get("url"), "restarts": st.get("restarts", 0), "reason": st.get("reason", ""),
-            "node_state": states.get(node, "unreachable"),
+            "node_state": states.get(node, "unreachable"), "part": _part(doc, st),
         })  # fmt: skip
     return out
+
+
+def _part(doc: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """A multi-node replica's part as a person reads it: `head 0/2`, `stage 1/2 10.0.0.2:9101`;
+    "" for a replica on one node."""
+    p = doc.get("pipeline")
+    if not isinstance(p, Mapping) or not isinstance(p.get("part"), int):
+        return ""
+    where = f"{p['part']}/{p.get('parts')}"
+    if p["part"] == 0:
+        return f"head {where}"
+    st = status.get("pipeline")
+    address = st.get("address") if isinstance(st, Mapping) else None
+    return f"stage {where}" + (f" {address}" if isinstance(address, str) else "")
 
 
 async def explain(client: EtcdClient, name: str, role: str | None = None) -> Decision:

@@ -30,13 +30,13 @@ def models(rows: list[dict[str, Any]]) -> None:
 
 
 def replicas(rows: list[dict[str, Any]]) -> None:
-    t = Table("replica", "model", "role", "node", "engine", "devices", "phase", "restarts",
-              "reason")  # fmt: skip
+    t = Table("replica", "model", "role", "node", "part", "engine", "devices", "phase",
+              "restarts", "reason")  # fmt: skip
     for r in rows:
         node = r["node"] if r["node_state"] == "ready" else f"{r['node']} ({r['node_state']})"
-        t.add_row(r["replica"], str(r["model"]), r["role"], node, str(r["engine"]),
-                  ",".join(map(str, r["devices"])) or "-", r["phase"], str(r["restarts"]),
-                  r["reason"] or "-")  # fmt: skip
+        t.add_row(r["replica"], str(r["model"]), r["role"], node, r.get("part") or "-",
+                  str(r["engine"]), ",".join(map(str, r["devices"])) or "-", r["phase"],
+                  str(r["restarts"]), r["reason"] or "-")  # fmt: skip
     console.print(t if rows else "no replicas")
 
 

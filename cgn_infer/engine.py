@@ -178,7 +178,17 @@ class Engine:
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-engine")
         self._done: Future[None] | None = None
         self._gate = threading.Lock()  # orders submit() against the worker's death
-        self.failure: str | None = None  # why the worker stopped; None while it serves
+        self._failure: str | None = None  # why the worker stopped; None while it serves
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot serve: its worker stopped, or a part of its backend outside
+        this process is gone (a pipeline stage, noticed between steps too); None while it
+        serves."""
+        if self._failure is not None:
+            return self._failure
+        lost: str | None = getattr(self.backend, "lost", None)
+        return f"BackendLost: {lost}" if lost else None
 
     @property
     def capacity_tokens(self) -> int:
@@ -204,8 +214,8 @@ class Engine:
         seq = Seq(req.prompt, req.max_tokens, priority=req.priority, restored=job.restored)
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         with self._gate:
-            if self.failure is not None:
-                raise Unavailable(f"the engine's worker stopped: {self.failure}")
+            if (failure := self.failure) is not None:
+                raise Unavailable(f"the engine's worker stopped: {failure}")
             self.metrics.waiting.inc()
             self._jobs.put((job, seq))
 
@@ -255,7 +265,7 @@ class Engine:
         """The worker is stopping for good: end every job it holds or that is queued."""
         log.critical("the engine's worker stopped: %s", reason)
         with self._gate:
-            self.failure = reason
+            self._failure = reason
         jobs = [a.job for a in self._active.values()]
         self._active.clear()
         while True:

@@ -24,8 +24,16 @@ Per pass, in order:
    (not-Ready ones first).
 The reconciler manages only the placements it wrote (`owner: reconciler`);
 a placement written by hand is never moved or deleted, though the devices it
-holds are not given to anything else. Multi-node profiles are left out until
-the agent can launch multi-node replicas.
+holds are not given to anything else.
+
+Multi-node replicas (a cgn-infer layer pipeline, `nodes > 1`): one placement per
+node under one replica id, each with its `pipeline` part (0: the head, which
+alone counts as the replica and is routed to). Whatever deletes one part
+deletes them all (a lost node, a failed part, a drain), so a replica is
+rebuilt whole. Once every stage reports Ready with its address, the head's
+placement gets the addresses (`pipeline.stages`); its agent starts the head
+then, and again whenever a stage comes back elsewhere. Other engines' multi-node
+profiles are left out until their agents can launch them.
 """
 
 from __future__ import annotations
@@ -97,36 +105,50 @@ def reconcile(
     actions: list[Action] = []
     gone: set[Key] = set()
 
-    def delete(key: Key, why: str) -> None:
-        if key not in gone:
-            gone.add(key)
-            actions.append(Delete(key[0], key[1], why))
-
     draining = {n for n, c in snap.cordons.items() if c.get("drain")}
     # NOTE: only its own placements; one written by hand is left alone (its devices still count)
     owned = {k: d for k, d in snap.placements.items() if d.get("owner") == OWNER}
+    parts = _pipeline_parts(owned)
+
+    def delete(key: Key, why: str) -> None:  # a multi-node replica goes whole
+        for k in parts.get(key[1], {}).values() or [key]:
+            if k not in gone:
+                gone.add(k)
+                actions.append(Delete(k[0], k[1], why if k == key else f"{why} (same replica)"))
+
+    def drains(key: Key) -> bool:
+        return any(k[0] in draining for k in parts.get(key[1], {}).values() or [key])
+
     for key, doc in sorted(owned.items()):
         model, status = str(doc.get("model", "")), snap.statuses.get(key, {})
+        if key in gone:
+            continue
         if states[key[0]] == "lost":
             delete(key, f"node {key[0]} lost")
         elif model not in snap.models:
             delete(key, f"model {model} is not in the catalog")
+        elif key[1] in parts and len(parts[key[1]]) != _part(doc)[1]:
+            delete(key, f"multi-node replica has {len(parts[key[1]])} of {_part(doc)[1]} parts")
         elif _failed(status, policy):
             delete(key, f"replica failed: {status.get('reason', '')}")
             mem.rebuilds[model] += 1
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
 
     live = {k: d for k, d in owned.items() if k not in gone}
+    actions += _relay_stages(live, parts, snap)
+    # a multi-node replica counts once, as its head (part 0)
+    heads = {k: d for k, d in live.items() if _part(d)[0] == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
     # pool for a disaggregated one; each kept within its own counts
     pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
              for role, lo, hi in spec.wants()]  # fmt: skip
     for _, spec, role, lo, hi in pools:
-        mine = {k: d for k, d in live.items() if spec.in_pool(d, role)}
-        serving = {k for k in mine if k[0] not in draining}
+        mine = {k: d for k, d in heads.items() if spec.in_pool(d, role)}
+        serving = {k for k in mine if not drains(k)}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
-        for key in sorted(k for k in mine if k[0] in draining):
-            cordon = snap.cordons[key[0]]
+        for key in sorted(k for k in mine if drains(k)):
+            node = next(k[0] for k in parts.get(key[1], {}).values() or [key] if k[0] in draining)
+            cordon = snap.cordons[node]
             grace = float(cordon.get("grace_s", policy.drain_grace_s))
             expired = snap.wall - float(cordon.get("since_unix", snap.wall)) >= grace
             if len(ready_off_drain) >= lo:
@@ -139,20 +161,20 @@ def reconcile(
 
     for name, spec, role, lo, _ in pools:
         pool = pool_label(name, spec, role)
-        placed = [k for k, d in live.items() if spec.in_pool(d, role)]
-        if sum(k not in gone and k[0] not in draining for k in placed) >= lo:
+        placed = [k for k, d in heads.items() if spec.in_pool(d, role)]
+        if sum(k not in gone and not drains(k) for k in placed) >= lo:
             mem.unplaced.pop(pool, None)
             continue
         if now < mem.rebuild_after.get(name, 0.0):
             continue
         sub = spec.for_role(role)
-        decision = place(_single_node(sub), views(snap, states, gone))
+        decision = place(_launchable(sub), views(snap, states, gone))
         if not decision.ok:
             mem.unplaced[pool] = decision
             continue
         mem.unplaced.pop(pool, None)
-        actions.append(placement_for(sub, decision, role))
-        break  # one placement per pass, from a fresh snapshot
+        actions += placement_for(sub, decision, role)
+        break  # one replica per pass, from a fresh snapshot
     return actions
 
 
@@ -160,24 +182,34 @@ def _pool(spec: ModelSpec, role: str) -> str:
     return f"{role} " if spec.pools else ""
 
 
-def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) -> Put:
-    """The agent's placement document for a decision (docs/architecture.md, etcd), for the
-    pool of `role` (default: the model's role)."""
+def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) -> list[Put]:
+    """The agents' placement documents for a decision (docs/architecture.md, etcd), for the
+    pool of `role` (default: the model's role): one, or one per node of a multi-node
+    replica (the same replica id, each with its part; the first node's is the head)."""
     assert decision.profile is not None
     p = spec.profiles[decision.profile]
-    node, devices = decision.nodes[0]
     profile: dict[str, Any] = {"tensor_parallel": p.tensor_parallel, "kv_connector": p.kv_connector,
                                "launcher": p.launcher, "extra_args": list(p.extra_args),
                                "env": dict(p.env)}  # fmt: skip
     for k in ("ctx", "threads", "dtype", "gpu_memory_utilization", "backend", "url"):
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
-    doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
-           "devices": list(devices), "role": role or spec.role, "profile": profile,
-           "owner": OWNER}  # fmt: skip
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
-    return Put(node, replica, doc, f"{why}, {role} pool" if role and spec.pools else why)
+    why = f"{why}, {role} pool" if role and spec.pools else why
+    head = decision.nodes[0][0]
+    puts = []
+    for i, (node, devices) in enumerate(decision.nodes):
+        doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
+               "devices": list(devices), "role": role or spec.role, "profile": profile,
+               "owner": OWNER}  # fmt: skip
+        if len(decision.nodes) > 1:
+            n = len(decision.nodes)
+            doc["pipeline"] = {"part": i, "parts": n, "head": head}
+            puts.append(Put(node, replica, doc, f"{why}, {'head' if i == 0 else 'stage'} {i}/{n}"))
+        else:
+            puts.append(Put(node, replica, doc, why))
+    return puts
 
 
 def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
@@ -185,12 +217,69 @@ def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
     """What placing one more replica of `spec` (in its pool of `role`) would decide now, with
     every candidate's reason."""
     sub = spec.for_role(role) if role else spec
-    return place(_single_node(sub), views(snap, node_states(snap, mem, now, policy)))
+    return place(_launchable(sub), views(snap, node_states(snap, mem, now, policy)))
 
 
-def _single_node(spec: ModelSpec) -> ModelSpec:
-    profiles = tuple(p for p in spec.profiles if p.nodes == 1)
+def _launchable(spec: ModelSpec) -> ModelSpec:
+    """The profiles agents can launch: one node, or a cgn-infer layer pipeline."""
+    profiles = tuple(p for p in spec.profiles if p.nodes == 1 or p.engine == "cgn_infer")
     return replace(spec, profiles=profiles) if profiles != spec.profiles else spec
+
+
+def _part(doc: Mapping[str, Any]) -> tuple[int, int]:
+    """(part, parts) of a placement; (0, 1) for a single-node one or a malformed field."""
+    p = doc.get("pipeline")
+    if isinstance(p, Mapping):
+        part, parts = p.get("part"), p.get("parts")
+        if isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts:
+            return part, parts
+    return 0, 1
+
+
+def _pipeline_parts(owned: Mapping[Key, Mapping[str, Any]]) -> dict[str, dict[int, Key]]:
+    """Multi-node replicas: replica id -> part -> its placement's key."""
+    out: dict[str, dict[int, Key]] = {}
+    for key, doc in owned.items():
+        part, parts = _part(doc)
+        if parts > 1:
+            out.setdefault(key[1], {})[part] = key
+    return out
+
+
+def _relay_stages(
+    live: Mapping[Key, Mapping[str, Any]], parts: Mapping[str, Mapping[int, Key]], snap: Snapshot
+) -> list[Action]:
+    """Heads whose stages are all Ready at addresses other than the ones their placement
+    names get a placement with the new addresses (their agents then start them again)."""
+    out: list[Action] = []
+    for replica, by_part in sorted(parts.items()):
+        if sorted(by_part) != list(range(len(by_part))) or any(
+            k not in live for k in by_part.values()
+        ):
+            continue
+        keys = [by_part[i] for i in range(len(by_part))]
+        addresses = []
+        for key in keys[1:]:
+            status = snap.statuses.get(key) or {}
+            pipeline = status.get("pipeline")
+            address = pipeline.get("address") if isinstance(pipeline, Mapping) else None
+            if status.get("phase") != "Ready" or not _is_address(address):
+                break
+            addresses.append(str(address))
+        else:
+            head = keys[0]
+            doc = live[head]
+            if doc["pipeline"].get("stages") != addresses:
+                new = {**doc, "pipeline": {**doc["pipeline"], "stages": addresses}}
+                out.append(Put(head[0], replica, new, "stages Ready at " + ", ".join(addresses)))
+    return out
+
+
+def _is_address(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) > 260:
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _ready(status: Mapping[str, Any] | None) -> bool:

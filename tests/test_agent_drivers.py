@@ -13,8 +13,16 @@ import pytest
 
 from cgn_agent.drivers import DRIVERS, LaunchContext, PlacementRefused, installed_engines
 from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
-from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec, parse_placement, spec_to_json
+from cgn_agent.spec import (
+    EngineProfile,
+    PipelinePart,
+    ReplicaId,
+    ReplicaSpec,
+    parse_placement,
+    spec_to_json,
+)
 from cgn_core.cli import load_service_settings, parse_overrides
+from cgn_core.settings import TlsSettings
 from cgn_infer.settings import InferSettings
 
 BIN = Path(sys.executable).parent
@@ -274,6 +282,62 @@ def test_installed_engines_and_openai_compat() -> None:
     DRIVERS["openai_compat"].validate(s, CPU_NODE, FakeTools())
     launch = DRIVERS["openai_compat"].launch(s, CTX, FakeTools())
     assert not launch.spawn and launch.url == "http://10.0.0.9:8000" and launch.argv == ()
+
+
+def test_a_pipeline_head_gets_its_stages_and_a_stage_its_part_and_head() -> None:
+    """A multi-node cgn-infer replica: the stage runs `cgn-infer stage --part I/N`, serves
+    only the head's certificate, is probed by TCP and never published to routers; the head
+    is `serve --stages`. Both argv use flags the real --help lists."""
+    tools = FakeTools({"cgn-infer": str(BIN / "cgn-infer")}, set(), {"/m/smol.gguf"})
+    base = replace(spec("cgn_infer", source="/m/smol.gguf",
+                        profile=EngineProfile(threads=1, extra_args=("--max-batch", "4"))),
+                   model="smol")  # fmt: skip
+    tls = TlsSettings(Path("/pki/ca.pem"), Path("/pki/n2.pem"), Path("/pki/n2.key"))
+    stage = replace(base, pipeline=PipelinePart(1, 2, "n1"))
+    DRIVERS["cgn_infer"].validate(stage, CPU_NODE, tools)
+    launch = DRIVERS["cgn_infer"].launch(stage, replace(CTX, tls=tls), tools)
+    argv = launch.argv
+    assert argv[1:5] == ("stage", "--model", "/m/smol.gguf", "--part") and argv[5] == "1/2"
+    assert argv[argv.index("--head") + 1] == "n1" and "--max-batch" not in argv
+    assert (launch.probe, launch.endpoint, launch.url) == ("tcp", False, "tcp://0.0.0.0:8100")
+    assert flags(argv) <= _help_flags([str(BIN / "cgn-infer"), "stage", "--help"])
+    head = replace(base, pipeline=PipelinePart(0, 2, "n1", ("10.0.0.2:9101",)))
+    DRIVERS["cgn_infer"].validate(head, CPU_NODE, tools)
+    launch = DRIVERS["cgn_infer"].launch(head, CTX, tools)
+    assert launch.argv[launch.argv.index("--stages") + 1] == "10.0.0.2:9101"
+    assert launch.probe == "http" and launch.endpoint and "--max-batch" in launch.argv
+    assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
+    for bad, why in [
+        (replace(head, pipeline=PipelinePart(0, 2, "n1")), "needs its stages"),
+        (replace(stage, profile=EngineProfile(backend="sim")), "torch or mlx, not sim"),
+        (replace(stage, role="decode"), "serves role both"),
+    ]:
+        with pytest.raises(PlacementRefused, match=why):
+            DRIVERS["cgn_infer"].validate(bad, CPU_NODE, tools)
+
+
+def test_pipeline_parts_parse_and_name_bad_fields() -> None:
+    doc = {"model": "m", "engine": "cgn_infer", "source": "smollm2",
+           "pipeline": {"part": 0, "parts": 3, "head": "n1", "stages": ["a:1", "10.0.0.3:9101"]}}  # fmt: skip
+    s = parse_placement("r7", doc)
+    assert s.pipeline == PipelinePart(0, 3, "n1", ("a:1", "10.0.0.3:9101"))
+    assert parse_placement("r7", spec_to_json(s)) == s
+    assert "pipeline" not in spec_to_json(replace(s, pipeline=None))
+    base = {"model": "m", "engine": "cgn_infer"}
+    for bad, message in [
+        ({"part": 0, "parts": 1, "head": "n1"}, "'parts' must be an integer 2-64"),
+        ({"part": 2, "parts": 2, "head": "n1"}, "'part' must be an integer 0-1"),
+        ({"part": 1, "parts": 2, "head": "../x"}, "'head' must be a node id"),
+        ({"part": 1, "parts": 2, "head": "n1", "stages": ["a:1"]}, "belongs to the head"),
+        ({"part": 0, "parts": 3, "head": "n1", "stages": ["a:1"]}, "lists all 2 stages"),
+        ({"part": 0, "parts": 2, "head": "n1", "stages": ["no port"]}, "host:port"),
+        ({"part": 0, "parts": 2, "head": "n1", "rank": 1}, "unknown field(s) rank"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_placement("r7", {**base, "pipeline": bad})
+    with pytest.raises(ValueError, match="only cgn_infer runs as a layer pipeline"):
+        parse_placement("r7", {"model": "m", "engine": "vllm",
+                               "pipeline": {"part": 0, "parts": 2, "head": "n1"}})  # fmt: skip
 
 
 def test_placement_parsing_round_trips_and_names_bad_fields() -> None:

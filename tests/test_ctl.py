@@ -136,7 +136,7 @@ def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Pat
     assert nodes["gone"]["state"] == "unreachable" and nodes["gone"]["replicas"] == ["r9"]
     reps = ok_json(etcd, "replicas")
     assert reps == [{"replica": "r9", "node": "gone", "model": "small", "engine": "cgn_infer", "role": "both", "devices": [],
-                     "phase": "Pending", "url": None, "restarts": 0, "reason": "", "node_state": "unreachable"}]  # fmt: skip
+                     "phase": "Pending", "url": None, "restarts": 0, "reason": "", "node_state": "unreachable", "part": ""}]  # fmt: skip
     why = ok_json(etcd, "explain-placement", "gpu-model")
     assert why["profile"] is None
     assert {c["node"]: c["reason"] for c in why["candidates"]} == {

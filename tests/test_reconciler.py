@@ -224,3 +224,71 @@ def test_a_pool_no_profile_can_serve_is_unplaced_under_its_own_name() -> None:
     assert [a.doc["role"] for a in actions if isinstance(a, Put)] == ["decode"]
     assert "pd (prefill)" in mem.unplaced
     assert explain(spec, snap(models=[spec]), mem, 0.0, S, role="decode").ok
+
+
+# ---- multi-node replicas: a cgn-infer layer pipeline ---------------------------------------
+
+LAN_NODE = {"accelerators": [], "engines": ["cgn_infer"], "labels": {"fabric": "lan"}}
+
+
+def pipeline_model(lo: int = 1) -> ModelSpec:
+    return parse_model({"name": "big", "source": "smollm2", "replicas": {"min": lo, "max": lo},
+                        "profiles": [{"engine": "cgn_infer", "nodes": 2, "threads": 1}]})  # fmt: skip
+
+
+def pipeline_snap(
+    placed: dict[tuple[str, str], dict[str, Any]],
+    status: dict[tuple[str, str], dict[str, Any]] | None = None,
+    nodes: tuple[str, ...] = ("a", "b", "c"),
+) -> Snapshot:
+    return Snapshot(models={"big": pipeline_model()}, nodes={n: LAN_NODE for n in nodes},
+                    placements=placed, statuses=status or {}, cordons={}, wall=1000.0)  # fmt: skip
+
+
+def test_a_multi_node_replica_is_placed_whole_and_its_head_learns_the_stages() -> None:
+    mem = Memory()
+    first = reconcile(pipeline_snap({}), mem, 0.0, S)
+    assert [type(a) for a in first] == [Put, Put] and first[0].replica == first[1].replica
+    head, stage = first
+    assert head.doc["pipeline"] == {"part": 0, "parts": 2, "head": head.node}
+    assert stage.doc["pipeline"] == {"part": 1, "parts": 2, "head": head.node}
+    assert stage.node != head.node and "stage 1/2" in stage.why
+    placed = {(p.node, p.replica): p.doc for p in first}
+    # the stage is not Ready yet: nothing to do, and the replica counts once (min 1 is met)
+    assert reconcile(pipeline_snap(placed), mem, 1.0, S) == []
+    stage_ready = {(stage.node, stage.replica): {"phase": "Ready", "pipeline": {
+        "part": 1, "parts": 2, "head": head.node, "address": "10.0.0.2:40123"}}}  # fmt: skip
+    relay = reconcile(pipeline_snap(placed, stage_ready), mem, 2.0, S)
+    assert [(a.node, type(a)) for a in relay] == [(head.node, Put)]
+    assert relay[0].doc["pipeline"]["stages"] == ["10.0.0.2:40123"]
+    placed[(head.node, head.replica)] = relay[0].doc
+    assert reconcile(pipeline_snap(placed, stage_ready), mem, 3.0, S) == []  # told once
+    bad_address = {k: {**v, "pipeline": {**v["pipeline"], "address": "nowhere"}}
+                   for k, v in stage_ready.items()}  # fmt: skip
+    assert reconcile(pipeline_snap(placed, bad_address), mem, 3.5, S) == []
+
+
+def test_any_part_failing_or_lost_takes_the_whole_replica_down() -> None:
+    def parts(head: str = "a", stage: str = "b") -> dict[tuple[str, str], dict[str, Any]]:
+        base = {"model": "big", "engine": "cgn_infer", "devices": [], "owner": "reconciler"}
+        return {(head, "r1"): {**base, "pipeline": {"part": 0, "parts": 2, "head": head}},
+                (stage, "r1"): {**base, "pipeline": {"part": 1, "parts": 2, "head": head}}}  # fmt: skip
+
+    failed = {("b", "r1"): {"phase": "Failed", "reason": "exit 1", "failures": 3}}
+    acts = reconcile(pipeline_snap(parts(), failed), Memory(), 0.0, S)
+    assert {(a.node, a.replica) for a in acts if isinstance(a, Delete)} == {
+        ("a", "r1"),
+        ("b", "r1"),
+    }
+    assert any("same replica" in a.why for a in acts)
+    mem = Memory()
+    reconcile(pipeline_snap(parts(), nodes=("a", "c")), mem, 0.0, S)  # b vanished
+    acts = reconcile(pipeline_snap(parts(), nodes=("a", "c")), mem, 31.0, S)
+    assert {(a.node, a.replica) for a in acts if isinstance(a, Delete)} == {
+        ("a", "r1"),
+        ("b", "r1"),
+    }
+    half = {k: v for k, v in parts().items() if k[0] == "a"}  # a part that never got written
+    acts = reconcile(pipeline_snap(half), Memory(), 0.0, S)
+    assert [(type(a), a.node) for a in acts][:1] == [(Delete, "a")]
+    assert "1 of 2 parts" in acts[0].why

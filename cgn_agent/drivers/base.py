@@ -46,6 +46,11 @@ class Launch:
     http_ranks: tuple[int, ...] = (0,)  # of a multi-process engine, the ranks with an HTTP server
     # The secret the router must present (Authorization: Bearer); "" when the engine takes none.
     token: str = ""
+    # How readiness is checked: "http" (health_path answers 200, models_path lists the
+    # model) or "tcp" (the port accepts a connection: a pipeline stage, which binds its gRPC
+    # port only once its layers are loaded)
+    probe: str = "http"
+    endpoint: bool = True  # published for routers once Ready (a pipeline stage is not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,12 +39,23 @@ class CgnInferDriver:
             require_gpus(spec, node, self.name, 1)
         if backend == "mlx" and spec.devices:
             raise PlacementRefused("cgn_infer: the mlx backend takes no CUDA devices")
+        if spec.pipeline is not None:
+            if backend == "sim":
+                raise PlacementRefused("cgn_infer: a layer pipeline runs torch or mlx, not sim")
+            if spec.role != "both":
+                raise PlacementRefused("cgn_infer: a layer pipeline serves role both")
+            if spec.pipeline.part == 0 and len(spec.pipeline.stages) != spec.pipeline.parts - 1:
+                raise PlacementRefused("cgn_infer: the head of a pipeline needs its stages")
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
         exe = tools.which("cgn-infer") or "cgn-infer"
+        if spec.pipeline is not None and spec.pipeline.part > 0:
+            return _stage(spec, ctx, exe)
         argv = [exe, "serve", "--model", spec.source, "--host", ctx.host,
                 "--port", str(ctx.port), "--model-name", spec.model]  # fmt: skip
+        if spec.pipeline is not None:  # the head: the stages' addresses, in layer order
+            argv += ["--stages", ",".join(spec.pipeline.stages)]
         argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
         argv += ["--device", "cuda"] if spec.devices else []
         argv += optional_flags(("--dtype", p.dtype))
@@ -69,3 +80,24 @@ class CgnInferDriver:
             metrics_dialect="cgn-infer",
             token=ctx.token,
         )
+
+
+def _stage(spec: ReplicaSpec, ctx: LaunchContext, exe: str) -> Launch:
+    """`cgn-infer stage`: part I of N (layers balanced by weight bytes, the same split every
+    part computes from the same file), serving only the head's node (with TLS)."""
+    assert spec.pipeline is not None
+    p, part = spec.profile, spec.pipeline
+    argv = [exe, "stage", "--model", spec.source, "--part", f"{part.part}/{part.parts}",
+            "--host", ctx.host, "--port", str(ctx.port)]  # fmt: skip
+    argv += optional_flags(("--threads", p.threads), ("--dtype", p.dtype))
+    argv += ["--set", f"backend={p.backend}"] if p.backend else []
+    argv += ["--set", "device=cuda"] if spec.devices else []
+    if ctx.tls is not None:  # the stage serves the head's certificate (CN = its node id) only
+        argv += ["--head", part.head,
+                 "--set", f"tls.ca_file={ctx.tls.ca_file}",
+                 "--set", f"tls.cert_file={ctx.tls.cert_file}",
+                 "--set", f"tls.key_file={ctx.tls.key_file}"]  # fmt: skip
+    env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
+    # NOTE: no extra_args: they are `serve` flags (the head gets them), which `stage` refuses
+    return Launch(tuple(argv), env, f"tcp://{ctx.host}:{ctx.port}", probe="tcp",
+                  endpoint=False)  # fmt: skip

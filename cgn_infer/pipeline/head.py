@@ -186,6 +186,15 @@ class PipelineBackend(SingleSequence):
         self._opening = 0
         self._ids = itertools.count()
 
+    @property
+    def lost(self) -> str | None:
+        """The first lost stage and why (its stream broke, even with no step in flight);
+        the engine then reports itself failed, so the agent restarts the replica."""
+        for client, _ in self.stages:
+            if client.lost is not None:
+                return f"stage {client.address}: {client.lost}"
+        return None
+
     def weight_bytes(self) -> int:
         return int(self.local.weight_bytes())
 
