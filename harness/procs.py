@@ -87,26 +87,36 @@ def cgn_infer_fleet(
         yield [e.url for e in engines]
 
 
+def _start_ready(
+    stack: ExitStack, tmp: Path, kind: str, argvs: list[Callable[[Path], list[str]]]
+) -> list[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """Start one process per `argv(ready_file)` together (each in its own group, its output in
+    a log beside the ready file, stopped with `stack`), then wait for every ready file."""
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    for argv in argvs:
+        ready = tmp / f"{kind}-{time.monotonic_ns()}.ready"
+        log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
+        proc = subprocess.Popen(
+            argv(ready), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        stack.callback(stop, proc)
+        procs.append((proc, ready))
+    return [(proc, wait_ready_file(ready, timeout_s=180, proc=proc)) for proc, ready in procs]
+
+
 @contextmanager
 def cgn_infer_engines(
     tmp: Path, n: int, *args: str, model: Path | None = None
 ) -> Iterator[list[Engine]]:
     """Like `cgn_infer_fleet`, with each engine's process (to kill one in a test)."""
-    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def argv(ready: Path) -> list[str]:
+        return [str(BIN / "cgn-infer"), "serve", "--model", str(model or smollm2()),
+                "--port", "0", "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
+
     with ExitStack() as stack:
-        for _ in range(n):
-            ready = tmp / f"infer-{time.monotonic_ns()}.ready"
-            log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
-            argv = [str(BIN / "cgn-infer"), "serve", "--model", str(model or smollm2()),
-                    "--port", "0", "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            stack.callback(stop, proc)
-            procs.append((proc, ready))
         engines = []
-        for proc, ready in procs:
-            doc = wait_ready_file(ready, timeout_s=180, proc=proc)
+        for proc, doc in _start_ready(stack, tmp, "infer", [argv] * n):
             # a sim process with --engines N hosts N engines, each on its own port
             for port in doc.get("engines") or [doc["ports"]["http"]]:
                 engines.append(Engine(f"http://127.0.0.1:{port}", proc))
@@ -127,24 +137,17 @@ def cgn_infer_stages(
     """One real `cgn-infer stage --layers L` per entry of `layers` ("": no --layers, `args`
     say which part), started together on free ports of `host` (`wrap`: a command prefix,
     e.g. `ip netns exec NS`); yields them ready."""
-    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def argv(span: str) -> Callable[[Path], list[str]]:
+        return lambda ready: [
+            *wrap, str(BIN / "cgn-infer"), "stage", "--model", str(model or smollm2()),
+            *(["--layers", span] if span else []), "--host", host, "--port", "0",
+            "--threads", "2", "--ready-file", str(ready), *args,
+        ]  # fmt: skip
+
     with ExitStack() as stack:
-        for span in layers:
-            ready = tmp / f"stage-{time.monotonic_ns()}.ready"
-            log = stack.enter_context((tmp / f"{ready.name}.log").open("wb"))
-            argv = [*wrap, str(BIN / "cgn-infer"), "stage", "--model", str(model or smollm2()),
-                    *(["--layers", span] if span else []), "--host", host, "--port", "0",
-                    "--threads", "2", "--ready-file", str(ready), *args]  # fmt: skip
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            stack.callback(stop, proc)
-            procs.append((proc, ready))
-        stages = []
-        for proc, ready in procs:
-            doc = wait_ready_file(ready, timeout_s=180, proc=proc)
-            stages.append(Stage(f"{host}:{doc['ports']['pipeline']}", proc))
-        yield stages
+        started = _start_ready(stack, tmp, "stage", [argv(span) for span in layers])
+        yield [Stage(f"{host}:{doc['ports']['pipeline']}", proc) for proc, doc in started]
 
 
 @contextmanager
