@@ -96,6 +96,7 @@ def test_backends_serialize_blocks_as_the_layout_says(smollm2_torch: Any) -> Non
 
     mlx = object.__new__(mlx_backend.MlxBackend)  # the block format needs only the shapes
     mlx.args, mlx.dtype = smollm2_torch.args, mx.float32
+    mlx.n_local = smollm2_torch.args.n_layers  # a whole model (not a pipeline part)
     mlx_kv = mlx.new_kv(8)
     assert mlx.kv_layout() == ("float32", 30, 3, 64)
     _roundtrip(mlx, mlx_kv)
