@@ -232,7 +232,7 @@ def main() -> None:
                     row[f"bytes_{way}_per_token"] = moved / tokens / len(spans)
             results[label] = row
             print(label, row, file=sys.stderr, flush=True)
-    write_result("pipeline", "bench/pipeline.py " + " ".join(sys.argv[1:]), results,
+    write_result("pipeline" if opts.model == "smollm2" else f"pipeline_{opts.model}", "bench/pipeline.py " + " ".join(sys.argv[1:]), results,
                  table(results, args.dim, opts.model))  # fmt: skip
 
 
