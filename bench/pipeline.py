@@ -21,7 +21,8 @@ of 2-way's); the 3-way split then oversubscribes this 2-core machine. For each:
   the last stage returns only each sequence's last row of a prompt).
 
 Every part shares this machine's cores, so a split cannot be faster here: what it buys is
-memory per machine. Results: bench/results/pipeline.{json,md}.
+memory per machine. Results: bench/results/pipeline.{json,md} (another --model:
+pipeline_<model>.{json,md}).
 """
 
 from __future__ import annotations
@@ -232,8 +233,9 @@ def main() -> None:
                     row[f"bytes_{way}_per_token"] = moved / tokens / len(spans)
             results[label] = row
             print(label, row, file=sys.stderr, flush=True)
-    write_result("pipeline" if opts.model == "smollm2" else f"pipeline_{opts.model}", "bench/pipeline.py " + " ".join(sys.argv[1:]), results,
-                 table(results, args.dim, opts.model))  # fmt: skip
+    name = "pipeline" if opts.model == "smollm2" else f"pipeline_{opts.model}"
+    command = "bench/pipeline.py " + " ".join(sys.argv[1:])
+    write_result(name, command, results, table(results, args.dim, opts.model))
 
 
 def table(results: dict[str, Any], dim: int, model: str) -> str:
