@@ -496,8 +496,12 @@ def test_a_stage_by_part_serves_new_head_streams_and_stops_cleanly(
         pipe.new_kv(4)
         with pytest.raises(ValueError, match="earlier opening"):
             pipe.forward_batch([BatchItem(ids, 0, [0])], stale)
+        cache = pipe.new_cache(16)
         stop(stage.proc)
         assert stage.proc.returncode == 0
         with pytest.raises(BackendLost):
-            pipe.forward(ids, 0, pipe.new_cache(16))
+            pipe.forward(ids, 0, cache)
+        assert pipe.lost is not None and stage.address in pipe.lost
+        with pytest.raises(ConfigError, match=f"pipeline stage {stage.address}"):
+            pipe.new_cache(16)  # opening a pool on a stage that is gone: one line at start
     assert list(tmp_path.glob("stage-*.ready")) == [], "a clean stop removes the ready file"

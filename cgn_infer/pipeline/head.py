@@ -212,9 +212,12 @@ class PipelineBackend(SingleSequence):
         """The head's pool, and a fresh pool of the same size on every stage."""
         local = self.local.new_kv(num_blocks)
         for client, info in self.stages:
-            client.open(pb.Open(model=self.model, pool_blocks=num_blocks,
-                                first_layer=info.first_layer, end_layer=info.end_layer),
-                        self.timeout_s)  # fmt: skip
+            request = pb.Open(model=self.model, pool_blocks=num_blocks,
+                              first_layer=info.first_layer, end_layer=info.end_layer)  # fmt: skip
+            try:
+                client.open(request, self.timeout_s)
+            except StageLost as exc:  # at start: a stage that changed since Describe, or died
+                raise ConfigError(f"pipeline {exc}") from None
         self._opening += 1
         return PipelineKV(local, self._opening)
 
