@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,25 +49,13 @@ from cgn_core import bundled_models
 from cgn_core.etcd.local import free_port
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
-from cgn_infer.pipeline.wire import balanced_split
+from cgn_infer.pipeline.wire import balanced_split, layer_bytes
 from harness.procs import cgn_infer_engines, cgn_infer_stages
 
 
 def balanced(gguf: GGUFFile, n_layers: int, parts: int) -> list[str]:
     """The stages' ranges of the split `cgn-infer stage --part I/N` serves."""
     return [f"{a}:{b}" for a, b in balanced_split(gguf, n_layers, parts)[1:]]
-
-
-def part_weights(gguf: GGUFFile, first: int, end: int, ends: bool) -> int:
-    """Bytes of the GGUF tensors a part loads: its layers, and the ends for the head."""
-    total = 0
-    for t in gguf.tensors.values():
-        if t.name.startswith("blk."):
-            if first <= int(t.name.split(".")[1]) < end:
-                total += t.n_bytes
-        elif ends:
-            total += t.n_bytes
-    return total
 
 
 class DelayRelay:
@@ -206,10 +195,13 @@ def main() -> None:
             opts.delay_ms / 1000,
         ),
     ]
-    whole = part_weights(gguf, 0, n, True)
-    results: dict[str, Any] = {}
-    import tempfile
+    per_layer, ends_bytes = layer_bytes(gguf, n)  # the embedding and LM head go with the head
 
+    def part_weights(first: int, end: int, head: bool) -> int:
+        return sum(per_layer[first:end]) + (ends_bytes if head else 0)
+
+    whole = part_weights(0, n, True)
+    results: dict[str, Any] = {}
     for label, spans, head_args, delay in configs:
         with tempfile.TemporaryDirectory() as tmp, \
                 configuration(path, spans, head_args, delay, Path(tmp),
@@ -217,12 +209,13 @@ def main() -> None:
             row: dict[str, Any] = measure(url, opts.tokens)
             firsts = [0] + [int(s.split(":")[0]) for s in spans]
             ends = [int(s.split(":")[0]) for s in spans] + [n]
-            row["parts"] = [
-                {"layers": f"{a}:{b}", "weight_mib": part_weights(gguf, a, b, i == 0) / 2**20,
-                 "weight_share": part_weights(gguf, a, b, i == 0) / whole,
-                 "rss_mib": peak_rss_mib(pid, "VmRSS"), "hwm_mib": peak_rss_mib(pid)}
-                for i, (a, b, pid) in enumerate(zip(firsts, ends, pids, strict=True))
-            ]  # fmt: skip
+            row["parts"] = []
+            for i, (a, b, pid) in enumerate(zip(firsts, ends, pids, strict=True)):
+                w = part_weights(a, b, i == 0)
+                row["parts"].append({"layers": f"{a}:{b}", "weight_mib": w / 2**20,
+                                     "weight_share": w / whole,
+                                     "rss_mib": peak_rss_mib(pid, "VmRSS"),
+                                     "hwm_mib": peak_rss_mib(pid)})  # fmt: skip
             if spans:
                 w = wire_bytes(url)
                 tokens = w.get("vllm:prompt_tokens_total", 0) + w.get(

@@ -191,8 +191,7 @@ class NodeAgent:
         self.refused[replica] = (want, reason)
         doc: dict[str, Any] = {"phase": str(phase), "reason": reason}
         if isinstance(want, ReplicaSpec) and want.pipeline is not None:
-            p = want.pipeline
-            doc["pipeline"] = {"part": p.part, "parts": p.parts, "head": p.head}
+            doc["pipeline"] = want.pipeline.status()
         self.ctx.publisher.set(self._status_key(replica), doc)
 
     def _status_key(self, replica: str) -> str:

@@ -128,7 +128,7 @@ class ReplicaRunner:
         part = self.spec.pipeline
         if part is None:
             return {}
-        doc: dict[str, Any] = {"part": part.part, "parts": part.parts, "head": part.head}
+        doc = part.status()
         if part.part > 0:
             doc["address"] = self.url.split("://", 1)[-1]  # advertise host:port
         return {"pipeline": doc}

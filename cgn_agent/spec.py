@@ -60,6 +60,10 @@ class PipelinePart:
     head: str  # the head's node id: stages serve only it (its certificate CN)
     stages: tuple[str, ...] = ()  # head only: each stage's host:port, once all are Ready
 
+    def status(self) -> dict[str, Any]:
+        """Where this part stands in its replica, for the replica's status record."""
+        return {"part": self.part, "parts": self.parts, "head": self.head}
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:

@@ -28,7 +28,7 @@ import numpy as np
 
 from cgn_core.kv_layout import Layout
 from cgn_core.settings import TlsSettings
-from cgn_core.tls import channel_credentials
+from cgn_core.tls import channel
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
@@ -60,10 +60,7 @@ class KvCacheClient:
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
-        if tls is not None and tls.enabled:
-            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=opts)
-        else:
-            self._channel = grpc.insecure_channel(address, options=opts)
+        self._channel = channel(address, tls, opts)
         self._stub = pb_grpc.KvCacheStub(self._channel)
         self._meta = (("x-cgn-node", node),) if node else ()
         self._pb_layout = pb.KvLayout(

@@ -123,6 +123,26 @@ def placement(doc: Any) -> dict[str, Any]:
             "devices": devices}  # fmt: skip
 
 
+def pipeline_part(doc: Mapping[str, Any]) -> tuple[int, int]:
+    """(part, parts) of a placement or replica status: a part of a multi-node replica (a
+    layer pipeline; part 0 is the head), or (0, 1) for a single-node one or a malformed
+    field."""
+    p = doc.get("pipeline")
+    if isinstance(p, Mapping):
+        part, parts = p.get("part"), p.get("parts")
+        if isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts:
+            return part, parts
+    return 0, 1
+
+
+def is_host_port(value: Any) -> bool:
+    """Whether `value` is an address `host:port` with a port in 1..65535."""
+    if not isinstance(value, str) or len(value) > 260:
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def cordon(doc: Any) -> dict[str, Any]:
     """A cordon: whether the node drains, since when (wall clock) and for how long at most."""
     d = obj(doc, "cordon")
@@ -140,8 +160,7 @@ def kvcached(doc: Any) -> dict[str, Any]:
     """A node's cgn-kvcached: its gRPC address and its KV event stream (http(s) URL)."""
     d = obj(doc, "kvcached")
     address = text(d, "address", required=True)
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not is_host_port(address):
         raise RecordError(f"'address' must be host:port, got {address!r}")
     url = text(d, "events_url", required=True)
     if not url.startswith(("http://", "https://")):

@@ -44,6 +44,21 @@ def channel_credentials(tls: TlsSettings) -> grpc.ChannelCredentials:
     )
 
 
+def channel(address: str, tls: TlsSettings | None, options: list[tuple[str, Any]]) -> grpc.Channel:
+    """A (blocking) gRPC channel to one of our services: mutual TLS when `tls` is enabled,
+    plaintext otherwise."""
+    if tls is not None and tls.enabled:
+        return grpc.secure_channel(address, channel_credentials(tls), options=options)
+    return grpc.insecure_channel(address, options=options)
+
+
+def grpc_peer_cn(context: Any) -> str | None:
+    """The CN of the verified client certificate of a gRPC call (sync or asyncio servicer
+    context); None without one."""
+    names = context.auth_context().get("x509_common_name", [])
+    return names[0].decode() if names else None
+
+
 def warn_if_plaintext(log: logging.Logger, what: str, tls: TlsSettings) -> None:
     if not tls.enabled:
         log.warning("%s runs without TLS (plaintext): fine for development only", what)
@@ -118,8 +133,7 @@ class NodeIdentityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _wrap_with_cn_check(handler: grpc.RpcMethodHandler, claimed: str) -> grpc.RpcMethodHandler:
     def check(context: grpc.aio.ServicerContext) -> str | None:
-        names = context.auth_context().get("x509_common_name", [])
-        cn = names[0].decode() if names else None
+        cn = grpc_peer_cn(context)
         if cn != claimed:
             return f"certificate CN {cn!r} does not match the claimed node id {claimed!r}"
         return None

@@ -18,6 +18,7 @@ from cgn_core.cluster_reader import read_snapshot
 from cgn_core.errors import InvalidRequest, NotFound, PermanentError
 from cgn_core.etcd import EtcdClient
 from cgn_core.placement import Decision, NodeState, place
+from cgn_core.records import pipeline_part
 
 LEADER_KEY = "/cognitora/leader/reconciler"
 
@@ -65,7 +66,7 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
     for name, spec in sorted(snap.models.items()):
         # a multi-node replica counts once, as its head (the part routers see)
         mine = [k for k, d in snap.placements.items()
-                if d.get("model") == name and not _part(d, {}).startswith("stage")]  # fmt: skip
+                if d.get("model") == name and pipeline_part(d)[0] == 0]  # fmt: skip
         ready = sum(snap.statuses.get(k, {}).get("phase") == "Ready" for k in mine)
         out.append({
             "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
@@ -139,15 +140,14 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
 def _part(doc: Mapping[str, Any], status: Mapping[str, Any]) -> str:
     """A multi-node replica's part as a person reads it: `head 0/2`, `stage 1/2 10.0.0.2:9101`;
     "" for a replica on one node."""
-    p = doc.get("pipeline")
-    if not isinstance(p, Mapping) or not isinstance(p.get("part"), int):
+    part, parts = pipeline_part(doc)
+    if parts == 1:
         return ""
-    where = f"{p['part']}/{p.get('parts')}"
-    if p["part"] == 0:
-        return f"head {where}"
+    if part == 0:
+        return f"head 0/{parts}"
     st = status.get("pipeline")
     address = st.get("address") if isinstance(st, Mapping) else None
-    return f"stage {where}" + (f" {address}" if isinstance(address, str) else "")
+    return f"stage {part}/{parts}" + (f" {address}" if isinstance(address, str) else "")
 
 
 async def explain(client: EtcdClient, name: str, role: str | None = None) -> Decision:

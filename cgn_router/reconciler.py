@@ -47,6 +47,7 @@ from typing import Any
 from cgn_core.catalog import ModelSpec, pool_label
 from cgn_core.cluster import Key, Snapshot, views
 from cgn_core.placement import Decision, NodeState, place
+from cgn_core.records import is_host_port, pipeline_part
 from cgn_router.settings import ReconcilerSettings
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
@@ -110,14 +111,17 @@ def reconcile(
     owned = {k: d for k, d in snap.placements.items() if d.get("owner") == OWNER}
     parts = _pipeline_parts(owned)
 
+    def members(key: Key) -> list[Key]:  # every part of its replica (itself if on one node)
+        return list(parts.get(key[1], {}).values()) or [key]
+
     def delete(key: Key, why: str) -> None:  # a multi-node replica goes whole
-        for k in parts.get(key[1], {}).values() or [key]:
+        for k in members(key):
             if k not in gone:
                 gone.add(k)
                 actions.append(Delete(k[0], k[1], why if k == key else f"{why} (same replica)"))
 
     def drains(key: Key) -> bool:
-        return any(k[0] in draining for k in parts.get(key[1], {}).values() or [key])
+        return any(k[0] in draining for k in members(key))
 
     for key, doc in sorted(owned.items()):
         model, status = str(doc.get("model", "")), snap.statuses.get(key, {})
@@ -127,8 +131,10 @@ def reconcile(
             delete(key, f"node {key[0]} lost")
         elif model not in snap.models:
             delete(key, f"model {model} is not in the catalog")
-        elif key[1] in parts and len(parts[key[1]]) != _part(doc)[1]:
-            delete(key, f"multi-node replica has {len(parts[key[1]])} of {_part(doc)[1]} parts")
+        elif key[1] in parts and len(parts[key[1]]) != pipeline_part(doc)[1]:
+            delete(
+                key, f"multi-node replica has {len(parts[key[1]])} of {pipeline_part(doc)[1]} parts"
+            )
         elif _failed(status, policy):
             delete(key, f"replica failed: {status.get('reason', '')}")
             mem.rebuilds[model] += 1
@@ -137,7 +143,7 @@ def reconcile(
     live = {k: d for k, d in owned.items() if k not in gone}
     actions += _relay_stages(live, parts, snap)
     # a multi-node replica counts once, as its head (part 0)
-    heads = {k: d for k, d in live.items() if _part(d)[0] == 0}
+    heads = {k: d for k, d in live.items() if pipeline_part(d)[0] == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
     # pool for a disaggregated one; each kept within its own counts
     pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
@@ -147,7 +153,7 @@ def reconcile(
         serving = {k for k in mine if not drains(k)}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
         for key in sorted(k for k in mine if drains(k)):
-            node = next(k[0] for k in parts.get(key[1], {}).values() or [key] if k[0] in draining)
+            node = next(k[0] for k in members(key) if k[0] in draining)
             cordon = snap.cordons[node]
             grace = float(cordon.get("grace_s", policy.drain_grace_s))
             expired = snap.wall - float(cordon.get("since_unix", snap.wall)) >= grace
@@ -226,21 +232,11 @@ def _launchable(spec: ModelSpec) -> ModelSpec:
     return replace(spec, profiles=profiles) if profiles != spec.profiles else spec
 
 
-def _part(doc: Mapping[str, Any]) -> tuple[int, int]:
-    """(part, parts) of a placement; (0, 1) for a single-node one or a malformed field."""
-    p = doc.get("pipeline")
-    if isinstance(p, Mapping):
-        part, parts = p.get("part"), p.get("parts")
-        if isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts:
-            return part, parts
-    return 0, 1
-
-
 def _pipeline_parts(owned: Mapping[Key, Mapping[str, Any]]) -> dict[str, dict[int, Key]]:
     """Multi-node replicas: replica id -> part -> its placement's key."""
     out: dict[str, dict[int, Key]] = {}
     for key, doc in owned.items():
-        part, parts = _part(doc)
+        part, parts = pipeline_part(doc)
         if parts > 1:
             out.setdefault(key[1], {})[part] = key
     return out
@@ -263,7 +259,7 @@ def _relay_stages(
             status = snap.statuses.get(key) or {}
             pipeline = status.get("pipeline")
             address = pipeline.get("address") if isinstance(pipeline, Mapping) else None
-            if status.get("phase") != "Ready" or not _is_address(address):
+            if status.get("phase") != "Ready" or not is_host_port(address):
                 break
             addresses.append(str(address))
         else:
@@ -273,13 +269,6 @@ def _relay_stages(
                 new = {**doc, "pipeline": {**doc["pipeline"], "stages": addresses}}
                 out.append(Put(head[0], replica, new, "stages Ready at " + ", ".join(addresses)))
     return out
-
-
-def _is_address(value: Any) -> bool:
-    if not isinstance(value, str) or len(value) > 260:
-        return False
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _ready(status: Mapping[str, Any] | None) -> bool:

@@ -16,6 +16,7 @@ from cgn_agent.drivers.base import (
 )
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
+from cgn_core.settings import TlsSettings
 
 BUNDLED = ("smollm2", "qwen2.5-coder-0.5b")
 BACKENDS = ("torch", "mlx", "sim")
@@ -66,10 +67,8 @@ class CgnInferDriver:
             argv += (
                 ["--set", f"transfer.advertise={ctx.advertise_host}"] if ctx.advertise_host else []
             )
-        if ctx.tls is not None:  # HTTPS; the router must present a certificate of the CA
-            argv += ["--set", f"tls.ca_file={ctx.tls.ca_file}",
-                     "--set", f"tls.cert_file={ctx.tls.cert_file}",
-                     "--set", f"tls.key_file={ctx.tls.key_file}"]  # fmt: skip
+        # HTTPS (the router must present a certificate of the CA); a head's client certificate
+        argv += _tls_flags(ctx.tls)
         env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
         if ctx.token:  # NOTE: in the environment, not argv: argv is world-readable in ps
             env["CGN_INFER_API_TOKEN"] = ctx.token
@@ -93,11 +92,16 @@ def _stage(spec: ReplicaSpec, ctx: LaunchContext, exe: str) -> Launch:
     argv += ["--set", f"backend={p.backend}"] if p.backend else []
     argv += ["--set", "device=cuda"] if spec.devices else []
     if ctx.tls is not None:  # the stage serves the head's certificate (CN = its node id) only
-        argv += ["--head", part.head,
-                 "--set", f"tls.ca_file={ctx.tls.ca_file}",
-                 "--set", f"tls.cert_file={ctx.tls.cert_file}",
-                 "--set", f"tls.key_file={ctx.tls.key_file}"]  # fmt: skip
+        argv += ["--head", part.head, *_tls_flags(ctx.tls)]
     env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
     # NOTE: no extra_args: they are `serve` flags (the head gets them), which `stage` refuses
     return Launch(tuple(argv), env, f"tcp://{ctx.host}:{ctx.port}", probe="tcp",
                   endpoint=False)  # fmt: skip
+
+
+def _tls_flags(tls: TlsSettings | None) -> list[str]:
+    """The node's certificate for `cgn-infer`'s `tls.*` settings (none without TLS)."""
+    if tls is None:
+        return []
+    return ["--set", f"tls.ca_file={tls.ca_file}", "--set", f"tls.cert_file={tls.cert_file}",
+            "--set", f"tls.key_file={tls.key_file}"]  # fmt: skip

@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from cgn_core.errors import ConfigError
 from cgn_core.settings import TlsSettings
 from cgn_core.text.gguf_file import GGUFFile
-from cgn_core.tls import channel_credentials, warn_if_plaintext
+from cgn_core.tls import channel, warn_if_plaintext
 from cgn_infer.backends.base import BackendLost, SingleSequence
 from cgn_infer.backends.paged import BatchItem, layout
 from cgn_infer.models.args import Args
@@ -57,13 +57,7 @@ class StageClient:
 
     def __init__(self, address: str, tls: TlsSettings):
         self.address = address
-        opts = [("grpc.max_receive_message_length", wire.MAX_MESSAGE),
-                ("grpc.max_send_message_length", wire.MAX_MESSAGE)]  # fmt: skip
-        if tls.enabled:
-            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=opts)
-        else:
-            self._channel = grpc.insecure_channel(address, options=opts)
-        self._stub = pb_grpc.StageStub(self._channel)
+        self._stub = pb_grpc.StageStub(channel(address, tls, wire.GRPC_OPTIONS))
         self._lock = threading.Lock()
         self._pending: collections.deque[Future[pb.StageReply]] = collections.deque()
         self._requests: queue.Queue[pb.StageRequest | None] | None = None

@@ -34,7 +34,7 @@ from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.readiness import announce_ready, announce_stopping
 from cgn_core.text.gguf_file import GGUFFile
-from cgn_core.tls import server_credentials, warn_if_plaintext
+from cgn_core.tls import grpc_peer_cn, server_credentials, warn_if_plaintext
 from cgn_infer.backends.paged import layout
 from cgn_infer.loader import build_part
 from cgn_infer.models import args_from_gguf
@@ -56,13 +56,11 @@ class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
         self.head, self.tls = head, tls
         self._gate = threading.Lock()
         self._stream = 0  # the newest stream; older ones end at their next message
-        self.steps = 0
 
     def _refusal(self, context: grpc.ServicerContext) -> str | None:
         if not self.tls:
             return None
-        names = context.auth_context().get("x509_common_name", [])
-        cn = names[0].decode() if names else None
+        cn = grpc_peer_cn(context)
         if cn != self.head:
             return f"this stage serves head {self.head!r}; the caller's certificate is {cn!r}"
         return None
@@ -129,7 +127,6 @@ class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
         if x.shape[0] != len(lay.ids):
             raise wire.WireError(f"{x.shape[0]} activation rows for {len(lay.ids)} tokens")
         out, took = self.compute.submit(self._forward, x, lay, kv, step.last_rows_only).result()
-        self.steps += 1
         return pb.StepDone(id=step.id, hidden=wire.encode(out, step.reply_dtype), compute_s=took)
 
     def _forward(self, x: np.ndarray, lay: Any, kv: Any, last_only: bool) -> tuple[Any, float]:
@@ -139,9 +136,8 @@ class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
         return y, time.perf_counter() - started
 
 
-def check_stage_settings(settings: InferSettings) -> tuple[int, int] | tuple[int, int, int]:
-    """The stage's range (first, end), or its part (index, parts, -1) of a balanced split;
-    ConfigError for settings a stage cannot run with."""
+def check_stage_settings(settings: InferSettings) -> None:
+    """ConfigError for settings a stage cannot run with (before anything loads)."""
     p = settings.pipeline
     if bool(p.layers) == bool(p.part):
         raise ConfigError(
@@ -149,35 +145,29 @@ def check_stage_settings(settings: InferSettings) -> tuple[int, int] | tuple[int
             "--part I/N (part I of N, layers balanced by weight; the head is 0)"
         )
     if p.part:
-        i, sep, n = p.part.partition("/")
-        if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) < int(n)):
-            raise ConfigError(f"part {p.part!r}: expected I/N with 1 <= I < N (the head is 0)")
-        span: tuple[int, int] | tuple[int, int, int] = (int(i), int(n), -1)
-    else:
-        span = wire.parse_layers(p.layers)
-        if span[0] == span[1]:
-            raise ConfigError(f"layers {p.layers}: a stage must serve at least one layer")
+        wire.parse_part(p.part)
+    elif (span := wire.parse_layers(p.layers))[0] == span[1]:
+        raise ConfigError(f"layers {p.layers}: a stage must serve at least one layer")
     if settings.backend not in ("torch", "mlx"):
         raise ConfigError(f"a stage runs the torch or mlx backend, not {settings.backend}")
     if settings.tls.enabled and not p.head:
         raise ConfigError("with TLS a stage serves one head: --head NODE_ID (its certificate CN)")
     if not 0 <= p.port <= 65535:
         raise ConfigError(f"pipeline.port must be in 0..65535, got {p.port}")
-    return span
 
 
-def load_stage(
-    settings: InferSettings, span: tuple[int, int] | tuple[int, int, int]
-) -> tuple[Any, pb.StageInfo]:
+def load_stage(settings: InferSettings) -> tuple[Any, pb.StageInfo]:
     """The part's backend (only its layers' tensors are read) and what it serves."""
     if settings.model is None:
         raise ConfigError("no model given: pass --model PATH (a GGUF file)")
+    p = settings.pipeline
     gguf = GGUFFile(bundled_models.resolve(settings.model))
     args = args_from_gguf(gguf)
-    if len(span) == 3:  # part I of N
-        first, end = wire.balanced_split(gguf, args.n_layers, span[1])[span[0]]
+    if p.part:
+        i, n = wire.parse_part(p.part)
+        first, end = wire.balanced_split(gguf, args.n_layers, n)[i]
     else:
-        first, end = span[0], span[1]
+        first, end = wire.parse_layers(p.layers)
     if end > args.n_layers:
         raise ConfigError(f"layers {first}:{end}: {gguf.path.name} has {args.n_layers} layers")
     backend = build_part(gguf, args, settings, (first, end), ends=False)
@@ -190,18 +180,17 @@ def load_stage(
 
 def run(settings: InferSettings, ready_file: Path | None) -> None:
     """Load, listen, announce ready, serve until SIGTERM/SIGINT."""
-    span = check_stage_settings(settings)
+    check_stage_settings(settings)
     p = settings.pipeline
     compute = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-stage")
     started = time.monotonic()
     try:
-        backend, info = compute.submit(load_stage, settings, span).result()
+        backend, info = compute.submit(load_stage, settings).result()
     except CognitoraError as exc:
         raise ConfigError(exc.message) from None
     service = StageService(backend, info, compute, head=p.head, tls=settings.tls.enabled)
-    opts = [("grpc.max_receive_message_length", wire.MAX_MESSAGE),
-            ("grpc.max_send_message_length", wire.MAX_MESSAGE)]  # fmt: skip
-    server = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="cgn-infer-grpc"), options=opts)
+    server = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="cgn-infer-grpc"),
+                         options=wire.GRPC_OPTIONS)  # fmt: skip
     pb_grpc.add_StageServicer_to_server(service, server)
     address = f"{p.host}:{p.port}"
     if settings.tls.enabled:

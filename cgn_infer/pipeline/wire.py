@@ -31,6 +31,9 @@ _ITEMSIZE = {pb.ACTIVATIONS_F32: 4, pb.ACTIVATIONS_F16: 2, pb.ACTIVATIONS_INT8: 
 GROUP = 32  # int8: values per scale
 OUTLIERS = 4  # int8: values per row sent exactly (as float16)
 MAX_MESSAGE = 256 << 20  # a 8k-token prompt chunk of a 8192-wide model in float32 is 256 MiB
+# both ends of a pipeline stream: messages up to MAX_MESSAGE each way
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE)]  # fmt: skip
 
 
 class WireError(ValueError):
@@ -129,6 +132,15 @@ def parse_layers(text: str) -> tuple[int, int]:
     if m is None or int(m[1]) > int(m[2]):
         raise ConfigError(f"layers {text!r}: expected FIRST:END with FIRST <= END, e.g. 0:15")
     return int(m[1]), int(m[2])
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """`I/N` (part I of an N-part pipeline; the head is part 0, so a stage's I >= 1) as
+    (I, N); ConfigError with the expected form otherwise."""
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) < int(n)):
+        raise ConfigError(f"part {text!r}: expected I/N with 1 <= I < N (the head is 0)")
+    return int(i), int(n)
 
 
 def check_tiling(n_layers: int, parts: Sequence[tuple[str, tuple[int, int]]]) -> None:
