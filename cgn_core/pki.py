@@ -150,13 +150,31 @@ def issue(
 # ---- files ----------------------------------------------------------------------------------
 
 
-def write_pair(directory: Path, name: str, pair: Pair) -> tuple[Path, Path]:
+def to_pem(pair: Pair) -> tuple[str, str]:
+    """(certificate, PKCS#8 key) as PEM text."""
     key_pem = pair.key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
+    return pair.cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem
+
+
+def from_pem(cert_pem: bytes, key_pem: bytes, where: str) -> Pair:
+    """A pair from PEM bytes (a Kubernetes Secret's, say); PkiError names `where`."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, None)
+    except ValueError:
+        raise PkiError(f"{where}: not a PEM certificate and key") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PkiError(f"{where}: not an ECDSA key")
+    return Pair(key, cert)
+
+
+def write_pair(directory: Path, name: str, pair: Pair) -> tuple[Path, Path]:
+    cert_pem, key_pem = to_pem(pair)
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     atomic_write_text(key_path, key_pem, mode=0o600)
-    atomic_write_text(cert_path, pair.cert.public_bytes(serialization.Encoding.PEM).decode())
+    atomic_write_text(cert_path, cert_pem)
     return cert_path, key_path
 
 

@@ -14,7 +14,7 @@ Kinds (the layout is in docs/architecture.md): replica status
 (`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`), node efficiency
 (`/cognitora/efficiency/<node>`, written by cgn-metrics). The
 catalog, endpoints and API keys have their own parsers beside the types
-they build (`cgn_core.catalog.parse_model`, `cgn_router.registry.
+they build (`cgn_control.catalog.parse_model`, `cgn_router.registry.
 endpoint_from_etcd`, `cgn_core.apikeys.parse_record`); they raise
 ValueError subclasses too.
 """

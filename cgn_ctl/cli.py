@@ -19,6 +19,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 import yaml
 
+from cgn_control import store
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, run
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
@@ -210,7 +211,7 @@ def models_apply(
         docs = docs[0]
     if not docs:
         fail(f"{file}: no model in the file", EXIT_USAGE)
-    names = with_etcd(etcd, config, lambda c: ops.apply_models(c, docs, str(file)))
+    names = with_etcd(etcd, config, lambda c: store.apply_models(c, docs, str(file)))
     for name in names:
         typer.echo(f"model {name} applied")
 
@@ -242,7 +243,7 @@ def models_delete(
     config: Config = None,
 ) -> None:
     """Remove a model from the catalog; the reconciler then stops its replicas."""
-    with_etcd(etcd, config, lambda c: ops.delete_model(c, name))
+    with_etcd(etcd, config, lambda c: store.delete_model(c, name))
     typer.echo(f"model {name} deleted")
 
 

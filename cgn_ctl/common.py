@@ -10,8 +10,8 @@ from typing import Annotated, TypeVar
 
 import typer
 
+from cgn_control.catalog import CatalogError
 from cgn_core.apikeys import ApiKeyError
-from cgn_core.catalog import CatalogError
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient

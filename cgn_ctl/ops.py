@@ -8,29 +8,20 @@ from __future__ import annotations
 import getpass
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
+from cgn_control.catalog import pool_label
+from cgn_control.cluster import views
+from cgn_control.cluster_reader import read_snapshot
+from cgn_control.placement import Decision, place
+from cgn_control.views import model_replicas, node_states
 from cgn_core import keys
-from cgn_core.catalog import CatalogError, ModelSpec, check_catalog, parse_model, pool_label
-from cgn_core.cluster import Snapshot, views
-from cgn_core.cluster_reader import read_snapshot
-from cgn_core.errors import InvalidRequest, NotFound, PermanentError
+from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
-from cgn_core.placement import Decision, NodeState, place
 from cgn_core.records import pipeline_part
 
 LEADER_KEY = "/cognitora/leader/reconciler"
-
-
-class InUse(PermanentError):
-    """The catalog entry is referenced by another model."""
-
-
-def node_states(snap: Snapshot) -> dict[str, NodeState]:
-    """As cgn-ctl sees it (no memory of when a node vanished): registered, or unreachable."""
-    names = set(snap.nodes) | {n for n, _ in snap.placements}
-    return {n: "ready" if n in snap.nodes else "unreachable" for n in names}
 
 
 async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
@@ -64,14 +55,11 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
     out = []
     for name, spec in sorted(snap.models.items()):
-        # a multi-node replica counts once, as its head (the part routers see)
-        mine = [k for k, d in snap.placements.items()
-                if d.get("model") == name and pipeline_part(d)[0] == 0]  # fmt: skip
-        ready = sum(snap.statuses.get(k, {}).get("phase") == "Ready" for k in mine)
+        counts = model_replicas(snap, name)
         out.append({
             "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
             **({"pools": dict(spec.pools)} if spec.pools else {}),
-            "placed": len(mine), "ready": ready, "aliases": list(spec.aliases),
+            "placed": counts.placed, "ready": counts.ready, "aliases": list(spec.aliases),
             "fallbacks": list(spec.fallbacks),
             "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
                          for p in spec.profiles],
@@ -84,39 +72,6 @@ async def get_model(client: EtcdClient, name: str) -> dict[str, Any]:
     if doc is None:
         raise NotFound(f"model {name!r} is not in the catalog")
     return dict(doc)
-
-
-async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> list[str]:
-    """Validate every model in `docs` against the whole catalog, then write them; returns names."""
-    new: dict[str, ModelSpec] = {}
-    for i, doc in enumerate(docs):
-        where = f"{source}: model {i}" if len(docs) > 1 else source
-        spec = _parse(doc, where)
-        if spec.name in new:
-            raise CatalogError(f"{where}: model {spec.name} is defined twice")
-        new[spec.name] = spec
-    current = (await read_snapshot(client)).models
-    check_catalog({**current, **new})
-    for name, spec in new.items():
-        await client.put_json(keys.CATALOG + name, spec.to_json())
-    return sorted(new)
-
-
-def _parse(doc: Any, where: str) -> ModelSpec:
-    try:
-        return parse_model(doc)
-    except CatalogError as exc:
-        raise CatalogError(f"{where}: {exc}") from None
-
-
-async def delete_model(client: EtcdClient, name: str) -> None:
-    snap = await read_snapshot(client)
-    if name not in snap.models:
-        raise NotFound(f"model {name!r} is not in the catalog")
-    users = sorted(m for m, s in snap.models.items() if name in s.fallbacks)
-    if users:
-        raise InUse(f"{name} is the fallback of {', '.join(users)}; change those first")
-    await client.delete(keys.CATALOG + name)
 
 
 async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[str, Any]]:

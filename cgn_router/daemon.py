@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from cgn_control.loop import ControlState, run_reconciler
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
@@ -32,7 +33,6 @@ from cgn_core.revocation import follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_router.admin import build_admin_app
 from cgn_router.catalog import Catalog, entry_from_settings
-from cgn_router.control import ControlState, run_reconciler
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers

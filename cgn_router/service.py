@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from cgn_control.loop import ControlState
 from cgn_core.errors import Unauthorized
 from cgn_core.revocation import RevocationList
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
-from cgn_router.control import ControlState
 from cgn_router.gate import Gate
 from cgn_router.metrics import RouterMetrics
 from cgn_router.pipeline import Decision, Pipeline

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cgn_control.reconciler import ReconcilerSettings
 from cgn_core.errors import ConfigError
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
@@ -117,20 +118,6 @@ class ScrapeSettings:
     # At most this many scrapes a second: a fleet larger than interval_s x max_per_s is
     # scraped less often (its figures then trusted for twice the longer period).
     max_per_s: float = 100.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcilerSettings:
-    """The control loop (runs on the elected leader among routers; etcd discovery only)."""
-
-    enabled: bool = True
-    lease_ttl_s: int = 10  # leadership passes to another router this long after the leader dies
-    interval_s: float = 1.0  # between passes (each reads a fresh snapshot)
-    lost_after_s: float = 30.0  # a node unreachable this long is lost: its replicas are rebuilt
-    max_local_failures: int = 5  # engine failures in a row on one node before a rebuild elsewhere
-    rebuild_base_s: float = 2.0  # rebuild backoff: min(cap, base * 2^(n-1)), jittered
-    rebuild_cap_s: float = 60.0
-    drain_grace_s: float = 600.0  # a drain deletes the remaining originals after this long
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from cgn_control.catalog import parse_model
+from cgn_control.cluster import Snapshot, views
+from cgn_control.placement import NodeView, place
 from cgn_core import rbac, records
-from cgn_core.catalog import parse_model
-from cgn_core.cluster import Snapshot, views
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.placement import NodeView, place
 from cgn_metrics.daemon import efficiency_records
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers

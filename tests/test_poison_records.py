@@ -22,18 +22,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cgn_agent.spec import parse_placement
+from cgn_control.catalog import parse_model
+from cgn_control.cluster import Snapshot, views
+from cgn_control.placement import node_view
+from cgn_control.reconciler import Memory, reconcile
 from cgn_core import records
 from cgn_core.apikeys import Limits, create, parse_record
-from cgn_core.catalog import parse_model
-from cgn_core.cluster import Snapshot, views
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.placement import node_view
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers, routing_policy
 from cgn_router.kv_follow import KvFollowers
-from cgn_router.reconciler import Memory, reconcile
 from cgn_router.registry import endpoint_from_doc
 from cgn_router.settings import ReconcilerSettings, RouterSettings
 from cgn_router.upstream import Upstream

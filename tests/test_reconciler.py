@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cgn_core.catalog import ModelSpec, parse_model
-from cgn_router.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
+from cgn_control.catalog import ModelSpec, parse_model
+from cgn_control.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
 from cgn_router.settings import ReconcilerSettings
 
 S = ReconcilerSettings(lost_after_s=30.0, max_local_failures=3, rebuild_base_s=2.0,

@@ -14,8 +14,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgn_core.catalog import ModelSpec
-from cgn_core.placement import NodeState, NodeView, node_view
+from cgn_control.catalog import ModelSpec
+from cgn_control.placement import NodeState, NodeView, node_view
 from cgn_core.records import fresh_efficiency
 
 log = logging.getLogger(__name__)

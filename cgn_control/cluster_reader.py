@@ -1,6 +1,6 @@
-"""The cluster as of one moment, read from etcd and validated (`cgn_core.cluster.Snapshot`).
+"""The cluster as of one moment, read from etcd and validated (`cgn_control.cluster.Snapshot`).
 
-Apart from `cgn_core.cluster` so that the decisions built on a snapshot (the
+Apart from `cgn_control.cluster` so that the decisions built on a snapshot (the
 reconciler, placement) import no etcd client.
 """
 
@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cgn_control.catalog import ModelSpec, parse_model
+from cgn_control.cluster import Key, Snapshot
 from cgn_core import keys
 from cgn_core import records as records_
-from cgn_core.catalog import ModelSpec, parse_model
-from cgn_core.cluster import Key, Snapshot
 from cgn_core.etcd.client import EtcdClient
 from cgn_core.etcd.types import KeyValue
 from cgn_core.records import RecordLog

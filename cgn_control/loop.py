@@ -20,14 +20,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_control.cluster_reader import read_snapshot
+from cgn_control.reconciler import Memory, Put, ReconcilerSettings, reconcile
 from cgn_core import keys
 from cgn_core.backoff import Backoff
-from cgn_core.cluster_reader import read_snapshot
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import Compare, Election, EtcdClient, Op
 from cgn_core.records import RecordLog
-from cgn_router.reconciler import Memory, Put, reconcile
-from cgn_router.settings import ReconcilerSettings
 
 log = logging.getLogger(__name__)
 ELECTION = "reconciler"

@@ -44,11 +44,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_core.catalog import ModelSpec, pool_label
-from cgn_core.cluster import Key, Snapshot, views
-from cgn_core.placement import Decision, NodeState, place
+from cgn_control.catalog import ModelSpec, pool_label
+from cgn_control.cluster import Key, Snapshot, views
+from cgn_control.placement import Decision, NodeState, place
 from cgn_core.records import is_host_port, pipeline_part
-from cgn_router.settings import ReconcilerSettings
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerSettings:
+    """The control loop (runs on the elected leader among routers; etcd discovery only)."""
+
+    enabled: bool = True
+    lease_ttl_s: int = 10  # leadership passes to another router this long after the leader dies
+    interval_s: float = 1.0  # between passes (each reads a fresh snapshot)
+    lost_after_s: float = 30.0  # a node unreachable this long is lost: its replicas are rebuilt
+    max_local_failures: int = 5  # engine failures in a row on one node before a rebuild elsewhere
+    rebuild_base_s: float = 2.0  # rebuild backoff: min(cap, base * 2^(n-1)), jittered
+    rebuild_cap_s: float = 60.0
+    drain_grace_s: float = 600.0  # a drain deletes the remaining originals after this long
+
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
 

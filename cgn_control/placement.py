@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cgn_core.catalog import ModelSpec, Profile
+from cgn_control.catalog import ModelSpec, Profile
 
 NodeState = Literal["ready", "unreachable", "lost"]
 TIE_BREAK = "more output tokens per joule, then fewer watts, then the name"

@@ -1,0 +1,128 @@
+"""Catalog writes, checked the same way whoever writes: `cgn-ctl models apply` and cgn-operator.
+
+A model is stored only after `parse_model` accepted its fields and `check_catalog`
+accepted its names against the whole catalog as it will be (fallbacks name models,
+aliases are unique); the error names the field path.
+
+An entry may carry an owner: cgn-operator writes `/cognitora/catalog/owners/<model>`
+(the CognitoraModel resource's namespace, name and uid) in the same transaction as the
+entry, so it deletes only what it wrote and never takes over a model applied by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cgn_control.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_control.cluster_reader import read_snapshot
+from cgn_core import keys
+from cgn_core.errors import NotFound, PermanentError
+from cgn_core.etcd import Compare, EtcdClient, Op
+
+OWNERS = keys.ROOT + "catalog/owners/"  # <model>: {"kind", "namespace", "name", "uid"}
+
+
+class InUse(PermanentError):
+    """The catalog entry is referenced by another model."""
+
+
+class NotYours(PermanentError):
+    """The catalog entry was written by someone else (by hand, or another resource)."""
+
+
+def parse_models(docs: Sequence[Any], source: str) -> dict[str, ModelSpec]:
+    """Every model in `docs` (CatalogError names the document and field); names must differ."""
+    new: dict[str, ModelSpec] = {}
+    for i, doc in enumerate(docs):
+        where = f"{source}: model {i}" if len(docs) > 1 else source
+        try:
+            spec = parse_model(doc)
+        except CatalogError as exc:
+            raise CatalogError(f"{where}: {exc}") from None
+        if spec.name in new:
+            raise CatalogError(f"{where}: model {spec.name} is defined twice")
+        new[spec.name] = spec
+    return new
+
+
+async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> list[str]:
+    """Validate every model in `docs` against the whole catalog, then write them; returns names."""
+    new = parse_models(docs, source)
+    current = (await read_snapshot(client)).models
+    check_catalog({**current, **new})
+    for name, spec in new.items():
+        await client.put_json(keys.CATALOG + name, spec.to_json())
+    return sorted(new)
+
+
+async def apply_owned(client: EtcdClient, spec: ModelSpec, owner: Mapping[str, str]) -> bool:
+    """Write `spec` as owned by `owner` (a resource's kind, namespace, name, uid): checked
+    against the catalog like `apply_models`, refused (NotYours) when the entry exists without
+    this owner. Returns whether anything changed. The entry and its owner record are written
+    in one transaction that fails if either changed since they were read."""
+    snap = await read_snapshot(client)
+    check_catalog({**snap.models, spec.name: spec})
+    entry, owner_key = keys.CATALOG + spec.name, OWNERS + spec.name
+    current, held = await client.get(entry), await client.get(owner_key)
+    mine = held is not None and _owner(held.value) == dict(owner)
+    if current is not None and not mine:
+        who = _owner(held.value) if held is not None else None
+        by = f"{who.get('kind')} {who.get('namespace')}/{who.get('name')}" if who else "hand"
+        raise NotYours(f"model {spec.name!r} is already in the catalog, written by {by}; "
+                       "delete it there first (cgn-ctl models delete)")  # fmt: skip
+    doc = _bytes(spec.to_json())
+    if current is not None and current.value == doc:
+        return False
+    guard = [
+        Compare.mod_revision(entry, "==", current.mod_revision if current else 0),
+        Compare.mod_revision(owner_key, "==", held.mod_revision if held else 0),
+    ]
+    res = await client.txn(guard, [Op.put(entry, doc), Op.put(owner_key, _bytes(dict(owner)))])
+    if not res.succeeded:
+        raise NotYours(f"model {spec.name!r} changed in the catalog meanwhile; will retry")
+    return True
+
+
+async def delete_owned(client: EtcdClient, name: str, uid: str | None = None) -> bool:
+    """Delete model `name` and its owner record if an owner wrote it (and, given `uid`, that
+    owner); a model applied by hand is left alone. Returns whether it was deleted."""
+    owner_key = OWNERS + name
+    held = await client.get(owner_key)
+    if held is None or (uid is not None and _owner(held.value).get("uid") != uid):
+        return False
+    guard = [Compare.mod_revision(owner_key, "==", held.mod_revision)]
+    ops = [Op.delete(keys.CATALOG + name), Op.delete(owner_key)]
+    return (await client.txn(guard, ops)).succeeded
+
+
+async def owners(client: EtcdClient) -> dict[str, dict[str, str]]:
+    """model -> its owner record, for every owned entry (a malformed record reads as {})."""
+    kvs, _ = await client.get_prefix(OWNERS)
+    return {kv.key[len(OWNERS) :]: _owner(kv.value) for kv in kvs}
+
+
+async def delete_model(client: EtcdClient, name: str) -> None:
+    """`cgn-ctl models delete`: refused while another model falls back to it."""
+    snap = await read_snapshot(client)
+    if name not in snap.models:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    users = sorted(m for m, s in snap.models.items() if name in s.fallbacks)
+    if users:
+        raise InUse(f"{name} is the fallback of {', '.join(users)}; change those first")
+    await client.txn([], [Op.delete(keys.CATALOG + name), Op.delete(OWNERS + name)])
+
+
+def _owner(raw: bytes) -> dict[str, str]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _bytes(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
