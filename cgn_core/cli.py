@@ -22,7 +22,7 @@ from cgn_core import __version__
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.settings import load_settings, settings_to_dict
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_BUILT = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 S = TypeVar("S")
 
@@ -127,21 +127,6 @@ def _masked(data: Any) -> Any:
         return {k: "***" if v and any(w in k for w in ("token", "secret", "password"))
                 else _masked(v) for k, v in data.items()}  # fmt: skip
     return data
-
-
-def not_built(app: typer.Typer, name: str, summary: str, issue: int | None) -> None:
-    """Register `name` as a command of the design that is not built yet: it says so, exits 3."""
-
-    tracked = f"issue #{issue}" if issue else "no issue filed yet"
-
-    def command(ctx: typer.Context) -> None:
-        typer.echo(f"{app.info.name} {name}: not built yet ({summary}; {tracked}).", err=True)
-        raise typer.Exit(EXIT_NOT_BUILT)
-
-    command.__doc__ = f"[NOT BUILT YET] {summary} ({tracked})."
-    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        command
-    )
 
 
 def run(app: typer.Typer) -> Callable[[], None]:

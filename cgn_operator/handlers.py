@@ -1,0 +1,503 @@
+"""kopf handlers: CognitoraCluster -> children, CognitoraModel -> the catalog in etcd.
+
+Everything is level-triggered: a change handler (create, update, resume) reacts at once,
+and a timer every `resync_s` runs the same reconcile again, so a missed event, an etcd
+that was down, a fallback that named a model not yet created, or a child someone deleted
+by hand all mend on the next pass.
+
+    CognitoraModel m ──create/update/resume/timer──> parse_model ─bad─> status InvalidSpec
+                                                          │              + Warning Event
+                                                          v
+                                  store.apply_owned (check_catalog over the whole catalog,
+                                  owner record {kind, namespace, name, uid}) ─> etcd
+                                                          │
+                       status <── views.model_replicas <──┘ (one shared snapshot per cluster)
+
+    deleted ──watch event──> store.delete_owned(name, uid); the cluster's timer sweeps any
+                             owned entry whose resource is gone (missed while we were down)
+
+No finalizers: children carry owner references and Kubernetes' garbage collector removes
+them; a deleted model's catalog entry goes by the watch event or the sweep. So deleting a
+namespace never waits on this operator, running or not. Status and progress live in the
+resources themselves (annotations under cognitora.io/), so a restarted or replacement
+operator picks up where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import kopf
+
+from cgn_control import store
+from cgn_control.catalog import CatalogError, ModelSpec, parse_model
+from cgn_control.cluster import Snapshot
+from cgn_control.cluster_reader import read_snapshot
+from cgn_core import pki
+from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.etcd import EtcdClient
+from cgn_core.files import atomic_write_text
+from cgn_core.records import RecordLog
+from cgn_core.settings import EtcdSettings, TlsSettings
+from cgn_operator import children, status
+from cgn_operator.crds import API_VERSION, CLUSTER, CLUSTER_LABEL, GROUP, MODEL, VERSION, model_doc
+from cgn_operator.kube import Kube, KubeError, object_path
+from cgn_operator.lease import Lease
+from cgn_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+Body = Mapping[str, Any]
+
+
+@dataclass
+class State:
+    """What the handlers share: the API client, one etcd client per cluster, snapshots."""
+
+    settings: OperatorSettings
+    info: kopf.ConnectionInfo | None = None
+    kube_: Kube | None = None
+    etcd: dict[str, tuple[str, EtcdClient]] = field(default_factory=dict)  # cluster -> (key, c)
+    snaps: dict[str, tuple[float, Snapshot]] = field(default_factory=dict)
+    records: RecordLog = field(default_factory=lambda: RecordLog(log))
+    tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cgn-operator-")))
+    reconciles: int = 0  # reconcile calls (models and clusters), for the bench
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def kube(self) -> Kube:
+        if self.kube_ is None:
+            if self.info is None:
+                raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+            self.kube_ = Kube(self.info)
+        return self.kube_
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.kube_ is not None:
+            await self.kube_.close()
+        for _, client in self.etcd.values():
+            await client.close()
+
+
+# ---- etcd per cluster --------------------------------------------------------------------------
+
+
+async def _secret(
+    state: State, namespace: str, name: str, keys: tuple[str, ...], field_: str
+) -> dict[str, bytes]:
+    import base64
+
+    doc = await state.kube().get(object_path("v1", "secrets", namespace, name))
+    if doc is None:
+        raise children.SpecError(f"{field_}: Secret {namespace}/{name} not found")
+    data = doc.get("data") or {}
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise children.SpecError(f"{field_}: Secret {name} has no {', '.join(missing)}")
+    return {k: base64.b64decode(data[k]) for k in keys}
+
+
+async def cluster_ca(state: State, c: children.Cluster) -> pki.Pair:
+    raw = await _secret(state, c.namespace, c.ca_secret, ("ca.pem", "ca.key"), "spec.ca.secretName")
+    return pki.from_pem(raw["ca.pem"], raw["ca.key"], f"Secret {c.ca_secret}")
+
+
+async def cluster_etcd(state: State, c: children.Cluster) -> EtcdClient:
+    """A client for the cluster's etcd: with the external etcd's Secret, or a certificate
+    this operator issues itself from the cluster's CA (CN cgn-operator), or plaintext."""
+    files: dict[str, bytes] = {}
+    if c.etcd_tls_secret:
+        raw = await _secret(
+            state,
+            c.namespace,
+            c.etcd_tls_secret,
+            ("ca.pem", "cert.pem", "key.pem"),
+            "spec.etcd.tlsSecret",
+        )
+        files = raw
+    elif c.tls:
+        ca = await cluster_ca(state, c)
+        cert, key = pki.to_pem(pki.issue(ca, "cgn-operator", "ctl", usage="client"))
+        files = {
+            "ca.pem": pki.to_pem(ca)[0].encode(),
+            "cert.pem": cert.encode(),
+            "key.pem": key.encode(),
+        }
+    ident = f"{c.namespace}/{c.name}"
+    ca_part = files.get("ca.pem", b"") + (files.get("cert.pem", b"") if c.etcd_tls_secret else b"")
+    key = hashlib.sha256(repr(c.endpoints()).encode() + ca_part).hexdigest()
+    held = state.etcd.get(ident)
+    if held is not None and held[0] == key:
+        return held[1]
+    if held is not None:
+        await held[1].close()
+    tls = TlsSettings()
+    if files:
+        d = state.tmp / f"{c.namespace}.{c.name}"
+        d.mkdir(mode=0o700, exist_ok=True)
+        for name, data in files.items():
+            atomic_write_text(d / name, data.decode(), mode=0o600)
+        tls = TlsSettings(d / "ca.pem", d / "cert.pem", d / "key.pem")
+    endpoints = tuple(e.split("://", 1)[-1] for e in c.endpoints())
+    client = EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=5.0, tls=tls))
+    state.etcd[ident] = (key, client)
+    return client
+
+
+async def snapshot(state: State, c: children.Cluster, client: EtcdClient) -> Snapshot | None:
+    """The cluster's snapshot, shared for `snapshot_ttl_s`; None when etcd does not answer."""
+    ident, now = f"{c.namespace}/{c.name}", time.monotonic()
+    held = state.snaps.get(ident)
+    if held is not None and now - held[0] < state.settings.snapshot_ttl_s:
+        return held[1]
+    try:
+        snap = await read_snapshot(client, state.records)
+    except CognitoraError as exc:
+        log.warning("cluster %s: etcd: %s", ident, exc.message)
+        return None
+    state.snaps[ident] = (now, snap)
+    return snap
+
+
+# ---- which cluster a model belongs to ----------------------------------------------------------
+
+
+def cluster_of(model: Body, clusters: Any, default_image: str) -> children.Cluster:
+    """The model's cluster: the one its cognitora.io/cluster label names, else the namespace's
+    only one. SpecError says why there is none."""
+    meta = model.get("metadata", {})
+    ns = meta.get("namespace") or "default"
+    bodies = list(clusters.get(ns, [])) if clusters is not None else []
+    want = (meta.get("labels") or {}).get(CLUSTER_LABEL)
+    if want:
+        bodies = [b for b in bodies if b.get("metadata", {}).get("name") == want]
+        if not bodies:
+            raise children.SpecError(
+                f"metadata.labels.{CLUSTER_LABEL}: no CognitoraCluster {want!r} in namespace {ns}"
+            )
+    elif len(bodies) != 1:
+        found = "none" if not bodies else f"{len(bodies)}"
+        raise children.SpecError(
+            f"metadata.labels.{CLUSTER_LABEL}: namespace {ns} has {found} "
+            "CognitoraClusters; label the model with the one it belongs to"
+        )
+    return children.cluster_from(bodies[0], default_image)
+
+
+def model_name(body: Body) -> str:
+    return str((body.get("spec") or {}).get("name") or body["metadata"]["name"])
+
+
+def owner_of(body: Body) -> dict[str, str]:
+    meta = body["metadata"]
+    return {
+        "kind": MODEL.kind,
+        "namespace": str(meta.get("namespace") or "default"),
+        "name": str(meta["name"]),
+        "uid": str(meta.get("uid") or ""),
+    }
+
+
+# ---- reconcile ---------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _set_status(body: Body, patch: kopf.Patch, new: dict[str, Any]) -> dict[str, Any]:
+    """Write `new` (conditions with times merged) into `patch` if it differs from the body's."""
+    old = body.get("status") or {}
+    gen = int(body.get("metadata", {}).get("generation") or 0)
+    new = {
+        **new,
+        "observedGeneration": gen,
+        "conditions": status.merge_conditions(
+            old.get("conditions"), new["conditions"], _now(), gen
+        ),
+    }
+    if any(old.get(k) != v for k, v in new.items()):
+        patch.status.update(new)
+    return new
+
+
+async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clusters: Any) -> None:
+    state.reconciles += 1
+    name = model_name(body)
+    spec: ModelSpec | None = None
+    error: tuple[str, str] | None = None
+    snap: Snapshot | None = None
+    try:
+        c = cluster_of(body, clusters, state.settings.image)
+        spec = parse_model(model_doc(body["metadata"], body.get("spec") or {}))
+        name = spec.name
+        client = await cluster_etcd(state, c)
+        changed = await store.apply_owned(client, spec, owner_of(body))
+        if changed:
+            log.info("model %s: written to the catalog of %s/%s", name, c.namespace, c.name)
+            state.snaps.pop(f"{c.namespace}/{c.name}", None)
+        snap = await snapshot(state, c, client)
+    except (CatalogError, children.SpecError) as exc:
+        error = ("InvalidSpec", f"spec.{exc}" if isinstance(exc, CatalogError) else str(exc))
+    except store.NotYours as exc:
+        error = ("Conflict", exc.message)
+    except (CognitoraError, KubeError) as exc:
+        error = ("CatalogUnavailable", exc.message)
+    old = (body.get("status") or {}).get("catalog")
+    new = _set_status(body, patch, status.model_status(spec, error, snap, name))
+    if error is not None and old != new.get("catalog"):
+        await state.kube().warn(body, error[0], error[1])
+
+
+async def reconcile_cluster(state: State, body: kopf.Body, patch: kopf.Patch, models: Any) -> None:
+    state.reconciles += 1
+    kube = state.kube()
+    problem, snap = "", None
+    etcd = ""
+    try:
+        c = children.cluster_from(body, state.settings.image)
+        etcd = ",".join(c.endpoints())
+        objs = children.children(c)
+        if c.tls:
+            ca = await cluster_ca(state, c)
+            nodes = [
+                n["metadata"]["name"]
+                for n in await kube.items("/api/v1/nodes")
+                if children.selected(c, n["metadata"].get("labels") or {})
+            ]
+            names = [f"{c.name}-tls-router", f"{c.name}-tls-nodes", f"{c.name}-tls-etcd"]
+            current = {}
+            for n in names:
+                doc = await kube.get(object_path("v1", "secrets", c.namespace, n))
+                current[n] = (doc or {}).get("data") or {}
+            objs = children.secrets(c, ca, nodes, current, dt.datetime.now(dt.UTC)) + objs
+        for obj in objs:
+            await kube.apply(obj)
+        client = await cluster_etcd(state, c)
+        snap = await snapshot(state, c, client)
+        if snap is not None and models is not None:
+            await sweep(client, c, models)
+        router = await kube.get(
+            object_path("apps/v1", "deployments", c.namespace, f"{c.name}-router")
+        )
+        agents = await kube.get(
+            object_path("apps/v1", "daemonsets", c.namespace, f"{c.name}-agent")
+        )
+        new = status.cluster_status(
+            (router or {}).get("status"),
+            (agents or {}).get("status"),
+            c.router_replicas,
+            snap,
+            etcd,
+        )
+    except (children.SpecError, pki.PkiError) as exc:
+        problem = str(exc)
+        new = status.cluster_status(None, None, 0, None, etcd, problem)
+        if (body.get("status") or {}).get("conditions") != new["conditions"]:
+            await kube.warn(body, "InvalidSpec", problem)
+    _set_status(body, patch, new)
+
+
+async def sweep(client: EtcdClient, c: children.Cluster, models: Any) -> list[str]:
+    """Delete the catalog entries this operator wrote for CognitoraModels that are gone (or
+    renamed their model); `models` is the index (namespace, name) -> [(uid, model name)]."""
+    gone = []
+    for model, owner in (await store.owners(client)).items():
+        if owner.get("kind") != MODEL.kind or owner.get("namespace") != c.namespace:
+            continue
+        live = list(models.get((owner.get("namespace"), owner.get("name")), []))
+        if (owner.get("uid"), model) in live:
+            continue
+        if await store.delete_owned(client, model, owner.get("uid")):
+            log.info(
+                "model %s: its CognitoraModel %s/%s is gone; deleted from the catalog",
+                model,
+                owner.get("namespace"),
+                owner.get("name"),
+            )
+            gone.append(model)
+    return gone
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
+
+def build(state: State) -> kopf.OperatorRegistry:
+    """A registry with every handler bound to `state` (no module-level registry: tests run
+    several operators in one process)."""
+    reg = kopf.OperatorRegistry()
+    cl, mo = (GROUP, VERSION, CLUSTER.plural), (GROUP, VERSION, MODEL.plural)
+
+    @kopf.on.login(registry=reg)
+    def login_(**_: Any) -> kopf.ConnectionInfo | None:
+        return state.info  # the credentials `start` logged in with: one identity
+
+    @kopf.on.startup(registry=reg)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration"
+        )
+        settings.posting.level = logging.WARNING  # Events for problems, not for every pass
+        settings.watching.server_timeout = 300
+
+    @kopf.on.cleanup(registry=reg)
+    async def cleanup(**_: Any) -> None:
+        for task in state.tasks:
+            task.cancel()
+
+    @kopf.index(*cl, registry=reg, id="clusters")
+    def clusters(**kw: Any) -> dict[str, dict[str, Any]]:
+        body = kw["body"]
+        return {kw["namespace"]: {"metadata": dict(body.metadata), "spec": dict(body.spec)}}
+
+    async def on_model(**kw: Any) -> None:
+        await reconcile_model(state, kw["body"], kw["patch"], kw["clusters"])
+
+    async def on_cluster(**kw: Any) -> None:
+        await reconcile_cluster(state, kw["body"], kw["patch"], None)
+
+    for fn, res in ((on_model, mo), (on_cluster, cl)):
+        kopf.on.create(*res, registry=reg, id="reconcile")(fn)
+        kopf.on.update(*res, registry=reg, id="reconcile", field="spec")(fn)
+        kopf.on.resume(*res, registry=reg, id="reconcile")(fn)
+
+    @kopf.on.startup(registry=reg)
+    async def start_resync(**_: Any) -> None:
+        # started from kopf's startup so that it stops with the operator
+        state.tasks.append(asyncio.create_task(resync_loop(state), name="resync"))
+
+    @kopf.on.event(*mo, registry=reg)
+    async def on_model_event(**kw: Any) -> None:
+        if kw["type"] != "DELETED":
+            return
+        body = kw["body"]
+        try:
+            c = cluster_of(body, kw["clusters"], state.settings.image)
+            client = await cluster_etcd(state, c)
+            if await store.delete_owned(client, model_name(body), body.metadata.uid):
+                log.info("model %s: deleted from the catalog", model_name(body))
+                state.snaps.pop(f"{c.namespace}/{c.name}", None)
+        except (children.SpecError, CognitoraError, KubeError) as exc:
+            log.warning(
+                "model %s: not deleted now (%s); the cluster's sweep will", model_name(body), exc
+            )
+
+    return reg
+
+
+async def resync(state: State) -> None:
+    """One level-triggered pass over every resource (what a missed event, an etcd that was
+    down, a fallback created later, or a child deleted by hand needs)."""
+    kube, ns = state.kube(), state.settings.namespace or None
+    cluster_bodies = await kube.items(object_path(API_VERSION, CLUSTER.plural, ns))
+    model_bodies = await kube.items(object_path(API_VERSION, MODEL.plural, ns))
+    by_ns: dict[str, list[dict[str, Any]]] = {}
+    for b in cluster_bodies:
+        by_ns.setdefault(b.get("metadata", {}).get("namespace") or "default", []).append(b)
+    live: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for b in model_bodies:
+        meta = b.get("metadata", {})
+        key = (meta.get("namespace") or "default", meta.get("name", ""))
+        live.setdefault(key, []).append((meta.get("uid", ""), model_name(b)))
+    for raw in cluster_bodies:
+        patch = kopf.Patch()
+        await reconcile_cluster(state, kopf.Body(cast(Any, raw)), patch, live)
+        await _write_status(kube, raw, CLUSTER.plural, patch)
+    for raw in model_bodies:
+        patch = kopf.Patch()
+        await reconcile_model(state, kopf.Body(cast(Any, raw)), patch, by_ns)
+        await _write_status(kube, raw, MODEL.plural, patch)
+
+
+async def _write_status(kube: Kube, raw: Mapping[str, Any], plural: str, patch: kopf.Patch) -> None:
+    if patch.get("status"):
+        meta = raw["metadata"]
+        path = object_path(API_VERSION, plural, meta.get("namespace"), meta["name"])
+        await kube.patch_status(path, patch["status"])
+
+
+async def resync_loop(state: State) -> None:
+    while True:
+        await asyncio.sleep(state.settings.resync_s)
+        try:
+            await resync(state)
+        except (CognitoraError, KubeError) as exc:
+            log.warning("resync: %s", exc.message)
+        except Exception:  # NOTE: top of the loop: a bug in one pass must not end resyncing
+            log.exception("resync: pass failed")
+
+
+def _identity() -> str:
+    return os.environ.get("POD_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def login() -> kopf.ConnectionInfo:
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise ConfigError(
+            "no Kubernetes credentials: not in a pod and no kubeconfig "
+            "(--kubeconfig, $KUBECONFIG or ~/.kube/config)"
+        )
+    return info
+
+
+async def start(
+    state: State,
+    *,
+    liveness: str | None = None,
+    stop_flag: asyncio.Event | None = None,
+    ready_flag: asyncio.Event | None = None,
+) -> None:
+    """Campaign for the Lease (unless standalone), then run the handlers and the resync loop
+    until `stop_flag` is set, the process is signalled, or the Lease is lost (LeaseLost)."""
+    ns = state.settings.namespace
+    stop = stop_flag or asyncio.Event()
+    state.info = login()
+    keeper: asyncio.Task[None] | None = None
+    try:
+        if not state.settings.standalone:
+            lease = Lease(
+                state.kube(),
+                ns or "cognitora",
+                state.settings.lease,
+                _identity(),
+                state.settings.lease_ttl_s,
+            )
+            await lease.campaign()
+            keeper = asyncio.create_task(lease.keep())
+            keeper.add_done_callback(lambda _: stop.set())
+        await kopf.operator(
+            registry=build(state),
+            clusterwide=not ns,
+            namespaces=[ns] if ns else (),
+            standalone=True,
+            liveness_endpoint=liveness,
+            stop_flag=stop,
+            ready_flag=ready_flag,
+        )
+    finally:
+        lost = keeper is not None and keeper.done() and not keeper.cancelled()
+        if keeper is not None:
+            keeper.cancel()
+        await state.close()
+    if lost:
+        raise LeaseLost("lost the leader Lease; exiting so that a fresh candidate campaigns")
+
+
+class LeaseLost(CognitoraError):
+    """This operator no longer leads."""
