@@ -240,9 +240,45 @@ def _probe(path: str, port: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": 10, "failureThreshold": 3}
 
 
+def _served(
+    c: Cluster,
+    component: str,
+    container: dict[str, Any],
+    vols: list[dict[str, Any]],
+    replicas: int,
+    port: int,
+    service_type: str = "ClusterIP",
+) -> list[dict[str, Any]]:
+    """A Deployment of `container` and the Service in front of its `http` port."""
+    name, sel = f"{c.name}-{component}", labels(c, component)
+    deploy = _obj(
+        "apps/v1",
+        "Deployment",
+        _meta(c, name, component),
+        spec={
+            "replicas": replicas,
+            "selector": {"matchLabels": sel},
+            "template": {
+                "metadata": {"labels": sel},
+                "spec": {"containers": [container], "volumes": vols},
+            },
+        },
+    )
+    svc = _obj(
+        "v1",
+        "Service",
+        _meta(c, name, component),
+        spec={
+            "type": service_type,
+            "selector": sel,
+            "ports": [{"name": "http", "port": port, "targetPort": "http"}],
+        },
+    )
+    return [deploy, svc]
+
+
 def router(c: Cluster) -> list[dict[str, Any]]:
     vols, mounts = _volumes(c, f"{c.name}-tls-router")
-    sel = labels(c, "router")
     container = {
         "name": "router",
         "image": c.image,
@@ -255,30 +291,7 @@ def router(c: Cluster) -> list[dict[str, Any]]:
         "livenessProbe": _probe("/healthz", ROUTER_ADMIN),
         "volumeMounts": mounts,
     }
-    deploy = _obj(
-        "apps/v1",
-        "Deployment",
-        _meta(c, f"{c.name}-router", "router"),
-        spec={
-            "replicas": c.router_replicas,
-            "selector": {"matchLabels": sel},
-            "template": {
-                "metadata": {"labels": sel},
-                "spec": {"containers": [container], "volumes": vols},
-            },
-        },
-    )
-    svc = _obj(
-        "v1",
-        "Service",
-        _meta(c, f"{c.name}-router", "router"),
-        spec={
-            "type": c.service_type,
-            "selector": sel,
-            "ports": [{"name": "http", "port": c.router_port, "targetPort": "http"}],
-        },
-    )
-    return [deploy, svc]
+    return _served(c, "router", container, vols, c.router_replicas, c.router_port, c.service_type)
 
 
 def agents(c: Cluster) -> dict[str, Any]:
@@ -419,7 +432,6 @@ def metrics(c: Cluster) -> list[dict[str, Any]]:
     if not c.metrics:
         return []
     vols, mounts = _volumes(c, f"{c.name}-tls-router")
-    sel = labels(c, "metrics")
     container = {
         "name": "metrics",
         "image": c.image,
@@ -428,29 +440,7 @@ def metrics(c: Cluster) -> list[dict[str, Any]]:
         "readinessProbe": _probe("/health", METRICS_PORT),
         "volumeMounts": mounts,
     }
-    deploy = _obj(
-        "apps/v1",
-        "Deployment",
-        _meta(c, f"{c.name}-metrics", "metrics"),
-        spec={
-            "replicas": 1,
-            "selector": {"matchLabels": sel},
-            "template": {
-                "metadata": {"labels": sel},
-                "spec": {"containers": [container], "volumes": vols},
-            },
-        },
-    )
-    svc = _obj(
-        "v1",
-        "Service",
-        _meta(c, f"{c.name}-metrics", "metrics"),
-        spec={
-            "selector": sel,
-            "ports": [{"name": "http", "port": METRICS_PORT, "targetPort": "http"}],
-        },
-    )
-    return [deploy, svc]
+    return _served(c, "metrics", container, vols, 1, METRICS_PORT)
 
 
 # ---- certificates ----------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class State:
     info: kopf.ConnectionInfo | None = None
     kube_: Kube | None = None
     etcd: dict[str, tuple[str, EtcdClient]] = field(default_factory=dict)  # cluster -> (key, c)
-    snaps: dict[str, tuple[float, Snapshot]] = field(default_factory=dict)
+    snaps: dict[str, tuple[float, View]] = field(default_factory=dict)
     records: RecordLog = field(default_factory=lambda: RecordLog(log))
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cgn-operator-")))
     reconciles: int = 0  # reconcile calls (models and clusters), for the bench
@@ -155,19 +155,28 @@ async def cluster_etcd(state: State, c: children.Cluster) -> EtcdClient:
     return client
 
 
-async def snapshot(state: State, c: children.Cluster, client: EtcdClient) -> Snapshot | None:
-    """The cluster's snapshot, shared for `snapshot_ttl_s`; None when etcd does not answer."""
+@dataclass(frozen=True, slots=True)
+class View:
+    """One read of a cluster's etcd: the snapshot and the catalog's owner records."""
+
+    snap: Snapshot
+    owners: Mapping[str, Mapping[str, str]]
+
+
+async def view(state: State, c: children.Cluster, client: EtcdClient) -> View | None:
+    """The cluster's view, shared for `snapshot_ttl_s` (a resync of 100 models reads etcd a
+    few times, not 100); None when etcd does not answer."""
     ident, now = f"{c.namespace}/{c.name}", time.monotonic()
     held = state.snaps.get(ident)
     if held is not None and now - held[0] < state.settings.snapshot_ttl_s:
         return held[1]
     try:
-        snap = await read_snapshot(client, state.records)
+        got = View(await read_snapshot(client, state.records), await store.owners(client))
     except CognitoraError as exc:
         log.warning("cluster %s: etcd: %s", ident, exc.message)
         return None
-    state.snaps[ident] = (now, snap)
-    return snap
+    state.snaps[ident] = (now, got)
+    return got
 
 
 # ---- which cluster a model belongs to ----------------------------------------------------------
@@ -243,11 +252,16 @@ async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clus
         spec = parse_model(model_doc(body["metadata"], body.get("spec") or {}))
         name = spec.name
         client = await cluster_etcd(state, c)
-        changed = await store.apply_owned(client, spec, owner_of(body))
-        if changed:
+        seen = await view(state, c, client)
+        current = seen.snap.models.get(name) if seen else None
+        mine = seen is not None and seen.owners.get(name) == owner_of(body)
+        as_wanted = mine and current is not None and current.to_json() == spec.to_json()
+        # not already as wanted in the (recent) view: the checked, guarded write
+        if not as_wanted and await store.apply_owned(client, spec, owner_of(body)):
             log.info("model %s: written to the catalog of %s/%s", name, c.namespace, c.name)
             state.snaps.pop(f"{c.namespace}/{c.name}", None)
-        snap = await snapshot(state, c, client)
+            seen = await view(state, c, client)
+        snap = seen.snap if seen else None
     except (CatalogError, children.SpecError) as exc:
         error = ("InvalidSpec", f"spec.{exc}" if isinstance(exc, CatalogError) else str(exc))
     except store.NotYours as exc:
@@ -285,7 +299,8 @@ async def reconcile_cluster(state: State, body: kopf.Body, patch: kopf.Patch, mo
         for obj in objs:
             await kube.apply(obj)
         client = await cluster_etcd(state, c)
-        snap = await snapshot(state, c, client)
+        seen = await view(state, c, client)
+        snap = seen.snap if seen else None
         if snap is not None and models is not None:
             await sweep(client, c, models)
         router = await kube.get(

@@ -107,3 +107,15 @@ async def wait_for(what: str, check: Any, timeout_s: float = 20.0) -> Any:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
         await asyncio.sleep(0.05)
+
+
+async def _serve_forever(url_file: Path) -> None:
+    async with serve() as (_, url):
+        await asyncio.to_thread(url_file.write_text, url)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # `python -m harness.kube URL_FILE`: serve until killed (benchmarks)
+    import sys
+
+    asyncio.run(_serve_forever(Path(sys.argv[1])))

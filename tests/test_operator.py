@@ -459,6 +459,15 @@ def _model(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cluster(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "CognitoraCluster",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+
+
 def _cond(body: dict[str, Any] | None, kind: str = "Ready") -> dict[str, Any]:
     for c in ((body or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == kind:
@@ -492,24 +501,20 @@ async def test_operator_loop_against_kmock_and_etcd(tmp_path: Path, etcd_server:
         try:
             await api.create(
                 CLUSTER.plural,
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": "CognitoraCluster",
-                    "metadata": {"name": "c1", "namespace": "ns1"},
-                    "spec": {
-                        "etcd": {"endpoints": [etcd_server.endpoint]},
-                        "router": {"replicas": 1},
-                    },
-                },
+                _cluster(
+                    "c1",
+                    "ns1",
+                    {"etcd": {"endpoints": [etcd_server.endpoint]}, "router": {"replicas": 1}},
+                ),
             )
             router = "/apis/apps/v1/namespaces/ns1/deployments/c1-router"
-            await wait_for("the router Deployment", lambda: api.get(router))
             for child in (
+                router,
                 "/api/v1/namespaces/ns1/configmaps/c1-config",
                 "/apis/apps/v1/namespaces/ns1/daemonsets/c1-agent",
                 "/api/v1/namespaces/ns1/services/c1-router",
             ):
-                assert await api.get(child), child
+                await wait_for(child, lambda: api.get(child))  # noqa: B023
 
             spec = yaml.safe_load((REPO / "configs/models/smollm2.yaml").read_text())
             spec.pop("name")
@@ -600,16 +605,15 @@ async def test_operator_loop_against_kmock_and_etcd(tmp_path: Path, etcd_server:
                     assert r.status < 300
             await api.create(
                 CLUSTER.plural,
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": "CognitoraCluster",
-                    "metadata": {"name": "c2", "namespace": "ns2"},
-                    "spec": {
+                _cluster(
+                    "c2",
+                    "ns2",
+                    {
                         "etcd": {"endpoints": [etcd_server.endpoint]},
                         "ca": {"secretName": "ca"},
                         "agents": {"nodeSelector": {"gpu": "true"}},
                     },
-                },
+                ),
             )
             nodes = await wait_for(
                 "node certificates", lambda: api.get("/api/v1/namespaces/ns2/secrets/c2-tls-nodes")
