@@ -6,13 +6,15 @@ aliases are unique); the error names the field path.
 
 An entry may carry an owner: cgn-operator writes `/cognitora/catalog/owners/<model>`
 (the CognitoraModel resource's namespace, name and uid) in the same transaction as the
-entry, so it deletes only what it wrote and never takes over a model applied by hand.
+entry, so it deletes only what it wrote and never takes over a model applied by hand;
+and `cgn-ctl models apply`/`delete` refuse an owned entry (the operator would put it
+back): the resource is where such a model changes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cgn_control.catalog import CatalogError, ModelSpec, check_catalog, parse_model
@@ -48,8 +50,10 @@ def parse_models(docs: Sequence[Any], source: str) -> dict[str, ModelSpec]:
 
 
 async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> list[str]:
-    """Validate every model in `docs` against the whole catalog, then write them; returns names."""
+    """Validate every model in `docs` against the whole catalog, then write them; returns names.
+    A model a CognitoraModel owns is refused (NotYours): the operator would write it back."""
     new = parse_models(docs, source)
+    await _not_owned(client, new)
     current = (await read_snapshot(client)).models
     check_catalog({**current, **new})
     for name, spec in new.items():
@@ -111,7 +115,20 @@ async def delete_model(client: EtcdClient, name: str) -> None:
     users = sorted(m for m, s in snap.models.items() if name in s.fallbacks)
     if users:
         raise InUse(f"{name} is the fallback of {', '.join(users)}; change those first")
-    await client.txn([], [Op.delete(keys.CATALOG + name), Op.delete(OWNERS + name)])
+    await _not_owned(client, [name])
+    await client.delete(keys.CATALOG + name)
+
+
+async def _not_owned(client: EtcdClient, names: Iterable[str]) -> None:
+    held = await owners(client)
+    for name in names:
+        who = held.get(name)
+        if who is not None:
+            raise NotYours(
+                f"model {name!r} is managed by {who.get('kind', 'an owner')} "
+                f"{who.get('namespace')}/{who.get('name')} (Kubernetes): change or delete that "
+                "resource instead"
+            )
 
 
 def _owner(raw: bytes) -> dict[str, str]:

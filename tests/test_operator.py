@@ -633,6 +633,16 @@ async def test_operator_loop_against_kmock_and_etcd(tmp_path: Path, etcd_server:
             )
             assert "did not answer" in c2["message"]  # its etcd speaks plaintext, not mTLS
 
+            # cgn-ctl's path refuses what a resource owns (the operator would put it back)
+            with pytest.raises(store.NotYours, match="managed by CognitoraModel ns1/later"):
+                await store.apply_models(
+                    etcd,
+                    [{"name": "later", "source": "z", "profiles": [{"engine": "vllm"}]}],
+                    "m.yaml",
+                )
+            with pytest.raises(store.NotYours, match="change or delete that resource"):
+                await store.delete_model(etcd, "big")
+
             # deleting a model deletes its entry (the watch event)
             await api.delete(MODEL.plural, "later")
             await api.delete(MODEL.plural, "big")
