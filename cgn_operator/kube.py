@@ -14,14 +14,16 @@ import datetime as dt
 import json
 import logging
 import ssl
+import tempfile
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import kopf
 
-from cgn_core.errors import CognitoraError
+from cgn_core.errors import CognitoraError, ConfigError
 
 log = logging.getLogger(__name__)
 MANAGER = "cgn-operator"
@@ -56,6 +58,16 @@ def path_of(obj: Mapping[str, Any]) -> str:
     )
 
 
+def tls_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    """The API server's TLS context from kopf's credentials; ConfigError when they do not load."""
+    try:
+        return _ssl(info)
+    except (ssl.SSLError, ValueError, OSError) as exc:
+        raise ConfigError(
+            f"the Kubernetes credentials do not load as TLS material: {exc}"
+        ) from None
+
+
 def _ssl(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     if info.insecure:
         return False
@@ -63,14 +75,23 @@ def _ssl(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     if info.ca_path:
         ctx.load_verify_locations(cafile=str(info.ca_path))
     elif info.ca_data:
-        data = info.ca_data
-        text = data.decode() if isinstance(data, bytes) else data
-        if "BEGIN" not in text:  # kubeconfig's certificate-authority-data is base64 of PEM
-            text = base64.b64decode(text).decode()
-        ctx.load_verify_locations(cadata=text)
+        ctx.load_verify_locations(cadata=_pem(info.ca_data).decode())
     if info.certificate_path and info.private_key_path:
         ctx.load_cert_chain(str(info.certificate_path), str(info.private_key_path))
+    elif info.certificate_data and info.private_key_data:  # a kubeconfig's embedded pair
+        with tempfile.TemporaryDirectory(prefix="cgn-operator-kube-") as d:
+            cert, key = Path(d) / "cert.pem", Path(d) / "key.pem"
+            cert.write_bytes(_pem(info.certificate_data))
+            key.touch(mode=0o600)
+            key.write_bytes(_pem(info.private_key_data))
+            ctx.load_cert_chain(str(cert), str(key))  # read now; the files go with the dir
     return ctx
+
+
+def _pem(data: str | bytes) -> bytes:
+    """PEM bytes from a kubeconfig's `*-data` field (base64 of PEM) or PEM itself."""
+    raw = data.encode() if isinstance(data, str) else data
+    return raw if b"BEGIN" in raw else base64.b64decode(raw)
 
 
 class Kube:
@@ -81,9 +102,9 @@ class Kube:
         if info.token:
             headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
         self._server = info.server.rstrip("/")
-        connector = (
-            aiohttp.TCPConnector(ssl=_ssl(info)) if self._server.startswith("https") else None
-        )
+        connector = None
+        if self._server.startswith("https"):
+            connector = aiohttp.TCPConnector(ssl=tls_context(info))
         self._session = aiohttp.ClientSession(
             headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(total=30)
         )

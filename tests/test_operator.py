@@ -31,6 +31,7 @@ from cgn_control import store
 from cgn_control.catalog import CatalogError, parse_model
 from cgn_control.cluster import Snapshot
 from cgn_core import keys, pki
+from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
@@ -706,3 +707,23 @@ async def test_one_leader_at_a_time_over_a_lease() -> None:
         finally:
             await a.close()
             await b.close()
+
+
+def test_kubeconfig_credentials_become_a_tls_context() -> None:
+    """A kubeconfig's embedded CA and client pair (base64 of PEM, as kubectl writes them) load
+    into the API client's TLS context; bad data is an error, not a silent plaintext."""
+    from cgn_operator.kube import tls_context
+
+    ca = pki.create_ca()
+    cert, key = pki.to_pem(pki.issue(ca, "admin", "ctl", usage="client"))
+    b64 = lambda t: base64.b64encode(t.encode()).decode()  # noqa: E731
+    info = kopf.ConnectionInfo(
+        server="https://k:6443",
+        ca_data=b64(pki.to_pem(ca)[0]),
+        certificate_data=b64(cert),
+        private_key_data=b64(key),
+    )
+    ctx = tls_context(info)
+    assert not isinstance(ctx, bool) and ctx.verify_mode.name == "CERT_REQUIRED"
+    with pytest.raises(ConfigError, match="do not load as TLS material"):
+        tls_context(kopf.ConnectionInfo(server="https://k:6443", ca_data=b64("no certificate")))
