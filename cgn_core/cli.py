@@ -5,7 +5,6 @@ Exit codes (the same for all seven executables):
     0  success
     1  a runtime failure (a peer unreachable, a request refused)
     2  bad usage or bad configuration (unknown setting, wrong type, missing file)
-    3  the command exists in the design but is not built yet
 """
 
 import json

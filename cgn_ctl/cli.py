@@ -4,7 +4,7 @@ Every command that reads the cluster takes --etcd (or CGN_CTL_ETCD__ENDPOINTS,
 or etcd.endpoints in -c FILE) and prints a rich table, or JSON with --json.
 Exit codes: 0 success; 1 a runtime failure (etcd unreachable, a model or node
 not found, a drain that did not finish in time); 2 bad usage or a model file
-the catalog refuses; 3 a command designed but not built yet.
+the catalog refuses.
 """
 
 from __future__ import annotations
