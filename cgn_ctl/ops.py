@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from cgn_control import store
 from cgn_control.catalog import pool_label
 from cgn_control.cluster import views
 from cgn_control.cluster_reader import read_snapshot
@@ -53,9 +54,11 @@ async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
 
 async def models(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
+    held = await store.owners(client)
     out = []
     for name, spec in sorted(snap.models.items()):
         counts = model_replicas(snap, name)
+        who = held.get(name)
         out.append({
             "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
             **({"pools": dict(spec.pools)} if spec.pools else {}),
@@ -63,6 +66,9 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
             "fallbacks": list(spec.fallbacks),
             "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
                          for p in spec.profiles],
+            # who may change it: a Kubernetes resource (cgn-operator), or null (cgn-ctl)
+            "managed_by": f"{who.get('kind')} {who.get('namespace')}/{who.get('name')}"
+                          if who else None,
         })  # fmt: skip
     return out
 

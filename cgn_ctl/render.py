@@ -21,11 +21,12 @@ def nodes(rows: list[dict[str, Any]]) -> None:
 
 
 def models(rows: list[dict[str, Any]]) -> None:
-    t = Table("model", "replicas (ready/placed, min–max)", "profiles", "aliases", "fallbacks")
+    t = Table("model", "replicas (ready/placed, min–max)", "profiles", "aliases", "fallbacks",
+              "managed by")  # fmt: skip
     for r in rows:
         t.add_row(r["model"], f"{r['ready']}/{r['placed']}, {r['min']}–{r['max']}",
                   ", ".join(r["profiles"]), ", ".join(r["aliases"]) or "-",
-                  ", ".join(r["fallbacks"]) or "-")  # fmt: skip
+                  ", ".join(r["fallbacks"]) or "-", r.get("managed_by") or "cgn-ctl")  # fmt: skip
     console.print(t if rows else "the catalog is empty")
 
 

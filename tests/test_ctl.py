@@ -78,6 +78,7 @@ def test_models_apply_list_get_delete(etcd: LocalEtcd, tmp_path: Path) -> None:
     assert res.stdout.splitlines() == ["model big applied", "model small applied"]
     rows = {r["model"]: r for r in ok_json(etcd, "models", "list")}
     assert rows["small"]["aliases"] == ["tiny"] and rows["small"]["max"] == 2
+    assert rows["small"]["managed_by"] is None  # applied here, not by a Kubernetes resource
     assert rows["big"]["profiles"] == ["vllm@h100-80g×2", "cgn_infer@cpu"]
     got = ok_json(etcd, "models", "get", "big")
     assert got["fallbacks"] == ["small"] and got["replicas"] == {"min": 1, "max": 1}

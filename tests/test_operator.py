@@ -35,6 +35,7 @@ from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
+from cgn_ctl import ops as ctl_ops
 from cgn_operator import children, lease, manifests, status
 from cgn_operator.crds import API_VERSION, CLUSTER, MODEL, crds, model_doc
 from cgn_operator.handlers import State, cluster_of, start
@@ -634,7 +635,10 @@ async def test_operator_loop_against_kmock_and_etcd(tmp_path: Path, etcd_server:
             )
             assert "did not answer" in c2["message"]  # its etcd speaks plaintext, not mTLS
 
-            # cgn-ctl's path refuses what a resource owns (the operator would put it back)
+            # cgn-ctl shows who manages each model, and refuses what a resource owns
+            rows = {r["model"]: r for r in await ctl_ops.models(etcd)}
+            assert rows["later"]["managed_by"] == "CognitoraModel ns1/later"
+            assert rows["manual"]["managed_by"] is None
             with pytest.raises(store.NotYours, match="managed by CognitoraModel ns1/later"):
                 await store.apply_models(
                     etcd,
