@@ -31,6 +31,7 @@ from cgn_core.kv_events import KvEventHub
 from cgn_core.kv_layout import Layout
 from cgn_core.kvcache_client import KvCacheClient
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
+from cgn_core.records import is_host_port
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig
@@ -403,7 +404,7 @@ def check_pipeline(settings: InferSettings) -> None:
                 "every layer (a stage is `cgn-infer stage --layers A:B`)"
             )
         return
-    if bad := [s for s in p.stages if not s.rpartition(":")[2].isdigit()]:
+    if bad := [s for s in p.stages if not is_host_port(s)]:
         raise ConfigError(f"pipeline.stages: expected host:port, got {', '.join(bad)}")
     if settings.backend not in ("torch", "mlx"):
         raise ConfigError(f"a pipeline head runs the torch or mlx backend, not {settings.backend}")

@@ -471,6 +471,8 @@ def test_stage_and_head_flags_are_checked_in_one_line(tmp_path: Path) -> None:
         ),
         (["serve", "--model", "smollm2", "--stages", "a:1", "--kvcached", "h:1"], "cgn-kvcached"),
         (["serve", "--model", "smollm2", "--stages", "a:1", "--activations", "f8"], "f16"),
+        (["serve", "--model", "smollm2", "--stages", ":9101"], "expected host:port, got :9101"),
+        (["serve", "--model", "smollm2", "--stages", "a:0"], "expected host:port, got a:0"),
     ]:
         res = run(*argv)
         assert res.returncode == 2, (argv, res.stdout, res.stderr)
