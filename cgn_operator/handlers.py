@@ -26,8 +26,8 @@ operator picks up where the last one stopped.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
-import hashlib
 import logging
 import os
 import shutil
@@ -35,7 +35,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,6 +59,7 @@ from cgn_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 Body = Mapping[str, Any]
+CREDENTIALS_S = 300.0  # how long a cluster's etcd TLS material is trusted before a re-read
 
 
 @dataclass
@@ -68,7 +69,7 @@ class State:
     settings: OperatorSettings
     info: kopf.ConnectionInfo | None = None
     kube_: Kube | None = None
-    etcd: dict[str, tuple[str, EtcdClient]] = field(default_factory=dict)  # cluster -> (key, c)
+    etcd: dict[str, Held] = field(default_factory=dict)  # by cluster (namespace/name)
     snaps: dict[str, tuple[float, View]] = field(default_factory=dict)
     records: RecordLog = field(default_factory=lambda: RecordLog(log))
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cgn-operator-")))
@@ -86,8 +87,8 @@ class State:
             task.cancel()
         if self.kube_ is not None:
             await self.kube_.close()
-        for _, client in self.etcd.values():
-            await client.close()
+        for held in self.etcd.values():
+            await held.client.close()
         shutil.rmtree(self.tmp, ignore_errors=True)  # the etcd client keys written for TLS
 
 
@@ -97,8 +98,6 @@ class State:
 async def _secret(
     state: State, namespace: str, name: str, keys: tuple[str, ...], field_: str
 ) -> dict[str, bytes]:
-    import base64
-
     doc = await state.kube().get(object_path("v1", "secrets", namespace, name))
     if doc is None:
         raise children.SpecError(f"{field_}: Secret {namespace}/{name} not found")
@@ -116,33 +115,32 @@ async def cluster_ca(state: State, c: children.Cluster) -> pki.Pair:
 
 async def cluster_etcd(state: State, c: children.Cluster) -> EtcdClient:
     """A client for the cluster's etcd: with the external etcd's Secret, or a certificate
-    this operator issues itself from the cluster's CA (CN cgn-operator), or plaintext."""
+    this operator issues itself from the cluster's CA (CN cgn-operator), or plaintext.
+    Kept per cluster; its TLS material is read again every CREDENTIALS_S (a rotated CA or
+    etcd Secret is picked up then), not on every reconcile."""
+    ident, now = f"{c.namespace}/{c.name}", time.monotonic()
+    where = repr((c.endpoints(), c.etcd_tls_secret, c.ca_secret))
+    held = state.etcd.get(ident)
+    if held is not None and held.where == where and now - held.since < CREDENTIALS_S:
+        return held.client
     files: dict[str, bytes] = {}
     if c.etcd_tls_secret:
-        raw = await _secret(
-            state,
-            c.namespace,
-            c.etcd_tls_secret,
-            ("ca.pem", "cert.pem", "key.pem"),
-            "spec.etcd.tlsSecret",
-        )
-        files = raw
+        names = ("ca.pem", "cert.pem", "key.pem")
+        files = await _secret(state, c.namespace, c.etcd_tls_secret, names, "spec.etcd.tlsSecret")
+        material = b"".join(files.values())
     elif c.tls:
         ca = await cluster_ca(state, c)
-        cert, key = pki.to_pem(pki.issue(ca, "cgn-operator", "ctl", usage="client"))
-        files = {
-            "ca.pem": pki.to_pem(ca)[0].encode(),
-            "cert.pem": cert.encode(),
-            "key.pem": key.encode(),
-        }
-    ident = f"{c.namespace}/{c.name}"
-    ca_part = files.get("ca.pem", b"") + (files.get("cert.pem", b"") if c.etcd_tls_secret else b"")
-    key = hashlib.sha256(repr(c.endpoints()).encode() + ca_part).hexdigest()
-    held = state.etcd.get(ident)
-    if held is not None and held[0] == key:
-        return held[1]
+        material = pki.to_pem(ca)[0].encode()
+        if held is None or held.material != material:  # issue only for a new CA
+            cert, key = pki.to_pem(pki.issue(ca, "cgn-operator", "ctl", usage="client"))
+            files = {"ca.pem": material, "cert.pem": cert.encode(), "key.pem": key.encode()}
+    else:
+        material = b""
+    if held is not None and held.where == where and held.material == material:
+        state.etcd[ident] = replace(held, since=now)
+        return held.client
     if held is not None:
-        await held[1].close()
+        await held.client.close()
     tls = TlsSettings()
     if files:
         d = state.tmp / f"{c.namespace}.{c.name}"
@@ -152,8 +150,18 @@ async def cluster_etcd(state: State, c: children.Cluster) -> EtcdClient:
         tls = TlsSettings(d / "ca.pem", d / "cert.pem", d / "key.pem")
     endpoints = tuple(e.split("://", 1)[-1] for e in c.endpoints())
     client = EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=5.0, tls=tls))
-    state.etcd[ident] = (key, client)
+    state.etcd[ident] = Held(client, where, material, now)
     return client
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A cluster's etcd client, what it was made from, and when its material was last read."""
+
+    client: EtcdClient
+    where: str  # endpoints and the Secrets named
+    material: bytes  # the CA or etcd Secret it was made with
+    since: float
 
 
 @dataclass(frozen=True, slots=True)
