@@ -284,7 +284,8 @@ async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clus
 
 async def reconcile_cluster(state: State, body: kopf.Body, patch: kopf.Patch, models: Any) -> None:
     kube = state.kube()
-    problem, snap = "", None
+    problem: tuple[str, str] | None = None
+    snap: Snapshot | None = None
     etcd = ""
     try:
         c = children.cluster_from(body, state.settings.image)
@@ -324,10 +325,17 @@ async def reconcile_cluster(state: State, body: kopf.Body, patch: kopf.Patch, mo
             etcd,
         )
     except (children.SpecError, pki.PkiError) as exc:
-        problem = str(exc)
+        problem = ("InvalidSpec", str(exc))
+    except KubeError as exc:  # a child the API server refused (RBAC, a webhook, a quota)
+        problem = ("ApplyFailed", exc.message)
+    except CognitoraError as exc:  # etcd refused the sweep
+        problem = ("EtcdUnavailable", exc.message)
+    if problem is not None:
         new = status.cluster_status(None, None, 0, None, etcd, problem)
-        if (body.get("status") or {}).get("conditions") != new["conditions"]:
-            await kube.warn(body, "InvalidSpec", problem)
+        conds = (body.get("status") or {}).get("conditions") or []
+        old: Mapping[str, Any] = next((x for x in conds if x.get("type") == "Ready"), {})
+        if old.get("message") != problem[1]:
+            await kube.warn(body, *problem)
     _set_status(body, patch, new)
 
 
@@ -435,14 +443,18 @@ async def resync(state: State) -> None:
         meta = b.get("metadata", {})
         key = (meta.get("namespace") or "default", meta.get("name", ""))
         live.setdefault(key, []).append((meta.get("uid", ""), model_name(b)))
-    for raw in cluster_bodies:
-        patch = kopf.Patch()
-        await reconcile_cluster(state, kopf.Body(cast(Any, raw)), patch, live)
-        await _write_status(kube, raw, CLUSTER.plural, patch)
-    for raw in model_bodies:
-        patch = kopf.Patch()
-        await reconcile_model(state, kopf.Body(cast(Any, raw)), patch, by_ns)
-        await _write_status(kube, raw, MODEL.plural, patch)
+    for plural, bodies in ((CLUSTER.plural, cluster_bodies), (MODEL.plural, model_bodies)):
+        for raw in bodies:
+            patch = kopf.Patch()
+            body = kopf.Body(cast(Any, raw))
+            try:  # one object's failure must not skip the others
+                if plural == CLUSTER.plural:
+                    await reconcile_cluster(state, body, patch, live)
+                else:
+                    await reconcile_model(state, body, patch, by_ns)
+                await _write_status(kube, raw, plural, patch)
+            except (CognitoraError, KubeError) as exc:
+                log.warning("resync: %s %s: %s", plural, raw["metadata"].get("name"), exc.message)
 
 
 async def _write_status(kube: Kube, raw: Mapping[str, Any], plural: str, patch: kopf.Patch) -> None:

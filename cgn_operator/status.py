@@ -118,14 +118,15 @@ def cluster_status(
     routers_wanted: int,
     snap: Snapshot | None,
     etcd: str,
-    problem: str = "",
+    problem: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """From the router Deployment's and the agent DaemonSet's status, and a snapshot (None:
-    etcd did not answer). `problem`: why the children could not be written, if they weren't."""
+    etcd did not answer). `problem`: (reason, message) when the children could not be
+    written (InvalidSpec, ApplyFailed)."""
     r_ready, _ = _count(router, "readyReplicas", "replicas")
     a_ready, a_want = _count(agents, "numberReady", "desiredNumberScheduled")
     if problem:
-        ready = condition("Ready", False, "InvalidSpec", problem)
+        ready = condition("Ready", False, *problem)
     elif snap is None:
         ready = condition("Ready", False, "EtcdUnavailable", f"etcd at {etcd} did not answer")
     elif r_ready < 1:

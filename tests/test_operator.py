@@ -301,6 +301,27 @@ def test_model_status_from_etcd(phases: list[str], ready: str, degraded: str, re
     assert st["readyReplicas"] == phases.count("Ready") and st["desiredReplicas"] == 2
 
 
+@pytest.mark.parametrize(
+    ("router", "agents", "snap", "problem", "ready", "degraded"),
+    [
+        ({"readyReplicas": 2}, {"numberReady": 3, "desiredNumberScheduled": 3}, True, None,
+         ("True", "Serving"), "False"),
+        ({"readyReplicas": 1}, {"numberReady": 2, "desiredNumberScheduled": 3}, True, None,
+         ("True", "Serving"), "True"),
+        ({}, {}, True, None, ("False", "NoRouterReady"), "True"),
+        ({"readyReplicas": 2}, {}, False, None, ("False", "EtcdUnavailable"), "False"),
+        (None, None, False, ("ApplyFailed", "PATCH ...: 403"), ("False", "ApplyFailed"), "False"),
+    ],
+)  # fmt: skip
+def test_cluster_status_from_children_and_etcd(
+    router: Any, agents: Any, snap: bool, problem: Any, ready: tuple[str, str], degraded: str
+) -> None:
+    st = status.cluster_status(router, agents, 2, _snap([]) if snap else None, "e:2379", problem)
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ready
+    assert conds["Degraded"]["status"] == degraded
+
+
 def test_condition_times_move_only_on_a_change() -> None:
     first = status.merge_conditions([], [status.condition("Ready", False, "x")], "t1", 1)
     same = status.merge_conditions(first, [status.condition("Ready", False, "y")], "t2", 2)
