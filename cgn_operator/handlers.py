@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import kopf
+import yaml
 
 from cgn_control import store
 from cgn_control.catalog import CatalogError, ModelSpec, parse_model
@@ -481,9 +482,14 @@ def _identity() -> str:
 
 def login() -> kopf.ConnectionInfo:
     settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
+    try:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
+    except (kopf.LoginError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = os.environ.get("KUBECONFIG") or "the kubeconfig"
+        raise ConfigError(f"{where}: not a usable kubeconfig ({first})") from None
     if info is None:
         raise ConfigError(
             "no Kubernetes credentials: not in a pod and no kubeconfig "

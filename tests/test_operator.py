@@ -428,7 +428,7 @@ async def test_kubectl_accepts_every_manifest(tmp_path: Path) -> None:
     assert out.decode().count("(dry run)") == len(_every_manifest())
 
 
-def test_manifests_command_prints_what_kubectl_takes() -> None:
+def test_manifests_command_prints_what_kubectl_takes(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "cgn-operator"
     res = subprocess.run(
         [exe, "manifests", "--image", "reg/cgn:2"], capture_output=True, text=True, timeout=60
@@ -442,6 +442,13 @@ def test_manifests_command_prints_what_kubectl_takes() -> None:
         [exe, "run", "--kubeconfig", "/nonexistent"], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "/nonexistent" in res.stderr
+    for text in ("x: [\n", "clusters: 3\n"):
+        bad = tmp_path / "kubeconfig"
+        bad.write_text(text)
+        res = subprocess.run([exe, "run", "--kubeconfig", bad], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert "not a usable kubeconfig" in res.stderr and "Traceback" not in res.stderr
 
 
 # ---- the operator loop: kopf against kmock, a real etcd --------------------------------------
