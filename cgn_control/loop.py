@@ -11,7 +11,6 @@ the router campaigns again and another may take over meanwhile.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import socket
@@ -100,7 +99,7 @@ async def _pass(
     lead = [Compare.value(election.key, "==", state.candidate.encode())]
     for a in actions:
         key = f"{keys.PLACEMENTS}{a.node}/{a.replica}"
-        op = Op.put(key, _json(a.doc)) if isinstance(a, Put) else Op.delete(key)
+        op = Op.put_json(key, a.doc) if isinstance(a, Put) else Op.delete(key)
         res = await client.txn(lead, [op])
         if not res.succeeded:
             log.warning("reconciler: no longer the leader; %s not written", key)
@@ -112,7 +111,3 @@ async def _pass(
     state.unplaced = {m: d.explain() for m, d in memory.unplaced.items()}
     state.passes += 1
     state.last_pass_unix = time.time()
-
-
-def _json(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()

@@ -22,6 +22,7 @@ from cgn_control.cluster_reader import read_snapshot
 from cgn_core import keys
 from cgn_core.errors import NotFound, PermanentError
 from cgn_core.etcd import Compare, EtcdClient, Op
+from cgn_core.etcd.types import json_value
 
 OWNERS = keys.ROOT + "catalog/owners/"  # <model>: {"kind", "namespace", "name", "uid"}
 
@@ -72,18 +73,17 @@ async def apply_owned(client: EtcdClient, spec: ModelSpec, owner: Mapping[str, s
     current, held = await client.get(entry), await client.get(owner_key)
     mine = held is not None and _owner(held.value) == dict(owner)
     if current is not None and not mine:
-        who = _owner(held.value) if held is not None else None
-        by = f"{who.get('kind')} {who.get('namespace')}/{who.get('name')}" if who else "hand"
+        by = describe_owner(_owner(held.value)) if held is not None else "hand"
         raise NotYours(f"model {spec.name!r} is already in the catalog, written by {by}; "
                        "delete it there first (cgn-ctl models delete)")  # fmt: skip
-    doc = _bytes(spec.to_json())
+    doc = json_value(spec.to_json())
     if current is not None and current.value == doc:
         return False
     guard = [
         Compare.mod_revision(entry, "==", current.mod_revision if current else 0),
         Compare.mod_revision(owner_key, "==", held.mod_revision if held else 0),
     ]
-    res = await client.txn(guard, [Op.put(entry, doc), Op.put(owner_key, _bytes(dict(owner)))])
+    res = await client.txn(guard, [Op.put(entry, doc), Op.put_json(owner_key, dict(owner))])
     if not res.succeeded:
         raise NotYours(f"model {spec.name!r} changed in the catalog meanwhile; will retry")
     return True
@@ -125,10 +125,14 @@ async def _not_owned(client: EtcdClient, names: Iterable[str]) -> None:
         who = held.get(name)
         if who is not None:
             raise NotYours(
-                f"model {name!r} is managed by {who.get('kind', 'an owner')} "
-                f"{who.get('namespace')}/{who.get('name')} (Kubernetes): change or delete that "
-                "resource instead"
+                f"model {name!r} is managed by {describe_owner(who)} (Kubernetes): change or "
+                "delete that resource instead"
             )
+
+
+def describe_owner(who: Mapping[str, str]) -> str:
+    """An owner record as a person reads it: `CognitoraModel ns/name`."""
+    return f"{who.get('kind', 'an owner')} {who.get('namespace')}/{who.get('name')}"
 
 
 def _owner(raw: bytes) -> dict[str, str]:
@@ -139,7 +143,3 @@ def _owner(raw: bytes) -> dict[str, str]:
     if not isinstance(doc, dict):
         return {}
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
-
-
-def _bytes(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()

@@ -67,8 +67,7 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
             "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
                          for p in spec.profiles],
             # who may change it: a Kubernetes resource (cgn-operator), or null (cgn-ctl)
-            "managed_by": f"{who.get('kind')} {who.get('namespace')}/{who.get('name')}"
-                          if who else None,
+            "managed_by": store.describe_owner(who) if who else None,
         })  # fmt: skip
     return out
 

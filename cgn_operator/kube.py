@@ -27,13 +27,14 @@ from cgn_core.errors import CognitoraError, ConfigError
 
 log = logging.getLogger(__name__)
 MANAGER = "cgn-operator"
-_PLURALS = {
-    "ConfigMap": "configmaps",
-    "Secret": "secrets",
-    "Service": "services",
-    "Deployment": "deployments",
-    "DaemonSet": "daemonsets",
-    "StatefulSet": "statefulsets",
+# The kinds the operator writes: (API group, plural). Its RBAC is made from this table.
+KINDS = {
+    "ConfigMap": ("", "configmaps"),
+    "Secret": ("", "secrets"),
+    "Service": ("", "services"),
+    "Deployment": ("apps", "deployments"),
+    "DaemonSet": ("apps", "daemonsets"),
+    "StatefulSet": ("apps", "statefulsets"),
 }
 
 
@@ -54,7 +55,7 @@ def object_path(api_version: str, plural: str, namespace: str | None, name: str 
 def path_of(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     return object_path(
-        obj["apiVersion"], _PLURALS[obj["kind"]], meta.get("namespace"), meta["name"]
+        obj["apiVersion"], KINDS[obj["kind"]][1], meta.get("namespace"), meta["name"]
     )
 
 
@@ -163,7 +164,7 @@ class Kube:
             ns = obj["metadata"].get("namespace")
             await self._call(
                 "POST",
-                object_path(obj["apiVersion"], _PLURALS[obj["kind"]], ns),
+                object_path(obj["apiVersion"], KINDS[obj["kind"]][1], ns),
                 obj,
                 fieldManager=MANAGER,
             )

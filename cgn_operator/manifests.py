@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from cgn_operator.crds import CLUSTER, GROUP, MODEL, crds
+from cgn_operator.kube import KINDS
 
 NAME = "cgn-operator"
 LIVENESS = 8080  # kopf's liveness endpoint
@@ -29,11 +30,13 @@ WRITE = ["get", "list", "watch", "create", "patch", "update"]
 
 def rules() -> list[dict[str, Any]]:
     own = [CLUSTER.plural, MODEL.plural]
+    written: dict[str, list[str]] = {}  # API group -> the plurals of the kinds it writes
+    for group, plural in KINDS.values():
+        written.setdefault(group, []).append(plural)
     return [
         _rule([GROUP], own, ["get", "list", "watch", "patch"]),
         _rule([GROUP], [f"{p}/status" for p in own], ["get", "patch", "update"]),
-        _rule([""], ["configmaps", "secrets", "services"], WRITE),
-        _rule(["apps"], ["deployments", "daemonsets", "statefulsets"], WRITE),
+        *(_rule([group], plurals, WRITE) for group, plurals in written.items()),
         _rule([""], ["events"], ["create"]),
         _rule(["events.k8s.io"], ["events"], ["create"]),
         _rule(["coordination.k8s.io"], ["leases"], ["get", "create", "patch"]),

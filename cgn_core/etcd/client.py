@@ -9,7 +9,6 @@ the next before giving up. Streams (watches, lease keep-alives) live in
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -18,7 +17,15 @@ import grpc
 import grpc.aio
 
 from cgn_core.errors import EtcdUnavailable, PermanentError
-from cgn_core.etcd.types import Compare, KeyValue, Op, TxnResult, WatchBatch, prefix_end
+from cgn_core.etcd.types import (
+    Compare,
+    KeyValue,
+    Op,
+    TxnResult,
+    WatchBatch,
+    json_value,
+    prefix_end,
+)
 from cgn_core.etcd.watch import watch_prefix
 from cgn_core.settings import EtcdSettings
 from cgn_core.tls import channel_credentials, warn_if_plaintext
@@ -143,7 +150,7 @@ class EtcdClient:
         return int(resp.header.revision)
 
     async def put_json(self, key: str, obj: Any, lease: int = 0) -> int:
-        return await self.put(key, json.dumps(obj, separators=(",", ":"), sort_keys=True), lease)
+        return await self.put(key, json_value(obj), lease)
 
     async def delete(self, key: str, *, prefix: bool = False) -> int:
         """Delete `key` (or every key under it with `prefix=True`); returns how many went."""

@@ -20,6 +20,12 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # every key
 
 
+def json_value(doc: Any) -> bytes:
+    """How a JSON record is stored: compact, keys sorted (so equal documents are equal bytes,
+    and a writer can tell an unchanged record without a write)."""
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: str
@@ -135,6 +141,10 @@ class Op:
     @classmethod
     def put(cls, key: str, value: bytes, lease: int = 0) -> Op:
         return cls("put", key, value, lease)
+
+    @classmethod
+    def put_json(cls, key: str, doc: Any, lease: int = 0) -> Op:
+        return cls("put", key, json_value(doc), lease)
 
     @classmethod
     def delete(cls, key: str, *, prefix: bool = False) -> Op:
