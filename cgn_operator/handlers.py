@@ -119,7 +119,7 @@ async def cluster_etcd(state: State, c: children.Cluster) -> EtcdClient:
     this operator issues itself from the cluster's CA (CN cgn-operator), or plaintext.
     Kept per cluster; its TLS material is read again every CREDENTIALS_S (a rotated CA or
     etcd Secret is picked up then), not on every reconcile."""
-    ident, now = f"{c.namespace}/{c.name}", time.monotonic()
+    ident, now = c.key, time.monotonic()
     where = repr((c.endpoints(), c.etcd_tls_secret, c.ca_secret))
     held = state.etcd.get(ident)
     if held is not None and held.where == where and now - held.since < CREDENTIALS_S:
@@ -176,7 +176,7 @@ class View:
 async def view(state: State, c: children.Cluster, client: EtcdClient) -> View | None:
     """The cluster's view, shared for `snapshot_ttl_s` (a resync of 100 models reads etcd a
     few times, not 100); None when etcd does not answer."""
-    ident, now = f"{c.namespace}/{c.name}", time.monotonic()
+    ident, now = c.key, time.monotonic()
     held = state.snaps.get(ident)
     if held is not None and now - held[0] < state.settings.snapshot_ttl_s:
         return held[1]
@@ -215,7 +215,9 @@ def cluster_of(model: Body, clusters: Any, default_image: str) -> children.Clust
 
 
 def model_name(body: Body) -> str:
-    return str((body.get("spec") or {}).get("name") or body["metadata"]["name"])
+    spec = body.get("spec")
+    named = spec.get("name") if isinstance(spec, Mapping) else None
+    return str(named or body["metadata"]["name"])
 
 
 def owner_of(body: Body) -> dict[str, str]:
@@ -258,7 +260,10 @@ async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clus
     snap: Snapshot | None = None
     try:
         c = cluster_of(body, clusters, state.settings.image)
-        spec = parse_model(model_doc(body["metadata"], body.get("spec") or {}))
+        raw = body.get("spec") or {}
+        if not isinstance(raw, Mapping):  # what an API server without the CRD's schema allows
+            raise children.SpecError("spec: expected a mapping (the catalog's model fields)")
+        spec = parse_model(model_doc(body["metadata"], raw))
         name = spec.name
         client = await cluster_etcd(state, c)
         seen = await view(state, c, client)
@@ -268,7 +273,7 @@ async def reconcile_model(state: State, body: kopf.Body, patch: kopf.Patch, clus
         # not already as wanted in the (recent) view: the checked, guarded write
         if not as_wanted and await store.apply_owned(client, spec, owner_of(body)):
             log.info("model %s: written to the catalog of %s/%s", name, c.namespace, c.name)
-            state.snaps.pop(f"{c.namespace}/{c.name}", None)
+            state.snaps.pop(c.key, None)
             seen = await view(state, c, client)
         snap = seen.snap if seen else None
     except (CatalogError, children.SpecError) as exc:
@@ -421,7 +426,7 @@ def build(state: State) -> kopf.OperatorRegistry:
             client = await cluster_etcd(state, c)
             if await store.delete_owned(client, model_name(body), body.metadata.uid):
                 log.info("model %s: deleted from the catalog", model_name(body))
-                state.snaps.pop(f"{c.namespace}/{c.name}", None)
+                state.snaps.pop(c.key, None)
         except (children.SpecError, CognitoraError, KubeError) as exc:
             log.warning(
                 "model %s: not deleted now (%s); the cluster's sweep will", model_name(body), exc
