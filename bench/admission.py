@@ -56,8 +56,9 @@ from cgn_core.etcd.local import LocalEtcd
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
 
 MODEL = "sim"
-SIM = ("--backend", "sim", "--speed", "4", "--max-batch", "16", "--kv-pool-tokens", "65536",
+SIM = ("--backend", "sim", "--max-batch", "16", "--kv-pool-tokens", "65536",
        "--model-name", MODEL, "--ctx", "2048")  # fmt: skip
+SPEED = 4.0  # the sim engines run this many times faster than the model they stand for
 VOCAB = 40000
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -79,13 +80,13 @@ def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
 
 
 @contextmanager
-def fleet(tmp: Path, twin: bool = False) -> Iterator[Fleet]:
+def fleet(tmp: Path, twin: bool = False, speed: float = SPEED) -> Iterator[Fleet]:
     """etcd, two sim engines, two routers (admission on / off) and the keys; all stopped after."""
     with ExitStack() as stack:
         etcd = LocalEtcd(tmp / "etcd")
         etcd.start()
         stack.callback(etcd.stop)
-        engines = stack.enter_context(cgn_infer_engines(tmp, 2, *SIM))
+        engines = stack.enter_context(cgn_infer_engines(tmp, 2, *SIM, "--speed", str(speed)))
         for i, e in enumerate(engines):
             etcd_put(etcd.endpoint, f"/cognitora/endpoints/{MODEL}/e{i}",
                      {"url": e.url, "engine": "cgn-infer", "node": f"n{i}"})  # fmt: skip
@@ -182,8 +183,8 @@ def _load_process(url: str, key: str, n: int, seed: int) -> None:
     asyncio.run(go())
 
 
-async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: int,
-                     seed: int, load_urls: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: int, seed: int,
+                     load_urls: tuple[str, ...] = (), settle_s: float = 4.0) -> dict[str, Any]:  # fmt: skip
     """Platinum probes through `url` while `n_bronze` bronze streams run without pause, split
     evenly over `load_urls` (default: `url`), each share in its own process as other users'
     traffic would be (the probes' timings are not the load generator's)."""
@@ -199,7 +200,7 @@ async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: in
             sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, cwd=REPO_ROOT
         ))  # fmt: skip
     try:
-        await asyncio.sleep(4.0)  # the load settles: engines busy, queues filled
+        await asyncio.sleep(settle_s)  # the load settles: engines busy, queues filled
         ttfts = await probes(url, keys["platinum"], n_probes, random.Random(seed))
     finally:
         outs = []
@@ -273,16 +274,19 @@ def table_two_routers(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-async def measure(f: Fleet, n_bronze: int, n_probes: int) -> dict[str, Any]:
+async def measure(f: Fleet, n_bronze: int, n_probes: int, settle_s: float = 4.0) -> dict[str, Any]:
+    """The four phases and the fairness check; `settle_s`: how long each load runs before its
+    probes start (and the pause after it), which a faster fleet (`fleet(speed=)`) needs less of."""
     rng = random.Random(7)
     await probes(f.with_admission.url, f.keys["platinum"], 3, rng)  # warm-up
     idle = await probes(f.with_admission.url, f.keys["platinum"], n_probes, rng)
-    on = await under_load(f.with_admission.url, f.keys, n_bronze, n_probes, seed=1)
-    await asyncio.sleep(2.0)
-    off = await under_load(f.without_admission.url, f.keys, n_bronze, 3, seed=2)
-    await asyncio.sleep(2.0)
-    prio = await under_load(f.priority_only.url, f.keys, n_bronze, n_probes // 3, seed=3)
-    await asyncio.sleep(2.0)
+    on = await under_load(f.with_admission.url, f.keys, n_bronze, n_probes, 1, settle_s=settle_s)
+    await asyncio.sleep(settle_s / 2)
+    off = await under_load(f.without_admission.url, f.keys, n_bronze, 3, 2, settle_s=settle_s)
+    await asyncio.sleep(settle_s / 2)
+    prio = await under_load(f.priority_only.url, f.keys, n_bronze, n_probes // 3, 3,
+                            settle_s=settle_s)  # fmt: skip
+    await asyncio.sleep(settle_s / 2)
     fair = await fairness(f.with_admission.url, f.keys)
     base = pct(idle, 0.99)
     return {

@@ -188,6 +188,53 @@ def status(
     _emit(data, as_json, render.status)
 
 
+@app.command()
+def top(
+    metrics: Annotated[
+        str | None,
+        flag(
+            "--metrics",
+            "cgn-metrics' base URL (default: the one `cgn-ctl up` started, else "
+            "http://127.0.0.1:9092).",
+            "CGN_CTL_METRICS_URL",
+        ),
+    ] = None,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes.", min=0.2)
+    ] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+    as_json: Json = False,
+    state_dir: Annotated[
+        Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")
+    ] = None,
+    config: Config = None,
+) -> None:
+    """Live load per node and per model: replicas Ready, running and waiting requests, output
+    tokens/s, KV use, watts and joules per token, refreshed until Ctrl-C (from cgn-metrics).
+    `--json` prints one frame as JSON; "—" is a figure no engine publishes."""
+    from cgn_ctl import top as top_mod
+    from cgn_ctl import up as up_mod
+
+    flags = {"metrics_url": metrics} if metrics else {}
+    settings = load_service_settings(CtlSettings, "ctl", config, flags)
+    url = settings.metrics_url
+    if not url:
+        try:
+            record = up_mod.read_record(state_dir or settings.state_dir)
+        except CognitoraError:  # a damaged record: `status` reports it; the default applies
+            record = None
+        dashboard = record.get("dashboard") if record else None
+        url = dashboard if isinstance(dashboard, str) and dashboard else "http://127.0.0.1:9092"
+    if as_json or once or not render.console.is_terminal:
+        try:
+            frame = top_mod.fetch(url)
+        except CognitoraError as exc:
+            fail(exc.message)
+        _emit(frame.to_json(), as_json, lambda f: render.console.print(top_mod.render(frame)))
+        return
+    top_mod.live(url, interval, render.console)
+
+
 @models_app.command("apply")
 def models_apply(
     file: Annotated[

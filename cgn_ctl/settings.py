@@ -13,5 +13,7 @@ class CtlSettings:
     etcd: EtcdSettings = EtcdSettings()
     state_dir: Path = Path.home() / ".local/state/cognitora"
     log: LogSettings = LogSettings(level="error")  # a CLI: only errors on stderr
+    # cgn-metrics' base URL for `top` ("": the one `cgn-ctl up` started, else 127.0.0.1:9092).
+    metrics_url: str = ""
     # The routers' admission bands (their admission.bands): `keys create` refuses others.
     bands: tuple[str, ...] = ("platinum", "gold", "bronze")

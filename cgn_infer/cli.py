@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Annotated
 
 from cgn_core.cli import flag, load_service_settings, make_app, parse_overrides, run
+from cgn_core.errors import ConfigError
 from cgn_core.logs import setup_logging
 from cgn_infer.settings import InferSettings
 
@@ -135,6 +136,7 @@ def serve(
             flags[key] = str(value)
     settings = load_service_settings(InferSettings, "infer", config, flags)
     setup_logging("infer", settings.log)
+    _pin_cpu_path()
     from cgn_infer.daemon import run as run_daemon
 
     run_daemon(settings, ready_file)
@@ -190,9 +192,20 @@ def stage(
             flags[key] = str(value)
     settings = load_service_settings(InferSettings, "infer", config, flags)
     setup_logging("infer", settings.log)
+    _pin_cpu_path()
     from cgn_infer.pipeline.stage import run as run_stage
 
     run_stage(settings, ready_file)
+
+
+def _pin_cpu_path() -> None:
+    """CGN_CPU_ISA, checked and applied before anything loads torch (kernels/isa.py)."""
+    from cgn_infer.kernels.isa import IsaError, pin_torch
+
+    try:
+        pin_torch()
+    except IsaError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 main = run(app)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,8 +13,19 @@ import pytest
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
+from cgn_infer.kernels.isa import pin_torch
 
 REPO = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.support.cpu_lock"]
+
+# NOTE: libgomp's idle threads spin for a long while before they sleep. Alone, that buys a
+# little latency; beside another worker's engines on the same cores, every process spins
+# away the CPU the others need (the torch-heavy modules ran 4-9x slower under two xdist
+# workers). A short spin keeps single-process speed (42.8 s against 48.2 s here for the
+# parity and batching modules alone) and lets two workers share the machine. Set before
+# anything loads torch (libgomp reads it once), and inherited by every engine a test starts.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+pin_torch()  # CGN_CPU_ISA=avx2|generic: the whole run on that path, torch included
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +98,36 @@ def smollm2_mlx(smollm2_gguf):  # type: ignore[no-untyped-def]
     from cgn_infer.models import args_from_gguf
 
     return mlx_backend.MlxBackend(smollm2_gguf, args_from_gguf(smollm2_gguf))
+
+
+# ---- how many workers: one per core, at most MAX_WORKERS --------------------------------------
+
+MAX_WORKERS = 6  # each worker may hold models, engines, routers and an etcd at once
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: the cores this process may use, capped (`-n N` chooses any number)."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+# ---- order: the longest modules first, so that xdist's workers finish together ------------
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest modules first (seconds from tests/durations.json; `scripts/test_durations.py`
+    rewrites it from a run's JUnit XML), modules with an `exclusive` test last (they pause the
+    other workers, which by then have little left). Order within a module is kept."""
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    unknown = sorted(seconds.values())[len(seconds) // 2] if seconds else 0.0  # the median
+
+    def key(item: pytest.Item) -> tuple[bool, float]:
+        module = item.nodeid.split("::")[0]
+        exclusive = any(i.get_closest_marker("exclusive") for i in by_module[module])
+        return exclusive, -seconds.get(module, unknown)
+
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    items.sort(key=key)

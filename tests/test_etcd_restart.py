@@ -14,7 +14,7 @@ from cgn_core.etcd import Election, EtcdClient, Lease, WatchBatch
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
 
-pytestmark = pytest.mark.etcd
+pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 
 @pytest.fixture

@@ -48,11 +48,14 @@ def test_models_health_metrics(base_url: str, client: openai.OpenAI) -> None:
 
 
 def test_chat_sync_greedy_is_deterministic(client: openai.OpenAI) -> None:
+    """The same greedy request twice (the second from the prefix cache) gives the same text.
+    NOTE: what the text is depends on the CPU's path (docs/cgn-infer.md, "Portability"):
+    SmolLM2 answers this with "Paris" on AVX2 and "L'Étoile, …" where torch runs AVX-512."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     a = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     b = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert a.choices[0].message.content == b.choices[0].message.content
-    assert "Paris" in (a.choices[0].message.content or "")
+    assert a.choices[0].message.content  # a real answer, not an empty one
     assert a.usage is not None and a.usage.completion_tokens <= 12 and a.usage.prompt_tokens > 10
     assert a.choices[0].finish_reason in ("stop", "length")
 

@@ -134,6 +134,12 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
         assert [(m["model"], m["ready"]) for m in fleet["models"]] == [("smollm2", 1)]
         assert {n["node"]: n["state"] for n in fleet["nodes"]} == {record["node"]: "Ready"}
         assert any(t["kind"] == "router" and t["state"] == "up" for t in fleet["targets"])
+        # `cgn-ctl top` finds that cgn-metrics through up's record
+        top = ctl("top", "--state-dir", str(state), "--json")
+        assert top.returncode == 0, top.stderr
+        frame = json.loads(top.stdout)
+        assert [(m["name"], m["ready"]) for m in frame["models"]] == [("smollm2", 1)]
+        assert [n["name"] for n in frame["nodes"]] == [record["node"]]
         assert st["models"][0]["model"] == "smollm2" and st["models"][0]["ready"] == 1
         store = json.loads((state / "agent" / "kvcached.ready").read_text())  # the node's store
         assert runs(store["pid"], "cgn-kvcached")

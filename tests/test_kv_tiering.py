@@ -21,6 +21,8 @@ from cgn_infer.kv_tiering import RestoreCost
 from cgn_infer.models.args import Args
 from harness.procs import cgn_infer, cgn_kvcached, post
 
+pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
+
 MB = 1e6
 COMPUTED = "cgn_infer_prefill_tokens_computed_total"
 RESTORED = "cgn_infer_kv_restored_tokens_total"

@@ -108,6 +108,7 @@ def llamacpp_smollm2_no_fa(smollm2_path: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow
 def test_teacher_forced_logits_match_llamacpp(
     smollm2_torch: Any, tokenizer: GGUFTokenizer, llamacpp_smollm2: str, llamacpp_smollm2_no_fa: str
 ) -> None:

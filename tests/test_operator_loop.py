@@ -39,6 +39,8 @@ from harness.kube import kubeconfig, serve, wait_for
 
 from .conftest import REPO
 
+pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
+
 
 def test_manifests_command_prints_what_kubectl_takes(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "cgn-operator"

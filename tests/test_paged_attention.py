@@ -59,6 +59,7 @@ def test_torch_float32_paged_batch_equals_alone(smollm2_gguf: Any, two_decode_gr
     check(TorchBackend(smollm2_gguf, args, weights="float32", threads=2), tol=1e-3)
 
 
+@pytest.mark.slow
 def test_mlx_paged_batch_equals_alone(smollm2_mlx: Any, two_decode_groups: None) -> None:
     # shorter prompts, the same shapes (a prompt of one block, prompts over two and three
     # blocks, decode rows in two groups): MLX on a Linux CPU takes ~0.2 s per prompt token

@@ -29,6 +29,8 @@ from harness import netns
 from harness.metrics import metric
 from harness.procs import BIN, Engine, Router, cgn_infer, cgn_infer_engines, cgn_router, stop
 
+pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PREFILL = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
 PROMPTS = [

@@ -34,6 +34,8 @@ from cgn_infer.settings import InferSettings, PipelineSettings
 from cgn_proto.cognitora.v1 import pipeline_pb2 as pb
 from harness.procs import BIN, cgn_infer, cgn_infer_stages, stop
 
+pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
+
 # ---- the wire, ranges and rows (pure) -----------------------------------------------------
 
 

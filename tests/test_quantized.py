@@ -97,7 +97,7 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
     monkeypatch.setattr(kernels, "_loaded", None)
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    path = kernels.library_path(compiler)
+    path = kernels.library_path(compiler, kernels.current().isa)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")  # e.g. a crash mid-write by an older version
     loaded = kernels.load()
@@ -105,7 +105,7 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
     source = tmp_path / "qmatmul.c"  # a new engine version: another library, not the old one
     source.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(kernels, "SOURCE", source)
-    assert kernels.library_path(compiler) != path
+    assert kernels.library_path(compiler, kernels.current().isa) != path
 
 
 def test_no_compiler_means_dequantized_weights_not_a_failure(

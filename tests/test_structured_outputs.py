@@ -264,6 +264,7 @@ def ask(client: openai.OpenAI, case: dict[str, Any], stream: bool = False) -> tu
     return "".join(text), finish
 
 
+@pytest.mark.slow
 def test_schema_corpus_answers_validate(client: openai.OpenAI, base_url: str) -> None:
     """All schemas at once, 8 in flight (constrained rows share batched steps). Every
     finished answer validates; SmolLM2-135M greedy runs away in an unbounded string or

@@ -1,9 +1,11 @@
-"""cgn-infer's C kernels (qmatmul.c): built on first use for this CPU, cached, loaded with ctypes.
+"""cgn-infer's C kernels (qmatmul.c): built on first use for the CPU's path, cached, loaded.
 
-The library is compiled with the system C compiler (`-O3 -march=native -fopenmp`)
-into `~/.cache/cognitora/kernels/` (or `$CGN_KERNEL_CACHE`), under a name keyed by
-the source, the compiler and the CPU's flags, so a changed source, compiler or
-machine builds a fresh one. The build writes a temporary file and renames it into
+The library is compiled with the system C compiler (`-O3 -fopenmp` and the flags of the
+instruction-set path `isa.py` chooses: `-mavx2 -mfma -mf16c`, or none for the portable
+loops; never `-march=native`, so that what it computes depends on the path, not on the
+machine that built it) into `~/.cache/cognitora/kernels/` (or `$CGN_KERNEL_CACHE`), under a
+name keyed by the source, the compiler and the flags, so a changed source, compiler or path
+builds a fresh one. The build writes a temporary file and renames it into
 place, so concurrent engines never load a half-written library; one that fails to
 load is rebuilt once. Without a compiler, `load()` returns None with the reason,
 and the engine falls back to dequantized weights (and logs why).
@@ -26,10 +28,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgn_infer.kernels.isa import Isa, IsaError, current
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -41,6 +45,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class Kernels:
     lib: ctypes.CDLL
     path: Path
+    isa: str  # the instruction-set path it was compiled for (isa.ISAS)
 
 
 _loaded: Kernels | None = None
@@ -55,34 +60,25 @@ def cache_dir() -> Path:
     return Path(base) / "cognitora" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def library_path(compiler: str) -> Path:
-    """Where the library for this source, compiler and CPU lives."""
+def library_path(compiler: str, isa: Isa) -> Path:
+    """Where the library for this source, compiler and instruction-set path lives."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
+    flags = " ".join((*FLAGS, *isa.cflags))
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()))
+        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, flags))
     ).hexdigest()[:16]
-    return cache_dir() / f"qmatmul-{platform.machine()}-{key}.so"
+    return cache_dir() / f"qmatmul-{platform.machine()}-{isa.name}-{key}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, isa: Isa, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *isa.cflags, str(SOURCE), "-o", tmp, "-lm"],
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         if done.returncode != 0:
@@ -127,20 +123,24 @@ def load() -> Kernels | None:
         _failure = "no C compiler (cc/gcc) on PATH: apt-get install gcc"
         return None
     try:
-        path = library_path(compiler)
+        choice = current()
+        path = library_path(compiler, choice.isa)
         if not path.exists():
-            log.info("building cgn-infer's kernels for this CPU (once): %s", path)
-            _build(compiler, path)
+            log.info(
+                "building cgn-infer's kernels for the %s path (once): %s", choice.isa.name, path
+            )
+            _build(compiler, choice.isa, path)
         try:
             lib = _bind(path)
         except OSError as e:  # a corrupt or stale file: build it again, once
             log.warning("kernel library %s did not load (%s); rebuilding it", path, e)
-            _build(compiler, path)
+            _build(compiler, choice.isa, path)
             lib = _bind(path)
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, IsaError) as e:
         _failure = str(e)
         return None
-    _loaded = Kernels(lib, path)
+    log.info("CPU kernels: %s", choice.why)
+    _loaded = Kernels(lib, path, choice.isa.name)
     return _loaded
 
 

@@ -1,0 +1,277 @@
+"""`cgn-ctl top`: the fleet's load now, per node and per model, refreshed in the terminal.
+
+The figures are cgn-metrics' fleet view (`GET /api/v1/fleet`, docs/cgn-metrics.md): its
+replicas (running, waiting, KV usage, output tokens/s), nodes (state, watts, joules per
+output token) and totals. `frame` is pure: it validates the view (a peer's JSON is not
+trusted: a row of the wrong shape is left out, a number that is not a finite one is "no
+figure") and sums each node's and each model's replicas. A figure no replica publishes is
+None, shown as "—", never 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from cgn_core.errors import CognitoraError
+
+DASH = "—"
+
+
+class MetricsUnreachable(CognitoraError):
+    """cgn-metrics did not answer, or answered with something that is not a fleet view."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One node or one model: its replicas' load summed (KV usage: the fullest replica)."""
+
+    name: str
+    state: str
+    replicas: int
+    ready: int
+    running: float | None
+    waiting: float | None
+    tokens_per_s: float | None
+    kv_usage: float | None
+    watts: float | None  # nodes only
+    j_per_output_token: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    url: str
+    at_unix: float
+    requests_per_s: float | None
+    tokens_per_s: float | None
+    ttft_p95_s: float | None
+    running: float | None
+    waiting: float | None
+    watts: float | None
+    j_per_output_token: float | None
+    energy_source: str
+    nodes: tuple[Row, ...]
+    models: tuple[Row, ...]
+    down: tuple[str, ...]  # "target: error" for every target that did not answer
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:  # a 400-digit integer
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _str(value: Any, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def _rows(view: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    rows = view.get(key)
+    return [r for r in rows if isinstance(r, Mapping)] if isinstance(rows, list) else []
+
+
+def _total(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _fullest(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _row(name: str, state: str, reps: list[Mapping[str, Any]], **extra: float | None) -> Row:
+    return Row(
+        name=name,
+        state=state,
+        replicas=len(reps),
+        ready=sum(1 for r in reps if r.get("state") == "up"),
+        running=_total(_num(r.get("running")) for r in reps),
+        waiting=_total(_num(r.get("waiting")) for r in reps),
+        tokens_per_s=_total(_num(r.get("tokens_per_s")) for r in reps),
+        kv_usage=_fullest(_num(r.get("kv_usage")) for r in reps),
+        watts=extra.get("watts"),
+        j_per_output_token=extra.get("j_per_output_token"),
+    )
+
+
+def frame(view: Mapping[str, Any], url: str) -> Frame:
+    """One screen of `top` from a fleet view."""
+    replicas = _rows(view, "replicas")
+    nodes = []
+    for n in _rows(view, "nodes"):
+        name = _str(n.get("node"))
+        if name:
+            here = [r for r in replicas if r.get("node") == name]
+            nodes.append(
+                _row(
+                    name,
+                    _str(n.get("state"), "?"),
+                    here,
+                    watts=_num(n.get("watts")),
+                    j_per_output_token=_num(n.get("j_per_output_token")),
+                )
+            )
+    models = []
+    for m in _rows(view, "models"):
+        name = _str(m.get("model"))
+        if name:
+            mine = [r for r in replicas if r.get("model") == name]
+            row = _row(name, "", mine, j_per_output_token=_num(m.get("j_per_output_token")))
+            placed = _num(m.get("replicas"))
+            models.append(row if placed is None else _with_placed(row, int(placed)))
+    totals = view.get("totals")
+    t: Mapping[str, Any] = totals if isinstance(totals, Mapping) else {}
+    ttft = t.get("ttft_s")
+    down = tuple(
+        f"{_str(x.get('id'), '?')}: {_str(x.get('error'), 'down')}"
+        for x in _rows(view, "targets")
+        if x.get("state") == "down"
+    )
+    return Frame(
+        url=url,
+        at_unix=_num(view.get("time")) or time.time(),
+        requests_per_s=_num(t.get("requests_per_s")),
+        tokens_per_s=_num(t.get("tokens_per_s")),
+        ttft_p95_s=_num(ttft.get("p95")) if isinstance(ttft, Mapping) else None,
+        running=_num(t.get("running")),
+        waiting=_num(t.get("waiting")),
+        watts=_num(t.get("watts")),
+        j_per_output_token=_num(t.get("j_per_output_token")),
+        energy_source=_str(t.get("energy_source"), "unavailable"),
+        nodes=tuple(nodes),
+        models=tuple(models),
+        down=down,
+    )
+
+
+def _with_placed(row: Row, placed: int) -> Row:
+    """A model's replica count is what etcd places (a replica not yet scraped counts too)."""
+    return Row(**{**asdict(row), "replicas": max(row.replicas, placed), "state": ""})
+
+
+def fetch(url: str, timeout_s: float = 5.0) -> Frame:
+    """The frame from cgn-metrics at `url` (its base URL); MetricsUnreachable says why not."""
+    api = url.rstrip("/") + "/api/v1/fleet"
+    try:
+        resp = httpx.get(api, timeout=timeout_s)
+        resp.raise_for_status()
+        view = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise MetricsUnreachable(
+            f"cannot read the fleet from cgn-metrics at {url} ({type(exc).__name__}: {exc}); "
+            "is it running? (`cgn-ctl up` starts one; --metrics URL names another)"
+        ) from None
+    if not isinstance(view, Mapping):
+        raise MetricsUnreachable(f"{api} answered JSON that is not a fleet view")
+    return frame(view, url)
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+
+def _f(value: float | None, digits: int = 1, unit: str = "") -> str:
+    return DASH if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return DASH if value is None else f"{100 * value:.0f} %"
+
+
+def render(f: Frame, error: str = "") -> Group:
+    """The frame as rich renderables: a line of totals, the nodes, the models, what is down."""
+    head = Text.assemble(
+        ("cgn-ctl top", "bold"),
+        f"  {f.url}  {time.strftime('%H:%M:%S', time.localtime(f.at_unix))}\n",
+        f"requests/s {_f(f.requests_per_s)}   output tokens/s {_f(f.tokens_per_s)}   "
+        f"TTFT p95 {_f(f.ttft_p95_s, 3, ' s')}   running {_f(f.running, 0)}   "
+        f"waiting {_f(f.waiting, 0)}   watts {_f(f.watts, 0)}   "
+        f"J/output token {_f(f.j_per_output_token, 3)} ({f.energy_source})",
+    )
+    nodes = Table(
+        "node",
+        "state",
+        "replicas",
+        "running",
+        "waiting",
+        "tokens/s",
+        "KV use (max)",
+        "watts",
+        "J/output token",
+        title="nodes",
+        title_justify="left",
+    )
+    for n in f.nodes:
+        nodes.add_row(
+            n.name,
+            n.state,
+            f"{n.ready}/{n.replicas}",
+            _f(n.running, 0),
+            _f(n.waiting, 0),
+            _f(n.tokens_per_s),
+            _pct(n.kv_usage),
+            _f(n.watts, 0),
+            _f(n.j_per_output_token, 3),
+        )
+    models = Table(
+        "model",
+        "ready/replicas",
+        "running",
+        "waiting",
+        "tokens/s",
+        "KV use (max)",
+        "J/output token",
+        title="models",
+        title_justify="left",
+    )
+    for m in f.models:
+        models.add_row(
+            m.name,
+            f"{m.ready}/{m.replicas}",
+            _f(m.running, 0),
+            _f(m.waiting, 0),
+            _f(m.tokens_per_s),
+            _pct(m.kv_usage),
+            _f(m.j_per_output_token, 3),
+        )
+    parts: list[Any] = [head, nodes if f.nodes else Text("no nodes"), models]
+    if f.down:
+        parts.append(Text("down: " + "; ".join(f.down), style="yellow"))
+    if error:
+        parts.append(Text(error, style="red"))
+    return Group(*parts)
+
+
+def live(url: str, interval_s: float, console: Console) -> None:
+    """Refresh the frame every `interval_s` until Ctrl-C; an unreachable cgn-metrics keeps the
+    last frame on screen with the reason under it, and is tried again."""
+    last: Frame | None = None
+    with Live(console=console, auto_refresh=False, screen=False) as screen:
+        try:
+            while True:
+                error = ""
+                try:
+                    last = fetch(url)
+                except MetricsUnreachable as exc:
+                    error = exc.message
+                shown = last or frame({}, url)
+                screen.update(render(shown, error), refresh=True)
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            return
