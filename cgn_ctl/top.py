@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -194,6 +194,25 @@ def _pct(value: float | None) -> str:
     return DASH if value is None else f"{100 * value:.0f} %"
 
 
+def _table(title: str, rows: Iterable[Row], *, per_node: bool) -> Table:
+    """Nodes (with their state and watts) or models, one row each."""
+    columns: list[tuple[str, Callable[[Row], str]]] = [
+        ("node" if per_node else "model", lambda r: r.name),
+        *([("state", lambda r: r.state)] if per_node else []),
+        ("ready/replicas", lambda r: f"{r.ready}/{r.replicas}"),
+        ("running", lambda r: _f(r.running, 0)),
+        ("waiting", lambda r: _f(r.waiting, 0)),
+        ("tokens/s", lambda r: _f(r.tokens_per_s)),
+        ("KV use (max)", lambda r: _pct(r.kv_usage)),
+        *([("watts", lambda r: _f(r.watts, 0))] if per_node else []),
+        ("J/output token", lambda r: _f(r.j_per_output_token, 3)),
+    ]
+    table = Table(*(name for name, _ in columns), title=title, title_justify="left")
+    for row in rows:
+        table.add_row(*(cell(row) for _, cell in columns))
+    return table
+
+
 def render(f: Frame, error: str = "") -> Group:
     """The frame as rich renderables: a line of totals, the nodes, the models, what is down."""
     head = Text.assemble(
@@ -204,52 +223,8 @@ def render(f: Frame, error: str = "") -> Group:
         f"waiting {_f(f.waiting, 0)}   watts {_f(f.watts, 0)}   "
         f"J/output token {_f(f.j_per_output_token, 3)} ({f.energy_source})",
     )
-    nodes = Table(
-        "node",
-        "state",
-        "replicas",
-        "running",
-        "waiting",
-        "tokens/s",
-        "KV use (max)",
-        "watts",
-        "J/output token",
-        title="nodes",
-        title_justify="left",
-    )
-    for n in f.nodes:
-        nodes.add_row(
-            n.name,
-            n.state,
-            f"{n.ready}/{n.replicas}",
-            _f(n.running, 0),
-            _f(n.waiting, 0),
-            _f(n.tokens_per_s),
-            _pct(n.kv_usage),
-            _f(n.watts, 0),
-            _f(n.j_per_output_token, 3),
-        )
-    models = Table(
-        "model",
-        "ready/replicas",
-        "running",
-        "waiting",
-        "tokens/s",
-        "KV use (max)",
-        "J/output token",
-        title="models",
-        title_justify="left",
-    )
-    for m in f.models:
-        models.add_row(
-            m.name,
-            f"{m.ready}/{m.replicas}",
-            _f(m.running, 0),
-            _f(m.waiting, 0),
-            _f(m.tokens_per_s),
-            _pct(m.kv_usage),
-            _f(m.j_per_output_token, 3),
-        )
+    nodes = _table("nodes", f.nodes, per_node=True)
+    models = _table("models", f.models, per_node=False)
     parts: list[Any] = [head, nodes if f.nodes else Text("no nodes"), models]
     if f.down:
         parts.append(Text("down: " + "; ".join(f.down), style="yellow"))

@@ -16,7 +16,7 @@ from cgn_core.settings import EtcdSettings
 from cgn_infer.kernels.isa import pin_torch
 
 REPO = Path(__file__).resolve().parent.parent
-pytest_plugins = ["tests.support.cpu_lock"]
+pytest_plugins = ["tests.support.cpu_lock", "tests.support.timeline"]
 
 # NOTE: libgomp's idle threads spin for a long while before they sleep. Alone, that buys a
 # little latency; beside another worker's engines on the same cores, every process spins

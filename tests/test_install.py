@@ -117,7 +117,9 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
         assert out.choices[0].message.content
         with pytest.raises(openai.AuthenticationError):  # auth is on
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
-        st = json.loads(ctl("status", "--state-dir", str(state), "--json").stdout)
+        status = ctl("status", "--state-dir", str(state), "--json")
+        assert status.returncode == 0, status.stderr
+        st = json.loads(status.stdout)
         alive = {p["name"] for p in st["local_processes"] if p["alive"]}
         assert alive == {"etcd", "router", "agent", "metrics"}
         # the dashboard: its page, and the fleet it shows (this node, the model Ready)

@@ -132,9 +132,10 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
     port = free_port()
     store = ("--port", str(port), "--ssd-dir", str(tmp_path / "ssd"), "--ssd-bytes", str(1 << 30),
              "--set", "write_through=true")  # fmt: skip
-    a, b = _prompt(1, 1024), _prompt(2, 1024)
-    # A pool of 1,152 tokens holds one 1k prompt: each prompt evicts the other's blocks.
-    engine_args = ("--kvcached", f"127.0.0.1:{port}", "--kv-pool-tokens", "1152")
+    a, b = _prompt(1, 512), _prompt(2, 512)
+    # A pool of 576 tokens (36 blocks) holds one 512-token prompt (32 blocks): each prompt
+    # evicts the other's blocks.
+    engine_args = ("--kvcached", f"127.0.0.1:{port}", "--kv-pool-tokens", "576")
     with cgn_infer(tmp_path, *engine_args) as url:
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
@@ -153,21 +154,21 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
             ref = complete(a)  # recomputed: nothing stored anywhere yet
             assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             complete(b)  # evicts a's blocks from the pool; both offered to kvcached
-            wait_for(lambda: metric(url, "cgn_infer_kv_offloaded_blocks_total") >= 128,
+            wait_for(lambda: metric(url, "cgn_infer_kv_offloaded_blocks_total") >= 64,
                      "both prompts' blocks stored")  # fmt: skip
             before = metric(url, COMPUTED)
             got = complete(a)
             same_as(ref, got)
             cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert cached == 1008  # 63 blocks: the pool's leftover head plus the RAM tier
-            assert metric(url, COMPUTED) - before == 1024 - cached  # nothing recomputed past it
-            assert metric(url, RESTORED, 'tier="ram"') > 700
+            assert cached == 496  # 31 blocks: the pool's leftover head plus the RAM tier
+            assert metric(url, COMPUTED) - before == 512 - cached  # nothing recomputed past it
+            assert metric(url, RESTORED, 'tier="ram"') > 350
         with cgn_kvcached(tmp_path, *store):  # restarted: RAM empty, the SSD tier intact
             complete(b)  # b back from SSD, evicting a again
             got = complete(a)
             same_as(ref, got)
-            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 1008
-            assert metric(url, RESTORED, 'tier="ssd"') > 700
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 496
+            assert metric(url, RESTORED, 'tier="ssd"') > 350
         # kvcached is gone: the engine still serves, recomputing
         c = complete(_prompt(3, 300))
         assert c["usage"]["completion_tokens"] == 6

@@ -191,6 +191,7 @@ def _arrivals(url: str, stop: threading.Event, out: list[float]) -> None:
                 return
 
 
+@pytest.mark.exclusive  # its assertion is a gap between chunks: measured alone
 def test_a_huge_prompt_stalls_no_other_stream(router: Router, fleet: list[str]) -> None:
     """A ~100k-token prompt is templated and tokenized off the event loop, in the router and in
     the engine: a stream in flight keeps flowing meanwhile. Measured against the huge request's
