@@ -437,6 +437,7 @@ def test_node_store_plan_and_settings() -> None:
             kvcached.check(bad)
 
 
+@pytest.mark.slow
 def test_a_store_left_running_by_a_killed_agent_is_stopped_before_the_next(tmp_path: Path) -> None:
     """The next spawn finds the last one's fingerprint and stops that process group, and only
     a live process matching it (a record of a process long gone is left alone)."""

@@ -74,6 +74,7 @@ async def tokens(client: openai.AsyncOpenAI, question: str, stream: bool) -> lis
     return out
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_equal_sequential_greedy(base_url: str) -> None:
     async def run() -> tuple[list[list[str]], list[list[str]]]:
         async with openai.AsyncOpenAI(

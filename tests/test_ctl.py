@@ -121,6 +121,7 @@ def test_bad_models_are_refused_with_the_field_path_and_nothing_written(
     assert "x" not in {r["model"] for r in ok_json(etcd, "models", "list")}
 
 
+@pytest.mark.slow
 def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Path) -> None:
     etcd_put(etcd.endpoint, "/cognitora/nodes/g1", GPU_NODE)
     etcd_put(etcd.endpoint, "/cognitora/nodes/c1", CPU_NODE)

@@ -161,6 +161,7 @@ def stream_gaps(url: str, out: list[float]) -> None:
     out.append(worst)
 
 
+@pytest.mark.slow
 def test_streams_survive_slow_clients_idle_sockets_and_a_big_prompt(
     edge: tuple[str, Router],
 ) -> None:

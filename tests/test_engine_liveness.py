@@ -280,6 +280,7 @@ def test_an_idle_keep_alive_connection_is_closed(sim_url: str) -> None:
     assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - start < IDLE_S + 5
 
 
+@pytest.mark.slow
 def test_a_trickled_body_gets_408_json(sim_url: str) -> None:
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
             b"Connection: close\r\n\r\n{")  # fmt: skip

@@ -30,6 +30,7 @@ def greedy(backend: Any, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_mlx_agrees_with_torch_teacher_forced(
     smollm2_gguf: GGUFFile, smollm2_torch: Any, smollm2_mlx: Any
 ) -> None:

@@ -97,6 +97,7 @@ async def complete_all(url: str, prompts: list[str], concurrency: int) -> list[t
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+@pytest.mark.slow
 def test_two_hundred_engines_each_conversation_returns_to_its_engine(router: Router) -> None:
     """First turns spread over the fleet by load; every second turn lands on the engine whose
     KV events say it holds the first (the optimistic entries have expired by then)."""

@@ -69,6 +69,7 @@ def test_router_predicts_the_engines_prefix_hits_exactly(stack: tuple[str, Route
     assert reported >= 160 and predicted == reported
 
 
+@pytest.mark.slow
 def test_structured_outputs_and_tools_pass_through_the_router(stack: tuple[str, Router]) -> None:
     """The router forwards the fields untouched (the engine enforces them), and its prompt
     hashes cover the tool definitions exactly as the engine tokenizes them."""

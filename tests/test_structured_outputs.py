@@ -284,6 +284,7 @@ def test_schema_corpus_answers_validate(client: openai.OpenAI, base_url: str) ->
     assert compiles == len(CORPUS)  # each schema compiled once (the module's first use)
 
 
+@pytest.mark.slow
 def test_streamed_answers_equal_whole_ones(client: openai.OpenAI) -> None:
     for case in CORPUS[:3]:
         whole = ask(client, case)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from cgn_core.text.gguf_file import GGUFFile
@@ -40,6 +41,7 @@ def _logits(backend: Any, ids: list[int]) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow
 def test_compact_formats_track_float32(smollm2_gguf: GGUFFile) -> None:
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
     args = args_from_gguf(smollm2_gguf)
