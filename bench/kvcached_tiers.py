@@ -35,7 +35,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from cgn_core.kv_layout import Layout
+from cgn_core.kv.layout import Layout
 from cgn_core.readiness import wait_ready_file
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@ shape, and what one decode leg's fetch of a 2,048-token prompt costs over each
 transport.
 
 The source is the KvCache gRPC service a prefill engine holds its blocks in
-(cgn_core/kvstore, the one cgn-kvcached also serves), in a process of its own;
+(cgn_core/kv, the one cgn-kvcached also serves), in a process of its own;
 the client is the KvCacheClient a decode engine fetches with. Transports:
 
 * loopback, gRPC messages (`transfer.shared_memory = false`);
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
-from cgn_core.kv_layout import DTYPES, Layout
-from cgn_core.kvcache_client import KvCacheClient
+from cgn_core.kv.client import KvCacheClient
+from cgn_core.kv.layout import DTYPES, Layout
 from cgn_core.readiness import wait_ready_file
 from cgn_core.settings import TlsSettings
 from cgn_core.text.gguf_file import GGUFFile
@@ -54,9 +54,9 @@ REPEATS = 5
 
 def serve(host: str, ready: Path) -> None:
     """The source: a RAM-only block store over gRPC, offering shared memory, until SIGTERM."""
-    from cgn_core.kvstore.ram_tier import RamTier
-    from cgn_core.kvstore.service import KvCacheService, start_server
-    from cgn_core.kvstore.store import BlockStore
+    from cgn_core.kv.ram_tier import RamTier
+    from cgn_core.kv.service import KvCacheService, start_server
+    from cgn_core.kv.store import BlockStore
 
     async def main() -> None:
         shm = Path(tempfile.mkdtemp(prefix="cgn-bench-", dir="/dev/shm"))

@@ -24,7 +24,7 @@ from cgn_agent.publisher import Publisher
 from cgn_agent.spec import ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core import keys
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ from typing import Any
 from cgn_control.catalog import ModelSpec, pool_label
 from cgn_control.cluster import Key, Snapshot, views
 from cgn_control.placement import Decision, NodeState, place
-from cgn_core.records import is_host_port, pipeline_part
+from cgn_core.net import is_host_port
+from cgn_core.records import pipeline_part
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ from cgn_core.errors import (
     Unauthorized,
     http_response_parts,
 )
-from cgn_core.kv_events import KvEventHub
+from cgn_core.kv.events import KvEventHub
+from cgn_core.net import is_loopback
 
 if TYPE_CHECKING:
     from cgn_core.revocation import RevocationList
@@ -222,16 +223,6 @@ def loopback_middleware(open_paths: frozenset[str]) -> Any:
         return await handler(request)
 
     return check
-
-
-def is_loopback(remote: str | None) -> bool:
-    """Whether a peer address (an IP, no port) is a loopback one."""
-    import ipaddress
-
-    try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
 
 
 def mtls_middleware(open_paths: frozenset[str], revoked: RevocationList | None = None) -> Any:

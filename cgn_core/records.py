@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cgn_core.errors import CognitoraError
+from cgn_core.net import is_host_port
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,6 @@ def pipeline_part(doc: Mapping[str, Any]) -> tuple[int, int]:
         if isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts:
             return part, parts
     return 0, 1
-
-
-def is_host_port(value: Any) -> bool:
-    """Whether `value` is an address `host:port` with a port in 1..65535."""
-    if not isinstance(value, str) or len(value) > 260:
-        return False
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def cordon(doc: Any) -> dict[str, Any]:

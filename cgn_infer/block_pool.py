@@ -9,7 +9,7 @@ Algorithm (vLLM/nano-vllm style):
   *free* (never filled, or its content dropped), *in use* (ref_count > 0), or
   *cached* (ref_count == 0 but its full-block hash is registered, so a later
   request with the same prefix can take it back);
-* `acquire_prefix` walks a prompt's chained block hashes (cgn_core.blockhash)
+* `acquire_prefix` walks a prompt's chained block hashes (cgn_core.kv.blockhash)
   and takes every leading block already cached, verifying the token ids, and
   stops at the first miss;
 * `admit` does both for a new request, all or nothing;
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NewType
 
-from cgn_core.blockhash import BLOCK_SIZE, ROOT, BlockHash, block_hash, iter_block_hashes
-from cgn_core.kv_events import KvEvent
+from cgn_core.kv.blockhash import BLOCK_SIZE, ROOT, BlockHash, block_hash, iter_block_hashes
+from cgn_core.kv.events import KvEvent
 
 BlockId = NewType("BlockId", int)
 

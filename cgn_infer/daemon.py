@@ -24,14 +24,14 @@ from pathlib import Path
 from aiohttp import web
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.http import Runner
-from cgn_core.kv_events import KvEventHub
-from cgn_core.kv_layout import Layout
-from cgn_core.kvcache_client import KvCacheClient
+from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_core.kv.client import KvCacheClient
+from cgn_core.kv.events import KvEventHub
+from cgn_core.kv.layout import Layout
+from cgn_core.net import is_host_port
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
-from cgn_core.records import is_host_port
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig

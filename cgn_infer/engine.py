@@ -30,10 +30,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash
 from cgn_core.errors import Unavailable
-from cgn_core.kv_events import KvEvent
-from cgn_core.kvcache_client import KvCacheClient
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
+from cgn_core.kv.client import KvCacheClient
+from cgn_core.kv.events import KvEvent
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.backends.base import Backend, BackendLost
 from cgn_infer.backends.paged import BatchItem

@@ -7,7 +7,7 @@ Sources of a grammar (at most one per request; anything else is a 400 naming it)
   `{"type": "text"}` is no constraint. The schema is always enforced, strict or not.
 * `structured_outputs` (vLLM's field, one key of): `json` (a schema), `json_object`
   (true), `regex`, `choice` (a list of strings), `grammar` (Lark, llguidance's dialect).
-* `tool_choice` `required` or a named function (cgn_core.openai_tools): the answer is one
+* `tool_choice` `required` or a named function (cgn_core.openai.tools): the answer is one
   or more `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks whose arguments
   match the function's `parameters` schema (the Hermes format, which Qwen2.5's template
   asks for and the fallback tool prompt uses).
@@ -40,7 +40,7 @@ import llguidance as llg
 import numpy as np
 
 from cgn_core.errors import InvalidRequest
-from cgn_core.openai_tools import ToolFields
+from cgn_core.openai.tools import ToolFields
 from cgn_core.text.tokenizer import GGUFTokenizer
 
 JSON_OPTIONS: dict[str, Any] = {

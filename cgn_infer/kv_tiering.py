@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
-from cgn_core.kvcache_client import KvCacheClient, KvCacheError
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_core.kv.client import KvCacheClient, KvCacheError
 from cgn_infer.backends.base import Backend
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.metrics import EngineMetrics

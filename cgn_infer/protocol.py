@@ -3,7 +3,7 @@
 Every problem is an `InvalidRequest` naming the offending parameter, which
 the server turns into an OpenAI-style 400; nothing here can raise anything
 else for any JSON value a client sends. The generation fields are checked by
-`cgn_core.openai_request`, the same code the router runs; a field this engine
+`cgn_core.openai.request`, the same code the router runs; a field this engine
 does not implement is refused by name.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
-from cgn_core.kv_transfer import FIELD, TransferParams, parse_transfer_params
-from cgn_core.openai_request import sampling_fields, unsupported_fields
-from cgn_core.openai_tools import NO_TOOLS, ToolFields, tool_fields
+from cgn_core.kv.transfer import FIELD, TransferParams, parse_transfer_params
+from cgn_core.openai.request import sampling_fields, unsupported_fields
+from cgn_core.openai.tools import NO_TOOLS, ToolFields, tool_fields
 from cgn_core.text.prompt import chat_messages, completion_prompt
 from cgn_infer.grammar import GrammarSpec, request_grammar
 from cgn_infer.sampling import SamplingParams
@@ -38,7 +38,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int = 0  # lower runs sooner (vLLM's meaning); the router's x-cgn-priority wins
-    kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv_transfer)
+    kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv.transfer)
     tools: ToolFields = NO_TOOLS  # chat only
     grammar: GrammarSpec | None = None  # structured output or forced tool calls
 

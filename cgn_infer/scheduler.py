@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
 from cgn_infer.block_pool import BlockId, BlockPool, PoolExhausted
 
 SeqId = NewType("SeqId", int)

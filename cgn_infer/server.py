@@ -36,10 +36,10 @@ from cgn_core.http import (
     read_body,
     serve_sse,
 )
-from cgn_core.kv_events import KvEventHub
-from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
-from cgn_core.kv_transfer import HEADER as TRANSFER_HEADER
-from cgn_core.kv_transfer import TransferParams
+from cgn_core.kv.events import KvEventHub
+from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
+from cgn_core.kv.transfer import TransferParams
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.grammar import Grammars

@@ -1,11 +1,11 @@
 """Prefill/decode disaggregation, the engine's side: hold a prefill leg's KV, fetch a decode
-leg's (the protocol: cgn_core/kv_transfer.py).
+leg's (the protocol: cgn_core/kv/transfer.py).
 
 Source (an engine whose role is not decode): a prefill leg runs as any request;
 at its end the engine reads the prompt's full blocks out of its pool
 (`engine.Exported`) and `TransferSource.hold` puts them in a RAM-only block
 store served by the same KvCache gRPC service as cgn-kvcached
-(cgn_core/kvstore), under the engine's layout. The answer's
+(cgn_core/kv), under the engine's layout. The answer's
 `kv_transfer_params` names that listener. Blocks are leased:
 
     hold(prompt A) ─ refs[b] += 1 ─┐        lease_s later ─ refs[b] -= 1 ─ 0: dropped
@@ -50,13 +50,13 @@ from pathlib import Path
 
 import grpc
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
-from cgn_core.kv_layout import Layout
-from cgn_core.kv_transfer import TransferParams, fallback_note
-from cgn_core.kvcache_client import KvCacheClient, KvCacheError
-from cgn_core.kvstore.ram_tier import RamTier
-from cgn_core.kvstore.service import KvCacheService, start_server
-from cgn_core.kvstore.store import BlockStore
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_core.kv.client import KvCacheClient, KvCacheError
+from cgn_core.kv.layout import Layout
+from cgn_core.kv.ram_tier import RamTier
+from cgn_core.kv.service import KvCacheService, start_server
+from cgn_core.kv.store import BlockStore
+from cgn_core.kv.transfer import TransferParams, fallback_note
 from cgn_core.settings import TlsSettings
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.engine import Exported

@@ -20,10 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
 from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
-from cgn_core.kvstore.ram_tier import RamTier
-from cgn_core.kvstore.service import KvCacheService, start_server
-from cgn_core.kvstore.ssd_tier import SsdTier
-from cgn_core.kvstore.store import BlockStore
+from cgn_core.kv.ram_tier import RamTier
+from cgn_core.kv.service import KvCacheService, start_server
+from cgn_core.kv.ssd_tier import SsdTier
+from cgn_core.kv.store import BlockStore
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_kvcached.metrics import registry_for
 from cgn_kvcached.settings import KvcachedSettings

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cgn_core.kvstore.store import BlockStore
+from cgn_core.kv.store import BlockStore
 
 
 class StoreCollector(Collector):

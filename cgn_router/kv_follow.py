@@ -34,8 +34,8 @@ import aiohttp
 from google.protobuf import json_format
 
 from cgn_core.backoff import Backoff
-from cgn_core.blockhash import BLOCK_SIZE, namespace
 from cgn_core.http import bearer_header
+from cgn_core.kv.blockhash import BLOCK_SIZE, namespace
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.service import RouterService

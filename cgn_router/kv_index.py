@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cgn_core.blockhash import BlockHash
+from cgn_core.kv.blockhash import BlockHash
 from cgn_router.types import EndpointId
 
 

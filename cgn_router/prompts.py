@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace
 from cgn_core.errors import InvalidRequest
-from cgn_core.openai_tools import tool_fields
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace
+from cgn_core.openai.tools import tool_fields
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
 
 Method = Literal["token_ids", "tokenizer", "chars", "none"]

@@ -37,8 +37,8 @@ from typing import Any, Literal, Protocol
 import aiohttp
 from aiohttp import web
 
-from cgn_core import kv_transfer
 from cgn_core.http import PRIORITY_HEADER, bearer_header
+from cgn_core.kv import transfer as kv_transfer
 from cgn_router.settings import DeadlineSettings
 from cgn_router.types import Endpoint
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from cgn_core import keys
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.records import fresh_efficiency
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex

@@ -24,7 +24,6 @@ from typing import Any
 
 from aiohttp import web
 
-from cgn_core.blockhash import BLOCK_SIZE
 from cgn_core.errors import (
     BadGateway,
     CognitoraError,
@@ -35,10 +34,11 @@ from cgn_core.errors import (
     UpstreamTimeout,
 )
 from cgn_core.http import error_middleware, parse_json, read_body
-from cgn_core.kv_transfer import FIELD as TRANSFER_FIELD
-from cgn_core.kv_transfer import HEADER as TRANSFER_HEADER
-from cgn_core.kv_transfer import fallback_reason, parse_transfer_params
-from cgn_core.openai_request import sampling_fields
+from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
+from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
+from cgn_core.openai.request import sampling_fields
 from cgn_router.auth import Principal, authorize
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from cgn_core import keys
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
 
 EndpointId = NewType("EndpointId", str)  # "<model>/<replica>" as in the etcd key
 

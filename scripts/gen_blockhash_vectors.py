@@ -1,4 +1,4 @@
-"""Write cgn_core/testdata/blockhash_vectors.json (run once; the file is committed).
+"""Write cgn_core/kv/testdata/blockhash_vectors.json (run once; the file is committed).
 
 The vectors pin the block-hash contract of docs/architecture.md, block-hash contract so that every
 implementation (router, engines, KV daemon, other languages) can check itself.
@@ -8,7 +8,7 @@ tests/test_blockhash.py recomputes them with an independent reference.
 import json
 from pathlib import Path
 
-from cgn_core.blockhash import block_hashes, namespace
+from cgn_core.kv.blockhash import block_hashes, namespace
 
 CASES = [
     ("empty prompt", "SmolLM2-135M-Instruct", None, []),
@@ -34,7 +34,7 @@ for name, model, salt, tokens in CASES:
             "hashes": [h.hex() for h in block_hashes(tokens, ns)],
         }
     )
-path = Path(__file__).resolve().parent.parent / "cgn_core/testdata/blockhash_vectors.json"
+path = Path(__file__).resolve().parent.parent / "cgn_core/kv/testdata/blockhash_vectors.json"
 path.write_text(
     json.dumps(
         {"scheme": "cognitora.kv.v1", "block_size": 16, "vectors": out},

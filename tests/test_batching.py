@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from cgn_core.blockhash import block_hashes
+from cgn_core.kv.blockhash import block_hashes
 from harness.metrics import metric
 from harness.procs import cgn_infer
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cgn_core.blockhash import BLOCK_SIZE, block_hashes
+from cgn_core.kv.blockhash import BLOCK_SIZE, block_hashes
 from cgn_infer.block_pool import BlockId, BlockPool, PoolExhausted
 
 NS = "m"

@@ -11,8 +11,8 @@ from blake3 import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgn_core import blockhash
-from cgn_core.blockhash import BLOCK_SIZE, ROOT, block_hash, block_hashes, namespace
+from cgn_core.kv import blockhash
+from cgn_core.kv.blockhash import BLOCK_SIZE, ROOT, block_hash, block_hashes, namespace
 
 VECTORS = json.loads(
     (Path(blockhash.__file__).parent / "testdata" / "blockhash_vectors.json").read_text()

@@ -150,8 +150,8 @@ def test_mutual_tls_refuses_strangers_and_impostors(tmp_path: Path) -> None:
 
 
 def test_shared_memory_moves_blocks_and_refuses_unsafe_files(tmp_path: Path) -> None:
-    from cgn_core.kv_layout import Layout
-    from cgn_core.kvcache_client import KvCacheClient, KvCacheError
+    from cgn_core.kv.client import KvCacheClient, KvCacheError
+    from cgn_core.kv.layout import Layout
 
     layout = Layout(**{f.name: getattr(LAYOUT, f.name) for f in LAYOUT.DESCRIPTOR.fields})
     data = np.random.default_rng(0).integers(0, 256, (8, BLOCK), dtype=np.uint8)

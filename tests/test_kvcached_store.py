@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_core.kv_layout import BlockKey, Layout, LayoutError
-from cgn_core.kvstore.ram_tier import RamFull, RamTier
-from cgn_core.kvstore.ssd_tier import HEADER, SsdTier
-from cgn_core.kvstore.store import BlockStore
+from cgn_core.kv.layout import BlockKey, Layout, LayoutError
+from cgn_core.kv.ram_tier import RamFull, RamTier
+from cgn_core.kv.ssd_tier import HEADER, SsdTier
+from cgn_core.kv.store import BlockStore
 from tests.support.disks import small_tmpfs
 
 LAYOUT = Layout("float32", layers=30, kv_heads=3, head_dim=64, block_size=16,

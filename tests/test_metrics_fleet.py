@@ -242,8 +242,8 @@ def exported_names() -> set[str]:
 
         texts.append(httpx.get(url + "/metrics", timeout=10).text)
     texts.append(generate_latest(RouterMetrics().registry).decode())
-    from cgn_core.kvstore.ram_tier import RamTier
-    from cgn_core.kvstore.store import BlockStore
+    from cgn_core.kv.ram_tier import RamTier
+    from cgn_core.kv.store import BlockStore
 
     texts.append(generate_latest(kvcached_registry(BlockStore(RamTier(1 << 20), None))).decode())
     v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]))

@@ -21,7 +21,7 @@ import pytest
 
 from cgn_core.errors import InvalidRequest
 from cgn_core.etcd.local import free_port
-from cgn_core.kv_transfer import TransferParams, parse_transfer_params
+from cgn_core.kv.transfer import TransferParams, parse_transfer_params
 from cgn_core.readiness import wait_ready_file
 from cgn_router.disagg import decide
 from cgn_router.settings import PdSettings

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_core.blockhash import block_hashes
+from cgn_core.kv.blockhash import block_hashes
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_core.blockhash import BLOCK_SIZE, block_hashes
+from cgn_core.kv.blockhash import BLOCK_SIZE, block_hashes
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.block_pool import BlockPool

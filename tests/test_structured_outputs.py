@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from cgn_core.errors import InvalidRequest
-from cgn_core.openai_request import sampling_fields
-from cgn_core.openai_tools import NO_TOOLS, tool_fields
+from cgn_core.openai.request import sampling_fields
+from cgn_core.openai.tools import NO_TOOLS, tool_fields
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.grammar import Grammars, GrammarSpec, request_grammar

@@ -1,7 +1,7 @@
 """From an OpenAI request body to the prompt's token ids.
 
 Engine and router both use this module, so the router's block hashes
-(cgn_core.blockhash over these ids) equal the ones the engine computes for
+(cgn_core.kv.blockhash over these ids) equal the ones the engine computes for
 the same request: the same message normalisation, chat template and tokenizer.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgn_core.errors import InvalidRequest
-from cgn_core.openai_tools import history_message
+from cgn_core.openai.tools import history_message
 from cgn_core.text.chat_template import ChatTemplate
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer

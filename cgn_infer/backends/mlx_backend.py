@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 
 SHORT_BLOCKS = 8  # contexts up to this many blocks are padded together freely
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_infer.backends.base import SingleSequence
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.models.args import Args

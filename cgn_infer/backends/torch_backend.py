@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cgn_core.blockhash import BLOCK_SIZE
+from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence

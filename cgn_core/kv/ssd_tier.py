@@ -28,7 +28,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from cgn_core.kv_layout import BlockKey, LayoutError
+from cgn_core.kv.layout import BlockKey, LayoutError
 
 log = logging.getLogger(__name__)
 

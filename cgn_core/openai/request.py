@@ -23,7 +23,7 @@ repetition_penalty 0.01..10, stop_token_ids, ignore_eos, priority.
 
 `response_format`, `structured_outputs` (vLLM's field) and the tool fields are known
 here but checked by their own modules: the engine's grammar (cgn_infer.grammar) and
-`cgn_core.openai_tools`.
+`cgn_core.openai.tools`.
 """
 
 from __future__ import annotations

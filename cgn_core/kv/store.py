@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cgn_core.blockhash import BlockHash
-from cgn_core.kv_events import KvEvent
-from cgn_core.kv_events import Tier as EventTier
-from cgn_core.kv_layout import BlockKey
-from cgn_core.kvstore.ram_tier import RamFull, RamTier
-from cgn_core.kvstore.ssd_tier import SsdFull, SsdTier
+from cgn_core.kv.blockhash import BlockHash
+from cgn_core.kv.events import KvEvent
+from cgn_core.kv.events import Tier as EventTier
+from cgn_core.kv.layout import BlockKey
+from cgn_core.kv.ram_tier import RamFull, RamTier
+from cgn_core.kv.ssd_tier import SsdFull, SsdTier
 
 log = logging.getLogger(__name__)
 Tier = Literal["ram", "ssd"]

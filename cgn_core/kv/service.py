@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cgn_core.blockhash import BlockHash
 from cgn_core.errors import ConfigError
-from cgn_core.http import is_loopback
-from cgn_core.kv_events import KvEventHub
-from cgn_core.kv_layout import BlockKey, Layout, LayoutError
-from cgn_core.kvstore.store import BlockStore
+from cgn_core.kv.blockhash import BlockHash
+from cgn_core.kv.events import KvEventHub
+from cgn_core.kv.layout import BlockKey, Layout, LayoutError
+from cgn_core.kv.store import BlockStore
+from cgn_core.net import is_loopback
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb

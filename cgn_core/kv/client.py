@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cgn_core.kv_layout import Layout
+from cgn_core.kv.layout import Layout
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import channel
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from cgn_core.kv_layout import BlockKey
+from cgn_core.kv.layout import BlockKey
 
 
 class RamFull(Exception):

@@ -23,7 +23,7 @@ from typing import Literal
 
 from google.protobuf import json_format
 
-from cgn_core.blockhash import BLOCK_SIZE, BlockHash
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 
 Tier = Literal["device", "ram", "ssd"]

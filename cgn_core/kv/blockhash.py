@@ -10,7 +10,7 @@ chain, so a block's identity covers every token before it:
 
 `namespace` is the model name, plus "|" + salt where a tenant or adapter salt
 is configured, so two models (or two tenants) never share a block identity.
-Published vectors: cgn_core/testdata/blockhash_vectors.json.
+Published vectors: cgn_core/kv/testdata/blockhash_vectors.json.
 """
 
 from __future__ import annotations
