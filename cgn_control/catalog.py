@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cgn_core import engine_args
+from cgn_core.records import Placement
 
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
 ROLES = ("both", "prefill", "decode")
@@ -85,12 +86,10 @@ class ModelSpec:
             return [(role, n, n) for role, n in sorted(self.pools.items(), reverse=True)]
         return [(self.role, self.min_replicas, self.max_replicas)]
 
-    def in_pool(self, placement: Mapping[str, Any], role: str) -> bool:
-        """Whether a placement document counts in this model's pool of `role` (an aggregated
-        model's one pool holds all its placements)."""
-        return placement.get("model") == self.name and (
-            not self.pools or placement.get("role") == role
-        )
+    def in_pool(self, placement: Placement, role: str) -> bool:
+        """Whether a placement counts in this model's pool of `role` (an aggregated model's
+        one pool holds all its placements)."""
+        return placement.model == self.name and (not self.pools or placement.role == role)
 
     def for_role(self, role: str) -> ModelSpec:
         """This model with only the profiles that may serve `role`'s pool."""

@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from cgn_control.catalog import ModelSpec, parse_model
 from cgn_control.cluster import Key, Snapshot
@@ -21,6 +21,7 @@ from cgn_core.etcd.types import KeyValue
 from cgn_core.records import RecordLog
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) -> Snapshot:
@@ -55,27 +56,26 @@ async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) ->
     )
 
 
-Parse = Callable[[Any], dict[str, Any]]
-
-
-def _by_name(rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Parse) -> dict[str, Any]:
-    out: dict[str, dict[str, Any]] = {}
+def _by_name(
+    rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Callable[[Any], T]
+) -> dict[str, T]:
+    out: dict[str, T] = {}
     for kv in kvs:
-        doc = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
-        if doc is not None:
-            out[kv.key[len(prefix) :]] = doc
+        value = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
+        if value is not None:
+            out[kv.key[len(prefix) :]] = value
     return out
 
 
 def _by_replica(
-    rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Parse
-) -> dict[Key, dict[str, Any]]:
-    out: dict[Key, dict[str, Any]] = {}
+    rec: RecordLog, kvs: list[KeyValue], prefix: str, parse: Callable[[Any], T]
+) -> dict[Key, T]:
+    out: dict[Key, T] = {}
     for kv in kvs:
         node, _, replica = kv.key[len(prefix) :].partition("/")
         if not node or not replica:
             continue
-        doc = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
-        if doc is not None:
-            out[(node, replica)] = doc
+        value = rec.parse(kv.key, kv.mod_revision, kv.value, parse)
+        if value is not None:
+            out[(node, replica)] = value
     return out

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from cgn_control.catalog import ModelSpec, Profile
+from cgn_core.records import NodeInventory
 
 NodeState = Literal["ready", "unreachable", "lost"]
 TIE_BREAK = "more output tokens per joule, then fewer watts, then the name"
@@ -91,7 +92,7 @@ class Decision:
 
 def node_view(
     name: str,
-    inventory: Mapping[str, Any],
+    inventory: NodeInventory,
     *,
     cordoned: bool = False,
     state: NodeState = "ready",
@@ -99,23 +100,19 @@ def node_view(
     replicas: Mapping[str, int] | None = None,
     tokens_per_joule: float | None = None,
 ) -> NodeView:
-    """A node as placement sees it, from its `/cognitora/nodes/<node>` document."""
-    devices = []
-    for a in inventory.get("accelerators", []):
-        health = a.get("health") or []
-        devices.append(
-            Device(int(a["index"]), str(a["accel_class"]), not health, "; ".join(health))
-        )
-    power = inventory.get("power") or {}
-    labels = inventory.get("labels") or {}
+    """A node as placement sees it, from its `/cognitora/nodes/<node>` record."""
+    devices = tuple(
+        Device(a.index, a.accel_class, not a.health, "; ".join(a.health))
+        for a in inventory.accelerators
+    )
     return NodeView(
         name=name,
-        devices=tuple(devices),
-        engines=frozenset(inventory.get("engines", [])),
-        fabric=str(labels.get("fabric", "")),
+        devices=devices,
+        engines=frozenset(inventory.engines),
+        fabric=inventory.labels.get("fabric", ""),
         cordoned=cordoned,
         state=state,
-        watts=power.get("watts"),
+        watts=inventory.watts,
         tokens_per_joule=tokens_per_joule,
         used=used,
         replicas=dict(replicas or {}),

@@ -47,8 +47,7 @@ from typing import Any
 from cgn_control.catalog import ModelSpec, pool_label
 from cgn_control.cluster import Key, Snapshot, views
 from cgn_control.placement import Decision, NodeState, place
-from cgn_core.net import is_host_port
-from cgn_core.records import pipeline_part
+from cgn_core.records import Part, Placement, ReplicaStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +81,13 @@ class Memory:
 class Put:
     node: str
     replica: str
-    doc: dict[str, Any]
+    placement: Placement
     why: str
+
+    @property
+    def doc(self) -> dict[str, Any]:
+        """The placement document the agent reads (what the leader's loop writes)."""
+        return self.placement.to_json()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +125,9 @@ def reconcile(
     actions: list[Action] = []
     gone: set[Key] = set()
 
-    draining = {n for n, c in snap.cordons.items() if c.get("drain")}
+    draining = {n for n, c in snap.cordons.items() if c.drain}
     # NOTE: only its own placements; one written by hand is left alone (its devices still count)
-    owned = {k: d for k, d in snap.placements.items() if d.get("owner") == OWNER}
+    owned = {k: p for k, p in snap.placements.items() if p.owner == OWNER}
     parts = _pipeline_parts(owned)
 
     def members(key: Key) -> list[Key]:  # every part of its replica (itself if on one node)
@@ -138,27 +142,25 @@ def reconcile(
     def drains(key: Key) -> bool:
         return any(k[0] in draining for k in members(key))
 
-    for key, doc in sorted(owned.items()):
-        model, status = str(doc.get("model", "")), snap.statuses.get(key, {})
+    for key, p in sorted(owned.items()):
+        model, status = p.model, snap.statuses.get(key)
         if key in gone:
             continue
         if states[key[0]] == "lost":
             delete(key, f"node {key[0]} lost")
         elif model not in snap.models:
             delete(key, f"model {model} is not in the catalog")
-        elif key[1] in parts and len(parts[key[1]]) != pipeline_part(doc)[1]:
-            delete(
-                key, f"multi-node replica has {len(parts[key[1]])} of {pipeline_part(doc)[1]} parts"
-            )
-        elif _failed(status, policy):
-            delete(key, f"replica failed: {status.get('reason', '')}")
+        elif key[1] in parts and len(parts[key[1]]) != p.part.parts:
+            delete(key, f"multi-node replica has {len(parts[key[1]])} of {p.part.parts} parts")
+        elif status is not None and _failed(status, policy):
+            delete(key, f"replica failed: {status.reason}")
             mem.rebuilds[model] += 1
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
 
     live = {k: d for k, d in owned.items() if k not in gone}
     actions += _relay_stages(live, parts, snap)
     # a multi-node replica counts once, as its head (part 0)
-    heads = {k: d for k, d in live.items() if pipeline_part(d)[0] == 0}
+    heads = {k: p for k, p in live.items() if p.part.part == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
     # pool for a disaggregated one; each kept within its own counts
     pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
@@ -170,8 +172,9 @@ def reconcile(
         for key in sorted(k for k in mine if drains(k)):
             node = next(k[0] for k in members(key) if k[0] in draining)
             cordon = snap.cordons[node]
-            grace = float(cordon.get("grace_s", policy.drain_grace_s))
-            expired = snap.wall - float(cordon.get("since_unix", snap.wall)) >= grace
+            grace = policy.drain_grace_s if cordon.grace_s is None else cordon.grace_s
+            since = snap.wall if cordon.since_unix is None else cordon.since_unix
+            expired = snap.wall - since >= grace
             if len(ready_off_drain) >= lo:
                 delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
             elif expired:
@@ -219,17 +222,14 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
     why = f"{why}, {role} pool" if role and spec.pools else why
     head = decision.nodes[0][0]
+    n = len(decision.nodes)
     puts = []
     for i, (node, devices) in enumerate(decision.nodes):
-        doc = {"model": spec.name, "engine": p.engine, "source": p.source or spec.source,
-               "devices": list(devices), "role": role or spec.role, "profile": profile,
-               "owner": OWNER}  # fmt: skip
-        if len(decision.nodes) > 1:
-            n = len(decision.nodes)
-            doc["pipeline"] = {"part": i, "parts": n, "head": head}
-            puts.append(Put(node, replica, doc, f"{why}, {'head' if i == 0 else 'stage'} {i}/{n}"))
-        else:
-            puts.append(Put(node, replica, doc, why))
+        one = Placement(model=spec.name, engine=p.engine, source=p.source or spec.source,
+                        role=role or spec.role, devices=tuple(devices), owner=OWNER,
+                        profile=profile, part=Part(i, n, head) if n > 1 else Part())  # fmt: skip
+        where = f", {'head' if i == 0 else 'stage'} {i}/{n}" if n > 1 else ""
+        puts.append(Put(node, replica, one, why + where))
     return puts
 
 
@@ -247,18 +247,17 @@ def _launchable(spec: ModelSpec) -> ModelSpec:
     return replace(spec, profiles=profiles) if profiles != spec.profiles else spec
 
 
-def _pipeline_parts(owned: Mapping[Key, Mapping[str, Any]]) -> dict[str, dict[int, Key]]:
+def _pipeline_parts(owned: Mapping[Key, Placement]) -> dict[str, dict[int, Key]]:
     """Multi-node replicas: replica id -> part -> its placement's key."""
     out: dict[str, dict[int, Key]] = {}
-    for key, doc in owned.items():
-        part, parts = pipeline_part(doc)
-        if parts > 1:
-            out.setdefault(key[1], {})[part] = key
+    for key, p in owned.items():
+        if p.part.multi:
+            out.setdefault(key[1], {})[p.part.part] = key
     return out
 
 
 def _relay_stages(
-    live: Mapping[Key, Mapping[str, Any]], parts: Mapping[str, Mapping[int, Key]], snap: Snapshot
+    live: Mapping[Key, Placement], parts: Mapping[str, Mapping[int, Key]], snap: Snapshot
 ) -> list[Action]:
     """Heads whose stages are all Ready at addresses other than the ones their placement
     names get a placement with the new addresses (their agents then start them again)."""
@@ -271,31 +270,28 @@ def _relay_stages(
         keys = [by_part[i] for i in range(len(by_part))]
         addresses = []
         for key in keys[1:]:
-            status = snap.statuses.get(key) or {}
-            pipeline = status.get("pipeline")
-            address = pipeline.get("address") if isinstance(pipeline, Mapping) else None
-            if status.get("phase") != "Ready" or not is_host_port(address):
+            status = snap.statuses.get(key)
+            if status is None or not status.ready or not status.part.address:
                 break
-            addresses.append(str(address))
+            addresses.append(status.part.address)
         else:
             head = keys[0]
-            doc = live[head]
-            if doc["pipeline"].get("stages") != addresses:
-                new = {**doc, "pipeline": {**doc["pipeline"], "stages": addresses}}
+            p = live[head]
+            if list(p.part.stages) != addresses:
+                new = replace(p, part=replace(p.part, stages=tuple(addresses)))
                 out.append(Put(head[0], replica, new, "stages Ready at " + ", ".join(addresses)))
     return out
 
 
-def _ready(status: Mapping[str, Any] | None) -> bool:
-    return bool(status) and status.get("phase") == "Ready"  # type: ignore[union-attr]
+def _ready(status: ReplicaStatus | None) -> bool:
+    return status is not None and status.ready
 
 
-def _failed(status: Mapping[str, Any], policy: ReconcilerSettings) -> bool:
-    if status.get("phase") != "Failed":
+def _failed(status: ReplicaStatus, policy: ReconcilerSettings) -> bool:
+    if status.phase != "Failed":
         return False
-    reason = str(status.get("reason", ""))
-    return reason.startswith(("refused", "invalid")) or int(status.get("failures", 0)) >= (
-        policy.max_local_failures
+    return status.reason.startswith(("refused", "invalid")) or (
+        status.failures >= policy.max_local_failures
     )
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from cgn_control.cluster import Snapshot
 from cgn_control.placement import NodeState
-from cgn_core.records import pipeline_part
 
 
 def node_states(snap: Snapshot) -> dict[str, NodeState]:
@@ -28,13 +27,12 @@ class ModelReplicas:
 
 
 def model_replicas(snap: Snapshot, name: str) -> ModelReplicas:
-    mine = [k for k, d in snap.placements.items()
-            if d.get("model") == name and pipeline_part(d)[0] == 0]  # fmt: skip
-    phases = [snap.statuses.get(k, {}) for k in mine]
-    failed = [st for st in phases if st.get("phase") == "Failed"]
+    mine = [k for k, p in snap.placements.items() if p.model == name and p.part.part == 0]
+    statuses = [st for k in mine if (st := snap.statuses.get(k)) is not None]
+    failed = [st for st in statuses if st.phase == "Failed"]
     return ModelReplicas(
         placed=len(mine),
-        ready=sum(st.get("phase") == "Ready" for st in phases),
+        ready=sum(st.ready for st in statuses),
         failed=len(failed),
-        reasons=tuple(str(st.get("reason", "")) for st in failed if st.get("reason")),
+        reasons=tuple(st.reason for st in failed if st.reason),
     )

@@ -1,22 +1,22 @@
-"""Untrusted etcd records, checked once: one validating function per kind of record.
+"""Untrusted etcd records, checked once: one parser per kind, each returning a frozen value.
 
-Every value read from etcd was written by some process on some node, and
-any node can write; so no reader trusts one. Each function here takes the
-decoded JSON of one kind of record and returns it with every field its
-readers use checked and normalised (types, ranges), or raises `RecordError`
-(a `ValueError`) saying which field is wrong. Fields no reader uses pass
-through untouched. `RecordLog` remembers which bad records it has reported,
-so a bad value is logged once per revision, not on every pass.
+Every value read from etcd was written by some process on some node, and any node can
+write; so no reader trusts one. Each parser here takes the decoded JSON of one kind of
+record and returns a frozen dataclass holding every field its readers use, checked and
+normalised (types, ranges), or raises `RecordError` (a `ValueError`) naming the field.
+Readers use the value's attributes, never the document's keys, so a misspelt field is a
+type error, not a silent None. Numbers go through one bounded reader: a value out of its
+field's range, including a 400-digit integer or a NaN, is refused like any wrong type.
+`RecordLog` remembers which bad records it has reported, so a bad value is logged once per
+revision, not on every pass.
 
 Kinds (the layout is in docs/architecture.md): replica status
-(`/cognitora/replicas/<node>/<replica>`), placement
-(`/cognitora/placements/<node>/<replica>`), node inventory
-(`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`), node efficiency
-(`/cognitora/efficiency/<node>`, written by cgn-metrics). The
-catalog, endpoints and API keys have their own parsers beside the types
-they build (`cgn_control.catalog.parse_model`, `cgn_router.registry.
-endpoint_from_etcd`, `cgn_core.apikeys.parse_record`); they raise
-ValueError subclasses too.
+(`/cognitora/replicas/<node>/<replica>`), placement (`/cognitora/placements/<node>/<replica>`),
+node inventory (`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`), a node's
+KV store (`/cognitora/kvcached/<node>`), node efficiency (`/cognitora/efficiency/<node>`,
+written by cgn-metrics). The catalog, endpoints and API keys have their own parsers beside
+the types they build (`cgn_control.catalog.parse_model`, `cgn_router.registry.
+endpoint_from_etcd`, `cgn_core.apikeys.parse_record`), on the readers below.
 """
 
 from __future__ import annotations
@@ -25,19 +25,27 @@ import json
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, cast, get_args
 
 from cgn_core.errors import CognitoraError
 from cgn_core.net import is_host_port
 
 log = logging.getLogger(__name__)
 
-PHASES = frozenset({"Starting", "Loading", "Ready", "Draining", "Failed", "Stopped"})
+Phase = Literal["Starting", "Loading", "Ready", "Draining", "Failed", "Stopped"]
+PHASES = frozenset(get_args(Phase))
 MAX_TEXT = 64 << 10  # a log tail or a reason longer than this is cut, not refused
+MAX_INT = 2**53  # the largest integer any field takes: exact in a float, JSON-safe
+MAX_DEVICE = 4095  # accelerator indices per node
+T = TypeVar("T")
 
 
 class RecordError(ValueError):
     """A record that does not have the shape its kind requires."""
+
+
+# ---- the bounded readers (every parser of untrusted JSON uses these) ----------------------
 
 
 def obj(doc: Any, what: str = "record") -> dict[str, Any]:
@@ -58,24 +66,31 @@ def text(doc: Mapping[str, Any], name: str, default: str = "", *, required: bool
 
 
 def number(
-    doc: Mapping[str, Any], name: str, default: float | None, lo: float = -math.inf
+    doc: Mapping[str, Any],
+    name: str,
+    default: float | None,
+    lo: float = -float(MAX_INT),
+    hi: float = float(MAX_INT),
 ) -> float | None:
+    """A finite number in [lo, hi] (default: ±2^53); absent or null: `default`."""
     value = doc.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RecordError(f"'{name}' must be a finite number, got {value!r:.40}")
-    if value < lo:
-        raise RecordError(f"'{name}' must be at least {lo}, got {value}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RecordError(f"'{name}' must be a number, got {type(value).__name__}")
+    # NOTE: compare before converting: float() of a 400-digit integer raises OverflowError
+    if not (isinstance(value, int) or math.isfinite(value)) or not lo <= value <= hi:
+        raise RecordError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {value!r:.40}")
     return float(value)
 
 
-def integer(doc: Mapping[str, Any], name: str, default: int, lo: int = 0) -> int:
+def integer(doc: Mapping[str, Any], name: str, default: int, lo: int = 0, hi: int = MAX_INT) -> int:
+    """An integer in [lo, hi] (default: 0 to 2^53); absent or null: `default`."""
     value = doc.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise RecordError(f"'{name}' must be an integer >= {lo}, got {value!r:.40}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise RecordError(f"'{name}' must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
 
 
@@ -88,69 +103,206 @@ def flag(doc: Mapping[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
-def strings(doc: Mapping[str, Any], name: str) -> list[str]:
+def strings(doc: Mapping[str, Any], name: str) -> tuple[str, ...]:
     value = doc.get(name)
     if value is None:
-        return []
+        return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise RecordError(f"'{name}' must be a list of strings")
-    return value
+    return tuple(v[:MAX_TEXT] for v in value)
+
+
+# ---- parts of a multi-node replica --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Where a replica's process stands in its replica: part `part` of `parts` (a layer
+    pipeline, part 0 the head on node `head`); (0, 1) for a replica on one node. A head's
+    placement names its stages' addresses once they are Ready; a stage's status its own."""
+
+    part: int = 0
+    parts: int = 1
+    head: str = ""
+    stages: tuple[str, ...] = ()  # a head's placement: each stage's host:port
+    address: str = ""  # a stage's status: where it listens (host:port)
+
+    @property
+    def multi(self) -> bool:
+        return self.parts > 1
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"part": self.part, "parts": self.parts, "head": self.head}
+        if self.stages:
+            doc["stages"] = list(self.stages)
+        if self.address:
+            doc["address"] = self.address
+        return doc
+
+
+SINGLE = Part()
+
+
+def _part(doc: Mapping[str, Any]) -> Part:
+    """A record's `pipeline` field; a malformed one reads as a single-node replica (the
+    parts it names cannot be trusted to add up)."""
+    p = doc.get("pipeline")
+    if not isinstance(p, Mapping):
+        return SINGLE
+    part, parts = p.get("part"), p.get("parts")
+    if not (isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts <= 64):
+        return SINGLE
+    if parts == 1:
+        return SINGLE
+    stages = p.get("stages")
+    address = p.get("address")
+    return Part(
+        part,
+        parts,
+        str(p.get("head", ""))[:256],
+        tuple(s for s in stages if is_host_port(s))[:64] if isinstance(stages, list) else (),
+        str(address) if is_host_port(address) else "",
+    )
 
 
 # ---- the kinds ----------------------------------------------------------------------------
 
 
-def replica_status(doc: Any) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
     """An agent's report on one replica: phase, reason, failures in a row, log tail."""
+
+    phase: Phase
+    model: str = ""  # "" where the agent refused the placement before knowing it
+    reason: str = ""
+    failures: int = 0
+    restarts: int = 0
+    url: str = ""
+    log_tail: tuple[str, ...] = ()
+    part: Part = SINGLE
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "Ready"
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"phase": self.phase, "model": self.model, "reason": self.reason,
+                               "failures": self.failures, "restarts": self.restarts,
+                               "url": self.url, "log_tail": list(self.log_tail)}  # fmt: skip
+        if self.part.multi:
+            doc["pipeline"] = self.part.to_json()
+        return doc
+
+
+def replica_status(doc: Any) -> ReplicaStatus:
     d = obj(doc, "replica status")
     phase = text(d, "phase", required=True)
     if phase not in PHASES:
         raise RecordError(f"'phase' must be one of {', '.join(sorted(PHASES))}, got {phase!r:.40}")
-    return {**d, "phase": phase, "reason": text(d, "reason"), "failures": integer(d, "failures", 0),
-            "log_tail": strings(d, "log_tail")}  # fmt: skip
+    return ReplicaStatus(
+        cast(Phase, phase),
+        model=text(d, "model"),
+        reason=text(d, "reason"),
+        failures=integer(d, "failures", 0),
+        restarts=integer(d, "restarts", 0),
+        url=text(d, "url"),
+        log_tail=strings(d, "log_tail"),
+        part=_part(d),
+    )
 
 
-def placement(doc: Any) -> dict[str, Any]:
-    """The reconciler's (or an operator's) decision to run a replica on a node."""
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The reconciler's (or an operator's) decision to run a replica on a node: what the
+    agent there launches (`cgn_agent.spec` checks the engine-specific rest when it does)."""
+
+    model: str
+    engine: str = ""
+    source: str = ""
+    role: str = "both"
+    devices: tuple[int, ...] = ()
+    owner: str = ""  # "reconciler" for the placements it manages; "": written by hand
+    profile: Mapping[str, Any] = field(default_factory=dict)  # engine settings, as written
+    part: Part = SINGLE
+
+    def to_json(self) -> dict[str, Any]:
+        """The placement document (docs/architecture.md), as agents read it."""
+        doc: dict[str, Any] = {"model": self.model, "engine": self.engine,
+                               "source": self.source, "devices": list(self.devices),
+                               "role": self.role, "profile": dict(self.profile),
+                               "owner": self.owner}  # fmt: skip
+        if self.part.multi:
+            doc["pipeline"] = self.part.to_json()
+        return doc
+
+
+def placement(doc: Any) -> Placement:
     d = obj(doc, "placement")
     devices = d.get("devices", [])
     if not isinstance(devices, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 4096 for i in devices
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_DEVICE for i in devices
     ):
-        raise RecordError("'devices' must be a list of device indices (0-4095)")
-    if "profile" in d and not isinstance(d["profile"], dict):
+        raise RecordError(f"'devices' must be a list of device indices (0-{MAX_DEVICE})")
+    profile = d.get("profile", {})
+    if not isinstance(profile, dict):
         raise RecordError("'profile' must be an object")
-    return {**d, "model": text(d, "model", required=True), "owner": text(d, "owner"),
-            "devices": devices}  # fmt: skip
+    return Placement(
+        model=text(d, "model", required=True),
+        engine=text(d, "engine"),
+        source=text(d, "source"),
+        role=text(d, "role") or "both",
+        devices=tuple(devices),
+        owner=text(d, "owner"),
+        profile=profile,
+        part=_part(d),
+    )
 
 
-def pipeline_part(doc: Mapping[str, Any]) -> tuple[int, int]:
-    """(part, parts) of a placement or replica status: a part of a multi-node replica (a
-    layer pipeline; part 0 is the head), or (0, 1) for a single-node one or a malformed
-    field."""
-    p = doc.get("pipeline")
-    if isinstance(p, Mapping):
-        part, parts = p.get("part"), p.get("parts")
-        if isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts:
-            return part, parts
-    return 0, 1
+@dataclass(frozen=True, slots=True)
+class Cordon:
+    """No new placements on the node; with `drain`, its replicas move away (at most
+    `grace_s` after `since_unix`, wall clock, when set)."""
+
+    drain: bool = False
+    since_unix: float | None = None
+    grace_s: float | None = None
+    by: str = ""
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"drain": self.drain, "by": self.by, "reason": self.reason}
+        if self.since_unix is not None:
+            doc["since_unix"] = self.since_unix
+        if self.grace_s is not None:
+            doc["grace_s"] = self.grace_s
+        return doc
 
 
-def cordon(doc: Any) -> dict[str, Any]:
-    """A cordon: whether the node drains, since when (wall clock) and for how long at most."""
+def cordon(doc: Any) -> Cordon:
     d = obj(doc, "cordon")
-    out: dict[str, Any] = {**d, "drain": flag(d, "drain")}
-    for name in ("since_unix", "grace_s"):
-        value = number(d, name, None, lo=0.0)
-        if value is None:
-            out.pop(name, None)
-        else:
-            out[name] = value
-    return out
+    return Cordon(
+        drain=flag(d, "drain"),
+        since_unix=number(d, "since_unix", None, lo=0.0),
+        grace_s=number(d, "grace_s", None, lo=0.0, hi=365 * 86400.0),
+        by=text(d, "by"),
+        reason=text(d, "reason"),
+    )
 
 
-def kvcached(doc: Any) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class KvStore:
     """A node's cgn-kvcached: its gRPC address and its KV event stream (http(s) URL)."""
+
+    address: str
+    events_url: str
+    events_token: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"address": self.address, "events_url": self.events_url,
+                "events_token": self.events_token}  # fmt: skip
+
+
+def kvcached(doc: Any) -> KvStore:
     d = obj(doc, "kvcached")
     address = text(d, "address", required=True)
     if not is_host_port(address):
@@ -158,53 +310,103 @@ def kvcached(doc: Any) -> dict[str, Any]:
     url = text(d, "events_url", required=True)
     if not url.startswith(("http://", "https://")):
         raise RecordError(f"'events_url' must be an http(s) URL, got {url!r}")
-    return {"address": address, "events_url": url, "events_token": text(d, "events_token")}
+    return KvStore(address, url, text(d, "events_token"))
 
 
-def node_inventory(doc: Any) -> dict[str, Any]:
-    """A node's inventory as its agent published it (only what placement reads is checked)."""
+@dataclass(frozen=True, slots=True)
+class Accelerator:
+    index: int
+    accel_class: str
+    health: tuple[str, ...] = ()  # what is wrong with it; () when healthy
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInventory:
+    """A node as its agent published it: what placement, cgn-ctl and cgn-metrics read."""
+
+    accelerators: tuple[Accelerator, ...] = ()
+    engines: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    watts: float | None = None  # None: no power source
+    node_class: str = "?"
+    admin_url: str = ""
+    cpu: Mapping[str, Any] = field(default_factory=dict)  # shown by `cgn-ctl nodes`, as written
+
+    def to_json(self) -> dict[str, Any]:
+        accelerators = [{"index": a.index, "accel_class": a.accel_class, "health": list(a.health)}
+                        for a in self.accelerators]  # fmt: skip
+        return {"accelerators": accelerators, "engines": list(self.engines),
+                "labels": dict(self.labels), "power": {"watts": self.watts},
+                "node_class": self.node_class, "admin_url": self.admin_url,
+                "cpu": dict(self.cpu)}  # fmt: skip
+
+
+def node_inventory(doc: Any) -> NodeInventory:
     d = obj(doc, "node")
-    accelerators = d.get("accelerators", [])
-    if not isinstance(accelerators, list):
+    raw = d.get("accelerators", [])
+    if not isinstance(raw, list):
         raise RecordError("'accelerators' must be a list")
-    checked = []
-    for i, a in enumerate(accelerators):
+    accelerators = []
+    for i, a in enumerate(raw):
         a = obj(a, f"accelerators[{i}]")
-        index = integer(a, "index", -1)
+        index = integer(a, "index", -1, lo=-1, hi=MAX_DEVICE)
         if index < 0:
             raise RecordError(f"accelerators[{i}].index is required")
-        checked.append({**a, "index": index, "accel_class": text(a, "accel_class", required=True),
-                        "health": strings(a, "health")})  # fmt: skip
+        accel_class = text(a, "accel_class", required=True)
+        accelerators.append(Accelerator(index, accel_class, strings(a, "health")))
     labels = d.get("labels") or {}
     if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
         raise RecordError("'labels' must be an object of strings")
     power = obj(d.get("power") or {}, "power")
-    return {**d, "accelerators": checked, "engines": strings(d, "engines"), "labels": labels,
-            "power": {**power, "watts": number(power, "watts", None, lo=0.0)}}  # fmt: skip
+    cpu = d.get("cpu") or {}
+    return NodeInventory(
+        accelerators=tuple(accelerators),
+        engines=strings(d, "engines"),
+        labels=labels,
+        watts=number(power, "watts", None, lo=0.0, hi=1e7),
+        node_class=text(d, "node_class", "?"),
+        admin_url=text(d, "admin_url"),
+        cpu=cpu if isinstance(cpu, dict) else {},
+    )
 
 
 EFFICIENCY_MAX_AGE_S = 600.0  # an efficiency figure older than this is not used
 
 
-def efficiency(doc: Any) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Efficiency:
     """A node's measured efficiency (cgn-metrics): output tokens per joule over a window,
     its power source, and when it was measured (wall clock)."""
+
+    tokens_per_joule: float
+    at_unix: float
+    source: str = "unknown"
+    window_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens_per_joule": self.tokens_per_joule, "at_unix": self.at_unix,
+                "source": self.source, "window_s": self.window_s}  # fmt: skip
+
+    def fresh(self, now_unix: float) -> float | None:
+        """Its tokens per joule, or None once older than EFFICIENCY_MAX_AGE_S."""
+        return None if now_unix - self.at_unix > EFFICIENCY_MAX_AGE_S else self.tokens_per_joule
+
+
+def efficiency(doc: Any) -> Efficiency:
     d = obj(doc, "efficiency")
-    tpj = number(d, "tokens_per_joule", None, lo=0.0)
-    if tpj is None or tpj <= 0 or not math.isfinite(tpj):
+    tpj = number(d, "tokens_per_joule", None, lo=0.0, hi=1e9)
+    if tpj is None or tpj <= 0:
         raise RecordError("'tokens_per_joule' must be a positive number")
     at = number(d, "at_unix", None, lo=0.0)
     if at is None:
         raise RecordError("'at_unix' is required")
-    return {"tokens_per_joule": tpj, "at_unix": at, "source": text(d, "source", "unknown"),
-            "window_s": number(d, "window_s", 0.0, lo=0.0)}  # fmt: skip
+    return Efficiency(tpj, at, text(d, "source", "unknown"),
+                      number(d, "window_s", 0.0, lo=0.0, hi=1e7) or 0.0)  # fmt: skip
 
 
-def fresh_efficiency(doc: Mapping[str, Any] | None, now_unix: float) -> float | None:
-    """A validated efficiency record's tokens per joule, or None when absent or stale."""
-    if doc is None or now_unix - float(doc["at_unix"]) > EFFICIENCY_MAX_AGE_S:
-        return None
-    return float(doc["tokens_per_joule"])
+def fresh_efficiency(record: Efficiency | None, now_unix: float) -> float | None:
+    """A node's tokens per joule where its record is present and fresh, else None."""
+    return None if record is None else record.fresh(now_unix)
 
 
 class RecordLog:
@@ -217,7 +419,7 @@ class RecordLog:
         self.on_bad = on_bad  # told each bad (key, revision) once, e.g. to count it
         self._reported: dict[str, int] = {}
 
-    def parse(self, key: str, revision: int, raw: bytes, parse: Callable[[Any], Any]) -> Any | None:
+    def parse(self, key: str, revision: int, raw: bytes, parse: Callable[[Any], T]) -> T | None:
         """`parse(json of raw)`, or None (logged once) when the value is not JSON or is bad."""
         try:
             value = parse(json.loads(raw))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import getpass
 import socket
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from cgn_control import store
@@ -20,7 +19,7 @@ from cgn_control.views import model_replicas, node_states
 from cgn_core import keys
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
-from cgn_core.records import pipeline_part
+from cgn_core.records import NodeInventory, Placement, ReplicaStatus
 
 LEADER_KEY = "/cognitora/leader/reconciler"
 
@@ -29,25 +28,22 @@ async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
     out = []
     for name, state in sorted(node_states(snap).items()):
-        inv = snap.nodes.get(name, {})
+        inv = snap.nodes.get(name, NodeInventory())
         cordon = snap.cordons.get(name)
-        accs = inv.get("accelerators", [])
-        unhealthy = [
-            {"index": a["index"], "why": "; ".join(a["health"])} for a in accs if a.get("health")
-        ]
-        power = inv.get("power") or {}
+        unhealthy = [{"index": a.index, "why": "; ".join(a.health)}
+                     for a in inv.accelerators if a.health]  # fmt: skip
         out.append({
             "node": name,
-            "state": "draining" if cordon and cordon.get("drain") else
+            "state": "draining" if cordon and cordon.drain else
                      "cordoned" if cordon is not None else state,
             "reachable": state == "ready",
-            "class": inv.get("node_class", "?"),
-            "accelerators": len(accs),
+            "class": inv.node_class,
+            "accelerators": len(inv.accelerators),
             "unhealthy": unhealthy,
-            "engines": inv.get("engines", []),
+            "engines": list(inv.engines),
             "replicas": sorted(r for n, r in snap.placements if n == name),
-            "watts": power.get("watts"),
-            "cpu": inv.get("cpu", {}),
+            "watts": inv.watts,
+            "cpu": dict(inv.cpu),
         })  # fmt: skip
     return out
 
@@ -83,31 +79,29 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
     snap = await read_snapshot(client)
     states = node_states(snap)
     out = []
-    for (node, replica), doc in sorted(snap.placements.items()):
-        if model and doc.get("model") != model:
+    for (node, replica), p in sorted(snap.placements.items()):
+        if model and p.model != model:
             continue
-        st = snap.statuses.get((node, replica), {})
+        st = snap.statuses.get((node, replica))
         out.append({
-            "replica": replica, "node": node, "model": doc.get("model"),
-            "engine": doc.get("engine"), "role": doc.get("role") or "both",
-            "devices": doc.get("devices", []), "phase": st.get("phase", "Pending"),
-            "url": st.get("url"), "restarts": st.get("restarts", 0), "reason": st.get("reason", ""),
-            "node_state": states.get(node, "unreachable"), "part": _part(doc, st),
+            "replica": replica, "node": node, "model": p.model, "engine": p.engine,
+            "role": p.role, "devices": list(p.devices),
+            "phase": st.phase if st else "Pending", "url": (st.url or None) if st else None,
+            "restarts": st.restarts if st else 0, "reason": st.reason if st else "",
+            "node_state": states.get(node, "unreachable"), "part": _part(p, st),
         })  # fmt: skip
     return out
 
 
-def _part(doc: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+def _part(p: Placement, status: ReplicaStatus | None) -> str:
     """A multi-node replica's part as a person reads it: `head 0/2`, `stage 1/2 10.0.0.2:9101`;
     "" for a replica on one node."""
-    part, parts = pipeline_part(doc)
-    if parts == 1:
+    if not p.part.multi:
         return ""
-    if part == 0:
-        return f"head 0/{parts}"
-    st = status.get("pipeline")
-    address = st.get("address") if isinstance(st, Mapping) else None
-    return f"stage {part}/{parts}" + (f" {address}" if isinstance(address, str) else "")
+    if p.part.part == 0:
+        return f"head 0/{p.part.parts}"
+    address = status.part.address if status else ""
+    return f"stage {p.part.part}/{p.part.parts}" + (f" {address}" if address else "")
 
 
 async def explain(client: EtcdClient, name: str, role: str | None = None) -> Decision:

@@ -16,8 +16,8 @@ newest first, and never signals a pid that now belongs to something else.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -41,6 +41,8 @@ from cgn_core.process import (
     stop_pid_group,
 )
 from cgn_core.readiness import wait_ready_file
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +300,7 @@ def _replica_phases(etcd: str, model: str) -> dict[str, str]:
     within a second."""
     import asyncio
 
+    from cgn_core import records
     from cgn_core.etcd import EtcdClient
     from cgn_core.settings import EtcdSettings
 
@@ -305,15 +308,12 @@ def _replica_phases(etcd: str, model: str) -> dict[str, str]:
         async with EtcdClient(EtcdSettings(endpoints=(etcd,))) as c:
             kvs, _ = await c.get_prefix(etcd_keys.REPLICAS)
         out = {}
+        rec = records.RecordLog(log)
         for kv in kvs:
-            with contextlib.suppress(ValueError):
-                doc = kv.json()
-                if not isinstance(doc, dict) or doc.get("model", model) != model:
-                    continue
-                phase, reason = doc.get("phase"), doc.get("reason")
-                if isinstance(phase, str):
-                    failed = phase == "Failed" and reason
-                    out[kv.key.rsplit("/", 1)[-1]] = f"{phase} ({reason})" if failed else phase
+            st = rec.parse(kv.key, kv.mod_revision, kv.value, records.replica_status)
+            if st is not None and st.model in ("", model):
+                failed = st.phase == "Failed" and st.reason
+                out[kv.key.rsplit("/", 1)[-1]] = f"{st.phase} ({st.reason})" if failed else st.phase
         return out
 
     try:

@@ -89,12 +89,12 @@ def fleet_from_records(
     live: set[str] = set()
     for key, raw in nodes.items():
         node = key.removeprefix(keys.NODES)
-        doc = rec.parse(key, revision, raw, _agent)
-        if doc is None:
+        admin = rec.parse(key, revision, raw, _agent)
+        if admin is None:
             continue
         live.add(node)
-        if doc["admin_url"]:
-            targets.append(Target("agent", doc["admin_url"], node=node))
+        if admin:
+            targets.append(Target("agent", admin, node=node))
     replicas: dict[str, int] = {}
     named: set[str] = set(placed_nodes)
     for key, raw in endpoints.items():
@@ -119,16 +119,16 @@ def fleet_from_records(
     states.update(dict.fromkeys(live, "Ready"))
     for key, raw in cordons.items():
         node = key.removeprefix(keys.CORDON)
-        doc = rec.parse(key, revision, raw, records.cordon)
-        if doc is not None and node in states and states[node] != "Lost":
-            states[node] = "Draining" if doc["drain"] else "Cordoned"
+        cordon = rec.parse(key, revision, raw, records.cordon)
+        if cordon is not None and node in states and states[node] != "Lost":
+            states[node] = "Draining" if cordon.drain else "Cordoned"
     return Fleet(tuple(targets), states, replicas)
 
 
-def _agent(doc: Any) -> dict[str, Any]:
-    d = records.obj(doc, "node")
-    url = records.text(d, "admin_url")
-    return {"admin_url": base_url(url) if url else ""}
+def _agent(doc: Any) -> str:
+    """A node's agent admin URL ("": none) from its inventory, checked as every reader does."""
+    url = records.node_inventory(doc).admin_url
+    return base_url(url) if url else ""
 
 
 def _endpoint(doc: Any) -> dict[str, Any]:
@@ -138,8 +138,7 @@ def _endpoint(doc: Any) -> dict[str, Any]:
 
 
 def _kvcached(doc: Any) -> dict[str, Any]:
-    d = records.kvcached(doc)
-    return {"url": base_url(d["events_url"])}
+    return {"url": base_url(records.kvcached(doc).events_url)}
 
 
 def file_sd(targets: Iterable[Target]) -> str:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cgn_core import keys
 from cgn_core.apikeys import parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
-from cgn_core.records import RecordLog, cordon, efficiency, kvcached
+from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
 from cgn_router.registry import (
@@ -30,9 +30,10 @@ from cgn_router.registry import (
 )
 from cgn_router.service import RouterService
 from cgn_router.settings import RoutingSettings
-from cgn_router.types import EndpointId
+from cgn_router.types import Endpoint, EndpointId
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +72,12 @@ class EtcdFollowers:
             out.append(Followed(keys.API_KEYS, self.keys_list, self.keys_event))
         return out
 
-    def _parse(self, kv: KeyValue, parse: Callable[[Any], Any]) -> Any | None:
+    def _parse(self, kv: KeyValue, parse: Callable[[Any], T]) -> T | None:
         return self.records.parse(kv.key, kv.mod_revision, kv.value, parse)
 
     # ---- endpoints -------------------------------------------------------------------------
 
-    def _endpoint(self, kv: KeyValue) -> Any | None:
+    def _endpoint(self, kv: KeyValue) -> Endpoint | None:
         return self._parse(kv, lambda doc: endpoint_from_doc(kv.key, doc))
 
     def endpoints_list(self, kvs: list[KeyValue]) -> None:
@@ -99,14 +100,14 @@ class EtcdFollowers:
 
     # ---- node KV stores: the key names the node; the router follows each one's events -----
 
-    def _store(self, kv: KeyValue) -> Any | None:
+    def _store(self, kv: KeyValue) -> KvStore | None:
         return self._parse(kv, kvcached)
 
     def stores_list(self, kvs: list[KeyValue]) -> None:
         stores = {kv.key[len(keys.KVCACHED) :]: r for kv in kvs if (r := self._store(kv))}
         static = {n: (st.events_url, st.events_token)
                   for n, st in self.svc.settings.stores.items()}  # fmt: skip
-        self.svc.registry.stores = static | {n: (r["events_url"], r["events_token"])
+        self.svc.registry.stores = static | {n: (r.events_url, r.events_token)
                                              for n, r in stores.items() if n}  # fmt: skip
         self.on_endpoints(None)
 
@@ -116,7 +117,7 @@ class EtcdFollowers:
             stores.pop(node, None)
             self.svc.registry.tiers.forget(node)
         elif node:
-            stores[node] = (record["events_url"], record["events_token"])
+            stores[node] = (record.events_url, record.events_token)
         self.on_endpoints(None)
 
     # ---- cordons: the key names the node; the value must still be a valid cordon -----------

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from cgn_core import keys
 from cgn_core.kv.blockhash import BLOCK_SIZE
-from cgn_core.records import fresh_efficiency
+from cgn_core.records import Efficiency, fresh_efficiency
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.plugins.load import queue_length
@@ -161,7 +161,7 @@ class Registry:
         self.load_order: dict[str, LoadOrder] = {}
         self.version = 0  # bumped when an endpoint comes or goes
         self.cordoned: set[str] = set()
-        self.efficiency: dict[str, dict[str, Any]] = {}  # node -> its efficiency record
+        self.efficiency: dict[str, Efficiency] = {}  # node -> its efficiency record
         self._prefill: dict[str, int] = {}  # model -> its prefill-role endpoints, counted
 
     def has_prefill_pool(self, model: str) -> bool:

@@ -4,6 +4,7 @@ explanation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -77,8 +78,8 @@ def test_snapshots_carry_fresh_figures_only() -> None:
     now = 1_000_000.0
     fresh = records.efficiency({"tokens_per_joule": 2.0, "at_unix": now - 60})
     stale = records.efficiency({"tokens_per_joule": 9.0, "at_unix": now - 3600})
-    snap = Snapshot({}, {"a": {}, "b": {}}, {}, {}, {}, wall=now,
-                    efficiency={"a": fresh, "b": stale})  # fmt: skip
+    snap = Snapshot.of({}, {"a": {}, "b": {}}, wall=now)
+    snap = dataclasses.replace(snap, efficiency={"a": fresh, "b": stale})
     got = {v.name: v.tokens_per_joule for v in views(snap, {"a": "ready", "b": "ready"})}
     assert got == {"a": 2.0, "b": None}
 

@@ -282,8 +282,8 @@ def _snap(phases: list[str]) -> Snapshot:
         ("n1", f"r{i}"): {"phase": p, "reason": "oom" if p == "Failed" else ""}
         for i, p in enumerate(phases)
     }
-    return Snapshot(
-        models={"m": spec}, nodes={"n1": {}}, placements=placements, statuses=statuses, cordons={}
+    return Snapshot.of(
+        models={"m": spec}, nodes={"n1": {}}, placements=placements, statuses=statuses
     )
 
 

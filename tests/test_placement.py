@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from cgn_control.catalog import ModelSpec, parse_model
 from cgn_control.placement import Decision, Device, NodeView, node_view, place
+from cgn_core.records import node_inventory
 
 ENGINES = frozenset({"vllm", "cgn_infer", "llama_cpp"})
 
@@ -107,7 +108,7 @@ def test_node_view_from_an_agent_inventory_document() -> None:
     doc = {"accelerators": [{"index": 0, "accel_class": "h100-80g", "health": []},
                             {"index": 1, "accel_class": "h100-80g", "health": ["memory held by foreign process 7"]}],
            "engines": ["vllm"], "labels": {"fabric": "ib0"}, "power": {"watts": 1200.5}}  # fmt: skip
-    n = node_view("g1", doc, cordoned=True, used=frozenset({0}))
+    n = node_view("g1", node_inventory(doc), cordoned=True, used=frozenset({0}))
     assert n.devices[1] == Device(1, "h100-80g", False, "memory held by foreign process 7")
     assert (n.fabric, n.watts, n.cordoned, n.free("h100-80g")) == ("ib0", 1200.5, True, [])
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from cgn_control.catalog import ModelSpec, parse_model
 from cgn_control.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
+from cgn_core.records import placement
 from cgn_router.settings import ReconcilerSettings
 
 S = ReconcilerSettings(lost_after_s=30.0, max_local_failures=3, rebuild_base_s=2.0,
@@ -27,7 +28,7 @@ def snap(
     cordons: dict[str, dict[str, Any]] | None = None,
     wall: float = 1000.0,
 ) -> Snapshot:
-    return Snapshot(
+    return Snapshot.of(
         models={m.name: m for m in (models if models is not None else [model()])},
         nodes={n: CPU_NODE for n in nodes},
         placements={
@@ -157,7 +158,7 @@ def test_placements_written_by_hand_are_left_alone_but_their_devices_stay_taken(
                 "engines": ["vllm"]}  # fmt: skip
     m = parse_model({"name": "g", "source": "s",
                      "profiles": [{"engine": "vllm", "accelerator": "h100-80g", "devices": 1}]})  # fmt: skip
-    s = Snapshot(
+    s = Snapshot.of(
         models={"g": m},
         nodes={"a": gpu_node},
         placements={
@@ -182,8 +183,12 @@ def pd_model(prefill: int = 1, decode: int = 2) -> ModelSpec:
 def pd_snap(placed: dict[tuple[str, str], str], **kw: Any) -> Snapshot:
     """`placed`: key -> role of a placement of model pd."""
     s = snap(models=[pd_model()], **kw)
-    s.placements.update({k: {"model": "pd", "role": r, "devices": [], "owner": "reconciler"}
-                         for k, r in placed.items()})  # fmt: skip
+    s.placements.update(
+        {
+            k: placement({"model": "pd", "role": r, "devices": [], "owner": "reconciler"})
+            for k, r in placed.items()
+        }
+    )  # type: ignore[attr-defined]
     return s
 
 
@@ -241,8 +246,13 @@ def pipeline_snap(
     status: dict[tuple[str, str], dict[str, Any]] | None = None,
     nodes: tuple[str, ...] = ("a", "b", "c"),
 ) -> Snapshot:
-    return Snapshot(models={"big": pipeline_model()}, nodes={n: LAN_NODE for n in nodes},
-                    placements=placed, statuses=status or {}, cordons={}, wall=1000.0)  # fmt: skip
+    return Snapshot.of(
+        models={"big": pipeline_model()},
+        nodes={n: LAN_NODE for n in nodes},
+        placements=placed,
+        statuses=status or {},
+        wall=1000.0,
+    )
 
 
 def test_a_multi_node_replica_is_placed_whole_and_its_head_learns_the_stages() -> None:
