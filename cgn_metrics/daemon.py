@@ -29,63 +29,17 @@ import httpx
 from cgn_core import keys
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.etcd.client import EtcdClient
-from cgn_core.files import atomic_write_text
 from cgn_core.readiness import announce_ready, announce_stopping
-from cgn_core.records import RecordLog
+from cgn_core.records import Efficiency, RecordLog
 from cgn_core.tls import client_ssl_context
-from cgn_metrics.fleet import Scraped, history_points, summarize
+from cgn_metrics.fleet import summarize
+from cgn_metrics.monitor import Monitor
 from cgn_metrics.scrape import Scraper
-from cgn_metrics.series import Ring
+from cgn_metrics.server import start_http
 from cgn_metrics.settings import MetricsSettings
-from cgn_metrics.targets import Fleet, Target, file_sd, fleet_from_records, static_targets
+from cgn_metrics.targets import Fleet, Target, fleet_from_records, static_targets
 
 log = logging.getLogger(__name__)
-EMPTY = Fleet((), {}, {})
-
-
-class Monitor:
-    """The state the HTTP side reads: the latest view, the history, the loop's health."""
-
-    def __init__(self, settings: MetricsSettings, static: list[Target]):
-        self.settings = settings
-        self.static = static
-        self.fleet = EMPTY
-        self.etcd_error = ""
-        self.view: dict[str, Any] = {}
-        self.points = max(2, int(settings.retention_s / settings.scrape_interval_s))
-        self.history: dict[str, Ring] = {}
-        self.last_round = 0.0
-        self.rounds = 0
-        self.scraped: dict[str, Scraped] = {}  # the scraper's, for /federate
-        self._file_sd = ""
-
-    def record(self, view: dict[str, Any]) -> None:
-        self.view = view
-        for name, value in history_points(view).items():
-            ring = self.history.get(name)
-            if ring is None:
-                ring = self.history[name] = Ring(self.points)
-            ring.append(view["time"], value)
-        self.last_round = time.monotonic()
-        self.rounds += 1
-
-    def healthy(self) -> tuple[bool, str]:
-        stale = time.monotonic() - self.last_round
-        if (
-            self.rounds
-            and stale > 3 * self.settings.scrape_interval_s + self.settings.scrape_timeout_s
-        ):
-            return False, f"no scrape round completed for {stale:.0f} s"
-        return True, ""
-
-    def write_file_sd(self, targets: list[Target]) -> None:
-        path = self.settings.file_sd
-        if path is None:
-            return
-        text = file_sd(targets)
-        if text != self._file_sd:
-            atomic_write_text(Path(path), text)
-            self._file_sd = text
 
 
 async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
@@ -104,13 +58,12 @@ async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
 def efficiency_records(view: dict[str, Any], now_unix: float) -> dict[str, dict[str, Any]]:
     """The `/cognitora/efficiency/<node>` records of a view: measured nodes only."""
     return {
-        keys.EFFICIENCY + n["node"]: {
-            "tokens_per_joule": n["tokens_per_joule"], "source": n["source"],
-            "window_s": view["window_s"], "at_unix": round(now_unix, 3),
-        }
+        keys.EFFICIENCY + n["node"]: Efficiency(
+            n["tokens_per_joule"], round(now_unix, 3), n["source"], view["window_s"]
+        ).to_json()
         for n in view.get("nodes", [])
         if n.get("tokens_per_joule") and n["node"]
-    }  # fmt: skip
+    }
 
 
 async def publish_efficiency(etcd: EtcdClient, view: dict[str, Any]) -> None:
@@ -165,7 +118,6 @@ def check_settings(s: MetricsSettings) -> list[Target]:
 
 
 async def serve(settings: MetricsSettings, ready_file: Path | None) -> None:
-    from cgn_metrics.server import start_http
 
     static = check_settings(settings)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from cgn_core.http import Runner, error_middleware
 from cgn_core.readiness import bind_tcp
-from cgn_metrics.daemon import Monitor
+from cgn_metrics.monitor import Monitor
 from cgn_metrics.settings import MetricsSettings
 
 CORS = {"Access-Control-Allow-Origin": "*"}

@@ -35,8 +35,8 @@ from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.readiness import announce_ready, announce_stopping
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.tls import grpc_peer_cn, server_credentials, warn_if_plaintext
+from cgn_infer.backends.build import build_part
 from cgn_infer.backends.paged import layout
-from cgn_infer.loader import build_part
 from cgn_infer.models import args_from_gguf
 from cgn_infer.pipeline import wire
 from cgn_infer.settings import InferSettings
