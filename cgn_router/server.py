@@ -4,7 +4,7 @@
       │        big) → admission → one frozen RequestContext
       └ _serve  for each model of the fallback chain, up to `attempts` endpoints:
           │     route (filters → scorers → picker over a registry snapshot)
-          └ _attempt  Registry.begin → Proxy.run(call, lease) → lease.end(outcome)
+          └ _attempt  Attempt (Registry.begin … lease.end(outcome)) around Proxy.run(call, lease)
 
 A request is parsed only as far as routing needs (model, stream, the prompt
 for hashing, the session); its body goes upstream byte for byte unless the
@@ -39,12 +39,12 @@ from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_core.openai.request import sampling_fields
+from cgn_router.attempt import Attempt
 from cgn_router.auth import Principal, authorize
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import AttemptFailed, Call, Relayed
-from cgn_router.registry import Outcome
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
@@ -209,25 +209,30 @@ async def _attempt(
     headers: Mapping[str, str],
 ) -> Relayed:
     """One attempt on the chosen endpoint, its accounting held by a lease."""
-    call = Call(view.endpoint, PATHS[ctx.kind], payload, ctx.stream, ctx.strip_usage, req.model,
-                ctx.deadline, {**ctx.response_headers, **headers}, ctx.priority,
-                ctx.request_id)  # fmt: skip
-    lease = svc.registry.begin(view, req, time.monotonic())
-    outcome: Outcome = "client_disconnected"  # until known otherwise: aiohttp cancels us
+    call = Call(
+        endpoint=view.endpoint,
+        path=PATHS[ctx.kind],
+        payload=payload,
+        stream=ctx.stream,
+        strip_usage=ctx.strip_usage,
+        served_model=req.model,
+        total_at=ctx.deadline,
+        response_headers={**ctx.response_headers, **headers},
+        priority=ctx.priority,
+        request_id=ctx.request_id,
+    )
+    attempt = Attempt(svc.registry, view, req)
     relayed = None
     try:
-        relayed = await svc.proxy.run(request, call, lease)
-        outcome = relayed.ending
+        with attempt as lease:
+            relayed = await svc.proxy.run(request, call, lease)
+            attempt.outcome = relayed.ending
         note = relayed.response.headers.get(TRANSFER_HEADER, "")
         if (why := fallback_reason(note)) is not None:  # the decode engine recomputed the KV
             svc.metrics.pd_fallbacks.labels("decode_" + why).inc()
         return relayed
-    except AttemptFailed as exc:
-        outcome = "failed" if exc.breaker else "busy"
-        raise
     finally:
-        lease.end(outcome, time.monotonic())
-        svc.metrics.attempt_ended(req.model, outcome, ctx.started, lease, relayed)
+        svc.metrics.attempt_ended(req.model, attempt.outcome, ctx.started, attempt.lease, relayed)
 
 
 async def _disaggregate(
@@ -264,22 +269,24 @@ async def _prefill_leg(
     svc: RouterService, ctx: RequestContext, req: RequestInfo, view: EndpointView
 ) -> dict[str, Any]:
     """Run the prompt on prefill replica `view`; the answer's `kv_transfer_params`."""
-    now = time.monotonic()
-    deadline = min(ctx.deadline, now + svc.settings.pd.prefill_timeout_s)
-    call = Call(view.endpoint, PATHS[ctx.kind], ctx.prefill_leg(req.model), False, False,
-                req.model, deadline, {}, ctx.priority, ctx.request_id)  # fmt: skip
-    leg = dataclasses.replace(req, role="prefill")
-    lease = svc.registry.begin(view, leg, now)
-    outcome: Outcome = "client_disconnected"
-    try:
+    deadline = min(ctx.deadline, time.monotonic() + svc.settings.pd.prefill_timeout_s)
+    call = Call(
+        endpoint=view.endpoint,
+        path=PATHS[ctx.kind],
+        payload=ctx.prefill_leg(req.model),
+        stream=False,
+        strip_usage=False,
+        served_model=req.model,
+        total_at=deadline,
+        response_headers={},
+        priority=ctx.priority,
+        request_id=ctx.request_id,
+    )
+    attempt = Attempt(svc.registry, view, dataclasses.replace(req, role="prefill"))
+    with attempt as lease:
         answer = await svc.proxy.exchange(call)
         lease.first_byte(time.monotonic())
-        outcome = "ok"
-    except AttemptFailed as exc:
-        outcome = "failed" if exc.breaker else "busy"
-        raise
-    finally:
-        lease.end(outcome, time.monotonic())
+        attempt.outcome = "ok"
     try:
         params = parse_transfer_params(answer.get(TRANSFER_FIELD))
     except InvalidRequest as exc:
