@@ -166,7 +166,6 @@ def check_identity(settings: AgentSettings, node: str) -> None:
 async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     node = node_id(settings.node_id, settings.state_dir)
     check_identity(settings, node)
-    kvcached.check(settings.kvcached)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,7 +42,6 @@ from cgn_agent.publisher import Publisher
 from cgn_agent.settings import NodeKvcachedSettings
 from cgn_core import keys
 from cgn_core.backoff import Backoff
-from cgn_core.errors import ConfigError
 from cgn_core.files import atomic_write_json
 from cgn_core.process import (
     fingerprint,
@@ -65,19 +64,6 @@ class StorePlan:
     address: str = ""  # host:port engines reach the store at; "" when off
     offload_gib: float = 0.0
     record: dict[str, str] | None = None
-
-
-def check(s: NodeKvcachedSettings) -> None:
-    """Refuse settings the store cannot run with, naming the setting."""
-    if s.mode == "off":
-        return
-    for name in ("port", "admin_port"):
-        if not 0 < getattr(s, name) < 65536:
-            raise ConfigError(f"kvcached.{name} must be a port number (routers are told it)")
-    if s.engine_offload_gib < 0:
-        raise ConfigError("kvcached.engine_offload_gib must not be negative")
-    if s.mode == "run" and (s.ssd_dir is None) != (s.ssd_bytes == 0):
-        raise ConfigError("kvcached.ssd_dir and kvcached.ssd_bytes go together")
 
 
 def plan(s: NodeKvcachedSettings, advertise: str, token: str) -> StorePlan:

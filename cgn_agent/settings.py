@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from cgn_agent.supervisor import Policy
+from cgn_core.errors import ConfigError
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
 
@@ -43,6 +44,17 @@ class NodeKvcachedSettings:
     ssd_bytes: int = 0
     events_token: str = ""  # external mode: the token its unit was given (run: generated)
     engine_offload_gib: float = 0.0  # vLLM/SGLang built-in CPU offload per engine; 0: none
+
+    def check(self) -> None:
+        if self.mode == "off":
+            return
+        for name in ("port", "admin_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ConfigError(f"{name} must be a port number (routers are told it)")
+        if self.engine_offload_gib < 0:
+            raise ConfigError("engine_offload_gib must not be negative")
+        if self.mode == "run" and (self.ssd_dir is None) != (self.ssd_bytes == 0):
+            raise ConfigError("ssd_dir and ssd_bytes go together")
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,25 @@ class TlsSettings:
         return self.ca_file is not None
 
 
+@typing.runtime_checkable
+class Checked(typing.Protocol):
+    """A settings dataclass that checks itself: the one way settings are validated.
+
+    `check` raises ConfigError naming the field (the loader prefixes its path: `sim.speed
+    must be positive`); a sub-tree's runs as it is built, before its parent's, so a service's
+    root settings check last, with the rules that span several settings. Daemons validate
+    nothing of their own."""
+
+    def check(self) -> None: ...
+
+
+def positive(settings: Any, *names: str) -> None:
+    """A settings dataclass's `check`: each of `names` must be a positive number."""
+    for name in names:
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(settings, name)}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EtcdSettings:
     """How to reach etcd."""
@@ -90,9 +109,7 @@ class ListenSettings:
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535, got {self.port}")
-        for name in ("idle_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        positive(self, "idle_timeout_s", "body_timeout_s")
 
 
 # ---- loading -----------------------------------------------------------------
@@ -205,10 +222,9 @@ def _build(cls: type[T], raw: Mapping[str, Any], trail: tuple[str, ...] = ()) ->
         else:
             kwargs[name] = value
     built = cls(**kwargs)
-    check = getattr(built, "check", None)
-    if callable(check):  # a sub-tree's own range checks, named by its path
+    if isinstance(built, Checked):  # a sub-tree's own range checks, named by its path
         try:
-            check()
+            built.check()
         except ConfigError as exc:
             where = ".".join(trail)
             raise SettingsError(f"{where}.{exc.message}" if where else exc.message) from None

@@ -135,6 +135,7 @@ def serve(
         if value is not None:
             flags[key] = str(value)
     settings = load_service_settings(InferSettings, "infer", config, flags)
+    settings.check_serve()
     setup_logging("infer", settings.log)
     _pin_cpu_path()
     from cgn_infer.daemon import run as run_daemon

@@ -30,7 +30,6 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.kv.client import KvCacheClient
 from cgn_core.kv.events import KvEventHub
 from cgn_core.kv.layout import Layout
-from cgn_core.net import is_host_port
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_infer.backends.base import Backend
@@ -65,7 +64,6 @@ class _Listener:
 
 
 async def serve(settings: InferSettings, ready_file: Path | None) -> None:
-    check_settings(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,73 +346,6 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def check_settings(settings: InferSettings) -> None:
-    """Refuse values the engine cannot run with, naming the setting (before binding)."""
-    least = {"max_batch": 1, "prefill_chunk": 1, "kv_pool_tokens": 16, "ctx": 2, "aging_steps": 0}
-    for key, low in least.items():
-        if getattr(settings, key) < low:
-            raise ConfigError(f"{key} must be at least {low}, got {getattr(settings, key)}")
-    if settings.sim.speed <= 0:
-        raise ConfigError(f"sim.speed must be positive, got {settings.sim.speed}")
-    t = settings.transfer
-    for key in ("lease_s", "timeout_s", "mb_per_s"):
-        if getattr(t, key) <= 0:
-            raise ConfigError(f"transfer.{key} must be positive, got {getattr(t, key)}")
-    if t.ram_bytes < 1 << 20:
-        raise ConfigError(f"transfer.ram_bytes must be at least 1 MiB, got {t.ram_bytes}")
-    if not 0 <= t.port <= 65535:
-        raise ConfigError(f"transfer.port must be in 0..65535, got {t.port}")
-    if settings.sim.engines < 1:
-        raise ConfigError(f"sim.engines must be at least 1, got {settings.sim.engines}")
-    if settings.sim.engines > 1 and settings.backend != "sim":
-        raise ConfigError(
-            f"sim.engines={settings.sim.engines}: only the sim backend hosts several "
-            "engines in one process (--backend sim)"
-        )
-    if settings.http.port and settings.http.port + settings.sim.engines - 1 > 65535:
-        raise ConfigError(
-            f"sim.engines={settings.sim.engines} from port {settings.http.port} runs past 65535"
-        )
-    kvc = settings.kvcached
-    for key in ("timeout_s", "ram_mb_per_s", "ssd_mb_per_s", "prefill_tokens_per_s"):
-        if getattr(kvc, key) <= 0:
-            raise ConfigError(f"kvcached.{key} must be positive, got {getattr(kvc, key)}")
-    if kvc.fixed_ms < 0:
-        raise ConfigError(f"kvcached.fixed_ms must not be negative, got {kvc.fixed_ms}")
-    if kvc.address and ":" not in kvc.address:
-        raise ConfigError(f"kvcached.address must be host:port, got {kvc.address!r}")
-    check_pipeline(settings)
-
-
-def check_pipeline(settings: InferSettings) -> None:
-    """A head (`pipeline.stages`) runs torch or MLX without block export: its KV lives on several
-    processes, so block export (kvcached, prefill/decode transfers) does not apply."""
-    p = settings.pipeline
-    for key in ("timeout_s", "connect_timeout_s"):
-        if getattr(p, key) <= 0:
-            raise ConfigError(f"pipeline.{key} must be positive, got {getattr(p, key)}")
-    if p.micro_batches < 0:
-        raise ConfigError(f"pipeline.micro_batches must be 0 or more, got {p.micro_batches}")
-    if not p.stages:
-        if p.layers:
-            raise ConfigError(
-                "pipeline.layers without pipeline.stages: a single process serves "
-                "every layer (a stage is `cgn-infer stage --layers A:B`)"
-            )
-        return
-    if bad := [s for s in p.stages if not is_host_port(s)]:
-        raise ConfigError(f"pipeline.stages: expected host:port, got {', '.join(bad)}")
-    if settings.backend not in ("torch", "mlx"):
-        raise ConfigError(f"a pipeline head runs the torch or mlx backend, not {settings.backend}")
-    if settings.kvcached.address:
-        raise ConfigError("a pipeline head cannot use cgn-kvcached (its KV is on the stages)")
-    if settings.role != "both":
-        raise ConfigError(
-            "a pipeline head serves role both (prefill/decode transfers move "
-            "whole-model blocks, which no one process of a pipeline holds)"
-        )
 
 
 def _progress() -> Progress:

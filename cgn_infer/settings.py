@@ -1,10 +1,17 @@
-"""cgn-infer's settings tree."""
+"""cgn-infer's settings tree.
+
+Each dataclass checks its own fields' ranges (`check`, run by the settings loader as it
+builds the tree, its errors prefixed with the path); `InferSettings.check` holds the rules
+that span several settings. The daemon validates nothing itself.
+"""
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cgn_core.settings import ListenSettings, LogSettings, TlsSettings
+from cgn_core.errors import ConfigError
+from cgn_core.net import is_host_port
+from cgn_core.settings import ListenSettings, LogSettings, TlsSettings, positive
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +29,11 @@ class SimSettings:
     # the tokenizer: a fleet of hundreds on a small machine, for tests and benchmarks.
     engines: int = 1
 
+    def check(self) -> None:
+        positive(self, "speed")
+        if self.engines < 1:
+            raise ConfigError(f"engines must be at least 1, got {self.engines}")
+
 
 @dataclass(frozen=True, slots=True)
 class KvcachedClientSettings:
@@ -36,6 +48,13 @@ class KvcachedClientSettings:
     ssd_mb_per_s: float = 200.0  # restore bandwidth from its SSD tier
     fixed_ms: float = 5.0  # overhead of one restore
     prefill_tokens_per_s: float = 1000.0  # this engine's prefill rate
+
+    def check(self) -> None:
+        positive(self, "timeout_s", "ram_mb_per_s", "ssd_mb_per_s", "prefill_tokens_per_s")
+        if self.fixed_ms < 0:
+            raise ConfigError(f"fixed_ms must not be negative, got {self.fixed_ms}")
+        if self.address and ":" not in self.address:
+            raise ConfigError(f"address must be host:port, got {self.address!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +72,13 @@ class TransferSettings:
     # engine on another host cannot open it and uses the messages)
     shared_memory: bool = True
     mb_per_s: float = 1000.0  # sim backend: the modelled link (transfer time = bytes / this)
+
+    def check(self) -> None:
+        positive(self, "lease_s", "timeout_s", "mb_per_s")
+        if self.ram_bytes < 1 << 20:
+            raise ConfigError(f"ram_bytes must be at least 1 MiB, got {self.ram_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +104,13 @@ class PipelineSettings:
     head: str = ""
     timeout_s: float = 60.0  # head: a stage that takes longer over one step is lost
     connect_timeout_s: float = 120.0  # head: how long to wait for the stages at start
+
+    def check(self) -> None:
+        positive(self, "timeout_s", "connect_timeout_s")
+        if self.micro_batches < 0:
+            raise ConfigError(f"micro_batches must be 0 or more, got {self.micro_batches}")
+        if bad := [s for s in self.stages if not is_host_port(s)]:
+            raise ConfigError(f"stages: expected host:port, got {', '.join(bad)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +149,44 @@ class InferSettings:
     # HTTPS with client certificates (the cluster CA): /v1/* then also needs a verified
     # certificate (the router's); /health and /metrics need none. Empty: plain HTTP.
     tls: TlsSettings = TlsSettings()
+
+    def check(self) -> None:
+        """The root's own ranges, then the rules across settings (each sub-tree has checked
+        its own fields already)."""
+        least = {"max_batch": 1, "prefill_chunk": 1, "kv_pool_tokens": 16, "ctx": 2,
+                 "aging_steps": 0}  # fmt: skip
+        for key, low in least.items():
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key} must be at least {low}, got {getattr(self, key)}")
+        engines = self.sim.engines
+        if engines > 1 and self.backend != "sim":
+            raise ConfigError(
+                f"sim.engines={engines}: only the sim backend hosts several engines in one "
+                "process (--backend sim)"
+            )
+        if self.http.port and self.http.port + engines - 1 > 65535:
+            raise ConfigError(f"sim.engines={engines} from port {self.http.port} runs past 65535")
+        self._check_pipeline_head()
+
+    def check_serve(self) -> None:
+        """What only `cgn-infer serve` refuses (a stage is these same settings with layers)."""
+        if self.pipeline.layers and not self.pipeline.stages:
+            raise ConfigError(
+                "pipeline.layers without pipeline.stages: a single process serves "
+                "every layer (a stage is `cgn-infer stage --layers A:B`)"
+            )
+
+    def _check_pipeline_head(self) -> None:
+        """A head (`pipeline.stages`) runs torch or MLX without block export: its KV lives on
+        several processes, so block export (kvcached, prefill/decode transfers) does not apply."""
+        if not self.pipeline.stages:
+            return
+        if self.backend not in ("torch", "mlx"):
+            raise ConfigError(f"a pipeline head runs the torch or mlx backend, not {self.backend}")
+        if self.kvcached.address:
+            raise ConfigError("a pipeline head cannot use cgn-kvcached (its KV is on the stages)")
+        if self.role != "both":
+            raise ConfigError(
+                "a pipeline head serves role both (prefill/decode transfers move "
+                "whole-model blocks, which no one process of a pipeline holds)"
+            )

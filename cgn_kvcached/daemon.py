@@ -33,15 +33,6 @@ GRACE_S = 5.0
 OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz"})
 
 
-def check_settings(s: KvcachedSettings) -> None:
-    if s.ram_bytes < 1 << 20:
-        raise ConfigError(f"ram_bytes must be at least 1 MiB, got {s.ram_bytes}")
-    if s.ssd_dir is not None and s.ssd_bytes < 1 << 20:
-        raise ConfigError(f"ssd_bytes must be at least 1 MiB with ssd_dir, got {s.ssd_bytes}")
-    if s.ssd_dir is None and s.ssd_bytes:
-        raise ConfigError("ssd_bytes is set but ssd_dir is not")
-
-
 def prepare_shm_dir(directory: Path | None) -> Path | None:
     """The shared-memory transfer directory, made private to this user; None if unusable."""
     if directory is None:
@@ -66,7 +57,6 @@ def build_store(s: KvcachedSettings) -> BlockStore:
 
 
 async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
-    check_settings(settings)
     store = await asyncio.to_thread(build_store, settings)
     tls = settings.tls
     shm_dir = await asyncio.to_thread(prepare_shm_dir, settings.shm_dir)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgn_core.errors import ConfigError
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
 
 
@@ -23,3 +24,13 @@ class KvcachedSettings:
     tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
+
+    def check(self) -> None:
+        if self.ram_bytes < 1 << 20:
+            raise ConfigError(f"ram_bytes must be at least 1 MiB, got {self.ram_bytes}")
+        if self.ssd_dir is not None and self.ssd_bytes < 1 << 20:
+            raise ConfigError(
+                f"ssd_bytes must be at least 1 MiB with ssd_dir, got {self.ssd_bytes}"
+            )
+        if self.ssd_dir is None and self.ssd_bytes:
+            raise ConfigError("ssd_bytes is set but ssd_dir is not")

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from cgn_core import keys
-from cgn_core.errors import CognitoraError, ConfigError
+from cgn_core.errors import CognitoraError
 from cgn_core.etcd.client import EtcdClient
 from cgn_core.readiness import announce_ready, announce_stopping
 from cgn_core.records import Efficiency, RecordLog
@@ -37,7 +37,7 @@ from cgn_metrics.monitor import Monitor
 from cgn_metrics.scrape import Scraper
 from cgn_metrics.server import start_http
 from cgn_metrics.settings import MetricsSettings
-from cgn_metrics.targets import Fleet, Target, fleet_from_records, static_targets
+from cgn_metrics.targets import Fleet, fleet_from_records, static_targets
 
 log = logging.getLogger(__name__)
 
@@ -104,22 +104,9 @@ async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) 
         await asyncio.sleep(max(0.0, s.scrape_interval_s - (time.monotonic() - started)))
 
 
-def check_settings(s: MetricsSettings) -> list[Target]:
-    if s.scrape_interval_s <= 0 or s.scrape_timeout_s <= 0:
-        raise ConfigError("scrape_interval_s and scrape_timeout_s must be positive")
-    if s.window_s < 2 * s.scrape_interval_s:
-        raise ConfigError("window_s must cover at least two scrape intervals")
-    if s.retention_s < s.window_s:
-        raise ConfigError("retention_s must be at least window_s")
-    try:
-        return static_targets(s.targets)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 async def serve(settings: MetricsSettings, ready_file: Path | None) -> None:
 
-    static = check_settings(settings)
+    static = static_targets(settings.targets)  # checked with the settings
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     monitor = Monitor(settings, static)
     verify: Any = client_ssl_context(settings.tls) if settings.tls.enabled else True

@@ -4,7 +4,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from cgn_core.errors import ConfigError
 from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+from cgn_metrics.targets import static_targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +33,15 @@ class MetricsSettings:
     tls: TlsSettings = TlsSettings()  # client certificate and CA for https targets
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
+
+    def check(self) -> None:
+        if self.scrape_interval_s <= 0 or self.scrape_timeout_s <= 0:
+            raise ConfigError("scrape_interval_s and scrape_timeout_s must be positive")
+        if self.window_s < 2 * self.scrape_interval_s:
+            raise ConfigError("window_s must cover at least two scrape intervals")
+        if self.retention_s < self.window_s:
+            raise ConfigError("retention_s must be at least window_s")
+        try:
+            static_targets(self.targets)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

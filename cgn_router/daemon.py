@@ -48,7 +48,7 @@ from cgn_router.registry import (
 from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_app
 from cgn_router.service import RouterService
-from cgn_router.settings import RouterSettings, ScrapeSettings, check_settings
+from cgn_router.settings import RouterSettings, ScrapeSettings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
 
@@ -61,7 +61,6 @@ MAX_METRICS_PAGE = 4 << 20  # an engine's /metrics beyond this is cut (vLLM's is
 def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService:
     """Every object the router runs on, from its settings (no I/O)."""
     r = settings.routing
-    check_settings(settings)
     try:
         pipeline = Pipeline.from_settings(r)
     except ValueError as exc:

@@ -1,4 +1,8 @@
-"""cgn-router's settings tree (flag > CGN_ROUTER_* env > YAML > these defaults)."""
+"""cgn-router's settings tree (flag > CGN_ROUTER_* env > YAML > these defaults).
+
+Each dataclass checks its own fields' ranges (`check`, run by the settings loader as it
+builds the tree); `RouterSettings.check` holds the rules across settings. The routing
+pipeline is checked where it is built from `routing` (its plugins own their parameters)."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -6,7 +10,7 @@ from typing import Literal
 
 from cgn_control.reconciler import ReconcilerSettings
 from cgn_core.errors import ConfigError
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings, positive
 
 Role = Literal["both", "prefill", "decode"]
 
@@ -85,6 +89,9 @@ class RoutingSettings:
     session_ttl_s: float = 600.0
     session_header: str = "x-session-id"  # or the body's `user` field
 
+    def check(self) -> None:
+        positive(self, "approx_blocks", "chars_per_block")
+
 
 @dataclass(frozen=True, slots=True)
 class PdSettings:
@@ -96,6 +103,11 @@ class PdSettings:
     max_prefill_queue: int = 4  # a prefill replica busier than this is not used
     prefill_timeout_s: float = 60.0  # the prefill leg's answer, at most (then recompute)
 
+    def check(self) -> None:
+        positive(self, "prefill_timeout_s")
+        if self.min_uncached_tokens < 0 or self.max_prefill_queue < 0:
+            raise ConfigError("min_uncached_tokens and max_prefill_queue must not be negative")
+
 
 @dataclass(frozen=True, slots=True)
 class DeadlineSettings:
@@ -104,11 +116,17 @@ class DeadlineSettings:
     idle_s: float = 60.0  # between two streamed chunks
     total_s: float = 1800.0
 
+    def check(self) -> None:
+        positive(self, "connect_s", "first_token_s", "idle_s", "total_s")
+
 
 @dataclass(frozen=True, slots=True)
 class BreakerSettings:
     failures: int = 3  # consecutive failures that open the breaker
     open_s: float = 5.0  # then one half-open probe request after this long
+
+    def check(self) -> None:
+        positive(self, "failures")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +136,9 @@ class ScrapeSettings:
     # At most this many scrapes a second: a fleet larger than interval_s x max_per_s is
     # scraped less often (its figures then trusted for twice the longer period).
     max_per_s: float = 100.0
+
+    def check(self) -> None:
+        positive(self, "interval_s", "max_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +178,13 @@ class AdmissionSettings:
     # and preempts by it, so a band keeps its rank in the engines' own queues too.
     engine_priority: bool = True
 
+    def check(self) -> None:
+        if not self.bands:
+            raise ConfigError("bands: at least one band is needed")
+        for name, band in self.bands.items():
+            if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
+                raise ConfigError(f"bands.{name}: ceiling and ttl_s must be positive")
+
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
@@ -186,45 +214,19 @@ class RouterSettings:
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     max_body_bytes: int = 16 << 20
 
-
-def check_settings(s: RouterSettings) -> None:
-    """Refuse values the router cannot run with, naming the setting (the routing pipeline
-    is checked when it is built from `routing`)."""
-    positive = {
-        "attempts": s.attempts,
-        "max_body_bytes": s.max_body_bytes,
-        "routing.approx_blocks": s.routing.approx_blocks,
-        "routing.chars_per_block": s.routing.chars_per_block,
-        "breaker.failures": s.breaker.failures,
-        "scrape.interval_s": s.scrape.interval_s,
-        "scrape.max_per_s": s.scrape.max_per_s,
-        "deadlines.connect_s": s.deadlines.connect_s,
-        "deadlines.first_token_s": s.deadlines.first_token_s,
-        "deadlines.idle_s": s.deadlines.idle_s,
-        "deadlines.total_s": s.deadlines.total_s,
-        "pd.prefill_timeout_s": s.pd.prefill_timeout_s,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    if s.pd.min_uncached_tokens < 0 or s.pd.max_prefill_queue < 0:
-        raise ConfigError("pd.min_uncached_tokens and pd.max_prefill_queue must not be negative")
-    bands = s.admission.bands
-    if not bands:
-        raise ConfigError("admission.bands: at least one band is needed")
-    for name, band in bands.items():
-        if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
-            raise ConfigError(f"admission.bands.{name}: ceiling and ttl_s must be positive")
-    if not s.auth.enabled and s.auth.anonymous_band not in bands:
-        raise ConfigError(
-            f"auth.anonymous_band {s.auth.anonymous_band!r} is not in admission.bands"
-        )
-    if s.discovery == "static" and not s.endpoints:
-        raise ConfigError(
-            "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
-        )
-    if s.auth.enabled and s.discovery == "static":
-        raise ConfigError(
-            "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
-            "set auth.enabled: false for a router-only run"
-        )
+    def check(self) -> None:
+        """The root's own ranges, then the rules across settings."""
+        positive(self, "attempts", "max_body_bytes")
+        if not self.auth.enabled and self.auth.anonymous_band not in self.admission.bands:
+            raise ConfigError(
+                f"auth.anonymous_band {self.auth.anonymous_band!r} is not in admission.bands"
+            )
+        if self.discovery == "static" and not self.endpoints:
+            raise ConfigError(
+                "discovery is 'static' but no endpoints are configured (endpoints: in YAML)"
+            )
+        if self.auth.enabled and self.discovery == "static":
+            raise ConfigError(
+                "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
+                "set auth.enabled: false for a router-only run"
+            )

@@ -22,7 +22,7 @@ from cgn_agent.spec import (
     spec_to_json,
 )
 from cgn_core.cli import load_service_settings, parse_overrides
-from cgn_core.settings import TlsSettings
+from cgn_core.settings import TlsSettings, load_settings
 from cgn_infer.settings import InferSettings
 
 BIN = Path(sys.executable).parent
@@ -414,7 +414,7 @@ def test_node_store_gives_gpu_engines_their_builtin_offload(
 
 def test_node_store_plan_and_settings() -> None:
     from cgn_agent import kvcached
-    from cgn_agent.settings import NodeKvcachedSettings
+    from cgn_agent.settings import AgentSettings, NodeKvcachedSettings
     from cgn_core.errors import ConfigError
 
     off = kvcached.plan(NodeKvcachedSettings(), "10.0.0.5", "t")
@@ -430,11 +430,14 @@ def test_node_store_plan_and_settings() -> None:
     assert "--ssd-dir" not in argv
     helped = _help_flags([str(BIN / "cgn-kvcached"), "serve", "--help"])
     assert flags(tuple(argv)) <= helped
-    for bad, why in ((replace(run, port=0), "kvcached.port"),
+    for bad, why in ((replace(run, port=0), "port must be a port number"),
                      (replace(run, ssd_dir=Path("/kv")), "go together"),
                      (replace(run, engine_offload_gib=-1), "engine_offload_gib")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
-            kvcached.check(bad)
+            bad.check()
+    # loaded as settings, the error names the path
+    with pytest.raises(ConfigError, match=r"^kvcached\.port must be a port number"):
+        load_settings(AgentSettings, "agent", flags={"kvcached.mode": "run", "kvcached.port": "0"})
 
 
 @pytest.mark.slow

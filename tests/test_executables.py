@@ -40,11 +40,12 @@ def test_an_engine_without_torch_says_what_to_install(
 ) -> None:
     from cgn_core.errors import ConfigError
     from cgn_infer import loader
+    from cgn_infer.backends import build
     from cgn_infer.settings import InferSettings
 
-    real = loader.importlib.util.find_spec
+    real = build.importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real(n, *a)
+        build.importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real(n, *a)
     )
     with pytest.raises(
         ConfigError, match="torch backend needs PyTorch: pip install cognitora-infer"
