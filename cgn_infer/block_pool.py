@@ -107,6 +107,16 @@ class BlockPool:
             taken.append(block.id)
         return taken
 
+    def hashes_of(self, ids: Sequence[BlockId]) -> list[BlockHash]:
+        """The registered hashes of blocks `ids` (a prefix `acquire_prefix` just took: its
+        walk named them, so a sequence never hashes its reused prompt again)."""
+        out = []
+        for bid in ids:
+            h = self.blocks[bid].hash
+            assert h is not None, f"block {bid} holds no registered prefix"
+            out.append(h)
+        return out
+
     def admit(self, tokens: Sequence[int], extra_tokens: int = 0) -> tuple[list[BlockId], int]:
         """A block table for `tokens` plus room for `extra_tokens`: the cached prefix reused,
         the rest allocated. Returns (table, number of reused blocks). All or nothing: on

@@ -37,7 +37,7 @@ from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_tiering import RestoreCost
 from cgn_infer.loader import LoadedModel, load_model
 from cgn_infer.metrics import EngineMetrics
-from cgn_infer.server import InferenceService, Loaded, build_app
+from cgn_infer.server import InferenceService, Serving, build_app
 from cgn_infer.settings import InferSettings
 from cgn_infer.transfer import TransferSink, TransferSource
 
@@ -112,7 +112,7 @@ def engine_ports(settings: InferSettings) -> list[int]:
 async def _listen(
     settings: InferSettings, name: str, port: int, ssl_ctx: ssl.SSLContext | None
 ) -> _Listener:
-    svc = InferenceService(name, EngineMetrics(name), settings.ctx, KvEventHub(name),
+    svc = InferenceService(name, EngineMetrics(name), KvEventHub(name),
                            body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
     sock = bind_tcp(settings.http.host, port)
     runner = Runner(
@@ -152,7 +152,7 @@ async def _serve_loaded(
             torch_thread.shutdown(wait=False)
             raise ConfigError(exc.message) from None
     try:
-        check_pool_fits(settings, loaded.backend.kv_bytes_per_token(), available_memory())
+        check_pool_fits(settings, loaded.backend, available_memory())
     except ConfigError:
         torch_thread.shutdown(wait=False)
         raise
@@ -174,15 +174,21 @@ async def _serve_loaded(
             build = functools.partial(_engine, settings, loaded, svc, config, loop, executor)
             engine = await loop.run_in_executor(torch_thread, build)
             engines.append(engine)
-        if hasattr(loaded.backend, "collect"):  # a pipeline head: its stages' traffic
-            listeners[0].svc.metrics.registry.register(loaded.backend)  # type: ignore[arg-type]
-        for listener, engine in zip(listeners, engines, strict=True):
+        if (collector := loaded.backend.collector) is not None:  # a pipeline head's stages
+            listeners[0].svc.metrics.registry.register(collector)
+        for i, (listener, engine) in enumerate(zip(listeners, engines, strict=True)):
             # NOTE: after every engine is built: the first one's worker takes torch_thread
             listener.svc.metrics.load_seconds.set(time.monotonic() - started)
             engine.start()
-            svc = listener.svc
-            svc.ctx, svc.kv_capacity = engine.ctx, engine.capacity_tokens
-            svc.loaded = Loaded(engine, loaded.codec, loaded.grammars)
+            source, sink = await _transfers(settings, listener, engine, i)
+            if source is not None:
+                sources.append(source)
+            listener.svc.serve(Serving(
+                engine, loaded.codec, loaded.grammars, engine.ctx, engine.capacity_tokens,
+                role=settings.role,
+                engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
+                transfer_source=source, transfer_sink=sink,
+            ))  # fmt: skip
         first = engines[0]
         log.info(
             "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
@@ -191,9 +197,6 @@ async def _serve_loaded(
             loaded.backend.kv_bytes_per_token(),
             f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
         )  # fmt: skip
-        for i, (listener, engine) in enumerate(zip(listeners, engines, strict=True)):
-            if (source := await _transfers(settings, listener, engine, i)) is not None:
-                sources.append(source)
         ports = [x.port for x in listeners]
         extra = {"kv_transfer": sources[0].port} if sources else {}
         if sources:
@@ -218,8 +221,8 @@ async def _serve_loaded(
         for source in sources:
             await source.stop()
         for listener in listeners:
-            if listener.svc.transfer_sink is not None:
-                listener.svc.transfer_sink.close()
+            if listener.svc.serving is not None and listener.svc.serving.transfer_sink:
+                listener.svc.serving.transfer_sink.close()
         for engine in engines:
             await asyncio.to_thread(engine.stop)
         if not engines:
@@ -264,28 +267,24 @@ def engine_layout(backend: Backend) -> Layout:
 
 async def _transfers(
     settings: InferSettings, listener: _Listener, engine: Engine, index: int
-) -> TransferSource | None:
-    """Give `listener`'s service what its role needs: a source for prefill legs (started;
-    returned, to be stopped) and a sink for decode legs."""
-    svc, backend = listener.svc, engine.backend
-    layout, t = engine_layout(backend), settings.transfer
-    svc.role = settings.role
-    svc.engine_id = f"{svc.model_name}@{settings.http.host}:{listener.port}"
+) -> tuple[TransferSource | None, TransferSink | None]:
+    """What an engine's role needs: a source for prefill legs (started; to be stopped) and
+    a sink for decode legs. A simulated backend's transfers are charged its modelled time."""
+    backend, t = engine.backend, settings.transfer
+    layout, modelled = engine_layout(backend), backend.modelled
+    sink = source = None
     if settings.role != "prefill":
-        modelled = backend.kv_bytes_per_token() * BLOCK_SIZE
-        sim = settings.backend == "sim"
-        svc.transfer_sink = TransferSink(
-            layout, engine.pool, svc.metrics, t, settings.tls,
-            modelled_block_bytes=modelled if sim else None,
-            speed=settings.sim.speed if sim else 1.0,
+        block_bytes = backend.kv_bytes_per_token() * BLOCK_SIZE
+        sink = TransferSink(
+            layout, engine.pool, listener.svc.metrics, t, settings.tls,
+            modelled_block_bytes=block_bytes if modelled else None,
+            speed=modelled.speed if modelled else 1.0,
         )  # fmt: skip
-    if settings.role == "decode":
-        return None
-    port = t.port + index if t.port else 0  # virtual sim engines: the next ports
-    source = TransferSource(layout, dataclasses.replace(t, port=port), settings.tls)
-    await source.start()
-    svc.transfer_source = source
-    return source
+    if settings.role != "decode":
+        port = t.port + index if t.port else 0  # virtual sim engines: the next ports
+        source = TransferSource(layout, dataclasses.replace(t, port=port), settings.tls)
+        await source.start()
+    return source, sink
 
 
 def kvcache_client(
@@ -300,10 +299,10 @@ def kvcache_client(
     tls = settings.tls if settings.tls.enabled else None
     client = KvCacheClient(s.address, layout, tls=tls, timeout_s=s.timeout_s,
                            shared_memory=s.shared_memory)  # fmt: skip
-    # The sim starts from what it charges: its modelled costs, all `speed` times faster.
-    sim = settings.backend == "sim"
-    speed = settings.sim.speed if sim else 1.0
-    prefill = settings.sim.prefill_s_per_token if sim else 1 / s.prefill_tokens_per_s
+    # A simulated backend starts from what it charges: its modelled costs, `speed` x faster.
+    modelled = backend.modelled
+    speed = modelled.speed if modelled else 1.0
+    prefill = modelled.prefill_s_per_token if modelled else 1 / s.prefill_tokens_per_s
     cost = RestoreCost(
         fixed_s=s.fixed_ms / 1e3 / speed,
         s_per_byte={
@@ -320,13 +319,14 @@ def kvcache_client(
 POOL_MEMORY_SHARE = 0.8  # of the memory available at start, at most, for the KV pool
 
 
-def check_pool_fits(settings: InferSettings, bytes_per_token: int, available: int | None) -> None:
+def check_pool_fits(settings: InferSettings, backend: Backend, available: int | None) -> None:
     """Refuse a KV pool the host cannot hold: allocating it would end in the OOM killer.
 
-    Only a pool in host memory is checked (the sim allocates none; a GPU's own allocator
-    fails cleanly); `available` is MemAvailable, None where it cannot be read."""
-    if settings.backend == "sim" or not settings.device.startswith("cpu") or available is None:
+    Only a pool in host memory is checked (a simulated backend allocates none; a GPU's own
+    allocator fails cleanly); `available` is MemAvailable, None where it cannot be read."""
+    if backend.modelled is not None or not settings.device.startswith("cpu") or available is None:
         return
+    bytes_per_token = backend.kv_bytes_per_token()
     need = settings.kv_pool_tokens * bytes_per_token
     if need > POOL_MEMORY_SHARE * available:
         raise ConfigError(

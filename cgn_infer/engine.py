@@ -187,8 +187,14 @@ class Engine:
         serves."""
         if self._failure is not None:
             return self._failure
-        lost: str | None = getattr(self.backend, "lost", None)
+        lost = self.backend.lost
         return f"BackendLost: {lost}" if lost else None
+
+    @property
+    def restore_executor(self) -> ThreadPoolExecutor | None:
+        """Where fetching a prompt's blocks runs (off the event loop): the node store's
+        restore threads, or the loop's default executor without a store."""
+        return self.tiering.restorer if self.tiering is not None else None
 
     @property
     def capacity_tokens(self) -> int:

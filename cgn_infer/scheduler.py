@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
 from cgn_infer.block_pool import BlockId, BlockPool, PoolExhausted
 
 SeqId = NewType("SeqId", int)
@@ -240,7 +240,7 @@ class Scheduler:
             self.pool.release(table)
             return False
         seq.table = table
-        seq.hashes = list(itertools.islice(iter_block_hashes(tokens, self.pool.namespace), reused))
+        seq.hashes = self.pool.hashes_of(table[:reused])  # hashed once, by the pool's walk
         seq.computed = self._restore(seq, reused, (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
         if not seq.admitted:
             seq.cached_tokens, seq.admitted = seq.computed, True

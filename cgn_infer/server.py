@@ -54,29 +54,43 @@ MAX_BODY_BYTES = 8 << 20
 OFF_LOOP_BYTES = 64 << 10  # bodies from this size on are tokenized on a worker thread
 
 
-@dataclass(slots=True)
-class Loaded:
-    """Everything that exists once the weights are loaded."""
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """Everything that exists once the weights are loaded, built whole by the daemon."""
 
     engine: Engine
     codec: PromptCodec
-    grammars: Grammars | None = None  # structured outputs; None: refused with a 400
-
-
-@dataclass(slots=True)
-class InferenceService:
-    model_name: str
-    metrics: EngineMetrics
-    ctx: int
-    kv_events: KvEventHub
-    kv_capacity: int = 0  # KV slots one request may use (set once the engine exists)
-    body_timeout_s: float = 60.0  # a request body must arrive within this
-    loaded: Loaded | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
+    grammars: Grammars | None  # structured outputs; None: refused with a 400
+    ctx: int  # the engine's context length
+    kv_capacity: int  # KV slots one request may use
     role: str = "both"  # both | prefill | decode (prefill/decode disaggregation)
     engine_id: str = ""  # this engine's name in a prefill leg's answer
     transfer_source: TransferSource | None = None  # holds prefill legs' KV (role != decode)
     transfer_sink: TransferSink | None = None  # fetches decode legs' KV (role != prefill)
+
+
+@dataclass(slots=True)
+class InferenceService:
+    """One engine's HTTP side: loading until `serve(Serving)`, then serving; nothing else of
+    it changes after construction."""
+
+    model_name: str
+    metrics: EngineMetrics
+    kv_events: KvEventHub
+    body_timeout_s: float = 60.0  # a request body must arrive within this
+    created: int = field(default_factory=lambda: int(time.time()))
+    serving: Serving | None = None  # None while the model loads
+
+    def serve(self, serving: Serving) -> None:
+        """The model is loaded: from now on requests run (once; a service never reloads)."""
+        assert self.serving is None, "a service is given its engine once"
+        self.serving = serving
+
+    def ready(self) -> Serving:
+        """What serves requests; Unavailable (503) while the model loads."""
+        if self.serving is None:
+            raise Unavailable("the model is still loading")
+        return self.serving
 
     def prepare(self, req: ParsedRequest) -> GenerationRequest:
         """Template, tokenize and bound a validated request."""
@@ -86,18 +100,17 @@ class InferenceService:
                 code="model_not_found",
                 param="model",
             )
-        if self.loaded is None:
-            raise Unavailable("the model is still loading")
-        tok = self.loaded.codec.tokenizer
+        serving = self.ready()
+        tok = serving.codec.tokenizer
         if bad := [t for t, _ in req.params.logit_bias if t >= tok.vocab_size]:
             raise InvalidRequest(
                 f"'logit_bias' names token {bad[0]}; this model's vocabulary has "
                 f"{tok.vocab_size} tokens", param="logit_bias",
             )  # fmt: skip
         if req.kind == "chat":
-            prompt = self.loaded.codec.encode_chat(req.messages, req.tools.rendered)
+            prompt = serving.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
-            prompt = self.loaded.codec.encode_text(req.prompt_text)
+            prompt = serving.codec.encode_text(req.prompt_text)
         else:
             prompt = list(req.prompt_ids or ())
             if any(not 0 <= t < tok.vocab_size for t in prompt):
@@ -106,35 +119,35 @@ class InferenceService:
                 )
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        room = self.ctx - len(prompt)
-        kv_room = self.kv_capacity + 1 - len(prompt)  # the last token's K/V is never stored
+        room = serving.ctx - len(prompt)
+        kv_room = serving.kv_capacity + 1 - len(prompt)  # the last token's K/V is never stored
         if room < 1:
             raise InvalidRequest(
-                f"the prompt has {len(prompt)} tokens; this model's context is {self.ctx}",
+                f"the prompt has {len(prompt)} tokens; this model's context is {serving.ctx}",
                 code="context_length_exceeded",
                 param="messages" if req.kind == "chat" else "prompt",
             )
         if req.max_tokens is not None and req.max_tokens > room:
             raise InvalidRequest(
                 f"max_tokens={req.max_tokens} plus the {len(prompt)}-token prompt exceeds "
-                f"the context of {self.ctx} tokens",
+                f"the context of {serving.ctx} tokens",
                 code="context_length_exceeded",
                 param="max_tokens",
             )
         if kv_room < 1 or (req.max_tokens or 1) > kv_room:
             raise InvalidRequest(
                 f"the {len(prompt)}-token prompt plus max_tokens={req.max_tokens or 1} can never "
-                f"fit this engine's KV pool of {self.kv_capacity} tokens (--kv-pool-tokens)",
+                f"fit this engine's KV pool of {serving.kv_capacity} tokens (--kv-pool-tokens)",
                 code="kv_capacity_exceeded",
                 param="max_tokens" if kv_room >= 1 else "messages",
             )
         transfer = req.kv_transfer
         constraint = None
         if req.grammar is not None:
-            if self.loaded.grammars is None:
+            if serving.grammars is None:
                 raise InvalidRequest(f"'{req.grammar.origin}' is not supported by this engine",
                                      param=req.grammar.origin)  # fmt: skip
-            constraint = self.loaded.grammars.constraint(
+            constraint = serving.grammars.constraint(
                 req.grammar, self.metrics.grammar_compile_seconds.observe
             )
             self.metrics.constrained.inc()
@@ -155,14 +168,15 @@ class InferenceService:
         decode leg makes the engine dial the address it names)."""
         if params is None:
             return
+        serving = self.ready()
         if not trusted:
             raise Forbidden(f"'{TRANSFER_FIELD}' is accepted from the router only",
                             param=TRANSFER_FIELD)  # fmt: skip
-        if params.do_remote_decode and self.transfer_source is None:
-            raise InvalidRequest(f"this engine's role is {self.role}: it runs no prefill legs",
+        if params.do_remote_decode and serving.transfer_source is None:
+            raise InvalidRequest(f"this engine's role is {serving.role}: it runs no prefill legs",
                                  param=f"{TRANSFER_FIELD}.do_remote_decode")  # fmt: skip
-        if params.do_remote_prefill and self.transfer_sink is None:
-            raise InvalidRequest(f"this engine's role is {self.role}: it runs no decode legs",
+        if params.do_remote_prefill and serving.transfer_sink is None:
+            raise InvalidRequest(f"this engine's role is {serving.role}: it runs no decode legs",
                                  param=f"{TRANSFER_FIELD}.do_remote_prefill")  # fmt: skip
 
     async def restore(
@@ -170,31 +184,30 @@ class InferenceService:
     ) -> tuple[Restored | None, str | None]:
         """Prompt blocks fetched before the request is queued (off the loop): from the prefill
         engine a decode leg names, else from the node's KV store; and the transfer's note."""
-        assert self.loaded is not None
-        loop, engine = asyncio.get_running_loop(), self.loaded.engine
-        if params is not None and params.do_remote_prefill and self.transfer_sink is not None:
-            sink = self.transfer_sink
-            executor = engine.tiering.restorer if engine.tiering is not None else None
-            fetched = await loop.run_in_executor(executor, sink.fetch, gen.prompt, params)
+        serving = self.ready()
+        loop, engine = asyncio.get_running_loop(), serving.engine
+        if params is not None and params.do_remote_prefill and serving.transfer_sink is not None:
+            sink = serving.transfer_sink
+            fetched = await loop.run_in_executor(
+                engine.restore_executor, sink.fetch, gen.prompt, params
+            )
             return fetched.restored, fetched.note
         if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
-            tiering = engine.tiering
-            restored = await loop.run_in_executor(tiering.restorer, tiering.prefetch, gen.prompt)
-            return restored, None
+            prefetch = engine.tiering.prefetch
+            return await loop.run_in_executor(engine.restore_executor, prefetch, gen.prompt), None
         return None, None
 
     async def generate(
         self, gen: GenerationRequest, restored: Restored | None = None
     ) -> AsyncIterator[Event]:
         """Run `gen` on the engine; cancelling the consumer cancels the generation."""
-        assert self.loaded is not None
+        engine = self.ready().engine
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def emit(ev: Event) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        engine = self.loaded.engine
         job = Job(gen, emit, restored=restored)
         engine.submit(job)
         try:
@@ -239,7 +252,8 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
     svc.check_transfer(parsed.kv_transfer, trusted)
-    grammars = svc.loaded.grammars if svc.loaded is not None else None
+    serving = svc.ready()  # 503 while the model loads
+    grammars = serving.grammars
     compiles = (
         parsed.grammar is not None and grammars is not None and not grammars.cached(parsed.grammar)
     )
@@ -249,11 +263,10 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
     restored, note = await svc.restore(gen, parsed.kv_transfer)
     headers = {TRANSFER_HEADER: note} if note else {}
-    assert svc.loaded is not None
     build = ResponseBuilder(
         kind,
         svc.model_name,
-        svc.loaded.codec.tokenizer.token_text,
+        serving.codec.tokenizer.token_text,
         parsed.params.logprobs is not None,
         tools=parsed.tools,
     )
@@ -265,12 +278,12 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
                 raise InternalError(f"generation failed: {ev.error}")
             else:
                 body = build.final(ev)
-                if ev.exported is not None and svc.transfer_source is not None:
+                if ev.exported is not None and serving.transfer_source is not None:
                     # a prefill leg: keep its blocks, and say where (no blocks: nothing held)
-                    source = svc.transfer_source
+                    source = serving.transfer_source
                     await source.hold(ev.exported)
                     svc.metrics.kv_transfer_held.inc(len(ev.exported.hashes))
-                    body[TRANSFER_FIELD] = source.params(ev.exported, svc.engine_id).to_json()
+                    body[TRANSFER_FIELD] = source.params(ev.exported, serving.engine_id).to_json()
                 return web.json_response(body, headers=headers)
         raise InternalError("generation ended without a result")
     resp = web.StreamResponse(
@@ -319,20 +332,23 @@ async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:
 
 
 async def _models(svc: InferenceService) -> web.Response:
+    """The served model, once its weights are loaded (503 before: a model listed here
+    answers requests, the readiness contract of docs/architecture.md)."""
+    serving = svc.ready()
     card = {
         "id": svc.model_name,
         "object": "model",
         "created": svc.created,
         "owned_by": "cognitora",
-        "max_model_len": svc.ctx,
+        "max_model_len": serving.ctx,
     }
     return web.json_response({"object": "list", "data": [card]})
 
 
 async def _health(svc: InferenceService) -> web.Response:
-    if svc.loaded is None:
+    if svc.serving is None:
         return web.json_response({"status": "loading"}, status=503)
-    if (failure := svc.loaded.engine.failure) is not None:
+    if (failure := svc.serving.engine.failure) is not None:
         return web.json_response({"status": "failed", "reason": failure}, status=503)
     return web.json_response({"status": "ok"})
 

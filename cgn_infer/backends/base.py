@@ -9,9 +9,11 @@ blocks (`new_kv`); every step passes each sequence's block table explicitly
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from prometheus_client.registry import Collector
 
 from cgn_infer.backends.paged import BatchItem, SeqCache, blocks_for
 from cgn_infer.models.args import Args
@@ -22,11 +24,35 @@ class BackendLost(RuntimeError):
     cannot step any more, so it stops at once and says why on /health."""
 
 
+@dataclass(frozen=True, slots=True)
+class Modelled:
+    """A simulated backend's clock: it computes nothing and waits what its cost model says,
+    `speed` times faster than modelled; moving or restoring its KV is charged the same way."""
+
+    speed: float
+    prefill_s_per_token: float  # the modelled prefill rate, before `speed`
+
+
 class Backend(Protocol):
-    """A loaded model on one runtime."""
+    """A loaded model on one runtime, with what it can and cannot do declared below (the
+    engine and the daemon read these; they never probe a backend for attributes)."""
 
     name: str
     args: Args
+
+    @property
+    def lost(self) -> str | None:
+        """Why a part of this backend outside the process is gone (a pipeline stage), so the
+        engine cannot step; None while it is whole."""
+
+    @property
+    def collector(self) -> Collector | None:
+        """Prometheus metrics of its own for the engine's /metrics (a pipeline head: its
+        stages' traffic); None: none."""
+
+    @property
+    def modelled(self) -> Modelled | None:
+        """A simulated backend's timing model; None: real compute, its pool in real memory."""
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token takes in the pool, all layers together."""
@@ -65,7 +91,20 @@ class Backend(Protocol):
 
 
 class SingleSequence:
-    """`new_cache`/`forward` for one sequence, on top of a backend's paged batch step."""
+    """`new_cache`/`forward` for one sequence, on top of a backend's paged batch step; and
+    the capabilities of a backend that is whole, real and has no metrics of its own."""
+
+    @property
+    def lost(self) -> str | None:
+        return None
+
+    @property
+    def collector(self) -> Collector | None:
+        return None
+
+    @property
+    def modelled(self) -> Modelled | None:
+        return None
 
     def new_kv(self, num_blocks: int) -> Any:
         raise NotImplementedError

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cgn_core.kv.blockhash import BLOCK_SIZE
-from cgn_infer.backends.base import SingleSequence
+from cgn_infer.backends.base import Modelled, SingleSequence
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.models.args import Args
 
@@ -65,6 +65,10 @@ class SimBackend(SingleSequence):
         self.args, self.cost = args, cost
         self.choices = np.asarray(choices, dtype=np.int64)
         self._kv_dtype_bytes = kv_dtype_bytes
+
+    @property
+    def modelled(self) -> Modelled:
+        return Modelled(self.cost.speed, self.cost.prefill_s_per_token)
 
     def kv_bytes_per_token(self) -> int:
         """What the modelled engine would hold per token (the sim itself keeps 8 bytes)."""

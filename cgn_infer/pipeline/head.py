@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from cgn_core.errors import ConfigError
 from cgn_core.settings import TlsSettings
@@ -188,6 +189,10 @@ class PipelineBackend(SingleSequence):
             if client.lost is not None:
                 return f"stage {client.address}: {client.lost}"
         return None
+
+    @property
+    def collector(self) -> Collector:
+        return self  # collect(): its stages' traffic and time
 
     def weight_bytes(self) -> int:
         return int(self.local.weight_bytes())
