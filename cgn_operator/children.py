@@ -16,7 +16,7 @@
 Every child carries the cluster's owner reference (controller: true), so Kubernetes'
 garbage collector deletes the children with the cluster and the operator needs no
 finalizer. The handlers create what is missing and patch what differs (spec changes
-land in place); see handlers.py.
+land in place); see clusters.py.
 
 A node's agent reads its own pair from <c>-tls-nodes by its node name (downward API):
 every agent pod mounts the whole Secret, so a node that is broken into can read the

@@ -82,7 +82,8 @@ def run_(
             typer.echo(f"error: --kubeconfig {settings.kubeconfig}: no such file", err=True)
             sys.exit(2)
         os.environ["KUBECONFIG"] = str(settings.kubeconfig)
-    from cgn_operator.handlers import State, start
+    from cgn_operator.run import start
+    from cgn_operator.state import State
 
     asyncio.run(start(State(settings), liveness=liveness))
 

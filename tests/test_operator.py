@@ -27,7 +27,7 @@ from cgn_control.cluster import Snapshot
 from cgn_core import pki
 from cgn_operator import children, lease, manifests, status
 from cgn_operator.crds import API_VERSION, CLUSTER, MODEL, crds, model_doc
-from cgn_operator.handlers import cluster_of
+from cgn_operator.models import cluster_of
 from harness.kube import kubeconfig, serve
 
 from .conftest import REPO

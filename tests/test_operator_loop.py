@@ -33,8 +33,9 @@ from cgn_core.settings import EtcdSettings
 from cgn_ctl import ops as ctl_ops
 from cgn_operator import lease
 from cgn_operator.crds import API_VERSION, CLUSTER, MODEL
-from cgn_operator.handlers import State, start
+from cgn_operator.run import start
 from cgn_operator.settings import OperatorSettings
+from cgn_operator.state import State
 from harness.kube import kubeconfig, serve, wait_for
 
 from .conftest import REPO
