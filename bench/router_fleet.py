@@ -109,7 +109,7 @@ print(json.dumps({"rss_mib": round(after - before), "pairs": 1000 * 16384,
 ROUTE_PROBE = """
 import json, random, sys, time
 from cgn_router.kv_index import PrefixIndex
-from cgn_router.pipeline import Pipeline
+from cgn_router.chain import RoutingChain
 from cgn_router.registry import Registry, Sessions
 from cgn_router.settings import BreakerSettings, RoutingSettings
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
@@ -122,7 +122,7 @@ reg = Registry(BreakerSettings(), PrefixIndex(300, 65536, 5), Sessions(600), 5.0
 names = ["fake", *(f"other{i}" for i in range(1, models))]
 reg.replace_source("static", [Endpoint(EndpointId(f"{names[i % models]}/e{i}"), names[i % models],
                                        "http://x") for i in range(size)])
-pipeline, rng = Pipeline.from_settings(RoutingSettings()), random.Random(0)
+pipeline, rng = RoutingChain.from_settings(RoutingSettings()), random.Random(0)
 req = RequestInfo("fake", "both", tuple(bytes([i % 256, i // 256]) * 16 for i in range(113)), 1822)
 now = time.monotonic()
 for e in reg.by_model["fake"]:  # every endpoint of the model holds the prompt (assumed)

@@ -28,7 +28,7 @@ from cgn_core.etcd import Compare, Election, EtcdClient, Op
 from cgn_core.records import RecordLog
 
 log = logging.getLogger(__name__)
-ELECTION = "reconciler"
+ELECTION = keys.RECONCILER_ELECTION
 
 
 @dataclass

@@ -24,7 +24,7 @@ from cgn_core.errors import NotFound, PermanentError
 from cgn_core.etcd import Compare, EtcdClient, Op
 from cgn_core.etcd.types import json_value
 
-OWNERS = keys.ROOT + "catalog/owners/"  # <model>: {"kind", "namespace", "name", "uid"}
+OWNERS = keys.CATALOG_OWNERS  # <model>: {"kind", "namespace", "name", "uid"}
 
 
 class InUse(PermanentError):

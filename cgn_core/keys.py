@@ -3,10 +3,13 @@
 ROOT = "/cognitora/"
 NODES = ROOT + "nodes/"  # <node>: inventory, leased by the agent
 CATALOG = ROOT + "catalog/models/"  # <model>: model spec, written by ctl
+CATALOG_OWNERS = ROOT + "catalog/owners/"  # <model>: who wrote it (cgn-operator's resource)
 PLACEMENTS = ROOT + "placements/"  # <node>/<replica>: desired replica, by the reconciler
 REPLICAS = ROOT + "replicas/"  # <node>/<replica>: actual state, leased by the agent
 ENDPOINTS = ROOT + "endpoints/"  # <node>/<model>/<replica>: Ready and routable, by the agent
 LEADER = ROOT + "leader/"  # <election>: the elected leader's candidate id (routers)
+RECONCILER_ELECTION = "reconciler"  # the routers' election for the control loop
+RECONCILER_LEADER = LEADER + RECONCILER_ELECTION  # its key: who runs the reconciler now
 CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
 API_KEYS = ROOT + "keys/"  # <key id>: an API key record (hash, tenant, band, limits), by ctl

@@ -21,8 +21,6 @@ from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.records import NodeInventory, Placement, ReplicaStatus
 
-LEADER_KEY = "/cognitora/leader/reconciler"
-
 
 async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
@@ -144,7 +142,7 @@ async def replicas_on(client: EtcdClient, node: str) -> list[dict[str, Any]]:
 
 async def status(client: EtcdClient) -> dict[str, Any]:
     snap = await read_snapshot(client)
-    leader = await client.get(LEADER_KEY)
+    leader = await client.get(keys.RECONCILER_LEADER)
     unplaced = {}
     states = node_states(snap)
     for name, spec in sorted(snap.models.items()):

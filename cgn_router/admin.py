@@ -92,4 +92,4 @@ async def _endpoints(svc: RouterService) -> web.Response:
                 "exact": reg.index.exact_size(eid), "assumed": reg.index.assumed_size(eid),
             },
         })  # fmt: skip
-    return web.json_response({"weights": svc.pipeline.weights, "endpoints": out})
+    return web.json_response({"weights": svc.chain.weights, "endpoints": out})

@@ -33,12 +33,12 @@ from cgn_core.revocation import follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_router.admin import build_admin_app
 from cgn_router.catalog import Catalog, entry_from_settings
+from cgn_router.chain import RoutingChain
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
 from cgn_router.kv_index import PrefixIndex
 from cgn_router.metrics import RouterMetrics
-from cgn_router.pipeline import Pipeline
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
     Registry,
@@ -62,7 +62,7 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
     """Every object the router runs on, from its settings (no I/O)."""
     r = settings.routing
     try:
-        pipeline = Pipeline.from_settings(r)
+        chain = RoutingChain.from_settings(r)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
     index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s)
@@ -73,7 +73,7 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         settings,
         Catalog(r.chars_per_block),
         registry,
-        pipeline,
+        chain,
         Proxy(upstream, settings.deadlines),
         metrics,
     )

@@ -23,7 +23,7 @@ from cgn_core.apikeys import parse_record
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
 from cgn_router.catalog import entry_from_etcd
-from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
+from cgn_router.chain import Policy, RoutingChain, chain_from_policy
 from cgn_router.registry import (
     endpoint_from_doc,
     endpoint_key_parts,
@@ -174,10 +174,10 @@ class EtcdFollowers:
         elif (entry := self._entry(ev.kv)) is not None:
             self.svc.catalog.put("etcd", entry)
 
-    # ---- routing policy: the live pipeline (a bad value keeps the one in use) ------------
+    # ---- routing policy: the live chain (a bad value keeps the one in use) ------------
 
     def policy_list(self, kvs: list[KeyValue]) -> None:
-        self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
+        self.svc.chain = RoutingChain.from_settings(self.svc.settings.routing)
         for kv in kvs:
             if kv.key == keys.POLICY_ROUTING:
                 self._policy(kv)
@@ -186,16 +186,16 @@ class EtcdFollowers:
         if ev.kv.key != keys.POLICY_ROUTING:
             return
         if ev.kind == "delete":
-            self.svc.pipeline = Pipeline.from_settings(self.svc.settings.routing)
+            self.svc.chain = RoutingChain.from_settings(self.svc.settings.routing)
         else:
             self._policy(ev.kv)
 
     def _policy(self, kv: KeyValue) -> None:
         base = Policy.from_settings(self.svc.settings.routing)
-        pipeline = self._parse(kv, lambda doc: pipeline_from_policy(doc, base))
-        if pipeline is not None:
-            self.svc.pipeline = pipeline
-            log.info("routing policy from etcd: weights %s", pipeline.weights)
+        chain = self._parse(kv, lambda doc: chain_from_policy(doc, base))
+        if chain is not None:
+            self.svc.chain = chain
+            log.info("routing policy from etcd: weights %s", chain.weights)
 
     # ---- API keys --------------------------------------------------------------------------
 
@@ -218,6 +218,6 @@ class EtcdFollowers:
             self.svc.keys.delete(kid)
 
 
-def routing_policy(doc: Any) -> Pipeline:
-    """The pipeline a policy value asks for over the default settings (for the poison tests)."""
-    return pipeline_from_policy(doc, Policy.from_settings(RoutingSettings()))
+def routing_policy(doc: Any) -> RoutingChain:
+    """The chain a policy value asks for over the default settings (for the poison tests)."""
+    return chain_from_policy(doc, Policy.from_settings(RoutingSettings()))

@@ -13,9 +13,9 @@ from cgn_core.errors import Unauthorized
 from cgn_core.revocation import RevocationList
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
+from cgn_router.chain import Decision, RoutingChain
 from cgn_router.gate import Gate
 from cgn_router.metrics import RouterMetrics
-from cgn_router.pipeline import Decision, Pipeline
 from cgn_router.proxy import Proxy
 from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
@@ -33,7 +33,7 @@ class RouterService:
     settings: RouterSettings
     catalog: Catalog
     registry: Registry
-    pipeline: Pipeline
+    chain: RoutingChain
     proxy: Proxy
     metrics: RouterMetrics
     rng: random.Random = field(default_factory=random.Random)
@@ -77,7 +77,7 @@ class RouterService:
         return spec.priority if adm.engine_priority and spec is not None else None
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
-        """The pipeline's decision over the live registry, counted in the metrics.
+        """The chain's decision over the live registry, counted in the metrics.
 
         A model with more than SHORT_LIST endpoints is scored over a short list first
         (`Registry.views`); when the filters leave none of it, over all of them."""
@@ -85,9 +85,9 @@ class RouterService:
         by_model = self.registry.by_model.get(req.model, {})
         picks = SHORT_PICKS if len(by_model) > SHORT_LIST else None
         views = self.registry.views(req, now, tried, picks)
-        decision = self.pipeline.route(req, views, self.rng)
+        decision = self.chain.route(req, views, self.rng)
         if decision.chosen is None and picks is not None:
-            decision = self.pipeline.route(req, self.registry.views(req, now, tried), self.rng)
+            decision = self.chain.route(req, self.registry.views(req, now, tried), self.rng)
         for name, n in decision.dropped.items():
             self.metrics.filter_drops.labels(name).inc(n)
         if decision.chosen is not None:

@@ -51,7 +51,7 @@ class StaticStore:
 
 @dataclass(frozen=True, slots=True)
 class ScorerSpec:
-    """One scorer of the routing pipeline: a registered type, its weight, its parameters."""
+    """One scorer of the routing chain: a registered type, its weight, its parameters."""
 
     type: str = ""  # prefix | load | kv_usage | affinity (cgn_router/plugins/)
     weight: float = 1.0
@@ -71,7 +71,7 @@ def _default_scorers() -> tuple[ScorerSpec, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RoutingSettings:
-    """The routing pipeline and its tunables (docs/cgn-router.md).
+    """The routing chain and its tunables (docs/cgn-router.md).
 
     `/cognitora/policy/routing` in etcd overrides filters, scorers, picker and weights live."""
 

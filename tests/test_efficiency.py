@@ -47,9 +47,9 @@ def test_efficiency_scorer(figures: dict[str, float | None], expected: dict[str,
 
 def test_the_scorer_is_in_the_default_policy_with_weight_zero() -> None:
     svc = build_service(RouterSettings(), Upstream())
-    assert svc.pipeline.weights["efficiency"] == 0.0
-    svc.pipeline.set_weights({"efficiency": 2.0})
-    assert svc.pipeline.weights["efficiency"] == 2.0
+    assert svc.chain.weights["efficiency"] == 0.0
+    svc.chain.set_weights({"efficiency": 2.0})
+    assert svc.chain.weights["efficiency"] == 2.0
 
 
 CPU = parse_model({"name": "m", "source": "s",

@@ -227,7 +227,7 @@ def test_poison_endpoints_catalog_and_policy_are_skipped(followers: EtcdFollower
     ])  # fmt: skip
     assert set(svc.catalog.names()) >= {"a", "alpha"} and "b" not in svc.catalog.names()
 
-    before = dict(svc.pipeline.weights)
+    before = dict(svc.chain.weights)
     for doc in ({"weights": {"prefix": "x"}}, {"weights": {"nope": 1}}, {"weights": []},
                 {"weights": {"prefix": 1e300}}, "prefix", {"scorers": [{"type": "nope"}]},
                 {"scorers": [{"type": "prefix", "params": {"ram_weight": 2}}]},
@@ -235,15 +235,15 @@ def test_poison_endpoints_catalog_and_policy_are_skipped(followers: EtcdFollower
                 {"scorers": [{"type": "load"}, {"type": "load"}]}, {"scorers": "prefix"},
                 {"picker": "best"}, {"filters": ["model", "x"]}, {"scorer": []}):  # fmt: skip
         followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", doc)))
-    assert svc.pipeline.weights == before
+    assert svc.chain.weights == before
     followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", {"load": 2})))
-    assert svc.pipeline.weights["load"] == 2.0
+    assert svc.chain.weights["load"] == 2.0
     policy = {"scorers": [{"type": "load", "weight": 2}, {"type": "load", "name": "l2"}],
               "picker": "p2c"}  # fmt: skip
     followers.policy_event(WatchEvent("put", kv("/cognitora/policy/routing", policy)))
-    assert svc.pipeline.weights == {"load": 2.0, "l2": 1.0} and svc.pipeline.picker.name == "p2c"
+    assert svc.chain.weights == {"load": 2.0, "l2": 1.0} and svc.chain.picker.name == "p2c"
     followers.policy_event(WatchEvent("delete", kv("/cognitora/policy/routing", b"")))
-    assert svc.pipeline.weights == before
+    assert svc.chain.weights == before
 
 
 def test_a_cordon_with_an_unreadable_value_still_cordons(followers: EtcdFollowers) -> None:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from cgn_router.pipeline import Pipeline, Policy, pipeline_from_policy
+from cgn_router.chain import Policy, RoutingChain, chain_from_policy
 from cgn_router.plugins import FILTERS, PICKERS, SCORERS
 from cgn_router.plugins.affinity import AffinityScorer
 from cgn_router.plugins.base import build
@@ -173,8 +173,8 @@ def policy(**prefix: float) -> Policy:
     return replace(base, scorers=scorers)
 
 
-def pipeline(**weights: float) -> Pipeline:
-    p = Pipeline.build(policy(saturation_tokens=1000))
+def pipeline(**weights: float) -> RoutingChain:
+    p = RoutingChain.build(policy(saturation_tokens=1000))
     p.set_weights(weights)
     return p
 
@@ -187,7 +187,7 @@ def test_pipeline_prefers_the_warm_endpoint_over_a_slightly_idler_one() -> None:
     assert ids(d.totals) == {"warm": 3.0 + 0.5 + 0.5, "cold": 0.0 + 0.75 + 0.5}
 
 
-def shared_prefix_counts(p: Pipeline, requests: int = 40) -> dict[str, int]:
+def shared_prefix_counts(p: RoutingChain, requests: int = 40) -> dict[str, int]:
     """Route `requests` that share their 10 blocks over four replicas; none completes."""
     rng = random.Random(0)
     pending = dict.fromkeys("abcd", 0)
@@ -207,7 +207,7 @@ def test_saturation_guard_spreads_a_shared_prefix() -> None:
     """Every request shares its first blocks: without the guard all go to one replica."""
     counts = shared_prefix_counts(pipeline())
     assert min(counts.values()) >= 4 and max(counts.values()) <= 16, counts
-    unguarded = Pipeline.build(policy(saturation_tokens=10**9))
+    unguarded = RoutingChain.build(policy(saturation_tokens=10**9))
     assert max(shared_prefix_counts(unguarded).values()) == 40
 
 
@@ -269,7 +269,7 @@ def test_a_pipeline_is_built_from_config_through_the_registries() -> None:
                  ScorerSpec("load", 1.0, name="queue")),
         picker="p2c",
     )  # fmt: skip
-    p = Pipeline.from_settings(s)
+    p = RoutingChain.from_settings(s)
     assert [f.name for f in p.filters] == ["model", "breaker"]
     assert p.weights == {"prefix": 2.0, "queue": 1.0} and p.picker.name == "p2c"
     prefix = p.scorers[0]
@@ -277,6 +277,6 @@ def test_a_pipeline_is_built_from_config_through_the_registries() -> None:
     d = p.route(REQ, [view("a", cordoned=True, matched_blocks=10), view("b")], random.Random(0))
     assert d.chosen == "m/a" and set(d.scores) == {"prefix", "queue"}  # no cordon filter
     # the live policy replaces parts and keeps the rest of its base
-    live = pipeline_from_policy({"picker": "max", "weights": {"queue": 0}}, Policy.from_settings(s))
+    live = chain_from_policy({"picker": "max", "weights": {"queue": 0}}, Policy.from_settings(s))
     assert live.weights == {"prefix": 2.0, "queue": 0.0} and live.picker.name == "max"
     assert [f.name for f in live.filters] == ["model", "breaker"]

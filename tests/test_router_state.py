@@ -22,10 +22,10 @@ from cgn_core.text.prompt import PromptCodec
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
+from cgn_router.chain import RoutingChain
 from cgn_router.daemon import scrape_plan
 from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
 from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
-from cgn_router.pipeline import Pipeline
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import LoadOrder, Registry, Sessions, endpoint_from_etcd
 from cgn_router.scrape import engine_load, name_map, parse_samples
@@ -411,7 +411,7 @@ def test_a_large_model_is_scored_over_a_short_list() -> None:
     full = reg.views(req, now=1)
     assert len(full) == 200
     rng = random.Random(0)
-    pipeline = Pipeline.from_settings(RoutingSettings())
+    pipeline = RoutingChain.from_settings(RoutingSettings())
     assert (
         pipeline.route(req, short, rng).chosen == pipeline.route(req, full, rng).chosen == "m/e077"
     )

@@ -2,7 +2,7 @@
 
 total(e) = Σ weight(s) · s(e) over the scorers s with a non-zero weight.
 
-The pipeline is built through the plugin registries from a `Policy`: the
+The chain is built through the plugin registries from a `Policy`: the
 `routing.filters / scorers / picker` settings, or the live etcd key
 `/cognitora/policy/routing`, whose value either re-weights the configured
 scorers (`{"weights": {"prefix": 2.0}}`) or replaces the policy
@@ -39,7 +39,7 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """What a pipeline is made of, by registered plugin names."""
+    """What a chain is made of, by registered plugin names."""
 
     filters: tuple[str, ...]
     scorers: tuple[ScorerSpec, ...]
@@ -50,8 +50,8 @@ class Policy:
         return cls(s.filters, s.scorers, s.picker)
 
 
-class Pipeline:
-    """One configured routing pipeline."""
+class RoutingChain:
+    """One configured routing chain."""
 
     def __init__(
         self, filters: Sequence[Filter], scorers: Sequence[tuple[Scorer, float]], picker: Picker
@@ -62,8 +62,8 @@ class Pipeline:
         self.picker = picker
 
     @classmethod
-    def build(cls, policy: Policy) -> Pipeline:
-        """A pipeline of registered plugins; ValueError names the first bad part."""
+    def build(cls, policy: Policy) -> RoutingChain:
+        """A chain of registered plugins; ValueError names the first bad part."""
         filters = [build(FILTERS, "filter", name) for name in policy.filters]
         scorers = []
         for spec in policy.scorers:
@@ -75,7 +75,7 @@ class Pipeline:
         return cls(filters, scorers, build(PICKERS, "picker", policy.picker))
 
     @classmethod
-    def from_settings(cls, s: RoutingSettings) -> Pipeline:
+    def from_settings(cls, s: RoutingSettings) -> RoutingChain:
         return cls.build(Policy.from_settings(s))
 
     def set_weights(self, weights: Mapping[str, object]) -> None:
@@ -123,8 +123,8 @@ def check_weight(name: str, value: object) -> float:
     return float(value)
 
 
-def pipeline_from_policy(doc: Any, base: Policy) -> Pipeline:
-    """The pipeline a `/cognitora/policy/routing` value asks for; ValueError says why not.
+def chain_from_policy(doc: Any, base: Policy) -> RoutingChain:
+    """The chain a `/cognitora/policy/routing` value asks for; ValueError says why not.
 
     `{"weights": {...}}` (or the bare mapping) keeps `base` and re-weights it; a value
     with `scorers`, `filters` or `picker` replaces those parts of `base`."""
@@ -152,9 +152,9 @@ def pipeline_from_policy(doc: Any, base: Policy) -> Pipeline:
     weights = doc.get("weights", {})
     if not isinstance(weights, dict):
         raise ValueError("'weights' must map scorer names to numbers")
-    pipeline = Pipeline.build(policy)
-    pipeline.set_weights(weights)
-    return pipeline
+    chain = RoutingChain.build(policy)
+    chain.set_weights(weights)
+    return chain
 
 
 def _scorer_spec(item: Any) -> ScorerSpec:
