@@ -59,7 +59,7 @@ class Snapshot:
         )
 
 
-def views(
+def node_views(
     snap: Snapshot, states: Mapping[str, NodeState], gone: Collection[Key] = ()
 ) -> list[NodeView]:
     """Every known node as placement sees it, with the devices and replicas already placed."""

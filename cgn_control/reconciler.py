@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cgn_control.catalog import ModelSpec, pool_label
-from cgn_control.cluster import Key, Snapshot, views
+from cgn_control.cluster import Key, Snapshot, node_views
 from cgn_control.placement import Decision, NodeState, place
 from cgn_core.records import Part, Placement, ReplicaStatus
 
@@ -192,7 +192,7 @@ def reconcile(
         if now < mem.rebuild_after.get(name, 0.0):
             continue
         sub = spec.for_role(role)
-        decision = place(_launchable(sub), views(snap, states, gone))
+        decision = place(_launchable(sub), node_views(snap, states, gone))
         if not decision.ok:
             mem.unplaced[pool] = decision
             continue
@@ -238,7 +238,7 @@ def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
     """What placing one more replica of `spec` (in its pool of `role`) would decide now, with
     every candidate's reason."""
     sub = spec.for_role(role) if role else spec
-    return place(_launchable(sub), views(snap, node_states(snap, mem, now, policy)))
+    return place(_launchable(sub), node_views(snap, node_states(snap, mem, now, policy)))
 
 
 def _launchable(spec: ModelSpec) -> ModelSpec:

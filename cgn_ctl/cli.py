@@ -23,8 +23,8 @@ from cgn_control import store
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, run
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
-from cgn_ctl import keys_cmd, ops, pki_cmd, render
-from cgn_ctl.common import Config, Etcd, Json, with_etcd
+from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render
+from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:
 @app.command()
 def nodes(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
     """Nodes: state (ready, unreachable, cordoned, draining), class, devices, what is unhealthy."""
-    _emit(with_etcd(etcd, config, ops.nodes), as_json, render.nodes)
+    _emit(with_etcd(etcd, config, cluster_ops.nodes), as_json, render.nodes)
 
 
 @app.command()
@@ -63,7 +63,9 @@ def replicas(
     as_json: Json = False,
 ) -> None:
     """Replicas: where each runs, its phase (from the agent) and the last failure reason."""
-    _emit(with_etcd(etcd, config, lambda c: ops.replicas(c, model)), as_json, render.replicas)
+    _emit(
+        with_etcd(etcd, config, lambda c: cluster_ops.replicas(c, model)), as_json, render.replicas
+    )
 
 
 @app.command("explain-placement")
@@ -78,7 +80,7 @@ def explain_placement(
     as_json: Json = False,
 ) -> None:
     """Where one more replica of MODEL would go now: every candidate and what rejected it."""
-    d = with_etcd(etcd, config, lambda c: ops.explain(c, model, role))
+    d = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
     data = {
         "model": d.model, "role": role or "", "profile": d.profile,
         "nodes": [list(n) for n in d.nodes],
@@ -101,9 +103,9 @@ def cordon(
     """Place nothing new on NODE (what runs there keeps running). Survives agent restarts."""
 
     async def work(c: EtcdClient) -> bool:
-        known = await ops.node_exists(c, node)
+        known = await cluster_ops.node_exists(c, node)
         if known or pre:
-            await ops.cordon(c, node, reason=reason)
+            await cluster_ops.cordon(c, node, reason=reason)
         return known
 
     known = with_etcd(etcd, config, work)
@@ -118,7 +120,7 @@ def uncordon(
     node: Annotated[str, typer.Argument(help="Node id.")], etcd: Etcd = None, config: Config = None
 ) -> None:
     """Allow placements on NODE again (also ends a drain)."""
-    removed = with_etcd(etcd, config, lambda c: ops.uncordon(c, node))
+    removed = with_etcd(etcd, config, lambda c: cluster_ops.uncordon(c, node))
     typer.echo(f"{node} uncordoned" if removed else f"{node} was not cordoned")
 
 
@@ -141,13 +143,13 @@ def drain(
         fail("--grace must be positive", EXIT_USAGE)
 
     async def work(c: EtcdClient) -> list[dict[str, Any]]:
-        await ops.cordon(c, node, drain=True, grace_s=grace)
+        await cluster_ops.cordon(c, node, drain=True, grace_s=grace)
         if not wait:
-            return await ops.replicas_on(c, node)
+            return await cluster_ops.replicas_on(c, node)
         deadline = time.monotonic() + grace + 60
         shown = -1
         while True:
-            left = await ops.replicas_on(c, node)
+            left = await cluster_ops.replicas_on(c, node)
             if len(left) != shown:
                 typer.echo(f"{node}: {len(left)} replica(s) left", err=True)
                 shown = len(left)
@@ -183,7 +185,7 @@ def status(
     local = up_mod.running(record) if record else []
     if etcd is None and record is not None:
         etcd = record.get("etcd")  # the cluster `up` started, wherever its etcd listens
-    data = with_etcd(etcd, config, ops.status)
+    data = with_etcd(etcd, config, cluster_ops.status)
     data["local_processes"] = local
     _emit(data, as_json, render.status)
 
@@ -266,7 +268,7 @@ def models_apply(
 @models_app.command("list")
 def models_list(etcd: Etcd = None, config: Config = None, as_json: Json = False) -> None:
     """Every model: replicas placed and Ready against min–max, aliases, profiles."""
-    _emit(with_etcd(etcd, config, ops.models), as_json, render.models)
+    _emit(with_etcd(etcd, config, cluster_ops.models), as_json, render.models)
 
 
 @models_app.command("get")
@@ -277,7 +279,7 @@ def models_get(
     as_json: Json = False,
 ) -> None:
     """One model's stored spec (YAML, or JSON with --json)."""
-    doc = with_etcd(etcd, config, lambda c: ops.get_model(c, name))
+    doc = with_etcd(etcd, config, lambda c: cluster_ops.get_model(c, name))
     typer.echo(
         json.dumps(doc, indent=2) if as_json else yaml.safe_dump(doc, sort_keys=False).rstrip()
     )

@@ -18,7 +18,7 @@ from cgn_core.apikeys import Limits, create, parse_record
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
-from cgn_ctl.common import Config, Etcd, Json, ctl_settings, with_etcd
+from cgn_ctl.options import Config, Etcd, Json, ctl_settings, with_etcd
 
 app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
 

@@ -20,7 +20,7 @@ from cryptography import x509
 from cgn_core import pki
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.etcd import EtcdClient
-from cgn_ctl.common import Config, Etcd, with_etcd
+from cgn_ctl.options import Config, Etcd, with_etcd
 
 app = typer.Typer(help="The cluster's private CA and certificates.", no_args_is_help=True)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cgn_control.catalog import parse_model
-from cgn_control.cluster import Snapshot, views
+from cgn_control.cluster import Snapshot, node_views
 from cgn_control.placement import NodeView, place
 from cgn_core import rbac, records
 from cgn_core.etcd.types import KeyValue, WatchEvent
@@ -80,7 +80,7 @@ def test_snapshots_carry_fresh_figures_only() -> None:
     stale = records.efficiency({"tokens_per_joule": 9.0, "at_unix": now - 3600})
     snap = Snapshot.of({}, {"a": {}, "b": {}}, wall=now)
     snap = dataclasses.replace(snap, efficiency={"a": fresh, "b": stale})
-    got = {v.name: v.tokens_per_joule for v in views(snap, {"a": "ready", "b": "ready"})}
+    got = {v.name: v.tokens_per_joule for v in node_views(snap, {"a": "ready", "b": "ready"})}
     assert got == {"a": 2.0, "b": None}
 
 

@@ -30,7 +30,7 @@ from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd
 from cgn_core.settings import EtcdSettings
-from cgn_ctl import ops as ctl_ops
+from cgn_ctl import cluster_ops as ctl_ops
 from cgn_operator import lease
 from cgn_operator.crds import API_VERSION, CLUSTER, MODEL
 from cgn_operator.run import start

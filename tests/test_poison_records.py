@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cgn_agent.spec import parse_placement
 from cgn_control.catalog import parse_model
-from cgn_control.cluster import Snapshot, views
+from cgn_control.cluster import Snapshot, node_views
 from cgn_control.placement import node_view
 from cgn_control.reconciler import Memory, reconcile
 from cgn_core import records
@@ -166,7 +166,7 @@ def test_reconciler_survives_whatever_passes_validation(
         wall=1000.0,
     )
     reconcile(snap, Memory(), 10.0, ReconcilerSettings())
-    views(snap, {n: "ready" for n in ok_nodes})
+    node_views(snap, {n: "ready" for n in ok_nodes})
 
 
 # ---- the router's followers, with recorded key-values ---------------------------------------

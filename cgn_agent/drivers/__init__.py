@@ -13,7 +13,7 @@ from cgn_agent.drivers.base import (
 from cgn_agent.drivers.cgn_infer import CgnInferDriver
 from cgn_agent.drivers.gpu_engines import SglangDriver, TrtllmDriver, VllmDriver
 from cgn_agent.drivers.llama_cpp import LlamaCppDriver
-from cgn_agent.drivers.others import MlxLmDriver, OpenAICompatDriver
+from cgn_agent.drivers.mlx_and_external import MlxLmDriver, OpenAICompatDriver
 
 DRIVERS: dict[str, Driver] = {
     d.name: d

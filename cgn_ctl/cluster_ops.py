@@ -12,7 +12,7 @@ from typing import Any
 
 from cgn_control import store
 from cgn_control.catalog import pool_label
-from cgn_control.cluster import views
+from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
 from cgn_control.placement import Decision, place
 from cgn_control.views import model_replicas, node_states
@@ -111,7 +111,7 @@ async def explain(client: EtcdClient, name: str, role: str | None = None) -> Dec
     roles = [r for r, _, _ in spec.wants()]
     if role is not None and role not in roles:
         raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {', '.join(roles)})")
-    return place(spec.for_role(role) if role else spec, views(snap, node_states(snap)))
+    return place(spec.for_role(role) if role else spec, node_views(snap, node_states(snap)))
 
 
 async def cordon(client: EtcdClient, node: str, *, drain: bool = False, grace_s: float = 600.0,
@@ -149,7 +149,7 @@ async def status(client: EtcdClient) -> dict[str, Any]:
         for role, lo, _ in spec.wants():
             mine = [k for k, d in snap.placements.items() if spec.in_pool(d, role)]
             if len(mine) < lo:
-                d = place(spec.for_role(role), views(snap, states))
+                d = place(spec.for_role(role), node_views(snap, states))
                 if not d.ok:
                     unplaced[pool_label(name, spec, role)] = d.explain()
     return {
