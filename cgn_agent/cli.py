@@ -125,17 +125,25 @@ def _render(doc: dict[str, object]) -> None:
         t = Table("#", "device", "class", "memory", "used", "power", "health")
         for a in accs:
             power = "-" if a["power_w"] is None else f"{a['power_w']:.0f} W"
-            t.add_row(str(a["index"]), a["name"], a["accel_class"],
-                      f"{a['memory_mib']} MiB", f"{a['memory_used_mib']} MiB", power,
-                      "; ".join(a["health"]) or "ok")  # fmt: skip
+            t.add_row(
+                str(a["index"]),
+                a["name"],
+                a["accel_class"],
+                f"{a['memory_mib']} MiB",
+                f"{a['memory_used_mib']} MiB",
+                power,
+                "; ".join(a["health"]) or "ok",
+            )
         console.print(t)
     else:
         console.print("no accelerators")
     links = doc["network"]
     assert isinstance(links, list)
     for link in links:
-        console.print(f"rdma {link['device']}/{link['port']}: {link['state']}, "
-                      f"{link['rate_gbps']} Gb/s, {link['link_layer']}")  # fmt: skip
+        console.print(
+            f"rdma {link['device']}/{link['port']}: {link['state']}, "
+            f"{link['rate_gbps']} Gb/s, {link['link_layer']}"
+        )
     console.print(f"engines installed: {', '.join(doc['engines']) or 'none'}")  # type: ignore[arg-type]
     notes = doc["notes"]
     assert isinstance(notes, list)

@@ -157,8 +157,12 @@ def check_identity(settings: AgentSettings, node: str) -> None:
         if not tls.enabled or tls.cert_file is None:
             continue
         try:
-            pki.verify(pki.load_cert(tls.cert_file), pki.load_cert(tls.ca_file),  # type: ignore[arg-type]
-                       usage="client" if what == "etcd.tls" else "server", node=node)  # fmt: skip
+            pki.verify(
+                pki.load_cert(tls.cert_file),
+                pki.load_cert(tls.ca_file),  # type: ignore[arg-type]
+                usage="client" if what == "etcd.tls" else "server",
+                node=node,
+            )
         except pki.PkiError as exc:
             raise ConfigError(f"{what}.cert_file {tls.cert_file}: {exc.message}") from None
 
@@ -194,21 +198,36 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
             stop_grace_s=eh.stop_grace_s,
             probe_interval_s=eh.probe_interval_s,
         )
-        agent = NodeAgent(node, ctx, tools, bind_host, lambda: rt.inventory, free_port,
-                          settings.model_dirs, eh.tls if eh.tls.enabled else None)  # fmt: skip
+        agent = NodeAgent(
+            node,
+            ctx,
+            tools,
+            bind_host,
+            lambda: rt.inventory,
+            free_port,
+            settings.model_dirs,
+            eh.tls if eh.tls.enabled else None,
+        )
         store = _store_plan(settings, advertise)
         agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
         agent.advertise_host = advertise
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())
-        collector = AgentCollector(agent, lambda: rt.inventory, lambda: (rt.power, rt.energy_j),
-                                   lambda: rt.etcd_ok)  # fmt: skip
+        collector = AgentCollector(
+            agent, lambda: rt.inventory, lambda: (rt.power, rt.energy_j), lambda: rt.etcd_ok
+        )
         runner, port = await _start_admin(settings, agent, rt, collector)
         rt.admin_url = f"http://{advertise}:{port}"
         _publish_node(publisher, node, agent, rt)
-        log.info("node %s: %d engine(s) adopted, engines installed: %s, admin on %s:%d",
-                 node, len(adopted), ", ".join(engines), settings.admin.host, port)  # fmt: skip
+        log.info(
+            "node %s: %d engine(s) adopted, engines installed: %s, admin on %s:%d",
+            node,
+            len(adopted),
+            ", ".join(engines),
+            settings.admin.host,
+            port,
+        )
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_supervise(agent, publisher, node, rt))
@@ -245,9 +264,14 @@ def _store_plan(settings: AgentSettings, advertise: str) -> kvcached.StorePlan:
 
 
 def _start_store(
-    tg: asyncio.TaskGroup, settings: AgentSettings, store: kvcached.StorePlan,
-    tools: SystemToolbox, bind_host: str, publisher: Publisher, node: str,
-) -> None:  # fmt: skip
+    tg: asyncio.TaskGroup,
+    settings: AgentSettings,
+    store: kvcached.StorePlan,
+    tools: SystemToolbox,
+    bind_host: str,
+    publisher: Publisher,
+    node: str,
+) -> None:
     """Run the node's KV store (mode run) or publish the one that runs (mode external)."""
     kv = settings.kvcached
     if store.record is None:
@@ -259,9 +283,17 @@ def _start_store(
     ready = settings.state_dir / "kvcached.ready"
     tls = settings.engines.tls if settings.engines.tls.enabled else None
     command = kvcached.argv(kv, exe, bind_host, ready, tls)
-    tg.create_task(kvcached.supervise(command, store.record["events_token"], ready,
-                                      settings.state_dir / "logs" / "kvcached.log", publisher,
-                                      node, store.record))  # fmt: skip
+    tg.create_task(
+        kvcached.supervise(
+            command,
+            store.record["events_token"],
+            ready,
+            settings.state_dir / "logs" / "kvcached.log",
+            publisher,
+            node,
+            store.record,
+        )
+    )
 
 
 class _Stop(Exception):
@@ -290,8 +322,11 @@ async def _start_admin(
         return web.json_response(rt.inventory_doc())
 
     tls = settings.admin_tls
-    guard = (mtls_middleware(OPEN_ADMIN_PATHS, rt.revoked) if tls.enabled
-             else loopback_middleware(OPEN_ADMIN_PATHS))  # fmt: skip
+    guard = (
+        mtls_middleware(OPEN_ADMIN_PATHS, rt.revoked)
+        if tls.enabled
+        else loopback_middleware(OPEN_ADMIN_PATHS)
+    )
     app = web.Application(middlewares=[error_middleware(1 << 20), guard])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)

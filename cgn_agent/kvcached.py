@@ -80,16 +80,36 @@ def plan(s: NodeKvcachedSettings, advertise: str, token: str) -> StorePlan:
     return StorePlan(address, s.engine_offload_gib, record)
 
 
-def argv(s: NodeKvcachedSettings, exe: str, bind_host: str, ready: Path,
-         tls: TlsSettings | None) -> list[str]:  # fmt: skip
-    out = [exe, "serve", "--host", "127.0.0.1", "--port", str(s.port),
-           "--admin-port", str(s.admin_port), "--ram-bytes", str(s.ram_bytes),
-           "--set", f"admin.host={bind_host}", "--ready-file", str(ready)]  # fmt: skip
+def argv(
+    s: NodeKvcachedSettings, exe: str, bind_host: str, ready: Path, tls: TlsSettings | None
+) -> list[str]:
+    out = [
+        exe,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(s.port),
+        "--admin-port",
+        str(s.admin_port),
+        "--ram-bytes",
+        str(s.ram_bytes),
+        "--set",
+        f"admin.host={bind_host}",
+        "--ready-file",
+        str(ready),
+    ]
     if s.ssd_dir is not None:
         out += ["--ssd-dir", str(s.ssd_dir), "--ssd-bytes", str(s.ssd_bytes)]
     if tls is not None:
-        out += ["--set", f"tls.ca_file={tls.ca_file}", "--set", f"tls.cert_file={tls.cert_file}",
-                "--set", f"tls.key_file={tls.key_file}"]  # fmt: skip
+        out += [
+            "--set",
+            f"tls.ca_file={tls.ca_file}",
+            "--set",
+            f"tls.cert_file={tls.cert_file}",
+            "--set",
+            f"tls.key_file={tls.key_file}",
+        ]
     return out
 
 
@@ -98,9 +118,14 @@ def new_token() -> str:
 
 
 async def supervise(
-    command: list[str], token: str, ready: Path, log_path: Path, publisher: Publisher,
-    node: str, record: dict[str, str],
-) -> None:  # fmt: skip
+    command: list[str],
+    token: str,
+    ready: Path,
+    log_path: Path,
+    publisher: Publisher,
+    node: str,
+    record: dict[str, str],
+) -> None:
     """Run the store until cancelled, restarting it when it exits; publish its record while it
     serves. Cancellation stops it (SIGTERM, then SIGKILL)."""
     key = keys.KVCACHED + node
@@ -135,8 +160,9 @@ def _spawn(
     ready.unlink(missing_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     fp = fingerprint(proc.pid)
     if fp is not None:
         atomic_write_json(record, fingerprint_to_json(fp))

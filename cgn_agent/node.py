@@ -34,8 +34,16 @@ from cgn_core.settings import TlsSettings
 log = logging.getLogger(__name__)
 
 # Command-line fragments by which an engine process is recognised.
-ENGINE_MARKERS = ("vllm", "sglang.launch_server", "cgn-infer", "llama-server", "llama_cpp.server",
-                  "xllamacpp_server", "trtllm-serve", "mlx_lm.server")  # fmt: skip
+ENGINE_MARKERS = (
+    "vllm",
+    "sglang.launch_server",
+    "cgn-infer",
+    "llama-server",
+    "llama_cpp.server",
+    "xllamacpp_server",
+    "trtllm-serve",
+    "mlx_lm.server",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +111,11 @@ class NodeAgent:
         for rec in self.ctx.store.load_all():
             replica = rec.spec.replica
             if rec.fingerprint is not None and not matches(rec.fingerprint):
-                log.info("replica %s: pid %d is gone or reused; not adopted", replica,
-                         rec.fingerprint.pid)  # fmt: skip
+                log.info(
+                    "replica %s: pid %d is gone or reused; not adopted",
+                    replica,
+                    rec.fingerprint.pid,
+                )
                 self.ctx.store.remove(replica)
                 continue
             launch = self._launch(rec.spec, rec.port, rec.token)
@@ -178,13 +189,24 @@ class NodeAgent:
         await runner.begin()
 
     def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
-        ctx = LaunchContext(self.bind_host, port, token=token, tls=self.engine_tls,
-                            kvcached=self.kv_store, offload_gib=self.kv_offload_gib,
-                            advertise_host=self.advertise_host)  # fmt: skip
+        ctx = LaunchContext(
+            self.bind_host,
+            port,
+            token=token,
+            tls=self.engine_tls,
+            kvcached=self.kv_store,
+            offload_gib=self.kv_offload_gib,
+            advertise_host=self.advertise_host,
+        )
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
-    def _refuse(self, replica: str, want: ReplicaSpec | Invalid, reason: str,
-                phase: sv.Phase = sv.Phase.FAILED) -> None:  # fmt: skip
+    def _refuse(
+        self,
+        replica: str,
+        want: ReplicaSpec | Invalid,
+        reason: str,
+        phase: sv.Phase = sv.Phase.FAILED,
+    ) -> None:
         """Not started, and not retried until its placement changes: refused (Failed), or a
         pipeline head waiting for its stages (Starting)."""
         (log.error if phase == sv.Phase.FAILED else log.info)("replica %s: %s", replica, reason)

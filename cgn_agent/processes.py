@@ -34,9 +34,19 @@ from cgn_core.process import (
     start_time,
 )
 
-__all__ = ["EngineProcess", "Fingerprint", "boot_id", "cmdline", "fingerprint",
-           "fingerprint_from_json", "fingerprint_to_json", "log_tail", "matches", "spawn",
-           "start_time"]  # fmt: skip
+__all__ = [
+    "EngineProcess",
+    "Fingerprint",
+    "boot_id",
+    "cmdline",
+    "fingerprint",
+    "fingerprint_from_json",
+    "fingerprint_to_json",
+    "log_tail",
+    "matches",
+    "spawn",
+    "start_time",
+]
 LOG_ROTATE_BYTES = 32 << 20
 TAIL_BYTES = 4096
 

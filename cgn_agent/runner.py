@@ -217,8 +217,9 @@ class ReplicaRunner:
         except OSError as exc:
             # NOTE: an engine the state file does not know could not be adopted after an agent
             # restart (an orphan on every restart): it is stopped, and the spawn retried later.
-            log.error("replica %s: cannot record the engine (%s); stopping it", self.spec.replica,
-                      exc)  # fmt: skip
+            log.error(
+                "replica %s: cannot record the engine (%s); stopping it", self.spec.replica, exc
+            )
             await proc.stop(self.ctx.stop_grace_s)
             await self.observe(sv.SpawnFailed(now, f"state file: {exc}", self.ctx.rand()))
             return

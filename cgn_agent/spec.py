@@ -144,8 +144,9 @@ def _pipeline(raw: Any, where: str, engine: str) -> PipelinePart | None:
     ):
         raise ValueError(f"{where}: 'stages' must be a list of host:port addresses")
     if stages and (part != 0 or len(stages) != parts - 1):
-        raise ValueError(f"{where}: 'stages' belongs to the head (part 0) and lists all "
-                         f"{parts - 1} stages")  # fmt: skip
+        raise ValueError(
+            f"{where}: 'stages' belongs to the head (part 0) and lists all {parts - 1} stages"
+        )
     return PipelinePart(part, parts, head, tuple(stages))
 
 

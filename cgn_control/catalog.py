@@ -128,8 +128,21 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
     """One model's spec; CatalogError names the first bad field."""
     if not isinstance(doc, Mapping):
         raise CatalogError(f"{where or 'model'}: expected a mapping")
-    _known(doc, {"name", "source", "tokenizer", "role", "replicas", "aliases", "fallbacks",
-                 "profiles", "pools"}, where)  # fmt: skip
+    _known(
+        doc,
+        {
+            "name",
+            "source",
+            "tokenizer",
+            "role",
+            "replicas",
+            "aliases",
+            "fallbacks",
+            "profiles",
+            "pools",
+        },
+        where,
+    )
     name = _text(doc, "name", where, required=True)
     if not _NAME.match(name):
         raise CatalogError(f"{_p(where, 'name')}: use 1-128 of [A-Za-z0-9._:-]")
@@ -200,8 +213,9 @@ def _pools(
         if n > MAX_POOL:
             raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {n}")
         if not any(p.role in ("both", r) for p in profiles):
-            raise CatalogError(f"{_p(at, r)}: no profile may serve it (a profile's role is "
-                               f"both or {r})")  # fmt: skip
+            raise CatalogError(
+                f"{_p(at, r)}: no profile may serve it (a profile's role is both or {r})"
+            )
     return pools
 
 

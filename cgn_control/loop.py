@@ -106,8 +106,15 @@ async def _pass(
             return
         kind = "place" if isinstance(a, Put) else "delete"
         log.info("reconciler: %s %s/%s: %s", kind, a.node, a.replica, a.why)
-        state.recent.append({"at_unix": time.time(), "action": kind, "node": a.node,
-                             "replica": a.replica, "why": a.why})  # fmt: skip
+        state.recent.append(
+            {
+                "at_unix": time.time(),
+                "action": kind,
+                "node": a.node,
+                "replica": a.replica,
+                "why": a.why,
+            }
+        )
     state.unplaced = {m: d.explain() for m, d in memory.unplaced.items()}
     state.passes += 1
     state.last_pass_unix = time.time()

@@ -236,8 +236,9 @@ def _choose_multi(
             candidates.extend(Candidate(n.name, i, False, why) for n in group)
             too_small.update(n.name for n in group)
             continue
-        emptiest = sorted(group, key=lambda n: (-len(n.free(p.accelerator)), _waste(n), _watts(n),
-                                                n.name))  # fmt: skip
+        emptiest = sorted(
+            group, key=lambda n: (-len(n.free(p.accelerator)), _waste(n), _watts(n), n.name)
+        )
         pick = emptiest[: p.nodes]
         if not best or sum(len(n.free(p.accelerator)) for n in pick) > sum(
             len(n.free(p.accelerator)) for n in best

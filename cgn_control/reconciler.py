@@ -163,8 +163,11 @@ def reconcile(
     heads = {k: p for k, p in live.items() if p.part.part == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
     # pool for a disaggregated one; each kept within its own counts
-    pools = [(name, spec, role, lo, hi) for name, spec in sorted(snap.models.items())
-             for role, lo, hi in spec.wants()]  # fmt: skip
+    pools = [
+        (name, spec, role, lo, hi)
+        for name, spec in sorted(snap.models.items())
+        for role, lo, hi in spec.wants()
+    ]
     for _, spec, role, lo, hi in pools:
         mine = {k: d for k, d in heads.items() if spec.in_pool(d, role)}
         serving = {k for k in mine if not drains(k)}
@@ -212,9 +215,13 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
     replica (the same replica id, each with its part; the first node's is the head)."""
     assert decision.profile is not None
     p = spec.profiles[decision.profile]
-    profile: dict[str, Any] = {"tensor_parallel": p.tensor_parallel, "kv_connector": p.kv_connector,
-                               "launcher": p.launcher, "extra_args": list(p.extra_args),
-                               "env": dict(p.env)}  # fmt: skip
+    profile: dict[str, Any] = {
+        "tensor_parallel": p.tensor_parallel,
+        "kv_connector": p.kv_connector,
+        "launcher": p.launcher,
+        "extra_args": list(p.extra_args),
+        "env": dict(p.env),
+    }
     for k in ("ctx", "threads", "dtype", "gpu_memory_utilization", "backend", "url"):
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
@@ -225,16 +232,29 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
     n = len(decision.nodes)
     puts = []
     for i, (node, devices) in enumerate(decision.nodes):
-        one = Placement(model=spec.name, engine=p.engine, source=p.source or spec.source,
-                        role=role or spec.role, devices=tuple(devices), owner=OWNER,
-                        profile=profile, part=Part(i, n, head) if n > 1 else Part())  # fmt: skip
+        one = Placement(
+            model=spec.name,
+            engine=p.engine,
+            source=p.source or spec.source,
+            role=role or spec.role,
+            devices=tuple(devices),
+            owner=OWNER,
+            profile=profile,
+            part=Part(i, n, head) if n > 1 else Part(),
+        )
         where = f", {'head' if i == 0 else 'stage'} {i}/{n}" if n > 1 else ""
         puts.append(Put(node, replica, one, why + where))
     return puts
 
 
-def explain(spec: ModelSpec, snap: Snapshot, mem: Memory, now: float,
-            policy: ReconcilerSettings, role: str | None = None) -> Decision:  # fmt: skip
+def explain(
+    spec: ModelSpec,
+    snap: Snapshot,
+    mem: Memory,
+    now: float,
+    policy: ReconcilerSettings,
+    role: str | None = None,
+) -> Decision:
     """What placing one more replica of `spec` (in its pool of `role`) would decide now, with
     every candidate's reason."""
     sub = spec.for_role(role) if role else spec

@@ -74,8 +74,10 @@ async def apply_owned(client: EtcdClient, spec: ModelSpec, owner: Mapping[str, s
     mine = held is not None and _owner(held.value) == dict(owner)
     if current is not None and not mine:
         by = describe_owner(_owner(held.value)) if held is not None else "hand"
-        raise NotYours(f"model {spec.name!r} is already in the catalog, written by {by}; "
-                       "delete it there first (cgn-ctl models delete)")  # fmt: skip
+        raise NotYours(
+            f"model {spec.name!r} is already in the catalog, written by {by}; "
+            "delete it there first (cgn-ctl models delete)"
+        )
     doc = json_value(spec.to_json())
     if current is not None and current.value == doc:
         return False

@@ -63,12 +63,21 @@ class KeyRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": self.id, "hash": self.hash, "tenant": self.tenant, "band": self.band,
-            "models": list(self.models), "admin": self.admin,
-            "limits": {"rps": self.limits.rps, "tokens_per_min": self.limits.tokens_per_min,
-                       "concurrent": self.limits.concurrent},
-            "created_unix": self.created_unix, "expires_unix": self.expires_unix, "note": self.note,
-        }  # fmt: skip
+            "id": self.id,
+            "hash": self.hash,
+            "tenant": self.tenant,
+            "band": self.band,
+            "models": list(self.models),
+            "admin": self.admin,
+            "limits": {
+                "rps": self.limits.rps,
+                "tokens_per_min": self.limits.tokens_per_min,
+                "concurrent": self.limits.concurrent,
+            },
+            "created_unix": self.created_unix,
+            "expires_unix": self.expires_unix,
+            "note": self.note,
+        }
 
 
 def key_hash(key: str) -> str:
@@ -106,14 +115,27 @@ def create(
         raise ApiKeyError(f"tenant {tenant!r}: use 1-64 of [A-Za-z0-9._-]")
     if not models:
         raise ApiKeyError("a key needs at least one model (or *)")
-    for name, value in (("rps", limits.rps), ("tokens_per_min", limits.tokens_per_min),
-                        ("concurrent", limits.concurrent)):  # fmt: skip
+    for name, value in (
+        ("rps", limits.rps),
+        ("tokens_per_min", limits.tokens_per_min),
+        ("concurrent", limits.concurrent),
+    ):
         if value is not None and value <= 0:
             raise ApiKeyError(f"limit {name} must be positive, got {value}")
     kid, key = new_key()
     now = time.time()
-    record = KeyRecord(kid, key_hash(key), tenant, band, tuple(models), admin, limits, now,
-                       None if expires_in_s is None else now + expires_in_s, note)  # fmt: skip
+    record = KeyRecord(
+        kid,
+        key_hash(key),
+        tenant,
+        band,
+        tuple(models),
+        admin,
+        limits,
+        now,
+        None if expires_in_s is None else now + expires_in_s,
+        note,
+    )
     return key, record
 
 

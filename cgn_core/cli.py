@@ -123,8 +123,10 @@ def make_app(service: str, help_text: str, settings_cls: type[Any]) -> typer.Typ
 def _masked(data: Any) -> Any:
     """Settings as printed: secrets (a field named *token*, *secret* or *password*) hidden."""
     if isinstance(data, dict):
-        return {k: "***" if v and any(w in k for w in ("token", "secret", "password"))
-                else _masked(v) for k, v in data.items()}  # fmt: skip
+        return {
+            k: "***" if v and any(w in k for w in ("token", "secret", "password")) else _masked(v)
+            for k, v in data.items()
+        }
     return data
 
 
@@ -151,8 +153,9 @@ def run(app: typer.Typer) -> Callable[[], None]:
         except KeyboardInterrupt:
             sys.exit(130)
         except Exception as exc:  # NOTE: the top of the program: a bug, said in one line
-            typer.echo(f"error: unexpected {type(exc).__name__}: {exc} (a bug: please report it)",
-                       err=True)  # fmt: skip
+            typer.echo(
+                f"error: unexpected {type(exc).__name__}: {exc} (a bug: please report it)", err=True
+            )
             sys.exit(EXIT_FAILURE)
 
     return main

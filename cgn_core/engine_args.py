@@ -34,9 +34,19 @@ def _flags(valued: str = "", switches: str = "") -> dict[str, bool]:
 
 
 _THREADS_ENV = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"})
-_CUDA_ENV = frozenset({"NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SOCKET_IFNAME",
-                       "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE",
-                       "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM"})  # fmt: skip
+_CUDA_ENV = frozenset(
+    {
+        "NCCL_DEBUG",
+        "NCCL_IB_DISABLE",
+        "NCCL_P2P_DISABLE",
+        "NCCL_SOCKET_IFNAME",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "TOKENIZERS_PARALLELISM",
+    }
+)
 
 POLICIES: dict[str, ArgPolicy] = {
     "cgn_infer": ArgPolicy(

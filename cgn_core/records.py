@@ -186,9 +186,15 @@ class ReplicaStatus:
         return self.phase == "Ready"
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"phase": self.phase, "model": self.model, "reason": self.reason,
-                               "failures": self.failures, "restarts": self.restarts,
-                               "url": self.url, "log_tail": list(self.log_tail)}  # fmt: skip
+        doc: dict[str, Any] = {
+            "phase": self.phase,
+            "model": self.model,
+            "reason": self.reason,
+            "failures": self.failures,
+            "restarts": self.restarts,
+            "url": self.url,
+            "log_tail": list(self.log_tail),
+        }
         if self.part.multi:
             doc["pipeline"] = self.part.to_json()
         return doc
@@ -227,10 +233,15 @@ class Placement:
 
     def to_json(self) -> dict[str, Any]:
         """The placement document (docs/architecture.md), as agents read it."""
-        doc: dict[str, Any] = {"model": self.model, "engine": self.engine,
-                               "source": self.source, "devices": list(self.devices),
-                               "role": self.role, "profile": dict(self.profile),
-                               "owner": self.owner}  # fmt: skip
+        doc: dict[str, Any] = {
+            "model": self.model,
+            "engine": self.engine,
+            "source": self.source,
+            "devices": list(self.devices),
+            "role": self.role,
+            "profile": dict(self.profile),
+            "owner": self.owner,
+        }
         if self.part.multi:
             doc["pipeline"] = self.part.to_json()
         return doc
@@ -298,8 +309,11 @@ class KvStore:
     events_token: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"address": self.address, "events_url": self.events_url,
-                "events_token": self.events_token}  # fmt: skip
+        return {
+            "address": self.address,
+            "events_url": self.events_url,
+            "events_token": self.events_token,
+        }
 
 
 def kvcached(doc: Any) -> KvStore:
@@ -333,12 +347,19 @@ class NodeInventory:
     cpu: Mapping[str, Any] = field(default_factory=dict)  # shown by `cgn-ctl nodes`, as written
 
     def to_json(self) -> dict[str, Any]:
-        accelerators = [{"index": a.index, "accel_class": a.accel_class, "health": list(a.health)}
-                        for a in self.accelerators]  # fmt: skip
-        return {"accelerators": accelerators, "engines": list(self.engines),
-                "labels": dict(self.labels), "power": {"watts": self.watts},
-                "node_class": self.node_class, "admin_url": self.admin_url,
-                "cpu": dict(self.cpu)}  # fmt: skip
+        accelerators = [
+            {"index": a.index, "accel_class": a.accel_class, "health": list(a.health)}
+            for a in self.accelerators
+        ]
+        return {
+            "accelerators": accelerators,
+            "engines": list(self.engines),
+            "labels": dict(self.labels),
+            "power": {"watts": self.watts},
+            "node_class": self.node_class,
+            "admin_url": self.admin_url,
+            "cpu": dict(self.cpu),
+        }
 
 
 def node_inventory(doc: Any) -> NodeInventory:
@@ -384,8 +405,12 @@ class Efficiency:
     window_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens_per_joule": self.tokens_per_joule, "at_unix": self.at_unix,
-                "source": self.source, "window_s": self.window_s}  # fmt: skip
+        return {
+            "tokens_per_joule": self.tokens_per_joule,
+            "at_unix": self.at_unix,
+            "source": self.source,
+            "window_s": self.window_s,
+        }
 
     def fresh(self, now_unix: float) -> float | None:
         """Its tokens per joule, or None once older than EFFICIENCY_MAX_AGE_S."""
@@ -400,8 +425,9 @@ def efficiency(doc: Any) -> Efficiency:
     at = number(d, "at_unix", None, lo=0.0)
     if at is None:
         raise RecordError("'at_unix' is required")
-    return Efficiency(tpj, at, text(d, "source", "unknown"),
-                      number(d, "window_s", 0.0, lo=0.0, hi=1e7) or 0.0)  # fmt: skip
+    return Efficiency(
+        tpj, at, text(d, "source", "unknown"), number(d, "window_s", 0.0, lo=0.0, hi=1e7) or 0.0
+    )
 
 
 def fresh_efficiency(record: Efficiency | None, now_unix: float) -> float | None:

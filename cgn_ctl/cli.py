@@ -82,11 +82,15 @@ def explain_placement(
     """Where one more replica of MODEL would go now: every candidate and what rejected it."""
     d = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
     data = {
-        "model": d.model, "role": role or "", "profile": d.profile,
+        "model": d.model,
+        "role": role or "",
+        "profile": d.profile,
         "nodes": [list(n) for n in d.nodes],
-        "candidates": [{"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
-                       for c in d.candidates],
-    }  # fmt: skip
+        "candidates": [
+            {"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
+            for c in d.candidates
+        ],
+    }
     _emit(data, as_json, render.explain)
 
 
@@ -110,8 +114,11 @@ def cordon(
 
     known = with_etcd(etcd, config, work)
     if not known and not pre:
-        fail(f"no node {node!r} is registered (cgn-ctl nodes lists them); --pre cordons it "
-             "before it joins", EXIT_USAGE)  # fmt: skip
+        fail(
+            f"no node {node!r} is registered (cgn-ctl nodes lists them); --pre cordons it "
+            "before it joins",
+            EXIT_USAGE,
+        )
     typer.echo(f"{node} cordoned" if known else f"{node} pre-cordoned (it has not joined yet)")
 
 
@@ -347,9 +354,22 @@ def up(
 
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     opts = up_mod.UpOptions(
-        state_dir or settings.state_dir, model, name, port, admin_port, agent_port, etcd, etcd_port,
-        join, threads, timeout, node_id, kv_ram_gib, kv_ssd_gib, metrics_port,
-    )  # fmt: skip
+        state_dir or settings.state_dir,
+        model,
+        name,
+        port,
+        admin_port,
+        agent_port,
+        etcd,
+        etcd_port,
+        join,
+        threads,
+        timeout,
+        node_id,
+        kv_ram_gib,
+        kv_ssd_gib,
+        metrics_port,
+    )
     try:
         doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
     except CognitoraError as exc:
@@ -362,9 +382,11 @@ def up(
     typer.echo(f"router admin: {doc.get('router_admin', '-')} (/metrics, /endpoints)")
     typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}")
     typer.echo(f"dashboard:    {doc.get('dashboard', '-')}\n")
-    typer.echo(f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
-               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{doc['model']}\", "
-               f"\"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}]}}'")  # fmt: skip
+    typer.echo(
+        f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
+        f'-H \'Content-Type: application/json\' -d \'{{"model": "{doc["model"]}", '
+        f'"messages": [{{"role": "user", "content": "Say hi"}}]}}\''
+    )
 
 
 @app.command()

@@ -28,21 +28,27 @@ async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
     for name, state in sorted(node_states(snap).items()):
         inv = snap.nodes.get(name, NodeInventory())
         cordon = snap.cordons.get(name)
-        unhealthy = [{"index": a.index, "why": "; ".join(a.health)}
-                     for a in inv.accelerators if a.health]  # fmt: skip
-        out.append({
-            "node": name,
-            "state": "draining" if cordon and cordon.drain else
-                     "cordoned" if cordon is not None else state,
-            "reachable": state == "ready",
-            "class": inv.node_class,
-            "accelerators": len(inv.accelerators),
-            "unhealthy": unhealthy,
-            "engines": list(inv.engines),
-            "replicas": sorted(r for n, r in snap.placements if n == name),
-            "watts": inv.watts,
-            "cpu": dict(inv.cpu),
-        })  # fmt: skip
+        unhealthy = [
+            {"index": a.index, "why": "; ".join(a.health)} for a in inv.accelerators if a.health
+        ]
+        out.append(
+            {
+                "node": name,
+                "state": "draining"
+                if cordon and cordon.drain
+                else "cordoned"
+                if cordon is not None
+                else state,
+                "reachable": state == "ready",
+                "class": inv.node_class,
+                "accelerators": len(inv.accelerators),
+                "unhealthy": unhealthy,
+                "engines": list(inv.engines),
+                "replicas": sorted(r for n, r in snap.placements if n == name),
+                "watts": inv.watts,
+                "cpu": dict(inv.cpu),
+            }
+        )
     return out
 
 
@@ -53,16 +59,24 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
     for name, spec in sorted(snap.models.items()):
         counts = model_replicas(snap, name)
         who = held.get(name)
-        out.append({
-            "model": name, "min": spec.min_replicas, "max": spec.max_replicas,
-            **({"pools": dict(spec.pools)} if spec.pools else {}),
-            "placed": counts.placed, "ready": counts.ready, "aliases": list(spec.aliases),
-            "fallbacks": list(spec.fallbacks),
-            "profiles": [f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
-                         for p in spec.profiles],
-            # who may change it: a Kubernetes resource (cgn-operator), or null (cgn-ctl)
-            "managed_by": store.describe_owner(who) if who else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "model": name,
+                "min": spec.min_replicas,
+                "max": spec.max_replicas,
+                **({"pools": dict(spec.pools)} if spec.pools else {}),
+                "placed": counts.placed,
+                "ready": counts.ready,
+                "aliases": list(spec.aliases),
+                "fallbacks": list(spec.fallbacks),
+                "profiles": [
+                    f"{p.engine}@{p.accelerator}" + (f"×{p.devices}" if p.devices else "")
+                    for p in spec.profiles
+                ],
+                # who may change it: a Kubernetes resource (cgn-operator), or null (cgn-ctl)
+                "managed_by": store.describe_owner(who) if who else None,
+            }
+        )
     return out
 
 
@@ -81,13 +95,22 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
         if model and p.model != model:
             continue
         st = snap.statuses.get((node, replica))
-        out.append({
-            "replica": replica, "node": node, "model": p.model, "engine": p.engine,
-            "role": p.role, "devices": list(p.devices),
-            "phase": st.phase if st else "Pending", "url": (st.url or None) if st else None,
-            "restarts": st.restarts if st else 0, "reason": st.reason if st else "",
-            "node_state": states.get(node, "unreachable"), "part": _part(p, st),
-        })  # fmt: skip
+        out.append(
+            {
+                "replica": replica,
+                "node": node,
+                "model": p.model,
+                "engine": p.engine,
+                "role": p.role,
+                "devices": list(p.devices),
+                "phase": st.phase if st else "Pending",
+                "url": (st.url or None) if st else None,
+                "restarts": st.restarts if st else 0,
+                "reason": st.reason if st else "",
+                "node_state": states.get(node, "unreachable"),
+                "part": _part(p, st),
+            }
+        )
     return out
 
 
@@ -114,10 +137,14 @@ async def explain(client: EtcdClient, name: str, role: str | None = None) -> Dec
     return place(spec.for_role(role) if role else spec, node_views(snap, node_states(snap)))
 
 
-async def cordon(client: EtcdClient, node: str, *, drain: bool = False, grace_s: float = 600.0,
-                 reason: str = "") -> dict[str, Any]:  # fmt: skip
-    doc: dict[str, Any] = {"by": f"{getpass.getuser()}@{socket.gethostname()}",
-                           "since_unix": time.time(), "reason": reason}  # fmt: skip
+async def cordon(
+    client: EtcdClient, node: str, *, drain: bool = False, grace_s: float = 600.0, reason: str = ""
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "by": f"{getpass.getuser()}@{socket.gethostname()}",
+        "since_unix": time.time(),
+        "reason": reason,
+    }
     if drain:
         doc |= {"drain": True, "grace_s": grace_s}
     await client.put_json(keys.CORDON + node, doc)

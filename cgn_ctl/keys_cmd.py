@@ -55,13 +55,21 @@ def create_cmd(
     known = ctl_settings(etcd, config).bands
     if band not in known:
         why = f"band {band!r} is not one of the routers' bands ({', '.join(known)})"
-        fail(f"{why}; for routers with other admission.bands, list them in the `bands` setting",
-             EXIT_USAGE)  # fmt: skip
+        fail(
+            f"{why}; for routers with other admission.bands, list them in the `bands` setting",
+            EXIT_USAGE,
+        )
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
-        key, record = create(tenant, band, models=names, admin=admin,
-                             limits=Limits(rps, tokens_per_min, concurrent),
-                             expires_in_s=expires_in, note=note)  # fmt: skip
+        key, record = create(
+            tenant,
+            band,
+            models=names,
+            admin=admin,
+            limits=Limits(rps, tokens_per_min, concurrent),
+            expires_in_s=expires_in,
+            note=note,
+        )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         return key, record.to_json()
 
@@ -109,8 +117,11 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
 
 
 @app.command("revoke")
-def revoke_cmd(key_id: Annotated[str, typer.Argument(help="The key's id.")], etcd: Etcd = None,
-               config: Config = None) -> None:  # fmt: skip
+def revoke_cmd(
+    key_id: Annotated[str, typer.Argument(help="The key's id.")],
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
     """Delete a key: routers refuse it within seconds (they watch the keys)."""
 
     async def work(c: EtcdClient) -> None:
@@ -138,8 +149,14 @@ def rotate_cmd(
         if raw is None:
             raise NotFound(f"no key {key_id!r}")
         old = parse_record(raw)
-        key, record = create(old.tenant, old.band, models=old.models, admin=old.admin,
-                             limits=old.limits, note=old.note)  # fmt: skip
+        key, record = create(
+            old.tenant,
+            old.band,
+            models=old.models,
+            admin=old.admin,
+            limits=old.limits,
+            note=old.note,
+        )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         if grace > 0:
             await c.put_json(

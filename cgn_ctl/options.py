@@ -24,9 +24,12 @@ T = TypeVar("T")
 
 Etcd = Annotated[
     str | None,
-    flag("--etcd", "etcd endpoints, comma-separated (default: the one `cgn-ctl up` started, "
-                   "else 127.0.0.1:2379)."),
-]  # fmt: skip
+    flag(
+        "--etcd",
+        "etcd endpoints, comma-separated (default: the one `cgn-ctl up` started, "
+        "else 127.0.0.1:2379).",
+    ),
+]
 Config = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),

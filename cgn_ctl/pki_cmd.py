@@ -40,8 +40,16 @@ def _ca(directory: Path) -> pki.Pair:
         fail(f"no CA in {directory} ({exc.message}); run `cgn-ctl pki bootstrap` first")
 
 
-def _issue_file(directory: Path, ca: pki.Pair, node: str, role: str, sans: list[str], days: int,
-                usage: pki.Usage, force: bool) -> tuple[Path, bool]:  # fmt: skip
+def _issue_file(
+    directory: Path,
+    ca: pki.Pair,
+    node: str,
+    role: str,
+    sans: list[str],
+    days: int,
+    usage: pki.Usage,
+    force: bool,
+) -> tuple[Path, bool]:
     name = f"{node}-{role}"
     path = directory / f"{name}.pem"
     if path.exists() and not force:

@@ -15,29 +15,67 @@ def nodes(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         sick = "; ".join(f"#{u['index']}: {u['why']}" for u in r["unhealthy"]) or "-"
         watts = "-" if r["watts"] is None else f"{r['watts']:.0f}"
-        t.add_row(r["node"], r["state"], r["class"], str(r["accelerators"]), sick,
-                  ", ".join(r["engines"]), str(len(r["replicas"])), watts)  # fmt: skip
+        t.add_row(
+            r["node"],
+            r["state"],
+            r["class"],
+            str(r["accelerators"]),
+            sick,
+            ", ".join(r["engines"]),
+            str(len(r["replicas"])),
+            watts,
+        )
     console.print(t if rows else "no nodes registered")
 
 
 def models(rows: list[dict[str, Any]]) -> None:
-    t = Table("model", "replicas (ready/placed, min–max)", "profiles", "aliases", "fallbacks",
-              "managed by")  # fmt: skip
+    t = Table(
+        "model",
+        "replicas (ready/placed, min–max)",
+        "profiles",
+        "aliases",
+        "fallbacks",
+        "managed by",
+    )
     for r in rows:
-        t.add_row(r["model"], f"{r['ready']}/{r['placed']}, {r['min']}–{r['max']}",
-                  ", ".join(r["profiles"]), ", ".join(r["aliases"]) or "-",
-                  ", ".join(r["fallbacks"]) or "-", r.get("managed_by") or "cgn-ctl")  # fmt: skip
+        t.add_row(
+            r["model"],
+            f"{r['ready']}/{r['placed']}, {r['min']}–{r['max']}",
+            ", ".join(r["profiles"]),
+            ", ".join(r["aliases"]) or "-",
+            ", ".join(r["fallbacks"]) or "-",
+            r.get("managed_by") or "cgn-ctl",
+        )
     console.print(t if rows else "the catalog is empty")
 
 
 def replicas(rows: list[dict[str, Any]]) -> None:
-    t = Table("replica", "model", "role", "node", "part", "engine", "devices", "phase",
-              "restarts", "reason")  # fmt: skip
+    t = Table(
+        "replica",
+        "model",
+        "role",
+        "node",
+        "part",
+        "engine",
+        "devices",
+        "phase",
+        "restarts",
+        "reason",
+    )
     for r in rows:
         node = r["node"] if r["node_state"] == "ready" else f"{r['node']} ({r['node_state']})"
-        t.add_row(r["replica"], str(r["model"]), r["role"], node, r.get("part") or "-",
-                  str(r["engine"]), ",".join(map(str, r["devices"])) or "-", r["phase"],
-                  str(r["restarts"]), r["reason"] or "-")  # fmt: skip
+        t.add_row(
+            r["replica"],
+            str(r["model"]),
+            r["role"],
+            node,
+            r.get("part") or "-",
+            str(r["engine"]),
+            ",".join(map(str, r["devices"])) or "-",
+            r["phase"],
+            str(r["restarts"]),
+            r["reason"] or "-",
+        )
     console.print(t if rows else "no replicas")
 
 

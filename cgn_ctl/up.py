@@ -92,8 +92,12 @@ def _store_flags(opts: UpOptions, state: Path) -> list[str]:
     the state dir; engines it launches then offer and restore blocks through it."""
     if opts.kv_ram_gib <= 0:
         return []
-    flags = {"mode": "run", "port": _free(7071), "admin_port": _free(9094),
-             "ram_bytes": int(opts.kv_ram_gib * 2**30)}  # fmt: skip
+    flags = {
+        "mode": "run",
+        "port": _free(7071),
+        "admin_port": _free(9094),
+        "ram_bytes": int(opts.kv_ram_gib * 2**30),
+    }
     if opts.kv_ssd_gib > 0:
         flags |= {"ssd_dir": state / "kv", "ssd_bytes": int(opts.kv_ssd_gib * 2**30)}
     return [arg for k, v in flags.items() for arg in ("--set", f"kvcached.{k}={v}")]
@@ -124,8 +128,13 @@ class Starter:
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
         with log.open("ab") as fh:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         fp = fingerprint(proc.pid) or Fingerprint(proc.pid, "", "")
         self.processes.append(
             {"name": name, "fingerprint": fingerprint_to_json(fp), "log": str(log)}
@@ -169,17 +178,36 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         router_cfg = state / "router.yaml"
         router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
         router = executables.require("cgn-router")
-        started = starter.start("router", [router, "serve", "--config", str(router_cfg),
-                                 "--port", str(_free(opts.port)),
-                                 "--admin-port", str(_free(opts.admin_port)),
-                                 "--ready-file", str(ready_dir / "router.ready")],
-                      ready_dir / "router.ready")  # fmt: skip
+        started = starter.start(
+            "router",
+            [
+                router,
+                "serve",
+                "--config",
+                str(router_cfg),
+                "--port",
+                str(_free(opts.port)),
+                "--admin-port",
+                str(_free(opts.admin_port)),
+                "--ready-file",
+                str(ready_dir / "router.ready"),
+            ],
+            ready_dir / "router.ready",
+        )
         # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
         port, admin_port = int(started["ports"]["http"]), int(started["ports"]["admin"])
-    agent_argv = [executables.require("cgn-agent"), "run", "--etcd", etcd,
-                  "--state-dir", str(state / "agent"),
-                  "--admin-port", str(_free(opts.agent_port)),
-                  "--ready-file", str(ready_dir / "agent.ready")]  # fmt: skip
+    agent_argv = [
+        executables.require("cgn-agent"),
+        "run",
+        "--etcd",
+        etcd,
+        "--state-dir",
+        str(state / "agent"),
+        "--admin-port",
+        str(_free(opts.agent_port)),
+        "--ready-file",
+        str(ready_dir / "agent.ready"),
+    ]
     if opts.node_id:
         agent_argv += ["--node-id", opts.node_id]
     if opts.join is None:  # one machine: engines on loopback, stopped with the agent
@@ -189,18 +217,36 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
     if opts.join is not None:
         starter.save({"etcd": etcd, "node": agent["node"], "joined": True})
         return read_record(state) or {}
-    metrics = starter.start("metrics", [executables.require("cgn-metrics"), "serve",
-                             "--set", f"etcd.endpoints={etcd}",
-                             "--target", f"router=http://127.0.0.1:{admin_port}",
-                             "--port", str(_free(opts.metrics_port)),
-                             "--ready-file", str(ready_dir / "metrics.ready")],
-                            ready_dir / "metrics.ready")  # fmt: skip
+    metrics = starter.start(
+        "metrics",
+        [
+            executables.require("cgn-metrics"),
+            "serve",
+            "--set",
+            f"etcd.endpoints={etcd}",
+            "--target",
+            f"router=http://127.0.0.1:{admin_port}",
+            "--port",
+            str(_free(opts.metrics_port)),
+            "--ready-file",
+            str(ready_dir / "metrics.ready"),
+        ],
+        ready_dir / "metrics.ready",
+    )
     url = f"http://127.0.0.1:{port}/v1"
     model, key = _declare(etcd, opts, say)
-    starter.save({"etcd": etcd, "url": url, "model": model, "key": key, "node": agent["node"],
-                  "router_admin": f"http://127.0.0.1:{admin_port}",
-                  "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}",
-                  "dashboard": f"http://127.0.0.1:{metrics['ports']['http']}/"})  # fmt: skip
+    starter.save(
+        {
+            "etcd": etcd,
+            "url": url,
+            "model": model,
+            "key": key,
+            "node": agent["node"],
+            "router_admin": f"http://127.0.0.1:{admin_port}",
+            "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}",
+            "dashboard": f"http://127.0.0.1:{metrics['ports']['http']}/",
+        }
+    )
     _wait_served(url, model, key, opts.timeout_s, etcd, say)
     return read_record(state) or {}
 
@@ -210,12 +256,17 @@ def _start_etcd(starter: Starter, opts: UpOptions) -> str:
 
     client, peer = _free(opts.etcd_port), _free(opts.etcd_port + 1)
     data = opts.state_dir / "etcd"
-    argv = [str(find_etcd_binary()), "--name=cgn", f"--data-dir={data}",
-            f"--listen-client-urls=http://127.0.0.1:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=cgn=http://127.0.0.1:{peer}", "--log-level=warn"]  # fmt: skip
+    argv = [
+        str(find_etcd_binary()),
+        "--name=cgn",
+        f"--data-dir={data}",
+        f"--listen-client-urls=http://127.0.0.1:{client}",
+        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=cgn=http://127.0.0.1:{peer}",
+        "--log-level=warn",
+    ]
     starter.start("etcd", argv, None)
     deadline = time.monotonic() + 30
     while True:
@@ -263,8 +314,9 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
 
 
 def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, say: Any) -> None:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hi"}],
-                       "max_tokens": 8}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8}
+    ).encode()
     deadline = time.monotonic() + timeout_s
     last = ""
     phases: dict[str, str] = {}
@@ -273,8 +325,11 @@ def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, sa
             if phases.get(replica) != phase:
                 say(f"replica {replica}: {phase}")  # Starting, Loading (weights), Ready, ...
                 phases[replica] = phase
-        req = urllib.request.Request(url + "/chat/completions", data=body, headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
+        req = urllib.request.Request(
+            url + "/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:
                 if resp.status == 200:
@@ -332,8 +387,10 @@ def down(state_dir: Path, say: Any) -> list[str]:
         fp = fingerprint_from_json(p["fingerprint"])
         if not matches(fp):
             if os.path.exists(f"/proc/{fp.pid}"):
-                say(f"not stopping pid {fp.pid}: it is not the {p['name']} up started "
-                    "(its start time or command line differ)")  # fmt: skip
+                say(
+                    f"not stopping pid {fp.pid}: it is not the {p['name']} up started "
+                    "(its start time or command line differ)"
+                )
             continue
         if matches(fp):
             ok = stop_pid_group(fp, grace_s=45.0 if p["name"] == "agent" else 10.0)

@@ -123,15 +123,29 @@ def serve(
     """Serve a GGUF model over the OpenAI API (/v1/chat/completions, /v1/completions)."""
     flags = parse_overrides(set_)
     for key, value in {
-        "model": model, "http.host": host, "http.port": port, "ctx": ctx, "threads": threads,
-        "decode_threads": decode_threads, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
-        "kv_pool_tokens": kv_pool_tokens, "kv_dtype": kv_dtype, "sim.speed": speed,
+        "model": model,
+        "http.host": host,
+        "http.port": port,
+        "ctx": ctx,
+        "threads": threads,
+        "decode_threads": decode_threads,
+        "max_batch": max_batch,
+        "prefill_chunk": prefill_chunk,
+        "kv_pool_tokens": kv_pool_tokens,
+        "kv_dtype": kv_dtype,
+        "sim.speed": speed,
         "sim.engines": engines,
         "role": role,
-        "backend": backend, "device": device, "weights": weights, "model_name": model_name,
-        "kvcached.address": kvcached, "pipeline.stages": stages, "pipeline.layers": layers,
-        "pipeline.activations": activations, "pipeline.micro_batches": micro_batches,
-    }.items():  # fmt: skip
+        "backend": backend,
+        "device": device,
+        "weights": weights,
+        "model_name": model_name,
+        "kvcached.address": kvcached,
+        "pipeline.stages": stages,
+        "pipeline.layers": layers,
+        "pipeline.activations": activations,
+        "pipeline.micro_batches": micro_batches,
+    }.items():
         if value is not None:
             flags[key] = str(value)
     settings = load_service_settings(InferSettings, "infer", config, flags)
@@ -185,10 +199,15 @@ def stage(
     """Serve layers FIRST:END of a model to a pipeline head (`serve --stages`) over gRPC."""
     flags = parse_overrides(set_)
     for key, value in {
-        "model": model, "pipeline.layers": layers, "pipeline.part": part, "pipeline.host": host,
+        "model": model,
+        "pipeline.layers": layers,
+        "pipeline.part": part,
+        "pipeline.host": host,
         "pipeline.port": port,
-        "pipeline.head": head, "threads": threads, "weights": weights,
-    }.items():  # fmt: skip
+        "pipeline.head": head,
+        "threads": threads,
+        "weights": weights,
+    }.items():
         if value is not None:
             flags[key] = str(value)
     settings = load_service_settings(InferSettings, "infer", config, flags)

@@ -85,8 +85,13 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         for port in engine_ports(settings):
             listeners.append(await _listen(settings, name, port, ssl_ctx))
         scheme = "https" if ssl_ctx else "http"
-        log.info("listening on %s://%s:%s (model %s loading)", scheme, settings.http.host,
-                 _port_list(listeners), name)  # fmt: skip
+        log.info(
+            "listening on %s://%s:%s (model %s loading)",
+            scheme,
+            settings.http.host,
+            _port_list(listeners),
+            name,
+        )
         await _serve_loaded(settings, name, listeners, ready_file, stop)
     finally:
         # what _serve_loaded did not close already (it failed before serving, or binding did)
@@ -112,8 +117,9 @@ def engine_ports(settings: InferSettings) -> list[int]:
 async def _listen(
     settings: InferSettings, name: str, port: int, ssl_ctx: ssl.SSLContext | None
 ) -> _Listener:
-    svc = InferenceService(name, EngineMetrics(name), KvEventHub(name),
-                           body_timeout_s=settings.http.body_timeout_s)  # fmt: skip
+    svc = InferenceService(
+        name, EngineMetrics(name), KvEventHub(name), body_timeout_s=settings.http.body_timeout_s
+    )
     sock = bind_tcp(settings.http.host, port)
     runner = Runner(
         build_app(svc, settings.api_token, client_certs=ssl_ctx is not None),
@@ -183,30 +189,52 @@ async def _serve_loaded(
             source, sink = await _transfers(settings, listener, engine, i)
             if source is not None:
                 sources.append(source)
-            listener.svc.serve(Serving(
-                engine, loaded.codec, loaded.grammars, engine.ctx, engine.capacity_tokens,
-                role=settings.role,
-                engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
-                transfer_source=source, transfer_sink=sink,
-            ))  # fmt: skip
+            listener.svc.serve(
+                Serving(
+                    engine,
+                    loaded.codec,
+                    loaded.grammars,
+                    engine.ctx,
+                    engine.capacity_tokens,
+                    role=settings.role,
+                    engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
+                    transfer_source=source,
+                    transfer_sink=sink,
+                )
+            )
         first = engines[0]
         log.info(
             "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
-            first.capacity_tokens, BLOCK_SIZE,
+            first.capacity_tokens,
+            BLOCK_SIZE,
             first.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
             loaded.backend.kv_bytes_per_token(),
             f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
-        )  # fmt: skip
+        )
         ports = [x.port for x in listeners]
         extra = {"kv_transfer": sources[0].port} if sources else {}
         if sources:
-            log.info("role %s: transfer blocks served on %s:%d", settings.role,
-                     settings.transfer.host, sources[0].port)  # fmt: skip
-        log.info("model %s loaded in %.1fs; serving on port %s", name,
-                 time.monotonic() - started, _port_list(listeners))  # fmt: skip
-        announce_ready(ready_file, f"serving {name} on port {ports[0]}",
-                       ports={"http": ports[0], **extra}, model=name, engines=ports,
-                       transfer_ports=[x.port for x in sources], role=settings.role)  # fmt: skip
+            log.info(
+                "role %s: transfer blocks served on %s:%d",
+                settings.role,
+                settings.transfer.host,
+                sources[0].port,
+            )
+        log.info(
+            "model %s loaded in %.1fs; serving on port %s",
+            name,
+            time.monotonic() - started,
+            _port_list(listeners),
+        )
+        announce_ready(
+            ready_file,
+            f"serving {name} on port {ports[0]}",
+            ports={"http": ports[0], **extra},
+            model=name,
+            engines=ports,
+            transfer_ports=[x.port for x in sources],
+            role=settings.role,
+        )
         # the grammar vocabulary (up to a second) is built after ready, off the request path
         warm = loop.run_in_executor(None, _warm_grammars, loaded)
         await stop.wait()
@@ -251,18 +279,26 @@ def _engine(
     kvcache, restore_cost = kvcache_client(settings, loaded.backend)
     hub = svc.kv_events
     return Engine(
-        loaded.backend, loaded.codec.tokenizer, svc.metrics, config, namespace=svc.model_name,
+        loaded.backend,
+        loaded.codec.tokenizer,
+        svc.metrics,
+        config,
+        namespace=svc.model_name,
         on_kv_events=lambda events: loop.call_soon_threadsafe(hub.publish, events),
-        executor=executor, kvcache=kvcache, restore_cost=restore_cost, grammars=loaded.grammars,
-    )  # fmt: skip
+        executor=executor,
+        kvcache=kvcache,
+        restore_cost=restore_cost,
+        grammars=loaded.grammars,
+    )
 
 
 def engine_layout(backend: Backend) -> Layout:
     """What this engine's serialized blocks are: the same for the node's store and for
     transfers to a decode engine (blocks of another layout are never exchanged)."""
     dtype, layers, kv_heads, head_dim = backend.kv_layout()
-    return Layout(dtype, layers, kv_heads, head_dim, BLOCK_SIZE,
-                  f"cgn-infer {backend.name} {KV_FORMAT}")  # fmt: skip
+    return Layout(
+        dtype, layers, kv_heads, head_dim, BLOCK_SIZE, f"cgn-infer {backend.name} {KV_FORMAT}"
+    )
 
 
 async def _transfers(
@@ -276,10 +312,14 @@ async def _transfers(
     if settings.role != "prefill":
         block_bytes = backend.kv_bytes_per_token() * BLOCK_SIZE
         sink = TransferSink(
-            layout, engine.pool, listener.svc.metrics, t, settings.tls,
+            layout,
+            engine.pool,
+            listener.svc.metrics,
+            t,
+            settings.tls,
             modelled_block_bytes=block_bytes if modelled else None,
             speed=modelled.speed if modelled else 1.0,
-        )  # fmt: skip
+        )
     if settings.role != "decode":
         port = t.port + index if t.port else 0  # virtual sim engines: the next ports
         source = TransferSource(layout, dataclasses.replace(t, port=port), settings.tls)
@@ -297,8 +337,9 @@ def kvcache_client(
         return None, None
     layout = engine_layout(backend)
     tls = settings.tls if settings.tls.enabled else None
-    client = KvCacheClient(s.address, layout, tls=tls, timeout_s=s.timeout_s,
-                           shared_memory=s.shared_memory)  # fmt: skip
+    client = KvCacheClient(
+        s.address, layout, tls=tls, timeout_s=s.timeout_s, shared_memory=s.shared_memory
+    )
     # A simulated backend starts from what it charges: its modelled costs, `speed` x faster.
     modelled = backend.modelled
     speed = modelled.speed if modelled else 1.0
@@ -311,8 +352,12 @@ def kvcache_client(
         },
         prefill_s_per_token=prefill / speed,
     )
-    log.info("KV store: cgn-kvcached at %s (layout %s, %d bytes per block)", s.address,
-             layout.digest.hex(), layout.block_bytes)  # fmt: skip
+    log.info(
+        "KV store: cgn-kvcached at %s (layout %s, %d bytes per block)",
+        s.address,
+        layout.digest.hex(),
+        layout.block_bytes,
+    )
     return client, cost
 
 

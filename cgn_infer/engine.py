@@ -166,9 +166,13 @@ class Engine:
             modelled = backend.kv_bytes_per_token() * BLOCK_SIZE
             sim = modelled != kvcache.layout.block_bytes  # the sim's blocks stand for bigger ones
             self.tiering = KvTiering(
-                kvcache, backend, self.pool, metrics, restore_cost or RestoreCost(),
+                kvcache,
+                backend,
+                self.pool,
+                metrics,
+                restore_cost or RestoreCost(),
                 modelled_block_bytes=modelled if sim else None,
-            )  # fmt: skip
+            )
         self._active: dict[SeqId, _Active] = {}
         self._jobs: queue.Queue[tuple[Job, Seq] | None] = queue.Queue()
         self._stopping = False
@@ -423,10 +427,15 @@ class Engine:
             exported = self._export(seq)
         active.job.emit(
             FinishEvent(
-                reason, tail, len(seq.prompt), len(seq.output), seq.cached_tokens, error=error,
+                reason,
+                tail,
+                len(seq.prompt),
+                len(seq.output),
+                seq.cached_tokens,
+                error=error,
                 exported=exported,
             )
-        )  # fmt: skip
+        )
         # NOTE: after the client has its answer, before the blocks go back to the pool
         if self.tiering is not None and reason != "error" and seq.hashes:
             try:

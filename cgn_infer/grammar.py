@@ -147,8 +147,9 @@ def _structured_outputs(body: Mapping[str, Any]) -> GrammarSpec | None:
             or not value
             or not all(isinstance(c, str) and c for c in value)
         ):
-            raise InvalidRequest(f"'{origin}' must be a non-empty list of non-empty strings",
-                                 param=origin)  # fmt: skip
+            raise InvalidRequest(
+                f"'{origin}' must be a non-empty list of non-empty strings", param=origin
+            )
         return GrammarSpec(
             llg.LLMatcher.grammar_from_regex("|".join(map(re.escape, value))), origin
         )
@@ -164,8 +165,11 @@ def tool_call_grammar(tools: ToolFields) -> GrammarSpec | None:
     function; None for none and auto (the model's free answer is parsed instead)."""
     if tools.choice not in ("required", "named"):
         return None
-    functions = [t["function"] for t in tools.tools if tools.choice == "required"
-                 or t["function"]["name"] == tools.name]  # fmt: skip
+    functions = [
+        t["function"]
+        for t in tools.tools
+        if tools.choice == "required" or t["function"]["name"] == tools.name
+    ]
     calls = [
         {
             "type": "object",
@@ -279,8 +283,9 @@ class Grammars:
         try:
             compiled = llg.LLMatcher(self.vocab, spec.grammar, log_level=0)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"'{spec.origin}' is not supported: {_one_line([str(exc)])}",
-                                 param=spec.origin) from None  # fmt: skip
+            raise InvalidRequest(
+                f"'{spec.origin}' is not supported: {_one_line([str(exc)])}", param=spec.origin
+            ) from None
         if compiled.is_error():
             why = _one_line([compiled.get_error()])
             raise InvalidRequest(f"'{spec.origin}' is not supported: {why}", param=spec.origin)

@@ -79,13 +79,16 @@ class EngineMetrics:
         )
         # cgn-kvcached (the node's KV store): restores and offers
         self._restored = Counter(
-            "cgn_infer_kv_restored_tokens", "Prompt tokens restored from cgn-kvcached, by tier.",
-            [*labels, "tier"], registry=r,
-        )  # fmt: skip
+            "cgn_infer_kv_restored_tokens",
+            "Prompt tokens restored from cgn-kvcached, by tier.",
+            [*labels, "tier"],
+            registry=r,
+        )
         self.kv_restore_seconds = hist(
-            "cgn_infer_kv_restore_seconds", "Time to fetch a prompt's blocks from cgn-kvcached.",
+            "cgn_infer_kv_restore_seconds",
+            "Time to fetch a prompt's blocks from cgn-kvcached.",
             _LATENCY,
-        )  # fmt: skip
+        )
         self.kv_restore_skipped = counter(
             "cgn_infer_kv_restore_skipped", "Restores the cost model judged slower than recompute."
         )
@@ -104,9 +107,10 @@ class EngineMetrics:
             "cgn_infer_constrained_requests", "Requests generated under a grammar (formats, tools)."
         )
         self.grammar_compile_seconds = hist(
-            "cgn_infer_grammar_compile_seconds", "Time to compile a grammar not in the cache.",
+            "cgn_infer_grammar_compile_seconds",
+            "Time to compile a grammar not in the cache.",
             _LATENCY,
-        )  # fmt: skip
+        )
 
         # prefill/decode disaggregation (transfer.py)
         self.kv_transfer_held = counter(
@@ -119,9 +123,11 @@ class EngineMetrics:
             "cgn_infer_kv_transfer_seconds", "Time to fetch a decode leg's blocks.", _LATENCY
         )
         self._pd_fallbacks = Counter(
-            "cgn_infer_pd_fallbacks", "Decode legs that recomputed what the transfer lacked.",
-            [*labels, "reason"], registry=r,
-        )  # fmt: skip
+            "cgn_infer_pd_fallbacks",
+            "Decode legs that recomputed what the transfer lacked.",
+            [*labels, "reason"],
+            registry=r,
+        )
 
     def restored(self, tier: str, tokens: int) -> None:
         self._restored.labels(self._model, tier).inc(tokens)

@@ -13,9 +13,20 @@ from cgn_core.text.gguf_file import GGUFError, GGUFFile
 
 # Types this engine loads; every one is dequantized once at load time.
 SUPPORTED = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 def dequantize(gguf: GGUFFile, name: str) -> np.ndarray:

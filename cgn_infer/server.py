@@ -105,8 +105,9 @@ class InferenceService:
         if bad := [t for t, _ in req.params.logit_bias if t >= tok.vocab_size]:
             raise InvalidRequest(
                 f"'logit_bias' names token {bad[0]}; this model's vocabulary has "
-                f"{tok.vocab_size} tokens", param="logit_bias",
-            )  # fmt: skip
+                f"{tok.vocab_size} tokens",
+                param="logit_bias",
+            )
         if req.kind == "chat":
             prompt = serving.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
@@ -145,8 +146,10 @@ class InferenceService:
         constraint = None
         if req.grammar is not None:
             if serving.grammars is None:
-                raise InvalidRequest(f"'{req.grammar.origin}' is not supported by this engine",
-                                     param=req.grammar.origin)  # fmt: skip
+                raise InvalidRequest(
+                    f"'{req.grammar.origin}' is not supported by this engine",
+                    param=req.grammar.origin,
+                )
             constraint = serving.grammars.constraint(
                 req.grammar, self.metrics.grammar_compile_seconds.observe
             )
@@ -170,14 +173,19 @@ class InferenceService:
             return
         serving = self.ready()
         if not trusted:
-            raise Forbidden(f"'{TRANSFER_FIELD}' is accepted from the router only",
-                            param=TRANSFER_FIELD)  # fmt: skip
+            raise Forbidden(
+                f"'{TRANSFER_FIELD}' is accepted from the router only", param=TRANSFER_FIELD
+            )
         if params.do_remote_decode and serving.transfer_source is None:
-            raise InvalidRequest(f"this engine's role is {serving.role}: it runs no prefill legs",
-                                 param=f"{TRANSFER_FIELD}.do_remote_decode")  # fmt: skip
+            raise InvalidRequest(
+                f"this engine's role is {serving.role}: it runs no prefill legs",
+                param=f"{TRANSFER_FIELD}.do_remote_decode",
+            )
         if params.do_remote_prefill and serving.transfer_sink is None:
-            raise InvalidRequest(f"this engine's role is {serving.role}: it runs no decode legs",
-                                 param=f"{TRANSFER_FIELD}.do_remote_prefill")  # fmt: skip
+            raise InvalidRequest(
+                f"this engine's role is {serving.role}: it runs no decode legs",
+                param=f"{TRANSFER_FIELD}.do_remote_prefill",
+            )
 
     async def restore(
         self, gen: GenerationRequest, params: TransferParams | None

@@ -153,8 +153,13 @@ class InferSettings:
     def check(self) -> None:
         """The root's own ranges, then the rules across settings (each sub-tree has checked
         its own fields already)."""
-        least = {"max_batch": 1, "prefill_chunk": 1, "kv_pool_tokens": 16, "ctx": 2,
-                 "aging_steps": 0}  # fmt: skip
+        least = {
+            "max_batch": 1,
+            "prefill_chunk": 1,
+            "kv_pool_tokens": 16,
+            "ctx": 2,
+            "aging_steps": 0,
+        }
         for key, low in least.items():
             if getattr(self, key) < low:
                 raise ConfigError(f"{key} must be at least {low}, got {getattr(self, key)}")

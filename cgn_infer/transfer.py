@@ -105,9 +105,13 @@ class TransferSource:
     def params(self, exported: Exported, engine_id: str) -> TransferParams:
         """What the prefill leg answers: where the decode engine fetches the blocks."""
         host = self.settings.advertise or self.settings.host
-        return TransferParams(do_remote_prefill=True, remote_host=host, remote_port=self.port,
-                              remote_engine_id=engine_id,
-                              remote_block_count=len(exported.hashes))  # fmt: skip
+        return TransferParams(
+            do_remote_prefill=True,
+            remote_host=host,
+            remote_port=self.port,
+            remote_engine_id=engine_id,
+            remote_block_count=len(exported.hashes),
+        )
 
     async def hold(self, exported: Exported, now: float | None = None) -> None:
         """Keep `exported`'s blocks for `lease_s` (on the event loop)."""
@@ -231,9 +235,13 @@ class TransferSink:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                client = KvCacheClient(address, self.layout, tls=self.tls if self.tls.enabled
-                                       else None, timeout_s=self.settings.timeout_s,
-                                       shared_memory=self.settings.shared_memory)  # fmt: skip
+                client = KvCacheClient(
+                    address,
+                    self.layout,
+                    tls=self.tls if self.tls.enabled else None,
+                    timeout_s=self.settings.timeout_s,
+                    shared_memory=self.settings.shared_memory,
+                )
                 self._clients[address] = client
                 if len(self._clients) > MAX_CLIENTS:
                     self._clients.popitem(last=False)[1].close()

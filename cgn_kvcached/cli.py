@@ -45,9 +45,14 @@ def serve(
     http://ADMIN_HOST:ADMIN_PORT/v1/kv/events (set admin.host and events_token for routers
     on other machines). Under cgn-agent, `kvcached.mode=run` starts it for you."""
     flags = parse_overrides(set_)
-    for key, value in {"grpc.host": host, "grpc.port": port, "admin.port": admin_port,
-                       "ram_bytes": ram_bytes,
-                       "ssd_dir": ssd_dir, "ssd_bytes": ssd_bytes}.items():  # fmt: skip
+    for key, value in {
+        "grpc.host": host,
+        "grpc.port": port,
+        "admin.port": admin_port,
+        "ram_bytes": ram_bytes,
+        "ssd_dir": ssd_dir,
+        "ssd_bytes": ssd_bytes,
+    }.items():
         if value is not None:
             flags[key] = str(value)
     settings = load_service_settings(KvcachedSettings, "kvcached", config, flags)

@@ -20,9 +20,11 @@ class StoreCollector(Collector):
         tiers = {"ram": (ram.used_bytes, len(ram), ram.budget_bytes)}
         if ssd is not None:
             tiers["ssd"] = (ssd.used_bytes, len(ssd), ssd.budget_bytes)
-        gauges = (("cgn_kvcached_bytes", 0, "Bytes stored, by tier."),
-                  ("cgn_kvcached_blocks", 1, "Blocks stored, by tier."),
-                  ("cgn_kvcached_budget_bytes", 2, "Byte budget, by tier."))  # fmt: skip
+        gauges = (
+            ("cgn_kvcached_bytes", 0, "Bytes stored, by tier."),
+            ("cgn_kvcached_blocks", 1, "Blocks stored, by tier."),
+            ("cgn_kvcached_budget_bytes", 2, "Byte budget, by tier."),
+        )
         for name, index, doc in gauges:
             g = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, values in tiers.items():
@@ -41,18 +43,28 @@ class StoreCollector(Collector):
         for name, doc, value in (
             ("cgn_kvcached_misses", "Blocks asked for and not held.", s.stats.misses),
             ("cgn_kvcached_dropped", "Blocks neither tier could take.", s.stats.dropped),
-            ("cgn_kvcached_ssd_write_failures", "SSD writes that failed (full or failing disk).",
-             s.stats.ssd_write_failures),
-            ("cgn_kvcached_checksum_failures", "SSD blocks that failed their checksum on read.",
-             ssd.checksum_failures if ssd else 0),
-            ("cgn_kvcached_quarantined", "SSD files moved to quarantine/.",
-             ssd.quarantined if ssd else 0),
-        ):  # fmt: skip
+            (
+                "cgn_kvcached_ssd_write_failures",
+                "SSD writes that failed (full or failing disk).",
+                s.stats.ssd_write_failures,
+            ),
+            (
+                "cgn_kvcached_checksum_failures",
+                "SSD blocks that failed their checksum on read.",
+                ssd.checksum_failures if ssd else 0,
+            ),
+            (
+                "cgn_kvcached_quarantined",
+                "SSD files moved to quarantine/.",
+                ssd.quarantined if ssd else 0,
+            ),
+        ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(
-            "cgn_kvcached_ssd_degraded", "1 while the SSD tier is down (RAM only).",
+            "cgn_kvcached_ssd_degraded",
+            "1 while the SSD tier is down (RAM only).",
             value=1.0 if s.ssd_degraded else 0.0,
-        )  # fmt: skip
+        )
 
 
 def registry_for(store: BlockStore) -> CollectorRegistry:

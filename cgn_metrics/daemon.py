@@ -48,9 +48,12 @@ async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
         return {kv.key: kv.value for kv in kvs}
 
     nodes, endpoints, kvcached, cordons, placements = await asyncio.gather(
-        prefix(keys.NODES), prefix(keys.ENDPOINTS), prefix(keys.KVCACHED), prefix(keys.CORDON),
+        prefix(keys.NODES),
+        prefix(keys.ENDPOINTS),
+        prefix(keys.KVCACHED),
+        prefix(keys.CORDON),
         prefix(keys.PLACEMENTS),
-    )  # fmt: skip
+    )
     placed = {k.removeprefix(keys.PLACEMENTS).partition("/")[0] for k in placements}
     return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec)
 
@@ -83,8 +86,9 @@ async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) 
                     monitor.fleet = await asyncio.wait_for(read_fleet(etcd, rec), s.etcd.timeout_s)
                     monitor.etcd_error = ""
                 except (TimeoutError, OSError, CognitoraError) as exc:
-                    monitor.etcd_error = f"etcd did not answer ({type(exc).__name__}); " \
-                                         "showing the last fleet read"  # fmt: skip
+                    monitor.etcd_error = (
+                        f"etcd did not answer ({type(exc).__name__}); showing the last fleet read"
+                    )
             targets = [*monitor.static, *monitor.fleet.targets]
             scraper.set_targets(targets)
             await scraper.round()
@@ -112,15 +116,22 @@ async def serve(settings: MetricsSettings, ready_file: Path | None) -> None:
     verify: Any = client_ssl_context(settings.tls) if settings.tls.enabled else True
     capacity = int(settings.window_s / settings.scrape_interval_s) + 2
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(httpx.AsyncClient(
-            timeout=settings.scrape_timeout_s, verify=verify,
-            limits=httpx.Limits(max_connections=settings.scrape_concurrency),
-        ))  # fmt: skip
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(
+                timeout=settings.scrape_timeout_s,
+                verify=verify,
+                limits=httpx.Limits(max_connections=settings.scrape_concurrency),
+            )
+        )
         etcd = None
         if settings.discovery == "etcd":
             etcd = await stack.enter_async_context(EtcdClient(settings.etcd))
-        scraper = Scraper(client, timeout_s=settings.scrape_timeout_s,
-                          concurrency=settings.scrape_concurrency, capacity=capacity)  # fmt: skip
+        scraper = Scraper(
+            client,
+            timeout_s=settings.scrape_timeout_s,
+            concurrency=settings.scrape_concurrency,
+            capacity=capacity,
+        )
         monitor.scraped = scraper.scraped
         runner, port = await start_http(settings, monitor)
         stack.push_async_callback(runner.cleanup)
@@ -129,8 +140,13 @@ async def serve(settings: MetricsSettings, ready_file: Path | None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        log.info("cgn-metrics on http://%s:%d (discovery %s, %d static targets)",
-                 settings.http.host, port, settings.discovery, len(static))  # fmt: skip
+        log.info(
+            "cgn-metrics on http://%s:%d (discovery %s, %d static targets)",
+            settings.http.host,
+            port,
+            settings.discovery,
+            len(static),
+        )
         announce_ready(ready_file, f"serving on port {port}", ports={"http": port})
         await stop.wait()
         announce_stopping()

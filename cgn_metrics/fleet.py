@@ -28,11 +28,21 @@ Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, Labels]  # sample name, sorted labels
 # Families kept per target (prefixes): what the fleet view and the federation use.
 KEEP = (
-    "vllm:", "cgn_infer_", "cgn_router_requests", "cgn_router_tokens", "cgn_router_ttft_seconds",
-    "cgn_router_queue_depth", "cgn_router_admission_rejections", "cgn_agent_power_watts",
-    "cgn_agent_energy_joules", "cgn_kvcached_bytes", "cgn_kvcached_blocks", "cgn_kvcached_hits",
-    "cgn_kvcached_misses", "cgn_kvcached_budget_bytes",
-)  # fmt: skip
+    "vllm:",
+    "cgn_infer_",
+    "cgn_router_requests",
+    "cgn_router_tokens",
+    "cgn_router_ttft_seconds",
+    "cgn_router_queue_depth",
+    "cgn_router_admission_rejections",
+    "cgn_agent_power_watts",
+    "cgn_agent_energy_joules",
+    "cgn_kvcached_bytes",
+    "cgn_kvcached_blocks",
+    "cgn_kvcached_hits",
+    "cgn_kvcached_misses",
+    "cgn_kvcached_budget_bytes",
+)
 QUANTILES = (0.5, 0.95, 0.99)
 
 
@@ -156,16 +166,24 @@ def summarize(
         model_tokens[t.model]["output"] += out_tokens
         model_tokens[t.model]["total"] += out_tokens + prompt_tokens
         model_tokens[t.model][f"node:{t.node}"] += out_tokens + prompt_tokens
-        replicas.append({
-            "model": t.model, "replica": t.replica, "node": t.node, "url": t.url,
-            "state": s.state, "error": s.error,
-            "running": s.gauge("vllm:num_requests_running"),
-            "waiting": s.gauge("vllm:num_requests_waiting"),
-            "kv_usage": s.gauge("vllm:kv_cache_usage_perc"),
-            "prefix_hit_rate": _ratio(s.increase("vllm:prefix_cache_hits_total", since),
-                                      s.increase("vllm:prefix_cache_queries_total", since)),
-            "tokens_per_s": per_s(out_tokens),
-        })  # fmt: skip
+        replicas.append(
+            {
+                "model": t.model,
+                "replica": t.replica,
+                "node": t.node,
+                "url": t.url,
+                "state": s.state,
+                "error": s.error,
+                "running": s.gauge("vllm:num_requests_running"),
+                "waiting": s.gauge("vllm:num_requests_waiting"),
+                "kv_usage": s.gauge("vllm:kv_cache_usage_perc"),
+                "prefix_hit_rate": _ratio(
+                    s.increase("vllm:prefix_cache_hits_total", since),
+                    s.increase("vllm:prefix_cache_queries_total", since),
+                ),
+                "tokens_per_s": per_s(out_tokens),
+            }
+        )
 
     nodes: list[dict[str, Any]] = []
     joules_by_node: dict[str, float] = {}
@@ -185,16 +203,21 @@ def summarize(
         if joules is not None:
             joules_by_node[node] = joules
         tokens = node_tokens.get(node, {})
-        nodes.append({
-            "node": node,
-            "state": fleet.nodes.get(node, "Ready" if agent and agent.state == "up" else "Unknown"),
-            "agent": agent.state if agent else "absent",
-            "watts": watts, "source": source or "unavailable",
-            "joules": joules,
-            "j_per_output_token": _per(joules, tokens.get("output", 0.0)),
-            "j_per_token": _per(joules, tokens.get("total", 0.0)),
-            "tokens_per_joule": _ratio(tokens.get("output", 0.0), joules) if joules else None,
-        })  # fmt: skip
+        nodes.append(
+            {
+                "node": node,
+                "state": fleet.nodes.get(
+                    node, "Ready" if agent and agent.state == "up" else "Unknown"
+                ),
+                "agent": agent.state if agent else "absent",
+                "watts": watts,
+                "source": source or "unavailable",
+                "joules": joules,
+                "j_per_output_token": _per(joules, tokens.get("output", 0.0)),
+                "j_per_token": _per(joules, tokens.get("total", 0.0)),
+                "tokens_per_joule": _ratio(tokens.get("output", 0.0), joules) if joules else None,
+            }
+        )
 
     models: list[dict[str, Any]] = []
     for model in sorted(set(model_tokens) | set(fleet.replicas)):
@@ -206,21 +229,32 @@ def summarize(
             if here and all_here:
                 joules += j * here / all_here
                 measured = True
-        models.append({
-            "model": model,
-            "replicas": fleet.replicas.get(model, sum(1 for r in replicas if r["model"] == model)),
-            "ready": sum(1 for r in replicas if r["model"] == model and r["state"] == "up"),
-            "tokens_per_s": per_s(tok.get("output", 0.0)),
-            "j_per_output_token": _ratio(joules, tok.get("output", 0.0)) if measured else None,
-        })  # fmt: skip
+        models.append(
+            {
+                "model": model,
+                "replicas": fleet.replicas.get(
+                    model, sum(1 for r in replicas if r["model"] == model)
+                ),
+                "ready": sum(1 for r in replicas if r["model"] == model and r["state"] == "up"),
+                "tokens_per_s": per_s(tok.get("output", 0.0)),
+                "j_per_output_token": _ratio(joules, tok.get("output", 0.0)) if measured else None,
+            }
+        )
 
-    kvcached = [{
-        "node": s.target.node or s.target.url, "state": s.state,
-        "bytes": {lb.get("tier", "?"): last[1] for lb, r in s.series("cgn_kvcached_bytes")
-                  if (last := r.last()) is not None},
-        "hits_per_s": per_s(s.increase("cgn_kvcached_hits_total", since)),
-        "misses_per_s": per_s(s.increase("cgn_kvcached_misses_total", since)),
-    } for s in by_kind["kvcached"]]  # fmt: skip
+    kvcached = [
+        {
+            "node": s.target.node or s.target.url,
+            "state": s.state,
+            "bytes": {
+                lb.get("tier", "?"): last[1]
+                for lb, r in s.series("cgn_kvcached_bytes")
+                if (last := r.last()) is not None
+            },
+            "hits_per_s": per_s(s.increase("cgn_kvcached_hits_total", since)),
+            "misses_per_s": per_s(s.increase("cgn_kvcached_misses_total", since)),
+        }
+        for s in by_kind["kvcached"]
+    ]
 
     out_tokens = sum(t["output"] for t in node_tokens.values())
     all_tokens = sum(t["total"] for t in node_tokens.values())
@@ -254,18 +288,32 @@ def summarize(
         "power_nodes": len(node_watts),
         "j_per_output_token": _ratio(fleet_joules, measured_tokens) if joules_by_node else None,
         "energy_source": "+".join(sources) or "unavailable",
-    }  # fmt: skip
-    targets = [{
-        "id": s.target.id, "kind": s.target.kind, "url": s.target.url, "node": s.target.node,
-        "model": s.target.model, "state": s.state, "error": s.error,
-        "age_s": None if not s.last_ok else round(now - s.last_ok, 1),
-        "scrape_ms": round(1e3 * s.duration_s, 1),
-    } for s in sorted(scraped.values(), key=lambda s: s.target.id)]  # fmt: skip
+    }
+    targets = [
+        {
+            "id": s.target.id,
+            "kind": s.target.kind,
+            "url": s.target.url,
+            "node": s.target.node,
+            "model": s.target.model,
+            "state": s.state,
+            "error": s.error,
+            "age_s": None if not s.last_ok else round(now - s.last_ok, 1),
+            "scrape_ms": round(1e3 * s.duration_s, 1),
+        }
+        for s in sorted(scraped.values(), key=lambda s: s.target.id)
+    ]
     return {
-        "time": now, "window_s": window_s, "covered_s": span, "totals": totals,
-        "nodes": nodes, "models": models, "replicas": replicas, "kvcached": kvcached,
+        "time": now,
+        "window_s": window_s,
+        "covered_s": span,
+        "totals": totals,
+        "nodes": nodes,
+        "models": models,
+        "replicas": replicas,
+        "kvcached": kvcached,
         "targets": targets,
-    }  # fmt: skip
+    }
 
 
 def history_points(view: Mapping[str, Any]) -> dict[str, float]:

@@ -86,8 +86,9 @@ def build_app(monitor: Monitor) -> web.Application:
 
 async def start_http(settings: MetricsSettings, monitor: Monitor) -> tuple[Runner, int]:
     sock = bind_tcp(settings.http.host, settings.http.port)
-    runner = Runner(build_app(monitor), idle_timeout_s=settings.http.idle_timeout_s,
-                    access_log=None)  # fmt: skip
+    runner = Runner(
+        build_app(monitor), idle_timeout_s=settings.http.idle_timeout_s, access_log=None
+    )
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner, int(sock.getsockname()[1])
@@ -139,18 +140,31 @@ def fleet_text(view: dict[str, Any]) -> str:
     nodes = [({"node": n["node"], "source": n["source"]}, n) for n in view["nodes"]]
     families += [
         ("cgn_node_power_watts", [(lb, n["watts"]) for lb, n in nodes]),
-        ("cgn_node_energy_per_output_token_joules",
-         [(lb, n["j_per_output_token"]) for lb, n in nodes]),
+        (
+            "cgn_node_energy_per_output_token_joules",
+            [(lb, n["j_per_output_token"]) for lb, n in nodes],
+        ),
         ("cgn_node_energy_per_token_joules", [(lb, n["j_per_token"]) for lb, n in nodes]),
-        ("cgn_node_state", [({"node": n["node"], "state": n["state"]}, 1.0)
-                            for n in view["nodes"]]),
-        ("cgn_model_tokens_per_second",
-         [({"model": m["model"]}, m["tokens_per_s"]) for m in view["models"]]),
-        ("cgn_model_energy_per_output_token_joules",
-         [({"model": m["model"]}, m["j_per_output_token"]) for m in view["models"]]),
-        ("cgn_metrics_target_up", [({"target": x["id"], "kind": x["kind"]},
-                                    1.0 if x["state"] == "up" else 0.0) for x in view["targets"]]),
-    ]  # fmt: skip
+        (
+            "cgn_node_state",
+            [({"node": n["node"], "state": n["state"]}, 1.0) for n in view["nodes"]],
+        ),
+        (
+            "cgn_model_tokens_per_second",
+            [({"model": m["model"]}, m["tokens_per_s"]) for m in view["models"]],
+        ),
+        (
+            "cgn_model_energy_per_output_token_joules",
+            [({"model": m["model"]}, m["j_per_output_token"]) for m in view["models"]],
+        ),
+        (
+            "cgn_metrics_target_up",
+            [
+                ({"target": x["id"], "kind": x["kind"]}, 1.0 if x["state"] == "up" else 0.0)
+                for x in view["targets"]
+            ],
+        ),
+    ]
     out = []
     for name, samples in families:
         out.append(f"# TYPE {name} gauge\n")

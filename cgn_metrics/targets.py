@@ -108,8 +108,15 @@ def fleet_from_records(
         node = node or doc["node"]
         named.add(node)
         replicas[model] = replicas.get(model, 0) + 1
-        targets.append(Target("engine", doc["url"], node=node, model=model,
-                              replica=f"{node}.{replica}" if node else replica))  # fmt: skip
+        targets.append(
+            Target(
+                "engine",
+                doc["url"],
+                node=node,
+                model=model,
+                replica=f"{node}.{replica}" if node else replica,
+            )
+        )
     for key, raw in kvcached.items():
         node = key.removeprefix(keys.KVCACHED)
         doc = rec.parse(key, revision, raw, _kvcached)
@@ -133,8 +140,11 @@ def _agent(doc: Any) -> str:
 
 def _endpoint(doc: Any) -> dict[str, Any]:
     d = records.obj(doc, "endpoint")
-    return {"url": base_url(records.text(d, "url", required=True)),
-            "node": records.text(d, "node"), "model": records.text(d, "model")}  # fmt: skip
+    return {
+        "url": base_url(records.text(d, "url", required=True)),
+        "node": records.text(d, "node"),
+        "model": records.text(d, "model"),
+    }
 
 
 def _kvcached(doc: Any) -> dict[str, Any]:
@@ -147,7 +157,8 @@ def file_sd(targets: Iterable[Target]) -> str:
     for t in sorted(targets, key=lambda t: t.id):
         parts = urlsplit(t.url)
         labels = {"cgn_kind": t.kind, "__scheme__": parts.scheme}
-        labels.update({k: v for k, v in (("node", t.node), ("model", t.model),
-                                         ("replica", t.replica)) if v})  # fmt: skip
+        labels.update(
+            {k: v for k, v in (("node", t.node), ("model", t.model), ("replica", t.replica)) if v}
+        )
         groups.append({"targets": [parts.netloc], "labels": labels})
     return json.dumps(groups, indent=1) + "\n"

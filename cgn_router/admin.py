@@ -66,8 +66,13 @@ async def _readyz(svc: RouterService) -> web.Response:
     n = len(svc.registry.states)
     ready = svc.synced and n > 0
     auth = "enabled" if svc.settings.auth.enabled else "disabled (development only)"
-    body = {"status": "ready" if ready else "not ready", "synced": svc.synced, "endpoints": n,
-            "auth": auth, "admission": svc.gate is not None}  # fmt: skip
+    body = {
+        "status": "ready" if ready else "not ready",
+        "synced": svc.synced,
+        "endpoints": n,
+        "auth": auth,
+        "admission": svc.gate is not None,
+    }
     return web.json_response(body, status=200 if ready else 503)
 
 
@@ -78,18 +83,33 @@ async def _endpoints(svc: RouterService) -> web.Response:
     out = []
     for eid, s in sorted(reg.states.items()):
         ep, load = s.endpoint, s.load
-        out.append({
-            "id": eid, "model": ep.model, "url": ep.url, "engine": ep.engine, "role": ep.role,
-            "node": ep.node, "source": s.source, "cordoned": ep.node in reg.cordoned,
-            "kv_tracking": "exact" if ep.kv_events_url else "approximate",
-            "in_flight": s.in_flight, "pending_prefill_tokens": s.pending_prefill,
-            "breaker": s.breaker.state(now), "scrape_error": s.scrape_error,
-            "load": None if load is None else {
-                "running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
-                "age_s": round(now - load.scraped_at, 3),
-            },
-            "kv_blocks": {
-                "exact": reg.index.exact_size(eid), "assumed": reg.index.assumed_size(eid),
-            },
-        })  # fmt: skip
+        out.append(
+            {
+                "id": eid,
+                "model": ep.model,
+                "url": ep.url,
+                "engine": ep.engine,
+                "role": ep.role,
+                "node": ep.node,
+                "source": s.source,
+                "cordoned": ep.node in reg.cordoned,
+                "kv_tracking": "exact" if ep.kv_events_url else "approximate",
+                "in_flight": s.in_flight,
+                "pending_prefill_tokens": s.pending_prefill,
+                "breaker": s.breaker.state(now),
+                "scrape_error": s.scrape_error,
+                "load": None
+                if load is None
+                else {
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "kv_usage": load.kv_usage,
+                    "age_s": round(now - load.scraped_at, 3),
+                },
+                "kv_blocks": {
+                    "exact": reg.index.exact_size(eid),
+                    "assumed": reg.index.assumed_size(eid),
+                },
+            }
+        )
     return web.json_response({"weights": svc.chain.weights, "endpoints": out})

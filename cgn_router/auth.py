@@ -71,8 +71,9 @@ def authorize(p: Principal, model: str) -> None:
 def authorize_admin(p: Principal) -> None:
     """Management APIs need a key created with --admin (any key while auth is off)."""
     if p.record is not None and not p.record.admin:
-        raise Forbidden("this API key has no admin scope (cgn-ctl keys create --admin)",
-                        code="admin_required")  # fmt: skip
+        raise Forbidden(
+            "this API key has no admin scope (cgn-ctl keys create --admin)", code="admin_required"
+        )
 
 
 @dataclass
@@ -114,8 +115,9 @@ class Limiter:
             u = self.usage[p.key_id] = KeyUsage(
                 Bucket(lim.rps, max(1.0, lim.rps)) if lim.rps else None,
                 Bucket(lim.tokens_per_min / 60.0, float(lim.tokens_per_min))
-                if lim.tokens_per_min else None,
-            )  # fmt: skip
+                if lim.tokens_per_min
+                else None,
+            )
         return u
 
     def acquire(self, p: Principal, prompt_tokens: int, now: float | None = None) -> None:
@@ -128,8 +130,10 @@ class Limiter:
         if lim.concurrent is not None and u.in_flight >= lim.concurrent:
             why = f"{u.in_flight} requests in flight; the key allows {lim.concurrent}"
             raise RateLimited(why, code="concurrency_limit", retry_after_s=1)
-        checks = ((u.requests, 1.0, "requests per second"),
-                  (u.tokens, float(prompt_tokens), "tokens per minute"))  # fmt: skip
+        checks = (
+            (u.requests, 1.0, "requests per second"),
+            (u.tokens, float(prompt_tokens), "tokens per minute"),
+        )
         for bucket, amount, what in checks:
             if bucket is None:
                 continue

@@ -53,10 +53,14 @@ class RequestContext:
     def prefill_leg(self, served: str) -> bytes:
         """A disaggregated request's first leg: compute the prompt, answer one token, hold
         the KV for a decode engine (cgn_core/kv/transfer.py)."""
-        body = {k: v for k, v in self.body.items()
-                if k not in ("stream_options", "max_completion_tokens")}  # fmt: skip
-        body.update(model=served, max_tokens=1, stream=False,
-                    kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        body = {
+            k: v
+            for k, v in self.body.items()
+            if k not in ("stream_options", "max_completion_tokens")
+        }
+        body.update(
+            model=served, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}
+        )
         return _encode(body)
 
     def decode_leg(self, served: str, params: Mapping[str, Any]) -> bytes:

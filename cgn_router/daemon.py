@@ -235,9 +235,10 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
             return
         try:
             async with session.get(
-                state.endpoint.url + "/metrics", timeout=timeout,
+                state.endpoint.url + "/metrics",
+                timeout=timeout,
                 headers=bearer_header(state.endpoint.token),
-            ) as resp:  # fmt: skip
+            ) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 page = await resp.content.read(MAX_METRICS_PAGE)

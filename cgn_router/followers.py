@@ -105,10 +105,10 @@ class EtcdFollowers:
 
     def stores_list(self, kvs: list[KeyValue]) -> None:
         stores = {kv.key[len(keys.KVCACHED) :]: r for kv in kvs if (r := self._store(kv))}
-        static = {n: (st.events_url, st.events_token)
-                  for n, st in self.svc.settings.stores.items()}  # fmt: skip
-        self.svc.registry.stores = static | {n: (r.events_url, r.events_token)
-                                             for n, r in stores.items() if n}  # fmt: skip
+        static = {n: (st.events_url, st.events_token) for n, st in self.svc.settings.stores.items()}
+        self.svc.registry.stores = static | {
+            n: (r.events_url, r.events_token) for n, r in stores.items() if n
+        }
         self.on_endpoints(None)
 
     def stores_event(self, ev: WatchEvent) -> None:

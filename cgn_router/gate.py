@@ -133,7 +133,9 @@ class Gate:
             self._depth(ticket.band)
             if fut is not None and not fut.done():
                 ttl = self.settings.bands[ticket.band].ttl_s
-                fut.set_exception(UpstreamTimeout(
-                    f"waited {ttl:.0f}s in the {ticket.band} queue", code="queue_timeout"
-                ))  # fmt: skip
+                fut.set_exception(
+                    UpstreamTimeout(
+                        f"waited {ttl:.0f}s in the {ticket.band} queue", code="queue_timeout"
+                    )
+                )
         self._pump()

@@ -52,18 +52,23 @@ class RouterMetrics:
             return Labelled(Gauge(name, doc, labels, registry=r))
 
         self.admission_wait = histogram(
-            "cgn_router_admission_wait_seconds", "Time admitted requests waited in the queue.",
-            LATENCY_BUCKETS, "band",
-        )  # fmt: skip
+            "cgn_router_admission_wait_seconds",
+            "Time admitted requests waited in the queue.",
+            LATENCY_BUCKETS,
+            "band",
+        )
         self.admission_rejections = counter(
-            "cgn_router_admission_rejections", "Requests refused by admission or auth, by reason.",
-            "band", "reason",
-        )  # fmt: skip
+            "cgn_router_admission_rejections",
+            "Requests refused by admission or auth, by reason.",
+            "band",
+            "reason",
+        )
         self.queue_depth = gauge("cgn_router_queue_depth", "Requests waiting, per band.", "band")
         self.saturation = gauge(
             "cgn_router_pool_saturation",
-            "max(admitted requests / batch capacity, KV usage) per model pool.", "pool",
-        )  # fmt: skip
+            "max(admitted requests / batch capacity, KV usage) per model pool.",
+            "pool",
+        )
         self.requests = counter(
             "cgn_router_requests", "Requests by model and outcome.", "model", "outcome"
         )
@@ -143,14 +148,15 @@ class RouterMetrics:
         self.pd_decisions = counter(
             "cgn_router_pd_decisions",
             "Requests of models with a prefill pool: split, or why not (cgn_router/disagg.py).",
-            "model", "reason",
-        )  # fmt: skip
+            "model",
+            "reason",
+        )
         self.pd_fallbacks = counter(
             "cgn_router_pd_fallbacks",
             "Split requests whose decode replica recomputed the prompt, by cause (prefill leg "
             "failures; decode_<reason>: the decode engine could not fetch the KV).",
             "reason",
-        )  # fmt: skip
+        )
 
     def attempt_ended(
         self, model: str, outcome: Outcome, started: float, lease: Lease, relayed: Relayed | None

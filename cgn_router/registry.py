@@ -277,8 +277,12 @@ class Registry:
             picked[owner] = None
         if req.blocks and self.stores:
             first = req.blocks[:1]
-            picked.update((e, None) for e, s in peers.items() if s.endpoint.node in self.stores
-                          and self.tiers.extend(s.endpoint.node, first, 0) != (0, 0))  # fmt: skip
+            picked.update(
+                (e, None)
+                for e, s in peers.items()
+                if s.endpoint.node in self.stores
+                and self.tiers.extend(s.endpoint.node, first, 0) != (0, 0)
+            )
         return list(picked)
 
     def requeue(self, s: EndpointState, now: float) -> None:

@@ -244,8 +244,9 @@ async def _disaggregate(
     uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)
     pre = svc.route(dataclasses.replace(req, role="prefill"), frozenset({view.id})).view
     queue = None if pre is None else _queue(pre)
-    split = decide(svc.settings.pd, prefill_pool=True, uncached_tokens=uncached,
-                   prefill_queue=queue)  # fmt: skip
+    split = decide(
+        svc.settings.pd, prefill_pool=True, uncached_tokens=uncached, prefill_queue=queue
+    )
     svc.metrics.pd_decisions.labels(req.model, split.reason).inc()
     if not split.split or pre is None:
         return payload, {PD_HEADER: f"aggregated: {split.reason}"}
@@ -253,8 +254,9 @@ async def _disaggregate(
         params = await _prefill_leg(svc, ctx, req, pre)
     except AttemptFailed as exc:
         svc.metrics.pd_fallbacks.labels(exc.cause).inc()
-        log.warning("prefill leg on %s failed, the decode replica computes it: %s", pre.id,
-                    exc.message)  # fmt: skip
+        log.warning(
+            "prefill leg on %s failed, the decode replica computes it: %s", pre.id, exc.message
+        )
         return payload, {PD_HEADER: f"aggregated: prefill leg failed ({exc.cause})"}
     return ctx.decode_leg(req.model, params), {PD_HEADER: f"disaggregated (prefill {pre.id})"}
 

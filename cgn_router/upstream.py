@@ -200,7 +200,7 @@ class Response:
         "_pool",
         "headers",
         "status",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

@@ -53,8 +53,18 @@ class CgnInferDriver:
         exe = tools.which("cgn-infer") or "cgn-infer"
         if spec.pipeline is not None and spec.pipeline.part > 0:
             return _stage(spec, ctx, exe)
-        argv = [exe, "serve", "--model", spec.source, "--host", ctx.host,
-                "--port", str(ctx.port), "--model-name", spec.model]  # fmt: skip
+        argv = [
+            exe,
+            "serve",
+            "--model",
+            spec.source,
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+            "--model-name",
+            spec.model,
+        ]
         if spec.pipeline is not None:  # the head: the stages' addresses, in layer order
             argv += ["--stages", ",".join(spec.pipeline.stages)]
         argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads), ("--backend", p.backend))
@@ -86,8 +96,18 @@ def _stage(spec: ReplicaSpec, ctx: LaunchContext, exe: str) -> Launch:
     part computes from the same file), serving only the head's node (with TLS)."""
     assert spec.pipeline is not None
     p, part = spec.profile, spec.pipeline
-    argv = [exe, "stage", "--model", spec.source, "--part", f"{part.part}/{part.parts}",
-            "--host", ctx.host, "--port", str(ctx.port)]  # fmt: skip
+    argv = [
+        exe,
+        "stage",
+        "--model",
+        spec.source,
+        "--part",
+        f"{part.part}/{part.parts}",
+        "--host",
+        ctx.host,
+        "--port",
+        str(ctx.port),
+    ]
     argv += optional_flags(("--threads", p.threads), ("--dtype", p.dtype))
     argv += ["--set", f"backend={p.backend}"] if p.backend else []
     argv += ["--set", "device=cuda"] if spec.devices else []
@@ -95,13 +115,18 @@ def _stage(spec: ReplicaSpec, ctx: LaunchContext, exe: str) -> Launch:
         argv += ["--head", part.head, *_tls_flags(ctx.tls)]
     env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
     # NOTE: no extra_args: they are `serve` flags (the head gets them), which `stage` refuses
-    return Launch(tuple(argv), env, f"tcp://{ctx.host}:{ctx.port}", probe="tcp",
-                  endpoint=False)  # fmt: skip
+    return Launch(tuple(argv), env, f"tcp://{ctx.host}:{ctx.port}", probe="tcp", endpoint=False)
 
 
 def _tls_flags(tls: TlsSettings | None) -> list[str]:
     """The node's certificate for `cgn-infer`'s `tls.*` settings (none without TLS)."""
     if tls is None:
         return []
-    return ["--set", f"tls.ca_file={tls.ca_file}", "--set", f"tls.cert_file={tls.cert_file}",
-            "--set", f"tls.key_file={tls.key_file}"]  # fmt: skip
+    return [
+        "--set",
+        f"tls.ca_file={tls.ca_file}",
+        "--set",
+        f"tls.cert_file={tls.cert_file}",
+        "--set",
+        f"tls.key_file={tls.key_file}",
+    ]

@@ -48,9 +48,19 @@ class VllmDriver:
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
-        argv = [tools.which("vllm") or "vllm", "serve", spec.source, "--host", ctx.host,
-                "--port", str(ctx.port), "--served-model-name", spec.model,
-                "--tensor-parallel-size", str(p.tensor_parallel)]  # fmt: skip
+        argv = [
+            tools.which("vllm") or "vllm",
+            "serve",
+            spec.source,
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+            "--served-model-name",
+            spec.model,
+            "--tensor-parallel-size",
+            str(p.tensor_parallel),
+        ]
         argv += optional_flags(("--max-model-len", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         if p.gpu_memory_utilization is not None:
@@ -81,9 +91,21 @@ class SglangDriver:
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
-        argv = [ctx.python, "-m", "sglang.launch_server", "--model-path", spec.source,
-                "--host", ctx.host, "--port", str(ctx.port), "--served-model-name", spec.model,
-                "--tp-size", str(p.tensor_parallel)]  # fmt: skip
+        argv = [
+            ctx.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            spec.source,
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+            "--served-model-name",
+            spec.model,
+            "--tp-size",
+            str(p.tensor_parallel),
+        ]
         argv += optional_flags(("--context-length", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         if p.gpu_memory_utilization is not None:
@@ -113,9 +135,18 @@ class TrtllmDriver:
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
-        argv = [tools.which("trtllm-serve") or "trtllm-serve", spec.source, "--host", ctx.host,
-                "--port", str(ctx.port), "--backend", p.backend or "pytorch",
-                "--tp_size", str(p.tensor_parallel)]  # fmt: skip
+        argv = [
+            tools.which("trtllm-serve") or "trtllm-serve",
+            spec.source,
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+            "--backend",
+            p.backend or "pytorch",
+            "--tp_size",
+            str(p.tensor_parallel),
+        ]
         argv += optional_flags(("--max_seq_len", p.ctx))
         argv += ["--served_model_name", spec.model]
         return Launch(tuple(argv + list(p.extra_args)), {**cuda_env(spec), **p.env}, url_for(ctx))

@@ -72,26 +72,61 @@ class LlamaCppDriver:
         host, port, gpu = ctx.host, str(ctx.port), bool(spec.devices)
         env = {**(cuda_env(spec) if gpu else {}), **p.env}
         if launcher == "llama_cpp_python":
-            argv = [ctx.python, "-m", "llama_cpp.server", "--model", spec.source,
-                    "--host", host, "--port", port, "--model_alias", spec.model]  # fmt: skip
+            argv = [
+                ctx.python,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                spec.source,
+                "--host",
+                host,
+                "--port",
+                port,
+                "--model_alias",
+                spec.model,
+            ]
             argv += optional_flags(("--n_ctx", p.ctx), ("--n_threads", p.threads))
             argv += ["--n_gpu_layers", "-1"] if gpu else []
             return Launch(
                 tuple(argv + list(p.extra_args)), env, url_for(ctx), health_path="/v1/models"
             )
         if launcher == "xllamacpp":
-            argv = [ctx.python, "-m", "cgn_agent.runners.xllamacpp_server", "--model", spec.source,
-                    "--host", host, "--port", port, "--alias", spec.model]  # fmt: skip
+            argv = [
+                ctx.python,
+                "-m",
+                "cgn_agent.runners.xllamacpp_server",
+                "--model",
+                spec.source,
+                "--host",
+                host,
+                "--port",
+                port,
+                "--alias",
+                spec.model,
+            ]
             argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads))
             argv += ["--n-gpu-layers", "999"] if gpu else []
         else:
-            argv = [tools.which("llama-server") or "llama-server", "-m", spec.source,
-                    "--host", host, "--port", port, "--alias", spec.model, "--metrics"]  # fmt: skip
+            argv = [
+                tools.which("llama-server") or "llama-server",
+                "-m",
+                spec.source,
+                "--host",
+                host,
+                "--port",
+                port,
+                "--alias",
+                spec.model,
+                "--metrics",
+            ]
             argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
             argv += ["-ngl", "999"] if gpu else []
         if ctx.token:  # llama-server (and our runner) read --api-key's LLAMA_API_KEY: not in ps
             env["LLAMA_API_KEY"] = ctx.token
         return Launch(
-            tuple(argv + list(p.extra_args)), env, url_for(ctx), metrics_dialect="llamacpp",
+            tuple(argv + list(p.extra_args)),
+            env,
+            url_for(ctx),
+            metrics_dialect="llamacpp",
             token=ctx.token,
-        )  # fmt: skip
+        )

@@ -43,10 +43,20 @@ class MlxLmDriver:
             )
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
-        argv = [ctx.python, "-m", "mlx_lm.server", "--model", spec.source,
-                "--host", ctx.host, "--port", str(ctx.port)]  # fmt: skip
-        return Launch(tuple(argv + list(spec.profile.extra_args)), dict(spec.profile.env),
-                      url_for(ctx))  # fmt: skip
+        argv = [
+            ctx.python,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            spec.source,
+            "--host",
+            ctx.host,
+            "--port",
+            str(ctx.port),
+        ]
+        return Launch(
+            tuple(argv + list(spec.profile.extra_args)), dict(spec.profile.env), url_for(ctx)
+        )
 
 
 class OpenAICompatDriver:

@@ -24,8 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="0: llama.cpp's default")
     ap.add_argument("--n-gpu-layers", type=int, default=None, help="default: llama.cpp's")
-    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
-                    help="llama.cpp's flash-attention kernel (auto: where supported)")  # fmt: skip
+    ap.add_argument(
+        "--flash-attn",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama.cpp's flash-attention kernel (auto: where supported)",
+    )
     args = ap.parse_args(argv)
 
     import xllamacpp  # type: ignore[import-untyped]

@@ -13,8 +13,11 @@ from cgn_core.etcd.client import EtcdClient, EtcdError
 from cgn_core.rbac import Plan
 from cgn_proto.etcd import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
-_PERMS = {"read": auth_pb2.Permission.READ, "write": auth_pb2.Permission.WRITE,
-          "readwrite": auth_pb2.Permission.READWRITE}  # fmt: skip
+_PERMS = {
+    "read": auth_pb2.Permission.READ,
+    "write": auth_pb2.Permission.WRITE,
+    "readwrite": auth_pb2.Permission.READWRITE,
+}
 
 
 async def apply_plan(client: EtcdClient, plan: Plan, *, enable: bool = True) -> None:
@@ -22,8 +25,11 @@ async def apply_plan(client: EtcdClient, plan: Plan, *, enable: bool = True) -> 
     for role, grants in plan.roles.items():
         await _rpc(client, "RoleAdd", rpc_pb2.AuthRoleAddRequest(name=role), exists_ok=True)
         for g in grants:
-            perm = auth_pb2.Permission(permType=_PERMS[g.perm], key=g.key.encode("latin-1"),
-                                       range_end=g.range_end.encode("latin-1"))  # fmt: skip
+            perm = auth_pb2.Permission(
+                permType=_PERMS[g.perm],
+                key=g.key.encode("latin-1"),
+                range_end=g.range_end.encode("latin-1"),
+            )
             req = rpc_pb2.AuthRoleGrantPermissionRequest(name=role, perm=perm)
             await _rpc(client, "RoleGrantPermission", req)
     for user, roles in plan.users.items():

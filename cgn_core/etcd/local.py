@@ -92,9 +92,13 @@ class LocalEtcd:
         secure = []
         if self.tls is not None:
             t = self.tls
-            secure = [f"--cert-file={t.cert_file}", f"--key-file={t.key_file}",
-                      f"--trusted-ca-file={t.ca_file}", "--client-cert-auth",
-                      f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}"]  # fmt: skip
+            secure = [
+                f"--cert-file={t.cert_file}",
+                f"--key-file={t.key_file}",
+                f"--trusted-ca-file={t.ca_file}",
+                "--client-cert-auth",
+                f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}",
+            ]
         return [
             str(find_etcd_binary()),
             f"--name={self.name}",

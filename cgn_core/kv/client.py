@@ -56,17 +56,23 @@ class KvCacheClient:
         self.address, self.layout, self.timeout_s = address, layout, timeout_s
         # NOTE: a restarted kvcached is found again within a second, not after gRPC's
         # default reconnect backoff (up to two minutes of recomputing everything)
-        opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
+        opts = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self._channel = channel(address, tls, opts)
         self._stub = pb_grpc.KvCacheStub(self._channel)
         self._meta = (("x-cgn-node", node),) if node else ()
         self._pb_layout = pb.KvLayout(
-            dtype=layout.dtype, layers=layout.layers, kv_heads=layout.kv_heads,
-            head_dim=layout.head_dim, block_size=layout.block_size, engine=layout.engine,
-        )  # fmt: skip
+            dtype=layout.dtype,
+            layers=layout.layers,
+            kv_heads=layout.kv_heads,
+            head_dim=layout.head_dim,
+            block_size=layout.block_size,
+            engine=layout.engine,
+        )
         self._want_shm = shared_memory
         self._shm_dir: Path | None = None
         self._probed = False
@@ -101,15 +107,19 @@ class KvCacheClient:
             return np.empty((0, self.layout.block_bytes), np.uint8), []
         bb = self.layout.block_bytes
         shm = self._shm_file(len(hashes) * bb)
-        req = pb.GetRequest(layout=self._pb_layout, hashes=list(hashes),
-                            shm_path=str(shm[0]) if shm else "")  # fmt: skip
+        req = pb.GetRequest(
+            layout=self._pb_layout, hashes=list(hashes), shm_path=str(shm[0]) if shm else ""
+        )
         tiers: list[str] = []
         chunks: list[bytes] = []
         try:
             try:
                 for reply in self._stub.Get(req, timeout=self.timeout_s, metadata=self._meta):
-                    pairs = zip(reply.blocks, reply.tiers, strict=True) if reply.blocks else (
-                        (reply.block, reply.tier),)  # fmt: skip
+                    pairs = (
+                        zip(reply.blocks, reply.tiers, strict=True)
+                        if reply.blocks
+                        else ((reply.block, reply.tier),)
+                    )
                     for block, tier in pairs:
                         if len(tiers) >= len(hashes) or block.hash != hashes[len(tiers)]:
                             raise KvCacheError("the server answered blocks out of order")
@@ -153,8 +163,9 @@ class KvCacheClient:
                 _write_all(shm[1], memoryview(np.ascontiguousarray(data).data).cast("B"))
             reply = self._stub.Put(
                 self._put_stream(hashes, data, str(shm[0]) if shm else ""),
-                timeout=self.timeout_s, metadata=self._meta,
-            )  # fmt: skip
+                timeout=self.timeout_s,
+                metadata=self._meta,
+            )
         except grpc.RpcError as exc:
             self._probed = False
             raise KvCacheError(_describe(exc)) from None
@@ -173,11 +184,15 @@ class KvCacheClient:
         per = len(hashes) if path else max(1, (4 << 20) // bb)
         for first in range(0, len(hashes), per):
             if path:
-                blocks = [pb.KvBlock(hash=h, shm_offset=(first + i) * bb)
-                          for i, h in enumerate(hashes[first : first + per])]  # fmt: skip
+                blocks = [
+                    pb.KvBlock(hash=h, shm_offset=(first + i) * bb)
+                    for i, h in enumerate(hashes[first : first + per])
+                ]
             else:
-                blocks = [pb.KvBlock(hash=h, data=data[first + i].tobytes())
-                          for i, h in enumerate(hashes[first : first + per])]  # fmt: skip
+                blocks = [
+                    pb.KvBlock(hash=h, data=data[first + i].tobytes())
+                    for i, h in enumerate(hashes[first : first + per])
+                ]
             if first == 0:
                 yield pb.PutRequest(layout=self._pb_layout, shm_path=path, blocks=blocks)
             else:

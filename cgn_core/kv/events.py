@@ -27,8 +27,7 @@ from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
 
 Tier = Literal["device", "ram", "ssd"]
-TIERS: dict[Tier, int] = {"device": pb.KV_TIER_DEVICE, "ram": pb.KV_TIER_RAM,
-                          "ssd": pb.KV_TIER_SSD}  # fmt: skip
+TIERS: dict[Tier, int] = {"device": pb.KV_TIER_DEVICE, "ram": pb.KV_TIER_RAM, "ssd": pb.KV_TIER_SSD}
 _KIND = {"stored": pb.KvBlockEvent.STORED, "removed": pb.KvBlockEvent.REMOVED}
 
 

@@ -136,9 +136,12 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
         return pb.PutReply(stored=stored, dropped=dropped)
 
     async def _put_batch(
-        self, batch: list[tuple[BlockKey, bytes | int]], shm: int | None, layout: Layout,
+        self,
+        batch: list[tuple[BlockKey, bytes | int]],
+        shm: int | None,
+        layout: Layout,
         context: Any,
-    ) -> int:  # fmt: skip
+    ) -> int:
         try:
             return await self._run(self._put_many, batch, shm, layout.block_bytes)
         except ShmRefused as exc:
@@ -155,8 +158,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 tiers = await self._run(self._get_into, shm, keys, layout.block_bytes)
             finally:
                 os.close(shm)
-            blocks = [pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
-                      for i, key in enumerate(keys[: len(tiers)])]  # fmt: skip
+            blocks = [
+                pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
+                for i, key in enumerate(keys[: len(tiers)])
+            ]
             if blocks:
                 yield pb.GetReply(blocks=blocks, tiers=[TIERS[t] for t in tiers])
             return
@@ -255,13 +260,19 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
     def _stats(self) -> pb.StatsReply:
         s, ram, ssd = self.store, self.store.ram, self.store.ssd
         return pb.StatsReply(
-            ram_bytes=ram.used_bytes, ram_budget_bytes=ram.budget_bytes, ram_blocks=len(ram),
-            ssd_bytes=ssd.used_bytes if ssd else 0, ssd_budget_bytes=ssd.budget_bytes if ssd else 0,
-            ssd_blocks=len(ssd) if ssd else 0, hits_ram=s.stats.hits["ram"],
-            hits_ssd=s.stats.hits["ssd"], misses=s.stats.misses,
-            checksum_failures=ssd.checksum_failures if ssd else 0, ssd_degraded=s.ssd_degraded,
+            ram_bytes=ram.used_bytes,
+            ram_budget_bytes=ram.budget_bytes,
+            ram_blocks=len(ram),
+            ssd_bytes=ssd.used_bytes if ssd else 0,
+            ssd_budget_bytes=ssd.budget_bytes if ssd else 0,
+            ssd_blocks=len(ssd) if ssd else 0,
+            hits_ram=s.stats.hits["ram"],
+            hits_ssd=s.stats.hits["ssd"],
+            misses=s.stats.misses,
+            checksum_failures=ssd.checksum_failures if ssd else 0,
+            ssd_degraded=s.ssd_degraded,
             shm_dir=str(self.shm_dir or ""),
-        )  # fmt: skip
+        )
 
     # ---- checks -----------------------------------------------------------------------------
 
@@ -319,8 +330,14 @@ async def start_server(
 
 async def _layout(layout: pb.KvLayout, context: Any) -> Layout:
     try:
-        return Layout(layout.dtype, layout.layers, layout.kv_heads, layout.head_dim,
-                      layout.block_size, layout.engine)  # fmt: skip
+        return Layout(
+            layout.dtype,
+            layout.layers,
+            layout.kv_heads,
+            layout.head_dim,
+            layout.block_size,
+            layout.engine,
+        )
     except LayoutError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout: {exc}")
         raise  # not reached: abort raises
@@ -328,8 +345,9 @@ async def _layout(layout: pb.KvLayout, context: Any) -> Layout:
 
 async def _key(layout: bytes, block_hash: bytes, context: Any) -> BlockKey:
     if len(block_hash) != 32:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a block hash is 32 bytes, got {len(block_hash)}")  # fmt: skip
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"a block hash is 32 bytes, got {len(block_hash)}"
+        )
     return BlockKey(layout, bytes(block_hash))
 
 

@@ -158,8 +158,13 @@ class SsdTier:
             self._index[key] = size
             self.used_bytes += size
         if found or self.quarantined:
-            log.info("ssd tier: %d blocks (%d bytes) in %s, %d quarantined", len(self._index),
-                     self.used_bytes, self.dir, self.quarantined)  # fmt: skip
+            log.info(
+                "ssd tier: %d blocks (%d bytes) in %s, %d quarantined",
+                len(self._index),
+                self.used_bytes,
+                self.dir,
+                self.quarantined,
+            )
 
     def _forget(self, key: BlockKey) -> None:
         self.used_bytes -= self._index.pop(key, 0)

@@ -120,8 +120,9 @@ class BlockStore:
             self._to_ssd(old_key, old_data)
         return True
 
-    def _note(self, kind: Literal["stored", "removed"], tier: Literal["ram", "ssd"],
-              key: BlockKey) -> None:  # fmt: skip
+    def _note(
+        self, kind: Literal["stored", "removed"], tier: Literal["ram", "ssd"], key: BlockKey
+    ) -> None:
         if self._runs and self._runs[-1][:2] == (kind, tier):  # one event per run
             self._runs[-1][2].append(BlockHash(key.block))
         else:
@@ -167,8 +168,9 @@ class BlockStore:
         except SsdFull as exc:
             self.stats.ssd_write_failures += 1
             if self._ssd_down_until is None:
-                log.warning("ssd tier unavailable (%s): RAM only, retrying in %.0fs", exc,
-                            self.ssd_retry_s)  # fmt: skip
+                log.warning(
+                    "ssd tier unavailable (%s): RAM only, retrying in %.0fs", exc, self.ssd_retry_s
+                )
             self._ssd_down_until = now + self.ssd_retry_s
             return False
         self.stats.ssd_evictions += len(evicted)

@@ -42,9 +42,13 @@ def fallback_reason(note: str) -> str | None:
 
 
 _TYPES: dict[str, type] = {
-    "do_remote_decode": bool, "do_remote_prefill": bool, "remote_host": str, "remote_port": int,
-    "remote_engine_id": str, "remote_block_count": int,
-}  # fmt: skip
+    "do_remote_decode": bool,
+    "do_remote_prefill": bool,
+    "remote_host": str,
+    "remote_port": int,
+    "remote_engine_id": str,
+    "remote_block_count": int,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +86,17 @@ def parse_transfer_params(value: Any) -> TransferParams:
     if p.do_remote_decode and p.do_remote_prefill:
         raise InvalidRequest(
             f"'{FIELD}': a leg is either the prefill (do_remote_decode) or the decode "
-            "(do_remote_prefill), not both", param=FIELD,
-        )  # fmt: skip
+            "(do_remote_prefill), not both",
+            param=FIELD,
+        )
     if p.do_remote_prefill and (not p.remote_host or not 0 < p.remote_port < 65536):
         raise InvalidRequest(
             f"'{FIELD}.do_remote_prefill' needs remote_host and a remote_port in 1..65535",
             param=f"{FIELD}.remote_host",
         )
     if p.remote_block_count < 0:
-        raise InvalidRequest(f"'{FIELD}.remote_block_count' must not be negative",
-                             param=f"{FIELD}.remote_block_count")  # fmt: skip
+        raise InvalidRequest(
+            f"'{FIELD}.remote_block_count' must not be negative",
+            param=f"{FIELD}.remote_block_count",
+        )
     return p

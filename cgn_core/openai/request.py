@@ -34,17 +34,45 @@ from typing import Any
 
 from cgn_core.errors import InvalidRequest
 
-_COMMON = frozenset({
-    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k",
-    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "user", "priority", "logprobs", "kv_transfer_params",
-    "logit_bias", "response_format", "structured_outputs",
-})  # fmt: skip
+_COMMON = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "user",
+        "priority",
+        "logprobs",
+        "kv_transfer_params",
+        "logit_bias",
+        "response_format",
+        "structured_outputs",
+    }
+)
 KNOWN_FIELDS = {
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                       "parallel_tool_calls"},
+    "chat": _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
     "completion": _COMMON | {"prompt", "echo"},
-}  # fmt: skip
+}
 MAX_LOGIT_BIAS = 300  # entries; OpenAI documents no limit, vLLM's default is 300
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 PRIORITY_LIMIT = 1 << 31
@@ -130,8 +158,9 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias in -100..100."""
     bias = _get(body, "logit_bias", dict, {})
     if len(bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"'logit_bias' accepts at most {MAX_LOGIT_BIAS} tokens",
-                             param="logit_bias")  # fmt: skip
+        raise InvalidRequest(
+            f"'logit_bias' accepts at most {MAX_LOGIT_BIAS} tokens", param="logit_bias"
+        )
     out = []
     for key, value in bias.items():
         try:
@@ -139,15 +168,18 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         except ValueError:
             token = -1
         if token < 0 or not str(key).strip().lstrip("+").isdigit():
-            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {str(key)[:40]!r}",
-                                 param="logit_bias")  # fmt: skip
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids, got {str(key)[:40]!r}", param="logit_bias"
+            )
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
             or not -100 <= value <= 100
         ):
-            raise InvalidRequest(f"'logit_bias' values must be numbers in -100..100, got "
-                                 f"{str(value)[:40]}", param="logit_bias")  # fmt: skip
+            raise InvalidRequest(
+                f"'logit_bias' values must be numbers in -100..100, got {str(value)[:40]}",
+                param="logit_bias",
+            )
         out.append((token, float(value)))
     return tuple(sorted(out))
 

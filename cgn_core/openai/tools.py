@@ -69,8 +69,9 @@ def tool_fields(body: Mapping[str, Any]) -> ToolFields:
     for i, tool in enumerate(raw):
         fn = _function(tool, f"tools[{i}]")
         if fn["name"] in names:
-            raise InvalidRequest(f"tools[{i}]: duplicate function name {fn['name']!r}",
-                                 param=f"tools[{i}]")  # fmt: skip
+            raise InvalidRequest(
+                f"tools[{i}]: duplicate function name {fn['name']!r}", param=f"tools[{i}]"
+            )
         names.add(fn["name"])
         tools.append({"type": "function", "function": fn})
     name: str | None = None
@@ -86,26 +87,30 @@ def tool_fields(body: Mapping[str, Any]) -> ToolFields:
             )
         name = forced.get("name")
         if not isinstance(name, str) or name not in names:
-            raise InvalidRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
-                                 param="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice"
+            )
         choice = "named"
     elif choice not in CHOICES:
-        raise InvalidRequest("'tool_choice' must be none, auto, required or a function",
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            "'tool_choice' must be none, auto, required or a function", param="tool_choice"
+        )
     return ToolFields(tuple(tools), str(choice), name, parallel)
 
 
 def _function(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidRequest(f'{where} must be {{"type": "function", "function": {{...}}}}',
-                             param=where)  # fmt: skip
+        raise InvalidRequest(
+            f'{where} must be {{"type": "function", "function": {{...}}}}', param=where
+        )
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise InvalidRequest(f"{where}.function must be an object", param=where)
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise InvalidRequest(f"{where}.function.name must be 1-64 letters, digits, _ or -",
-                             param=where)  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.function.name must be 1-64 letters, digits, _ or -", param=where
+        )
     out: dict[str, Any] = {"name": name}
     if (desc := fn.get("description")) is not None:
         if not isinstance(desc, str):
@@ -115,8 +120,9 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
     if params is None:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
-        raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object",
-                             param=where)  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.function.parameters must be a JSON schema object", param=where
+        )
     out["parameters"] = params
     if (strict := fn.get("strict")) is not None:
         if not isinstance(strict, bool):
@@ -131,8 +137,9 @@ def history_message(msg: dict[str, Any], where: str) -> dict[str, Any]:
     if calls is None:
         return msg
     if msg.get("role") != "assistant" or not isinstance(calls, list):
-        raise InvalidRequest(f"{where}.tool_calls must be a list on an assistant message",
-                             param=where)  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.tool_calls must be a list on an assistant message", param=where
+        )
     out = []
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
@@ -144,7 +151,8 @@ def history_message(msg: dict[str, Any], where: str) -> dict[str, Any]:
             try:
                 args = json.loads(args or "{}")
             except ValueError:
-                raise InvalidRequest(f"{at}.function.arguments is not valid JSON",
-                                     param=at) from None  # fmt: skip
+                raise InvalidRequest(
+                    f"{at}.function.arguments is not valid JSON", param=at
+                ) from None
         out.append({**call, "function": {"name": fn["name"], "arguments": args}})
     return {**msg, "tool_calls": out}

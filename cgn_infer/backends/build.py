@@ -34,10 +34,17 @@ def build_part(
     from cgn_infer.backends.torch_backend import TorchBackend
 
     return TorchBackend(
-        gguf, args, device=settings.device, weights=settings.weights, kv_dtype=settings.kv_dtype,
-        threads=settings.threads, decode_threads=settings.decode_threads, progress=progress,
-        layers=layers, ends=ends,
-    )  # fmt: skip
+        gguf,
+        args,
+        device=settings.device,
+        weights=settings.weights,
+        kv_dtype=settings.kv_dtype,
+        threads=settings.threads,
+        decode_threads=settings.decode_threads,
+        progress=progress,
+        layers=layers,
+        ends=ends,
+    )
 
 
 def _require(module: str, hint: str) -> None:
@@ -52,8 +59,13 @@ def build_sim(args: Args, settings: InferSettings, pieces: Sequence[str]) -> Any
     from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
 
     sim = settings.sim
-    cost = SimCost(sim.step_s, sim.prefill_s_per_token, sim.decode_s_per_seq,
-                   sim.decode_s_per_ctx_token, sim.speed)  # fmt: skip
+    cost = SimCost(
+        sim.step_s,
+        sim.prefill_s_per_token,
+        sim.decode_s_per_seq,
+        sim.decode_s_per_ctx_token,
+        sim.speed,
+    )
     kv_bytes = 4 if settings.kv_dtype == "float32" else 2
     # A simulated model has no position tables: its context is what --ctx asks for.
     sim_args = dataclasses.replace(args, ctx_len=max(args.ctx_len, settings.ctx))

@@ -98,8 +98,11 @@ class MlxBackend(SingleSequence):
 
     def weight_bytes(self) -> int:
         """Bytes held by the weight matrices."""
-        mats = [m for layer in self.w.layers
-                for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]  # fmt: skip
+        mats = [
+            m
+            for layer in self.w.layers
+            for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+        ]
         return sum(m.nbytes for m in mats) + (
             self.w.output.nbytes if self.w.output is not None else 0
         )
@@ -121,9 +124,12 @@ class MlxBackend(SingleSequence):
 
     def kv_layout(self) -> tuple[str, int, int, int]:
         a = self.args
-        return {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
-            self.dtype, "float32"
-        ), self.n_local, a.n_kv_heads, a.head_dim  # fmt: skip
+        return (
+            {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self.dtype, "float32"),
+            self.n_local,
+            a.n_kv_heads,
+            a.head_dim,
+        )
 
     def read_blocks(self, kv: MlxPagedKV, ids: Sequence[int]) -> np.ndarray:
         slots = mx.array(_block_slots(ids))

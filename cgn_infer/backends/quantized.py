@@ -47,8 +47,11 @@ def _activation_buffers(m: int, k: int) -> tuple[ctypes.c_void_p, ...]:
         if len(cache) > 64:  # prompt chunks of many sizes: keep it bounded
             cache.clear()
         groups = (m, k // _GROUP)
-        arrays = (np.empty((m, k), np.int8), np.empty(groups, np.float32),
-                  np.empty(groups, np.float32))  # fmt: skip
+        arrays = (
+            np.empty((m, k), np.int8),
+            np.empty(groups, np.float32),
+            np.empty(groups, np.float32),
+        )
         bufs = cache[(m, k)] = (*(address(a) for a in arrays), arrays)  # the arrays stay alive
     return bufs[:3]
 
@@ -87,20 +90,32 @@ class QuantMatrix:
         base, col = y.data_ptr(), 0
         for type_id, rows, ptr in self.parts:
             n, row_bytes = rows.shape
-            lib.cgn_qmatmul(type_id, ptr, row_bytes, n, k, qa, da, sa, m,
-                            ctypes.c_void_p(base + 4 * col), self.out)  # fmt: skip
+            lib.cgn_qmatmul(
+                type_id,
+                ptr,
+                row_bytes,
+                n,
+                k,
+                qa,
+                da,
+                sa,
+                m,
+                ctypes.c_void_p(base + 4 * col),
+                self.out,
+            )
             col += n
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), in] (one part only: an embedding table)."""
-        (type_id, rows, ptr), = self.parts  # fmt: skip
+        ((type_id, rows, ptr),) = self.parts
         idx = ids.to(torch.int64).contiguous()
         if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < rows.shape[0]):
             raise IndexError(f"row ids must lie in 0..{rows.shape[0] - 1}")
         out = torch.empty((idx.shape[0], self.cols), dtype=torch.float32)
-        self.kernels.lib.cgn_dequantize_rows(type_id, ptr, rows.shape[1], self.cols,
-                                             address(idx), idx.shape[0], address(out))  # fmt: skip
+        self.kernels.lib.cgn_dequantize_rows(
+            type_id, ptr, rows.shape[1], self.cols, address(idx), idx.shape[0], address(out)
+        )
         return out
 
     def nbytes(self) -> int:

@@ -214,8 +214,9 @@ class TorchBackend(SingleSequence):
             log.info(
                 "%s: no quantized kernel for %s; those tensors (and any fused with them) are "
                 "dequantized to float32",
-                gguf.path.name, types,
-            )  # fmt: skip
+                gguf.path.name,
+                types,
+            )
         self.weights = weights if lib is not None or weights != "gguf" else "float32"
         # Attention reads the float32 pool in place (C); other pools gather for SDPA.
         self._attend = lib if lib is not None and kv_dtype == "float32" else None
@@ -386,10 +387,20 @@ class TorchBackend(SingleSequence):
             q = q.contiguous()
             att = torch.empty_like(q)
             self._attend.lib.cgn_attend(
-                address(q), address(pool_k), address(pool_v), address(tables), tables.shape[1],
-                address(seq), address(lengths), n, a.n_heads, a.n_kv_heads, a.head_dim,
-                a.head_dim**-0.5, address(att),
-            )  # fmt: skip
+                address(q),
+                address(pool_k),
+                address(pool_v),
+                address(tables),
+                tables.shape[1],
+                address(seq),
+                address(lengths),
+                n,
+                a.n_heads,
+                a.n_kv_heads,
+                a.head_dim,
+                a.head_dim**-0.5,
+                address(att),
+            )
             return _l(layer.wo)(att.view(n, a.q_size))  # [T, D]
         out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for dec_rows, tables, mask in step.decodes:
@@ -425,8 +436,15 @@ def _paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndar
     each row reads and how many positions it attends to. Checked here, because the kernel
     trusts them: every block inside the pool, every length inside its table."""
     parts = [(d.rows, np.arange(len(d.rows)), d.lengths, list(d.tables)) for d in lay.decodes]
-    parts += [(np.arange(p.rows.start, p.rows.stop), np.zeros(p.length - p.start, np.int64),
-               np.arange(p.start + 1, p.length + 1), [p.table]) for p in lay.prefills]  # fmt: skip
+    parts += [
+        (
+            np.arange(p.rows.start, p.rows.stop),
+            np.zeros(p.length - p.start, np.int64),
+            np.arange(p.start + 1, p.length + 1),
+            [p.table],
+        )
+        for p in lay.prefills
+    ]
     all_rows = np.concatenate([r for r, *_ in parts])
     order = np.argsort(all_rows, kind="stable")
     tables: list[np.ndarray] = []

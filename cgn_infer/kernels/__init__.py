@@ -79,8 +79,11 @@ def _build(compiler: str, isa: Isa, target: Path) -> None:
     try:
         done = subprocess.run(
             [compiler, *FLAGS, *isa.cflags, str(SOURCE), "-o", tmp, "-lm"],
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -99,11 +102,35 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.cgn_quantize_rows.restype = None
     lib.cgn_dequantize_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
     lib.cgn_dequantize_rows.restype = None
-    lib.cgn_qmatmul.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64,
-                                _ptr, _i64]  # fmt: skip
+    lib.cgn_qmatmul.argtypes = [
+        ctypes.c_int,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+    ]
     lib.cgn_qmatmul.restype = None
-    lib.cgn_attend.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                               ctypes.c_float, _ptr]  # fmt: skip
+    lib.cgn_attend.argtypes = [
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        _ptr,
+    ]
     lib.cgn_attend.restype = None
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree
         if lib.cgn_block_bytes(type_id) == 0:

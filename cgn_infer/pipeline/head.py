@@ -211,8 +211,12 @@ class PipelineBackend(SingleSequence):
         """The head's pool, and a fresh pool of the same size on every stage."""
         local = self.local.new_kv(num_blocks)
         for client, info in self.stages:
-            request = pb.Open(model=self.model, pool_blocks=num_blocks,
-                              first_layer=info.first_layer, end_layer=info.end_layer)  # fmt: skip
+            request = pb.Open(
+                model=self.model,
+                pool_blocks=num_blocks,
+                first_layer=info.first_layer,
+                end_layer=info.end_layer,
+            )
             try:
                 client.open(request, self.timeout_s)
             except StageLost as exc:  # at start: a stage that changed since Describe, or died
@@ -259,8 +263,13 @@ class PipelineBackend(SingleSequence):
         last = len(self.stages) - 1
 
         def send(i: int, hidden: pb.Hidden) -> None:
-            step = pb.Step(id=step_id, rows=rows, hidden=hidden, reply_dtype=self.activations,
-                           last_rows_only=i == last and not all_logits)  # fmt: skip
+            step = pb.Step(
+                id=step_id,
+                rows=rows,
+                hidden=hidden,
+                reply_dtype=self.activations,
+                last_rows_only=i == last and not all_logits,
+            )
             self.stages[i][0].submit(step).add_done_callback(_then(i))
 
         def _then(i: int) -> Callable[[Future[pb.StageReply]], None]:
@@ -354,8 +363,10 @@ def connect(
         client = StageClient(address, settings.tls)
         info = client.describe(p.connect_timeout_s)
         if info.model != model:
-            raise ConfigError(f"pipeline stage {address} serves another model file than "
-                              f"{gguf.path.name} (every part must load the same GGUF)")  # fmt: skip
+            raise ConfigError(
+                f"pipeline stage {address} serves another model file than "
+                f"{gguf.path.name} (every part must load the same GGUF)"
+            )
         if info.n_layers != args.n_layers or info.hidden_size != args.dim:
             raise ConfigError(
                 f"pipeline stage {address}: a model of {info.n_layers} layers, "
@@ -367,8 +378,17 @@ def connect(
     parts += [(f"stage {c.address}", (i.first_layer, i.end_layer)) for c, i in stages]
     wire.check_tiling(args.n_layers, parts)
     local = build_local(head)
-    log.info("pipeline: head layers %d:%d, %s; activations %s", *head,
-             ", ".join(f"{c.address} {i.first_layer}:{i.end_layer}" for c, i in stages),
-             p.activations)  # fmt: skip
-    return PipelineBackend(local, stages, model, activations=p.activations,
-                           micro_batches=p.micro_batches, timeout_s=p.timeout_s)  # fmt: skip
+    log.info(
+        "pipeline: head layers %d:%d, %s; activations %s",
+        *head,
+        ", ".join(f"{c.address} {i.first_layer}:{i.end_layer}" for c, i in stages),
+        p.activations,
+    )
+    return PipelineBackend(
+        local,
+        stages,
+        model,
+        activations=p.activations,
+        micro_batches=p.micro_batches,
+        timeout_s=p.timeout_s,
+    )

@@ -50,8 +50,9 @@ MAX_POOL_BLOCKS = 1 << 20  # 16M tokens: a head asking for more is refused
 class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
     """The gRPC side of a stage over a loaded part (a TorchBackend with layers, no ends)."""
 
-    def __init__(self, backend: Any, info: pb.StageInfo, compute: ThreadPoolExecutor,
-                 *, head: str, tls: bool):  # fmt: skip
+    def __init__(
+        self, backend: Any, info: pb.StageInfo, compute: ThreadPoolExecutor, *, head: str, tls: bool
+    ):
         self.backend, self.info, self.compute = backend, info, compute
         self.head, self.tls = head, tls
         self._gate = threading.Lock()
@@ -105,8 +106,10 @@ class StageService(pb_grpc.StageServicer):  # type: ignore[misc]
             raise wire.WireError("a stream must start with Open")
         o = req.open
         if o.model != self.info.model:
-            raise wire.WireError(f"the head serves model {o.model}, this stage {self.info.model} "
-                                 "(both must load the same GGUF file)")  # fmt: skip
+            raise wire.WireError(
+                f"the head serves model {o.model}, this stage {self.info.model} "
+                "(both must load the same GGUF file)"
+            )
         if (o.first_layer, o.end_layer) != (self.info.first_layer, self.info.end_layer):
             raise wire.WireError(
                 f"the head expects layers {o.first_layer}:{o.end_layer} here, this stage "
@@ -172,9 +175,14 @@ def load_stage(settings: InferSettings) -> tuple[Any, pb.StageInfo]:
         raise ConfigError(f"layers {first}:{end}: {gguf.path.name} has {args.n_layers} layers")
     backend = build_part(gguf, args, settings, (first, end), ends=False)
     info = pb.StageInfo(
-        first_layer=first, end_layer=end, n_layers=args.n_layers, model=wire.fingerprint(gguf),
-        backend=settings.backend, weight_bytes=backend.weight_bytes(), hidden_size=args.dim,
-    )  # fmt: skip
+        first_layer=first,
+        end_layer=end,
+        n_layers=args.n_layers,
+        model=wire.fingerprint(gguf),
+        backend=settings.backend,
+        weight_bytes=backend.weight_bytes(),
+        hidden_size=args.dim,
+    )
     return backend, info
 
 
@@ -189,8 +197,9 @@ def run(settings: InferSettings, ready_file: Path | None) -> None:
     except CognitoraError as exc:
         raise ConfigError(exc.message) from None
     service = StageService(backend, info, compute, head=p.head, tls=settings.tls.enabled)
-    server = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="cgn-infer-grpc"),
-                         options=wire.GRPC_OPTIONS)  # fmt: skip
+    server = grpc.server(
+        ThreadPoolExecutor(4, thread_name_prefix="cgn-infer-grpc"), options=wire.GRPC_OPTIONS
+    )
     pb_grpc.add_StageServicer_to_server(service, server)
     address = f"{p.host}:{p.port}"
     if settings.tls.enabled:
@@ -205,11 +214,22 @@ def run(settings: InferSettings, ready_file: Path | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     first, end = info.first_layer, info.end_layer
-    log.info("stage: layers %d:%d of %d (%.1f MiB of weights) loaded in %.1fs; serving on "
-             "%s:%d", first, end, info.n_layers, info.weight_bytes / 2**20,
-             time.monotonic() - started, p.host, port)  # fmt: skip
-    announce_ready(ready_file, f"stage {first}:{end} on port {port}", ports={"pipeline": port},
-                   layers=[first, end])  # fmt: skip
+    log.info(
+        "stage: layers %d:%d of %d (%.1f MiB of weights) loaded in %.1fs; serving on %s:%d",
+        first,
+        end,
+        info.n_layers,
+        info.weight_bytes / 2**20,
+        time.monotonic() - started,
+        p.host,
+        port,
+    )
+    announce_ready(
+        ready_file,
+        f"stage {first}:{end} on port {port}",
+        ports={"pipeline": port},
+        layers=[first, end],
+    )
     try:
         stop.wait()
     finally:

@@ -32,8 +32,10 @@ GROUP = 32  # int8: values per scale
 OUTLIERS = 4  # int8: values per row sent exactly (as float16)
 MAX_MESSAGE = 256 << 20  # a 8k-token prompt chunk of a 8192-wide model in float32 is 256 MiB
 # both ends of a pipeline stream: messages up to MAX_MESSAGE each way
-GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE)]  # fmt: skip
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
 
 
 class WireError(ValueError):
@@ -59,9 +61,15 @@ def encode(x: np.ndarray, dtype: int) -> pb.Hidden:
         scale = (np.abs(g).max(axis=2) / 127.0).astype("<f2")  # [rows, groups]
         scale = np.where(scale > 0, scale, np.float16(1.0)).astype("<f2")
         q = np.clip(np.rint(g / scale[..., None]), -127, 127).astype(np.int8)
-        return pb.Hidden(dtype=dtype, rows=rows, cols=cols, data=q.tobytes(),
-                         scales=scale.tobytes(), outliers=apart.tobytes(),
-                         outliers_per_row=OUTLIERS)  # fmt: skip
+        return pb.Hidden(
+            dtype=dtype,
+            rows=rows,
+            cols=cols,
+            data=q.tobytes(),
+            scales=scale.tobytes(),
+            outliers=apart.tobytes(),
+            outliers_per_row=OUTLIERS,
+        )
     raise WireError(f"unknown activation type {dtype}")
 
 
@@ -82,12 +90,14 @@ def decode(h: pb.Hidden, cols: int) -> np.ndarray:
         return np.frombuffer(h.data, "<f2").reshape(h.rows, cols).astype(np.float32)
     groups = h.rows * (cols // GROUP)
     if cols % GROUP or len(h.scales) != 2 * groups:
-        raise WireError(f"int8 activations carry {len(h.scales) // 2} scales for {groups} "
-                        f"groups of {GROUP}")  # fmt: skip
+        raise WireError(
+            f"int8 activations carry {len(h.scales) // 2} scales for {groups} groups of {GROUP}"
+        )
     k = h.outliers_per_row
     if k > cols or len(h.outliers) != 4 * k * h.rows:
-        raise WireError(f"int8 activations carry {len(h.outliers)} outlier bytes for {h.rows} "
-                        f"rows of {k}")  # fmt: skip
+        raise WireError(
+            f"int8 activations carry {len(h.outliers)} outlier bytes for {h.rows} rows of {k}"
+        )
     q = np.frombuffer(h.data, np.int8).reshape(h.rows, cols // GROUP, GROUP).astype(np.float32)
     scale = np.frombuffer(h.scales, "<f2").reshape(h.rows, cols // GROUP).astype(np.float32)
     apart = np.frombuffer(h.outliers, [("col", "<u2"), ("value", "<f2")]).reshape(h.rows, k)
@@ -149,17 +159,23 @@ def check_tiling(n_layers: int, parts: Sequence[tuple[str, tuple[int, int]]]) ->
     at, prev = 0, "the start of the model"
     for name, (first, end) in parts:
         if first > at:
-            raise ConfigError(f"layers {at}:{first} are served by nobody (a gap between "
-                              f"{prev} and {name} {first}:{end})")  # fmt: skip
+            raise ConfigError(
+                f"layers {at}:{first} are served by nobody (a gap between "
+                f"{prev} and {name} {first}:{end})"
+            )
         if first < at:
-            raise ConfigError(f"layers {first}:{min(at, end)} are served twice ({prev} and "
-                              f"{name} {first}:{end} overlap)")  # fmt: skip
+            raise ConfigError(
+                f"layers {first}:{min(at, end)} are served twice ({prev} and "
+                f"{name} {first}:{end} overlap)"
+            )
         if end <= first and name != "the head":
             raise ConfigError(f"{name} serves no layers ({first}:{end})")
         at, prev = end, f"{name} {first}:{end}"
     if at != n_layers:
-        raise ConfigError(f"layers {at}:{n_layers} are served by nobody (the model has "
-                          f"{n_layers} layers; the last part, {prev}, ends at {at})")  # fmt: skip
+        raise ConfigError(
+            f"layers {at}:{n_layers} are served by nobody (the model has "
+            f"{n_layers} layers; the last part, {prev}, ends at {at})"
+        )
 
 
 def layer_bytes(gguf: GGUFFile, n_layers: int) -> tuple[list[int], int]:
@@ -182,8 +198,10 @@ def balanced_split(gguf: GGUFFile, n_layers: int, parts: int) -> list[tuple[int,
     serves. Every part but the head gets at least one layer; deterministic, so every
     process of a pipeline computes the same split from the same file."""
     if not 2 <= parts <= n_layers + 1:
-        raise ConfigError(f"a pipeline of {parts} parts over {n_layers} layers: expected 2 to "
-                          f"{n_layers + 1} parts")  # fmt: skip
+        raise ConfigError(
+            f"a pipeline of {parts} parts over {n_layers} layers: expected 2 to "
+            f"{n_layers + 1} parts"
+        )
     per, rest = layer_bytes(gguf, n_layers)
     prefix = [0]
     for b in per:

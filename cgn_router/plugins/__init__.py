@@ -4,6 +4,17 @@ from cgn_router.plugins import affinity, efficiency, filters, kv_usage, load, pi
 from cgn_router.plugins.base import FILTERS, PICKERS, SCORERS, Filter, Picker, Scorer
 
 __all__ = [
-    "FILTERS", "PICKERS", "SCORERS", "Filter", "Picker", "Scorer",
-    "affinity", "efficiency", "filters", "kv_usage", "load", "picker", "prefix",
-]  # fmt: skip
+    "FILTERS",
+    "PICKERS",
+    "SCORERS",
+    "Filter",
+    "Picker",
+    "Scorer",
+    "affinity",
+    "efficiency",
+    "filters",
+    "kv_usage",
+    "load",
+    "picker",
+    "prefix",
+]

@@ -84,8 +84,13 @@ def register(table: dict[str, Callable[..., Any]], name: str) -> Callable[[type]
     return add
 
 
-def build(table: Mapping[str, Callable[..., Any]], kind: str, type_: str, name: str = "",
-          params: Mapping[str, object] | None = None) -> Any:  # fmt: skip
+def build(
+    table: Mapping[str, Callable[..., Any]],
+    kind: str,
+    type_: str,
+    name: str = "",
+    params: Mapping[str, object] | None = None,
+) -> Any:
     """A `kind` plugin of registered type `type_`, named `name` (default: the type), with
     `params` checked against its fields; ValueError says what is wrong."""
     cls = table.get(type_)

@@ -15,7 +15,9 @@ class KvUsageScorer:
     name: str = "kv_usage"
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
-        return Scores({
-            v.id: 0.0 if v.load is None else min(1.0, max(0.0, 1.0 - v.load.kv_usage))
-            for v in views
-        })  # fmt: skip
+        return Scores(
+            {
+                v.id: 0.0 if v.load is None else min(1.0, max(0.0, 1.0 - v.load.kv_usage))
+                for v in views
+            }
+        )
