@@ -141,10 +141,38 @@ async def _serve_loaded(
 ) -> None:
     """Load the model once, give every listener its own engine (scheduler, pool, worker
     thread), announce ready, and run until `stop`."""
-    loop = asyncio.get_running_loop()
     started = time.monotonic()
     # One thread does all torch work: loading, allocating the KV pool, then every step.
     torch_thread = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-engine")
+    try:
+        loaded = await _load(settings, torch_thread)
+    except ConfigError:
+        torch_thread.shutdown(wait=False)
+        raise
+    engines: list[Engine] = []
+    sources: list[TransferSource] = []
+    try:
+        engines += await _build_engines(settings, loaded, listeners, torch_thread)
+        for i, (listener, engine) in enumerate(zip(listeners, engines, strict=True)):
+            # NOTE: after every engine is built: the first one's worker takes torch_thread
+            listener.svc.metrics.load_seconds.set(time.monotonic() - started)
+            engine.start()
+            source, sink = await _transfers(settings, listener, engine, i)
+            sources += [source] if source is not None else []
+            listener.svc.serve(_serving(settings, loaded, listener, engine, source, sink))
+        _announce(settings, name, loaded, listeners, engines, sources, started, ready_file)
+        # the grammar vocabulary (up to a second) is built after ready, off the request path
+        warm = asyncio.get_running_loop().run_in_executor(None, _warm_grammars, loaded)
+        await stop.wait()
+        await warm
+    finally:
+        await _shut_down(listeners, engines, sources, torch_thread, ready_file)
+
+
+async def _load(settings: InferSettings, torch_thread: ThreadPoolExecutor) -> LoadedModel:
+    """The model, loaded on the torch thread with a progress bar, and its KV pool checked
+    against the host's memory; a bad file or a pool that cannot fit is a ConfigError."""
+    loop = asyncio.get_running_loop()
     with _progress() as progress:
         task = progress.add_task(f"loading {settings.model}", total=None)
         try:
@@ -155,13 +183,20 @@ async def _serve_loaded(
                 lambda done, total: progress.update(task, completed=done, total=total),
             )
         except CognitoraError as exc:  # a bad model file is the operator's configuration
-            torch_thread.shutdown(wait=False)
             raise ConfigError(exc.message) from None
-    try:
-        check_pool_fits(settings, loaded.backend, available_memory())
-    except ConfigError:
-        torch_thread.shutdown(wait=False)
-        raise
+    check_pool_fits(settings, loaded.backend, available_memory())
+    return loaded
+
+
+async def _build_engines(
+    settings: InferSettings,
+    loaded: LoadedModel,
+    listeners: list[_Listener],
+    torch_thread: ThreadPoolExecutor,
+) -> list[Engine]:
+    """One engine per listener over the loaded model, each with its own scheduler and pool
+    (allocated on the torch thread); a pipeline head's stage metrics on the first."""
+    loop = asyncio.get_running_loop()
     config = EngineConfig(
         ctx=settings.ctx,
         kv_pool_tokens=settings.kv_pool_tokens,
@@ -169,95 +204,110 @@ async def _serve_loaded(
         prefill_chunk=settings.prefill_chunk,
         aging_steps=settings.aging_steps,
     )
-    engines: list[Engine] = []
-    sources: list[TransferSource] = []
-    try:
-        for i, listener in enumerate(listeners):
-            svc = listener.svc
-            # The first engine steps on the thread that loaded the model; a virtual sim
-            # engine gets its own (it only sleeps there). Pools are allocated there too.
-            executor = torch_thread if i == 0 else None
-            build = functools.partial(_engine, settings, loaded, svc, config, loop, executor)
-            engine = await loop.run_in_executor(torch_thread, build)
-            engines.append(engine)
-        if (collector := loaded.backend.collector) is not None:  # a pipeline head's stages
-            listeners[0].svc.metrics.registry.register(collector)
-        for i, (listener, engine) in enumerate(zip(listeners, engines, strict=True)):
-            # NOTE: after every engine is built: the first one's worker takes torch_thread
-            listener.svc.metrics.load_seconds.set(time.monotonic() - started)
-            engine.start()
-            source, sink = await _transfers(settings, listener, engine, i)
-            if source is not None:
-                sources.append(source)
-            listener.svc.serve(
-                Serving(
-                    engine,
-                    loaded.codec,
-                    loaded.grammars,
-                    engine.ctx,
-                    engine.capacity_tokens,
-                    role=settings.role,
-                    engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
-                    transfer_source=source,
-                    transfer_sink=sink,
-                )
-            )
-        first = engines[0]
+    engines = []
+    for i, listener in enumerate(listeners):
+        # The first engine steps on the thread that loaded the model; a virtual sim
+        # engine gets its own (it only sleeps there).
+        executor = torch_thread if i == 0 else None
+        build = functools.partial(_engine, settings, loaded, listener.svc, config, loop, executor)
+        engines.append(await loop.run_in_executor(torch_thread, build))
+    if (collector := loaded.backend.collector) is not None:  # a pipeline head's stages
+        listeners[0].svc.metrics.registry.register(collector)
+    return engines
+
+
+def _serving(
+    settings: InferSettings,
+    loaded: LoadedModel,
+    listener: _Listener,
+    engine: Engine,
+    source: TransferSource | None,
+    sink: TransferSink | None,
+) -> Serving:
+    return Serving(
+        engine,
+        loaded.codec,
+        loaded.grammars,
+        engine.ctx,
+        engine.capacity_tokens,
+        role=settings.role,
+        engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
+        transfer_source=source,
+        transfer_sink=sink,
+    )
+
+
+def _announce(
+    settings: InferSettings,
+    name: str,
+    loaded: LoadedModel,
+    listeners: list[_Listener],
+    engines: list[Engine],
+    sources: list[TransferSource],
+    started: float,
+    ready_file: Path | None,
+) -> None:
+    """Say what serves where: the log lines, then the ready file and systemd's READY=1."""
+    first, per_token = engines[0], loaded.backend.kv_bytes_per_token()
+    log.info(
+        "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
+        first.capacity_tokens,
+        BLOCK_SIZE,
+        first.capacity_tokens * per_token / 2**20,
+        per_token,
+        f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
+    )
+    if sources:
         log.info(
-            "KV pool: %d tokens in %d-token blocks, %.1f MiB (%d bytes per token)%s",
-            first.capacity_tokens,
-            BLOCK_SIZE,
-            first.capacity_tokens * loaded.backend.kv_bytes_per_token() / 2**20,
-            loaded.backend.kv_bytes_per_token(),
-            f", in each of {len(engines)} virtual engines" if len(engines) > 1 else "",
+            "role %s: transfer blocks served on %s:%d",
+            settings.role,
+            settings.transfer.host,
+            sources[0].port,
         )
-        ports = [x.port for x in listeners]
-        extra = {"kv_transfer": sources[0].port} if sources else {}
-        if sources:
-            log.info(
-                "role %s: transfer blocks served on %s:%d",
-                settings.role,
-                settings.transfer.host,
-                sources[0].port,
-            )
-        log.info(
-            "model %s loaded in %.1fs; serving on port %s",
-            name,
-            time.monotonic() - started,
-            _port_list(listeners),
-        )
-        announce_ready(
-            ready_file,
-            f"serving {name} on port {ports[0]}",
-            ports={"http": ports[0], **extra},
-            model=name,
-            engines=ports,
-            transfer_ports=[x.port for x in sources],
-            role=settings.role,
-        )
-        # the grammar vocabulary (up to a second) is built after ready, off the request path
-        warm = loop.run_in_executor(None, _warm_grammars, loaded)
-        await stop.wait()
-        await warm
-    finally:
-        log.info("shutting down")
-        announce_stopping()
-        for listener in listeners:
-            listener.svc.kv_events.close()
-        for listener in listeners:
-            await listener.runner.cleanup()
-        for source in sources:
-            await source.stop()
-        for listener in listeners:
-            if listener.svc.serving is not None and listener.svc.serving.transfer_sink:
-                listener.svc.serving.transfer_sink.close()
-        for engine in engines:
-            await asyncio.to_thread(engine.stop)
-        if not engines:
-            torch_thread.shutdown(wait=False)
-        if ready_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(ready_file.unlink)
+    log.info(
+        "model %s loaded in %.1fs; serving on port %s",
+        name,
+        time.monotonic() - started,
+        _port_list(listeners),
+    )
+    ports = [x.port for x in listeners]
+    announce_ready(
+        ready_file,
+        f"serving {name} on port {ports[0]}",
+        ports={"http": ports[0], **({"kv_transfer": sources[0].port} if sources else {})},
+        model=name,
+        engines=ports,
+        transfer_ports=[x.port for x in sources],
+        role=settings.role,
+    )
+
+
+async def _shut_down(
+    listeners: list[_Listener],
+    engines: list[Engine],
+    sources: list[TransferSource],
+    torch_thread: ThreadPoolExecutor,
+    ready_file: Path | None,
+) -> None:
+    """Stop accepting, close the streams and transfers, let each engine finish its step."""
+    log.info("shutting down")
+    announce_stopping()
+    for listener in listeners:
+        listener.svc.kv_events.close()
+    for listener in listeners:
+        await listener.runner.cleanup()
+    for source in sources:
+        await source.stop()
+    for listener in listeners:
+        if listener.svc.serving is not None and listener.svc.serving.transfer_sink:
+            listener.svc.serving.transfer_sink.close()
+    for engine in engines:
+        await asyncio.to_thread(engine.stop)
+    if not engines:
+        torch_thread.shutdown(wait=False)
+    if ready_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(ready_file.unlink)
 
 
 def _warm_grammars(loaded: LoadedModel) -> None:
