@@ -240,6 +240,8 @@ def test_out_of_range_fields_are_400_json(
         (b"[" * 100_000 + b"]" * 100_000, "nests deeper than 400"),
         (b'{"model": "m", "x": ' + b"[" * 450 + b"]" * 450 + b"}", "nests deeper than 400"),
         (json.dumps(chat()).replace('"hi"', '"\\ud800 hi"').encode(), "lone UTF-16 surrogate"),
+        # escaped quotes make brackets look like they are in strings: the depth still counts
+        (b'{"model": "m", "x": "\\"", "y": ' + b"[" * 450 + b"]" * 450 + b"}", "nests deeper than 400"),
     ],
 )
 def test_odd_json_is_400_json(sim_url: str, raw: bytes, fragment: str) -> None:
@@ -248,6 +250,20 @@ def test_odd_json_is_400_json(sim_url: str, raw: bytes, fragment: str) -> None:
     assert fragment in resp.json()["error"]["message"]
     ok = httpx.post(sim_url + "/v1/chat/completions", json=chat(), timeout=WAIT_S)
     assert ok.status_code == 200
+
+
+def test_brackets_and_escaped_quotes_cost_linear_time(sim_url: str) -> None:
+    """The depth pre-check once took quadratic time on escaped quotes (a 300 KB body held
+    the engine's event loop for minutes, before auth): now a 3 MB one is answered at once,
+    and brackets inside a string with escapes are text, not nesting."""
+    hostile = b'{"model": "m", "x": "' + b'[\\"' * 1_000_000 + b'"}'
+    start = time.monotonic()
+    resp = httpx.post(sim_url + "/v1/chat/completions", content=hostile, timeout=WAIT_S)
+    assert resp.status_code == 400 and time.monotonic() - start < 5  # not a chat: refused
+    text = '\\"[' * 600  # 600 brackets inside one string, after escaped quotes
+    body = chat(messages=[{"role": "user", "content": text}], max_tokens=1)
+    ok = httpx.post(sim_url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+    assert ok.status_code == 200, ok.text  # valid: not "nests deeper than 400 levels"
 
 
 # ---- the listener: slow and idle clients, malformed HTTP ------------------------------------
