@@ -241,7 +241,10 @@ def test_out_of_range_fields_are_400_json(
         (b'{"model": "m", "x": ' + b"[" * 450 + b"]" * 450 + b"}", "nests deeper than 400"),
         (json.dumps(chat()).replace('"hi"', '"\\ud800 hi"').encode(), "lone UTF-16 surrogate"),
         # escaped quotes make brackets look like they are in strings: the depth still counts
-        (b'{"model": "m", "x": "\\"", "y": ' + b"[" * 450 + b"]" * 450 + b"}", "nests deeper than 400"),
+        (
+            b'{"model": "m", "x": "\\"", "y": ' + b"[" * 450 + b"]" * 450 + b"}",
+            "nests deeper than 400",
+        ),
     ],
 )
 def test_odd_json_is_400_json(sim_url: str, raw: bytes, fragment: str) -> None:
