@@ -58,7 +58,7 @@ def run(reqs: list[Any], args: argparse.Namespace, with_store: bool) -> dict[str
             stores = [stack.enter_context(cgn_kvcached(tmp, ram_bytes=ram)) for _ in range(nodes)]
         fleet = []
         for i in range(engines):  # engine i on node i // per_node, with that node's store
-            extra = ["--kvcached", stores[i // per_node].address] if with_store else []
+            extra = list(stores[i // per_node].engine_args) if with_store else []
             fleet += stack.enter_context(cgn_infer_engines(tmp, 1, *sim, *extra))
         config: dict[str, Any] = {
             "discovery": "static",

@@ -210,6 +210,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         )
         store = _store_plan(settings, advertise)
         agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
+        agent.kv_token = store.client_token
         agent.advertise_host = advertise
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
@@ -260,7 +261,7 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
 def _store_plan(settings: AgentSettings, advertise: str) -> kvcached.StorePlan:
     kv = settings.kvcached
     token = kv.events_token if kv.mode == "external" else kvcached.new_token()
-    return kvcached.plan(kv, advertise, token)
+    return kvcached.plan(kv, advertise, token, kvcached.secret_path(kv, settings.state_dir))
 
 
 def _start_store(
@@ -282,7 +283,7 @@ def _start_store(
     exe = tools.which("cgn-kvcached") or "cgn-kvcached"
     ready = settings.state_dir / "kvcached.ready"
     tls = settings.engines.tls if settings.engines.tls.enabled else None
-    command = kvcached.argv(kv, exe, bind_host, ready, tls)
+    command = kvcached.argv(kv, exe, bind_host, ready, tls, store.secret_file)
     tg.create_task(
         kvcached.supervise(
             command,

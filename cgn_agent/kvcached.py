@@ -11,7 +11,9 @@ Modes (`kvcached.mode`):
   unit) at `port`/`admin_port`; the agent only passes it on.
 
 In `run` and `external` modes, cgn-infer engines get `--kvcached 127.0.0.1:port`
-(blocks move through shared memory: same host, same user), vLLM and SGLang
+and, in their environment, the store's client token derived from the node
+secret (cgn_core/kv/identity.py: only they may Put, Get and Lookup; blocks
+move through shared memory: same host, same user), vLLM and SGLang
 engines without a KV connector of their own get their built-in CPU offload
 of `engine_offload_gib` (vLLM `--kv-offloading-backend native
 --kv-offloading-size`, SGLang `--enable-hierarchical-cache --hicache-size`),
@@ -43,6 +45,7 @@ from cgn_agent.settings import NodeKvcachedSettings
 from cgn_core import keys
 from cgn_core.backoff import Backoff
 from cgn_core.files import atomic_write_json
+from cgn_core.kv.identity import StoreKeys, ensure_secret, read_secret
 from cgn_core.process import (
     fingerprint,
     fingerprint_from_json,
@@ -64,11 +67,27 @@ class StorePlan:
     address: str = ""  # host:port engines reach the store at; "" when off
     offload_gib: float = 0.0
     record: dict[str, str] | None = None
+    client_token: str = ""  # engines present it (in their environment, never argv)
+    secret_file: Path | None = None  # the store reads its keys here
 
 
-def plan(s: NodeKvcachedSettings, advertise: str, token: str) -> StorePlan:
+def secret_path(s: NodeKvcachedSettings, state_dir: Path) -> Path | None:
+    if s.mode == "run":
+        return s.secret_file or state_dir / "kvcached.secret"
+    return s.secret_file if s.mode == "external" else None
+
+
+def plan(
+    s: NodeKvcachedSettings, advertise: str, token: str, secret_file: Path | None = None
+) -> StorePlan:
+    """What engines and routers are told. Run mode creates the node secret when absent;
+    a secret file that is unsafe or malformed is a ConfigError."""
     if s.mode == "off":
         return StorePlan(offload_gib=0.0)
+    client = ""
+    if secret_file is not None:
+        make = ensure_secret if s.mode == "run" else read_secret
+        client = StoreKeys.derive(make(secret_file)).client_token
     # NOTE: only engines on this node use the store (blocks move through shared memory), so
     # its gRPC listener stays on loopback; routers read its events from the admin listener.
     address = f"127.0.0.1:{s.port}"
@@ -77,11 +96,16 @@ def plan(s: NodeKvcachedSettings, advertise: str, token: str) -> StorePlan:
         "events_url": f"http://{advertise}:{s.admin_port}/v1/kv/events",
         "events_token": token,
     }
-    return StorePlan(address, s.engine_offload_gib, record)
+    return StorePlan(address, s.engine_offload_gib, record, client, secret_file)
 
 
 def argv(
-    s: NodeKvcachedSettings, exe: str, bind_host: str, ready: Path, tls: TlsSettings | None
+    s: NodeKvcachedSettings,
+    exe: str,
+    bind_host: str,
+    ready: Path,
+    tls: TlsSettings | None,
+    secret_file: Path | None = None,
 ) -> list[str]:
     out = [
         exe,
@@ -99,6 +123,8 @@ def argv(
         "--ready-file",
         str(ready),
     ]
+    if secret_file is not None:
+        out += ["--set", f"secret_file={secret_file}"]
     if s.ssd_dir is not None:
         out += ["--ssd-dir", str(s.ssd_dir), "--ssd-bytes", str(s.ssd_bytes)]
     if tls is not None:

@@ -89,6 +89,7 @@ class NodeAgent:
         self.desired: dict[str, ReplicaSpec | Invalid] | None = None  # None: not listed yet
         self.refused: dict[str, tuple[ReplicaSpec | Invalid, str]] = {}  # replica: (spec, why)
         self.kv_store, self.kv_offload_gib = "", 0.0  # the node's KV store, for launches
+        self.kv_token = ""  # its client token, handed to engines in their environment
 
     # ---- inputs ----------------------------------------------------------------------
 
@@ -195,6 +196,7 @@ class NodeAgent:
             token=token,
             tls=self.engine_tls,
             kvcached=self.kv_store,
+            kvcached_token=self.kv_token,
             offload_gib=self.kv_offload_gib,
             advertise_host=self.advertise_host,
         )

@@ -43,6 +43,10 @@ class NodeKvcachedSettings:
     ssd_dir: Path | None = None  # run mode; None: RAM only
     ssd_bytes: int = 0
     events_token: str = ""  # external mode: the token its unit was given (run: generated)
+    # The node secret (cgn_core/kv/identity.py); engines get its client token. Run mode:
+    # default <state_dir>/kvcached.secret, made on first start. External mode: the file the
+    # unit's kvcached.yaml names (unset: the store must run without one; development only).
+    secret_file: Path | None = None
     engine_offload_gib: float = 0.0  # vLLM/SGLang built-in CPU offload per engine; 0: none
 
     def check(self) -> None:

@@ -388,7 +388,12 @@ def kvcache_client(
     layout = engine_layout(backend)
     tls = settings.tls if settings.tls.enabled else None
     client = KvCacheClient(
-        s.address, layout, tls=tls, timeout_s=s.timeout_s, shared_memory=s.shared_memory
+        s.address,
+        layout,
+        tls=tls,
+        token=s.token,
+        timeout_s=s.timeout_s,
+        shared_memory=s.shared_memory,
     )
     # A simulated backend starts from what it charges: its modelled costs, `speed` x faster.
     modelled = backend.modelled

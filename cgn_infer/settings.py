@@ -42,6 +42,7 @@ class KvcachedClientSettings:
     rates below are starting points; the engine replaces them with what it measures."""
 
     address: str = ""  # host:port of cgn-kvcached's gRPC listener; empty: not used
+    token: str = ""  # the store's client token (the agent sets CGN_INFER_KVCACHED__TOKEN)
     timeout_s: float = 2.0  # per call; a slower answer means recompute
     shared_memory: bool = True  # move blocks through kvcached's shm_dir when on the same host
     ram_mb_per_s: float = 1000.0  # restore bandwidth from its RAM tier

@@ -75,8 +75,8 @@ class TransferSource:
 
     def __init__(self, layout: Layout, settings: TransferSettings, tls: TlsSettings):
         self.layout, self.settings, self.tls = layout, settings, tls
-        self.service = KvCacheService(BlockStore(RamTier(settings.ram_bytes)), tls=tls.enabled)
-        self.service.layouts.add(layout.digest)  # asked before any hold: "none held", not an error
+        # NOTE: read-only over gRPC: only this engine stores blocks here, in process
+        self.service = KvCacheService(BlockStore(RamTier(settings.ram_bytes)), writable=False)
         self._refs: dict[BlockHash, int] = {}
         self._leases: collections.deque[tuple[float, tuple[BlockHash, ...]]] = collections.deque()
         self._server: grpc.aio.Server | None = None

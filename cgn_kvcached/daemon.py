@@ -1,17 +1,20 @@
 """`cgn-kvcached serve`: the block store behind its gRPC service, until SIGTERM.
 
-Start-up: settings checked (budgets, the SSD directory writable), the SSD
-index rebuilt from its directory, the gRPC listener bound (mutual TLS with the
-cluster CA when `tls` is set, plaintext otherwise, logged), then the ready
-file and systemd's READY=1. Shutdown stops accepting and lets calls in flight
-finish for a few seconds.
+Start-up: settings checked (budgets, the SSD directory writable), the node
+secret read (cgn_core/kv/identity.py), the SSD index rebuilt from its
+directory, the gRPC listener bound (mutual TLS with the cluster CA when `tls`
+is set, plaintext otherwise, logged), then the ready file and systemd's
+READY=1. Shutdown stops accepting and lets calls in flight finish for a few
+seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -20,9 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
 from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
+from cgn_core.kv.identity import StoreKeys, read_secret
 from cgn_core.kv.ram_tier import RamTier
 from cgn_core.kv.service import KvCacheService, start_server
-from cgn_core.kv.ssd_tier import SsdTier
+from cgn_core.kv.ssd_tier import UNSEALED, SsdTier
 from cgn_core.kv.store import BlockStore
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_kvcached.metrics import registry_for
@@ -34,33 +38,59 @@ OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz"})
 
 
 def prepare_shm_dir(directory: Path | None) -> Path | None:
-    """The shared-memory transfer directory, made private to this user; None if unusable."""
+    """The shared-memory transfer directory, private to this user; None if unusable.
+
+    NOTE: it usually lives in a sticky world-writable parent (/dev/shm) where anyone may
+    have planted its name first: it is created, or opened, without following a link, must
+    be a directory this user owns, and only then made 0700 (through the open descriptor)."""
     if directory is None:
         return None
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        directory.chmod(0o700)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        log.warning("shared memory off: shm_dir %s: %s", directory, exc.strerror)
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        log.warning("shared memory off: shm_dir %s: %s", directory, why)
         return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            log.warning("shared memory off: shm_dir %s belongs to uid %d", directory, st.st_uid)
+            return None
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return directory
 
 
-def build_store(s: KvcachedSettings) -> BlockStore:
+def load_keys(s: KvcachedSettings) -> StoreKeys | None:
+    if s.secret_file is None:
+        log.warning(
+            "no secret_file: any local process may read and write this store's blocks "
+            "(development only; cgn-agent and cgn-ctl up always set one)"
+        )
+        return None
+    return StoreKeys.derive(read_secret(s.secret_file))
+
+
+def build_store(s: KvcachedSettings, keys: StoreKeys | None) -> BlockStore:
     ssd = None
     if s.ssd_dir is not None:
         try:
-            ssd = SsdTier(Path(s.ssd_dir), s.ssd_bytes)
+            ssd = SsdTier(Path(s.ssd_dir), s.ssd_bytes, keys.seal_key if keys else UNSEALED)
         except OSError as exc:
             raise ConfigError(f"ssd_dir {s.ssd_dir}: {exc.strerror}") from None
     return BlockStore(RamTier(s.ram_bytes), ssd, write_through=s.write_through)
 
 
 async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
-    store = await asyncio.to_thread(build_store, settings)
+    keys = await asyncio.to_thread(load_keys, settings)
+    store = await asyncio.to_thread(build_store, settings, keys)
     tls = settings.tls
     shm_dir = await asyncio.to_thread(prepare_shm_dir, settings.shm_dir)
-    service = KvCacheService(store, tls=tls.enabled, shm_dir=shm_dir)
+    service = KvCacheService(store, shm_dir=shm_dir, keys=keys)
     server, port = await start_server(service, settings.grpc.host, settings.grpc.port, tls)
     admin, admin_port = await _start_admin(settings, service)
     stop = asyncio.Event()

@@ -21,6 +21,10 @@ class KvcachedSettings:
     # /v1/kv/events on the admin listener needs `Authorization: Bearer <events_token>` (the
     # agent sets one and publishes it to routers); empty: open (development only).
     events_token: str = ""
+    # The node secret (cgn_core/kv/identity.py: 64 hex digits, mode 0600, owned by this user):
+    # engines need its client token, Evict/Clear its admin token, SSD blocks are sealed with
+    # it. Unset: any local process may read and write blocks (development only; logged).
+    secret_file: Path | None = None
     tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()

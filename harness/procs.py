@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import yaml
 
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import free_port
+from cgn_core.kv.identity import StoreKeys, bearer, ensure_secret
 from cgn_core.process import stop_group
 from cgn_core.readiness import wait_ready_file
 from cgn_core.settings import EtcdSettings
@@ -185,22 +188,79 @@ class Kvcached:
     admin: str  # /metrics, /healthz
     shm_dir: Path
     proc: subprocess.Popen[bytes]
+    keys: StoreKeys | None  # derived from its node secret; None: run without one
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """What a cgn-infer needs to use this store (the token as the agent would hand it)."""
+        token = ("--set", f"kvcached.token={self.keys.client_token}") if self.keys else ()
+        return ("--kvcached", self.address, *token)
+
+    def channel(self, token: str | None = None) -> grpc.Channel:
+        """A channel to its gRPC listener whose calls present `token` (default: the client
+        token the node's engines hold; "" for none)."""
+        if token is None:
+            token = self.keys.client_token if self.keys else ""
+        channel = grpc.insecure_channel(self.address)
+        return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,  # type: ignore[misc]
+):
+    pass
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+):
+    """Adds `authorization: Bearer <token>` to every call (what KvCacheClient sends)."""
+
+    def __init__(self, token: str):
+        self.pair = bearer(token)
+
+    def _with(self, d: Any) -> _Details:
+        return _Details(d.method, d.timeout, [*(d.metadata or ()), self.pair], d.credentials,
+                        d.wait_for_ready, d.compression)  # fmt: skip
+
+    def intercept_unary_unary(self, cont: Any, details: Any, request: Any) -> Any:
+        return cont(self._with(details), request)
+
+    def intercept_unary_stream(self, cont: Any, details: Any, request: Any) -> Any:
+        return cont(self._with(details), request)
+
+    def intercept_stream_unary(self, cont: Any, details: Any, requests: Any) -> Any:
+        return cont(self._with(details), requests)
 
 
 @contextmanager
-def cgn_kvcached(tmp: Path, *args: str, ram_bytes: int = 1 << 30) -> Iterator[Kvcached]:
-    """A real `cgn-kvcached serve` on free ports with its own shm_dir under `tmp`."""
+def cgn_kvcached(
+    tmp: Path, *args: str, ram_bytes: int = 1 << 30, secret: bool = True
+) -> Iterator[Kvcached]:
+    """A real `cgn-kvcached serve` on free ports with its own shm_dir under `tmp`; with
+    `secret` (as the agent runs it), the node secret `tmp/kvcached.secret`, kept across
+    restarts in the same `tmp`."""
     ready = tmp / f"kvcached-{time.monotonic_ns()}.ready"
     shm = tmp / f"{ready.stem}-shm"
+    keys, extra = None, []
+    if secret:
+        keys = StoreKeys.derive(ensure_secret(tmp / "kvcached.secret"))
+        extra = ["--set", f"secret_file={tmp / 'kvcached.secret'}"]
     argv = [str(BIN / "cgn-kvcached"), "serve", "--port", "0", "--admin-port", "0",
             "--ram-bytes", str(ram_bytes), "--set", f"shm_dir={shm}",
-            "--ready-file", str(ready), *args]  # fmt: skip
+            "--ready-file", str(ready), *extra, *args]  # fmt: skip
     with (tmp / f"{ready.stem}.log").open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
         yield Kvcached(f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['admin']}",
-                       shm, proc)  # fmt: skip
+                       shm, proc, keys)  # fmt: skip
     finally:
         stop(proc)
 

@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import openai
 import pytest
 
@@ -25,6 +26,7 @@ from cgn_agent.processes import EngineProcess
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd, free_port
+from cgn_core.kv.identity import StoreKeys, bearer, read_secret
 from cgn_core.settings import EtcdSettings
 from harness.procs import Agent, cgn_agent, cgn_router, runs
 
@@ -392,8 +394,28 @@ async def test_the_agent_runs_the_nodes_kv_store_and_announces_it(fleet: Fleet) 
             first = await asyncio.to_thread(_first_event_line, record)
             assert first.startswith(b'data: {"snapshot"')
             pid = json.loads((state / "kvcached.ready").read_text())["pid"]
+            # it runs with the node secret the agent made: engines' token in, strangers out
+            keys = StoreKeys.derive(read_secret(state / "kvcached.secret"))
+            assert (
+                await asyncio.to_thread(_stats_code, record["address"], keys.client_token) is None
+            )
+            code = await asyncio.to_thread(_stats_code, record["address"], "")
+            assert code == grpc.StatusCode.UNAUTHENTICATED
         assert await eventually(lambda: _absent(c, "/cognitora/kvcached/n2"), "the record gone")
     assert not await asyncio.to_thread(runs, pid, "cgn-kvcached")  # stopped with its agent
+
+
+def _stats_code(address: str, token: str) -> grpc.StatusCode | None:
+    from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
+    from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
+
+    meta = [bearer(token)] if token else []
+    with grpc.insecure_channel(address) as ch:
+        try:
+            pb_grpc.KvCacheStub(ch).Stats(pb.StatsRequest(), timeout=10, metadata=meta)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return None
 
 
 def _first_event_line(record: dict[str, str]) -> bytes:

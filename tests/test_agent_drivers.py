@@ -178,9 +178,11 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     s = replace(spec("cgn_infer", source="/m/smol.gguf",
                      profile=EngineProfile(ctx=2048, threads=2, backend="sim", dtype="int8")), model="smol")  # fmt: skip
     DRIVERS["cgn_infer"].validate(s, CPU_NODE, tools)
-    launch = DRIVERS["cgn_infer"].launch(s, replace(CTX, kvcached="127.0.0.1:7071"), tools)
+    ctx = replace(CTX, kvcached="127.0.0.1:7071", kvcached_token="kvtok")
+    launch = DRIVERS["cgn_infer"].launch(s, ctx, tools)
     assert launch.argv[:2] == (str(BIN / "cgn-infer"), "serve")
     assert launch.argv[launch.argv.index("--kvcached") + 1] == "127.0.0.1:7071"
+    assert launch.env["CGN_INFER_KVCACHED__TOKEN"] == "kvtok" and "kvtok" not in launch.argv
     assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
     assert launch.metrics_dialect == "cgn-infer"
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
@@ -412,10 +414,11 @@ def test_node_store_gives_gpu_engines_their_builtin_offload(
         assert launch.argv[-4:] == tuple(args) and flags(launch.argv) <= DOCUMENTED["vllm"]
 
 
-def test_node_store_plan_and_settings() -> None:
+def test_node_store_plan_and_settings(tmp_path: Path) -> None:
     from cgn_agent import kvcached
     from cgn_agent.settings import AgentSettings, NodeKvcachedSettings
     from cgn_core.errors import ConfigError
+    from cgn_core.kv.identity import StoreKeys, read_secret
 
     off = kvcached.plan(NodeKvcachedSettings(), "10.0.0.5", "t")
     assert off.address == "" and off.record is None
@@ -428,6 +431,23 @@ def test_node_store_plan_and_settings() -> None:
     assert "admin.host=10.0.0.5" in argv  # the events: for routers on other machines
     assert argv[:6] == ["/bin/cgn-kvcached", "serve", "--host", "127.0.0.1", "--port", "7100"]
     assert "--ssd-dir" not in argv
+    # the node secret: made once (0600), the store reads it, engines get only the client token
+    secret = kvcached.secret_path(run, tmp_path)
+    assert secret == tmp_path / "kvcached.secret"
+    got = kvcached.plan(run, "10.0.0.5", "tok", secret)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert got.client_token == StoreKeys.derive(read_secret(secret)).client_token
+    assert kvcached.plan(run, "10.0.0.5", "tok", secret).client_token == got.client_token
+    with_secret = kvcached.argv(run, "/bin/cgn-kvcached", "h", Path("/r"), None, secret)
+    assert f"secret_file={secret}" in with_secret
+    assert got.client_token not in " ".join(with_secret)  # argv is world-readable
+    external = replace(run, mode="external", secret_file=tmp_path / "missing")
+    assert kvcached.secret_path(external, tmp_path) == tmp_path / "missing"
+    with pytest.raises(ConfigError, match=r"secret_file .*missing"):  # not made for a unit
+        kvcached.plan(external, "10.0.0.5", "tok", tmp_path / "missing")
+    secret.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 0600"):
+        kvcached.plan(run, "10.0.0.5", "tok", secret)
     helped = _help_flags([str(BIN / "cgn-kvcached"), "serve", "--help"])
     assert flags(tuple(argv)) <= helped
     for bad, why in ((replace(run, port=0), "port must be a port number"),

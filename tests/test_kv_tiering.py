@@ -12,13 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from cgn_core.etcd.local import free_port
+from cgn_core.kv.identity import StoreKeys, ensure_secret
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.kv_tiering import RestoreCost
 from cgn_infer.models.args import Args
+from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
+from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
 from harness.procs import cgn_infer, cgn_kvcached, post
 
 pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
@@ -135,7 +139,9 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
     a, b = _prompt(1, 512), _prompt(2, 512)
     # A pool of 576 tokens (36 blocks) holds one 512-token prompt (32 blocks): each prompt
     # evicts the other's blocks.
-    engine_args = ("--kvcached", f"127.0.0.1:{port}", "--kv-pool-tokens", "576")
+    keys = StoreKeys.derive(ensure_secret(tmp_path / "kvcached.secret"))  # what the agent hands
+    engine_args = ("--kvcached", f"127.0.0.1:{port}", "--kv-pool-tokens", "576",
+                   "--set", f"kvcached.token={keys.client_token}")  # fmt: skip
     with cgn_infer(tmp_path, *engine_args) as url:
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
@@ -169,6 +175,25 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
             same_as(ref, got)
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 496
             assert metric(url, RESTORED, 'tier="ssd"') > 350
+        # Poisoning: every block on disk altered, and a process without the node's token
+        # tries to put its own bytes; nothing of either is restored, the answer is the same
+        for f in (tmp_path / "ssd").glob("*.blk"):
+            raw = bytearray(f.read_bytes())
+            raw[-100:] = b"\0" * 100
+            f.write_bytes(raw)
+        with cgn_kvcached(tmp_path, *store) as kv, kv.channel("") as stranger:
+            forged = pb.PutRequest(layout=pb.KvLayout(dtype="float32", layers=1, kv_heads=1,
+                                                      head_dim=1, block_size=16, engine="x"),
+                                   block=pb.KvBlock(hash=bytes(32), data=bytes(64)))  # fmt: skip
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.KvCacheStub(stranger).Put(iter([forged]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            restored = metric(url, RESTORED, 'tier="ssd"')
+            complete(b)
+            same_as(ref, complete(a))
+            assert metric(url, RESTORED, 'tier="ssd"') == restored  # nothing altered restored
+            with kv.channel() as ch:
+                assert pb_grpc.KvCacheStub(ch).Stats(pb.StatsRequest()).checksum_failures >= 1
         # kvcached is gone: the engine still serves, recomputing
         c = complete(_prompt(3, 300))
         assert c["usage"]["completion_tokens"] == 6
@@ -180,7 +205,7 @@ def test_the_sim_backend_restores_too_and_charges_the_modelled_time(tmp_path: Pa
     """Sim engines (the fleet benchmarks' stand-ins) go through the same offer and restore
     path; their output is a function of every KV slot, so a wrong restore would change it."""
     sim = ("--backend", "sim", "--model-name", "sim", "--kv-pool-tokens", "1024", "--speed", "50")
-    with cgn_kvcached(tmp_path) as kv, cgn_infer(tmp_path, *sim, "--kvcached", kv.address) as url:
+    with cgn_kvcached(tmp_path) as kv, cgn_infer(tmp_path, *sim, *kv.engine_args) as url:
 
         def complete(prompt: list[int]) -> dict[str, Any]:
             body = {"model": "sim", "prompt": prompt, "max_tokens": 8, "temperature": 0}

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from cgn_core.kv.identity import bearer
 from cgn_core.readiness import wait_ready_file
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
@@ -39,7 +40,7 @@ def block(i: int) -> pb.KvBlock:
 def kvcached(
     tmp: Path, *args: str
 ) -> Iterator[tuple[pb_grpc.KvCacheStub, subprocess.Popen[bytes]]]:
-    with cgn_kvcached(tmp, *args) as kv, grpc.insecure_channel(kv.address) as channel:
+    with cgn_kvcached(tmp, *args) as kv, kv.channel() as channel:
         yield pb_grpc.KvCacheStub(channel), kv.proc
 
 
@@ -71,10 +72,9 @@ def test_blocks_in_ram_then_ssd_and_back_in_prefix_order(tmp_path: Path) -> None
         assert stats.ram_bytes <= 1 << 20 and stats.ssd_blocks >= 10 and stats.hits_ssd >= 10
         other = pb.KvLayout(**{**{f.name: getattr(LAYOUT, f.name) for f in
                                   LAYOUT.DESCRIPTOR.fields}, "dtype": "bfloat16"})  # fmt: skip
-        with pytest.raises(grpc.RpcError) as mismatch:
-            list(stub.Get(pb.GetRequest(layout=other, hashes=hashes)))
-        assert mismatch.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "layout" in str(mismatch.value.details())
+        # another layout finds nothing, and learns nothing: a miss, not an error
+        assert list(stub.Get(pb.GetRequest(layout=other, hashes=hashes))) == []
+        assert list(stub.Lookup(pb.LookupRequest(layout=other, hashes=hashes)).tiers) == []
         for bad, code in ((pb.LookupRequest(layout=LAYOUT, hashes=[b"short"]),
                            grpc.StatusCode.INVALID_ARGUMENT),
                           (pb.LookupRequest(layout=pb.KvLayout(dtype="float64")),
@@ -85,8 +85,76 @@ def test_blocks_in_ram_then_ssd_and_back_in_prefix_order(tmp_path: Path) -> None
         page = metrics(tmp_path)
         assert 'cgn_kvcached_hits_total{tier="ssd"}' in page and "cgn_kvcached_evictions" in page
         assert 'cgn_kvcached_blocks{tier="ram"}' in page and "cgn_kvcached_ssd_degraded 0.0" in page
-        assert stub.Clear(pb.ClearRequest()).evicted == 20  # loopback: admin calls allowed
-        assert stub.Stats(pb.StatsRequest()).ram_blocks == 0
+        assert stub.Stats(pb.StatsRequest()).ram_blocks > 0
+
+
+def test_only_the_node_identity_reads_writes_and_evicts(tmp_path: Path) -> None:
+    """Put/Get/Lookup/Stats need the engines' client token, Evict/Clear the admin token; a
+    stranger learns nothing and changes nothing, and the store keeps serving its engines."""
+    with cgn_kvcached(tmp_path) as kv, ExitStack() as stack:
+        assert kv.keys is not None
+        engine, admin, stranger, wrong = (
+            pb_grpc.KvCacheStub(stack.enter_context(kv.channel(token)))
+            for token in (None, kv.keys.admin_token, "", "x" * 64)
+        )
+        assert put(engine, range(4)) == pb.PutReply(stored=4, dropped=0)
+        hashes = [block(i).hash for i in range(4)]
+        calls = {
+            "Put": lambda s: put(s, range(100, 102)),
+            "Get": lambda s: list(s.Get(pb.GetRequest(layout=LAYOUT, hashes=hashes))),
+            "Lookup": lambda s: s.Lookup(pb.LookupRequest(layout=LAYOUT, hashes=hashes)),
+            "Stats": lambda s: s.Stats(pb.StatsRequest()),
+            "Evict": lambda s: s.Evict(pb.EvictRequest(layout=LAYOUT, hashes=hashes)),
+            "Clear": lambda s: s.Clear(pb.ClearRequest()),
+        }
+        for name, call in calls.items():
+            for stub, code in ((stranger, grpc.StatusCode.UNAUTHENTICATED),
+                               (wrong, grpc.StatusCode.PERMISSION_DENIED)):  # fmt: skip
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(stub)
+                assert refused.value.code() == code, name
+        for name in ("Evict", "Clear"):  # an engine may not drop another's blocks
+            with pytest.raises(grpc.RpcError) as refused:
+                calls[name](engine)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        got = list(engine.Get(pb.GetRequest(layout=LAYOUT, hashes=hashes)))
+        assert [g.block for g in got] == [block(i) for i in range(4)]  # nothing changed
+        assert admin.Evict(pb.EvictRequest(layout=LAYOUT, hashes=hashes[:1])).evicted == 1
+        assert admin.Clear(pb.ClearRequest()).evicted == 3
+    with cgn_kvcached(tmp_path, secret=False) as open_store, open_store.channel() as ch:
+        with pytest.raises(grpc.RpcError) as refused:  # no secret: no admin at all
+            pb_grpc.KvCacheStub(ch).Clear(pb.ClearRequest())
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_ssd_blocks_altered_or_swapped_on_disk_are_never_served(tmp_path: Path) -> None:
+    """Each SSD block carries a tag keyed by the node secret over its name and bytes: a
+    flipped byte, a file renamed to another block's name, a file written with another key,
+    a FIFO or a link under a block's name are refused and counted; the rest still served."""
+    ssd = tmp_path / "ssd"
+    args = ("--ram-bytes", str(1 << 20), "--ssd-dir", str(ssd), "--ssd-bytes", str(64 << 20),
+            "--set", "write_through=true")  # fmt: skip
+    with kvcached(tmp_path, *args) as (stub, _):
+        put(stub, range(6))
+    files = {i: next(ssd.glob(f"*-{block(i).hash.hex()}.blk")) for i in range(6)}
+    raw = bytearray(files[1].read_bytes())
+    raw[-1] ^= 0xFF  # a flipped byte
+    files[1].write_bytes(raw)
+    files[2].unlink()
+    files[3].rename(files[2])  # block 3's bytes under block 2's name
+    other = tmp_path / "other"  # a store with another node secret writes block 4
+    other.mkdir()
+    with kvcached(other, *args[:2], "--ssd-dir", str(other / "ssd"), *args[4:]) as (o, _):
+        put(o, range(4, 5))
+    os.replace(next((other / "ssd").glob("*.blk")), files[4])
+    files[5].unlink()
+    os.mkfifo(files[5])  # a FIFO under block 5's name: never opened, never blocks
+    with kvcached(tmp_path, *args) as (stub, _):
+        for i in range(6):
+            got = list(stub.Get(pb.GetRequest(layout=LAYOUT, hashes=[block(i).hash]), timeout=10))
+            assert [g.block for g in got] == ([block(0)] if i == 0 else []), i
+        assert stub.Stats(pb.StatsRequest()).checksum_failures == 3
+        assert len(list((ssd / "quarantine").iterdir())) == 4
 
 
 def test_the_ssd_tier_survives_a_restart_and_sigkill_mid_write(tmp_path: Path) -> None:
@@ -132,15 +200,21 @@ def test_mutual_tls_refuses_strangers_and_impostors(tmp_path: Path) -> None:
     sets = [f"tls.{f}_file={tmp_path / name}" for f, name in
             (("ca", "ca.pem"), ("cert", "n1.pem"), ("key", "n1.key"))]  # fmt: skip
     args = [a for s in sets for a in ("--set", s)]
-    with kvcached(tmp_path, *args) as (_, proc):
-        port = wait_ready_file(next(tmp_path.glob("kvcached-*.ready")), 5, proc)["ports"]["grpc"]
+    with cgn_kvcached(tmp_path, *args) as kv:
+        assert kv.keys is not None
+        token = bearer(kv.keys.client_token)  # with TLS too: a cluster certificate is not enough
+        port = wait_ready_file(next(tmp_path.glob("kvcached-*.ready")), 5, kv.proc)["ports"]["grpc"]
         n2 = TlsSettings(ca_file=tmp_path / "ca.pem", cert_file=tmp_path / "n2.pem",
                          key_file=tmp_path / "n2.key")  # fmt: skip
         with grpc.secure_channel(f"localhost:{port}", channel_credentials(n2)) as ch:
             stub = pb_grpc.KvCacheStub(ch)
-            assert stub.Stats(pb.StatsRequest(), timeout=10).ram_blocks == 0
+            assert stub.Stats(pb.StatsRequest(), timeout=10, metadata=[token]).ram_blocks == 0
+            with pytest.raises(grpc.RpcError) as tokenless:
+                stub.Stats(pb.StatsRequest(), timeout=10)
+            assert tokenless.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as impostor:
-                stub.Stats(pb.StatsRequest(), timeout=10, metadata=[("x-cgn-node", "n1")])
+                meta = [("x-cgn-node", "n1"), token]
+                stub.Stats(pb.StatsRequest(), timeout=10, metadata=meta)
             assert impostor.value.code() == grpc.StatusCode.PERMISSION_DENIED
         stranger = TlsSettings(ca_file=tmp_path / "ca.pem")  # trusts us, presents nothing
         with grpc.secure_channel(f"localhost:{port}", channel_credentials(stranger)) as ch:
@@ -156,9 +230,11 @@ def test_shared_memory_moves_blocks_and_refuses_unsafe_files(tmp_path: Path) -> 
     layout = Layout(**{f.name: getattr(LAYOUT, f.name) for f in LAYOUT.DESCRIPTOR.fields})
     data = np.random.default_rng(0).integers(0, 256, (8, BLOCK), dtype=np.uint8)
     hashes = [block(i).hash for i in range(8)]
-    with cgn_kvcached(tmp_path) as kv, grpc.insecure_channel(kv.address) as channel:
-        shm = KvCacheClient(kv.address, layout)
-        inline = KvCacheClient(kv.address, layout, shared_memory=False)
+    with cgn_kvcached(tmp_path) as kv, kv.channel() as channel:
+        assert kv.keys is not None
+        token = kv.keys.client_token
+        shm = KvCacheClient(kv.address, layout, token=token)
+        inline = KvCacheClient(kv.address, layout, token=token, shared_memory=False)
         assert shm.lookup(hashes) == []  # nothing under this layout yet: empty, not an error
         assert shm.put(hashes[:4], data[:4]) == 4
         assert inline.put(hashes[4:], data[4:]) == 4
@@ -171,11 +247,14 @@ def test_shared_memory_moves_blocks_and_refuses_unsafe_files(tmp_path: Path) -> 
         secret.write_bytes(b"x" * BLOCK)
         (kv.shm_dir / "link.kv").symlink_to(secret)
         (kv.shm_dir / "small.kv").write_bytes(b"")
+        os.mkfifo(kv.shm_dir / "fifo.kv")  # would block the store's one worker thread if opened
         for path, why in ((secret, "directly in"), (kv.shm_dir / "link.kv", "shm_path"),
                           (kv.shm_dir / "small.kv", "at least"),
+                          (kv.shm_dir / "fifo.kv", "regular file"),
                           (kv.shm_dir / "../secret", "directly in")):  # fmt: skip
             with pytest.raises(grpc.RpcError) as refused:
-                list(stub.Get(pb.GetRequest(layout=LAYOUT, hashes=hashes, shm_path=str(path))))
+                get = pb.GetRequest(layout=LAYOUT, hashes=hashes, shm_path=str(path))
+                list(stub.Get(get, timeout=10))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert why in str(refused.value.details())
         assert secret.read_bytes() == b"x" * BLOCK  # never written through the link
@@ -204,7 +283,7 @@ def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
     with (
         ExitStack() as stack,
         cgn_kvcached(tmp_path, *args) as kv,
-        grpc.insecure_channel(kv.address) as channel,
+        kv.channel() as channel,
     ):
         stub = pb_grpc.KvCacheStub(channel)
         url = kv.admin + "/v1/kv/events"

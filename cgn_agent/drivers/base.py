@@ -61,6 +61,7 @@ class LaunchContext:
     token: str = ""  # a fresh per-replica secret, for engines that can require one
     tls: TlsSettings | None = None  # the certificate engines that can serve HTTPS use
     kvcached: str = ""  # host:port of the node's cgn-kvcached; "" when it has none
+    kvcached_token: str = ""  # its client token (cgn_core/kv/identity.py); "" when open
     offload_gib: float = 0.0  # built-in CPU KV offload for engines that have one (vLLM, SGLang)
     advertise_host: str = ""  # the address other nodes reach this one's engines on
 

@@ -82,6 +82,8 @@ class CgnInferDriver:
         env = {**(cuda_env(spec) if spec.devices else {}), **p.env}
         if ctx.token:  # NOTE: in the environment, not argv: argv is world-readable in ps
             env["CGN_INFER_API_TOKEN"] = ctx.token
+        if ctx.kvcached and ctx.kvcached_token:
+            env["CGN_INFER_KVCACHED__TOKEN"] = ctx.kvcached_token
         return Launch(
             tuple(argv + list(p.extra_args)),
             env,

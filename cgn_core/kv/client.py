@@ -8,9 +8,9 @@ or on error. Elsewhere, or when the server offers no shared memory, the
 bytes ride in the messages.
 
 Every call raises `KvCacheError` on any failure (unreachable server,
-timeout, refused request): the caller's answer to all of them is the same,
-to recompute. A layout nothing was ever stored under is not an error: the
-cache simply holds nothing of it yet.
+timeout, refused request, a token the store does not accept): the caller's
+answer to all of them is the same, to recompute. A layout nothing was ever
+stored under is not an error: the cache simply holds nothing of it yet.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cgn_core.kv.identity import bearer
 from cgn_core.kv.layout import Layout
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import channel
@@ -50,6 +51,7 @@ class KvCacheClient:
         *,
         tls: TlsSettings | None = None,
         node: str = "",
+        token: str = "",
         timeout_s: float = 5.0,
         shared_memory: bool = True,
     ):
@@ -64,7 +66,8 @@ class KvCacheClient:
         ]
         self._channel = channel(address, tls, opts)
         self._stub = pb_grpc.KvCacheStub(self._channel)
-        self._meta = (("x-cgn-node", node),) if node else ()
+        # NOTE: the node's client token (cgn_core/kv/identity.py) rides every call
+        self._meta = ((("x-cgn-node", node),) if node else ()) + ((bearer(token),) if token else ())
         self._pb_layout = pb.KvLayout(
             dtype=layout.dtype,
             layers=layout.layers,
@@ -95,8 +98,6 @@ class KvCacheClient:
         try:
             reply = self._stub.Lookup(req, timeout=self.timeout_s, metadata=self._meta)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                return []  # nothing stored under this layout yet
             raise KvCacheError(_describe(exc)) from None
         return [TIER_NAMES.get(t, "ssd") for t in reply.tiers]
 
@@ -131,8 +132,6 @@ class KvCacheClient:
             except ValueError:  # zip(strict=True): as many tiers as blocks, or it is not ours
                 raise KvCacheError("the server's reply does not pair blocks with tiers") from None
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    return np.empty((0, bb), np.uint8), []
                 self._probed = False  # a restarted server may have moved its shm_dir
                 raise KvCacheError(_describe(exc)) from None
             if shm is None:

@@ -5,8 +5,7 @@ layers, KV heads, head dim, tokens per block, and the engine kind and version
 that wrote them. `Layout.digest` names a layout in 16 bytes (BLAKE3 of its
 canonical form); a `BlockKey` is (layout digest, block hash), so blocks of
 different layouts never meet, and a reader asking with another layout finds
-nothing of the writer's (the server answers FAILED_PRECONDITION when a client
-asks with a layout it has not declared). The block hash is the `cgn_core.
+nothing of the writer's (a miss, like any other). The block hash is the `cgn_core.
 blockhash` contract: its namespace already carries the model (and tenant).
 """
 

@@ -5,16 +5,25 @@ thread-safe and the SSD tier does blocking file I/O, which must not stall the
 event loop that streams other clients' blocks. A block being streamed by
 `Get` is pinned in RAM until it has been written to the client. Bad input
 gets a gRPC status with a message (INVALID_ARGUMENT for a malformed layout or
-hash, FAILED_PRECONDITION for a layout nothing was ever stored under), never
-a dead server. `Evict` and `Clear` are admin calls: over plaintext they
-answer loopback peers only.
+hash), never a dead server. A layout nothing was stored under is answered
+like any other miss (an empty chain): the store says nothing about layouts it
+holds to a caller who does not name one.
+
+Who may call (cgn_core/kv/identity.py): with the node's keys, Put, Get,
+Lookup and Stats need the client token (what the node's engines hold) and
+Evict and Clear the admin token; a wrong or missing one is UNAUTHENTICATED or
+PERMISSION_DENIED before anything is read. Without keys (a development store;
+logged at start) the client calls are open and the admin calls refused. A
+read-only service (a prefill engine's transfer listener) refuses Put, Evict
+and Clear from everyone: only its owner stores blocks, in process.
 
 Shared memory: a same-node client may move a call's bytes through a file it
 made in `shm_dir` (a tmpfs) instead of the messages, which is what makes a
 restore fast enough to pay (the Python gRPC path alone moves ~250 MB/s,
 bench/results/kvcached_tiers.md). The server only ever opens an existing
-regular file directly inside `shm_dir` (no symlinks, no other directory),
-never creates, grows or removes one, and checks its size before any write.
+regular file directly inside `shm_dir` (no symlinks, no other directory,
+never blocking on a FIFO), never creates, grows or removes one, and checks
+its type and size before any read or write.
 """
 
 from __future__ import annotations
@@ -34,9 +43,9 @@ import grpc
 from cgn_core.errors import ConfigError
 from cgn_core.kv.blockhash import BlockHash
 from cgn_core.kv.events import KvEventHub
+from cgn_core.kv.identity import StoreKeys, presented, same
 from cgn_core.kv.layout import BlockKey, Layout, LayoutError
 from cgn_core.kv.store import BlockStore
-from cgn_core.net import is_loopback
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
@@ -56,20 +65,24 @@ class ShmRefused(ValueError):
 
 
 class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
-    def __init__(self, store: BlockStore, *, tls: bool = False, shm_dir: Path | None = None):
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        shm_dir: Path | None = None,
+        keys: StoreKeys | None = None,
+        writable: bool = True,
+    ):
         self.store = store
-        self.tls = tls
         self.shm_dir = shm_dir
+        self.keys = keys
+        self.writable = writable
         # What each tier holds, for routers (served as SSE by the admin listener).
         self.events = KvEventHub("", ("ram", "ssd"))
         for tier, hashes in store.held().items():
             self.events.held[tier] = dict.fromkeys(BlockHash(h) for h in hashes)
         store.drain_events()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvcached-store")
-        # Layouts blocks were stored under (also those found on the SSD at start).
-        self.layouts: set[bytes] = {k.layout for k in store.ram.block_keys()}
-        if store.ssd is not None:
-            self.layouts |= {k.layout for k in store.ssd.block_keys()}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn` on the store's thread; the tier changes it made go to the event hub, in order."""
@@ -88,7 +101,6 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
 
     async def put_blocks(self, layout: Layout, hashes: Sequence[bytes], rows: Any) -> int:
         """Store blocks (`rows[i]`: block i's bytes) under `layout`; how many were stored."""
-        self.layouts.add(layout.digest)
         batch: list[tuple[BlockKey, bytes | int]] = [
             (BlockKey(layout.digest, bytes(h)), bytes(row))
             for h, row in zip(hashes, rows, strict=True)
@@ -102,6 +114,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
     # ---- the calls ------------------------------------------------------------------------
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutReply:
+        await self._caller(context, writes=True)
         layout: Layout | None = None
         shm: int | None = None
         batch: list[tuple[BlockKey, bytes | int]] = []  # data, or its offset in the shared file
@@ -110,7 +123,6 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             async for req in requests:
                 if layout is None:
                     layout = await _layout(req.layout, context)
-                    self.layouts.add(layout.digest)
                     if req.shm_path:
                         shm = await self._shm_open(req.shm_path, os.O_RDONLY, 0, context)
                 blocks = [req.block] if req.HasField("block") else []
@@ -149,7 +161,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             raise  # not reached: abort raises
 
     async def Get(self, req: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetReply]:
-        layout = await self._known_layout(req.layout, context)
+        await self._caller(context)
+        layout = await _layout(req.layout, context)
         keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         if req.shm_path:
             size = len(keys) * layout.block_bytes
@@ -176,22 +189,24 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 await self._run(self.store.ram.unpin, key)
 
     async def Lookup(self, req: pb.LookupRequest, context: Any) -> pb.LookupReply:
-        layout = await self._known_layout(req.layout, context)
+        await self._caller(context)
+        layout = await _layout(req.layout, context)
         keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         tiers = await self._run(self.store.lookup, keys)
         return pb.LookupReply(tiers=[TIERS[t] for t in tiers])
 
     async def Stats(self, req: pb.StatsRequest, context: Any) -> pb.StatsReply:
+        await self._caller(context)
         return await self._run(self._stats)
 
     async def Evict(self, req: pb.EvictRequest, context: Any) -> pb.EvictReply:
-        await self._admin(context)
+        await self._caller(context, writes=True, admin=True)
         layout = await _layout(req.layout, context)
         keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         return pb.EvictReply(evicted=await self._run(self._evict, keys))
 
     async def Clear(self, req: pb.ClearRequest, context: Any) -> pb.ClearReply:
-        await self._admin(context)
+        await self._caller(context, writes=True, admin=True)
         return pb.ClearReply(evicted=await self._run(self._clear))
 
     # ---- on the store's thread ------------------------------------------------------------
@@ -239,7 +254,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
         if p.parent != self.shm_dir or not _SHM_NAME.fullmatch(p.name):
             raise ShmRefused(f"shm_path must be a plain file name directly in {self.shm_dir}")
         try:
-            fd = os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
         except OSError as exc:
             raise ShmRefused(f"shm_path {path}: {exc.strerror}") from None
         st = os.fstat(fd)
@@ -283,24 +298,24 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # not reached: abort raises
 
-    async def _known_layout(self, layout: pb.KvLayout, context: Any) -> Layout:
-        found = await _layout(layout, context)
-        if found.digest not in self.layouts:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "no block was ever stored under this layout (dtype, layers, KV heads, head dim, "
-                "block size and engine must all match the writer's)",
-            )
-        return found
-
-    async def _admin(self, context: Any) -> None:
-        if self.tls:
-            return  # the listener verified a client certificate from the cluster CA
-        peer = context.peer() or ""  # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"
-        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else ""
-        if not is_loopback(host):
-            why = "Evict and Clear over plaintext answer loopback callers only"
+    async def _caller(self, context: Any, *, writes: bool = False, admin: bool = False) -> None:
+        """Abort the call unless its caller may make it (see the module's docstring)."""
+        if writes and not self.writable:
+            why = "this listener is read-only: it serves a prefill engine's blocks"
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        if self.keys is None:
+            if admin:
+                why = "Evict and Clear need the admin token: this store runs without secret_file"
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return
+        token = presented(context.invocation_metadata())
+        if same(token, self.keys.admin_token):
+            return
+        if not token:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this store needs a bearer token")
+        if admin or not same(token, self.keys.client_token):
+            why = "the admin token" if admin else "the node's client token"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this call needs {why}")
 
 
 async def start_server(

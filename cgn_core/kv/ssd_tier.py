@@ -1,16 +1,21 @@
 """The SSD tier: one file per KV block in a directory, under a byte budget, never half-written.
 
-File `<layout hex>-<block hex>.blk`: a 48-byte header (magic `CGNKV1\\0\\0`,
-payload length as 8 bytes little-endian, BLAKE3 of the payload) and the
-payload. A block is written to a temporary file in the same directory,
-fsynced, then renamed into place (and the directory fsynced), so a crash
-leaves either the whole block or nothing under its name; leftover temporary
-files are removed at start. The index is rebuilt from the directory at start
-(oldest modification first, as the LRU order); a file whose header does not
-match its size is moved to `quarantine/` then, and one whose payload fails
-its checksum when read is moved there and never served. When the disk is
-full a write fails cleanly (`SsdFull`), nothing partial is left, and the
-caller carries on with RAM only.
+File `<layout hex>-<block hex>.blk`: a 48-byte header (magic `CGNKV2\\0\\0`,
+payload length as 8 bytes little-endian, a tag) and the payload. The tag is
+BLAKE3 keyed with the store's seal key (cgn_core/kv/identity.py) over the
+block's name and payload: a file written by anyone without the key, altered on
+disk, or renamed to another block's name fails it and is never served (with no
+node secret the key is all zeros: a checksum, not a seal). Block files are
+opened without following links and without blocking, and must be regular.
+
+A block is written to a temporary file in the same directory, fsynced, then
+renamed into place (and the directory fsynced), so a crash leaves either the
+whole block or nothing under its name; leftover temporary files are removed at
+start. The index is rebuilt from the directory at start (oldest modification
+first, as the LRU order); a file whose header does not match its size is moved
+to `quarantine/` then, and one whose payload fails its checksum when read is
+moved there and never served. When the disk is full a write fails cleanly
+(`SsdFull`), nothing partial is left, and the caller carries on with RAM only.
 
 Tunables: the directory (`--ssd-dir`) and `budget_bytes` (`--ssd-bytes`).
 """
@@ -19,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import secrets
+import stat
 import struct
 from collections import OrderedDict
 from pathlib import Path
@@ -32,8 +39,9 @@ from cgn_core.kv.layout import BlockKey, LayoutError
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CGNKV1\0\0"
-HEADER = struct.Struct("<8sQ32s")  # magic, payload length, BLAKE3 of the payload
+MAGIC = b"CGNKV2\0\0"
+HEADER = struct.Struct("<8sQ32s")  # magic, payload length, keyed BLAKE3 of name and payload
+UNSEALED = bytes(32)  # the key without a node secret
 SUFFIX = ".blk"
 
 
@@ -42,8 +50,9 @@ class SsdFull(Exception):
 
 
 class SsdTier:
-    def __init__(self, directory: Path, budget_bytes: int):
+    def __init__(self, directory: Path, budget_bytes: int, seal_key: bytes = UNSEALED):
         self.dir = directory
+        self._seal_key = seal_key
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.checksum_failures = 0
@@ -68,15 +77,16 @@ class SsdTier:
         if key not in self._index:
             return None
         try:
-            raw = self.path(key).read_bytes()
+            raw = _read_regular(self.path(key), self._index[key])
         except OSError as exc:
             log.warning("ssd tier: cannot read %s (%s); dropping it", key.hex(), exc.strerror)
             self._forget(key)
             return None
-        payload = _payload(raw)
+        sealed = hmac.compare_digest(raw[: HEADER.size], self._header(key, raw))
+        payload = raw[HEADER.size :] if sealed else None
         if payload is None:
             self.checksum_failures += 1
-            log.error("ssd tier: block %s failed its checksum; quarantined", key.hex())
+            log.error("ssd tier: block %s failed its integrity tag; quarantined", key.hex())
             self._quarantine(self.path(key))
             self._forget(key)
             return None
@@ -100,7 +110,7 @@ class SsdTier:
                 self.path(victim).unlink()
             self._forget(victim)
             evicted.append(victim)
-        header = HEADER.pack(MAGIC, len(payload), blake3(payload).digest())
+        header = self._header(key, payload, offset=0)
         tmp = self.dir / f".tmp-{secrets.token_hex(8)}"
         try:
             with tmp.open("wb") as f:
@@ -131,6 +141,13 @@ class SsdTier:
     def block_keys(self) -> list[BlockKey]:
         return list(self._index)
 
+    def _header(self, key: BlockKey, data: bytes, offset: int = HEADER.size) -> bytes:
+        """The header a block file of `key` holding `data[offset:]` as its payload must have."""
+        payload = memoryview(data)[offset:]
+        tag = blake3(key.layout + key.block, key=self._seal_key)
+        tag.update(payload)
+        return HEADER.pack(MAGIC, len(payload), tag.digest())
+
     # ---- start-up -------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
@@ -140,15 +157,13 @@ class SsdTier:
                 with contextlib.suppress(OSError):
                     path.unlink()  # a write that never finished
                 continue
-            if not path.name.endswith(SUFFIX) or not path.is_file():
+            if not path.name.endswith(SUFFIX):
                 continue
             try:
                 key = BlockKey.from_hex(path.name[: -len(SUFFIX)])
-                st = path.stat()
-                with path.open("rb") as f:
-                    head = f.read(HEADER.size)
+                head, st = _read_head(path)
             except (LayoutError, OSError):
-                self._quarantine(path)
+                self._quarantine(path)  # also a link, a FIFO, a device: never opened again
                 continue
             if not _header_fits(head, st.st_size):
                 self._quarantine(path)
@@ -184,13 +199,36 @@ def _header_fits(head: bytes, file_size: int) -> bool:
     return bool(magic == MAGIC and HEADER.size + length == file_size)
 
 
-def _payload(raw: bytes) -> bytes | None:
-    """The payload of a block file, or None when its header or checksum is wrong."""
-    if not _header_fits(raw[: HEADER.size], len(raw)):
-        return None
-    _, _, digest = HEADER.unpack(raw[: HEADER.size])
-    payload = raw[HEADER.size :]
-    return payload if blake3(payload).digest() == digest else None
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A block file opened for reading: not through a link, never blocking (a FIFO planted
+    under a block's name), and only a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd, st
+
+
+def _read_head(path: Path) -> tuple[bytes, os.stat_result]:
+    fd, st = _open_regular(path)
+    try:
+        return os.pread(fd, HEADER.size, 0), st
+    finally:
+        os.close(fd)
+
+
+def _read_regular(path: Path, size: int) -> bytes:
+    """A block file's bytes: exactly the `size` its index entry says, or OSError."""
+    fd, st = _open_regular(path)
+    try:
+        if st.st_size != size:
+            raise OSError(errno.EINVAL, f"size {st.st_size}, expected {size}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(size)
+    finally:
+        os.close(fd)
+    return raw
 
 
 def _fsync_dir(directory: Path) -> None:
