@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
-import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -17,11 +14,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from cgn_core import safejson
 from cgn_core.errors import (
     CognitoraError,
     Forbidden,
     InternalError,
-    InvalidRequest,
     PayloadTooLarge,
     RequestTimeout,
     Unauthorized,
@@ -138,62 +135,10 @@ class Runner(web.AppRunner):
         return server
 
 
-MAX_JSON_DEPTH = 400  # arrays and objects nested in one another
-
-
 def parse_json(raw: bytes) -> Any:
-    """`raw` parsed as JSON; InvalidRequest when it is not, when it nests deeper than
-    `MAX_JSON_DEPTH`, or when a string holds a lone UTF-16 surrogate (an escape like
-    \\ud800 with no pair: valid JSON, but no UTF-8 text, so no tokenizer can take it)."""
-    # NOTE: bytes.count runs at memory speed; only a body with that many brackets at all
-    # is measured, before json.loads, whose recursion would fail far deeper and as a 500.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise InvalidRequest("the request body is not valid JSON") from None
-    if b"\\u" in raw or b"\\U" in raw:  # a surrogate can only arrive as an escape
-        _refuse_lone_surrogates(value)
-    return value
-
-
-# NOTE: two passes with no backtracking, each linear in the body: every escape (a backslash
-# and the byte after it) goes first, so what remains of a string is `"` ... `"` with no
-# quote inside, which the second pattern drops with one attempt per quote. (One pattern for
-# strings with escapes backtracks: quadratic on a body of escaped quotes, a freeze before
-# auth; and got `\"` wrong, counting brackets inside strings.)
-_ESCAPE = re.compile(rb"\\.", re.DOTALL)
-_PLAIN_STRING = re.compile(rb'"[^"]*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-
-
-def _depth(raw: bytes) -> int:
-    """The deepest nesting of [ and { outside strings, in time linear in `raw`; every loop
-    here runs in C."""
-    text = _PLAIN_STRING.sub(b"", _ESCAPE.sub(b"", raw))
-    brackets = text.translate(None, _NOT_BRACKETS)
-    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
-
-
-def _refuse_lone_surrogates(value: Any) -> None:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequest(
-                    "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-"
-                    "\\udfff escape), which is not text"
-                ) from None
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
+    """The request body parsed as JSON (cgn_core/safejson.py: bounded depth, no lone
+    surrogates); InvalidRequest otherwise."""
+    return safejson.loads(raw, "the request body")
 
 
 def bearer_header(token: str) -> dict[str, str]:

@@ -34,8 +34,10 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from cgn_core.errors import ConfigError
+from cgn_core.files import read_regular
 
 T = TypeVar("T")
+MAX_SETTINGS_BYTES = 16 << 20  # a settings file larger than this is not one
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -163,7 +165,7 @@ class _Str(str):
 
 def _merge_yaml(cls: type, raw: dict[str, Any], path: Path) -> None:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, MAX_SETTINGS_BYTES).decode("utf-8")
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read settings file: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

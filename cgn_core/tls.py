@@ -14,21 +14,32 @@ from __future__ import annotations
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
 
 from cgn_core.errors import ConfigError
+from cgn_core.files import read_regular
 from cgn_core.settings import TlsSettings
+
+MAX_PEM_BYTES = 1 << 20  # a certificate, key or CA bundle larger than this is not one
 
 
 def _read(path: object, what: str) -> bytes:
+    """A PEM file's bytes; ConfigError unless it is a regular file (a FIFO never hangs us)."""
     try:
-        with open(str(path), "rb") as fh:
-            return fh.read()
+        return read_regular(Path(str(path)), MAX_PEM_BYTES)
     except OSError as exc:
         raise ConfigError(f"cannot read TLS {what} {path}: {exc.strerror}") from None
+
+
+def _regular(*paths: object) -> None:
+    """Before OpenSSL opens these by name: each a regular file, or a ConfigError."""
+    for path in paths:
+        if path is not None:
+            _read(path, "file")
 
 
 def channel_credentials(tls: TlsSettings) -> grpc.ChannelCredentials:
@@ -83,6 +94,7 @@ def server_ssl_context(tls: TlsSettings, *, client_cert: str = "required") -> ss
     """An HTTPS server context; `client_cert` is required, optional (checked per call) or none."""
     if tls.cert_file is None or tls.key_file is None:
         raise ConfigError("HTTPS needs tls.cert_file and tls.key_file")
+    _regular(tls.cert_file, tls.key_file, tls.ca_file if client_cert != "none" else None)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
@@ -98,9 +110,13 @@ def client_ssl_context(tls: TlsSettings) -> ssl.SSLContext:
     """An HTTPS client context trusting `ca_file` and presenting our certificate when set."""
     if tls.ca_file is None:
         raise ConfigError("TLS requested without a CA file (tls.ca_file)")
-    ctx = ssl.create_default_context(cafile=str(tls.ca_file))
-    if tls.cert_file is not None and tls.key_file is not None:
-        ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    _regular(tls.ca_file, tls.cert_file, tls.key_file)
+    try:
+        ctx = ssl.create_default_context(cafile=str(tls.ca_file))
+        if tls.cert_file is not None and tls.key_file is not None:
+            ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS material: {exc}") from None
     return ctx
 
 

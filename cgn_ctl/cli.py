@@ -23,11 +23,13 @@ from cgn_control import store
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app, run
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
+from cgn_core.files import read_regular
 from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
+MAX_CATALOG_FILE_BYTES = 16 << 20  # `models apply -f`: larger is not a catalog
 
 app = make_app(
     "ctl",
@@ -254,7 +256,8 @@ def models_apply(
 ) -> None:
     """Validate and store models; refused as a whole, with the field path, if any is wrong."""
     try:
-        docs = [d for d in yaml.safe_load_all(file.read_text(encoding="utf-8")) if d is not None]
+        text = read_regular(file, MAX_CATALOG_FILE_BYTES).decode("utf-8")
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except OSError as exc:
         fail(f"{file}: {exc.strerror}", EXIT_USAGE)
     except UnicodeDecodeError:

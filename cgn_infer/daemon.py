@@ -419,21 +419,28 @@ def kvcache_client(
 POOL_MEMORY_SHARE = 0.8  # of the memory available at start, at most, for the KV pool
 
 
+BLOCK_BOOKKEEPING_BYTES = 256  # host memory per pool block, whatever holds its KV (~236)
+
+
 def check_pool_fits(settings: InferSettings, backend: Backend, available: int | None) -> None:
     """Refuse a KV pool the host cannot hold: allocating it would end in the OOM killer.
 
-    Only a pool in host memory is checked (a simulated backend allocates none; a GPU's own
-    allocator fails cleanly); `available` is MemAvailable, None where it cannot be read."""
-    if backend.modelled is not None or not settings.device.startswith("cpu") or available is None:
+    A pool in host memory needs its KV bytes; every pool (a GPU's, a simulated one) needs
+    its blocks' bookkeeping in host memory. `available` is MemAvailable, None where it
+    cannot be read (then nothing is checked)."""
+    if available is None:
         return
-    bytes_per_token = backend.kv_bytes_per_token()
-    need = settings.kv_pool_tokens * bytes_per_token
+    in_host = backend.modelled is None and settings.device.startswith("cpu")
+    bytes_per_token = backend.kv_bytes_per_token() if in_host else 0
+    blocks = settings.kv_pool_tokens // BLOCK_SIZE
+    need = settings.kv_pool_tokens * bytes_per_token + blocks * BLOCK_BOOKKEEPING_BYTES
     if need > POOL_MEMORY_SHARE * available:
+        what = f"{bytes_per_token} bytes per token" if in_host else "its blocks' bookkeeping"
         raise ConfigError(
-            f"kv_pool_tokens={settings.kv_pool_tokens} needs {need / 2**30:.1f} GiB of KV cache "
-            f"({bytes_per_token} bytes per token); this host has {available / 2**30:.1f} GiB "
-            f"available and the pool may take {POOL_MEMORY_SHARE:.0%} of it: lower "
-            f"--kv-pool-tokens (or use --kv-dtype bfloat16)"
+            f"kv_pool_tokens={settings.kv_pool_tokens} needs {need / 2**30:.1f} GiB of host "
+            f"memory ({what}); this host has {available / 2**30:.1f} GiB available and the "
+            f"pool may take {POOL_MEMORY_SHARE:.0%} of it: lower --kv-pool-tokens"
+            + (" (or use --kv-dtype bfloat16)" if in_host else "")
         )
 
 

@@ -80,6 +80,8 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
+    # the error is the request's: its grammar hit llguidance's limits (a 400, not a 500)
+    client_fault: bool = False
     exported: Exported | None = None  # export_kv: the prompt's blocks, read before release
 
 
@@ -348,7 +350,7 @@ class Engine:
         if self.tiering is not None and prefill >= 4 * BLOCK_SIZE and not plan.restores:
             self.tiering.observe_prefill(prefill, time.monotonic() - started)
         sampled: dict[SeqId, Sampled] = {}
-        failed: list[tuple[_Active, str]] = []
+        failed: list[tuple[_Active, str, bool]] = []  # (sequence, why, the request's fault)
         for w, row in zip(plan.work, logits, strict=True):
             active = self._active[w.seq.id]
             if not active.counted:
@@ -367,15 +369,19 @@ class Engine:
                         allowed = masks.result()[w.seq.id]
                     s = active.sampler.sample(row, allowed)
                     if constraint is not None and (refused := constraint.advance(s.token)):
-                        raise ValueError(refused)
+                        why = f"the structured output constraint cannot go on: {refused}"
+                        failed.append((active, " ".join(why.split())[:300], True))
+                        if self.grammars is not None:
+                            self.grammars.forget(constraint.key)
+                        continue
                     sampled[w.seq.id] = s
                 except Exception as exc:  # NOTE: this sequence alone fails
                     log.exception("sampling failed for one sequence")
-                    failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}"))
+                    failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}", False))
         if failed:
-            for active, why in failed:
-                self._finish(active, "error", error=why)
-            gone = {a.seq.id for a, _ in failed}
+            for active, why, theirs in failed:
+                self._finish(active, "error", error=why, client_fault=theirs)
+            gone = {a.seq.id for a, _, _ in failed}
             plan = Plan(tuple(w for w in plan.work if w.seq.id not in gone), plan.preempted)
         self.scheduler.update(plan, {sid: s.token for sid, s in sampled.items()})
         now = time.monotonic()
@@ -416,7 +422,13 @@ class Engine:
         elif len(seq.output) >= seq.max_tokens:
             self._finish(active, "length")
 
-    def _finish(self, active: _Active, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self,
+        active: _Active,
+        reason: FinishReason,
+        error: str | None = None,
+        client_fault: bool = False,
+    ) -> None:
         seq, m = active.seq, self.metrics
         del self._active[seq.id]
         m.e2e.observe(time.monotonic() - active.job.enqueued)
@@ -433,6 +445,7 @@ class Engine:
                 len(seq.output),
                 seq.cached_tokens,
                 error=error,
+                client_fault=client_fault,
                 exported=exported,
             )
         )

@@ -39,6 +39,7 @@ from typing import Any
 import llguidance as llg
 import numpy as np
 
+from cgn_core import safejson
 from cgn_core.errors import InvalidRequest
 from cgn_core.openai.tools import ToolFields
 from cgn_core.text.tokenizer import GGUFTokenizer
@@ -134,10 +135,7 @@ def _structured_outputs(body: Mapping[str, Any]) -> GrammarSpec | None:
     origin = f"structured_outputs.{key}"
     if key == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise InvalidRequest(f"'{origin}' is not valid JSON", param=origin) from None
+            value = safejson.loads(value, f"'{origin}'", param=origin)
         return _json(value, origin)
     if key == "json_object":
         return _json({"type": "object"}, origin)
@@ -155,9 +153,28 @@ def _structured_outputs(body: Mapping[str, Any]) -> GrammarSpec | None:
         )
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"'{origin}' must be a non-empty string", param=origin)
+    _bounded(value, origin)
     if key == "regex":
         return GrammarSpec(llg.LLMatcher.grammar_from_regex(value), origin)
     return GrammarSpec(llg.LLMatcher.grammar_from_lark(value), origin)
+
+
+MAX_GRAMMAR_CHARS = 64 << 10  # a regex or Lark grammar; compiling 1 MB took 12-19 s of CPU
+MAX_REPEAT = 10_000  # a{n}, a{n,m} and Lark's `item ~ n` / `item ~ n..m`
+_COUNTS = re.compile(r"\{(\d+)(?:,(\d*))?\}|~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
+
+
+def _bounded(text: str, origin: str) -> None:
+    """Refuse, before any compiling, a grammar too long or a repetition too large to build
+    (a{1000000} compiles, then fails at the first token): a 400 naming the limit."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        why = f"'{origin}' is longer than {MAX_GRAMMAR_CHARS} characters ({len(text)})"
+        raise InvalidRequest(why, param=origin)
+    for match in _COUNTS.finditer(text):
+        counts = [int(g[:9]) if len(g) < 10 else MAX_REPEAT + 1 for g in match.groups() if g]
+        if max(counts, default=0) > MAX_REPEAT:
+            why = f"'{origin}' repeats something more than {MAX_REPEAT} times ({match[0][:40]})"
+            raise InvalidRequest(why, param=origin)
 
 
 def tool_call_grammar(tools: ToolFields) -> GrammarSpec | None:
@@ -192,10 +209,11 @@ def tool_call_grammar(tools: ToolFields) -> GrammarSpec | None:
 class Constraint:
     """One sequence's grammar state: masks from it, sampled tokens into it."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("key", "matcher")
 
-    def __init__(self, matcher: llg.LLMatcher):
+    def __init__(self, matcher: llg.LLMatcher, key: str = ""):
         self.matcher = matcher
+        self.key = key  # its grammar's, in the compile cache
 
     def advance(self, token: int) -> str | None:
         """Take the sampled token; an error message if the grammar refused it."""
@@ -276,7 +294,7 @@ class Grammars:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return Constraint(hit.deep_copy())
+                return Constraint(hit.deep_copy(), key)
         started = time.perf_counter()
         # NOTE: the matcher reports what validate_grammar would (unimplemented keywords, bad
         # regexes, dangling $refs) in its error state: one compile, not two
@@ -295,7 +313,14 @@ class Grammars:
             self._cache[key] = compiled
             while len(self._cache) > self.cache_entries:
                 self._cache.popitem(last=False)
-        return Constraint(compiled.deep_copy())
+        return Constraint(compiled.deep_copy(), key)
+
+    def forget(self, key: str) -> None:
+        """Drop a compiled grammar that failed while followed (llguidance's lexer limits are
+        met lazily, and the copies share what was built): the next request compiles it
+        afresh and fails the same way, instead of inheriting a broken lexer."""
+        with self._lock:
+            self._cache.pop(key, None)
 
     def fill(self, constraints: Sequence[Constraint]) -> np.ndarray:
         """The allowed-token bitmasks of `constraints`, one int32 row of `words` each."""

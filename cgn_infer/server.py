@@ -26,6 +26,7 @@ from cgn_core.errors import (
     InvalidRequest,
     NotFound,
     Unavailable,
+    openai_error_body,
 )
 from cgn_core.http import (
     PRIORITY_HEADER,
@@ -282,6 +283,8 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         async for ev in svc.generate(gen, restored):
             if isinstance(ev, TokenEvent):
                 build.add(ev)
+            elif ev.reason == "error" and ev.client_fault:
+                raise InvalidRequest(str(ev.error), code="constraint_failed")
             elif ev.reason == "error":
                 raise InternalError(f"generation failed: {ev.error}")
             else:
@@ -306,17 +309,12 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
                 await _send(resp, chunk)
             continue
         if ev.reason == "error":
-            await _send(
-                resp,
-                {
-                    "error": {
-                        "message": f"generation failed: {ev.error}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
+            err = (
+                InvalidRequest(str(ev.error), code="constraint_failed")
+                if ev.client_fault
+                else InternalError(f"generation failed: {ev.error}")
             )
+            await _send(resp, openai_error_body(err))
         else:
             for chunk in build.finish_chunks(ev):
                 await _send(resp, chunk)

@@ -160,6 +160,8 @@ class InferSettings:
             "kv_pool_tokens": 16,
             "ctx": 2,
             "aging_steps": 0,
+            "threads": 0,
+            "decode_threads": 0,
         }
         for key, low in least.items():
             if getattr(self, key) < low:

@@ -66,3 +66,57 @@ def test_config_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     assert res.returncode == EXIT_USAGE and "cannot read settings file" in res.stderr
     res = run(exe("router"), "config", "--set", "novalue")
     assert res.returncode == EXIT_USAGE and "--set expects KEY=VALUE" in res.stderr
+
+
+def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
+    tmp_path: Path,
+) -> None:
+    """Every path a service reads from its command line or settings: opened non-blocking and
+    checked to be a regular file before any read, so nothing hangs on a FIFO or reads
+    /dev/zero forever (each run here has 60 s; they answer at once)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = [
+        ([exe("router"), "config", "-c", str(fifo)], "not a regular file"),
+        ([exe("kvcached"), "config", "-c", "/dev/zero"], "not a regular file"),
+        ([exe("agent"), "config", "-c", str(tmp_path)], "not a regular file (a directory)"),
+        ([exe("ctl"), "models", "apply", "-f", "/dev/zero"], "not a regular file"),
+        ([exe("ctl"), "models", "apply", "-f", str(fifo)], "not a regular file"),
+        ([exe("infer"), "serve", "--model", str(fifo), "--port", "0"], "not a regular file"),
+        (
+            [
+                exe("kvcached"),
+                "serve",
+                "--port",
+                "0",
+                "--admin-port",
+                "0",
+                "--set",
+                f"secret_file={fifo}",
+            ],
+            "secret_file",
+        ),  # fmt: skip
+        (
+            [
+                exe("kvcached"),
+                "serve",
+                "--port",
+                "0",
+                "--admin-port",
+                "0",
+                "--set",
+                f"tls.ca_file={fifo}",
+                "--set",
+                f"tls.cert_file={fifo}",
+                "--set",
+                f"tls.key_file={fifo}",
+            ],
+            "not a regular file",
+        ),  # fmt: skip
+    ]
+    for argv, fragment in cases:
+        res = run(*argv)
+        assert res.returncode != 0, argv
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
+        assert "Traceback" not in res.stderr, argv

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from harness.procs import Router, cgn_infer, cgn_router
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
+NESTED = "[" * 5000 + "]" * 5000  # a JSON text json.loads would recurse on
 TIMEOUT = httpx.Timeout(60.0)
 
 
@@ -43,8 +44,13 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Router
         yield engine, router
 
 
+# NOTE: hostile leaves too: 400-digit integers (float() of one overflows), NaN and Infinity
+# (Python's json reads them), a lone surrogate, NUL, a direction override, a long string
+HOSTILE = st.sampled_from(
+    [10**400, -(10**400), float("nan"), float("inf"), "\ud800", "\x00", "\u202e", "x" * 100_000]
+)
 ANY = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | HOSTILE,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                 max_size=3),
     max_leaves=8,
@@ -109,15 +115,6 @@ def test_fuzzed_bodies_get_200_or_4xx_json(edge: tuple[str, Router], body: dict[
         check(httpx.post(base + "/v1/chat/completions", content=raw, timeout=TIMEOUT))
 
 
-def test_both_still_serve_after_the_fuzz(edge: tuple[str, Router]) -> None:
-    engine, router = edge
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    for base in (router.url, engine):
-        resp = httpx.post(base + "/v1/chat/completions", json=body, timeout=TIMEOUT)
-        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
-    assert httpx.get(engine + "/health").json() == {"status": "ok"}
-
-
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -126,6 +123,35 @@ def test_both_still_serve_after_the_fuzz(edge: tuple[str, Router]) -> None:
         ({"seed": -1}, None),
         ({"temperature": 1e-300}, None),
         ({"seed": 1 << 64}, "'seed' must be at most"),
+        ({"temperature": 10**400}, "'temperature' must be between"),  # no OverflowError
+        ({"top_p": -(10**400)}, "'top_p' must be between"),
+        ({"top_p": 0}, None),  # OpenAI's meaning: the most likely token
+        ({"structured_outputs": {"json": NESTED}}, "nests deeper than 400"),
+        ({"structured_outputs": {"regex": "a{1000000}"}}, "more than 10000 times"),
+        ({"structured_outputs": {"grammar": "start: " + '"x" ' * 20000}}, "longer than 65536"),
+        # fine per count, too big once built: llguidance fails at the first token, a 400
+        ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "constraint cannot go on"),
+        ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "constraint cannot go on"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": NESTED},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c", "content": "x"},
+                ]
+            },
+            "arguments nests deeper than 400",
+        ),
     ],
 )
 def test_router_and_engine_agree(
@@ -139,6 +165,15 @@ def test_router_and_engine_agree(
     assert [a.status_code for a in answers] == [200, 200] if fragment is None else [400, 400]
     if fragment is not None:
         assert all(fragment in a.json()["error"]["message"] for a in answers)
+
+
+def test_both_still_serve_after_the_fuzz(edge: tuple[str, Router]) -> None:
+    engine, router = edge
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for base in (router.url, engine):
+        resp = httpx.post(base + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(engine + "/health").json() == {"status": "ok"}
 
 
 # ---- chaos: slow and idle clients and a big prompt while streams run ------------------------

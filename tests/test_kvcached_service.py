@@ -309,3 +309,26 @@ def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
                 assert apply_tiers(tiers, "n1", msg, first)
                 first, n = first and not msg.HasField("snapshot"), n + 1
         assert want.count(ev.KV_TIER_SSD) >= 10 and n > 20
+
+
+def test_the_shm_dir_is_never_taken_through_a_link_or_from_another_user(tmp_path: Path) -> None:
+    """/dev/shm is sticky and world-writable: whoever creates the name first owns it. A link
+    planted there is not followed (its target keeps its mode), a directory of another user
+    is not used, and our own is made 0700 whatever its mode was."""
+    from cgn_kvcached.daemon import prepare_shm_dir
+
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    assert prepare_shm_dir(link) is None
+    assert victim.stat().st_mode & 0o777 == 0o755
+    ours = tmp_path / "ours"
+    assert prepare_shm_dir(ours) == ours and ours.stat().st_mode & 0o777 == 0o700
+    ours.chmod(0o777)
+    assert prepare_shm_dir(ours) == ours and ours.stat().st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:  # only root can give a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        assert prepare_shm_dir(theirs) is None

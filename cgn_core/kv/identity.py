@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgn_core.errors import ConfigError
+from cgn_core.files import open_regular
 
 SECRET_BYTES = 32
 AUTH_HEADER = "authorization"
@@ -74,13 +75,10 @@ def read_secret(path: Path) -> bytes:
     """The node secret in `path` (64 hex digits). ConfigError unless it is a regular file
     owned by this user that no one else can read or write; links are not followed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_regular(path, follow_links=False)
     except OSError as exc:
         raise ConfigError(f"secret_file {path}: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"secret_file {path}: not a regular file")
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(
                 f"secret_file {path}: must be owned by this user with mode 0600 "

@@ -28,13 +28,13 @@ import hmac
 import logging
 import os
 import secrets
-import stat
 import struct
 from collections import OrderedDict
 from pathlib import Path
 
 from blake3 import blake3
 
+from cgn_core.files import open_regular
 from cgn_core.kv.layout import BlockKey, LayoutError
 
 log = logging.getLogger(__name__)
@@ -199,19 +199,8 @@ def _header_fits(head: bytes, file_size: int) -> bool:
     return bool(magic == MAGIC and HEADER.size + length == file_size)
 
 
-def _open_regular(path: Path) -> tuple[int, os.stat_result]:
-    """A block file opened for reading: not through a link, never blocking (a FIFO planted
-    under a block's name), and only a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file")
-    return fd, st
-
-
 def _read_head(path: Path) -> tuple[bytes, os.stat_result]:
-    fd, st = _open_regular(path)
+    fd, st = open_regular(path, follow_links=False)  # NOTE: a FIFO planted here never blocks
     try:
         return os.pread(fd, HEADER.size, 0), st
     finally:
@@ -220,7 +209,7 @@ def _read_head(path: Path) -> tuple[bytes, os.stat_result]:
 
 def _read_regular(path: Path, size: int) -> bytes:
     """A block file's bytes: exactly the `size` its index entry says, or OSError."""
-    fd, st = _open_regular(path)
+    fd, st = open_regular(path, follow_links=False)
     try:
         if st.st_size != size:
             raise OSError(errno.EINVAL, f"size {st.st_size}, expected {size}")

@@ -138,7 +138,7 @@ def sampling_fields(kind: str, body: Mapping[str, Any]) -> SamplingFields:
         include_usage=include_usage,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: the most likely token, as OpenAI
         top_k=int(_number(body, "top_k", 0, -1, 1 << 20)),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
@@ -205,10 +205,14 @@ def _get(
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = float(_get(body, name, (int, float), default))
-    if not lo <= value <= hi:  # NOTE: also refuses NaN, which compares false
-        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
-    return value
+    value = _get(body, name, (int, float), default)
+    # NOTE: compared before float(): a 400-digit integer would raise OverflowError; NaN
+    # compares false, so it is refused too
+    if not lo <= value <= hi:
+        raise InvalidRequest(
+            f"'{name}' must be between {lo} and {hi}, got {str(value)[:40]}", param=name
+        )
+    return float(value)
 
 
 def _int(

@@ -13,12 +13,12 @@ Hermes') write it with `tojson`, so it is parsed into its object first (as vLLM 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cgn_core import safejson
 from cgn_core.errors import InvalidRequest
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -148,11 +148,6 @@ def history_message(msg: dict[str, Any], where: str) -> dict[str, Any]:
             raise InvalidRequest(f"{at} must name a function", param=at)
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except ValueError:
-                raise InvalidRequest(
-                    f"{at}.function.arguments is not valid JSON", param=at
-                ) from None
+            args = safejson.loads(args or "{}", f"{at}.function.arguments", param=at)
         out.append({**call, "function": {"name": fn["name"], "arguments": args}})
     return {**msg, "tool_calls": out}

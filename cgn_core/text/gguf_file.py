@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from cgn_core.errors import InvalidRequest
+from cgn_core.files import open_regular
 
 GGUF_MAGIC = b"GGUF"
 
@@ -87,7 +89,8 @@ class GGUFFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._fh = path.open("rb")
+            fd, _ = open_regular(path)  # NOTE: a FIFO or a device is refused, never waited on
+            self._fh = os.fdopen(fd, "rb")
         except OSError as exc:
             raise GGUFError(f"cannot open model file {path}: {exc.strerror}") from None
         try:

@@ -133,7 +133,7 @@ def items_to_rows(items: Sequence[BatchItem]) -> list[pb.Row]:
     return [pb.Row(n_tokens=len(i.tokens), start=i.start, table=list(i.table)) for i in items]
 
 
-_RANGE = re.compile(r"(\d+):(\d+)")
+_RANGE = re.compile(r"(\d{1,9}):(\d{1,9})")  # bounded: linear even under search
 
 
 def parse_layers(text: str) -> tuple[int, int]:
