@@ -95,7 +95,7 @@ def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
                 f"secret_file={fifo}",
             ],
             "secret_file",
-        ),  # fmt: skip
+        ),
         (
             [
                 exe("kvcached"),
@@ -112,7 +112,7 @@ def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
                 f"tls.key_file={fifo}",
             ],
             "not a regular file",
-        ),  # fmt: skip
+        ),
     ]
     for argv, fragment in cases:
         res = run(*argv)
