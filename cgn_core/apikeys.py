@@ -100,6 +100,10 @@ def matches(record: KeyRecord, key: str) -> bool:
     return hmac.compare_digest(record.hash, key_hash(key))
 
 
+MAX_LIMIT = 1 << 53  # what records.number reads back exactly
+MAX_EXPIRES_IN_S = 10 * 365 * 86400
+
+
 def create(
     tenant: str,
     band: str,
@@ -120,8 +124,13 @@ def create(
         ("tokens_per_min", limits.tokens_per_min),
         ("concurrent", limits.concurrent),
     ):
-        if value is not None and value <= 0:
-            raise ApiKeyError(f"limit {name} must be positive, got {value}")
+        if value is not None and not 0 < value <= MAX_LIMIT:  # NOTE: NaN fails this too
+            raise ApiKeyError(f"limit {name} must be positive (at most {MAX_LIMIT}), got {value}")
+    if expires_in_s is not None and not 0 < expires_in_s <= MAX_EXPIRES_IN_S:
+        raise ApiKeyError(
+            f"expires in must be a positive number of seconds (at most {MAX_EXPIRES_IN_S}, "
+            f"ten years), got {expires_in_s}"
+        )
     kid, key = new_key()
     now = time.time()
     record = KeyRecord(

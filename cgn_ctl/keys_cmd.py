@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cgn_core import keys
-from cgn_core.apikeys import Limits, create, parse_record
+from cgn_core.apikeys import ApiKeyError, Limits, create, parse_record
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
@@ -60,7 +60,7 @@ def create_cmd(
             EXIT_USAGE,
         )
 
-    async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
+    try:  # NOTE: checked before etcd is reached: a mistake costs no connection
         key, record = create(
             tenant,
             band,
@@ -70,10 +70,14 @@ def create_cmd(
             expires_in_s=expires_in,
             note=note,
         )
-        await c.put_json(keys.API_KEYS + record.id, record.to_json())
-        return key, record.to_json()
+    except ApiKeyError as exc:
+        fail(str(exc), EXIT_USAGE)
 
-    key, doc = with_etcd(etcd, config, work)
+    async def work(c: EtcdClient) -> dict[str, Any]:
+        await c.put_json(keys.API_KEYS + record.id, record.to_json())
+        return record.to_json()
+
+    doc = with_etcd(etcd, config, work)
     _show_new(key, doc, as_json)
 
 

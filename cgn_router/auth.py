@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cgn_core.apikeys import KeyRecord, key_id, matches
@@ -66,6 +67,14 @@ class KeyStore:
 def authorize(p: Principal, model: str) -> None:
     if p.record is not None and not p.record.allows(model):
         raise Forbidden(f"this API key may not use model '{model}'", code="model_not_allowed")
+
+
+def visible(p: Principal, models: Mapping[str, str]) -> dict[str, str]:
+    """The names (aliases too, with the model each means) a key may use: a key scoped to
+    some models learns nothing of the others, in /v1/models or in a 404."""
+    if p.record is None:
+        return dict(models)
+    return {name: m for name, m in models.items() if p.record.allows(m)}  # as `authorize`
 
 
 def authorize_admin(p: Principal) -> None:
@@ -148,11 +157,22 @@ class Limiter:
             u.tokens.level -= prompt_tokens
         u.in_flight += 1
 
-    def charge(self, p: Principal, tokens: int) -> None:
-        """Correct the prompt estimate `acquire` charged by `tokens` (negative: refund)."""
+    def settle(self, p: Principal, estimate: int, exact: int, now: float | None = None) -> None:
+        """Replace the prompt estimate `acquire` charged with the exact count. RateLimited
+        (the estimate refunded) when the exact count would not have been admitted: an
+        over-budget prompt is refused before it is forwarded, not after."""
         u = self.usage.get(p.key_id) if p.record is not None else None
-        if u is not None and u.tokens:
-            u.tokens.level = min(u.tokens.capacity, u.tokens.level - tokens)
+        if u is None or not u.tokens:
+            return
+        bucket = u.tokens
+        before = bucket.level + estimate  # what the key held when this request came
+        if exact > estimate and before < min(exact, bucket.capacity):
+            bucket.level = min(bucket.capacity, before)
+            bucket.refill(time.monotonic() if now is None else now)
+            wait = bucket.wait_for(min(exact, bucket.capacity))
+            why = f"the key's tokens per minute limit is reached ({exact} prompt tokens)"
+            raise RateLimited(why, code="rate_limit", retry_after_s=max(1, math.ceil(wait)))
+        bucket.level = min(bucket.capacity, before - exact)
 
     def release(self, p: Principal, completion_tokens: int = 0) -> None:
         u = self.usage.get(p.key_id) if p.record is not None else None

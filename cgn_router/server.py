@@ -40,7 +40,7 @@ from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_core.openai.request import sampling_fields
 from cgn_router.attempt import Attempt
-from cgn_router.auth import Principal, authorize
+from cgn_router.auth import Principal, authorize, visible
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
@@ -78,7 +78,7 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
     started = time.monotonic()
     who = svc.principal(request)  # 401 before anything else is read
     raw = await read_body(request, svc.settings.http.body_timeout_s)
-    body, model, stream = _parse(svc, kind, raw)
+    body, model, stream = _parse(svc, kind, raw, who)
     authorize(who, model)
     estimate = len(raw) // CHARS_PER_TOKEN
     try:
@@ -90,7 +90,11 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
     try:
         prompt = await _hash_off_loop(svc, kind, model, body, len(raw))
         if prompt.tokens:
-            svc.limiter.charge(who, prompt.tokens - estimate)
+            try:
+                svc.limiter.settle(who, estimate, prompt.tokens)
+            except RateLimited:
+                svc.metrics.admission_rejections.labels(who.band, "rate_limited").inc()
+                raise
         waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
         try:
             admitted = (who, started, waited)
@@ -105,8 +109,11 @@ async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web
         svc.limiter.release(who, completion)
 
 
-def _parse(svc: RouterService, kind: str, raw: bytes) -> tuple[dict[str, Any], str, bool]:
-    """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong."""
+def _parse(
+    svc: RouterService, kind: str, raw: bytes, who: Principal
+) -> tuple[dict[str, Any], str, bool]:
+    """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong
+    (the 404 names only the models `who` may use)."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -119,7 +126,7 @@ def _parse(svc: RouterService, kind: str, raw: bytes) -> tuple[dict[str, Any], s
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
     if model is None:
-        known = ", ".join(sorted(svc.known_models())) or "none"
+        known = ", ".join(sorted(visible(who, svc.known_models()))) or "none"
         raise NotFound(
             f"model '{asked}' does not exist (known: {known})",
             code="model_not_found",
@@ -328,7 +335,7 @@ def _hash(svc: RouterService, kind: str, model: str, body: Mapping[str, Any]) ->
 
 
 async def _models(svc: RouterService, request: web.Request) -> web.Response:
-    svc.principal(request)  # listing models needs a key too, as on OpenAI's API
+    who = svc.principal(request)  # listing models needs a key too, as on OpenAI's API
     data = [
         {
             "id": name,
@@ -337,6 +344,6 @@ async def _models(svc: RouterService, request: web.Request) -> web.Response:
             "owned_by": "cognitora",
             "root": model,
         }
-        for name, model in sorted(svc.known_models().items())
+        for name, model in sorted(visible(who, svc.known_models()).items())
     ]
     return web.json_response({"object": "list", "data": data})

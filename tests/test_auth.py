@@ -92,6 +92,14 @@ def test_keys_scopes_and_revocation(cluster: tuple[LocalEtcd, Router]) -> None:
     assert call(router, "not-a-key")[0] == 401
     status, _, err = call(router, key, model="other")
     assert status == 403 and err["error"]["message"] == "this API key may not use model 'other'"
+    # a scoped key learns nothing of the other models: not from /v1/models, not from a 404
+    req = urllib.request.Request(
+        router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert [m["id"] for m in json.load(resp)["data"]] == ["sim"]
+    status, _, err = call(router, key, model="nope")
+    assert status == 404 and err["error"]["message"] == "model 'nope' does not exist (known: sim)"
     listed = ctl(etcd, "list")
     assert [k["id"] for k in listed] == [created["id"]] and "hash" not in listed[0]
     ctl(etcd, "revoke", created["id"])
@@ -151,3 +159,29 @@ def test_management_paths_need_an_admin_key(cluster: tuple[LocalEtcd, Router]) -
         assert status == 403 and err["error"]["code"] == "admin_required", path
         assert admin(path, operator)[0] == 200, path
     assert "endpoints" in admin("/endpoints", operator)[1]
+
+
+def test_an_over_budget_prompt_is_refused_before_it_is_forwarded() -> None:
+    """The limiter charges an estimate (bytes / 4) before tokenizing; the exact count then
+    either fits what the key held when the request came, or the request is a 429 and the
+    estimate is refunded (nothing forwarded, nothing charged)."""
+    from cgn_core.apikeys import Limits, create
+    from cgn_core.errors import RateLimited
+    from cgn_router.auth import Limiter, Principal
+
+    _, record = create("t", "gold", limits=Limits(tokens_per_min=1000))
+    who, limiter, t = Principal(record.id, "t", "gold", record), Limiter(), 100.0
+    limiter.acquire(who, 100, now=t)
+    limiter.settle(who, 100, 900, now=t)  # fits: 1000 were held
+    limiter.release(who)
+    bucket = limiter.usage[record.id].tokens
+    assert bucket is not None and bucket.level == pytest.approx(100)
+    limiter.acquire(who, 50, now=t)  # the estimate fits what is left ...
+    with pytest.raises(RateLimited) as refused:  # ... the exact count does not
+        limiter.settle(who, 50, 600, now=t)
+    assert refused.value.retry_after_s >= 30  # 500 tokens at 1000 per minute
+    limiter.release(who)
+    assert bucket.level == pytest.approx(100)  # the estimate refunded, nothing charged
+    limiter.acquire(who, 50, now=t)
+    limiter.settle(who, 50, 20, now=t)  # an overestimate is refunded
+    assert bucket.level == pytest.approx(80)

@@ -120,3 +120,24 @@ def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
         errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
         assert "Traceback" not in res.stderr, argv
+
+
+def test_out_of_range_numbers_on_command_lines_are_one_line_errors() -> None:
+    """Caught before anything starts or any connection is made (no etcd at 127.0.0.1:1)."""
+    from cgn_core.bundled_models import smollm2
+
+    key = [exe("ctl"), "keys", "create", "--tenant", "t", "--band", "gold", "--etcd", "127.0.0.1:1"]
+    sim = [exe("infer"), "serve", "--backend", "sim", "--model", str(smollm2()), "--port", "0"]
+    cases = [
+        ([*key, "--expires-in", "-5"], "expires in must be a positive number"),
+        ([*key, "--expires-in", "nan"], "expires in must be a positive number"),
+        ([*key, "--rps", "-1"], "limit rps must be positive"),
+        ([*sim, "--threads", "-1"], "threads must be at least 0"),
+        # a simulated pool holds no KV, but its blocks' bookkeeping is host memory too
+        ([*sim, "--kv-pool-tokens", str(10**12)], "needs 14901.2 GiB of host memory"),
+    ]
+    for argv, fragment in cases:
+        res = run(*argv)
+        assert res.returncode != 0, argv
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
