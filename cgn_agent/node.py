@@ -12,6 +12,7 @@ engines serving.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +30,7 @@ from cgn_agent.runner import ReplicaRunner, RunnerContext
 from cgn_agent.spec import ReplicaSpec
 from cgn_core import engine_args, keys
 from cgn_core.engine_args import ArgsRefused
+from cgn_core.kv import shm
 from cgn_core.settings import TlsSettings
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,9 @@ class NodeAgent:
     # ---- startup ---------------------------------------------------------------------
 
     async def adopt_orphans(self) -> list[str]:
-        """Runners for the engines a previous agent left running; returns the adopted replicas."""
+        """Runners for the engines a previous agent left running; returns the adopted replicas.
+        KV transfer directories of engines that are gone (killed with the last agent) go."""
+        await asyncio.to_thread(shm.reclaim)
         adopted: list[str] = []
         for rec in self.ctx.store.load_all():
             replica = rec.spec.replica

@@ -24,6 +24,7 @@ from cgn_agent.publisher import Publisher
 from cgn_agent.spec import ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_core import keys
+from cgn_core.kv import shm
 from cgn_core.kv.blockhash import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,10 @@ class ReplicaRunner:
         if self.proc is not None:
             exited, code = self.proc.poll()
             if exited:
-                self.proc = None
+                pid, self.proc = self.proc.pid, None
+                # NOTE: an engine killed with SIGKILL leaves its KV transfer directory in
+                # /dev/shm (memory); it is gone now, so is the directory
+                await asyncio.to_thread(shm.reclaim, pid)
                 await self.observe(sv.Exited(now, code, self.ctx.rand()))
         s = self.state
         if (

@@ -41,15 +41,14 @@ import collections
 import contextlib
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
+from cgn_core.kv import shm
 from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, iter_block_hashes
 from cgn_core.kv.client import KvCacheClient, KvCacheError
 from cgn_core.kv.layout import Layout
@@ -67,7 +66,6 @@ from cgn_infer.settings import TransferSettings
 log = logging.getLogger(__name__)
 SWEEP_S = 1.0  # how often expired leases are dropped
 MAX_CLIENTS = 64  # source addresses a decode engine keeps a channel to
-SHM_ROOT = Path("/dev/shm")
 
 
 class TransferSource:
@@ -86,7 +84,7 @@ class TransferSource:
     async def start(self) -> int:
         s = self.settings
         if s.shared_memory:
-            self.service.shm_dir = await asyncio.to_thread(_private_shm_dir)
+            self.service.shm_dir = await asyncio.to_thread(shm.make_private)
         self._server, self.port = await start_server(self.service, s.host, s.port, self.tls)
         self._sweeper = asyncio.create_task(self._sweep_forever())
         return self.port
@@ -145,17 +143,6 @@ class TransferSource:
                 await self.sweep(time.monotonic())
             except Exception:  # NOTE: the sweeper must outlive one bad round
                 log.exception("dropping expired transfer blocks failed")
-
-
-def _private_shm_dir() -> Path | None:
-    """A fresh directory in /dev/shm only this user can use (mkdtemp: 0700); None: no tmpfs."""
-    if not SHM_ROOT.is_dir():
-        return None
-    try:
-        return Path(tempfile.mkdtemp(prefix="cgn-kv-transfer-", dir=SHM_ROOT))
-    except OSError as exc:
-        log.warning("KV transfer over shared memory off: %s", exc)
-        return None
 
 
 @dataclass(frozen=True, slots=True)

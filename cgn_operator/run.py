@@ -12,6 +12,7 @@ import yaml
 
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_operator.handlers import build
+from cgn_operator.kube import tls_context
 from cgn_operator.lease import Lease
 from cgn_operator.state import State
 
@@ -35,6 +36,8 @@ def login() -> kopf.ConnectionInfo:
             "no Kubernetes credentials: not in a pod and no kubeconfig "
             "(--kubeconfig, $KUBECONFIG or ~/.kube/config)"
         )
+    if info.server.startswith("https"):
+        tls_context(info)  # NOTE: now, as one line: kopf's own client would fail with a traceback
     return info
 
 

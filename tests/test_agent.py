@@ -229,6 +229,10 @@ async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
         await eventually(lambda: _absent(c, status_key("r-vllm")), "r-vllm status removed")
 
 
+def _transfer_dirs(pid: int) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"cgn-kv-transfer-{pid}-*"))
+
+
 async def _absent(c: EtcdClient, key: str) -> bool:
     return await c.get(key) is None
 
@@ -238,6 +242,8 @@ async def test_killed_engine_is_withdrawn_then_restarted_with_backoff(fleet: Fle
         before = (await ready(c, "smol-infer", INFER))["status"]
         key = endpoint_key("smol-infer", INFER)
         rev = await c.revision()
+        shm = await asyncio.to_thread(_transfer_dirs, before["pid"])
+        assert shm, "the engine's KV transfer directory"  # every non-decode engine has one
         os.killpg(before["pid"], signal.SIGKILL)
         withdrawn = False
         async with asyncio.timeout(15):
@@ -249,6 +255,7 @@ async def test_killed_engine_is_withdrawn_then_restarted_with_backoff(fleet: Fle
         after = await ready(c, "smol-infer", INFER)
         assert after["status"]["pid"] != before["pid"]
         assert after["status"]["restarts"] == before["restarts"] + 1
+        assert not await asyncio.to_thread(_transfer_dirs, before["pid"])  # reclaimed
         await asyncio.to_thread(
             chat, after["endpoint"]["url"], "smol-infer", after["endpoint"]["api_token"]
         )

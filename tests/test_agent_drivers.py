@@ -479,3 +479,32 @@ def test_a_store_left_running_by_a_killed_agent_is_stopped_before_the_next(tmp_p
         stop_group(second, grace_s=5)
     third = _spawn(["sleep", "60"], dict(os.environ), ready, log)  # the second is gone: no-op
     stop_group(third, grace_s=5)
+
+
+def test_kv_transfer_directories_of_gone_engines_are_reclaimed(tmp_path: Path) -> None:
+    """Named after their engine's pid: the agent removes those of an engine it saw exit, and
+    at start those of every pid that is gone; never a live engine's, another user's, or
+    anything through a link."""
+    import os
+    import subprocess
+
+    from cgn_core.kv import shm
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"cgn-kv-transfer-{gone.pid}-abc"
+    live = shm.make_private(tmp_path)
+    assert live is not None and live.name.startswith(f"cgn-kv-transfer-{os.getpid()}-")
+    for d in (dead, tmp_path / "elsewhere"):
+        d.mkdir()
+        (d / "c1-x.kv").write_bytes(b"kv")
+    (tmp_path / f"cgn-kv-transfer-{gone.pid}-link").symlink_to(tmp_path / "elsewhere")
+    theirs = tmp_path / f"cgn-kv-transfer-{gone.pid}-theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    removed = shm.reclaim(root=tmp_path)
+    assert dead in removed and not dead.exists()
+    assert theirs.exists() or os.geteuid() != 0  # as root it was given away: kept
+    assert live.is_dir() and (tmp_path / "elsewhere" / "c1-x.kv").exists()
+    assert shm.reclaim(os.getpid(), root=tmp_path) == [live]  # this "engine" exited

@@ -228,3 +228,63 @@ def test_dashboard_renders_in_chromium_served_and_from_disk(
         shot.write_bytes(page.png)
         if SCREENSHOTS:
             shutil.copy(shot, Path(SCREENSHOTS) / shot.name)
+
+
+PAYLOAD = '<img src=x onerror="document.body.dataset.pwned=1">'
+
+
+def _hostile(value: Any) -> Any:
+    """The same shape with every leaf (text or number) replaced by markup that runs script."""
+    if isinstance(value, dict):
+        return {k: _hostile(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hostile(v) for v in value]
+    return PAYLOAD
+
+
+def test_the_dashboard_shows_a_hostile_api_as_text(stack: dict[str, Any], tmp_path: Path) -> None:
+    """Opened with ?api= pointing anywhere: every field the page draws is escaped text, a
+    number only when it is a finite number, a list only when it is one; the page renders
+    (no exception, no console error) and no markup from the answer runs."""
+    import http.server
+    import threading
+
+    if browser.chromium() is None:
+        why = "chromium is not installed (Debian: apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    url = stack["url"]
+    until("a measured view", lambda: fleet(url).get("totals"), timeout_s=30)
+    view = {**_hostile(fleet(url)), "rounds": 5, "models": PAYLOAD}
+    history = _hostile(httpx.get(url + "/api/v1/history?prefix=fleet:", timeout=10).json())
+    answers = {"/api/v1/fleet": view, "/api/v1/history": history}
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(answers.get(self.path.split("?")[0], {})).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Access-Control-Allow-Origin", "*")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        copy = tmp_path / "dashboard.html"
+        copy.write_text(dashboard_html())
+        api = f"http://127.0.0.1:{server.server_address[1]}"
+        page = browser.open_page(
+            f"file://{copy}?api={api}", "document.body.dataset.rendered === '5'"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert page.errors == [], browser.as_json(page)
+    assert "data-pwned" not in page.dom and '<img src="x"' not in page.dom  # never ran
+    assert "&lt;img src=x" in page.dom  # shown, as text

@@ -57,13 +57,19 @@ def test_manifests_command_prints_what_kubectl_takes(tmp_path: Path) -> None:
         [exe, "run", "--kubeconfig", "/nonexistent"], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "/nonexistent" in res.stderr
-    for text in ("x: [\n", "clusters: 3\n"):
+    bad_pem = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+               "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:1",
+                                                     "certificate-authority-data": "!!notbase64"}}],
+               "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+               "users": [{"name": "u", "user": {"token": "t"}}]}  # fmt: skip
+    for text in ("x: [\n", "clusters: 3\n", yaml.safe_dump(bad_pem)):
         bad = tmp_path / "kubeconfig"
         bad.write_text(text)
         res = subprocess.run([exe, "run", "--kubeconfig", bad], capture_output=True, text=True,
                              timeout=60)  # fmt: skip
         assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
-        assert "not a usable kubeconfig" in res.stderr and "Traceback" not in res.stderr
+        assert "Traceback" not in res.stderr
+        assert "not a usable kubeconfig" in res.stderr or "TLS material" in res.stderr
 
 
 # ---- the operator loop: kopf against kmock, a real etcd --------------------------------------
