@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections.abc import Mapping
 
 import httpx
@@ -74,9 +75,33 @@ class Scraper:
             s.duration_s = time.monotonic() - started
 
     async def _fetch(self, t: Target) -> Mapping[SeriesKey, float]:
-        resp = await self.client.get(t.url + "/metrics")
-        if resp.status_code != 200:
-            raise httpx.HTTPError(f"HTTP {resp.status_code}")
-        if len(resp.content) > MAX_BYTES:
-            raise ValueError(f"{len(resp.content)} bytes, over {MAX_BYTES}")
-        return await asyncio.to_thread(parse, resp.text)
+        headers = {"Accept-Encoding": "gzip"}
+        async with self.client.stream("GET", t.url + "/metrics", headers=headers) as resp:
+            if resp.status_code != 200:
+                raise httpx.HTTPError(f"HTTP {resp.status_code}")
+            body = await bounded_body(resp, MAX_BYTES)
+        text = body.decode("utf-8", "replace")
+        return await asyncio.to_thread(parse, text)
+
+
+async def bounded_body(resp: httpx.Response, limit: int) -> bytes:
+    """The response's body, decompressed, refused (ValueError) once past `limit` bytes: read
+    as it streams and inflated at most `limit` bytes at a time, so neither a huge page nor
+    a small gzip bomb is ever held whole."""
+    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise ValueError(f"content-encoding {encoding[:40]!r} is not gzip or deflate")
+    inflate = None
+    if encoding != "identity":
+        inflate = zlib.decompressobj(zlib.MAX_WBITS | (16 if encoding == "gzip" else 0))
+    out = bytearray()
+    async for raw in resp.aiter_raw():
+        if inflate is None:
+            out += raw
+        else:
+            out += inflate.decompress(raw, limit + 1 - len(out))
+            if inflate.unconsumed_tail:  # more output than the room left
+                raise ValueError(f"over {limit} bytes once decompressed")
+        if len(out) > limit:
+            raise ValueError(f"over {limit} bytes")
+    return bytes(out)

@@ -74,7 +74,7 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         Catalog(r.chars_per_block),
         registry,
         chain,
-        Proxy(upstream, settings.deadlines),
+        Proxy(upstream, settings.deadlines, settings.max_response_bytes),
         metrics,
     )
     if settings.admission.enabled:

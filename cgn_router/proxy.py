@@ -102,7 +102,10 @@ class FirstByte(Protocol):
 
 
 class Proxy:
-    def __init__(self, upstream: Upstream, deadlines: DeadlineSettings):
+    def __init__(
+        self, upstream: Upstream, deadlines: DeadlineSettings, max_response_bytes: int = 64 << 20
+    ):
+        self.max_response_bytes = max_response_bytes
         self.upstream = upstream
         self.deadlines = deadlines
 
@@ -131,7 +134,11 @@ class Proxy:
                     call = _passed_on(call, resp)
                     if resp.status != 200:
                         return await self._refused(resp, call)
-                    body = await resp.read()
+                    # NOTE: read to one byte past the cap, never the whole of a declared length
+                    body = await resp.read(self.max_response_bytes + 1)
+            if len(body) > self.max_response_bytes:
+                why = f"{ep.id}: an answer over max_response_bytes ({self.max_response_bytes})"
+                raise AttemptFailed("too_large", why)
             lease.first_byte(time.monotonic())
             return self._relay_body(body, resp.content_type, call)
         first_at = min(total_at, now + d.first_token_s)

@@ -213,10 +213,13 @@ class RouterSettings:
     admission: AdmissionSettings = AdmissionSettings()
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     max_body_bytes: int = 16 << 20
+    # A non-streamed answer larger than this is not relayed (tried elsewhere): it is held in
+    # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).
+    max_response_bytes: int = 64 << 20
 
     def check(self) -> None:
         """The root's own ranges, then the rules across settings."""
-        positive(self, "attempts", "max_body_bytes")
+        positive(self, "attempts", "max_body_bytes", "max_response_bytes")
         if not self.auth.enabled and self.auth.anonymous_band not in self.admission.bands:
             raise ConfigError(
                 f"auth.anonymous_band {self.auth.anonymous_band!r} is not in admission.bands"

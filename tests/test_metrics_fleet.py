@@ -263,3 +263,61 @@ def test_the_grafana_dashboard_queries_series_that_exist() -> None:
     exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
     used = {n for e in exprs for n in re.findall(r"\b(?:vllm:|cgn_)[a-z_:]+", e)}
     assert used and used <= exported_names(), used - exported_names()
+
+
+async def test_a_scrape_is_bounded_before_it_is_held_or_inflated() -> None:
+    """A real HTTP target on loopback: a gzip bomb (a 64 MB page in 64 KB), an endless plain
+    page and an unknown encoding are each `down` with the reason, at once and without the
+    page ever being held; a gzip page within the bound is scraped."""
+    import gzip
+    import time
+    import tracemalloc
+    import zlib
+
+    import httpx
+    from aiohttp import web
+
+    from cgn_core.etcd.local import free_port
+    from cgn_metrics.scrape import MAX_BYTES, Scraper
+
+    deflate = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    bomb = b"".join(deflate.compress(bytes(1 << 20)) for _ in range(64)) + deflate.flush()
+    page = b"# TYPE cgn_infer_running gauge\ncgn_infer_running 3\n"
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        kind = request.match_info["kind"]
+        if kind == "endless":
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for _ in range(4096):  # 4 GB if read to the end
+                await resp.write(b"#" * (1 << 20))
+            return resp
+        body, encoding = {"bomb": (bomb, "gzip"), "good": (gzip.compress(page), "gzip"),
+                          "br": (page, "br")}[kind]  # fmt: skip
+        return web.Response(body=body, headers={"Content-Encoding": encoding})
+
+    app = web.Application()
+    app.router.add_get("/{kind}/metrics", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with httpx.AsyncClient() as client:
+            scraper = Scraper(client, timeout_s=30, concurrency=4, capacity=8)
+            scraper.set_targets([Target("other", f"http://127.0.0.1:{port}/{k}")
+                                 for k in ("bomb", "endless", "br", "good")])  # fmt: skip
+            tracemalloc.start()
+            started = time.monotonic()
+            await scraper.round()
+            took = time.monotonic() - started
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    finally:
+        await runner.cleanup()
+    got = {s.target.url.rsplit("/", 1)[1]: s for s in scraper.scraped.values()}
+    assert got["bomb"].state == "down" and "once decompressed" in got["bomb"].error
+    assert got["endless"].state == "down" and f"over {MAX_BYTES} bytes" in got["endless"].error
+    assert got["br"].state == "down" and "is not gzip or deflate" in got["br"].error
+    assert got["good"].state == "up" and got["good"].latest
+    assert took < 20 and peak < 6 * MAX_BYTES, (took, peak)

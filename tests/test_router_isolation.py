@@ -1,5 +1,6 @@
 """What the router sends upstream: nothing one client's upstream answer set (cookies) rides
-along on another client's request; each request carries its band's priority for the engine."""
+along on another client's request; each request carries its band's priority for the engine.
+What it takes back: an answer larger than max_response_bytes is never held whole."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +35,21 @@ UPSTREAM = textwrap.dedent(
         resp.set_cookie("engine_session", "client-a-secret")
         return resp
 
+    async def huge(request):  # a broken or hostile engine: 1.5 GB declared, sent until cut
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1_500_000_000
+        await resp.prepare(request)
+        chunk = b" " * (1 << 20)
+        for _ in range(1500):
+            await resp.write(chunk)
+        return resp
+
     async def health(request):
         return web.Response(text="ok")
 
     app = web.Application()
-    app.add_routes([web.post("/v1/chat/completions", complete), web.get("/health", health)])
+    app.add_routes([web.post("/v1/chat/completions", complete), web.get("/health", health),
+                    web.post("/v1/completions", huge)])
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
     """
 )
@@ -52,7 +64,9 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
         wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=30)
         # a host name: aiohttp's default jar ignores cookies from bare IP addresses
         endpoint = {"url": f"http://localhost:{port}", "model": "m", "engine": "vllm"}
-        with cgn_router(Path(tmp), {"discovery": "static", "endpoints": {"e": endpoint}}) as r:
+        config = {"discovery": "static", "endpoints": {"e": endpoint},
+                  "max_response_bytes": 4 << 20}  # fmt: skip
+        with cgn_router(Path(tmp), config) as r:
             yield r
     finally:
         stop(proc)
@@ -77,3 +91,20 @@ def test_an_upstream_cookie_never_reaches_another_request(router: Router) -> Non
 def test_each_request_carries_its_bands_priority_to_the_engine(router: Router) -> None:
     content, _ = ask(router)
     assert content.endswith(" priority=1")  # auth off: the anonymous band, gold (priority 1)
+
+
+def test_an_answer_over_max_response_bytes_is_cut_not_buffered(router: Router) -> None:
+    """A 1.5 GB non-streamed answer: the router reads 4 MiB and one byte, drops the
+    connection and answers 502; its memory stays bounded and it keeps serving."""
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    req = urllib.request.Request(router.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 502
+    assert "max_response_bytes" in json.load(refused.value)["error"]["message"]
+    refused.value.close()
+    rss = int(next(line.split()[1] for line in Path(f"/proc/{router.proc.pid}/status")
+                   .read_text().splitlines() if line.startswith("VmHWM:")))  # fmt: skip
+    assert rss < 400 << 10, f"the router's peak RSS reached {rss} KiB"
+    assert ask(router)[0].startswith("no-cookie")
