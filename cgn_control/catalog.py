@@ -154,8 +154,8 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
     if not isinstance(replicas, Mapping):
         raise CatalogError(f"{_p(where, 'replicas')}: expected {{min, max}}")
     _known(replicas, {"min", "max"}, _p(where, "replicas"))
-    lo = _int(replicas, "min", _p(where, "replicas"), 1, minimum=0)
-    hi = _int(replicas, "max", _p(where, "replicas"), max(lo, 1), minimum=1)
+    lo = _int(replicas, "min", _p(where, "replicas"), 1, minimum=0, maximum=MAX_COUNT)
+    hi = _int(replicas, "max", _p(where, "replicas"), max(lo, 1), minimum=1, maximum=MAX_COUNT)
     if lo > hi:
         raise CatalogError(f"{_p(where, 'replicas')}: min {lo} is above max {hi}")
     raw_profiles = doc.get("profiles")
@@ -208,7 +208,7 @@ def _pools(
         raise CatalogError(f"{at}: a model has pools or replicas, not both")
     if role != "both":
         raise CatalogError(f"{_p(where, 'role')}: a model with pools has role both, got {role}")
-    pools = {r: _int(raw, r, at, 0, minimum=1) for r in ("prefill", "decode")}
+    pools = {r: _int(raw, r, at, 0, minimum=1, maximum=MAX_COUNT) for r in ("prefill", "decode")}
     for r, n in pools.items():
         if n > MAX_POOL:
             raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {n}")
@@ -231,9 +231,9 @@ def _parse_profile(raw: Any, where: str) -> Profile:
         raise CatalogError(
             f"{_p(where, 'accelerator')}: an accelerator class such as h100-80g, or cpu"
         )
-    devices = _int(raw, "devices", where, 0 if accel == "cpu" else 1, minimum=0)
-    nodes = _int(raw, "nodes", where, 1, minimum=1)
-    tp = _int(raw, "tensor_parallel", where, max(devices * nodes, 1), minimum=1)
+    devices = _int(raw, "devices", where, 0 if accel == "cpu" else 1, minimum=0, maximum=MAX_COUNT)
+    nodes = _int(raw, "nodes", where, 1, minimum=1, maximum=MAX_COUNT)
+    tp = _int(raw, "tensor_parallel", where, max(devices * nodes, 1), minimum=1, maximum=1 << 24)
     if accel == "cpu" and devices:
         raise CatalogError(f"{_p(where, 'devices')}: a cpu profile takes no devices, got {devices}")
     if accel != "cpu" and devices == 0:
@@ -333,10 +333,24 @@ def _text(doc: Mapping[str, Any], key: str, where: str, required: bool = False) 
     return value
 
 
-def _int(doc: Mapping[str, Any], key: str, where: str, default: int, minimum: int) -> int:
+MAX_COUNT = 4096  # replicas of a model or a pool, devices, nodes, tensor-parallel ranks
+MAX_INT = 1 << 31  # anything else counted (ctx, threads)
+
+
+def _int(
+    doc: Mapping[str, Any],
+    key: str,
+    where: str,
+    default: int,
+    minimum: int,
+    maximum: int = MAX_INT,
+) -> int:
     value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CatalogError(f"{_p(where, key)}: expected an integer ≥ {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise CatalogError(
+            f"{_p(where, key)}: expected an integer in [{minimum}, {maximum}], "
+            f"got {str(value)[:40]}"
+        )
     return value
 
 
