@@ -1,6 +1,6 @@
 """What the router adds: latency at concurrency 1, throughput at 64, direct vs routed, one run.
 
-    .venv/bin/python bench/router_overhead.py [--requests 2000] [--seconds 8]
+    .venv/bin/python bench/router_overhead.py [--requests 2000] [--seconds 8] [--base REF]
 
 Upstreams: a fake engine that answers at once (bench/fake_engine.py), and a
 real cgn-infer sim engine (--speed 1000, one output token). The router runs
@@ -12,6 +12,10 @@ generator share CPU 1, so the router's throughput is measured on one core.
   and routed; added latency = routed minus direct, at p50 and p99.
 * c=64: `wrk -c64` (Debian package `wrk`) for `--seconds`, direct and routed;
   the router's CPU time over the run gives requests/s per router core.
+
+With `--base REF` the router of that commit (a git worktree) is measured too,
+against the same upstreams in the same run, one router after the other:
+before and after a change, side by side.
 
 Results: bench/results/router_overhead.{json,md}.
 """
@@ -29,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,10 @@ def pinned(cpu: str, argv: list[str]) -> list[str]:
 
 
 @contextmanager
-def router(tmp: Path, upstream: str, model: str, engine: str) -> Iterator[tuple[str, int]]:
+def router(
+    tmp: Path, upstream: str, model: str, engine: str, src: Path | None = None
+) -> Iterator[tuple[str, int]]:
+    """This tree's router, or with `src` the one of that checkout."""
     cfg = tmp / "router.yaml"
     cfg.write_text(yaml.safe_dump({
         "discovery": "static", "auth": {"enabled": False}, "log": {"level": "warning"},
@@ -61,11 +68,17 @@ def router(tmp: Path, upstream: str, model: str, engine: str) -> Iterator[tuple[
         "endpoints": {f"e{i}": {"url": upstream, "model": model, "engine": engine} for i in range(4)},
     }))  # fmt: skip
     ready = tmp / "router.ready"
-    argv = pinned(ROUTER_CPU, [str(BIN / "cgn-router"), "serve", "--port", "0", "--admin-port", "0",
+    exe, env = [str(BIN / "cgn-router")], None
+    if src is not None:  # NOTE: -P: modules from the checkout, not from the current folder
+        exe = [sys.executable, "-P", "-c", "import sys; from cgn_router.cli import main; "
+               "sys.argv[0] = 'cgn-router'; main()"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(src)}
+    argv = pinned(ROUTER_CPU, [*exe, "serve", "--port", "0", "--admin-port", "0",
                                "--config", str(cfg), "--ready-file", str(ready)])  # fmt: skip
     proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         port = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]["http"]
         yield f"http://127.0.0.1:{port}", proc.pid
@@ -132,10 +145,16 @@ def throughput(
 
 
 def scenario(
-    name: str, upstream: str, model: str, engine: str, args: argparse.Namespace, tmp: Path
+    name: str,
+    upstream: str,
+    model: str,
+    engine: str,
+    args: argparse.Namespace,
+    tmp: Path,
+    src: Path | None = None,
 ) -> dict[str, Any]:
     body = json.dumps({**BODY, "model": model}).encode()
-    with router(tmp, upstream, model, engine) as (url, pid):
+    with router(tmp, upstream, model, engine, src) as (url, pid):
         result: dict[str, Any] = {"c1": latency_pair(upstream, url, body, args.requests)}
         if shutil.which("wrk"):
             result["c64"] = throughput(upstream, url, pid, body, args.seconds, tmp)
@@ -149,26 +168,44 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=2000, help="sequential requests per side at c=1")
     p.add_argument("--seconds", type=int, default=8, help="wrk duration per side at c=64")
+    p.add_argument("--base", help="also measure the router of this commit (before/after)")
     args = p.parse_args()
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
         tmp = Path(d)
+        trees: dict[str, Path | None] = {"": None}
+        if args.base:
+            trees = {f" ({args.base})": stack.enter_context(worktree(args.base, tmp)), "": None}
         port = free_port()
         fake = pinned(CLIENT_CPU, [sys.executable, str(REPO / "bench/fake_engine.py"), str(port)])
         with http_process(fake, f"http://127.0.0.1:{port}/health"):
-            results["fake_upstream"] = scenario(
-                "fake", f"http://127.0.0.1:{port}", "fake", "vllm", args, tmp
-            )
+            for label, src in trees.items():
+                results["fake_upstream" + label] = scenario(
+                    "fake" + label, f"http://127.0.0.1:{port}", "fake", "vllm", args, tmp, src
+                )
         port = free_port()
         sim = pinned(CLIENT_CPU, [str(BIN / "cgn-infer"), "serve", "--model", str(smollm2()), "--backend", "sim",
                                   "--speed", "1000", "--port", str(port), "--model-name", "sim",
                                   "--max-batch", "64"])  # fmt: skip
         with http_process(sim, f"http://127.0.0.1:{port}/health"):
-            results["sim_engine"] = scenario(
-                "sim", f"http://127.0.0.1:{port}", "sim", "cgn-infer", args, tmp
-            )
+            for label, src in trees.items():
+                results["sim_engine" + label] = scenario(
+                    "sim" + label, f"http://127.0.0.1:{port}", "sim", "cgn-infer", args, tmp, src
+                )
     command = " ".join([".venv/bin/python bench/router_overhead.py", *sys.argv[1:]])
     write_result("router_overhead", command, results, render(results))
+
+
+@contextmanager
+def worktree(ref: str, tmp: Path) -> Iterator[Path]:
+    path = tmp / "base"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref],
+                   check=True, capture_output=True)  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                       check=False, capture_output=True)  # fmt: skip
 
 
 def render(r: dict[str, Any]) -> str:
