@@ -9,10 +9,12 @@ apply -f model.yaml` writes it after `parse_model` (one model's fields) and
     source: meta-llama/Llama-3.1-8B-Instruct   # GGUF path, bundled name or engine model id
     tokenizer: /models/llama-8b.gguf           # for routing; default: source when it is a GGUF
     role: both                                 # both | prefill | decode
-    replicas: {min: 1, max: 2}
-    # or, disaggregated (prefill/decode): replicas per role instead of `replicas`; a
-    # profile's `role` (default both) says which pool it may serve
-    # pools: {prefill: 1, decode: 2}
+    replicas: {min: 1, max: 2}                 # with max > min, replicas follow the load
+    # or, disaggregated (prefill/decode): replicas per role instead of `replicas`, a count
+    # or {min, max}; a profile's `role` (default both) says which pool it may serve
+    # pools: {prefill: 1, decode: {min: 1, max: 4}}
+    scaling: {stabilization_s: 120}            # optional: the autoscaler's policy (scaling.py)
+    slo: {ttft_p90_ms: 800}                    # optional: scale up while the router sees worse
     aliases: [llama]
     fallbacks: [smollm2]
     profiles:                                  # in priority order: the first that fits is used
@@ -23,12 +25,15 @@ apply -f model.yaml` writes it after `parse_model` (one model's fields) and
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_control.scaling import ScalingPolicy
 from cgn_core import engine_args
+from cgn_core.errors import ConfigError
 from cgn_core.records import Placement
 
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
@@ -78,12 +83,17 @@ class ModelSpec:
     max_replicas: int = 1
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
-    pools: Mapping[str, int] = field(default_factory=dict)  # role -> replicas (disaggregated)
+    pools: Mapping[str, int] = field(default_factory=dict)  # role -> min replicas (disaggregated)
+    pool_max: Mapping[str, int] = field(default_factory=dict)  # role -> max, where above min
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)  # and the `slo:` targets
 
     def wants(self) -> list[tuple[str, int, int]]:
         """(role, min, max) replicas of each pool: one for an aggregated model."""
         if self.pools:
-            return [(role, n, n) for role, n in sorted(self.pools.items(), reverse=True)]
+            return [
+                (role, n, self.pool_max.get(role, n))
+                for role, n in sorted(self.pools.items(), reverse=True)
+            ]
         return [(self.role, self.min_replicas, self.max_replicas)]
 
     def in_pool(self, placement: Placement, role: str) -> bool:
@@ -111,7 +121,14 @@ class ModelSpec:
             "aliases": list(self.aliases),
             "fallbacks": list(self.fallbacks),
             "profiles": [_profile_json(p) for p in self.profiles],
-            **({"pools": dict(self.pools)} if self.pools else {}),
+            **({"pools": self._pools_json()} if self.pools else {}),
+            **_scaling_json(self.scaling),
+        }
+
+    def _pools_json(self) -> dict[str, Any]:
+        return {
+            role: n if self.pool_max.get(role, n) == n else {"min": n, "max": self.pool_max[role]}
+            for role, n in self.pools.items()
         }
 
 
@@ -140,6 +157,8 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             "fallbacks",
             "profiles",
             "pools",
+            "scaling",
+            "slo",
         },
         where,
     )
@@ -169,12 +188,14 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             raise CatalogError(
                 f"{_p(where, f'profiles[{i}]')}: no source (set source: on the model)"
             )
-    pools = _pools(doc, where, role, profiles)
+    pools, pool_max = _pools(doc, where, role, profiles)
     return ModelSpec(
         name=name,
         source=source,
         profiles=profiles,
         pools=pools,
+        pool_max=pool_max,
+        scaling=_scaling(doc, where),
         tokenizer=_text(doc, "tokenizer", where),
         role=role,
         min_replicas=lo,
@@ -195,11 +216,12 @@ def pool_label(name: str, spec: ModelSpec, role: str) -> str:
 
 def _pools(
     doc: Mapping[str, Any], where: str, role: str, profiles: tuple[Profile, ...]
-) -> dict[str, int]:
-    """A disaggregated model's `pools: {prefill: N, decode: M}`; {} when it has none."""
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A disaggregated model's `pools: {prefill: N, decode: {min: M, max: K}}` as (min per
+    role, max per role where above min); ({}, {}) when it has none."""
     raw = doc.get("pools")
     if raw is None:
-        return {}
+        return {}, {}
     at = _p(where, "pools")
     if not isinstance(raw, Mapping):
         raise CatalogError(f"{at}: expected {{prefill: N, decode: M}}")
@@ -208,7 +230,19 @@ def _pools(
         raise CatalogError(f"{at}: a model has pools or replicas, not both")
     if role != "both":
         raise CatalogError(f"{_p(where, 'role')}: a model with pools has role both, got {role}")
-    pools = {r: _int(raw, r, at, 0, minimum=1, maximum=MAX_COUNT) for r in ("prefill", "decode")}
+    pools: dict[str, int] = {}
+    most: dict[str, int] = {}
+    for r in ("prefill", "decode"):
+        if isinstance(raw.get(r), Mapping):
+            _known(raw[r], {"min", "max"}, _p(at, r))
+            pools[r] = _int(raw[r], "min", _p(at, r), 1, minimum=1, maximum=MAX_COUNT)
+            top = _int(raw[r], "max", _p(at, r), pools[r], minimum=1, maximum=MAX_COUNT)
+            if top < pools[r]:
+                raise CatalogError(f"{_p(at, r)}: min {pools[r]} is above max {top}")
+            if top > pools[r]:
+                most[r] = top
+        else:
+            pools[r] = _int(raw, r, at, 0, minimum=1, maximum=MAX_COUNT)
     for r, n in pools.items():
         if n > MAX_POOL:
             raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {n}")
@@ -216,7 +250,60 @@ def _pools(
             raise CatalogError(
                 f"{_p(at, r)}: no profile may serve it (a profile's role is both or {r})"
             )
-    return pools
+    return pools, most
+
+
+_SCALING_FLOATS = ("utilization", "hysteresis", "warmup_s", "up_cooldown_s", "down_cooldown_s",
+                   "stabilization_s")  # fmt: skip
+_SLO = ("ttft_p90_ms", "itl_p90_ms")
+
+
+def _scaling(doc: Mapping[str, Any], where: str) -> ScalingPolicy:
+    """The `scaling:` and `slo:` blocks as one policy, every field checked (types, ranges,
+    inverted values) with its path named."""
+    raw, slo = doc.get("scaling") or {}, doc.get("slo") or {}
+    for block, value in (("scaling", raw), ("slo", slo)):
+        if not isinstance(value, Mapping):
+            raise CatalogError(f"{_p(where, block)}: expected a mapping")
+    _known(raw, {*_SCALING_FLOATS, "enabled", "max_step_up"}, _p(where, "scaling"))
+    _known(slo, set(_SLO), _p(where, "slo"))
+    fields: dict[str, Any] = {}
+    if "enabled" in raw:
+        if not isinstance(raw["enabled"], bool):
+            raise CatalogError(f"{_p(where, 'scaling.enabled')}: expected true or false")
+        fields["enabled"] = raw["enabled"]
+    if "max_step_up" in raw:
+        fields["max_step_up"] = _int(raw, "max_step_up", _p(where, "scaling"), 4, 1, 1000)
+    for block, names, values in (("scaling", _SCALING_FLOATS, raw), ("slo", _SLO, slo)):
+        for name in names:
+            value = values.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CatalogError(f"{_p(where, f'{block}.{name}')}: expected a number")
+            fields[name] = float(value) if -1e300 < value < 1e300 else math.inf
+    policy = ScalingPolicy(**fields)
+    try:
+        policy.check(_p(where, "scaling"))
+    except ConfigError as exc:
+        raise CatalogError(str(exc).replace("slo.", _p(where, "slo") + ".", 1)) from None
+    return policy
+
+
+def _scaling_json(policy: ScalingPolicy) -> dict[str, Any]:
+    """The blocks as stored: only what differs from the defaults."""
+    default = ScalingPolicy()
+    changed = {
+        f.name: getattr(policy, f.name)
+        for f in dataclasses.fields(policy)
+        if getattr(policy, f.name) != getattr(default, f.name)
+    }
+    out: dict[str, Any] = {}
+    if scaling := {k: v for k, v in changed.items() if k not in _SLO}:
+        out["scaling"] = scaling
+    if slo := {k: v for k, v in changed.items() if k in _SLO}:
+        out["slo"] = slo
+    return out
 
 
 def _parse_profile(raw: Any, where: str) -> Profile:

@@ -19,9 +19,12 @@ Per pass, in order:
    nodes, or when the drain's grace period is over. (The agent then
    withdraws the endpoint and stops the engine only after its requests in
    flight have finished.)
-5. Scale: below `min` replicas (off draining and lost nodes), one placement
-   is made with placement.place(); above `max`, one replica is deleted
-   (not-Ready ones first).
+5. Scale: each pool's target is `min`, or with autoscaling (max > min) what
+   cgn_control/scaling.py decided from the load (`scale`); below the target
+   (off draining and lost nodes) one placement is made with placement.place();
+   above it (or above `max`), one replica is deleted: not-Ready ones first,
+   then the one with the least load to drain (the agent lets its requests in
+   flight finish before it stops the engine).
 The reconciler manages only the placements it wrote (`owner: reconciler`);
 a placement written by hand is never moved or deleted, though the devices it
 holds are not given to anything else.
@@ -47,6 +50,9 @@ from typing import Any
 from cgn_control.catalog import ModelSpec, pool_label
 from cgn_control.cluster import Key, Snapshot, node_views
 from cgn_control.placement import Decision, NodeState, place
+from cgn_control.scaling import Decision as ScaleDecision
+from cgn_control.scaling import Pool as ScalePool
+from cgn_control.scaling import Sample, Scaler, Signals
 from cgn_core.records import Part, Placement, ReplicaStatus
 
 
@@ -62,6 +68,9 @@ class ReconcilerSettings:
     rebuild_base_s: float = 2.0  # rebuild backoff: min(cap, base * 2^(n-1)), jittered
     rebuild_cap_s: float = 60.0
     drain_grace_s: float = 600.0  # a drain deletes the remaining originals after this long
+    # The most replicas the autoscaler may want across every model's pools (0: no budget
+    # but each pool's max); placement still needs room on a node for each.
+    budget_replicas: int = 0
 
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
@@ -75,6 +84,7 @@ class Memory:
     rebuild_after: dict[str, float] = field(default_factory=dict)
     rebuilds: Counter[str] = field(default_factory=Counter)
     unplaced: dict[str, Decision] = field(default_factory=dict)
+    scaler: Scaler = field(default_factory=Scaler)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +129,17 @@ def node_states(
 
 
 def reconcile(
-    snap: Snapshot, mem: Memory, now: float, policy: ReconcilerSettings, rand: float = 0.5
+    snap: Snapshot,
+    mem: Memory,
+    now: float,
+    policy: ReconcilerSettings,
+    rand: float = 0.5,
+    targets: Mapping[str, int] | None = None,
+    load: Mapping[str, float] | None = None,
 ) -> list[Action]:
+    """The actions of one pass. `targets`: replicas per pool label (default: each pool's
+    min); `load`: per replica, what removing it would have to drain (least goes first)."""
+    targets, load = targets or {}, load or {}
     states = node_states(snap, mem, now, policy)
     actions: list[Action] = []
     gone: set[Key] = set()
@@ -168,7 +187,8 @@ def reconcile(
         for name, spec in sorted(snap.models.items())
         for role, lo, hi in spec.wants()
     ]
-    for _, spec, role, lo, hi in pools:
+    for name, spec, role, lo, hi in pools:
+        cap = min(hi, max(lo, targets.get(pool_label(name, spec, role), lo)))
         mine = {k: d for k, d in heads.items() if spec.in_pool(d, role)}
         serving = {k for k in mine if not drains(k)}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
@@ -182,14 +202,18 @@ def reconcile(
                 delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
             elif expired:
                 delete(key, "drain grace period over")
-        if len(serving) > hi:
-            extra = sorted(serving, key=lambda k: (_ready(snap.statuses.get(k)), k))
-            delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, max {hi}")
+        if len(serving) > cap:
+            extra = sorted(
+                serving, key=lambda k: (_ready(snap.statuses.get(k)), load.get(k[1], 0.0), k)
+            )
+            why = f"max {hi}" if cap == hi else f"the autoscaler's target {cap}"
+            delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, {why}")
 
-    for name, spec, role, lo, _ in pools:
+    for name, spec, role, lo, hi in pools:
         pool = pool_label(name, spec, role)
+        want = min(hi, max(lo, targets.get(pool, lo)))
         placed = [k for k, d in heads.items() if spec.in_pool(d, role)]
-        if sum(k not in gone and not drains(k) for k in placed) >= lo:
+        if sum(k not in gone and not drains(k) for k in placed) >= want:
             mem.unplaced.pop(pool, None)
             continue
         if now < mem.rebuild_after.get(name, 0.0):
@@ -203,6 +227,48 @@ def reconcile(
         actions += placement_for(sub, decision, role)
         break  # one replica per pass, from a fresh snapshot
     return actions
+
+
+def scale(
+    snap: Snapshot,
+    mem: Memory,
+    signals: Signals,
+    now: float,
+    budget: int | None = None,
+) -> dict[str, ScaleDecision]:
+    """Each pool's autoscaler decision from the router's signals (scaling.py), by pool label.
+    `current` counts the pool's replicas placed by this loop and not draining."""
+    draining = {n for n, c in snap.cordons.items() if c.drain}
+    heads = [
+        p
+        for (node, _), p in snap.placements.items()
+        if p.owner == OWNER and p.part.part == 0 and node not in draining
+    ]
+    label_of: dict[tuple[str, str], str] = {}
+    pools = []
+    for name, spec in sorted(snap.models.items()):
+        for role, lo, hi in spec.wants():
+            label = pool_label(name, spec, role)
+            label_of[(name, role if spec.pools else "*")] = label
+            current = sum(spec.in_pool(p, role) for p in heads)
+            pools.append(
+                ScalePool(
+                    label,
+                    lo,
+                    hi,
+                    current,
+                    spec.scaling,
+                    ttft_p90_s=signals.ttft_p90_s.get(name),
+                    itl_p90_s=signals.itl_p90_s.get(name),
+                    waiting_at_router=signals.waiting_at_router.get(name, 0),
+                )
+            )
+    samples = [
+        Sample(pool, r.replica, r.running, r.waiting, r.ready_for_s)
+        for r in signals.replicas
+        if (pool := label_of.get((r.model, r.role), label_of.get((r.model, "*")))) is not None
+    ]
+    return mem.scaler.decide(pools, samples, now, budget)
 
 
 def _pool(spec: ModelSpec, role: str) -> str:

@@ -10,6 +10,7 @@ ENDPOINTS = ROOT + "endpoints/"  # <node>/<model>/<replica>: Ready and routable,
 LEADER = ROOT + "leader/"  # <election>: the elected leader's candidate id (routers)
 RECONCILER_ELECTION = "reconciler"  # the routers' election for the control loop
 RECONCILER_LEADER = LEADER + RECONCILER_ELECTION  # its key: who runs the reconciler now
+SCALING = ROOT + "scaling/"  # <pool>: the autoscaler's last decisions, by the reconciler
 CORDON = ROOT + "cordon/"  # <node>: no new placements
 POLICY_ROUTING = ROOT + "policy/routing"
 API_KEYS = ROOT + "keys/"  # <key id>: an API key record (hash, tenant, band, limits), by ctl

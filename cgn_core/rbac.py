@@ -75,6 +75,7 @@ def node_role(node: str) -> tuple[Grant, ...]:
 ROUTER_GRANTS = (
     under(keys.ROOT, "read"),
     under(keys.PLACEMENTS, "readwrite"),
+    under(keys.SCALING, "readwrite"),  # the autoscaler's decisions, for explain-scaling
     under(keys.LEADER, "readwrite"),
 )
 METRICS_GRANTS = (

@@ -96,6 +96,19 @@ def explain_placement(
     _emit(data, as_json, render.explain)
 
 
+@app.command("explain-scaling")
+def explain_scaling(
+    model: Annotated[str, typer.Argument(help="A model in the catalog.")],
+    etcd: Etcd = None,
+    config: Config = None,
+    as_json: Json = False,
+) -> None:
+    """The autoscaler's view of MODEL: each pool's target and current replicas, the rule that
+    decided, the load it saw, and the last changes (written by the reconciler's leader)."""
+    data = with_etcd(etcd, config, lambda c: cluster_ops.explain_scaling(c, model))
+    _emit(data, as_json, render.explain_scaling)
+
+
 @app.command()
 def cordon(
     node: Annotated[str, typer.Argument(help="Node id.")],

@@ -5,6 +5,7 @@ Nothing here prints: cli.py renders. Every function takes an open EtcdClient.
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import socket
 import time
@@ -16,7 +17,7 @@ from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
 from cgn_control.placement import Decision, place
 from cgn_control.views import model_replicas, node_states
-from cgn_core import keys
+from cgn_core import keys, records
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.records import NodeInventory, Placement, ReplicaStatus
@@ -135,6 +136,49 @@ async def explain(client: EtcdClient, name: str, role: str | None = None) -> Dec
     if role is not None and role not in roles:
         raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {', '.join(roles)})")
     return place(spec.for_role(role) if role else spec, node_views(snap, node_states(snap)))
+
+
+async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
+    """The autoscaler's last decision for each pool of model `name` (the leader writes one
+    record per pool under /cognitora/scaling/), with the model's bounds and policy."""
+    snap = await read_snapshot(client)
+    spec = snap.models.get(name)
+    if spec is None:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    pools = []
+    for role, lo, hi in spec.wants():
+        key = keys.SCALING + (f"{name}:{role}" if spec.pools else name)
+        raw = await client.get_json(key)
+        record = raw if isinstance(raw, dict) else None  # nothing from etcd is trusted
+        pools.append({"role": role if spec.pools else "", "min": lo, "max": hi,
+                      "decision": _scaling_record(record)})  # fmt: skip
+    policy = dataclasses.asdict(spec.scaling)
+    return {"model": name, "policy": policy, "pools": pools}
+
+
+def _scaling_record(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The fields explain-scaling shows, each checked (a bad record shows as none)."""
+    if doc is None:
+        return None
+    try:
+        out = {
+            "desired": records.integer(doc, "desired", 0),
+            "current": records.integer(doc, "current", 0),
+            "direction": records.text(doc, "direction"),
+            "reason": records.text(doc, "reason"),
+            "demand": records.number(doc, "demand", 0.0),
+            "capacity": records.number(doc, "capacity", None),
+            "at_unix": records.number(doc, "at_unix", 0.0),
+        }
+        history = doc.get("history")
+        out["history"] = (
+            [_scaling_record(h) for h in history if isinstance(h, dict)][:20]
+            if (isinstance(history, list))
+            else []
+        )
+        return out
+    except records.RecordError:
+        return None
 
 
 async def cordon(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Console
@@ -91,6 +92,39 @@ def explain(d: dict[str, Any]) -> None:
     for c in d["candidates"]:
         t.add_row(str(c["profile"]), c["node"], "✓" if c["ok"] else "✗", c["reason"])
     console.print(t)
+
+
+def explain_scaling(d: dict[str, Any]) -> None:
+    for pool in d["pools"]:
+        name = f"{d['model']} ({pool['role']} pool)" if pool["role"] else d["model"]
+        bounds = f"min {pool['min']}, max {pool['max']}"
+        got = pool["decision"]
+        if got is None:
+            console.print(f"[bold]{name}[/bold] ({bounds}): no decision recorded yet "
+                          "(is a router leading the reconciler?)")  # fmt: skip
+            continue
+        when = time.strftime("%H:%M:%S", time.localtime(got["at_unix"]))
+        capacity = "not learned" if got["capacity"] is None else f"{got['capacity']:g}"
+        console.print(
+            f"[bold]{name}[/bold] ({bounds}): target {got['desired']}, "
+            f"{got['current']} placed — {got['reason']}"
+        )
+        console.print(f"  demand {got['demand']:g} requests, capacity per replica {capacity}, "
+                      f"decided {when}")  # fmt: skip
+        t = Table("at", "", "target", "reason")
+        for h in reversed(got["history"]):
+            at = time.strftime("%H:%M:%S", time.localtime(h["at_unix"]))
+            t.add_row(at, h["direction"], f"{h['current']} → {h['desired']}", h["reason"])
+        if got["history"]:
+            console.print(t)
+    p = d["policy"]
+    slo = ", ".join(f"{k} {p[k]:g}" for k in ("ttft_p90_ms", "itl_p90_ms") if p[k] is not None)
+    console.print(
+        f"policy: {'on' if p['enabled'] else 'off'}; utilization {p['utilization']:.0%}, "
+        f"hysteresis {p['hysteresis']:.0%}, up every {p['up_cooldown_s']:g} s (at most "
+        f"{p['max_step_up']}), down after {p['down_cooldown_s']:g} s and a "
+        f"{p['stabilization_s']:g} s window; SLO: {slo or 'none'}"
+    )
 
 
 def status(s: dict[str, Any]) -> None:

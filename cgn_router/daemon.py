@@ -77,6 +77,7 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         Proxy(upstream, settings.deadlines, settings.max_response_bytes),
         metrics,
     )
+    metrics.watch_scaling(lambda: svc.control)
     if settings.admission.enabled:
         svc.gate = Gate(settings.admission, registry, metrics)
     try:
@@ -163,7 +164,7 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
                     tg.create_task(_follow_etcd(svc, follower, tg))
                     if settings.reconciler.enabled:
                         svc.control = ControlState()
-                        tg.create_task(_control(settings, svc.control))
+                        tg.create_task(_control(svc, svc.control))
                 else:
                     svc.synced = True
                 follower.reconcile()
@@ -217,9 +218,9 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
         await client.close()
 
 
-async def _control(settings: RouterSettings, state: ControlState) -> None:
-    async with EtcdClient(settings.etcd) as client:
-        await run_reconciler(client, settings.reconciler, state)
+async def _control(svc: RouterService, state: ControlState) -> None:
+    async with EtcdClient(svc.settings.etcd) as client:
+        await run_reconciler(client, svc.settings.reconciler, state, svc.load.signals)
 
 
 # ---- engines: metrics and KV events -------------------------------------------

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cgn_router.registry import Lease, Outcome, Registry
 
 if TYPE_CHECKING:
+    from cgn_control.loop import ControlState
     from cgn_router.proxy import Relayed
 
 M = TypeVar("M", Counter, Histogram, Gauge)
@@ -181,6 +182,10 @@ class RouterMetrics:
         """Export per-endpoint live state at scrape time."""
         self.registry.register(_EndpointCollector(endpoints))
 
+    def watch_scaling(self, control: Callable[[], ControlState | None]) -> None:
+        """Export the autoscaler's targets (on the router leading the reconciler)."""
+        self.registry.register(_ScalingCollector(control))
+
 
 class _EndpointCollector(Collector):
     def __init__(self, endpoints: Registry):
@@ -223,3 +228,33 @@ class _EndpointCollector(Collector):
             fams["blocks"].add_metric([*lv, "exact"], self.endpoints.index.exact_size(eid))
             fams["blocks"].add_metric([*lv, "assumed"], self.endpoints.index.assumed_size(eid))
         yield from fams.values()
+
+
+class _ScalingCollector(Collector):
+    def __init__(self, control: Callable[[], ControlState | None]):
+        self.control = control
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        desired = GaugeMetricFamily(
+            "cgn_autoscaler_desired_replicas",
+            "The autoscaler's target per pool (on the leading router only).",
+            labels=["pool"],
+        )
+        current = GaugeMetricFamily(
+            "cgn_autoscaler_current_replicas",
+            "Replicas placed and not draining per pool, as the autoscaler counted them.",
+            labels=["pool"],
+        )
+        changes = CounterMetricFamily(
+            "cgn_autoscaler_decisions",
+            "Target changes since this router began leading, by pool and direction.",
+            labels=["pool", "direction"],
+        )
+        state = self.control()
+        if state is not None and state.leading:
+            for pool, d in state.scaling.items():
+                desired.add_metric([pool], d["desired"])
+                current.add_metric([pool], d["current"])
+            for (pool, direction), n in state.changes.items():
+                changes.add_metric([pool, direction], n)
+        yield from (desired, current, changes)

@@ -44,6 +44,7 @@ class EndpointState:
     pending_prefill: int = 0
     load: EngineLoad | None = None
     scrape_error: str = ""
+    since: float = field(default_factory=time.monotonic)  # when it became routable here
 
 
 # How an attempt ended. `failed`: refused or broken before the first byte (the request may

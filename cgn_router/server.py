@@ -240,6 +240,8 @@ async def _attempt(
         return relayed
     finally:
         svc.metrics.attempt_ended(req.model, attempt.outcome, ctx.started, attempt.lease, relayed)
+        if (first := attempt.lease.first_byte_at if attempt.lease else None) is not None:
+            svc.load.ttft.add(req.model, first - ctx.started)  # the autoscaler's SLO signal
 
 
 async def _disaggregate(
@@ -308,6 +310,7 @@ async def _prefill_leg(
 def _no_answer(svc: RouterService, model: str, last: AttemptFailed | None) -> CognitoraError:
     """The error for a request no endpoint answered: none to try, or every attempt failed."""
     if last is None:
+        svc.load.unrouted.add(model, 1.0)  # demand for a pool with no replica (min 0)
         svc.metrics.requests.labels(model, "no_endpoint").inc()
         svc.metrics.errors.labels("no_endpoint").inc()
         return Unavailable(f"no ready endpoint serves model '{model}'", code="no_endpoint")

@@ -15,6 +15,7 @@ from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.chain import Decision, RoutingChain
 from cgn_router.gate import Gate
+from cgn_router.load_signals import LoadSignals
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import Registry
@@ -44,6 +45,10 @@ class RouterService:
     gate: Gate | None = None  # admission; None when switched off
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
     created: int = field(default_factory=lambda: int(time.time()))
+    load: LoadSignals = field(init=False)  # what the autoscaler reads (cgn_router/load_signals)
+
+    def __post_init__(self) -> None:
+        self.load = LoadSignals(self.registry)
 
     def principal(self, request: web.Request) -> Principal:
         """Who is asking: the API key's principal, or the anonymous one while auth is off."""

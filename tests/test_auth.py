@@ -65,7 +65,8 @@ def call(router: Router, key: str | None, model: str = "sim") -> tuple[int, dict
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, dict(resp.headers), json.load(resp)
     except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.load(exc)
+        with exc:  # NOTE: closed, or its socket is a ResourceWarning in some later test
+            return exc.code, dict(exc.headers), json.load(exc)
 
 
 def until(check: Any, timeout_s: float = 10) -> float:

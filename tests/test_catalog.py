@@ -24,6 +24,8 @@ def test_a_full_spec_parses_and_round_trips() -> None:
         tokenizer="/models/llama.gguf",
         role="decode",
         replicas={"min": 2, "max": 4},
+        scaling={"stabilization_s": 300, "max_step_up": 2, "enabled": True},
+        slo={"ttft_p90_ms": 800},
         aliases=["llama"],
         fallbacks=["smollm2"],
         profiles=[
@@ -34,6 +36,11 @@ def test_a_full_spec_parses_and_round_trips() -> None:
     )  # fmt: skip
     m = parse_model(doc)
     assert (m.min_replicas, m.max_replicas, m.role) == (2, 4, "decode")
+    assert (m.scaling.stabilization_s, m.scaling.max_step_up, m.scaling.ttft_p90_ms) == (
+        300,
+        2,
+        800,
+    )
     gpu, cpu = m.profiles
     assert (gpu.devices, gpu.tensor_parallel, gpu.kv_connector) == (2, 2, "lmcache")
     assert cpu.on_cpu and cpu.devices == 0 and cpu.source == "/models/llama.Q4.gguf"
@@ -51,6 +58,9 @@ def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
     assert [p.accelerator for p in m.for_role("decode").profiles] == ["l40s-48g", "cpu"]
     assert parse_model(m.to_json()) == m
     assert parse_model(model()).wants() == [("both", 1, 1)]
+    elastic = parse_model(model(pools={"prefill": 1, "decode": {"min": 1, "max": 4}}))
+    assert elastic.wants() == [("prefill", 1, 1), ("decode", 1, 4)]
+    assert parse_model(elastic.to_json()) == elastic
 
 
 @pytest.mark.parametrize(
@@ -60,6 +70,16 @@ def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
         (model(name="a/b"), "name: use 1-128 of"),
         (model(colour="red"), "colour: unknown field"),
         (model(role="both-ish"), "role: must be one of both, prefill, decode"),
+        (model(scaling="fast"), "scaling: expected a mapping"),
+        (model(scaling={"speed": 2}), "scaling.speed: unknown field"),
+        (model(scaling={"stabilization_s": -5}), "scaling.stabilization_s must be in [0, 86400]"),
+        (model(scaling={"utilization": "high"}), "scaling.utilization: expected a number"),
+        (model(scaling={"hysteresis": 10**400}), "scaling.hysteresis must be in [0, 1)"),
+        (model(scaling={"enabled": "yes"}), "scaling.enabled: expected true or false"),
+        (model(scaling={"max_step_up": 0}), "scaling.max_step_up: expected an integer in [1, 1000]"),
+        (model(slo={"ttft_p90_ms": 0}), "slo.ttft_p90_ms must be in (0, 3600000]"),
+        (model(slo={"p99": 1}), "slo.p99: unknown field"),
+        (model(pools={"prefill": 1, "decode": {"min": 3, "max": 2}}), "pools.decode: min 3 is above max 2"),
         (model(replicas={"min": 3, "max": 2}), "replicas: min 3 is above max 2"),
         (model(replicas={"min": -1}), "replicas.min: expected an integer in [0, 4096], got -1"),
         (model(replicas={"min": 10**400}), "replicas.min: expected an integer in [0, 4096], got 1000000000000000000000000000000000000000"),

@@ -6,7 +6,9 @@ its replica is rebuilt on a survivor and the router stops routing there,
 while four clients stream through the router; a drain under the same load
 fails no request; a second router takes over reconciliation when the leader dies;
 a disaggregated model keeps its prefill and decode pools when a node dies, and
-long prompts keep being split between them with their KV moved.
+long prompts keep being split between them with their KV moved; an elastic
+model's replicas follow the load up and back down, and no stream is cut on
+the replicas removed.
 """
 
 from __future__ import annotations
@@ -134,9 +136,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 class Load:
-    """Four clients streaming chat completions through the router until stopped."""
+    """Clients streaming chat completions through the router until stopped."""
 
-    def __init__(self, router: Router, clients: int = 4):
+    def __init__(self, router: Router, clients: int = 4, model: str = MODEL, max_tokens: int = 12):
+        self.model, self.max_tokens = model, max_tokens
         self.stop = threading.Event()
         self.counts: Counter[str] = Counter()
         self.errors: list[str] = []
@@ -162,7 +165,7 @@ class Load:
             got_first = False
             try:
                 stream = client.chat.completions.create(
-                    model=MODEL, stream=True, max_tokens=12,
+                    model=self.model, stream=True, max_tokens=self.max_tokens,
                     messages=[{"role": "user", "content": f"client {i} request {n}"}],
                 )  # fmt: skip
                 for chunk in stream:
@@ -296,3 +299,54 @@ def test_a_disaggregated_model_keeps_both_pools_when_a_node_dies(
 
 def endpoint_id(replica: dict[str, Any]) -> str:
     return f"pd/{replica['node']}.{replica['replica']}"
+
+
+ELASTIC_YAML = """\
+name: elastic
+source: smollm2
+replicas: {min: 1, max: 3}
+scaling: {warmup_s: 1, up_cooldown_s: 2, down_cooldown_s: 4, stabilization_s: 8}
+profiles:
+  - engine: cgn_infer
+    backend: sim
+    threads: 1
+    extra_args: [--speed, "2", --kv-pool-tokens, "4096", --max-batch, "2"]
+"""
+
+
+def elastic(cluster: Cluster) -> tuple[int, int]:
+    """(placed, Ready) replicas of the elastic model."""
+    mine = [r for r in cluster.replicas() if r["model"] == "elastic"]
+    return len(mine), sum(r["phase"] == "Ready" for r in mine)
+
+
+def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """min 1, max 3, engines that run two requests at a time: eight streaming clients make
+    requests wait, the leader learns a replica's capacity (2) and scales to 3; when the load
+    falls to one client, it returns to 1 after its 8 s window, draining what it removes."""
+    model = tmp_path / "elastic.yaml"
+    model.write_text(ELASTIC_YAML)
+    cluster.ctl("models", "apply", "-f", str(model))
+    until("one elastic replica Ready", lambda: elastic(cluster) == (1, 1), timeout_s=90)
+    router = cluster.leader()
+    until("the router routing to it", lambda: routed_urls_of(router, "elastic"))
+    with Load(router, clients=8, model="elastic", max_tokens=24) as rush:
+        until("three Ready under the load", lambda: elastic(cluster) == (3, 3), timeout_s=120)
+        rush.wait_for(8)
+    with Load(router, clients=1, model="elastic", max_tokens=24) as trickle:
+        until("back to one once the load fell", lambda: elastic(cluster) == (1, 1), timeout_s=120)
+        trickle.wait_for(2)
+    for load in (rush, trickle):
+        assert load.counts["failed"] == 0 and load.counts["cut_mid_stream"] == 0, load.errors
+    shown = json.loads(cluster.ctl("explain-scaling", "elastic", "--json").stdout)
+    decision = shown["pools"][0]["decision"]
+    steps = [(h["direction"], h["current"], h["desired"]) for h in decision["history"]]
+    assert ("up", 1, 3) in steps or ("up", 2, 3) in steps, steps
+    assert steps[-1][0] == "down" and steps[-1][2] == 1, steps
+    assert decision["capacity"] == 2
+    reasons = [h["reason"] for h in decision["history"]]
+    assert any("demand" in r and "capacity 2 per replica" in r for r in reasons), reasons
+    cluster.ctl("models", "delete", "elastic")
+    until("its replicas gone", lambda: elastic(cluster) == (0, 0), timeout_s=60)

@@ -302,3 +302,41 @@ def test_any_part_failing_or_lost_takes_the_whole_replica_down() -> None:
     acts = reconcile(pipeline_snap(half), Memory(), 0.0, S)
     assert [(type(a), a.node) for a in acts][:1] == [(Delete, "a")]
     assert "1 of 2 parts" in acts[0].why
+
+
+def test_the_autoscalers_target_is_placed_toward_and_the_least_loaded_replica_goes() -> None:
+    """Targets between min and max: below one, a placement per pass; above one, the replica
+    with the least to drain is removed (not-Ready ones before any); never beyond max."""
+    m = model("m", lo=1, hi=4)
+    placed = {("a", "r1"): "m", ("b", "r2"): "m"}
+    up = reconcile(snap(models=[m], placed=placed), Memory(), 0.0, S, targets={"m": 3})
+    assert [type(a) for a in up] == [Put]
+    assert reconcile(snap(models=[m], placed=placed), Memory(), 0.0, S, targets={"m": 9}) != []
+    beyond = {**placed, ("c", "r3"): "m", ("a", "r4"): "m"}
+    assert reconcile(snap(models=[m], placed=beyond), Memory(), 0.0, S, targets={"m": 9}) == []
+    three = {**placed, ("c", "r3"): "m"}
+    down = reconcile(snap(models=[m], placed=three, status=ready(*three)), Memory(), 0.0, S,
+                     targets={"m": 2}, load={"r1": 5.0, "r2": 0.0, "r3": 2.0})  # fmt: skip
+    assert down == [Delete("b", "r2", "3 replicas, the autoscaler's target 2")]
+    loading = ready(("a", "r1"), ("b", "r2"))  # r3 is not Ready yet: it goes first
+    down = reconcile(snap(models=[m], placed=three, status=loading), Memory(), 0.0, S,
+                     targets={"m": 2}, load={"r1": 5.0, "r2": 0.0, "r3": 2.0})  # fmt: skip
+    assert [a.replica for a in down] == ["r3"]
+    floor = reconcile(snap(models=[m], placed={("a", "r1"): "m"}), Memory(), 0.0, S,
+                      targets={"m": 0})  # fmt: skip
+    assert floor == []  # never below min
+
+
+def test_scale_reads_the_routers_signals_per_pool() -> None:
+    from cgn_control.reconciler import scale
+    from cgn_control.scaling import ReplicaLoad, Signals
+
+    m = model("m", lo=1, hi=6)
+    placed = {("a", "r1"): "m", ("b", "r2"): "m"}
+    mem = Memory()
+    busy = Signals(replicas=(ReplicaLoad("m", "both", "r1", 8, 12, 20, 600),
+                             ReplicaLoad("m", "both", "r2", 8, 12, 20, 600),
+                             ReplicaLoad("gone", "both", "x", 99, 99, 0, 600)))  # fmt: skip
+    got = scale(snap(models=[m], placed=placed), mem, busy, 0.0)
+    assert set(got) == {"m"} and (got["m"].current, got["m"].desired) == (2, 6)
+    assert got["m"].demand == 40  # the unknown model's replica is not counted

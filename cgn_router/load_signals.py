@@ -1,0 +1,93 @@
+"""What the autoscaler reads from the router it runs in (cgn_control/scaling.py, `Signals`).
+
+The leader of the control loop is a router, and a router already knows the
+fleet's load: each replica's running and waiting requests (scraped from its
+/metrics every `scrape.interval_s`; this router's own requests in flight
+where no fresh page is known), how long each has been routable, its own
+time to first token per model, and the requests it could not route because
+no replica of the model exists (a pool at `min: 0`). Nothing here blocks:
+`signals()` reads what is in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cgn_control.scaling import ReplicaLoad, Signals
+from cgn_router.registry import Registry
+
+WINDOW_S = 60.0  # latencies and unrouted requests count for this long
+MAX_SAMPLES = 4096  # per model: the most recent ones
+
+
+@dataclass
+class Window:
+    """Recent values per model (time, value), bounded in age and in count."""
+
+    points: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, model: str, value: float, now: float | None = None) -> None:
+        if not math.isfinite(value) or value < 0:
+            return
+        ring = self.points.setdefault(model, deque(maxlen=MAX_SAMPLES))
+        ring.append((time.monotonic() if now is None else now, value))
+
+    def recent(self, model: str, now: float) -> list[float]:
+        ring = self.points.get(model)
+        if ring is None:
+            return []
+        while ring and ring[0][0] < now - WINDOW_S:
+            ring.popleft()
+        return [v for _, v in ring]
+
+    def p90(self, now: float) -> dict[str, float]:
+        out = {}
+        for model in list(self.points):
+            values = sorted(self.recent(model, now))
+            if values:
+                out[model] = values[min(len(values) - 1, int(0.9 * len(values)))]
+        return out
+
+    def counts(self, now: float) -> dict[str, int]:
+        return {m: n for m in list(self.points) if (n := len(self.recent(m, now)))}
+
+
+def replica_of(eid: str, node: str) -> str:
+    """The placement's replica id in an endpoint id `<model>/<node>.<replica>` (or
+    `<model>/<replica>` for one registered by hand)."""
+    tail = eid.split("/", 1)[-1]
+    return tail[len(node) + 1 :] if node and tail.startswith(node + ".") else tail
+
+
+@dataclass
+class LoadSignals:
+    registry: Registry
+    ttft: Window = field(default_factory=Window)
+    unrouted: Window = field(default_factory=Window)  # requests no replica existed for
+
+    def signals(self) -> Signals:
+        now = time.monotonic()
+        replicas = []
+        for eid, state in list(self.registry.states.items()):
+            load = self.registry.fresh_load(state, now)
+            running = load.running if load is not None else float(state.in_flight)
+            waiting = load.waiting if load is not None else 0.0
+            replicas.append(
+                ReplicaLoad(
+                    model=state.endpoint.model,
+                    role=state.endpoint.role,
+                    replica=replica_of(eid, state.endpoint.node),
+                    running=running,
+                    waiting=waiting,
+                    in_flight=state.in_flight,
+                    ready_for_s=now - state.since,
+                )
+            )
+        return Signals(
+            replicas=tuple(replicas),
+            ttft_p90_s=self.ttft.p90(now),
+            waiting_at_router=self.unrouted.counts(now),
+        )
