@@ -109,6 +109,42 @@ async def owners(client: EtcdClient) -> dict[str, dict[str, str]]:
     return {kv.key[len(OWNERS) :]: _owner(kv.value) for kv in kvs}
 
 
+async def scale_model(
+    client: EtcdClient,
+    name: str,
+    lo: int | None,
+    hi: int | None,
+    role: str | None = None,
+) -> ModelSpec:
+    """Change a model's replica bounds (a disaggregated model's: one pool's, `role`) and
+    store it, checked like `apply`; NotFound, NotYours or CatalogError otherwise."""
+    await _not_owned(client, [name])
+    current = (await read_snapshot(client)).models
+    spec = current.get(name)
+    if spec is None:
+        raise NotFound(f"model {name!r} is not in the catalog")
+    doc = spec.to_json()
+    if spec.pools:
+        if role not in spec.pools:
+            raise CatalogError(f"{name} has pools ({', '.join(spec.pools)}): name one with --role")
+        pool = doc["pools"][role]
+        old = pool if isinstance(pool, dict) else {"min": pool, "max": pool}
+        doc["pools"][role] = {"min": old["min"] if lo is None else lo,
+                              "max": old["max"] if hi is None else hi}  # fmt: skip
+    else:
+        if role is not None:
+            raise CatalogError(f"{name} has no pools: --role applies to a disaggregated model")
+        old = doc["replicas"]
+        doc["replicas"] = {"min": old["min"] if lo is None else lo,
+                           "max": old["max"] if hi is None else hi}  # fmt: skip
+        if lo is not None and hi is None and lo > old["max"]:
+            doc["replicas"]["max"] = lo  # raising min alone raises max with it
+    new = parse_model(doc, name)
+    check_catalog({**current, name: new})
+    await client.put_json(keys.CATALOG + name, new.to_json())
+    return new
+
+
 async def delete_model(client: EtcdClient, name: str) -> None:
     """`cgn-ctl models delete`: refused while another model falls back to it."""
     snap = await read_snapshot(client)

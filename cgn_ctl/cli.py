@@ -308,6 +308,27 @@ def models_get(
     )
 
 
+@models_app.command("scale")
+def models_scale(
+    name: Annotated[str, typer.Argument(help="Model name.")],
+    lo: Annotated[int | None, typer.Option("--min", help="Fewest replicas.")] = None,
+    hi: Annotated[
+        int | None, typer.Option("--max", help="Most replicas (the autoscaler's room).")
+    ] = None,
+    role: Annotated[
+        str | None, typer.Option("--role", help="A disaggregated model's pool: prefill or decode.")
+    ] = None,
+    etcd: Etcd = None,
+    config: Config = None,
+) -> None:
+    """Change a model's replica bounds; with max above min, the autoscaler moves between them."""
+    if lo is None and hi is None:
+        fail("give --min, --max or both", EXIT_USAGE)
+    spec = with_etcd(etcd, config, lambda c: store.scale_model(c, name, lo, hi, role))
+    ((_, got_lo, got_hi),) = [w for w in spec.wants() if role is None or w[0] == role]
+    typer.echo(f"model {name}{f' ({role})' if role else ''}: min {got_lo}, max {got_hi}")
+
+
 @models_app.command("delete")
 def models_delete(
     name: Annotated[str, typer.Argument(help="Model name.")],

@@ -56,10 +56,12 @@ async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
 async def models(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
     held = await store.owners(client)
+    targets = await _targets(client)
     out = []
     for name, spec in sorted(snap.models.items()):
         counts = model_replicas(snap, name)
         who = held.get(name)
+        want = [targets.get(f"{name}:{r}" if spec.pools else name) for r, _, _ in spec.wants()]
         out.append(
             {
                 "model": name,
@@ -68,6 +70,8 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
                 **({"pools": dict(spec.pools)} if spec.pools else {}),
                 "placed": counts.placed,
                 "ready": counts.ready,
+                # the autoscaler's target (summed over pools); null before any decision
+                "desired": None if None in want else sum(w for w in want if w is not None),
                 "aliases": list(spec.aliases),
                 "fallbacks": list(spec.fallbacks),
                 "profiles": [
@@ -78,6 +82,19 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
                 "managed_by": store.describe_owner(who) if who else None,
             }
         )
+    return out
+
+
+async def _targets(client: EtcdClient) -> dict[str, int]:
+    """Each pool's last target from the autoscaler's records (a bad record: left out)."""
+    kvs, _ = await client.get_prefix(keys.SCALING)
+    out = {}
+    for kv in kvs:
+        try:
+            doc = kv.json()
+            out[kv.key[len(keys.SCALING) :]] = records.integer(doc, "desired", 0)
+        except (ValueError, records.RecordError, AttributeError):
+            continue
     return out
 
 

@@ -32,7 +32,7 @@ def nodes(rows: list[dict[str, Any]]) -> None:
 def models(rows: list[dict[str, Any]]) -> None:
     t = Table(
         "model",
-        "replicas (ready/placed, min–max)",
+        "replicas (ready/placed/target, min–max)",
         "profiles",
         "aliases",
         "fallbacks",
@@ -41,7 +41,8 @@ def models(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         t.add_row(
             r["model"],
-            f"{r['ready']}/{r['placed']}, {r['min']}–{r['max']}",
+            f"{r['ready']}/{r['placed']}/{'-' if r.get('desired') is None else r['desired']}, "
+            f"{r['min']}–{r['max']}",
             ", ".join(r["profiles"]),
             ", ".join(r["aliases"]) or "-",
             ", ".join(r["fallbacks"]) or "-",

@@ -83,7 +83,18 @@ def test_models_apply_list_get_delete(etcd: LocalEtcd, tmp_path: Path) -> None:
     got = ok_json(etcd, "models", "get", "big")
     assert got["fallbacks"] == ["small"] and got["replicas"] == {"min": 1, "max": 1}
     table = ctl(etcd, "models", "list")
-    assert "small" in table.stdout and "0/0, 1–2" in table.stdout
+    assert "small" in table.stdout and "0/0/-, 1–2" in table.stdout  # no autoscaler target yet
+    # bounds changed in place, checked like apply
+    res = ctl(etcd, "models", "scale", "small", "--max", "4")
+    assert res.returncode == 0 and res.stdout.strip() == "model small: min 1, max 4", res.stderr
+    assert ok_json(etcd, "models", "get", "small")["replicas"] == {"min": 1, "max": 4}
+    for args, why in ((["--min", "5", "--max", "3"], "min 5 is above max 3"),
+                      (["--max", "9999"], "expected an integer in [1, 4096]"),
+                      (["--role", "decode", "--max", "2"], "--role applies to a disaggregated"),
+                      ([], "give --min, --max or both")):  # fmt: skip
+        res = ctl(etcd, "models", "scale", "small", *args)
+        assert res.returncode == 2 and why in res.stderr, res.stderr
+    assert ctl(etcd, "models", "scale", "nope", "--max", "2").returncode == 1
     # small cannot go while big falls back to it
     res = ctl(etcd, "models", "delete", "small")
     assert (
