@@ -107,10 +107,22 @@ class Overloaded(RetryableError):
 
 
 class Unavailable(RetryableError):
-    """A peer this component needs (an engine, etcd, a KV daemon) cannot be reached."""
+    """A peer this component needs (an engine, etcd, a KV daemon) cannot be reached;
+    `retry_after_s` (a Retry-After header) when the caller knows when to come back."""
 
     http_status = 503
     openai_type = "service_unavailable"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ):
+        super().__init__(message, code=code, param=param)
+        self.retry_after_s = retry_after_s
 
 
 class EtcdUnavailable(Unavailable):
@@ -144,6 +156,6 @@ def openai_error_body(err: CognitoraError) -> dict[str, Any]:
 def http_response_parts(err: CognitoraError) -> tuple[int, dict[str, str], dict[str, Any]]:
     """Status, extra headers and JSON body for `err`, the one mapping every HTTP edge uses."""
     headers: dict[str, str] = {}
-    if isinstance(err, RateLimited):
+    if isinstance(err, RateLimited | Unavailable) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
     return err.http_status, headers, openai_error_body(err)

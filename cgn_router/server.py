@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +44,7 @@ from cgn_router.attempt import Attempt
 from cgn_router.auth import Principal, authorize, visible
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide
+from cgn_router.load_signals import WINDOW_S
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import AttemptFailed, Call, Relayed
 from cgn_router.service import RouterService
@@ -173,6 +175,7 @@ def _context(
 
 async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) -> Relayed:
     """Try the request's models in order, each on up to `attempts` endpoints."""
+    await _cold_start(svc, ctx)
     last: AttemptFailed | None = None
     for served in ctx.chain:
         prompt = ctx.prompt if served == ctx.model else _hash(svc, ctx.kind, served, ctx.body)
@@ -305,6 +308,33 @@ async def _prefill_leg(
     if not params.do_remote_prefill:
         raise AttemptFailed("bad_answer", f"{view.id}: no KV named in the answer", breaker=False)
     return params.to_json()
+
+
+COLD_POLL_S = 0.25
+
+
+async def _cold_start(svc: RouterService, ctx: RequestContext) -> None:
+    """A catalog model with no replica at all (scaled to zero): the request is counted as
+    demand for the autoscaler and held until a replica is routable, at most `cold_start_s`
+    (and within the request's own deadline); then it is served, or a 503 with Retry-After."""
+    model = ctx.model
+    if svc.registry.serves(model) or svc.catalog.entry(model) is None:
+        return
+    hold = min(svc.settings.deadlines.cold_start_s, ctx.deadline - time.monotonic())
+    if hold <= 0:
+        return
+    deadline, noted = time.monotonic() + hold, -math.inf
+    log.info("no replica of %s yet: holding a request up to %.0f s", model, hold)
+    while not svc.registry.serves(model):
+        now = time.monotonic()
+        if now >= deadline:
+            svc.metrics.requests.labels(model, "no_endpoint").inc()
+            why = f"no replica of model '{model}' became ready within {hold:.0f} s"
+            raise Unavailable(why, code="no_endpoint", retry_after_s=30)
+        if now - noted >= WINDOW_S / 2:  # NOTE: the autoscaler counts the last minute's
+            svc.load.unrouted.add(model, 1.0, now)
+            noted = now
+        await asyncio.sleep(COLD_POLL_S)
 
 
 def _no_answer(svc: RouterService, model: str, last: AttemptFailed | None) -> CognitoraError:

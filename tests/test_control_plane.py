@@ -325,7 +325,8 @@ def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
 ) -> None:
     """min 1, max 3, engines that run two requests at a time: eight streaming clients make
     requests wait, the leader learns a replica's capacity (2) and scales to 3; when the load
-    falls to one client, it returns to 1 after its 8 s window, draining what it removes."""
+    falls to one client, it returns to 1 after its 8 s window, draining what it removes.
+    With min 0 it then goes to zero, and a request holds until a replica serves it."""
     model = tmp_path / "elastic.yaml"
     model.write_text(ELASTIC_YAML)
     cluster.ctl("models", "apply", "-f", str(model))
@@ -348,5 +349,17 @@ def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
     assert decision["capacity"] == 2
     reasons = [h["reason"] for h in decision["history"]]
     assert any("demand" in r and "capacity 2 per replica" in r for r in reasons), reasons
+    # min 0: idle, it goes to zero; the next request is held at the router while the
+    # autoscaler starts a replica for it, then served
+    cluster.ctl("models", "scale", "elastic", "--min", "0")
+    until("no replica while idle", lambda: elastic(cluster) == (0, 0), timeout_s=60)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)  # fmt: skip
+    started = time.monotonic()
+    cold = client.chat.completions.create(
+        model="elastic", max_tokens=4, messages=[{"role": "user", "content": "wake up"}]
+    )
+    print(f"\nfrom zero replicas to an answer in {time.monotonic() - started:.1f}s")
+    assert cold.choices[0].message.content is not None
     cluster.ctl("models", "delete", "elastic")
     until("its replicas gone", lambda: elastic(cluster) == (0, 0), timeout_s=60)

@@ -34,6 +34,11 @@ def test_mapping(err: e.CognitoraError, status: int, kind: str, retryable: bool)
 def test_retry_after_is_whole_seconds_at_least_one() -> None:
     assert e.http_response_parts(e.RateLimited("x", retry_after_s=0.2))[1] == {"Retry-After": "1"}
     assert e.http_response_parts(e.RateLimited("x", retry_after_s=2.6))[1] == {"Retry-After": "3"}
+    # a 503 says when to come back where the caller knows (a pool starting from zero)
+    assert e.http_response_parts(e.Unavailable("x", retry_after_s=30))[:2] == (
+        503,
+        {"Retry-After": "30"},
+    )
 
 
 def test_code_and_param_carried() -> None:
