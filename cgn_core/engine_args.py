@@ -50,7 +50,10 @@ _CUDA_ENV = frozenset(
 
 POLICIES: dict[str, ArgPolicy] = {
     "cgn_infer": ArgPolicy(
-        _flags("--max-batch --prefill-chunk --kv-pool-tokens --kv-dtype --decode-threads --speed"),
+        _flags(
+            "--max-batch --prefill-chunk --kv-pool-tokens --kv-dtype --decode-threads "
+            "--speed --sim-load-s"
+        ),
         _THREADS_ENV,
     ),
     "llama_cpp": ArgPolicy(

@@ -53,6 +53,10 @@ def serve(
     speed: Annotated[
         float | None, flag("--speed", "sim backend: run this many times faster than modelled.")
     ] = None,
+    sim_load_s: Annotated[
+        float | None,
+        flag("--sim-load-s", "sim backend: seconds its weights take to load (a cold start)."),
+    ] = None,
     role: Annotated[
         str | None,
         flag(
@@ -134,6 +138,7 @@ def serve(
         "kv_pool_tokens": kv_pool_tokens,
         "kv_dtype": kv_dtype,
         "sim.speed": speed,
+        "sim.load_s": sim_load_s,
         "sim.engines": engines,
         "role": role,
         "backend": backend,

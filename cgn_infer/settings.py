@@ -28,11 +28,16 @@ class SimSettings:
     # ones; 0: any free ports), scheduler, KV pool, metrics and KV event stream, sharing
     # the tokenizer: a fleet of hundreds on a small machine, for tests and benchmarks.
     engines: int = 1
+    # Seconds the weights take to load, slept at start (not scaled by speed): a fleet's cold
+    # start, for autoscaling benchmarks; /health says "loading" meanwhile.
+    load_s: float = 0.0
 
     def check(self) -> None:
         positive(self, "speed")
         if self.engines < 1:
             raise ConfigError(f"engines must be at least 1, got {self.engines}")
+        if not 0 <= self.load_s <= 3600:
+            raise ConfigError(f"load_s must be in [0, 3600], got {self.load_s}")
 
 
 @dataclass(frozen=True, slots=True)

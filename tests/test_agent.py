@@ -220,7 +220,7 @@ async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
             "r-preload": "refused: cgn_infer: environment variable LD_PRELOAD is never allowed",
             "r-ready-file": "refused: cgn_infer: flag --ready-file is not allowed in extra_args "
             "(allowed: --decode-threads, --kv-dtype, --kv-pool-tokens, --max-batch, "
-            "--prefill-chunk, --speed)",
+            "--prefill-chunk, --sim-load-s, --speed)",
             "r-passwd": "refused: cgn_infer: source /etc/passwd is not under a model directory "
             "(none configured (agent setting model_dirs))",
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +68,8 @@ def build_sim(args: Args, settings: InferSettings, pieces: Sequence[str]) -> Any
         sim.speed,
     )
     kv_bytes = 4 if settings.kv_dtype == "float32" else 2
+    if sim.load_s:  # NOTE: on the loading thread: the listener is up and says "loading"
+        time.sleep(sim.load_s)
     # A simulated model has no position tables: its context is what --ctx asks for.
     sim_args = dataclasses.replace(args, ctx_len=max(args.ctx_len, settings.ctx))
     return SimBackend(sim_args, cost, word_tokens(pieces), kv_bytes)
