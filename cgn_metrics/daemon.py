@@ -47,15 +47,16 @@ async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
         kvs, _ = await client.get_prefix(p)
         return {kv.key: kv.value for kv in kvs}
 
-    nodes, endpoints, kvcached, cordons, placements = await asyncio.gather(
+    nodes, endpoints, kvcached, cordons, placements, scaling = await asyncio.gather(
         prefix(keys.NODES),
         prefix(keys.ENDPOINTS),
         prefix(keys.KVCACHED),
         prefix(keys.CORDON),
         prefix(keys.PLACEMENTS),
+        prefix(keys.SCALING),
     )
     placed = {k.removeprefix(keys.PLACEMENTS).partition("/")[0] for k in placements}
-    return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec)
+    return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec, scaling=scaling)
 
 
 def efficiency_records(view: dict[str, Any], now_unix: float) -> dict[str, dict[str, Any]]:

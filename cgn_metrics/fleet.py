@@ -236,6 +236,7 @@ def summarize(
                     model, sum(1 for r in replicas if r["model"] == model)
                 ),
                 "ready": sum(1 for r in replicas if r["model"] == model and r["state"] == "up"),
+                "desired": fleet.desired.get(model),  # the autoscaler's target; None: none
                 "tokens_per_s": per_s(tok.get("output", 0.0)),
                 "j_per_output_token": _ratio(joules, tok.get("output", 0.0)) if measured else None,
             }

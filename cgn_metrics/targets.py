@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,6 +47,7 @@ class Fleet:
     targets: tuple[Target, ...]
     nodes: Mapping[str, str]  # node -> Ready | Cordoned | Draining | Lost
     replicas: Mapping[str, int]  # model -> Ready endpoints
+    desired: Mapping[str, int] = field(default_factory=dict)  # model -> the autoscaler's target
 
 
 def base_url(url: str) -> str:
@@ -82,6 +83,7 @@ def fleet_from_records(
     placed_nodes: Iterable[str],
     rec: RecordLog,
     revision: int = 0,
+    scaling: Mapping[str, bytes] | None = None,
 ) -> Fleet:
     """Targets, node states and ready replicas from etcd's raw values, keyed by their full
     keys; every value is parsed and checked here."""
@@ -129,7 +131,17 @@ def fleet_from_records(
         cordon = rec.parse(key, revision, raw, records.cordon)
         if cordon is not None and node in states and states[node] != "Lost":
             states[node] = "Draining" if cordon.drain else "Cordoned"
-    return Fleet(tuple(targets), states, replicas)
+    desired: dict[str, int] = {}
+    for key, raw in (scaling or {}).items():  # <model> or <model>:<role>: pools add up
+        model = key.removeprefix(keys.SCALING).partition(":")[0]
+        target = rec.parse(key, revision, raw, _target)
+        if target is not None:
+            desired[model] = desired.get(model, 0) + target
+    return Fleet(tuple(targets), states, replicas, desired)
+
+
+def _target(doc: Any) -> int:
+    return records.integer(records.obj(doc, "scaling"), "desired", 0, 0, 1 << 20)
 
 
 def _agent(doc: Any) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cgn_control.catalog import ENGINES, KV_CONNECTORS, ROLES, Profile
+from cgn_control.scaling import ScalingPolicy
 
 GROUP = "cognitora.io"
 VERSION = "v1alpha1"
@@ -79,6 +80,21 @@ def _profile() -> dict[str, Any]:
     return _obj(props, required=["engine"])
 
 
+_SLO_FIELDS = ("ttft_p90_ms", "itl_p90_ms")
+
+
+def _scaling() -> dict[str, Any]:
+    """The catalog's `scaling:` block (cgn_control/scaling.py ScalingPolicy, less the SLO)."""
+    kinds = {"enabled": "boolean", "max_step_up": "integer"}
+    props = {
+        f.name: _s(kinds.get(f.name, "number"), minimum=0) if f.name != "enabled" else
+        _s("boolean")
+        for f in dataclasses.fields(ScalingPolicy)
+        if f.name not in _SLO_FIELDS
+    }  # fmt: skip
+    return _obj(props, "the autoscaler's policy; ranges are checked as by cgn-ctl models apply")
+
+
 def model_spec_schema() -> dict[str, Any]:
     return _obj(
         {
@@ -94,6 +110,11 @@ def model_spec_schema() -> dict[str, Any]:
             "pools": _obj(
                 {"prefill": _s("integer", minimum=1), "decode": _s("integer", minimum=1)},
                 "replicas per role of a disaggregated model (instead of replicas)",
+            ),
+            "scaling": _scaling(),
+            "slo": _obj(
+                {k: _s("number", exclusiveMinimum=True, minimum=0) for k in _SLO_FIELDS},
+                "the autoscaler scales up while the router's p90 over a minute is worse",
             ),
             "aliases": _s("array", items=_MODEL_NAME),
             "fallbacks": _s("array", items=_MODEL_NAME),

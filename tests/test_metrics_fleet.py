@@ -182,9 +182,13 @@ def test_targets_and_node_states_from_etcd_records() -> None:
     kv = {"/cognitora/kvcached/n1": rec({"address": "10.0.0.1:7071",
                                          "events_url": "http://10.0.0.1:9094/v1/kv/events"})}  # fmt: skip
     cordons = {"/cognitora/cordon/n2": rec({"drain": True}), "/cognitora/cordon/n9": rec({})}
+    scaling = {"/cognitora/scaling/smol": rec({"desired": 3}),  # the autoscaler's targets
+               "/cognitora/scaling/pd:prefill": rec({"desired": 1}),
+               "/cognitora/scaling/pd:decode": rec({"desired": 2}),
+               "/cognitora/scaling/bad": rec({"desired": 10**400})}  # fmt: skip
     warnings: list[str] = []
     fleet = fleet_from_records(
-        nodes, endpoints, kv, cordons, ["n6"], RecordLog(on_bad=warnings.append)
+        nodes, endpoints, kv, cordons, ["n6"], RecordLog(on_bad=warnings.append), scaling=scaling
     )
     ids = sorted(t.id for t in fleet.targets)
     assert ids == sorted([
@@ -193,8 +197,9 @@ def test_targets_and_node_states_from_etcd_records() -> None:
     ])  # fmt: skip
     assert fleet.nodes == {"n1": "Ready", "n2": "Draining", "n5": "Lost", "n6": "Lost"}
     assert fleet.replicas == {"smol": 2, "manual": 1}
+    assert fleet.desired == {"smol": 3, "pd": 3}  # pools add up
     assert sorted(warnings) == ["/cognitora/endpoints/n1/smol/bad", "/cognitora/nodes/n3",
-                                "/cognitora/nodes/n4"]  # fmt: skip
+                                "/cognitora/nodes/n4", "/cognitora/scaling/bad"]  # fmt: skip
 
 
 @pytest.mark.parametrize(

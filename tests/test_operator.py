@@ -430,3 +430,25 @@ async def test_kubectl_accepts_every_manifest(tmp_path: Path) -> None:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert out.decode().count("(dry run)") == len(_every_manifest())
+
+
+def test_a_model_resource_carries_the_autoscalers_policy() -> None:
+    """CognitoraModel's spec has the catalog's scaling: and slo: blocks, field for field, and
+    they reach the catalog entry through the same parser."""
+    import dataclasses
+
+    from cgn_control.scaling import ScalingPolicy
+    from cgn_operator import crds
+
+    props = crds.model_spec_schema()["properties"]
+    policy = {f.name for f in dataclasses.fields(ScalingPolicy)}
+    assert set(props["scaling"]["properties"]) | set(props["slo"]["properties"]) == policy
+    spec = parse_model(crds.model_doc({"name": "m"}, {
+        "source": "smollm2", "replicas": {"min": 1, "max": 4},
+        "scaling": {"stabilization_s": 30}, "slo": {"ttft_p90_ms": 500},
+        "profiles": [{"engine": "cgn_infer"}]}))  # fmt: skip
+    assert (spec.max_replicas, spec.scaling.stabilization_s, spec.scaling.ttft_p90_ms) == (
+        4,
+        30,
+        500,
+    )
