@@ -253,8 +253,8 @@ def _pools(
     return pools, most
 
 
-_SCALING_FLOATS = ("utilization", "hysteresis", "warmup_s", "up_cooldown_s", "down_cooldown_s",
-                   "stabilization_s")  # fmt: skip
+_SCALING_FLOATS = ("utilization", "hysteresis", "warmup_s", "window_s", "up_cooldown_s",
+                   "down_cooldown_s", "stabilization_s")  # fmt: skip
 _SLO = ("ttft_p90_ms", "itl_p90_ms")
 
 

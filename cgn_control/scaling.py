@@ -13,8 +13,9 @@ pools separately), from the samples of replicas Ready for at least
 `warmup_s` (a loading or cold replica's figures are not its load), with any
 non-finite or negative figure skipped:
 
-    demand    = Σ (running + waiting)                     requests at the replicas
-    capacity  = the most a replica ran while requests waited (learned, never configured)
+    demand    = Σ (running + waiting), averaged over `window_s`   requests at the replicas
+    capacity  = the most a replica ran while requests waited on two passes running
+                (learned, never configured; one pass's queue is often a prefill step)
     up        = ceil(demand / (capacity × utilization))   fewest replicas that carry it
     down      = ceil(demand / (capacity × utilization × (1 - hysteresis)))
     recommend = up if up > current; down if down < current; else current
@@ -54,6 +55,7 @@ class ScalingPolicy:
     utilization: float = 0.8  # of a replica's learned capacity, the load a step aims at
     hysteresis: float = 0.25  # down only when the smaller fleet would sit this far below
     warmup_s: float = 30.0  # a replica Ready for less than this is not sampled
+    window_s: float = 10.0  # demand is the mean of this many seconds of samples
     up_cooldown_s: float = 15.0  # between two steps up
     down_cooldown_s: float = 60.0  # after any change, before a step down
     stabilization_s: float = 120.0  # a step down goes to the largest recommendation of this
@@ -66,7 +68,7 @@ class ScalingPolicy:
             raise ConfigError(f"{where}.utilization must be in [0.05, 1], got {self.utilization}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ConfigError(f"{where}.hysteresis must be in [0, 1), got {self.hysteresis}")
-        for name in ("warmup_s", "up_cooldown_s", "down_cooldown_s", "stabilization_s"):
+        for name in ("warmup_s", "window_s", "up_cooldown_s", "down_cooldown_s", "stabilization_s"):
             value = getattr(self, name)
             if not 0.0 <= value <= 86400.0:
                 raise ConfigError(f"{where}.{name} must be in [0, 86400], got {value}")
@@ -165,6 +167,8 @@ class PoolMemory:
     last_up: float = -math.inf
     last_down: float = -math.inf
     recommendations: deque[tuple[float, int]] = field(default_factory=deque)
+    demands: deque[tuple[float, float]] = field(default_factory=deque)  # (time, demand)
+    queued: set[str] = field(default_factory=set)  # replicas with requests waiting, last pass
 
 
 @dataclass
@@ -230,10 +234,16 @@ class Scaler:
         if not lo <= current <= hi:  # the bounds changed: inside them at once
             return decided(min(max(current, lo), hi), f"outside min {lo} .. max {hi}")
         usable = [s for s in samples if s.usable and s.ready_for_s >= p.warmup_s]
-        for s in usable:  # a replica with requests waiting runs all it can: its capacity
-            if s.waiting > 0 and s.running >= 1:
+        queued = {s.replica for s in usable if s.waiting > 0 and s.running >= 1}
+        for s in usable:  # requests waiting on two passes running: all it can run, its capacity
+            if s.replica in queued and s.replica in mem.queued:
                 mem.capacity = max(mem.capacity or 0.0, s.running)
-        demand = sum(s.running + s.waiting for s in usable) + pool.waiting_at_router
+        mem.queued = queued  # NOTE: one pass's queue is often a prompt's prefill step, not a limit
+        now_demand = sum(s.running + s.waiting for s in usable) + pool.waiting_at_router
+        mem.demands.append((now, now_demand))
+        while mem.demands[0][0] < now - p.window_s:
+            mem.demands.popleft()
+        demand = sum(d for _, d in mem.demands) / len(mem.demands)  # the window's mean
         rec, why = self._recommend(pool, demand, current, mem.capacity)
         rec = min(max(rec, lo), hi)
         mem.recommendations.append((now, rec))

@@ -353,6 +353,7 @@ def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
     # autoscaler starts a replica for it, then served
     cluster.ctl("models", "scale", "elastic", "--min", "0")
     until("no replica while idle", lambda: elastic(cluster) == (0, 0), timeout_s=60)
+    until("nothing routable", lambda: not routed_urls_of(router, "elastic"))
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)  # fmt: skip
     started = time.monotonic()

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from cgn_control.scaling import Pool, Sample, Scaler, ScalingPolicy
 
-POLICY = ScalingPolicy(warmup_s=10, up_cooldown_s=15, down_cooldown_s=60, stabilization_s=120)
+# demand as sampled (window_s 0): the tables below are about the rules, not the averaging
+POLICY = ScalingPolicy(
+    warmup_s=10, window_s=0, up_cooldown_s=15, down_cooldown_s=60, stabilization_s=120
+)
 
 
 def samples(pool: str, loads: list[tuple[float, float]], ready_for_s: float = 600) -> list[Sample]:
@@ -25,9 +28,16 @@ def pool(current: int, lo: int = 1, hi: int = 8, **kw: object) -> Pool:
     return Pool("m", lo, hi, current, POLICY, **kw)  # type: ignore[arg-type]
 
 
+def twice(s: Scaler, pools: list[Pool], load: list[Sample], now: float, **kw: object) -> dict:
+    """A pass half a second before, then the decision: a capacity is learned only from a
+    queue that lasted two passes."""
+    s.decide(pools, load, now=now - 0.5, **kw)  # type: ignore[arg-type]
+    return s.decide(pools, load, now=now, **kw)  # type: ignore[arg-type]
+
+
 def test_a_step_up_in_load_adds_several_replicas_at_once() -> None:
     s = Scaler()
-    d = s.decide([pool(2)], samples("m", [(8, 12), (8, 12)]), now=0)["m"]
+    d = twice(s, [pool(2)], samples("m", [(8, 12), (8, 12)]), now=0)["m"]
     # capacity 8 learned (requests waited); demand 40 / (8 x 0.8) = 7, at most 4 a step
     assert (d.direction, d.desired, d.capacity) == ("up", 6, 8)
     again = s.decide([pool(6)], samples("m", [(8, 12)] * 2), now=5)["m"]
@@ -37,7 +47,7 @@ def test_a_step_up_in_load_adds_several_replicas_at_once() -> None:
 
 def test_zero_traffic_returns_to_min_within_the_stabilization_window() -> None:
     s = Scaler()
-    s.decide([pool(2)], samples("m", [(8, 4), (8, 4)]), now=0)  # learns capacity 8, goes to 4
+    twice(s, [pool(2)], samples("m", [(8, 4), (8, 4)]), now=0)  # learns capacity 8, goes to 4
     for t in range(10, 130, 10):  # traffic stops at t=10: held for the 120 s window
         d = s.decide([pool(4)], samples("m", [(0, 0)] * 4), now=t)["m"]
         assert d.desired == 4, (t, d.reason)
@@ -47,7 +57,7 @@ def test_zero_traffic_returns_to_min_within_the_stabilization_window() -> None:
 
 def test_a_steady_load_at_a_boundary_does_not_oscillate() -> None:
     s = Scaler()
-    s.decide([pool(3)], samples("m", [(8, 1), (8, 1), (8, 1)]), now=0)  # capacity 8
+    twice(s, [pool(3)], samples("m", [(8, 1), (8, 1), (8, 1)]), now=0)  # capacity 8
     targets = []
     for t in range(1, 2000, 7):  # demand wobbles around 3 replicas' worth (19.2)
         demand = 19.2 + (1.5 if t % 2 else -1.5)
@@ -62,7 +72,7 @@ def test_a_steady_load_at_a_boundary_does_not_oscillate() -> None:
 
 def test_samples_of_loading_or_cold_replicas_do_not_cause_over_scaling() -> None:
     s = Scaler()
-    s.decide([pool(2)], samples("m", [(8, 1), (8, 1)]), now=0)  # capacity 8, demand 18 -> 3
+    twice(s, [pool(2)], samples("m", [(8, 1), (8, 1)]), now=0)  # capacity 8, demand 18 -> 3
     warm = samples("m", [(6, 0), (6, 0), (6, 0)])
     cold = [Sample("m", "new", 0, 500, ready_for_s=3)]  # its start-up queue, not load
     d = s.decide([pool(3)], [*warm, *cold], now=100)["m"]
@@ -71,7 +81,7 @@ def test_samples_of_loading_or_cold_replicas_do_not_cause_over_scaling() -> None
 
 def test_poison_figures_are_skipped_never_acted_on() -> None:
     s = Scaler()
-    s.decide([pool(2)], samples("m", [(8, 1), (8, 1)]), now=0)
+    twice(s, [pool(2)], samples("m", [(8, 1), (8, 1)]), now=0)
     poison = [Sample("m", "x", math.nan, 1e9, 600), Sample("m", "y", -5, 1e9, 600),
               Sample("m", "z", math.inf, 0, 600)]  # fmt: skip
     d = s.decide([pool(3)], [*samples("m", [(6, 0)] * 3), *poison], now=100)["m"]
@@ -82,7 +92,7 @@ def test_max_and_the_budget_are_never_exceeded_across_models() -> None:
     s = Scaler()
     hot = [Pool("a", 1, 3, 1, POLICY), Pool("b", 1, 8, 1, POLICY), Pool("c", 2, 8, 2, POLICY)]
     load = [*samples("a", [(8, 50)]), *samples("b", [(8, 50)]), *samples("c", [(8, 5)] * 2)]
-    got = s.decide(hot, load, now=0, budget=8)
+    got = twice(s, hot, load, now=0, budget=8)
     assert got["a"].desired == 3  # its max
     assert sum(d.desired for d in got.values()) <= 8
     assert got["b"].desired == 3 and "budget of 8" in got["b"].reason  # the rest of the room
@@ -93,7 +103,7 @@ def test_pools_scale_independently() -> None:
     s = Scaler()
     prefill, decode = Pool("m (prefill)", 1, 8, 1, POLICY), Pool("m (decode)", 1, 8, 2, POLICY)
     load = [*samples("m (prefill)", [(4, 20)]), *samples("m (decode)", [(3, 0), (3, 0)])]
-    got = s.decide([prefill, decode], load, now=0)
+    got = twice(s, [prefill, decode], load, now=0)
     assert got["m (prefill)"].direction == "up" and got["m (decode)"].direction == "hold"
 
 
@@ -122,6 +132,23 @@ def test_disabled_scaling_and_fixed_sizes_and_new_bounds() -> None:
     narrowed = Scaler()
     narrowed.decide([pool(6)], [], now=0)
     assert narrowed.decide([pool(6, hi=4)], [], now=1)["m"].desired == 4  # at once
+
+
+def test_a_queue_of_one_pass_teaches_nothing_and_demand_is_a_window_mean() -> None:
+    """One pass with requests waiting is often a long prompt's prefill step, not a full
+    replica: capacity is learned from a queue seen on two passes running. Demand is the mean
+    of `window_s`: one busy pass among idle ones does not double the fleet."""
+    s = Scaler()
+    blip = s.decide([pool(1)], samples("m", [(1, 2)]), now=0)["m"]
+    assert blip.capacity is None and blip.desired == 1
+    assert s.decide([pool(1)], samples("m", [(1, 0)]), now=0.5)["m"].capacity is None
+    windowed = Scaler()
+    p = replace(POLICY, window_s=10)
+    twice(windowed, [Pool("m", 1, 8, 2, p)], samples("m", [(8, 4)] * 2), now=0)  # capacity 8
+    for t in range(1, 10):  # idle for nine passes
+        windowed.decide([Pool("m", 1, 8, 4, p)], samples("m", [(0, 0)] * 4), now=100 + t)
+    d = windowed.decide([Pool("m", 1, 8, 4, p)], samples("m", [(8, 40)] * 4), now=110)["m"]
+    assert d.demand == pytest.approx(192 / 10) and d.desired == 4  # a burst of one pass
 
 
 @pytest.mark.parametrize(
