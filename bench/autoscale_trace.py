@@ -284,7 +284,9 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     rows += ["", f"{r[next(iter(r))]['requests']} requests over {args.seconds:g} s "
              f"({args.base_rps:g} → {args.peak_rps:g} → {args.base_rps:g} req/s); sim engines "
              "(speed 4, 4 at a time, 10 s cold start) under two real agents, a real router and "
-             "etcd; scaling " + json.dumps(SCALING) + ". Timeline: autoscale_trace.png."]  # fmt: skip
+             "etcd; scaling " + json.dumps(SCALING) + ". Timeline: autoscale_trace.png (replicas "
+             "placed over time; red static at max, blue static at min, green autoscaled, grey "
+             "the arrival rate scaled to the plot)."]  # fmt: skip
     return "\n".join(rows)
 
 
