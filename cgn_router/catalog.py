@@ -33,6 +33,7 @@ class ModelEntry:
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
     tokenizer: Path | None = None
+    scales_to_zero: bool = False  # replicas.min is 0: a request may wait for a cold start
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
@@ -58,8 +59,14 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         tokenizer = source  # cgn-ctl's catalog: the model's own GGUF tokenizes for routing
     if tokenizer is not None and not isinstance(tokenizer, str):
         raise ValueError(f"catalog entry {name}: 'tokenizer' must be a path")
+    replicas = data.get("replicas")
+    zero = isinstance(replicas, dict) and replicas.get("min") == 0
     return ModelEntry(
-        name, names("aliases"), names("fallbacks"), Path(tokenizer) if tokenizer else None
+        name,
+        names("aliases"),
+        names("fallbacks"),
+        Path(tokenizer) if tokenizer else None,
+        scales_to_zero=zero,
     )
 
 

@@ -314,11 +314,16 @@ COLD_POLL_S = 0.25
 
 
 async def _cold_start(svc: RouterService, ctx: RequestContext) -> None:
-    """A catalog model with no replica at all (scaled to zero): the request is counted as
-    demand for the autoscaler and held until a replica is routable, at most `cold_start_s`
-    (and within the request's own deadline); then it is served, or a 503 with Retry-After."""
+    """A model that scales to zero (catalog `replicas.min: 0`) with no replica and no
+    fallback that has one: the request is counted as demand for the autoscaler and held until
+    a replica is routable, at most `cold_start_s` (and within the request's own deadline);
+    then it is served, or a 503 with Retry-After. (A model at min 1 or more without a replica
+    is a failure to route around, not a cold start: 503 at once, or its fallback.)"""
     model = ctx.model
-    if svc.registry.serves(model) or svc.catalog.entry(model) is None:
+    entry = svc.catalog.entry(model)
+    if entry is None or not entry.scales_to_zero:
+        return
+    if any(svc.registry.serves(m) for m in ctx.chain):
         return
     hold = min(svc.settings.deadlines.cold_start_s, ctx.deadline - time.monotonic())
     if hold <= 0:

@@ -337,6 +337,7 @@ def test_scale_reads_the_routers_signals_per_pool() -> None:
     busy = Signals(replicas=(ReplicaLoad("m", "both", "r1", 8, 12, 20, 600),
                              ReplicaLoad("m", "both", "r2", 8, 12, 20, 600),
                              ReplicaLoad("gone", "both", "x", 99, 99, 0, 600)))  # fmt: skip
+    scale(snap(models=[m], placed=placed), mem, busy, -0.5)  # capacity: a queue on two passes
     got = scale(snap(models=[m], placed=placed), mem, busy, 0.0)
     assert set(got) == {"m"} and (got["m"].current, got["m"].desired) == (2, 6)
     assert got["m"].demand == 40  # the unknown model's replica is not counted
