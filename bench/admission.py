@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cgn_core import keys
 from cgn_core.apikeys import create
 from cgn_core.etcd.local import LocalEtcd
+from harness.metrics import metric
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
 
 MODEL = "sim"
@@ -71,6 +72,7 @@ class Fleet:
     priority_only: Router  # engine priorities, no admission
     keys: dict[str, str]  # name -> API key
     twin: Router | None = None  # a second router with admission on, same engines
+    engines: tuple[str, ...] = ()  # the engines' base URLs
 
 
 def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
@@ -103,7 +105,7 @@ def fleet(tmp: Path, twin: bool = False, speed: float = SPEED) -> Iterator[Fleet
                 "bronze-big": put_key(etcd, "big-tenant", "bronze"),
                 "bronze-small": put_key(etcd, "small-tenant", "bronze")}  # fmt: skip
         second = stack.enter_context(cgn_router(tmp, base)) if twin else None
-        yield Fleet(etcd, on, off, prio, keys, second)
+        yield Fleet(etcd, on, off, prio, keys, second, tuple(e.url for e in engines))
 
 
 async def completion(session: aiohttp.ClientSession, url: str, key: str, prompt: list[int],
@@ -274,6 +276,16 @@ def table_two_routers(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def wait_idle(engines: tuple[str, ...], timeout_s: float = 120.0) -> None:
+    """Until no engine runs or queues a request (their own /metrics), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    while any(metric(url, name) for url in engines for name in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engines still had requests after {timeout_s:g} s")
+        time.sleep(0.1)
+
+
 async def measure(f: Fleet, n_bronze: int, n_probes: int, settle_s: float = 4.0) -> dict[str, Any]:
     """The four phases and the fairness check; `settle_s`: how long each load runs before its
     probes start (and the pause after it), which a faster fleet (`fleet(speed=)`) needs less of."""
@@ -287,6 +299,9 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int, settle_s: float = 4.0)
     prio = await under_load(f.priority_only.url, f.keys, n_bronze, n_probes // 3, 3,
                             settle_s=settle_s)  # fmt: skip
     await asyncio.sleep(settle_s / 2)
+    # NOTE: the engines finish what the last phase left first: fairness is measured on an idle
+    # fleet (a leftover queue on one engine had once held seven small requests behind it)
+    await asyncio.to_thread(wait_idle, f.engines)
     fair = await fairness(f.with_admission.url, f.keys)
     base = pct(idle, 0.99)
     return {

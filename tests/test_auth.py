@@ -106,7 +106,8 @@ def test_keys_scopes_and_revocation(cluster: tuple[LocalEtcd, Router]) -> None:
     ctl(etcd, "revoke", created["id"])
     took = until(lambda: call(router, key)[0] == 401)
     assert took < 5.0  # revocation takes effect within seconds
-    readyz = json.load(urllib.request.urlopen(router.admin + "/readyz", timeout=5))
+    with urllib.request.urlopen(router.admin + "/readyz", timeout=5) as resp:
+        readyz = json.load(resp)
     assert readyz["auth"] == "enabled"
 
 
