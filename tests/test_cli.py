@@ -76,6 +76,7 @@ def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
     /dev/zero forever (each run here has 60 s; they answer at once)."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
+    kv_serve = [exe("kvcached"), "serve", "--port", "0", "--admin-port", "0"]
     cases = [
         ([exe("router"), "config", "-c", str(fifo)], "not a regular file"),
         ([exe("kvcached"), "config", "-c", "/dev/zero"], "not a regular file"),
@@ -83,43 +84,17 @@ def test_a_fifo_a_device_or_a_directory_named_as_a_file_is_a_one_line_error(
         ([exe("ctl"), "models", "apply", "-f", "/dev/zero"], "not a regular file"),
         ([exe("ctl"), "models", "apply", "-f", str(fifo)], "not a regular file"),
         ([exe("infer"), "serve", "--model", str(fifo), "--port", "0"], "not a regular file"),
+        ([*kv_serve, "--set", f"secret_file={fifo}"], "secret_file"),
         (
             [
-                exe("kvcached"),
-                "serve",
-                "--port",
-                "0",
-                "--admin-port",
-                "0",
-                "--set",
-                f"secret_file={fifo}",
-            ],
-            "secret_file",
-        ),
-        (
-            [
-                exe("kvcached"),
-                "serve",
-                "--port",
-                "0",
-                "--admin-port",
-                "0",
-                "--set",
-                f"tls.ca_file={fifo}",
-                "--set",
-                f"tls.cert_file={fifo}",
-                "--set",
-                f"tls.key_file={fifo}",
+                *kv_serve,
+                *(a for f in ("ca", "cert", "key") for a in ("--set", f"tls.{f}_file={fifo}")),
             ],
             "not a regular file",
         ),
     ]
     for argv, fragment in cases:
-        res = run(*argv)
-        assert res.returncode != 0, argv
-        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
-        assert "Traceback" not in res.stderr, argv
+        one_line_error(argv, fragment)
 
 
 def test_out_of_range_numbers_on_command_lines_are_one_line_errors() -> None:
@@ -137,7 +112,13 @@ def test_out_of_range_numbers_on_command_lines_are_one_line_errors() -> None:
         ([*sim, "--kv-pool-tokens", str(10**12)], "needs 14901.2 GiB of host memory"),
     ]
     for argv, fragment in cases:
-        res = run(*argv)
-        assert res.returncode != 0, argv
-        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
+        one_line_error(argv, fragment)
+
+
+def one_line_error(argv: list[str], fragment: str) -> None:
+    """`argv` fails with exactly one `error:` line holding `fragment`, and no traceback."""
+    res = run(*argv)
+    assert res.returncode != 0, argv
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], (argv, res.stderr[-500:])
+    assert "Traceback" not in res.stderr, argv
