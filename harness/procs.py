@@ -43,6 +43,8 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
+        except urllib.error.HTTPError as exc:  # not healthy yet (503 while loading)
+            exc.close()  # NOTE: its socket, or a ResourceWarning fails some later test
         except (urllib.error.URLError, OSError):
             pass
         if proc.poll() is not None:

@@ -147,7 +147,8 @@ def test_management_paths_need_an_admin_key(cluster: tuple[LocalEtcd, Router]) -
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, json.load(resp) if path != "/metrics" else None
         except urllib.error.HTTPError as exc:
-            return exc.code, json.load(exc)
+            with exc:
+                return exc.code, json.load(exc)
 
     user = ctl(etcd, "create", "--tenant", "acme", "--band", "gold")["key"]
     operator = ctl(etcd, "create", "--tenant", "ops", "--band", "gold", "--admin")["key"]

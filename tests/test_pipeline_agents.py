@@ -122,7 +122,8 @@ def test_a_two_node_pipeline_is_launched_routed_and_rebuilt(cluster: tuple[str, 
             with urllib.request.urlopen(head["url"] + "/health", timeout=5) as r:
                 return None if r.status == 200 else r.read()
         except urllib.error.HTTPError as exc:
-            return json.loads(exc.read())
+            with exc:
+                return json.loads(exc.read())
         except OSError:  # not listening (restarted already): keep looking
             return None
 

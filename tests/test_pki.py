@@ -213,7 +213,8 @@ def get(url: str, ctx: ssl.SSLContext, headers: dict[str, str] | None = None) ->
         with urllib.request.urlopen(req, timeout=5, context=ctx) as resp:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+        with exc:
+            return exc.code, json.load(exc)
 
 
 def test_agent_refuses_to_start_with_a_certificate_for_another_node(

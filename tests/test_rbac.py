@@ -198,4 +198,5 @@ def https_status(url: str, ctx: ssl.SSLContext) -> int:
         with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
+        exc.close()
         return exc.code

@@ -63,7 +63,8 @@ def post(
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, dict(resp.headers), json.load(resp)
     except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), json.load(err)
+        with err:
+            return err.code, dict(err.headers), json.load(err)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ def call(router: Router, body: dict[str, Any]) -> tuple[int, bytes]:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
-        return err.code, err.read()
+        with err:
+            return err.code, err.read()
 
 
 def test_a_non_streaming_answer_is_bounded_by_the_total_not_the_first_token(
