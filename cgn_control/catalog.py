@@ -208,6 +208,12 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
 MAX_POOL = 1000
 
 
+def pool_record(name: str, spec: ModelSpec, role: str) -> str:
+    """The name of the pool's autoscaler record under /cognitora/scaling/: the model's name,
+    or "m:prefill" for a disaggregated model's pool (what a reader splits on ":")."""
+    return f"{name}:{role}" if spec.pools else name
+
+
 def pool_label(name: str, spec: ModelSpec, role: str) -> str:
     """How the pool of `role` of the catalog's model `name` is shown: "m (prefill)" for a
     disaggregated model, the model's name for an aggregated one."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_control.catalog import pool_label, pool_record
 from cgn_control.cluster_reader import read_snapshot
 from cgn_control.reconciler import Memory, Put, ReconcilerSettings, reconcile, scale
 from cgn_control.scaling import Decision as ScaleDecision
@@ -119,7 +120,12 @@ async def _pass(
     load = {r.replica: r.in_flight + r.running + r.waiting for r in seen.replicas}
     actions = reconcile(snap, memory, now, settings, random.random(), targets, load)
     lead = [Compare.value(election.key, "==", state.candidate.encode())]
-    if not await _record_scaling(client, lead, state, decisions):
+    names = {
+        pool_label(name, spec, role): pool_record(name, spec, role)
+        for name, spec in snap.models.items()
+        for role, _, _ in spec.wants()
+    }
+    if not await _record_scaling(client, lead, state, decisions, names):
         return
     for a in actions:
         key = f"{keys.PLACEMENTS}{a.node}/{a.replica}"
@@ -153,6 +159,7 @@ async def _record_scaling(
     lead: list[Compare],
     state: ControlState,
     decisions: dict[str, ScaleDecision],
+    names: dict[str, str],  # pool label -> its record's name
 ) -> bool:
     """Show every pool's decision (/reconciler, each pass); write a pool's record when its
     target changed, or its reason every REFRESH_S. False when this router no longer leads."""
@@ -172,7 +179,7 @@ async def _record_scaling(
         if d.direction != "hold" or not history:
             history.append(doc)
         record = {**doc, "history": list(history)}
-        key = keys.SCALING + label.replace(" (", ":").rstrip(")")  # "m (decode)" -> m:decode
+        key = keys.SCALING + names[label]
         res = await client.txn(lead, [Op.put_json(key, record)])
         if not res.succeeded:
             log.warning("reconciler: no longer the leader; scaling of %s not written", label)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from cgn_control import store
-from cgn_control.catalog import pool_label
+from cgn_control.catalog import pool_label, pool_record
 from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
 from cgn_control.placement import Decision, place
@@ -61,7 +61,7 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
     for name, spec in sorted(snap.models.items()):
         counts = model_replicas(snap, name)
         who = held.get(name)
-        want = [targets.get(f"{name}:{r}" if spec.pools else name) for r, _, _ in spec.wants()]
+        want = [targets.get(pool_record(name, spec, r)) for r, _, _ in spec.wants()]
         out.append(
             {
                 "model": name,
@@ -164,7 +164,7 @@ async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
         raise NotFound(f"model {name!r} is not in the catalog")
     pools = []
     for role, lo, hi in spec.wants():
-        key = keys.SCALING + (f"{name}:{role}" if spec.pools else name)
+        key = keys.SCALING + pool_record(name, spec, role)
         raw = await client.get_json(key)
         record = raw if isinstance(raw, dict) else None  # nothing from etcd is trusted
         pools.append({"role": role if spec.pools else "", "min": lo, "max": hi,
