@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import uuid
@@ -26,6 +27,14 @@ pytest_plugins = ["tests.support.cpu_lock", "tests.support.timeline"]
 # anything loads torch (libgomp reads it once), and inherited by every engine a test starts.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 pin_torch()  # CGN_CPU_ISA=avx2|generic: the whole run on that path, torch included
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _garbage_of_the_module() -> Iterator[None]:
+    """Collect at the end of every module: a socket or file it left open warns (and fails)
+    in its own last test, not in whichever later test of the worker the collector runs."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
