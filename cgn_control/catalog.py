@@ -210,8 +210,9 @@ MAX_POOL = 1000
 
 def pool_record(name: str, spec: ModelSpec, role: str) -> str:
     """The name of the pool's autoscaler record under /cognitora/scaling/: the model's name,
-    or "m:prefill" for a disaggregated model's pool (what a reader splits on ":")."""
-    return f"{name}:{role}" if spec.pools else name
+    or "m/prefill" for a disaggregated model's pool ("/" is in no model name; ":" is). A
+    reader takes model and role from the record itself (`cgn_core.records.scaling`)."""
+    return f"{name}/{role}" if spec.pools else name
 
 
 def pool_label(name: str, spec: ModelSpec, role: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from cgn_control.catalog import ModelSpec
 from cgn_control.placement import NodeState, NodeView, node_view
 from cgn_core import records
-from cgn_core.records import Cordon, Efficiency, NodeInventory, Placement, ReplicaStatus
+from cgn_core.records import Cordon, Efficiency, NodeInventory, Placement, ReplicaStatus, Scaling
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (node, replica)
@@ -34,6 +34,7 @@ class Snapshot:
     cordons: Mapping[str, Cordon]
     wall: float = 0.0  # time.time() when the snapshot was read (cordon times are wall-clock)
     efficiency: Mapping[str, Efficiency] = field(default_factory=dict)  # cgn-metrics'
+    scaling: Mapping[str, Scaling] = field(default_factory=dict)  # by pool_record; the leader's
 
     @classmethod
     def of(
@@ -45,6 +46,7 @@ class Snapshot:
         cordons: Mapping[str, Any] | None = None,
         wall: float = 0.0,
         efficiency: Mapping[str, Any] | None = None,
+        scaling: Mapping[str, Any] | None = None,
     ) -> Snapshot:
         """A snapshot from JSON documents, each through its record's parser (as etcd's are
         read); a bad one raises RecordError. For tools and tests that build a cluster."""
@@ -56,6 +58,7 @@ class Snapshot:
             {n: records.cordon(d) for n, d in (cordons or {}).items()},
             wall,
             {n: records.efficiency(d) for n, d in (efficiency or {}).items()},
+            {p: records.scaling(d) for p, d in (scaling or {}).items()},
         )
 
 

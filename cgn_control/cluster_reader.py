@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 
 async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) -> Snapshot:
-    """Catalog, nodes, placements, statuses, cordons and measured node efficiencies as of
-    one moment (each a fresh list).
+    """Catalog, nodes, placements, statuses, cordons, measured node efficiencies and the
+    autoscaler's last decisions as of one moment (each a fresh list).
 
     Every record is validated (`cgn_core.records`); a bad one is left out of the snapshot and
     reported through `records` once per revision (pass the same RecordLog on every pass)."""
@@ -37,6 +37,7 @@ async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) ->
     statuses, _ = await client.get_prefix(keys.REPLICAS)
     cordons, _ = await client.get_prefix(keys.CORDON)
     efficiency, _ = await client.get_prefix(keys.EFFICIENCY)
+    scaling, _ = await client.get_prefix(keys.SCALING)
     models: dict[str, ModelSpec] = {}
     for kv in catalog:
         name = kv.key[len(keys.CATALOG) :]
@@ -53,6 +54,7 @@ async def read_snapshot(client: EtcdClient, records: RecordLog | None = None) ->
         cordons=_by_name(rec, cordons, keys.CORDON, records_.cordon),
         wall=time.time(),
         efficiency=_by_name(rec, efficiency, keys.EFFICIENCY, records_.efficiency),
+        scaling=_by_name(rec, scaling, keys.SCALING, records_.scaling),
     )
 
 

@@ -33,7 +33,7 @@ from cgn_core import keys
 from cgn_core.backoff import Backoff
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import Compare, Election, EtcdClient, Op
-from cgn_core.records import RecordLog
+from cgn_core.records import SCALING_HISTORY, RecordLog
 
 log = logging.getLogger(__name__)
 ELECTION = keys.RECONCILER_ELECTION
@@ -117,11 +117,15 @@ async def _pass(
     seen = signals() if signals is not None else Signals()
     decisions = scale(snap, memory, seen, now, settings.budget_replicas or None)
     targets = {label: d.desired for label, d in decisions.items()}
-    load = {r.replica: r.in_flight + r.running + r.waiting for r in seen.replicas}
+    load = {r.replica: r for r in seen.replicas}
     actions = reconcile(snap, memory, now, settings, random.random(), targets, load)
     lead = [Compare.value(election.key, "==", state.candidate.encode())]
     names = {
-        pool_label(name, spec, role): pool_record(name, spec, role)
+        pool_label(name, spec, role): (
+            name,
+            role if spec.pools else "",
+            pool_record(name, spec, role),
+        )
         for name, spec in snap.models.items()
         for role, _, _ in spec.wants()
     }
@@ -150,7 +154,6 @@ async def _pass(
     state.last_pass_unix = time.time()
 
 
-HISTORY = 20  # decisions kept per pool in its etcd record
 REFRESH_S = 10.0  # a pool's record is rewritten for a new reason at most this often
 
 
@@ -159,13 +162,14 @@ async def _record_scaling(
     lead: list[Compare],
     state: ControlState,
     decisions: dict[str, ScaleDecision],
-    names: dict[str, str],  # pool label -> its record's name
+    names: dict[str, tuple[str, str, str]],  # pool label -> (model, role, its record's name)
 ) -> bool:
     """Show every pool's decision (/reconciler, each pass); write a pool's record when its
     target changed, or its reason every REFRESH_S. False when this router no longer leads."""
     now = time.time()
     for label, d in decisions.items():
-        doc = {**d.to_json(), "at_unix": round(now, 3)}
+        model, role, record_name = names[label]
+        doc = {"model": model, "role": role, **d.to_json(), "at_unix": round(now, 3)}
         state.scaling[label] = doc
         last = state.written.get(label)
         if (
@@ -175,11 +179,11 @@ async def _record_scaling(
         ):
             continue
         state.written[label] = doc
-        history = state.history.setdefault(label, deque(maxlen=HISTORY))
+        history = state.history.setdefault(label, deque(maxlen=SCALING_HISTORY))
         if d.direction != "hold" or not history:
             history.append(doc)
         record = {**doc, "history": list(history)}
-        key = keys.SCALING + names[label]
+        key = keys.SCALING + record_name
         res = await client.txn(lead, [Op.put_json(key, record)])
         if not res.succeeded:
             log.warning("reconciler: no longer the leader; scaling of %s not written", label)

@@ -22,9 +22,11 @@ Per pass, in order:
 5. Scale: each pool's target is `min`, or with autoscaling (max > min) what
    cgn_control/scaling.py decided from the load (`scale`); below the target
    (off draining and lost nodes) one placement is made with placement.place();
-   above it (or above `max`), one replica is deleted: not-Ready ones first,
-   then the one with the least load to drain (the agent lets its requests in
-   flight finish before it stops the engine).
+   above it (or above `max`), one replica is deleted, the one whose loss costs
+   least (`removal_cost`): not-Ready ones first, then the least load to drain,
+   then the least cached prefix the router routes to it, then the node with the
+   lowest measured tokens per joule (the agent lets its requests in flight
+   finish before it stops the engine).
 The reconciler manages only the placements it wrote (`owner: reconciler`);
 a placement written by hand is never moved or deleted, though the devices it
 holds are not given to anything else.
@@ -41,6 +43,7 @@ profiles are left out until their agents can launch them.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import Counter
 from collections.abc import Mapping
@@ -52,7 +55,7 @@ from cgn_control.cluster import Key, Snapshot, node_views
 from cgn_control.placement import Decision, NodeState, place
 from cgn_control.scaling import Decision as ScaleDecision
 from cgn_control.scaling import Pool as ScalePool
-from cgn_control.scaling import Sample, Scaler, Signals
+from cgn_control.scaling import ReplicaLoad, Sample, Scaler, Signals
 from cgn_core.records import Part, Placement, ReplicaStatus
 
 
@@ -135,10 +138,10 @@ def reconcile(
     policy: ReconcilerSettings,
     rand: float = 0.5,
     targets: Mapping[str, int] | None = None,
-    load: Mapping[str, float] | None = None,
+    load: Mapping[str, ReplicaLoad] | None = None,
 ) -> list[Action]:
     """The actions of one pass. `targets`: replicas per pool label (default: each pool's
-    min); `load`: per replica, what removing it would have to drain (least goes first)."""
+    min); `load`: per replica id, the router's view of it (what a removal would cost)."""
     targets, load = targets or {}, load or {}
     states = node_states(snap, mem, now, policy)
     actions: list[Action] = []
@@ -203,9 +206,7 @@ def reconcile(
             elif expired:
                 delete(key, "drain grace period over")
         if len(serving) > cap:
-            extra = sorted(
-                serving, key=lambda k: (_ready(snap.statuses.get(k)), load.get(k[1], 0.0), k)
-            )
+            extra = sorted(serving, key=lambda k: removal_cost(k, snap, load))
             why = f"max {hi}" if cap == hi else f"the autoscaler's target {cap}"
             delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, {why}")
 
@@ -367,6 +368,22 @@ def _relay_stages(
                 new = replace(p, part=replace(p.part, stages=tuple(addresses)))
                 out.append(Put(head[0], replica, new, "stages Ready at " + ", ".join(addresses)))
     return out
+
+
+def removal_cost(
+    key: Key, snap: Snapshot, load: Mapping[str, ReplicaLoad]
+) -> tuple[bool, float, int, float, Key]:
+    """What removing the replica at `key` would cost, least first: Ready (a replica still
+    loading serves nothing), the requests it would have to drain (this router's in flight
+    plus the engine's running and waiting), the KV blocks the router routes to it (prefix
+    hits lost), its node's tokens per joule (the less efficient goes; unmeasured last),
+    then the key (a stable order)."""
+    seen = load.get(key[1])
+    work = seen.in_flight + seen.running + seen.waiting if seen is not None else 0.0
+    cached = seen.cached_blocks if seen is not None else 0
+    eff = snap.efficiency.get(key[0])
+    tpj = eff.fresh(snap.wall) if eff is not None else None
+    return _ready(snap.statuses.get(key)), work, cached, math.inf if tpj is None else tpj, key
 
 
 def _ready(status: ReplicaStatus | None) -> bool:

@@ -107,6 +107,7 @@ class ReplicaLoad:
     waiting: float
     in_flight: int  # this router's requests on it now (what a removal would have to drain)
     ready_for_s: float
+    cached_blocks: int = 0  # KV blocks the router knows it holds (prefix hits a removal loses)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ Kinds (the layout is in docs/architecture.md): replica status
 (`/cognitora/replicas/<node>/<replica>`), placement (`/cognitora/placements/<node>/<replica>`),
 node inventory (`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`), a node's
 KV store (`/cognitora/kvcached/<node>`), node efficiency (`/cognitora/efficiency/<node>`,
-written by cgn-metrics). The catalog, endpoints and API keys have their own parsers beside
+written by cgn-metrics), a pool's autoscaler decision (`/cognitora/scaling/<model>[/<role>]`,
+written by the leading router). The catalog, endpoints and API keys have their own parsers beside
 the types they build (`cgn_control.catalog.parse_model`, `cgn_router.registry.
 endpoint_from_etcd`, `cgn_core.apikeys.parse_record`), on the readers below.
 """
@@ -433,6 +434,65 @@ def efficiency(doc: Any) -> Efficiency:
 def fresh_efficiency(record: Efficiency | None, now_unix: float) -> float | None:
     """A node's tokens per joule where its record is present and fresh, else None."""
     return None if record is None else record.fresh(now_unix)
+
+
+SCALING_HISTORY = 20  # decisions a record keeps (the leader writes at most this many)
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """The autoscaler's last decision for one pool (`/cognitora/scaling/<model>` or
+    `<model>/<role>`), as the leading router wrote it, with its recent changes."""
+
+    model: str
+    role: str  # "" for an aggregated model's one pool
+    desired: int
+    current: int
+    direction: str  # up | down | hold
+    reason: str
+    demand: float
+    capacity: float | None
+    at_unix: float
+    history: tuple[Scaling, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "role": self.role,
+            "desired": self.desired,
+            "current": self.current,
+            "direction": self.direction,
+            "reason": self.reason,
+            "demand": self.demand,
+            "capacity": self.capacity,
+            "at_unix": self.at_unix,
+            "history": [h.to_json() for h in self.history],
+        }
+
+
+def scaling(doc: Any, nested: bool = False) -> Scaling:
+    d = obj(doc, "scaling")
+    direction = text(d, "direction", "hold")
+    if direction not in ("up", "down", "hold"):
+        raise RecordError(f"'direction' must be up, down or hold, got {direction!r:.40}")
+    history: tuple[Scaling, ...] = ()
+    if not nested:  # one level: a history entry carries none of its own
+        raw = d.get("history") or []
+        if not isinstance(raw, list):
+            raise RecordError("'history' must be a list")
+        history = tuple(scaling(h, nested=True) for h in raw[-SCALING_HISTORY:])
+    return Scaling(
+        model=text(d, "model", required=not nested),
+        role=text(d, "role"),
+        desired=integer(d, "desired", 0, 0, 1 << 20),
+        current=integer(d, "current", 0, 0, 1 << 20),
+        direction=direction,
+        reason=text(d, "reason"),
+        demand=number(d, "demand", 0.0, lo=0.0) or 0.0,
+        capacity=number(d, "capacity", None, lo=0.0),
+        at_unix=number(d, "at_unix", 0.0, lo=0.0) or 0.0,
+        history=history,
+    )
 
 
 class RecordLog:

@@ -17,7 +17,7 @@ from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
 from cgn_control.placement import Decision, place
 from cgn_control.views import model_replicas, node_states
-from cgn_core import keys, records
+from cgn_core import keys
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.records import NodeInventory, Placement, ReplicaStatus
@@ -56,12 +56,11 @@ async def nodes(client: EtcdClient) -> list[dict[str, Any]]:
 async def models(client: EtcdClient) -> list[dict[str, Any]]:
     snap = await read_snapshot(client)
     held = await store.owners(client)
-    targets = await _targets(client)
     out = []
     for name, spec in sorted(snap.models.items()):
         counts = model_replicas(snap, name)
         who = held.get(name)
-        want = [targets.get(pool_record(name, spec, r)) for r, _, _ in spec.wants()]
+        want = [snap.scaling.get(pool_record(name, spec, r)) for r, _, _ in spec.wants()]
         out.append(
             {
                 "model": name,
@@ -71,7 +70,7 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
                 "placed": counts.placed,
                 "ready": counts.ready,
                 # the autoscaler's target (summed over pools); null before any decision
-                "desired": None if None in want else sum(w for w in want if w is not None),
+                "desired": None if None in want else sum(w.desired for w in want if w is not None),
                 "aliases": list(spec.aliases),
                 "fallbacks": list(spec.fallbacks),
                 "profiles": [
@@ -82,19 +81,6 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
                 "managed_by": store.describe_owner(who) if who else None,
             }
         )
-    return out
-
-
-async def _targets(client: EtcdClient) -> dict[str, int]:
-    """Each pool's last target from the autoscaler's records (a bad record: left out)."""
-    kvs, _ = await client.get_prefix(keys.SCALING)
-    out = {}
-    for kv in kvs:
-        try:
-            doc = kv.json()
-            out[kv.key[len(keys.SCALING) :]] = records.integer(doc, "desired", 0)
-        except (ValueError, records.RecordError, AttributeError):
-            continue
     return out
 
 
@@ -164,38 +150,11 @@ async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
         raise NotFound(f"model {name!r} is not in the catalog")
     pools = []
     for role, lo, hi in spec.wants():
-        key = keys.SCALING + pool_record(name, spec, role)
-        raw = await client.get_json(key)
-        record = raw if isinstance(raw, dict) else None  # nothing from etcd is trusted
+        record = snap.scaling.get(pool_record(name, spec, role))  # checked, or left out
         pools.append({"role": role if spec.pools else "", "min": lo, "max": hi,
-                      "decision": _scaling_record(record)})  # fmt: skip
+                      "decision": record.to_json() if record is not None else None})  # fmt: skip
     policy = dataclasses.asdict(spec.scaling)
     return {"model": name, "policy": policy, "pools": pools}
-
-
-def _scaling_record(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The fields explain-scaling shows, each checked (a bad record shows as none)."""
-    if doc is None:
-        return None
-    try:
-        out = {
-            "desired": records.integer(doc, "desired", 0),
-            "current": records.integer(doc, "current", 0),
-            "direction": records.text(doc, "direction"),
-            "reason": records.text(doc, "reason"),
-            "demand": records.number(doc, "demand", 0.0),
-            "capacity": records.number(doc, "capacity", None),
-            "at_unix": records.number(doc, "at_unix", 0.0),
-        }
-        history = doc.get("history")
-        out["history"] = (
-            [_scaling_record(h) for h in history if isinstance(h, dict)][:20]
-            if (isinstance(history, list))
-            else []
-        )
-        return out
-    except records.RecordError:
-        return None
 
 
 async def cordon(

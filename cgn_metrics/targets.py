@@ -132,16 +132,11 @@ def fleet_from_records(
         if cordon is not None and node in states and states[node] != "Lost":
             states[node] = "Draining" if cordon.drain else "Cordoned"
     desired: dict[str, int] = {}
-    for key, raw in (scaling or {}).items():  # <model> or <model>:<role>: pools add up
-        model = key.removeprefix(keys.SCALING).partition(":")[0]
-        target = rec.parse(key, revision, raw, _target)
+    for key, raw in (scaling or {}).items():  # one per pool: a model's pools add up
+        target = rec.parse(key, revision, raw, records.scaling)
         if target is not None:
-            desired[model] = desired.get(model, 0) + target
+            desired[target.model] = desired.get(target.model, 0) + target.desired
     return Fleet(tuple(targets), states, replicas, desired)
-
-
-def _target(doc: Any) -> int:
-    return records.integer(records.obj(doc, "scaling"), "desired", 0, 0, 1 << 20)
 
 
 def _agent(doc: Any) -> str:

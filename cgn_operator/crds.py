@@ -51,6 +51,13 @@ def _obj(props: Mapping[str, Any], description: str = "", **more: Any) -> dict[s
 
 
 _STR = _s("string")
+# NOTE: a pool is N replicas or {min, max} (elastic); a structural schema has no int-or-object,
+# so the node keeps what it is given and the catalog's parser, which the operator runs on
+# every spec, refuses a bad one in the status (InvalidSpec, naming the field)
+_POOL = {
+    "description": "replicas: N, or {min: N, max: M} for a pool the autoscaler sizes",
+    "x-kubernetes-preserve-unknown-fields": True,
+}
 _STRINGS = _s("array", items=_STR)
 _MODEL_NAME = _s("string", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -108,7 +115,7 @@ def model_spec_schema() -> dict[str, Any]:
             "role": _s("string", enum=list(ROLES)),
             "replicas": _obj({"min": _s("integer", minimum=0), "max": _s("integer", minimum=1)}),
             "pools": _obj(
-                {"prefill": _s("integer", minimum=1), "decode": _s("integer", minimum=1)},
+                {role: _POOL for role in ("prefill", "decode")},
                 "replicas per role of a disaggregated model (instead of replicas)",
             ),
             "scaling": _scaling(),

@@ -1,9 +1,10 @@
 """Status of the custom resources from what etcd and the children report (pure).
 
 A CognitoraModel:
-* `Ready`: True once the model is in the catalog and at least `desiredReplicas`
-  replicas are Ready (desired: `replicas.min`, or the pools' sum).
-* `Degraded`: True while a placed replica is Failed, or fewer are Ready than desired
+* `Ready`: True once the model is in the catalog and at least `replicas.min` replicas
+  are Ready (a disaggregated model's pools add up). `desiredReplicas` is the
+  autoscaler's target (its record in etcd; `min` before its first decision).
+* `Degraded`: True while a placed replica is Failed, or fewer than `min` are Ready
   after some were (serving below strength); False while it is only coming up.
 A model the catalog refused is Ready False with reason InvalidSpec (or Conflict, or
 CatalogUnavailable), its message the field path, and `catalog` says the same.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cgn_control.catalog import ModelSpec
+from cgn_control.catalog import ModelSpec, pool_record
 from cgn_control.cluster import Snapshot
 from cgn_control.views import model_replicas
 
@@ -57,7 +58,7 @@ def model_status(
 ) -> dict[str, Any]:
     """The status fields (conditions without times: see merge_conditions). `error`: (reason,
     message) when the model is not in the catalog; `snap`: None when etcd did not answer."""
-    desired = 0 if spec is None else sum(lo for _, lo, _ in spec.wants())
+    desired = 0 if spec is None else target(spec, snap)
     if error is not None:
         reason, message = error
         return {
@@ -81,14 +82,18 @@ def model_status(
             "conditions": [condition("Ready", False, "CatalogUnavailable", msg)],
         }
     r = model_replicas(snap, name)
-    ready = r.ready >= desired
+    # NOTE: Ready and Degraded measure against min, what the user asked to always have: a
+    # model the autoscaler is growing from 1 to 3 is serving, not degraded
+    floor = sum(lo for _, lo, _ in spec.wants())
+    ready = r.ready >= floor
     if r.failed:
         degraded, why = True, f"{r.failed} replica(s) failed: " + "; ".join(r.reasons[:3])
-    elif 0 < r.ready < desired:
-        degraded, why = True, f"{r.ready} of {desired} replicas ready"
+    elif 0 < r.ready < floor:
+        degraded, why = True, f"{r.ready} of {floor} replicas ready"
     else:
         degraded, why = False, ""
     progress = f"{r.ready}/{desired} ready, {r.placed} placed"
+    progress += f" (min {floor})" if desired != floor else ""
     return {
         "model": name,
         "desiredReplicas": desired,
@@ -105,6 +110,16 @@ def model_status(
             ),
         ],
     }
+
+
+def target(spec: ModelSpec, snap: Snapshot | None) -> int:
+    """Replicas the model should have now: per pool, the autoscaler's last target (its
+    record in etcd, within the pool's bounds), or the pool's min before any decision."""
+    total = 0
+    for role, lo, hi in spec.wants():
+        record = snap.scaling.get(pool_record(spec.name, spec, role)) if snap else None
+        total += lo if record is None else min(hi, max(lo, record.desired))
+    return total
 
 
 def _count(status: Mapping[str, Any] | None, ready_key: str, desired_key: str) -> tuple[int, int]:

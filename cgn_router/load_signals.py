@@ -84,6 +84,7 @@ class LoadSignals:
                     waiting=waiting,
                     in_flight=state.in_flight,
                     ready_for_s=now - state.since,
+                    cached_blocks=self.registry.index.exact_size(eid),
                 )
             )
         return Signals(

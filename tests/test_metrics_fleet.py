@@ -182,10 +182,12 @@ def test_targets_and_node_states_from_etcd_records() -> None:
     kv = {"/cognitora/kvcached/n1": rec({"address": "10.0.0.1:7071",
                                          "events_url": "http://10.0.0.1:9094/v1/kv/events"})}  # fmt: skip
     cordons = {"/cognitora/cordon/n2": rec({"drain": True}), "/cognitora/cordon/n9": rec({})}
-    scaling = {"/cognitora/scaling/smol": rec({"desired": 3}),  # the autoscaler's targets
-               "/cognitora/scaling/pd:prefill": rec({"desired": 1}),
-               "/cognitora/scaling/pd:decode": rec({"desired": 2}),
-               "/cognitora/scaling/bad": rec({"desired": 10**400})}  # fmt: skip
+    scaling = {"/cognitora/scaling/smol": rec({"model": "smol", "desired": 3}),  # targets
+               "/cognitora/scaling/pd/prefill": rec({"model": "pd", "role": "prefill", "desired": 1}),
+               "/cognitora/scaling/pd/decode": rec({"model": "pd", "role": "decode", "desired": 2}),
+               # a ":" is part of a model's name, not a pool's separator
+               "/cognitora/scaling/qwen:0.5b": rec({"model": "qwen:0.5b", "desired": 2}),
+               "/cognitora/scaling/bad": rec({"model": "bad", "desired": 10**400})}  # fmt: skip
     warnings: list[str] = []
     fleet = fleet_from_records(
         nodes, endpoints, kv, cordons, ["n6"], RecordLog(on_bad=warnings.append), scaling=scaling
@@ -197,7 +199,7 @@ def test_targets_and_node_states_from_etcd_records() -> None:
     ])  # fmt: skip
     assert fleet.nodes == {"n1": "Ready", "n2": "Draining", "n5": "Lost", "n6": "Lost"}
     assert fleet.replicas == {"smol": 2, "manual": 1}
-    assert fleet.desired == {"smol": 3, "pd": 3}  # pools add up
+    assert fleet.desired == {"smol": 3, "pd": 3, "qwen:0.5b": 2}  # pools add up
     assert sorted(warnings) == ["/cognitora/endpoints/n1/smol/bad", "/cognitora/nodes/n3",
                                 "/cognitora/nodes/n4", "/cognitora/scaling/bad"]  # fmt: skip
 

@@ -305,6 +305,23 @@ def test_model_status_from_etcd(phases: list[str], ready: str, degraded: str, re
     assert st["readyReplicas"] == phases.count("Ready") and st["desiredReplicas"] == 2
 
 
+def test_desired_replicas_is_the_autoscalers_target_and_ready_is_measured_against_min() -> None:
+    """min 2, max 3: the leader's record says 3 (and a record past max is held to it);
+    two Ready replicas are Ready and not Degraded while the third comes up."""
+    base = _snap(["Ready", "Ready"])
+    for written, shown, message in ((3, 3, "2/3 ready, 2 placed (min 2)"),
+                                    (9, 3, "2/3 ready, 2 placed (min 2)"),
+                                    (None, 2, "2/2 ready, 2 placed")):  # fmt: skip
+        record = {"m": {"model": "m", "desired": written}} if written else {}
+        snap = Snapshot.of(base.models, {}, {k: p.to_json() for k, p in base.placements.items()},
+                           {k: s.to_json() for k, s in base.statuses.items()}, scaling=record)  # fmt: skip
+        st = status.model_status(snap.models["m"], None, snap, "m")
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert st["desiredReplicas"] == shown
+        assert (conds["Ready"]["status"], conds["Degraded"]["status"]) == ("True", "False")
+        assert conds["Ready"]["message"] == message
+
+
 @pytest.mark.parametrize(
     ("router", "agents", "snap", "problem", "ready", "degraded"),
     [

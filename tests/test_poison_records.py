@@ -86,6 +86,9 @@ VALID: dict[str, dict[str, Any]] = {
                  "events_token": "t"},
     "efficiency": {"tokens_per_joule": 2.5, "source": "rapl", "window_s": 60.0,
                    "at_unix": 1.7e9},
+    "scaling": {"model": "m", "role": "decode", "desired": 3, "current": 2, "direction": "up",
+                "reason": "demand 5", "demand": 5.0, "capacity": 2.0, "at_unix": 1.7e9,
+                "history": [{"desired": 2, "current": 1, "direction": "up", "at_unix": 1.6e9}]},
 }  # fmt: skip
 
 
@@ -117,6 +120,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "agent_placement": lambda d: parse_placement("r1", d),
     "kvcached": records.kvcached,
     "efficiency": lambda d: records.fresh_efficiency(records.efficiency(d), 1.7e9),
+    "scaling": records.scaling,
 }
 
 
@@ -319,6 +323,7 @@ TYPED: dict[str, Callable[[Any], Any]] = {
     "node_inventory": records.node_inventory,
     "kvcached": records.kvcached,
     "efficiency": records.efficiency,
+    "scaling": records.scaling,
 }
 
 
@@ -356,7 +361,8 @@ def test_a_snapshot_of_written_records_equals_the_one_read() -> None:
     ("kind", "field", "value"),
     [("cordon", "grace_s", 10**400), ("cordon", "since_unix", -(10**400)),
      ("efficiency", "tokens_per_joule", 10**400), ("replica_status", "failures", 10**400),
-     ("efficiency", "at_unix", float("nan"))],
+     ("efficiency", "at_unix", float("nan")), ("scaling", "desired", 10**400),
+     ("scaling", "demand", float("inf"))],
 )  # fmt: skip
 def test_a_huge_or_non_finite_number_is_a_bad_record_not_a_crash(
     kind: str, field: str, value: Any

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from cgn_control.catalog import ModelSpec, parse_model
 from cgn_control.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
+from cgn_control.scaling import ReplicaLoad
 from cgn_core.records import placement
 from cgn_router.settings import ReconcilerSettings
 
@@ -315,21 +318,54 @@ def test_the_autoscalers_target_is_placed_toward_and_the_least_loaded_replica_go
     beyond = {**placed, ("c", "r3"): "m", ("a", "r4"): "m"}
     assert reconcile(snap(models=[m], placed=beyond), Memory(), 0.0, S, targets={"m": 9}) == []
     three = {**placed, ("c", "r3"): "m"}
+    busy = seen(r1=5.0, r2=0.0, r3=2.0)
     down = reconcile(snap(models=[m], placed=three, status=ready(*three)), Memory(), 0.0, S,
-                     targets={"m": 2}, load={"r1": 5.0, "r2": 0.0, "r3": 2.0})  # fmt: skip
+                     targets={"m": 2}, load=busy)  # fmt: skip
     assert down == [Delete("b", "r2", "3 replicas, the autoscaler's target 2")]
     loading = ready(("a", "r1"), ("b", "r2"))  # r3 is not Ready yet: it goes first
     down = reconcile(snap(models=[m], placed=three, status=loading), Memory(), 0.0, S,
-                     targets={"m": 2}, load={"r1": 5.0, "r2": 0.0, "r3": 2.0})  # fmt: skip
+                     targets={"m": 2}, load=busy)  # fmt: skip
     assert [a.replica for a in down] == ["r3"]
     floor = reconcile(snap(models=[m], placed={("a", "r1"): "m"}), Memory(), 0.0, S,
                       targets={"m": 0})  # fmt: skip
     assert floor == []  # never below min
 
 
+def seen(cached: dict[str, int] | None = None, **work: float) -> dict[str, ReplicaLoad]:
+    """The router's view of replicas: `work` requests on each, `cached` KV blocks."""
+    return {r: ReplicaLoad("m", "both", r, w, 0, 0, 600, (cached or {}).get(r, 0))
+            for r, w in work.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("work", "cached", "tpj", "goes"),
+    [
+        ({"r1": 3, "r2": 1, "r3": 2}, {"r2": 900}, {}, "r2"),  # least to drain, whatever it holds
+        ({"r1": 1, "r2": 1, "r3": 1}, {"r1": 50, "r2": 10, "r3": 70}, {}, "r2"),  # least cached
+        ({"r1": 0, "r2": 0, "r3": 0}, {}, {"a": 0.9, "b": 0.4, "c": 1.2}, "r2"),  # least efficient
+        ({"r1": 0, "r2": 0, "r3": 0}, {}, {"a": 0.9, "c": 1.2}, "r1"),  # unmeasured b stays last
+        ({"r1": 0, "r2": 0, "r3": 0}, {}, {}, "r1"),  # all equal: a stable order
+    ],
+)
+def test_the_replica_that_goes_is_the_one_whose_loss_costs_least(
+    work: dict[str, float], cached: dict[str, int], tpj: dict[str, float], goes: str
+) -> None:
+    """Requests to drain first, then the prefix the router routes to it, then tokens per
+    joule of its node (measured by cgn-metrics, fresh)."""
+    m = model("m", lo=1, hi=4)
+    three = {("a", "r1"): "m", ("b", "r2"): "m", ("c", "r3"): "m"}
+    s = snap(models=[m], placed=three, status=ready(*three))
+    eff = {n: {"tokens_per_joule": v, "at_unix": s.wall - 5} for n, v in tpj.items()}
+    s = Snapshot.of(s.models, {n: CPU_NODE for n in "abc"},
+                    {k: {"model": "m", "devices": [], "owner": "reconciler"} for k in three},
+                    ready(*three), {}, s.wall, eff)  # fmt: skip
+    down = reconcile(s, Memory(), 0.0, S, targets={"m": 2}, load=seen(cached, **work))
+    assert [a.replica for a in down] == [goes]
+
+
 def test_scale_reads_the_routers_signals_per_pool() -> None:
     from cgn_control.reconciler import scale
-    from cgn_control.scaling import ReplicaLoad, Signals
+    from cgn_control.scaling import Signals
 
     m = model("m", lo=1, hi=6)
     placed = {("a", "r1"): "m", ("b", "r2"): "m"}
