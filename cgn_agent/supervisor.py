@@ -42,7 +42,9 @@ class Policy:
     health_failures: int = 3  # consecutive failed probes that fail a Ready replica
     stable_s: float = 60.0  # Ready this long: consecutive-failure count resets
     drain_s: float = 5.0  # endpoint withdrawn at least this long before SIGTERM
-    drain_timeout_s: float = 120.0  # SIGTERM after this long even with requests in flight
+    # SIGTERM after this long even with requests in flight: the router continues what is
+    # still streaming on another replica (request migration), so a drain takes seconds
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)

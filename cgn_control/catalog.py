@@ -86,6 +86,7 @@ class ModelSpec:
     pools: Mapping[str, int] = field(default_factory=dict)  # role -> min replicas (disaggregated)
     pool_max: Mapping[str, int] = field(default_factory=dict)  # role -> max, where above min
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)  # and the `slo:` targets
+    migration_limit: int | None = None  # continuations per stream; None: the router's setting
 
     def wants(self) -> list[tuple[str, int, int]]:
         """(role, min, max) replicas of each pool: one for an aggregated model."""
@@ -123,6 +124,7 @@ class ModelSpec:
             "profiles": [_profile_json(p) for p in self.profiles],
             **({"pools": self._pools_json()} if self.pools else {}),
             **_scaling_json(self.scaling),
+            **({} if self.migration_limit is None else {"migration_limit": self.migration_limit}),
         }
 
     def _pools_json(self) -> dict[str, Any]:
@@ -159,6 +161,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             "pools",
             "scaling",
             "slo",
+            "migration_limit",
         },
         where,
     )
@@ -202,6 +205,11 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
         max_replicas=hi,
         aliases=_names(doc, "aliases", where),
         fallbacks=_names(doc, "fallbacks", where),
+        migration_limit=(
+            None
+            if doc.get("migration_limit") is None
+            else _int(doc, "migration_limit", where, 0, minimum=0, maximum=16)
+        ),
     )
 
 

@@ -2,8 +2,11 @@
 
 The HTTP listener comes up first, so /health answers 503 while the weights
 load; the `--ready-file` is written once the model is loaded and serving.
-SIGTERM/SIGINT only set an event; shutdown then stops accepting, lets the
-engine finish its current step and exits.
+SIGTERM/SIGINT only set an event; shutdown then stops accepting, gives the
+answers still streaming STREAMS_GRACE_S to end, closes the rest (a router
+continues them on another replica: request migration), lets the engine finish
+its current step and exits. The agent sends SIGTERM only after a replica's
+requests have finished or its drain timeout has passed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from cgn_infer.transfer import TransferSink, TransferSource
 KV_FORMAT = "kv1"
 
 log = logging.getLogger(__name__)
+STREAMS_GRACE_S = 2.0
 
 
 def model_name(settings: InferSettings) -> str:
@@ -126,6 +130,7 @@ async def _listen(
         idle_timeout_s=settings.http.idle_timeout_s,
         handler_cancellation=True,
         access_log=None,
+        shutdown_timeout=STREAMS_GRACE_S,
     )
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()

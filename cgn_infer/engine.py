@@ -62,6 +62,9 @@ class GenerationRequest:
     priority: int = 0  # lower runs sooner
     export_kv: bool = False  # a prefill leg: hand back the prompt's full KV blocks at the end
     constraint: Constraint | None = None  # a grammar the output must follow (its own state)
+    # a continuation (cgn_core/openai/resume.py): tokens another engine generated, computed
+    # after the prompt and counted as output; max_tokens is what is left to generate
+    resumed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +226,9 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue `job`; Unavailable once the worker has stopped for good."""
         req = job.request
-        seq = Seq(req.prompt, req.max_tokens, priority=req.priority, restored=job.restored)
+        seq = Seq(
+            req.prompt + req.resumed, req.max_tokens, priority=req.priority, restored=job.restored
+        )
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         with self._gate:
             if (failure := self.failure) is not None:
@@ -313,10 +318,13 @@ class Engine:
                     req.stop_token_ids | eos,
                     job.enqueued,
                 )
+                active.sampler.resume(req.resumed)
+                for token in req.resumed:  # the text a client already has, as it had it
+                    active.text.add(token)
             except Exception as exc:  # NOTE: a request the server let through; it alone fails
                 log.exception("could not start a request")
-                n = len(req.prompt)
-                job.emit(FinishEvent("error", "", n, 0, error=f"{type(exc).__name__}: {exc}"))
+                n, done = len(req.prompt), len(req.resumed)
+                job.emit(FinishEvent("error", "", n, done, error=f"{type(exc).__name__}: {exc}"))
                 continue
             self._active[seq.id] = active
             self.scheduler.add(seq)
@@ -411,6 +419,11 @@ class Engine:
         (m.ttft if len(seq.output) == 1 else m.itl).observe(now - active.last)
         active.last = now
         m.generation_tokens.inc()
+        if len(seq.output) == 1 and self.tiering is not None:
+            # NOTE: the prompt's blocks go to the node's store as soon as they are computed,
+            # not only at the end: an answer this engine does not live to finish continues
+            # elsewhere from them (request migration)
+            self._offer(seq)
         if sampled.token in active.stop_ids:
             self._finish(active, "stop")
             return
@@ -437,12 +450,13 @@ class Engine:
         exported = None
         if active.job.request.export_kv and reason in ("stop", "length"):
             exported = self._export(seq)
+        resumed = len(active.job.request.resumed)
         active.job.emit(
             FinishEvent(
                 reason,
                 tail,
-                len(seq.prompt),
-                len(seq.output),
+                len(seq.prompt) - resumed,
+                resumed + len(seq.output),
                 seq.cached_tokens,
                 error=error,
                 client_fault=client_fault,
@@ -450,12 +464,19 @@ class Engine:
             )
         )
         # NOTE: after the client has its answer, before the blocks go back to the pool
-        if self.tiering is not None and reason != "error" and seq.hashes:
-            try:
-                self.tiering.offer(self.kv, seq)
-            except Exception:  # an offer is an optimisation; the request has ended anyway
-                log.exception("could not offer a finished sequence's blocks")
+        if self.tiering is not None and reason != "error":
+            self._offer(seq)
         self.scheduler.finish(seq)
+
+    def _offer(self, seq: Seq) -> None:
+        """The sequence's full blocks to the node's store (those not offered before)."""
+        assert self.tiering is not None
+        if not seq.hashes:
+            return
+        try:
+            self.tiering.offer(self.kv, seq)
+        except Exception:  # NOTE: an offer is an optimisation; the request goes on regardless
+            log.exception("could not offer a sequence's blocks")
 
     def _export(self, seq: Seq) -> Exported | None:
         """A prefill leg's prompt blocks, read out of the pool; None if that fails (the leg

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from cgn_core.errors import InvalidRequest
 from cgn_core.kv.transfer import FIELD, TransferParams, parse_transfer_params
 from cgn_core.openai.request import sampling_fields, unsupported_fields
+from cgn_core.openai.resume import FIELD as RESUME_FIELD
+from cgn_core.openai.resume import Resume, parse_resume
 from cgn_core.openai.tools import NO_TOOLS, ToolFields, tool_fields
 from cgn_core.text.prompt import chat_messages, completion_prompt
 from cgn_infer.grammar import GrammarSpec, request_grammar
@@ -41,6 +43,7 @@ class ParsedRequest:
     kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv.transfer)
     tools: ToolFields = NO_TOOLS  # chat only
     grammar: GrammarSpec | None = None  # structured output or forced tool calls
+    resume: Resume | None = None  # continue another engine's answer (router only)
 
 
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:
@@ -82,7 +85,17 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         kv_transfer=_transfer(body, f.stream),
         tools=tools,
         grammar=request_grammar(body, tools),
+        resume=_resume(body, f.stream),
     )
+
+
+def _resume(body: dict[str, Any], stream: bool) -> Resume | None:
+    if (value := body.get(RESUME_FIELD)) is None:
+        return None
+    if not stream:
+        why = f"'{RESUME_FIELD}' continues a stream: 'stream' must be true"
+        raise InvalidRequest(why, param="stream")
+    return parse_resume(value)
 
 
 def _transfer(body: dict[str, Any], stream: bool) -> TransferParams | None:

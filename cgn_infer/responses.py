@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_core.openai.resume import Resume
 from cgn_core.openai.tools import NO_TOOLS, ToolFields
 from cgn_infer.engine import FinishEvent, TokenEvent
 from cgn_infer.protocol import Kind
@@ -34,6 +35,7 @@ class ResponseBuilder:
     tools: ToolFields = NO_TOOLS
     _parser: ToolParser | None = None
     _calls: int = 0  # tool calls streamed so far
+    _resumed: bool = False  # continuing another engine's stream: its role chunk went out
 
     def __post_init__(self) -> None:
         if self.kind == "chat" and self.tools.rendered:
@@ -41,7 +43,21 @@ class ResponseBuilder:
 
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
+        return self.id if self._resumed else self._prefix + self.id
+
+    @property
+    def _prefix(self) -> str:
+        return "chatcmpl-" if self.kind == "chat" else "cmpl-"
+
+    def resume(self, resume: Resume, text: str) -> None:
+        """Continue another engine's stream: its id and creation time, no role chunk, and
+        the tool-call parser (and logprob offsets) where `text`, what the client has of
+        the answer, left them. A call that text completed was streamed whole: counted."""
+        self.id, self.created, self._resumed = resume.response_id, resume.created, True
+        if self._parser is not None:
+            _, calls = split(self._parser.feed(text))
+            self._calls += len(calls)
+        self._offset = sum(len(self.token_text(t)) for t in resume.token_ids)
 
     def _envelope(self, stream: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -110,7 +126,7 @@ class ResponseBuilder:
 
     def first_chunk(self) -> dict[str, Any] | None:
         """Chat streams open with a role-only delta, as OpenAI's do."""
-        if self.kind != "chat":
+        if self.kind != "chat" or self._resumed:
             return None
         return self._envelope(True, [self._choice("", None, [], True, True)])
 

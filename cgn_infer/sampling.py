@@ -66,6 +66,14 @@ class Sampler:
         seed = self.params.seed
         self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
 
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Take `tokens` as sampled before (another engine's, a continuation): their counts
+        for the penalties, and their draws from a seeded generator (one per sampled token),
+        so the next token is drawn as it would have been."""
+        self.counts.update(tokens)
+        if not self.params.greedy and tokens:
+            self.rng.random(len(tokens))
+
     def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> Sampled:
         """Pick the next token from float32 `logits` [vocab] and record it; `allowed` (bool
         [vocab], from a grammar) rules every other token out."""

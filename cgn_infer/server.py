@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -41,7 +41,10 @@ from cgn_core.kv.events import KvEventHub
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import TransferParams
+from cgn_core.openai.resume import FIELD as RESUME_FIELD
+from cgn_core.openai.resume import IDS_HEADER, ids_line
 from cgn_core.text.prompt import PromptCodec
+from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.grammar import Grammars
 from cgn_infer.metrics import EngineMetrics
@@ -121,6 +124,21 @@ class InferenceService:
                 )
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        resumed = req.resume.token_ids if req.resume is not None else ()
+        if any(t >= tok.vocab_size for t in resumed):
+            raise InvalidRequest(
+                f"'{RESUME_FIELD}.token_ids' must be in [0, {tok.vocab_size})",
+                param=f"{RESUME_FIELD}.token_ids",
+            )
+        if req.max_tokens is not None and len(resumed) > req.max_tokens:
+            raise InvalidRequest(
+                f"{len(resumed)} tokens to continue from are more than max_tokens={req.max_tokens}",
+                param=f"{RESUME_FIELD}.token_ids",
+            )
+        prompt = [
+            *prompt,
+            *resumed,
+        ]  # the room left is what the first engine had, less what it produced
         room = serving.ctx - len(prompt)
         kv_room = serving.kv_capacity + 1 - len(prompt)  # the last token's K/V is never stored
         if room < 1:
@@ -129,14 +147,15 @@ class InferenceService:
                 code="context_length_exceeded",
                 param="messages" if req.kind == "chat" else "prompt",
             )
-        if req.max_tokens is not None and req.max_tokens > room:
+        left = None if req.max_tokens is None else req.max_tokens - len(resumed)
+        if left is not None and left > room:
             raise InvalidRequest(
                 f"max_tokens={req.max_tokens} plus the {len(prompt)}-token prompt exceeds "
                 f"the context of {serving.ctx} tokens",
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        if kv_room < 1 or (req.max_tokens or 1) > kv_room:
+        if kv_room < 1 or (left or 1) > kv_room:
             raise InvalidRequest(
                 f"the {len(prompt)}-token prompt plus max_tokens={req.max_tokens or 1} can never "
                 f"fit this engine's KV pool of {serving.kv_capacity} tokens (--kv-pool-tokens)",
@@ -155,12 +174,22 @@ class InferenceService:
                 req.grammar, self.metrics.grammar_compile_seconds.observe
             )
             self.metrics.constrained.inc()
+            for token in resumed:  # the grammar's state where the first engine left it
+                if (refused := constraint.advance(token)) is not None:
+                    serving.grammars.forget(constraint.key)
+                    raise InvalidRequest(
+                        f"the tokens to continue from break the request's grammar: {refused}",
+                        code="constraint_failed",
+                        param=f"{RESUME_FIELD}.token_ids",
+                    )
+        n = len(prompt) - len(resumed)
         return GenerationRequest(
             constraint=constraint,
             export_kv=transfer is not None and transfer.do_remote_decode,
-            prompt=tuple(prompt),
+            prompt=tuple(prompt[:n]),
+            resumed=tuple(resumed),
             params=req.params,
-            max_tokens=req.max_tokens or min(room, kv_room),
+            max_tokens=min(room, kv_room) if left is None else left,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
@@ -211,6 +240,9 @@ class InferenceService:
     ) -> AsyncIterator[Event]:
         """Run `gen` on the engine; cancelling the consumer cancels the generation."""
         engine = self.ready().engine
+        if gen.resumed and (ended := _ended(engine.tokenizer, gen)) is not None:
+            yield ended  # a continuation of an answer that had ended: only its end was missing
+            return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -261,6 +293,10 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
     svc.check_transfer(parsed.kv_transfer, trusted)
+    if parsed.resume is not None and not trusted:
+        raise Forbidden(f"'{RESUME_FIELD}' is accepted from the router only", param=RESUME_FIELD)
+    # token ids on the stream, for the router to continue it elsewhere if this engine goes
+    with_ids = trusted and parsed.stream and request.headers.get(IDS_HEADER) == "1"
     serving = svc.ready()  # 503 while the model loads
     grammars = serving.grammars
     compiles = (
@@ -279,6 +315,8 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         parsed.params.logprobs is not None,
         tools=parsed.tools,
     )
+    if parsed.resume is not None:
+        build.resume(parsed.resume, replayed_text(serving.engine.tokenizer, gen))
     if not parsed.stream:
         async for ev in svc.generate(gen, restored):
             if isinstance(ev, TokenEvent):
@@ -303,10 +341,18 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     await resp.prepare(request)
     if (first := build.first_chunk()) is not None:
         await _send(resp, first)
+    ids: list[int] = []  # generated since the last ids line (with_ids)
     async for ev in svc.generate(gen, restored):
         if isinstance(ev, TokenEvent):
-            for chunk in build.token_chunks(ev):
-                await _send(resp, chunk)
+            chunks = build.token_chunks(ev)
+            if not with_ids:
+                for chunk in chunks:
+                    await _send(resp, chunk)
+                continue
+            ids.append(ev.sampled.token)
+            if chunks:  # NOTE: one write: a kill cannot leave half of a token's events out
+                await resp.write(ids_line(ids) + b"".join(map(_event, chunks)))
+                ids.clear()
             continue
         if ev.reason == "error":
             err = (
@@ -316,8 +362,12 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
             )
             await _send(resp, openai_error_body(err))
         else:
-            for chunk in build.finish_chunks(ev):
-                await _send(resp, chunk)
+            last = build.finish_chunks(ev)
+            if with_ids and ids:  # text held back until the end: its ids go with it
+                await resp.write(ids_line(ids) + b"".join(map(_event, last)))
+            else:
+                for chunk in last:
+                    await _send(resp, chunk)
             if parsed.include_usage:
                 await _send(resp, build.usage_chunk(ev))
     await resp.write(b"data: [DONE]\n\n")
@@ -334,7 +384,32 @@ def _priority(header: str) -> int:
 
 
 async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+    await resp.write(_event(body))
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _ended(tokenizer: Any, gen: GenerationRequest) -> FinishEvent | None:
+    """How a continuation's answer ended within the tokens it resumes from (the first
+    engine went before it could say so): its max_tokens, a stop string or a complete
+    grammar; None when it goes on."""
+    text, hit = IncrementalText(tokenizer, gen.stop), False
+    for token in gen.resumed:
+        hit = text.add(token)[1] or hit
+    done = gen.constraint is not None and gen.constraint.done
+    if not (hit or done or gen.max_tokens == 0):
+        return None
+    reason: Literal["stop", "length"] = "stop" if hit or done else "length"
+    return FinishEvent(reason, text.flush(), len(gen.prompt), len(gen.resumed))
+
+
+def replayed_text(tokenizer: Any, gen: GenerationRequest) -> str:
+    """The text a continuation's client already has: the resumed tokens through the same
+    incremental detokenizer and stop strings as the engine that produced them."""
+    text = IncrementalText(tokenizer, gen.stop)
+    return "".join(text.add(t)[0] for t in gen.resumed)
 
 
 async def _models(svc: InferenceService) -> web.Response:

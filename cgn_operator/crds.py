@@ -123,6 +123,12 @@ def model_spec_schema() -> dict[str, Any]:
                 {k: _s("number", exclusiveMinimum=True, minimum=0) for k in _SLO_FIELDS},
                 "the autoscaler scales up while the router's p90 over a minute is worse",
             ),
+            "migration_limit": _s(
+                "integer",
+                "continuations of a stream whose engine fails (default: the router's; 0: off)",
+                minimum=0,
+                maximum=16,
+            ),
             "aliases": _s("array", items=_MODEL_NAME),
             "fallbacks": _s("array", items=_MODEL_NAME),
             "profiles": _s(

@@ -34,6 +34,7 @@ class ModelEntry:
     fallbacks: tuple[str, ...] = ()
     tokenizer: Path | None = None
     scales_to_zero: bool = False  # replicas.min is 0: a request may wait for a cold start
+    migration_limit: int | None = None  # continuations per stream; None: the router's setting
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
@@ -61,12 +62,16 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         raise ValueError(f"catalog entry {name}: 'tokenizer' must be a path")
     replicas = data.get("replicas")
     zero = isinstance(replicas, dict) and replicas.get("min") == 0
+    limit = data.get("migration_limit")
+    if limit is not None and (type(limit) is not int or not 0 <= limit <= 16):
+        raise ValueError(f"catalog entry {name}: 'migration_limit' must be an integer in [0, 16]")
     return ModelEntry(
         name,
         names("aliases"),
         names("fallbacks"),
         Path(tokenizer) if tokenizer else None,
         scales_to_zero=zero,
+        migration_limit=limit,
     )
 
 

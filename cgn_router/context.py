@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.prompts import HashedPrompt
 
 
@@ -62,6 +63,11 @@ class RequestContext:
             model=served, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}
         )
         return _encode(body)
+
+    def resume_payload(self, served: str, resume: Mapping[str, Any]) -> bytes:
+        """A continuation of this request's stream on another engine of model `served`
+        (cgn_core/openai/resume.py): the upstream body with what was sent so far."""
+        return _encode({**self._upstream_body(served), RESUME_FIELD: dict(resume)})
 
     def decode_leg(self, served: str, params: Mapping[str, Any]) -> bytes:
         """The second leg: the client's request, with where its prompt's KV waits."""

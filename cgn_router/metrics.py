@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cgn_router.registry import Lease, Outcome, Registry
+from cgn_router.registry import Outcome, Registry
 
 if TYPE_CHECKING:
     from cgn_control.loop import ControlState
@@ -81,6 +81,14 @@ class RouterMetrics:
         )
         self.fallbacks = counter(
             "cgn_router_fallbacks", "Requests served by a fallback model.", "model", "served"
+        )
+        self.migrations = counter(
+            "cgn_router_migrations",
+            "Streams broken mid-answer, by cause and what became of them: continued on another "
+            "replica, a continuation that failed to start, or not continued (ended).",
+            "model",
+            "cause",
+            "result",
         )
         self.ttft = histogram(
             "cgn_router_ttft_seconds",
@@ -160,23 +168,36 @@ class RouterMetrics:
         )
 
     def attempt_ended(
-        self, model: str, outcome: Outcome, started: float, lease: Lease, relayed: Relayed | None
+        self,
+        model: str,
+        outcome: Outcome,
+        started: float,
+        first_byte_at: float | None,
+        relayed: Relayed | None,
+        predicted: int = 0,
     ) -> None:
-        """Count an attempt that answered the client (a failed one is counted by its cause)."""
+        """Count an attempt that answered the client (a failed one is counted by its cause;
+        a broken stream by its cause, its request once it is continued or ended);
+        `first_byte_at`: when the client's first byte went out, if this attempt sent it."""
         if outcome in ("failed", "busy"):
             return
-        self.requests.labels(model, outcome).inc()
-        self.latency.labels(model).observe(time.monotonic() - started)
-        if lease.first_byte_at is not None:
-            self.ttft.labels(model).observe(lease.first_byte_at - started)
+        if first_byte_at is not None:
+            self.ttft.labels(model).observe(first_byte_at - started)
         if relayed is not None and relayed.cause:
             self.errors.labels(relayed.cause).inc()
+        if relayed is not None and relayed.broken is not None:
+            return
+        self.request_ended(model, outcome, started)
         if relayed is not None and (u := relayed.usage) is not None:
             self.tokens.labels(model, "prompt").inc(u.prompt_tokens)
             self.tokens.labels(model, "completion").inc(u.completion_tokens)
             self.prompt_tokens_routed.labels(model).inc(u.prompt_tokens)
-            self.prefix_predicted.labels(model).inc(lease.predicted)
+            self.prefix_predicted.labels(model).inc(predicted)
             self.prefix_reported.labels(model).inc(u.cached_tokens)
+
+    def request_ended(self, model: str, outcome: str, started: float) -> None:
+        self.requests.labels(model, outcome).inc()
+        self.latency.labels(model).observe(time.monotonic() - started)
 
     def watch(self, endpoints: Registry) -> None:
         """Export per-endpoint live state at scrape time."""

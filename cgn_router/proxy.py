@@ -11,6 +11,15 @@ of a stream, or the whole answer of a non-streaming request, bounded by the
 total); idle (between two streamed events); total. A client that goes away
 closes the upstream connection, which cancels the generation on the engine.
 
+Migration (cgn_core/openai/resume.py): a stream to an engine that can continue
+another's answer (`Call.track`) asks it for the token ids it produces and keeps
+them (`Progress`); when that stream breaks before its finish chunk (connection
+lost, stalled past the idle deadline, an engine error event), the stream is left
+open and the attempt returns it (`Relayed.broken`) for the caller to continue on
+another engine (`run` with `Call.resume`: the continuation's events go into the
+same response) or to end (`end`). A stream that broke after its finish chunk
+lacks only `[DONE]`: it is ended as a whole answer.
+
 Usage: a streaming request that did not ask for usage is sent upstream with
 `stream_options.include_usage` set; the usage chunk is read for accounting
 and not relayed. Responses carry `x-cognitora-model` (the model that served,
@@ -31,7 +40,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import aiohttp
@@ -39,6 +48,7 @@ from aiohttp import web
 
 from cgn_core.http import PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
+from cgn_core.openai import resume
 from cgn_router.settings import DeadlineSettings
 from cgn_router.types import Endpoint
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -80,6 +90,25 @@ class Call:
     response_headers: Mapping[str, str]  # added to the client's response (x-cgn-queue-ms)
     priority: int | None = None  # sent to the engine as x-cgn-priority
     request_id: str = ""  # the client's x-request-id, passed on
+    track: bool = False  # ask for token ids (resume.IDS_HEADER): the stream may migrate
+    resume: Progress | None = None  # a continuation: relay into this stream's response
+
+
+@dataclass(slots=True, eq=False)
+class Progress:
+    """A tracked stream so far: its client response, the token ids the client has the text
+    of, the answer's id and creation time, and whether its finish chunk went out."""
+
+    out: web.StreamResponse
+    token_ids: list[int] = field(default_factory=list)
+    response_id: str = ""
+    created: int = 0
+    finished: bool = False
+    legs: int = 1  # engines that wrote to it
+    why: str = ""  # how its last leg broke
+
+    def resume_field(self) -> dict[str, Any]:
+        return resume.Resume(tuple(self.token_ids), self.response_id, self.created).to_json()
 
 
 Ending = Literal["ok", "client_error", "client_disconnected", "upstream_error"]
@@ -93,6 +122,7 @@ class Relayed:
     ending: Ending
     usage: Usage | None = None
     cause: str = ""  # why the stream broke after the first byte (ending upstream_error)
+    broken: Progress | None = None  # a tracked stream that broke, still open: continue or end
 
 
 class FirstByte(Protocol):
@@ -116,6 +146,8 @@ class Proxy:
             headers["x-request-id"] = call.request_id
         if call.priority is not None:
             headers[PRIORITY_HEADER] = str(call.priority)
+        if call.track:
+            headers[resume.IDS_HEADER] = "1"
         return self.upstream.post(
             ep.url, call.path, call.payload, headers, self.deadlines.connect_s
         )
@@ -206,14 +238,25 @@ class Proxy:
             event = await _next_event(resp)
         if event is None:
             raise AttemptFailed("disconnect", f"{eid}: stream ended before the first event")
-        out = web.StreamResponse(status=200, headers=_headers(call, None, sse=True))
-        await out.prepare(request)
+        progress = call.resume
+        if progress is not None:  # a continuation: the client's stream is already open
+            out = progress.out
+            progress.legs += 1
+        else:
+            out = web.StreamResponse(status=200, headers=_headers(call, None, sse=True))
+            await out.prepare(request)
+            progress = Progress(out) if call.track else None
         lease.first_byte(time.monotonic())
         idle, usage = self.deadlines.idle_s, None
         pending: bytes | None = event
         while pending is not None:
             batch = []  # the events already here go out in one write (one syscall, not one each)
+            failed = ""
             while pending is not None:
+                if progress is not None:
+                    pending, failed = _track(progress, pending)
+                    if failed:
+                        break
                 got = _usage_chunk(pending)
                 usage = got or usage
                 if got is None or not call.strip_usage:
@@ -224,20 +267,83 @@ class Proxy:
                     await out.write(b"".join(batch))
             except ConnectionResetError:  # the client left: closing upstream stops the engine
                 return Relayed(out, "client_disconnected", usage)
+            if failed:  # an error event from the engine, in place of the rest of the answer
+                return await self._broken(out, progress, usage, "engine_error", f"{eid}: {failed}")
             try:
                 async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
                     pending = await _next_event(resp)
             except TimeoutError:
                 cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
-                await _break(out, cause, f"{eid}: the stream stalled ({cause})")
-                return Relayed(out, "upstream_error", usage, cause)
+                msg = f"{eid}: the stream stalled ({cause})"
+                return await self._broken(out, progress, usage, cause, msg)
             except UpstreamError as exc:
-                cause = "disconnect_mid_stream"
                 msg = f"{eid}: the engine disconnected mid-stream ({_describe(exc)})"
-                await _break(out, cause, msg)
-                return Relayed(out, "upstream_error", usage, cause)
+                return await self._broken(out, progress, usage, "disconnect_mid_stream", msg)
         await out.write_eof()
         return Relayed(out, "ok", usage)
+
+    async def _broken(
+        self,
+        out: web.StreamResponse,
+        progress: Progress | None,
+        usage: Usage | None,
+        cause: str,
+        message: str,
+    ) -> Relayed:
+        """A stream that broke after its first byte: a tracked one is left open for the
+        caller (`Relayed.broken`), one that had sent its finish chunk is whole, and any
+        other ends with an error event."""
+        if progress is not None and progress.finished:  # only [DONE] (and usage) were left
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+                await out.write(b"data: [DONE]\n\n")
+                await out.write_eof()
+            return Relayed(out, "ok", usage)
+        if progress is not None and cause != "total_timeout":
+            progress.why = message
+            return Relayed(out, "upstream_error", usage, cause, progress)
+        await _break(out, cause, message)
+        return Relayed(out, "upstream_error", usage, cause)
+
+    async def end(self, relayed: Relayed, why: str) -> Relayed:
+        """End a broken stream that will not be continued, saying why, as an untracked one
+        would have ended."""
+        assert relayed.broken is not None
+        message = f"{relayed.broken.why} (not continued: {why})"
+        await _break(relayed.response, relayed.cause, message)
+        return dataclasses.replace(relayed, broken=None)
+
+
+def _track(progress: Progress, event: bytes) -> tuple[bytes, str]:
+    """Note what a tracked stream's event tells (its token ids, the answer's id, a finish)
+    and return it without its ids line; or, for an engine's error event that another
+    engine may do better than (not the request's own fault), (b"", its message)."""
+    if event.startswith(resume.IDS_PREFIX):
+        try:
+            ids, event = resume.split_ids(event)
+        except ValueError:
+            return b"", "a malformed token id line"
+        progress.token_ids += ids
+        if b'"finish_reason": "' in event or b'"finish_reason":"' in event:
+            progress.finished = True
+    elif event.startswith(b'data: {"error"'):
+        try:
+            error = json.loads(event[6:])["error"]
+        except (ValueError, KeyError, TypeError):
+            error = {}
+        if isinstance(error, dict) and error.get("type") != "invalid_request_error":
+            return b"", str(error.get("message") or "an error event")[:300]
+    elif event.startswith(b"data: {") and (b'"finish_reason": "' in event):
+        progress.finished = True
+    if not progress.response_id and event.startswith(b"data: {"):
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            chunk = None
+        if isinstance(chunk, dict):
+            rid, created = chunk.get("id"), chunk.get("created")
+            progress.response_id = rid if isinstance(rid, str) else ""
+            progress.created = created if type(created) is int else 0
+    return event, ""
 
 
 def _usage_chunk(event: bytes) -> Usage | None:

@@ -4,12 +4,16 @@
       │        big) → admission → one frozen RequestContext
       └ _serve  for each model of the fallback chain, up to `attempts` endpoints:
           │     route (filters → scorers → picker over a registry snapshot)
-          └ _attempt  Attempt (Registry.begin … lease.end(outcome)) around Proxy.run(call, lease)
+          ├ _attempt  Attempt (Registry.begin … lease.end(outcome)) around Proxy.run(call, lease)
+          └ _migrate  a stream that broke mid-answer: continued on another replica of the
+                      same model from the token ids sent (up to `migration.limit` times)
 
 A request is parsed only as far as routing needs (model, stream, the prompt
 for hashing, the session); its body goes upstream byte for byte unless the
 router must change it (a fallback model, `include_usage` injected). Retries
-go to another endpoint, and only before the first byte reached the client.
+go to another endpoint, and only before the first byte reached the client;
+after it, only a continuation of the same answer by the same model (never a
+fallback: that would splice two models' answers into one).
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_core.openai.request import sampling_fields
+from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.attempt import Attempt
 from cgn_router.auth import Principal, authorize, visible
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide
 from cgn_router.load_signals import WINDOW_S
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
-from cgn_router.proxy import AttemptFailed, Call, Relayed
+from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
@@ -122,8 +127,9 @@ def _parse(
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
         raise InvalidRequest("'model' is required", param="model")
-    if TRANSFER_FIELD in body:  # it makes an engine dial the address it names
-        raise InvalidRequest(f"'{TRANSFER_FIELD}' is set by the router only", param=TRANSFER_FIELD)
+    for field in (TRANSFER_FIELD, RESUME_FIELD):  # an engine dials what the first names, and
+        if field in body:  # the second passes someone else's tokens off as the model's
+            raise InvalidRequest(f"'{field}' is set by the router only", param=field)
     # What cgn-infer would refuse for its generation fields is refused here, before any work.
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
@@ -203,10 +209,64 @@ async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) 
                 svc.metrics.errors.labels(exc.cause).inc()
                 last = exc
                 continue
+            if relayed.broken is not None:
+                relayed = await _migrate(svc, request, ctx, req, relayed, tried)
             if served != ctx.model:
                 svc.metrics.fallbacks.labels(ctx.model, served).inc()
             return relayed
     raise _no_answer(svc, ctx.model, last)
+
+
+async def _migrate(
+    svc: RouterService,
+    request: web.Request,
+    ctx: RequestContext,
+    req: RequestInfo,
+    relayed: Relayed,
+    tried: set[EndpointId],
+) -> Relayed:
+    """Continue a broken stream on other replicas of its model (those whose engine can
+    resume), each continuation from the token ids the client has the text of, at most the
+    model's migration limit in all; or end it, saying why not."""
+    limit = svc.migration_limit(req.model)
+    tries = 0
+    while (broken := relayed.broken) is not None:
+        why = ""
+        if tries >= limit:
+            why = f"migration limit {limit} reached" if limit else "migration is off"
+        elif time.monotonic() >= ctx.deadline:
+            why = "the request's deadline passed"
+        elif req.prompt_tokens + len(broken.token_ids) > svc.settings.migration.max_tokens:
+            why = f"over migration.max_tokens ({svc.settings.migration.max_tokens})"
+        view = None if why else svc.route(req, frozenset(tried | svc.cannot_resume(req.model))).view
+        if not why and view is None:
+            why = f"no other replica of {req.model} can continue it"
+        if why or view is None:
+            svc.metrics.migrations.labels(req.model, relayed.cause, "not_continued").inc()
+            log.warning("a stream of %s broke (%s), not continued: %s", req.model, broken.why, why)
+            ended = await svc.proxy.end(relayed, why)
+            svc.metrics.request_ended(req.model, "upstream_error", ctx.started)
+            return ended
+        tries += 1
+        tried.add(view.id)
+        log.info(
+            "continuing a stream of %s on %s from %d tokens (%s)",
+            req.model,
+            view.id,
+            len(broken.token_ids),
+            broken.why,
+        )
+        payload = ctx.resume_payload(req.model, broken.resume_field())
+        try:
+            after = await _attempt(svc, request, ctx, req, view, payload, {}, broken)
+        except AttemptFailed as exc:  # the continuation did not start: another may
+            log.info("continuation failed: %s", exc.message)
+            svc.metrics.errors.labels(exc.cause).inc()
+            svc.metrics.migrations.labels(req.model, relayed.cause, "failed").inc()
+            continue
+        svc.metrics.migrations.labels(req.model, relayed.cause, "continued").inc()
+        relayed = after
+    return relayed
 
 
 async def _attempt(
@@ -217,8 +277,10 @@ async def _attempt(
     view: EndpointView,
     payload: bytes,
     headers: Mapping[str, str],
+    resume: Progress | None = None,
 ) -> Relayed:
-    """One attempt on the chosen endpoint, its accounting held by a lease."""
+    """One attempt on the chosen endpoint, its accounting held by a lease; with `resume`,
+    a continuation relayed into that broken stream."""
     call = Call(
         endpoint=view.endpoint,
         path=PATHS[ctx.kind],
@@ -230,6 +292,8 @@ async def _attempt(
         response_headers={**ctx.response_headers, **headers},
         priority=ctx.priority,
         request_id=ctx.request_id,
+        track=ctx.stream and svc.can_resume(view.endpoint),
+        resume=resume,
     )
     attempt = Attempt(svc.registry, view, req)
     relayed = None
@@ -242,8 +306,13 @@ async def _attempt(
             svc.metrics.pd_fallbacks.labels("decode_" + why).inc()
         return relayed
     finally:
-        svc.metrics.attempt_ended(req.model, attempt.outcome, ctx.started, attempt.lease, relayed)
-        if (first := attempt.lease.first_byte_at if attempt.lease else None) is not None:
+        first = attempt.lease.first_byte_at if attempt.lease else None
+        if resume is not None:  # the client's first byte came from an earlier leg
+            first = None
+        svc.metrics.attempt_ended(
+            req.model, attempt.outcome, ctx.started, first, relayed, attempt.lease.predicted
+        )
+        if first is not None:
             svc.load.ttft.add(req.model, first - ctx.started)  # the autoscaler's SLO signal
 
 

@@ -20,7 +20,12 @@ from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
-from cgn_router.types import EndpointId, RequestInfo
+from cgn_router.types import Endpoint, EndpointId, RequestInfo
+
+# Engines that continue another engine's stream from token ids (cgn_core/openai/resume.py).
+# vLLM, SGLang and llama.cpp take token-id prompts, but not the rest of a continuation (the
+# response id, the detokenizer's, parser's and grammar's state): their streams are not moved.
+RESUMABLE_ENGINES = frozenset({"cgn-infer"})
 
 # A model with more endpoints than SHORT_LIST is scored over a short list of them: the
 # SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
@@ -80,6 +85,22 @@ class RouterService:
         adm = self.settings.admission
         spec = adm.bands.get(band)
         return spec.priority if adm.engine_priority and spec is not None else None
+
+    def migration_limit(self, model: str) -> int:
+        """Continuations a stream of `model` may have: its catalog entry's, else the setting."""
+        entry = self.catalog.entry(model)
+        if entry is not None and entry.migration_limit is not None:
+            return entry.migration_limit
+        return self.settings.migration.limit
+
+    def can_resume(self, endpoint: Endpoint) -> bool:
+        """Whether a stream to `endpoint` is tracked so that another engine may continue it."""
+        return endpoint.engine in RESUMABLE_ENGINES and self.migration_limit(endpoint.model) > 0
+
+    def cannot_resume(self, model: str) -> set[EndpointId]:
+        """The endpoints of `model` that cannot take a continuation."""
+        peers = self.registry.by_model.get(model, {})
+        return {eid for eid, st in peers.items() if st.endpoint.engine not in RESUMABLE_ENGINES}
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
         """The chain's decision over the live registry, counted in the metrics.

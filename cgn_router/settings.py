@@ -126,6 +126,20 @@ class DeadlineSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MigrationSettings:
+    """Request migration: a stream whose engine fails mid-answer continues on another
+    replica of the same model (cgn_core/openai/resume.py; docs/cgn-router.md)."""
+
+    limit: int = 3  # continuations per request; 0: off (a catalog model's migration_limit wins)
+    max_tokens: int = 32768  # prompt plus generated tokens beyond which a stream is not moved
+
+    def check(self) -> None:
+        if not 0 <= self.limit <= 16:
+            raise ConfigError(f"limit must be in [0, 16], got {self.limit}")
+        positive(self, "max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
 class BreakerSettings:
     failures: int = 3  # consecutive failures that open the breaker
     open_s: float = 5.0  # then one half-open probe request after this long
@@ -217,6 +231,7 @@ class RouterSettings:
     auth: AuthSettings = AuthSettings()
     admission: AdmissionSettings = AdmissionSettings()
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
+    migration: MigrationSettings = MigrationSettings()  # and after it, for a broken stream
     max_body_bytes: int = 16 << 20
     # A non-streamed answer larger than this is not relayed (tried elsewhere): it is held in
     # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).

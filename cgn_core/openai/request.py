@@ -56,6 +56,7 @@ _COMMON = frozenset(
         "priority",
         "logprobs",
         "kv_transfer_params",
+        "cgn_resume",
         "logit_bias",
         "response_format",
         "structured_outputs",

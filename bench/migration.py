@@ -1,0 +1,265 @@
+"""Request migration under failure: streams that outlive their engine. One run, side by side.
+
+    .venv/bin/python -m bench.migration [--streams 64] [--speed 20] [--seconds 6]
+
+Three sim engines (each its own process, so one can be killed) behind a router,
+with and without a shared cgn-kvcached; `--streams` concurrent streams, each a
+completion of its own 1,000-token prompt (token ids: no prefix shared between
+streams) with 300 output tokens. Once every stream has 30 tokens, one engine
+(the one with the most streams in flight) is ended. Scenarios, each on a fresh
+fleet:
+
+1. kill -9, prefix restored from kvcached (the engines offer a prompt's blocks
+   as soon as they are computed);
+2. kill -9, no kvcached: the continuation recomputes prompt and output so far;
+3. drain: SIGTERM, what the agent sends once a replica's drain timeout has
+   passed (the engine stops accepting, gives its streams 2 s, closes the rest);
+4. kill -9 with migration off (`migration.limit: 0`): today's behaviour before
+   this change, for comparison.
+
+Reported per scenario: streams that failed (an error event, a non-200, or an
+answer short of its 300 tokens), streams continued (the router's
+`cgn_router_migrations_total`), and the longest gap between two chunks each
+client saw (p50/p99 over the streams that were on the ended engine, and p99
+over all). The sim's output is a function of the whole context, so a
+continued answer is checked token for token against the same stream on an
+undisturbed fleet (`identical`).
+
+Cost when nothing fails: two routers on the same engines, migration on and
+off, `--streams` concurrent short streams (16 tokens) for `--seconds`,
+alternating four times; completed requests/s of each, and the ratio.
+
+Results: bench/results/migration.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import write_result
+from cgn_core.etcd.local import free_port
+from harness.metrics import metric
+from harness.procs import Engine, Router, cgn_infer_engines, cgn_kvcached, cgn_router
+
+MODEL = "sim"
+PROMPT, OUTPUT, KILL_AT = 1000, 300, 30
+VOCAB = 40000
+
+
+@dataclass
+class Stream:
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # KILL_AT tokens, or ended
+    text: list[str] = field(default_factory=list)
+    endpoint: str = ""
+    failed: str = ""
+    max_gap_s: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class Fleet:
+    engines: dict[str, Engine]
+    router: Router
+    ports: dict[str, int]
+
+
+@contextmanager
+def fleet(tmp: Path, speed: float, kvcached: bool, migration: int = 3) -> Iterator[Fleet]:
+    with ExitStack() as stack:
+        extra: tuple[str, ...] = ()
+        if kvcached:
+            extra = stack.enter_context(cgn_kvcached(tmp, ram_bytes=8 << 30)).engine_args
+        ports = {f"e{i}": free_port() for i in range(3)}
+        engines = {}
+        for name, port in ports.items():
+            (engines[name],) = stack.enter_context(cgn_infer_engines(
+                tmp, 1, "--backend", "sim", "--speed", str(speed), "--model-name", MODEL,
+                "--max-batch", "64", "--kv-pool-tokens", "131072", "--ctx", "4096",
+                "--port", str(port), *extra))  # fmt: skip
+        endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL} for n, p in ports.items()}
+        config = {"discovery": "static", "endpoints": endpoints, "log": {"level": "warning"},
+                  "migration": {"limit": migration}, "breaker": {"failures": 1000}}  # fmt: skip
+        yield Fleet(engines, stack.enter_context(cgn_router(tmp, config)), ports)
+
+
+def prompt(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(100, VOCAB) for _ in range(PROMPT)]
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, i: int, out: Stream) -> None:
+    body = {"model": MODEL, "prompt": prompt(i), "max_tokens": OUTPUT, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            out.endpoint = resp.headers.get("x-cognitora-endpoint", "")
+            if resp.status != 200:
+                out.failed = f"status {resp.status}"
+                return
+            last = time.monotonic()
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.monotonic()
+                out.max_gap_s, last = max(out.max_gap_s, now - last), now
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.failed = chunk["error"].get("code") or "error"
+                    return
+                for choice in chunk.get("choices", []):
+                    if choice.get("text"):
+                        out.text.append(choice["text"])
+                        out.tokens += 1
+                if out.tokens >= KILL_AT:
+                    out.progress.set()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        out.failed = type(exc).__name__
+    finally:
+        out.progress.set()
+    if not out.failed and out.tokens < OUTPUT:
+        out.failed = f"short: {out.tokens} tokens"
+
+
+async def run_streams(f: Fleet, n: int, end: str | None) -> list[Stream]:
+    """`n` streams through the router; with `end` ("kill" or "term"), one engine is ended once
+    every stream has KILL_AT tokens."""
+    streams = [Stream() for _ in range(n)]  # NOTE: made in the loop their events belong to
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
+        tasks = [asyncio.create_task(one_stream(s, f.router.url, i, st))
+                 for i, st in enumerate(streams)]  # fmt: skip
+        if end is not None:
+            await asyncio.gather(*(st.progress.wait() for st in streams))
+            counts: dict[str, int] = {}
+            for st in streams:
+                name = st.endpoint.rsplit("/", 1)[-1]
+                counts[name] = counts.get(name, 0) + (not st.failed and st.tokens < OUTPUT)
+            victim = max(counts, key=lambda k: counts[k])
+            os.killpg(
+                f.engines[victim].proc.pid, signal.SIGKILL if end == "kill" else signal.SIGTERM
+            )
+            for st in streams:
+                st.endpoint = "ended" if st.endpoint.endswith("/" + victim) else st.endpoint
+        await asyncio.gather(*tasks)
+    return streams
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+def scenario(tmp: Path, name: str, args: argparse.Namespace, reference: list[Stream], *,
+             kvcached: bool, end: str, migration: int = 3) -> dict[str, Any]:  # fmt: skip
+    with fleet(tmp / name, args.speed, kvcached, migration) as f:
+        streams = asyncio.run(run_streams(f, args.streams, end))
+        moved = metric(f.router.admin, "cgn_router_migrations_total", result="continued")
+    ended = [s for s in streams if s.endpoint == "ended"]
+    gaps = [s.max_gap_s for s in ended]
+    same = sum(not s.failed and s.text == r.text for s, r in zip(streams, reference, strict=True))
+    return {"scenario": name, "streams": len(streams), "on_ended_engine": len(ended),
+            "failed": sum(bool(s.failed) for s in streams), "continued": int(moved),
+            "identical": same, "gap_ended_p50_s": pct(gaps, 0.5), "gap_ended_p99_s": pct(gaps, 0.99),
+            "gap_all_p99_s": pct([s.max_gap_s for s in streams], 0.99),
+            "failures": sorted({s.failed for s in streams if s.failed})}  # fmt: skip
+
+
+async def short_load(url: str, n: int, seconds: float) -> int:
+    """Completed 16-token streams in `seconds` from `n` concurrent clients."""
+    done = 0
+    stop = time.monotonic() + seconds
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def client(i: int) -> None:
+            nonlocal done
+            k = 0
+            while time.monotonic() < stop:
+                k += 1
+                body = {"model": MODEL, "prompt": [100 + i, 200 + k % 50, 300], "max_tokens": 16,
+                        "stream": True, "ignore_eos": True}  # fmt: skip
+                async with s.post(url + "/v1/completions", json=body) as resp:
+                    ok = resp.status == 200 and b"[DONE]" in await resp.read()
+                done += ok
+
+        await asyncio.gather(*(client(i) for i in range(n)))
+    return done
+
+
+def overhead(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    with fleet(tmp / "overhead", 200.0, kvcached=False) as f:
+        endpoints = {
+            n: {"url": f"http://127.0.0.1:{p}", "model": MODEL} for n, p in f.ports.items()
+        }
+        config = {"discovery": "static", "endpoints": endpoints, "log": {"level": "warning"},
+                  "migration": {"limit": 0}}  # fmt: skip
+        with cgn_router(tmp / "overhead", config) as off:
+            totals = {"on": 0, "off": 0}
+            for _ in range(4):
+                for key, r in (("on", f.router), ("off", off)):
+                    totals[key] += asyncio.run(short_load(r.url, args.streams, args.seconds))
+    spent = 4 * args.seconds
+    on, off_rate = totals["on"] / spent, totals["off"] / spent
+    return {"req_s_migration_on": on, "req_s_migration_off": off_rate, "ratio": on / off_rate}
+
+
+def table(rows: list[dict[str, Any]], cost: dict[str, Any]) -> str:
+    out = ["| scenario | streams on the ended engine | failed | continued | identical to undisturbed "
+           "| longest gap p50 / p99 (ended engine's streams) | p99 (all) |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['scenario']} | {r['on_ended_engine']} of {r['streams']} | {r['failed']} "
+                   f"| {r['continued']} | {r['identical']} of {r['streams']} "
+                   f"| {r['gap_ended_p50_s'] * 1000:.0f} / {r['gap_ended_p99_s'] * 1000:.0f} ms "
+                   f"| {r['gap_all_p99_s'] * 1000:.0f} ms |")  # fmt: skip
+    out += ["", f"Cost when nothing fails (short streams, c={cost['streams']}): "
+            f"{cost['req_s_migration_on']:.0f} req/s with migration on, "
+            f"{cost['req_s_migration_off']:.0f} off: ratio {cost['ratio']:.3f}."]  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--speed", type=float, default=20.0, help="sim speed (x the modelled engine)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="per round of the cost check")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        with fleet(tmp / "reference", args.speed, kvcached=False) as f:
+            reference = asyncio.run(run_streams(f, args.streams, None))
+        assert not any(s.failed for s in reference), [s.failed for s in reference]
+        rows = [
+            scenario(tmp, "kill -9, restored from kvcached", args, reference, kvcached=True,
+                     end="kill"),
+            scenario(tmp, "kill -9, recomputed", args, reference, kvcached=False, end="kill"),
+            scenario(tmp, "drain (SIGTERM after the drain timeout)", args, reference,
+                     kvcached=True, end="term"),
+            scenario(tmp, "kill -9, migration off", args, reference, kvcached=True, end="kill",
+                     migration=0),
+        ]  # fmt: skip
+        cost = {**overhead(tmp, args), "streams": args.streams}
+    command = "python -m bench.migration " + " ".join(sys.argv[1:])
+    write_result("migration", command.strip(), {"scenarios": rows, "cost": cost}, table(rows, cost))
+    print(table(rows, cost))
+
+
+if __name__ == "__main__":
+    main()
