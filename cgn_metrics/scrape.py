@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from cgn_core.http import bearer_header
 from cgn_metrics.fleet import KEEP, Scraped, SeriesKey
 from cgn_metrics.targets import Target
 
@@ -75,7 +76,7 @@ class Scraper:
             s.duration_s = time.monotonic() - started
 
     async def _fetch(self, t: Target) -> Mapping[SeriesKey, float]:
-        headers = {"Accept-Encoding": "gzip"}
+        headers = {"Accept-Encoding": "gzip", **bearer_header(t.token)}
         async with self.client.stream("GET", t.url + "/metrics", headers=headers) as resp:
             if resp.status_code != 200:
                 raise httpx.HTTPError(f"HTTP {resp.status_code}")

@@ -36,6 +36,9 @@ class Target:
     node: str = ""
     model: str = ""
     replica: str = ""
+    # the engine's per-replica secret from its endpoint record, sent as a bearer token (an
+    # engine the agent starts with one may guard /metrics too: llama.cpp does); never shown
+    token: str = field(default="", repr=False, compare=False)
 
     @property
     def id(self) -> str:
@@ -117,6 +120,7 @@ def fleet_from_records(
                 node=node,
                 model=model,
                 replica=f"{node}.{replica}" if node else replica,
+                token=doc["token"],
             )
         )
     for key, raw in kvcached.items():
@@ -151,6 +155,7 @@ def _endpoint(doc: Any) -> dict[str, Any]:
         "url": base_url(records.text(d, "url", required=True)),
         "node": records.text(d, "node"),
         "model": records.text(d, "model"),
+        "token": records.text(d, "api_token"),
     }
 
 

@@ -147,6 +147,16 @@ def test_trtllm_and_mlx_argv_and_documented_flags() -> None:
     assert flags(launch.argv[3:]) <= DOCUMENTED["mlx_lm"]
 
 
+def test_llama_cpp_loads_a_bundled_model_by_its_name() -> None:
+    """configs/models/smollm2.yaml's llama_cpp profile: source `smollm2` is the bundled file."""
+    from cgn_core.bundled_models import smollm2
+
+    s = spec("llama_cpp", source="smollm2")
+    tools = replace(ALL_TOOLS, files={str(smollm2())})
+    DRIVERS["llama_cpp"].validate(s, CPU_NODE, tools)
+    assert str(smollm2()) in DRIVERS["llama_cpp"].launch(s, CTX, tools).argv
+
+
 @pytest.mark.parametrize(
     ("launcher", "documented", "program", "health", "dialect"),
     [

@@ -82,6 +82,7 @@ def spec(engine: str, source: str) -> ReplicaSpec:
     [
         ("cgn_infer", "smollm2"),
         ("cgn_infer", "qwen2.5-coder-0.5b"),
+        ("llama_cpp", "smollm2"),  # a bundled model is a GGUF llama.cpp loads as it is
         ("vllm", "meta-llama/Llama-3.1-8B-Instruct"),
         ("sglang", "Qwen/Qwen2.5-7B-Instruct"),
         ("openai_compat", ""),
@@ -103,7 +104,7 @@ def test_files_under_model_dirs_and_the_bundled_file_pass(tmp_path: Path) -> Non
     [
         ("cgn_infer", "/etc/passwd", "not under a model directory"),
         ("cgn_infer", "models/../../etc/passwd", "must be an absolute path"),
-        ("llama_cpp", "smollm2", "must be an absolute path under the agent's model_dirs"),
+        ("llama_cpp", "smol", "must be an absolute path under the agent's model_dirs"),
         ("vllm", "../etc", "or a Hugging Face repo id"),
         ("vllm", "org/../etc", "must be an absolute path"),
         ("mlx_lm", "/root/.ssh", "not under a model directory"),

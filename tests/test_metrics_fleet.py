@@ -173,7 +173,9 @@ def test_targets_and_node_states_from_etcd_records() -> None:
         "/cognitora/nodes/n4": b"{not json",  # bad: skipped
     }
     endpoints = {
-        "/cognitora/endpoints/n1/smol/r1": rec({"url": "http://10.0.0.1:8001", "model": "smol"}),
+        "/cognitora/endpoints/n1/smol/r1": rec(
+            {"url": "http://10.0.0.1:8001", "model": "smol", "api_token": "s3"}
+        ),
         "/cognitora/endpoints/n5/smol/r2": rec({"url": "http://10.0.0.5:8001"}),
         "/cognitora/endpoints/manual/r3": rec({"url": "http://10.0.0.9:8001/v1"}),
         "/cognitora/endpoints/n1/smol/bad": rec({"url": 5}),
@@ -198,6 +200,9 @@ def test_targets_and_node_states_from_etcd_records() -> None:
         "engine:r3", "kvcached:http://10.0.0.1:9094",
     ])  # fmt: skip
     assert fleet.nodes == {"n1": "Ready", "n2": "Draining", "n5": "Lost", "n6": "Lost"}
+    guarded = next(t for t in fleet.targets if t.id == "engine:n1.r1")
+    assert guarded.token == "s3"  # scraped with it; shown nowhere
+    assert "s3" not in repr(guarded) + file_sd(fleet.targets)
     assert fleet.replicas == {"smol": 2, "manual": 1}
     assert fleet.desired == {"smol": 3, "pd": 3, "qwen:0.5b": 2}  # pools add up
     assert sorted(warnings) == ["/cognitora/endpoints/n1/smol/bad", "/cognitora/nodes/n3",
@@ -293,6 +298,8 @@ async def test_a_scrape_is_bounded_before_it_is_held_or_inflated() -> None:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         kind = request.match_info["kind"]
+        if kind.startswith("guarded") and request.headers.get("Authorization") != "Bearer s3":
+            return web.Response(status=401)  # as llama.cpp answers without its --api-key
         if kind == "endless":
             resp = web.StreamResponse()
             await resp.prepare(request)
@@ -300,7 +307,8 @@ async def test_a_scrape_is_bounded_before_it_is_held_or_inflated() -> None:
                 await resp.write(b"#" * (1 << 20))
             return resp
         body, encoding = {"bomb": (bomb, "gzip"), "good": (gzip.compress(page), "gzip"),
-                          "br": (page, "br")}[kind]  # fmt: skip
+                          "br": (page, "br"), "guarded": (page, "identity"),
+                          "guarded-nokey": (page, "identity")}[kind]  # fmt: skip
         return web.Response(body=body, headers={"Content-Encoding": encoding})
 
     app = web.Application()
@@ -313,7 +321,9 @@ async def test_a_scrape_is_bounded_before_it_is_held_or_inflated() -> None:
         async with httpx.AsyncClient() as client:
             scraper = Scraper(client, timeout_s=30, concurrency=4, capacity=8)
             scraper.set_targets([Target("other", f"http://127.0.0.1:{port}/{k}")
-                                 for k in ("bomb", "endless", "br", "good")])  # fmt: skip
+                                 for k in ("bomb", "endless", "br", "good", "guarded-nokey")]
+                                + [Target("engine", f"http://127.0.0.1:{port}/guarded",
+                                          token="s3")])  # fmt: skip
             tracemalloc.start()
             started = time.monotonic()
             await scraper.round()
@@ -327,4 +337,5 @@ async def test_a_scrape_is_bounded_before_it_is_held_or_inflated() -> None:
     assert got["endless"].state == "down" and f"over {MAX_BYTES} bytes" in got["endless"].error
     assert got["br"].state == "down" and "is not gzip or deflate" in got["br"].error
     assert got["good"].state == "up" and got["good"].latest
+    assert got["guarded"].state == "up" and "HTTP 401" in got["guarded-nokey"].error
     assert took < 20 and peak < 6 * MAX_BYTES, (took, peak)

