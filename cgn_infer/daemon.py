@@ -3,7 +3,8 @@
 The HTTP listener comes up first, so /health answers 503 while the weights
 load; the `--ready-file` is written once the model is loaded and serving.
 SIGTERM/SIGINT only set an event; shutdown then stops accepting, gives the
-answers still streaming STREAMS_GRACE_S to end, closes the rest (a router
+answers still streaming STREAMS_GRACE_S to end (aiohttp may take as long again
+to close a cancelled one), closes the rest (a router
 continues them on another replica: request migration), lets the engine finish
 its current step and exits. The agent sends SIGTERM only after a replica's
 requests have finished or its drain timeout has passed.

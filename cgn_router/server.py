@@ -231,13 +231,13 @@ async def _migrate(
     limit = svc.migration_limit(req.model)
     tries = 0
     while (broken := relayed.broken) is not None:
-        why = ""
-        if tries >= limit:
-            why = f"migration limit {limit} reached" if limit else "migration is off"
-        elif time.monotonic() >= ctx.deadline:
-            why = "the request's deadline passed"
-        elif req.prompt_tokens + len(broken.token_ids) > svc.settings.migration.max_tokens:
-            why = f"over migration.max_tokens ({svc.settings.migration.max_tokens})"
+        try:
+            resume = broken.resume_field()
+            generated = len(resume["token_ids"])
+            why = _no_migration(svc, ctx, req.prompt_tokens + generated, tries, limit)
+        except ValueError as exc:
+            resume, generated = {}, 0
+            why = f"the stream cannot be continued from what it sent ({exc})"
         view = None if why else svc.route(req, frozenset(tried | svc.cannot_resume(req.model))).view
         if not why and view is None:
             why = f"no other replica of {req.model} can continue it"
@@ -253,10 +253,10 @@ async def _migrate(
             "continuing a stream of %s on %s from %d tokens (%s)",
             req.model,
             view.id,
-            len(broken.token_ids),
+            generated,
             broken.why,
         )
-        payload = ctx.resume_payload(req.model, broken.resume_field())
+        payload = ctx.resume_payload(req.model, resume)
         try:
             after = await _attempt(svc, request, ctx, req, view, payload, {}, broken)
         except AttemptFailed as exc:  # the continuation did not start: another may
@@ -267,6 +267,19 @@ async def _migrate(
         svc.metrics.migrations.labels(req.model, relayed.cause, "continued").inc()
         relayed = after
     return relayed
+
+
+def _no_migration(
+    svc: RouterService, ctx: RequestContext, tokens: int, tries: int, limit: int
+) -> str:
+    """Why a broken stream of `tokens` (prompt and output) is not continued; "" when it is."""
+    if tries >= limit:
+        return f"migration limit {limit} reached" if limit else "migration is off"
+    if time.monotonic() >= ctx.deadline:
+        return "the request's deadline passed"
+    if tokens > svc.settings.migration.max_tokens:
+        return f"over migration.max_tokens ({svc.settings.migration.max_tokens})"
+    return ""
 
 
 async def _attempt(

@@ -76,12 +76,3 @@ def parse_resume(value: Any) -> Resume:
 def ids_line(ids: Iterable[int]) -> bytes:
     """The comment line that names `ids` on a stream."""
     return IDS_PREFIX + ",".join(map(str, ids)).encode() + b"\n"
-
-
-def split_ids(event: bytes) -> tuple[list[int], bytes]:
-    """(the ids an event's leading comment names, the event without it); ([], event) when
-    it has none. ValueError for a malformed line (nothing from the network is trusted)."""
-    if not event.startswith(IDS_PREFIX):
-        return [], event
-    end = event.index(b"\n")
-    return [int(t) for t in event[len(IDS_PREFIX) : end].split(b",")], event[end + 1 :]
