@@ -119,13 +119,17 @@ def node_view(
     )
 
 
-def place(model: ModelSpec, nodes: Sequence[NodeView]) -> Decision:
-    """The nodes and devices for one more replica of `model`, with every candidate's verdict."""
+def place(
+    model: ModelSpec, nodes: Sequence[NodeView], refused: Mapping[tuple[str, str], str] = {}
+) -> Decision:
+    """The nodes and devices for one more replica of `model`, with every candidate's verdict;
+    `refused`: (node, engine) → why its agent refused this model's placement lately (such a
+    pair is not a candidate: placing it again would only be refused again)."""
     candidates: list[Candidate] = []
     for i, profile in enumerate(model.profiles):
         fits: list[NodeView] = []
         for node in sorted(nodes, key=lambda n: n.name):
-            why = _reject(node, profile)
+            why = _reject(node, profile) or refused.get((node.name, profile.engine), "")
             if why:
                 candidates.append(Candidate(node.name, i, False, why))
             else:

@@ -12,7 +12,10 @@ Per pass, in order:
 3. Replica failure = whole-replica rebuild: a placement the agent refused, or
    one that failed `max_local_failures` times in a row on its node, is
    deleted, and the model waits a jittered exponential backoff before its
-   next placement.
+   next placement. A refusal is remembered (`REFUSED_FOR_S`, or until the
+   model's profiles change): that engine is not placed on that node again
+   meanwhile, and `explain` says why, so a profile a node cannot run is not
+   placed and deleted over and over.
 4. Drain: placements on a node cordoned with `drain` do not count toward
    the model's replicas, so replacements are placed elsewhere first; an
    original is deleted once the model has `min` Ready replicas off draining
@@ -79,6 +82,9 @@ class ReconcilerSettings:
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
 
 
+REFUSED_FOR_S = 600.0  # a node's agent refused a model's engine: not placed there again for
+
+
 @dataclass
 class Memory:
     """What the leader remembers between passes (lost on hand-over; rebuilt from etcd)."""
@@ -88,6 +94,20 @@ class Memory:
     rebuilds: Counter[str] = field(default_factory=Counter)
     unplaced: dict[str, Decision] = field(default_factory=dict)
     scaler: Scaler = field(default_factory=Scaler)
+    # (model, node, engine) → (the agent's reason, until when, the model's profiles then):
+    # not placed there again meanwhile, unless the catalog entry's profiles change
+    refused: dict[tuple[str, str, str], tuple[str, float, str]] = field(default_factory=dict)
+
+    def refusals(self, spec: ModelSpec, now: float) -> dict[tuple[str, str], str]:
+        """(node, engine) → why, for `spec`'s placements its agents refused lately."""
+        out = {}
+        for (model, node, engine), (why, until, profiles) in list(self.refused.items()):
+            if until <= now or (model == spec.name and profiles != repr(spec.profiles)):
+                del self.refused[(model, node, engine)]
+            elif model == spec.name:
+                left = round(until - now)
+                out[(node, engine)] = f"its agent refused it ({why}); not tried again for {left} s"
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +198,10 @@ def reconcile(
             delete(key, f"replica failed: {status.reason}")
             mem.rebuilds[model] += 1
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
+            if status.reason.startswith(("refused", "invalid")):  # the same again, there
+                profiles = repr(snap.models[model].profiles)
+                until = now + REFUSED_FOR_S
+                mem.refused[(model, key[0], p.engine)] = (status.reason, until, profiles)
 
     live = {k: d for k, d in owned.items() if k not in gone}
     actions += _relay_stages(live, parts, snap)
@@ -220,7 +244,7 @@ def reconcile(
         if now < mem.rebuild_after.get(name, 0.0):
             continue
         sub = spec.for_role(role)
-        decision = place(_launchable(sub), node_views(snap, states, gone))
+        decision = place(_launchable(sub), node_views(snap, states, gone), mem.refusals(spec, now))
         if not decision.ok:
             mem.unplaced[pool] = decision
             continue
@@ -325,7 +349,8 @@ def explain(
     """What placing one more replica of `spec` (in its pool of `role`) would decide now, with
     every candidate's reason."""
     sub = spec.for_role(role) if role else spec
-    return place(_launchable(sub), node_views(snap, node_states(snap, mem, now, policy)))
+    views = node_views(snap, node_states(snap, mem, now, policy))
+    return place(_launchable(sub), views, mem.refusals(spec, now))
 
 
 def _launchable(spec: ModelSpec) -> ModelSpec:

@@ -35,7 +35,8 @@ def snap(
         models={m.name: m for m in (models if models is not None else [model()])},
         nodes={n: CPU_NODE for n in nodes},
         placements={
-            k: {"model": m, "devices": [], "owner": "reconciler"} for k, m in (placed or {}).items()
+            k: {"model": m, "engine": "cgn_infer", "devices": [], "owner": "reconciler"}
+            for k, m in (placed or {}).items()
         },
         statuses=status or {},
         cordons=cordons or {},
@@ -85,6 +86,30 @@ def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() 
     reconcile(gone, mem2, 0.0, S)
     reconcile(snap(placed=placed), mem2, 20.0, S)
     assert reconcile(gone, mem2, 45.0, S) == []
+
+
+def test_a_refused_engine_is_not_placed_on_that_node_again_until_its_profiles_change() -> None:
+    """The agent on a refuses the model's engine: the next replica goes to b, and explain
+    says why not a; after REFUSED_FOR_S, or once the catalog's profiles change, a is a
+    candidate again."""
+    from cgn_control.reconciler import REFUSED_FOR_S
+
+    mem = Memory()
+    m = model("m")
+    refused = {("a", "r1"): {"phase": "Failed", "reason": "refused: llama_cpp: no such file"}}
+    reconcile(snap(models=[m], placed={("a", "r1"): "m"}, status=refused), mem, 0.0, S, rand=0.0)
+    again = reconcile(snap(models=[m], nodes=("a", "b")), mem, 2.0, S)
+    assert [(type(x), x.node) for x in again] == [(Put, "b")]
+    why = {c.node: c.reason for c in explain(m, snap(models=[m]), mem, 3.0, S).candidates}
+    assert why["a"].startswith("its agent refused it (refused: llama_cpp: no such file)")
+    alone = snap(models=[m], nodes=("a",))
+    assert reconcile(alone, mem, 5.0, S) == [] and "refused" in str(mem.unplaced["m"].explain())
+    later = reconcile(alone, mem, REFUSED_FOR_S + 1, S)
+    assert [(type(x), x.node) for x in later] == [(Put, "a")]
+    mem2 = Memory()
+    reconcile(snap(models=[m], placed={("a", "r1"): "m"}, status=refused), mem2, 0.0, S, rand=0.0)
+    fixed = parse_model({**m.to_json(), "profiles": [{"engine": "cgn_infer", "threads": 2}]})
+    assert [x.node for x in reconcile(snap(models=[fixed], nodes=("a",)), mem2, 5.0, S)] == ["a"]
 
 
 def test_failed_replicas_are_rebuilt_with_backoff() -> None:
