@@ -11,36 +11,77 @@ flight with them before it stops a draining engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class NameMap:
+    """Per signal, the engine's candidate names (the first present is read); () where the
+    engine publishes no such figure: readers show none ("—"), never a 0."""
+
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     kv_usage: tuple[str, ...]  # a fraction 0..1
+    prompt_tokens: tuple[str, ...] = ()  # counters
+    generation_tokens: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()  # prompt tokens served from the prefix cache
+    prefix_queries: tuple[str, ...] = ()  # prompt tokens looked up
+    requests_done: tuple[str, ...] = ()
+    ttft: tuple[str, ...] = ()  # histograms (base names)
+    itl: tuple[str, ...] = ()
+    # the prompt counter leaves out tokens served from the cache (counted as prefix_hits):
+    # prompt tokens are the two together, and so are the prefix lookups
+    prompt_excludes_cached: bool = False
+
+    def first(self, present: Container[str], signal: str) -> str | None:
+        """The name `signal` is read under on a page holding `present`; None: not published."""
+        names: tuple[str, ...] = getattr(self, signal)
+        return next((n for n in names if n in present), None)
 
 
 VLLM = NameMap(
     running=("vllm:num_requests_running",),
     waiting=("vllm:num_requests_waiting",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # v1, then v0
+    prompt_tokens=("vllm:prompt_tokens_total",),
+    generation_tokens=("vllm:generation_tokens_total",),
+    prefix_hits=("vllm:prefix_cache_hits_total",),
+    prefix_queries=("vllm:prefix_cache_queries_total",),
+    requests_done=("vllm:request_success_total",),
+    ttft=("vllm:time_to_first_token_seconds",),
+    itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 )
 NAME_MAPS: dict[str, NameMap] = {
     "cgn-infer": VLLM,
     "vllm": VLLM,
+    # SGLang with --enable-metrics (docs.sglang.io, "Production Metrics")
     "sglang": NameMap(
         running=("sglang:num_running_reqs",),
         waiting=("sglang:num_queue_reqs",),
         kv_usage=("sglang:token_usage",),
+        prompt_tokens=("sglang:prompt_tokens_total",),
+        generation_tokens=("sglang:generation_tokens_total",),
+        requests_done=("sglang:num_requests_total",),
+        ttft=("sglang:time_to_first_token_seconds",),
+        itl=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ),
-    # llama-server with --metrics; current builds export no KV-usage gauge.
+    # llama-server with --metrics (a page recorded from xllamacpp's build is in
+    # tests/fixtures/metrics_llamacpp.txt): no KV-usage gauge in current builds, no
+    # latency histograms, no request count; its prompt counter leaves out cached tokens,
+    # which it counts apart
     "llamacpp": NameMap(
         running=("llamacpp:requests_processing",),
         waiting=("llamacpp:requests_deferred",),
         kv_usage=("llamacpp:kv_cache_usage_ratio",),
+        prompt_tokens=("llamacpp:prompt_tokens_total",),
+        generation_tokens=("llamacpp:tokens_predicted_total",),
+        prefix_hits=("llamacpp:prompt_tokens_cached_total",),
+        prompt_excludes_cached=True,
     ),
 }
+# every prefix the maps read under (what a scraper keeps)
+PREFIXES = ("vllm:", "sglang:", "llamacpp:")
 
 
 def name_map(engine: str) -> NameMap:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cgn_core.engine_metrics import PREFIXES, NameMap, name_map
 from cgn_metrics.series import Ring, increase, quantile
 from cgn_metrics.targets import Fleet, Target
 
@@ -28,7 +29,7 @@ Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, Labels]  # sample name, sorted labels
 # Families kept per target (prefixes): what the fleet view and the federation use.
 KEEP = (
-    "vllm:",
+    *PREFIXES,
     "cgn_infer_",
     "cgn_router_requests",
     "cgn_router_tokens",
@@ -88,6 +89,25 @@ class Scraped:
         """`label`'s value on the first series of `name` ('' when none)."""
         return next((lb.get(label, "") for lb, _ in self.series(name)), "")
 
+    def names(self) -> NameMap:
+        """The engine's vocabulary (cgn_core/engine_metrics.py): vLLM's where unknown."""
+        return name_map(self.target.engine)
+
+    def signal(self, signal: str, suffix: str = "") -> str | None:
+        """The name this target publishes `signal` under (`suffix`: `_bucket` for a
+        histogram's); None when it publishes none."""
+        present = {n for n, _ in self.rings}
+        names: tuple[str, ...] = getattr(self.names(), signal)
+        return next((n + suffix for n in names if n + suffix in present), None)
+
+    def signal_gauge(self, signal: str) -> float | None:
+        name = self.signal(signal)
+        return None if name is None else self.gauge(name)
+
+    def signal_increase(self, signal: str, since: float) -> float | None:
+        name = self.signal(signal)
+        return None if name is None else self.increase(name, since)
+
     def buckets(self, name: str, since: float) -> dict[float, float]:
         out: dict[float, float] = defaultdict(float)
         for labels, ring in self.series(name + "_bucket"):
@@ -136,8 +156,24 @@ def _per(joules: float | None, tokens: float) -> float | None:
     return None if joules is None else _ratio(joules, tokens)
 
 
-def _latency(engines: Iterable[Scraped], name: str, since: float) -> dict[str, float | None]:
-    return _percentiles(_merge(s.buckets(name, since) for s in engines))
+def _latency(engines: Iterable[Scraped], signal: str, since: float) -> dict[str, float | None]:
+    """Percentiles of a latency histogram `signal` over every engine that publishes one."""
+    found = [(s, name[: -len("_bucket")]) for s in engines if (name := s.signal(signal, "_bucket"))]
+    return _percentiles(_merge(s.buckets(name, since) for s, name in found))
+
+
+def _tokens(s: Scraped, since: float) -> tuple[float, float, float | None]:
+    """(output, prompt tokens, prefix hit rate) of an engine over the window, in its own
+    vocabulary (0 tokens where it publishes no counter, the rate None)."""
+    out = s.signal_increase("generation_tokens", since) or 0.0
+    prompt = s.signal_increase("prompt_tokens", since) or 0.0
+    hits = s.signal_increase("prefix_hits", since)
+    queries = s.signal_increase("prefix_queries", since)
+    if s.names().prompt_excludes_cached and hits is not None:
+        prompt += hits
+        queries = prompt
+    rate = _ratio(hits, queries) if hits is not None and queries is not None else None
+    return out, prompt, rate
 
 
 def summarize(
@@ -158,9 +194,8 @@ def summarize(
     for s in engines:
         t = s.target
         if not t.model:  # listed by hand: the engine's metrics name its model
-            t = replace(t, model=s.label("vllm:num_requests_running", "model_name"))
-        out_tokens = s.increase("vllm:generation_tokens_total", since)
-        prompt_tokens = s.increase("vllm:prompt_tokens_total", since)
+            t = replace(t, model=s.label(s.signal("running") or "", "model_name"))
+        out_tokens, prompt_tokens, hit_rate = _tokens(s, since)
         node_tokens[t.node]["output"] += out_tokens
         node_tokens[t.node]["total"] += out_tokens + prompt_tokens
         model_tokens[t.model]["output"] += out_tokens
@@ -174,14 +209,11 @@ def summarize(
                 "url": t.url,
                 "state": s.state,
                 "error": s.error,
-                "running": s.gauge("vllm:num_requests_running"),
-                "waiting": s.gauge("vllm:num_requests_waiting"),
-                "kv_usage": s.gauge("vllm:kv_cache_usage_perc"),
-                "prefix_hit_rate": _ratio(
-                    s.increase("vllm:prefix_cache_hits_total", since),
-                    s.increase("vllm:prefix_cache_queries_total", since),
-                ),
-                "tokens_per_s": per_s(out_tokens),
+                "running": s.signal_gauge("running"),
+                "waiting": s.signal_gauge("waiting"),
+                "kv_usage": s.signal_gauge("kv_usage"),
+                "prefix_hit_rate": hit_rate,
+                "tokens_per_s": per_s(out_tokens) if s.signal("generation_tokens") else None,
             }
         )
 
@@ -264,7 +296,7 @@ def summarize(
     if routers:
         requests = sum(s.increase("cgn_router_requests_total", since) for s in routers)
     else:
-        requests = sum(s.increase("vllm:request_success_total", since) for s in engines)
+        requests = sum(s.signal_increase("requests_done", since) or 0.0 for s in engines)
     bands: dict[str, float] = defaultdict(float)
     rejected: dict[str, float] = defaultdict(float)
     for s in routers:
@@ -279,8 +311,8 @@ def summarize(
         "requests_per_s": per_s(requests),
         "tokens_per_s": per_s(out_tokens),
         "prompt_tokens_per_s": per_s(all_tokens - out_tokens),
-        "ttft_s": _latency(engines, "vllm:time_to_first_token_seconds", since),
-        "itl_s": _latency(engines, "vllm:inter_token_latency_seconds", since),
+        "ttft_s": _latency(engines, "ttft", since),
+        "itl_s": _latency(engines, "itl", since),
         "waiting": sum(r["waiting"] or 0 for r in replicas),
         "running": sum(r["running"] or 0 for r in replicas),
         "queue_by_band": dict(bands),

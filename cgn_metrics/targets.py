@@ -36,6 +36,7 @@ class Target:
     node: str = ""
     model: str = ""
     replica: str = ""
+    engine: str = ""  # the endpoint record's engine family: which metric names it speaks
     # the engine's per-replica secret from its endpoint record, sent as a bearer token (an
     # engine the agent starts with one may guard /metrics too: llama.cpp does); never shown
     token: str = field(default="", repr=False, compare=False)
@@ -121,6 +122,7 @@ def fleet_from_records(
                 model=model,
                 replica=f"{node}.{replica}" if node else replica,
                 token=doc["token"],
+                engine=doc["engine"],
             )
         )
     for key, raw in kvcached.items():
@@ -156,6 +158,7 @@ def _endpoint(doc: Any) -> dict[str, Any]:
         "node": records.text(d, "node"),
         "model": records.text(d, "model"),
         "token": records.text(d, "api_token"),
+        "engine": records.text(d, "engine"),
     }
 
 

@@ -112,6 +112,37 @@ def view(*s: Scraped, fleet: Fleet | None = None) -> dict[str, Any]:
     return summarize(fleet or Fleet((), {}, {}), {x.target.id: x for x in s}, 30.0, 60.0)
 
 
+@pytest.mark.parametrize(
+    ("engine_name", "page", "published"),
+    [
+        ("cgn-infer", "metrics_cgn_infer.txt",
+         {"running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "prefix_hits",
+          "prefix_queries", "ttft", "itl"}),  # recorded before a request had finished
+        ("llamacpp", "metrics_llamacpp.txt",  # recorded from llama.cpp's server (xllamacpp)
+         {"running", "waiting", "prompt_tokens", "generation_tokens", "prefix_hits"}),
+    ],
+)  # fmt: skip
+def test_each_engines_vocabulary_reads_its_own_page(
+    engine_name: str, page: str, published: set[str]
+) -> None:
+    """One table (cgn_core/engine_metrics.py) for router, agent and cgn-metrics: on a page
+    recorded from the engine, exactly the signals it publishes are found; the rest are
+    None (shown as "—"), never 0."""
+    from cgn_core.engine_metrics import NameMap
+
+    text = (FIXTURES / page).read_text()
+    s = scraped(Target("engine", "http://e:1", engine=engine_name), {k: [v] for k, v in
+                parse(text).items()}, [0.0])  # fmt: skip
+    signals = [f for f in NameMap.__dataclass_fields__ if f != "prompt_excludes_cached"]
+    found = {sig for sig in signals if s.signal(sig) or s.signal(sig, "_bucket")}
+    assert found == published
+    v = view(s)
+    (replica,) = v["replicas"]
+    running, waiting = (s.gauge(s.signal(x) or "") for x in ("running", "waiting"))
+    assert (replica["running"], replica["waiting"]) == (running, waiting) != (None, None)
+    assert (replica["kv_usage"] is None) == ("kv_usage" not in published)
+
+
 def test_energy_per_token_per_node_model_and_fleet() -> None:
     v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]),
              engine("b", [0, 50, 100, 150]), agent("b", [0, 100, 200, 300], source="nvidia"),

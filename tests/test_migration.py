@@ -36,7 +36,7 @@ NAMES = ("a", "b")
 STORY = " ".join(
     f"Chapter {i}: the keeper lit the lamp at dusk and counted ships." for i in range(24)
 )
-CHAT = {"model": MODEL, "temperature": 0, "max_tokens": 48, "ignore_eos": True,
+CHAT = {"model": MODEL, "temperature": 0, "max_tokens": 32, "ignore_eos": True,
         "messages": [{"role": "user", "content": STORY + "\nRetell the story in detail."}]}  # fmt: skip
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "facts"],
           "properties": {"city": {"type": "string", "maxLength": 40},
@@ -68,6 +68,24 @@ class Fleet:
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
+
+    def stream_killing(
+        self, url: str, body: dict[str, Any], when: Callable[[Answer], bool]
+    ) -> tuple[Answer, list[str]]:
+        """Stream `body` through `url`, SIGKILLing the engine writing it once `when` holds of
+        the answer so far; (the answer, the engine killed, started again after)."""
+        killed: list[str] = []
+
+        def kill(answer: Answer) -> None:
+            if not killed and when(answer):
+                killed.append(answer.endpoint.rsplit("/", 1)[-1])
+                self.kill(killed[0])
+
+        try:
+            return stream(url, body, on_text=kill), killed
+        finally:
+            for name in killed:
+                self.start(name)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +173,7 @@ def resumed(fleet: Fleet, body: dict[str, Any], whole: Answer, cut: int) -> Answ
     "body",
     [
         CHAT,
-        {**CHAT, "temperature": 1.0, "seed": 7, "max_tokens": 32},  # one draw per token
+        {**CHAT, "temperature": 1.0, "seed": 7, "max_tokens": 24},  # one draw per token
         {**CHAT, "max_tokens": 96, "ignore_eos": False,
          "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
          "response_format": {"type": "json_schema",
@@ -199,7 +217,7 @@ def test_a_continuation_is_refused_when_it_cannot_be_one(fleet: Fleet) -> None:
                    json={**CHAT, "cgn_resume": state})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "cgn_resume"
     for bad, param in (({**state, "token_ids": [10**6]}, "cgn_resume.token_ids"),
-                       ({**state, "token_ids": list(range(49))}, "cgn_resume.token_ids"),
+                       ({**state, "token_ids": list(range(33))}, "cgn_resume.token_ids"),
                        ({**state, "id": 5}, "cgn_resume.id"),
                        ({**state, "extra": 1}, "cgn_resume.extra")):  # fmt: skip
         r = httpx.post(fleet.url("a") + "/v1/chat/completions", timeout=30,
@@ -233,18 +251,9 @@ def test_a_stream_survives_its_engine_killed_mid_answer(
     assert not whole.errors and whole.usage is not None
     before = {n: restored_tokens(fleet.url(n)) for n in NAMES}
     continued = metric(router.admin, "cgn_router_migrations_total", result="continued")
-    killed: list[str] = []
-
-    def kill(answer: Answer) -> None:
-        if not killed and len(answer.text) >= at * len(whole.text):
-            killed.append(answer.endpoint.rsplit("/", 1)[-1])
-            fleet.kill(killed[0])
-
-    try:
-        cut = stream(router.url, body, on_text=kill)
-    finally:
-        for name in killed:
-            fleet.start(name)
+    cut, killed = fleet.stream_killing(
+        router.url, body, lambda a: len(a.text) >= at * len(whole.text)
+    )
     assert killed, "the answer ended before the kill point"
     assert not cut.errors, cut.errors
     assert cut.text == whole.text and cut.finish == whole.finish and cut.roles == 1
@@ -273,18 +282,7 @@ def test_with_migration_off_a_broken_stream_ends_as_it_did(fleet: Fleet) -> None
     endpoints = {n: {"url": fleet.url(n), "model": MODEL} for n in NAMES}
     config = {"discovery": "static", "endpoints": endpoints, "migration": {"limit": 0}}
     with cgn_router(fleet.tmp, config) as off:
-        killed: list[str] = []
-
-        def kill(answer: Answer) -> None:
-            if not killed and len(answer.text) > 20:
-                killed.append(answer.endpoint.rsplit("/", 1)[-1])
-                fleet.kill(killed[0])
-
-        try:
-            cut = stream(off.url, CHAT, on_text=kill)
-        finally:
-            for name in killed:
-                fleet.start(name)
+        cut, killed = fleet.stream_killing(off.url, CHAT, lambda a: len(a.text) > 20)
     # as before migration existed: the stream is not tracked, and ends with the cause
     assert killed and cut.errors and cut.errors[0]["code"] == "disconnect_mid_stream"
     assert "disconnected mid-stream" in cut.errors[0]["message"] and cut.finish is None
