@@ -4,7 +4,9 @@ Pure code over plain values (the router's reconciler and `cgn-ctl
 explain-placement` both call it). For each profile of the model, in priority
 order, every node is a candidate; it is rejected, with the reason, when it is
 unreachable or lost, cordoned, lacks the profile's engine, or has too few
-free healthy devices of the profile's class. The first profile with an
+free healthy devices of the profile's class, and everywhere for a multi-node
+profile of an engine agents cannot yet launch across nodes (only cgn-infer
+pipelines): explain and reconcile are one decision. The first profile with an
 accepted node wins; among its accepted nodes:
 
 * GPU profiles bin-pack: the node left with the fewest free devices of the
@@ -148,7 +150,14 @@ def place(
     return Decision(model.name, None, (), tuple(candidates))
 
 
+# Engines whose replicas agents launch across nodes (a cgn-infer layer pipeline); another
+# engine's multi-node profile is described and explained, never placed (docs/control-plane.md)
+MULTI_NODE_ENGINES = frozenset({"cgn_infer"})
+
+
 def _reject(node: NodeView, p: Profile) -> str:
+    if p.nodes > 1 and p.engine not in MULTI_NODE_ENGINES:
+        return f"{p.engine} across {p.nodes} nodes is not launched by agents yet (cgn_infer only)"
     if node.state != "ready":
         return f"node is {node.state}"
     if node.cordoned:

@@ -41,7 +41,7 @@ deletes them all (a lost node, a failed part, a drain), so a replica is
 rebuilt whole. Once every stage reports Ready with its address, the head's
 placement gets the addresses (`pipeline.stages`); its agent starts the head
 then, and again whenever a stage comes back elsewhere. Other engines' multi-node
-profiles are left out until their agents can launch them.
+profiles are rejected by placement itself, with the reason explain shows too.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def reconcile(
         if now < mem.rebuild_after.get(name, 0.0):
             continue
         sub = spec.for_role(role)
-        decision = place(_launchable(sub), node_views(snap, states, gone), mem.refusals(spec, now))
+        decision = place(sub, node_views(snap, states, gone), mem.refusals(spec, now))
         if not decision.ok:
             mem.unplaced[pool] = decision
             continue
@@ -350,13 +350,7 @@ def explain(
     every candidate's reason."""
     sub = spec.for_role(role) if role else spec
     views = node_views(snap, node_states(snap, mem, now, policy))
-    return place(_launchable(sub), views, mem.refusals(spec, now))
-
-
-def _launchable(spec: ModelSpec) -> ModelSpec:
-    """The profiles agents can launch: one node, or a cgn-infer layer pipeline."""
-    profiles = tuple(p for p in spec.profiles if p.nodes == 1 or p.engine == "cgn_infer")
-    return replace(spec, profiles=profiles) if profiles != spec.profiles else spec
+    return place(sub, views, mem.refusals(spec, now))
 
 
 def _pipeline_parts(owned: Mapping[Key, Placement]) -> dict[str, dict[int, Key]]:

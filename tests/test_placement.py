@@ -85,7 +85,7 @@ def test_power_breaks_ties_where_known() -> None:
 
 def test_multi_node_replicas_take_the_emptiest_nodes_of_one_fabric() -> None:
     big = {
-        "engine": "vllm",
+        "engine": "cgn_infer",  # the engine agents launch across nodes (a layer pipeline)
         "accelerator": "h100-80g",
         "devices": 8,
         "nodes": 2,
@@ -102,6 +102,20 @@ def test_multi_node_replicas_take_the_emptiest_nodes_of_one_fabric() -> None:
     reasons = {c.node: c.reason for c in d.candidates}
     assert reasons["ib2-a"] == "fabric ib2 has 1 fitting node(s), needs 2"
     assert reasons["nolabel"] == "no fabric label (multi-node replicas need one)"
+
+
+def test_a_multi_node_profile_no_agent_can_launch_is_rejected_everywhere_with_why() -> None:
+    """vLLM across two nodes is described, explained and never placed: explain and the
+    reconciler run the same `place`, so both say why (it was chosen by explain and dropped
+    by the reconciler with an empty reason). The next profile is used."""
+    two = {"engine": "vllm", "accelerator": "h100-80g", "devices": 8, "nodes": 2,
+           "tensor_parallel": 8}  # fmt: skip
+    nodes = [NodeView(n, gpus("h100-80g", 8), ENGINES, fabric="ib1") for n in ("a", "b")]
+    d = place(spec(two, H100), nodes)
+    assert d.profile == 1
+    assert {c.reason for c in d.candidates if c.profile == 0} == {
+        "vllm across 2 nodes is not launched by agents yet (cgn_infer only)"
+    }
 
 
 def test_node_view_from_an_agent_inventory_document() -> None:
@@ -146,7 +160,8 @@ def models(draw: st.DrawFn) -> ModelSpec:
             profiles.append({"engine": draw(st.sampled_from(["cgn_infer", "llama_cpp"]))})
         else:
             devices, nodes = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 1, 2, 3]))
-            profiles.append({"engine": "vllm", "accelerator": cls, "devices": devices,
+            engine = "cgn_infer" if nodes > 1 else "vllm"  # what agents launch across nodes
+            profiles.append({"engine": engine, "accelerator": cls, "devices": devices,
                              "nodes": nodes, "tensor_parallel": devices})  # fmt: skip
     return spec(*profiles)
 
@@ -212,12 +227,12 @@ def test_repeated_placement_never_double_allocates_and_cpu_replicas_spread(
 
 @st.composite
 def gpu_fabrics(draw: st.DrawFn) -> list[NodeView]:
-    """Nodes of one class with vLLM: only fabrics, free devices and health differ."""
+    """Nodes of one class with cgn-infer: only fabrics, free devices and health differ."""
     return [
         NodeView(
             f"g{i}",
             tuple(Device(j, "h100-80g", draw(st.integers(0, 9)) != 9) for j in range(8)),
-            frozenset({"vllm"}),
+            frozenset({"cgn_infer"}),
             fabric=draw(st.sampled_from(["ib0", "ib1", "ib2", ""])),
             used=frozenset(j for j in range(8) if draw(st.integers(0, 2)) == 2),
         )
@@ -230,7 +245,7 @@ def gpu_fabrics(draw: st.DrawFn) -> list[NodeView]:
 def test_multi_node_replicas_never_span_fabrics(
     nodes: list[NodeView], devices: int, k: int
 ) -> None:
-    m = spec({"engine": "vllm", "accelerator": "h100-80g", "devices": devices, "nodes": k,
+    m = spec({"engine": "cgn_infer", "accelerator": "h100-80g", "devices": devices, "nodes": k,
               "tensor_parallel": devices})  # fmt: skip
     d = place(m, nodes)
     check(d, m, nodes)
