@@ -268,8 +268,15 @@ def _pools(
     return pools, most
 
 
-_SCALING_FLOATS = ("utilization", "hysteresis", "warmup_s", "window_s", "up_cooldown_s",
-                   "down_cooldown_s", "stabilization_s")  # fmt: skip
+_SCALING_FLOATS = (
+    "utilization",
+    "hysteresis",
+    "warmup_s",
+    "window_s",
+    "up_cooldown_s",
+    "down_cooldown_s",
+    "stabilization_s",
+)
 _SLO = ("ttft_p90_ms", "itl_p90_ms")
 
 

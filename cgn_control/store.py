@@ -129,14 +129,18 @@ async def scale_model(
             raise CatalogError(f"{name} has pools ({', '.join(spec.pools)}): name one with --role")
         pool = doc["pools"][role]
         old = pool if isinstance(pool, dict) else {"min": pool, "max": pool}
-        doc["pools"][role] = {"min": old["min"] if lo is None else lo,
-                              "max": old["max"] if hi is None else hi}  # fmt: skip
+        doc["pools"][role] = {
+            "min": old["min"] if lo is None else lo,
+            "max": old["max"] if hi is None else hi,
+        }
     else:
         if role is not None:
             raise CatalogError(f"{name} has no pools: --role applies to a disaggregated model")
         old = doc["replicas"]
-        doc["replicas"] = {"min": old["min"] if lo is None else lo,
-                           "max": old["max"] if hi is None else hi}  # fmt: skip
+        doc["replicas"] = {
+            "min": old["min"] if lo is None else lo,
+            "max": old["max"] if hi is None else hi,
+        }
         if lo is not None and hi is None and lo > old["max"]:
             doc["replicas"]["max"] = lo  # raising min alone raises max with it
     new = parse_model(doc, name)

@@ -151,8 +151,14 @@ async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
     pools = []
     for role, lo, hi in spec.wants():
         record = snap.scaling.get(pool_record(name, spec, role))  # checked, or left out
-        pools.append({"role": role if spec.pools else "", "min": lo, "max": hi,
-                      "decision": record.to_json() if record is not None else None})  # fmt: skip
+        pools.append(
+            {
+                "role": role if spec.pools else "",
+                "min": lo,
+                "max": hi,
+                "decision": record.to_json() if record is not None else None,
+            }
+        )
     policy = dataclasses.asdict(spec.scaling)
     return {"model": name, "policy": policy, "pools": pools}
 

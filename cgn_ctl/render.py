@@ -101,8 +101,10 @@ def explain_scaling(d: dict[str, Any]) -> None:
         bounds = f"min {pool['min']}, max {pool['max']}"
         got = pool["decision"]
         if got is None:
-            console.print(f"[bold]{name}[/bold] ({bounds}): no decision recorded yet "
-                          "(is a router leading the reconciler?)")  # fmt: skip
+            console.print(
+                f"[bold]{name}[/bold] ({bounds}): no decision recorded yet "
+                "(is a router leading the reconciler?)"
+            )
             continue
         when = time.strftime("%H:%M:%S", time.localtime(got["at_unix"]))
         capacity = "not learned" if got["capacity"] is None else f"{got['capacity']:g}"
@@ -110,8 +112,9 @@ def explain_scaling(d: dict[str, Any]) -> None:
             f"[bold]{name}[/bold] ({bounds}): target {got['desired']}, "
             f"{got['current']} placed — {got['reason']}"
         )
-        console.print(f"  demand {got['demand']:g} requests, capacity per replica {capacity}, "
-                      f"decided {when}")  # fmt: skip
+        console.print(
+            f"  demand {got['demand']:g} requests, capacity per replica {capacity}, decided {when}"
+        )
         t = Table("at", "", "target", "reason")
         for h in reversed(got["history"]):
             at = time.strftime("%H:%M:%S", time.localtime(h["at_unix"]))

@@ -45,6 +45,9 @@ KEEP = (
     "cgn_kvcached_budget_bytes",
 )
 QUANTILES = (0.5, 0.95, 0.99)
+# the signals an engine publishes from its start (labelled counters and histograms such as
+# finished requests or TTFT appear with the first request that feeds them)
+ALWAYS = ("running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens")
 
 
 @dataclass(slots=True)
@@ -99,6 +102,12 @@ class Scraped:
         present = {n for n, _ in self.rings}
         names: tuple[str, ...] = getattr(self.names(), signal)
         return next((n + suffix for n in names if n + suffix in present), None)
+
+    def unpublished(self) -> frozenset[str]:
+        """Of the signals an engine publishes from its start, those its vocabulary names but
+        its last page lacked (an engine's rename, a build without it, a wrong mapping)."""
+        names = self.names()
+        return frozenset(x for x in ALWAYS if getattr(names, x) and self.signal(x) is None)
 
     def signal_gauge(self, signal: str) -> float | None:
         name = self.signal(signal)

@@ -9,6 +9,7 @@ a worker thread so the HTTP side stays responsive with 100 targets.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from cgn_core.http import bearer_header
 from cgn_metrics.fleet import KEEP, Scraped, SeriesKey
 from cgn_metrics.targets import Target
 
+log = logging.getLogger(__name__)
 MAX_BYTES = 8 << 20  # a /metrics page larger than this is refused
 
 
@@ -45,12 +47,14 @@ class Scraper:
         self.client, self.timeout_s, self.capacity = client, timeout_s, capacity
         self.gate = asyncio.Semaphore(max(1, concurrency))
         self.scraped: dict[str, Scraped] = {}
+        self.unpublished: dict[str, frozenset[str]] = {}  # engine target id → signals absent
 
     def set_targets(self, targets: list[Target]) -> None:
         """Track exactly `targets` (same id: history kept; gone: dropped)."""
         wanted = {t.id: t for t in targets}
         for gone in set(self.scraped) - set(wanted):
             del self.scraped[gone]
+            self.unpublished.pop(gone, None)
         for tid, t in wanted.items():
             old = self.scraped.get(tid)
             if old is None or old.target != t:
@@ -73,7 +77,26 @@ class Scraper:
             else:
                 s.record(time.time(), samples)
                 s.state, s.error, s.last_ok = "up", "", time.time()
+                if s.target.kind == "engine":
+                    self._check_vocabulary(s)
             s.duration_s = time.monotonic() - started
+
+    def _check_vocabulary(self, s: Scraped) -> None:
+        """A warning once when an engine's page lacks a metric its vocabulary names (its
+        figure shows as "—"), and a line when it comes back."""
+        tid, now = s.target.id, s.unpublished()
+        before = self.unpublished.get(tid, frozenset())
+        if gone := now - before:
+            log.warning(
+                "%s (%s) publishes no %s under the names its vocabulary gives "
+                "(cgn_core/engine_metrics.py): shown as unknown",
+                tid,
+                s.target.engine or "vLLM's names",
+                ", ".join(sorted(gone)),
+            )
+        if back := before - now:
+            log.info("%s publishes %s again", tid, ", ".join(sorted(back)))
+        self.unpublished[tid] = now
 
     async def _fetch(self, t: Target) -> Mapping[SeriesKey, float]:
         headers = {"Accept-Encoding": "gzip", **bearer_header(t.token)}

@@ -94,11 +94,10 @@ def _scaling() -> dict[str, Any]:
     """The catalog's `scaling:` block (cgn_control/scaling.py ScalingPolicy, less the SLO)."""
     kinds = {"enabled": "boolean", "max_step_up": "integer"}
     props = {
-        f.name: _s(kinds.get(f.name, "number"), minimum=0) if f.name != "enabled" else
-        _s("boolean")
+        f.name: _s(kinds.get(f.name, "number"), minimum=0) if f.name != "enabled" else _s("boolean")
         for f in dataclasses.fields(ScalingPolicy)
         if f.name not in _SLO_FIELDS
-    }  # fmt: skip
+    }
     return _obj(props, "the autoscaler's policy; ranges are checked as by cgn-ctl models apply")
 
 

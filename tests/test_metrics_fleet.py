@@ -143,6 +143,25 @@ def test_each_engines_vocabulary_reads_its_own_page(
     assert (replica["kv_usage"] is None) == ("kv_usage" not in published)
 
 
+def test_a_metric_the_vocabulary_names_but_the_engine_lacks_is_a_warning_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """llama.cpp's current builds have no KV-use gauge (the table names its old one): one
+    warning for the replica, not one per scrape, and a line when it appears."""
+    from cgn_metrics.scrape import Scraper
+
+    scraper = Scraper(None, timeout_s=1, concurrency=1, capacity=4)  # type: ignore[arg-type]
+    s = Scraped(Target("engine", "http://l:1", replica="n1.r", engine="llamacpp"), 4)
+    page = parse((FIXTURES / "metrics_llamacpp.txt").read_text())
+    with caplog.at_level("INFO", logger="cgn_metrics.scrape"):
+        for samples in (page, page, {**page, ("llamacpp:kv_cache_usage_ratio", ()): 0.5}):
+            s.record(0.0, samples)
+            scraper._check_vocabulary(s)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "publishes no kv_usage" in lines[0], lines
+    assert lines[1] == "engine:n1.r publishes kv_usage again"
+
+
 def test_energy_per_token_per_node_model_and_fleet() -> None:
     v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]),
              engine("b", [0, 50, 100, 150]), agent("b", [0, 100, 200, 300], source="nvidia"),
