@@ -11,7 +11,6 @@ flight with them before it stops a draining engine.
 from __future__ import annotations
 
 import math
-from collections.abc import Container
 from dataclasses import dataclass
 
 
@@ -33,11 +32,6 @@ class NameMap:
     # the prompt counter leaves out tokens served from the cache (counted as prefix_hits):
     # prompt tokens are the two together, and so are the prefix lookups
     prompt_excludes_cached: bool = False
-
-    def first(self, present: Container[str], signal: str) -> str | None:
-        """The name `signal` is read under on a page holding `present`; None: not published."""
-        names: tuple[str, ...] = getattr(self, signal)
-        return next((n for n in names if n in present), None)
 
 
 VLLM = NameMap(

@@ -240,9 +240,6 @@ class InferenceService:
     ) -> AsyncIterator[Event]:
         """Run `gen` on the engine; cancelling the consumer cancels the generation."""
         engine = self.ready().engine
-        if gen.resumed and (ended := _ended(engine.tokenizer, gen)) is not None:
-            yield ended  # a continuation of an answer that had ended: only its end was missing
-            return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -315,8 +312,10 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         parsed.params.logprobs is not None,
         tools=parsed.tools,
     )
+    ended = None  # a continuation of an answer that had ended: only its end was missing
     if parsed.resume is not None:
-        build.resume(parsed.resume, replayed_text(serving.engine.tokenizer, gen))
+        seen, ended = _replay(serving.engine.tokenizer, gen)
+        build.resume(parsed.resume, seen)
     if not parsed.stream:
         async for ev in svc.generate(gen, restored):
             if isinstance(ev, TokenEvent):
@@ -342,7 +341,8 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     if (first := build.first_chunk()) is not None:
         await _send(resp, first)
     ids: list[int] = []  # generated since the last ids line (with_ids)
-    async for ev in svc.generate(gen, restored):
+    events = svc.generate(gen, restored) if ended is None else _just(ended)
+    async for ev in events:
         if isinstance(ev, TokenEvent):
             chunks = build.token_chunks(ev)
             if not with_ids:
@@ -391,25 +391,25 @@ def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _ended(tokenizer: Any, gen: GenerationRequest) -> FinishEvent | None:
-    """How a continuation's answer ended within the tokens it resumes from (the first
-    engine went before it could say so): its max_tokens, a stop string or a complete
-    grammar; None when it goes on."""
-    text, hit = IncrementalText(tokenizer, gen.stop), False
+def _replay(tokenizer: Any, gen: GenerationRequest) -> tuple[str, FinishEvent | None]:
+    """A continuation's resumed tokens through the same incremental detokenizer and stop
+    strings as the engine that produced them: the text its client already has, and, when
+    the answer had ended within them (its max_tokens, a stop string, a complete grammar:
+    the first engine went before it could say so), its finish; None when it goes on."""
+    text, seen, hit = IncrementalText(tokenizer, gen.stop), [], False
     for token in gen.resumed:
-        hit = text.add(token)[1] or hit
+        delta, stopped = text.add(token)
+        seen.append(delta)
+        hit = hit or stopped
     done = gen.constraint is not None and gen.constraint.done
     if not (hit or done or gen.max_tokens == 0):
-        return None
+        return "".join(seen), None
     reason: Literal["stop", "length"] = "stop" if hit or done else "length"
-    return FinishEvent(reason, text.flush(), len(gen.prompt), len(gen.resumed))
+    return "".join(seen), FinishEvent(reason, text.flush(), len(gen.prompt), len(gen.resumed))
 
 
-def replayed_text(tokenizer: Any, gen: GenerationRequest) -> str:
-    """The text a continuation's client already has: the resumed tokens through the same
-    incremental detokenizer and stop strings as the engine that produced them."""
-    text = IncrementalText(tokenizer, gen.stop)
-    return "".join(text.add(t)[0] for t in gen.resumed)
+async def _just(event: Event) -> AsyncIterator[Event]:
+    yield event
 
 
 async def _models(svc: InferenceService) -> web.Response:

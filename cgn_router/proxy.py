@@ -105,7 +105,6 @@ class Progress:
     ids: list[bytes] = field(default_factory=list)  # "791,13,2" per ids line
     first: bytes = b""  # the first data event
     finished: bool = False
-    legs: int = 1  # engines that wrote to it
     why: str = ""  # how its last leg broke
 
     def token_ids(self) -> list[int]:
@@ -252,7 +251,6 @@ class Proxy:
         progress = call.resume
         if progress is not None:  # a continuation: the client's stream is already open
             out = progress.out
-            progress.legs += 1
         else:
             out = web.StreamResponse(status=200, headers=_headers(call, None, sse=True))
             await out.prepare(request)
