@@ -62,7 +62,7 @@ def with_etcd(
     setup_logging("ctl", settings.log)
 
     async def main() -> T:
-        async with EtcdClient(settings.etcd) as client:
+        async with EtcdClient(settings.etcd, patient=True) as client:
             return await work(client)
 
     try:

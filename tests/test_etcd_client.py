@@ -68,6 +68,40 @@ async def test_unreachable_etcd_is_a_clear_error_not_a_hang() -> None:
         assert time.monotonic() - start < 5
 
 
+async def test_a_slow_handshake_is_waited_for_not_reported_down(etcd_server) -> None:  # type: ignore[no-untyped-def]
+    """etcd answering its first bytes 0.5 s late (a loaded machine, a TLS handshake over a
+    slow link) is reachable: the client once gave a connection attempt 100 ms."""
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    writers: list[asyncio.StreamWriter] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+
+    async def slow(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        writers.append(client_w)
+        await asyncio.sleep(0.5)
+        etcd_r, etcd_w = await asyncio.open_connection(host, int(port))
+        writers.append(etcd_w)
+        await asyncio.gather(relay(client_r, etcd_w), relay(etcd_r, client_w),
+                             return_exceptions=True)  # fmt: skip
+
+    proxy = await asyncio.start_server(slow, "127.0.0.1", 0)
+    endpoint = f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    try:
+        async with EtcdClient(EtcdSettings(endpoints=(endpoint,))) as client:
+            await client.put("/test/slow", "reached")
+            kv = await client.get("/test/slow")
+    finally:
+        proxy.close()
+        for w in writers:
+            w.close()
+        await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+        await proxy.wait_closed()
+    assert kv is not None and kv.value == b"reached"
+
+
 async def test_failover_to_a_live_endpoint(etcd_server) -> None:  # type: ignore[no-untyped-def]
     dead = f"127.0.0.1:{free_port()}"
     async with EtcdClient(EtcdSettings(endpoints=(dead, etcd_server.endpoint))) as client:

@@ -73,12 +73,18 @@ async def test_watch_survives_restart_without_loss_or_duplicates(own_etcd: Local
 
 
 async def test_client_calls_recover_after_restart(own_etcd: LocalEtcd) -> None:
-    async with EtcdClient(settings(own_etcd)) as client:
+    """A daemon's client fails fast while etcd is down; a patient one (cgn-ctl's) waits out
+    a restart within its deadline instead of reporting etcd down."""
+    patient = EtcdSettings(endpoints=(own_etcd.endpoint,), timeout_s=30.0)
+    async with EtcdClient(settings(own_etcd)) as client, EtcdClient(patient, patient=True) as ctl:
         await client.put("/r/k", "before")
         await asyncio.to_thread(own_etcd.stop)
         with pytest.raises(EtcdUnavailable, match="etcd unreachable"):
             await client.get("/r/k")
-        await asyncio.to_thread(own_etcd.start)
+        starting = asyncio.create_task(asyncio.to_thread(own_etcd.start))
+        kv = await ctl.get("/r/k")
+        await starting
+        assert kv is not None and kv.value == b"before"
         deadline = time.monotonic() + 15
         while True:
             try:

@@ -3,13 +3,19 @@
 Every unary call carries a deadline (`EtcdSettings.timeout_s`) and fails with
 `EtcdUnavailable`, naming the endpoints tried, when etcd cannot be reached:
 never a hang. With several endpoints, a call that finds one unavailable tries
-the next before giving up. Streams (watches, lease keep-alives) live in
+the next before giving up. A one-shot caller (cgn-ctl) passes `patient=True`: a
+round of unavailable endpoints is tried again, with backoff, until `timeout_s`
+has passed since the call began, so a loaded etcd that is slow to accept one
+connection is not reported as down; daemons keep failing fast and retry in
+their own loops. Streams (watches, lease keep-alives) live in
 `watch.py` and `lease.py` and reconnect on their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -36,9 +42,11 @@ R = TypeVar("R")
 
 # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s),
 # and detect dead connections; etcd refuses pings more often than every 5 s.
+# Not `grpc.min_reconnect_backoff_ms`: gRPC takes it as the time a connection
+# attempt may take (default 20 s), and at 100 ms a loaded etcd, or one a TLS
+# handshake away over a slow link, was reported unreachable.
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -61,10 +69,11 @@ def _encode(key: str) -> bytes:
 class EtcdClient:
     """Key-value, transaction, lease and watch access to one etcd cluster."""
 
-    def __init__(self, settings: EtcdSettings):
+    def __init__(self, settings: EtcdSettings, *, patient: bool = False):
         if not settings.endpoints:
             raise EtcdError("no etcd endpoints configured")
         self.settings = settings
+        self.patient = patient
         self._channels: list[grpc.aio.Channel | None] = [None] * len(settings.endpoints)
         self._current = 0
         if not settings.tls.enabled:
@@ -104,16 +113,22 @@ class EtcdClient:
 
     async def call(self, fn: Callable[[grpc.aio.Channel], Awaitable[R]]) -> R:
         """Run one unary RPC with failover across endpoints and a clear error when all fail."""
-        failures: list[str] = []
-        for _ in self.settings.endpoints:
-            try:
-                return await fn(self.channel())
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _UNAVAILABLE:
-                    raise _permanent(exc) from None
-                failures.append(f"{self.settings.endpoints[self._current]}: {_describe(exc)}")
-                self.rotate()
-        raise EtcdUnavailable(f"etcd unreachable ({'; '.join(failures)})")
+        deadline = time.monotonic() + self.settings.timeout_s
+        pause = 0.1
+        while True:
+            failures: list[str] = []
+            for _ in self.settings.endpoints:
+                try:
+                    return await fn(self.channel())
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in _UNAVAILABLE:
+                        raise _permanent(exc) from None
+                    failures.append(f"{self.settings.endpoints[self._current]}: {_describe(exc)}")
+                    self.rotate()
+            if not self.patient or time.monotonic() + pause >= deadline:
+                raise EtcdUnavailable(f"etcd unreachable ({'; '.join(failures)})")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _kv(self, ch: grpc.aio.Channel) -> rpc_pb2_grpc.KVStub:
         return rpc_pb2_grpc.KVStub(ch)
