@@ -29,11 +29,15 @@ from cgn_core.files import atomic_write_text
 log = logging.getLogger(__name__)
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 lets the kernel choose a free one."""
+def bind_tcp(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 lets the kernel choose a free one.
+    With `reuse_port`, other processes may listen on the same port (SO_REUSEPORT: the
+    kernel spreads new connections over them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(1024)

@@ -2,33 +2,47 @@
 
 /metrics, /healthz and /readyz answer anyone; the management paths need a
 client certificate when the listener is HTTPS, else an admin-scoped API key
-while auth is on.
+while auth is on. With several workers (workers.py) the primary serves it: its
+/metrics adds up every worker's page and its /healthz says when a worker is
+down; the others serve only their own /metrics, on loopback, for the primary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.http import Handler, error_middleware, mtls_middleware
 from cgn_router.auth import authorize_admin
+from cgn_router.metrics_merge import merge_pages
 from cgn_router.service import RouterService
+from cgn_router.workers import WorkerRole, sibling_admin_urls, workers_status
 
 OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # no client certificate needed
 
 
-def build_admin_app(svc: RouterService) -> web.Application:
+def build_admin_app(svc: RouterService, worker: WorkerRole | None = None) -> web.Application:
+    if worker is not None and not worker.primary:
+        own = web.Application(middlewares=[error_middleware(1 << 20)])
+        own.router.add_get("/metrics", lambda r: _metrics(svc))
+        return own
     middlewares = [error_middleware(1 << 20)]
     if svc.settings.admin_tls.enabled:
         middlewares.append(mtls_middleware(OPEN_ADMIN_PATHS, svc.revoked))
     elif svc.settings.auth.enabled:
         middlewares.append(_admin_key_middleware(svc))
     app = web.Application(middlewares=middlewares)
-    app.router.add_get("/metrics", lambda r: _metrics(svc))
-    app.router.add_get("/healthz", lambda r: _healthz())
+    if worker is None:
+        app.router.add_get("/metrics", lambda r: _metrics(svc))
+        app.router.add_get("/healthz", lambda r: _healthz())
+    else:
+        app.router.add_get("/metrics", lambda r: _all_metrics(svc, worker))
+        app.router.add_get("/healthz", lambda r: _workers_healthz(worker))
     app.router.add_get("/readyz", lambda r: _readyz(svc))
     app.router.add_get("/endpoints", lambda r: _endpoints(svc))
     app.router.add_get("/reconciler", lambda r: _reconciler(svc))
@@ -62,13 +76,44 @@ async def _healthz() -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+SIBLING_TIMEOUT_S = 2.0
+
+
+async def _all_metrics(svc: RouterService, worker: WorkerRole) -> web.Response:
+    """Every worker's page added up (metrics_merge.py); a worker that does not answer is
+    left out (and its absence shows on /healthz)."""
+    timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
+    urls = await asyncio.to_thread(sibling_admin_urls, worker)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def page(url: str) -> str | None:
+            try:
+                async with session.get(url + "/metrics") as resp:
+                    return await resp.text() if resp.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError):
+                return None
+
+        others = await asyncio.gather(*(page(u) for u in urls))
+    own = generate_latest(svc.metrics.registry).decode()
+    body = merge_pages([own, *(p for p in others if p is not None)])
+    return web.Response(text=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _workers_healthz(worker: WorkerRole) -> web.Response:
+    """ok while every worker runs; 503 naming the ones down (being restarted)."""
+    status = await asyncio.to_thread(workers_status, worker)
+    down = [w for w in status["workers"] if not w.get("running")]
+    body = {"status": "degraded" if down else "ok", **status}
+    return web.json_response(body, status=503 if down else 200)
+
+
 async def _readyz(svc: RouterService) -> web.Response:
     n = len(svc.registry.states)
-    ready = svc.synced and n > 0
+    ready = svc.in_sync.is_set() and n > 0
     auth = "enabled" if svc.settings.auth.enabled else "disabled (development only)"
     body = {
         "status": "ready" if ready else "not ready",
-        "synced": svc.synced,
+        "synced": svc.in_sync.is_set(),
         "endpoints": n,
         "auth": auth,
         "admission": svc.gate is not None,

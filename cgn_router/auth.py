@@ -7,18 +7,22 @@ is missing, malformed, unknown, revoked or expired); `authorize` checks the
 model scope (403); `Limiter.acquire` applies the key's limits (429 with a
 Retry-After): requests per second and tokens per minute as token buckets
 (tokens are charged with the prompt on admission and the completion when the
-usage is known), and a cap on requests in flight.
+usage is known), and a cap on requests in flight. With several workers
+(`--workers`), the usage lives in memory they share (shared_usage.py): a key's
+limits hold for the router as a whole.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cgn_core.apikeys import KeyRecord, key_id, matches
+from cgn_core.apikeys import KeyRecord, Limits, key_id, matches
 from cgn_core.errors import Forbidden, RateLimited, Unauthorized
+from cgn_router.shared_usage import SharedUsage, Slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,32 +114,69 @@ class KeyUsage:
     tokens: Bucket | None = None
     in_flight: int = 0
 
+    @classmethod
+    def fresh(cls, lim: Limits) -> KeyUsage:
+        return cls(
+            Bucket(lim.rps, max(1.0, lim.rps)) if lim.rps else None,
+            Bucket(lim.tokens_per_min / 60.0, float(lim.tokens_per_min))
+            if lim.tokens_per_min
+            else None,
+        )
+
+    @classmethod
+    def loaded(cls, lim: Limits, slot: Slot) -> KeyUsage:
+        """The usage a shared slot holds, under the key's current limits."""
+        u = cls.fresh(lim)
+        if u.requests:
+            u.requests.level, u.requests.at = slot.requests_level, slot.requests_at
+        if u.tokens:
+            u.tokens.level, u.tokens.at = slot.tokens_level, slot.tokens_at
+        u.in_flight = slot.in_flight
+        return u
+
+    def store(self, slot: Slot) -> None:
+        if self.requests:
+            slot.requests_level, slot.requests_at = self.requests.level, self.requests.at
+        if self.tokens:
+            slot.tokens_level, slot.tokens_at = self.tokens.level, self.tokens.at
+        slot.in_flight = self.in_flight
+
 
 @dataclass
 class Limiter:
     usage: dict[str, KeyUsage] = field(default_factory=dict)
+    shared: SharedUsage | None = None  # the workers' table; None: this process counts alone
 
-    def _for(self, p: Principal) -> KeyUsage | None:
+    @contextmanager
+    def _using(self, p: Principal) -> Iterator[KeyUsage | None]:
+        """`p`'s usage for the block (None: a key without limits, or no key)."""
         if p.record is None:
-            return None
-        lim = p.record.limits
-        u = self.usage.get(p.key_id)
-        if u is None:
-            u = self.usage[p.key_id] = KeyUsage(
-                Bucket(lim.rps, max(1.0, lim.rps)) if lim.rps else None,
-                Bucket(lim.tokens_per_min / 60.0, float(lim.tokens_per_min))
-                if lim.tokens_per_min
-                else None,
-            )
-        return u
+            yield None
+            return
+        if self.shared is not None:
+            with self.shared.use(p.key_id) as slot:
+                if slot is not None:
+                    u = KeyUsage.loaded(p.record.limits, slot)
+                    try:
+                        yield u
+                    finally:
+                        u.store(slot)  # a refusal's refund is kept too
+                    return
+        own = self.usage.get(p.key_id)
+        if own is None:
+            own = self.usage[p.key_id] = KeyUsage.fresh(p.record.limits)
+        yield own
 
     def acquire(self, p: Principal, prompt_tokens: int, now: float | None = None) -> None:
         """Admit one request of `p` or raise RateLimited with the seconds to wait."""
-        u = self._for(p)
-        if u is None:
-            return
+        with self._using(p) as u:
+            if u is None:
+                return
+            self._acquire(p.record.limits, u, prompt_tokens, now)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _acquire(lim: Limits, u: KeyUsage, prompt_tokens: int, now: float | None) -> None:
         t = time.monotonic() if now is None else now
-        lim = p.record.limits  # type: ignore[union-attr]
         if lim.concurrent is not None and u.in_flight >= lim.concurrent:
             why = f"{u.in_flight} requests in flight; the key allows {lim.concurrent}"
             raise RateLimited(why, code="concurrency_limit", retry_after_s=1)
@@ -161,23 +202,23 @@ class Limiter:
         """Replace the prompt estimate `acquire` charged with the exact count. RateLimited
         (the estimate refunded) when the exact count would not have been admitted: an
         over-budget prompt is refused before it is forwarded, not after."""
-        u = self.usage.get(p.key_id) if p.record is not None else None
-        if u is None or not u.tokens:
-            return
-        bucket = u.tokens
-        before = bucket.level + estimate  # what the key held when this request came
-        if exact > estimate and before < min(exact, bucket.capacity):
-            bucket.level = min(bucket.capacity, before)
-            bucket.refill(time.monotonic() if now is None else now)
-            wait = bucket.wait_for(min(exact, bucket.capacity))
-            why = f"the key's tokens per minute limit is reached ({exact} prompt tokens)"
-            raise RateLimited(why, code="rate_limit", retry_after_s=max(1, math.ceil(wait)))
-        bucket.level = min(bucket.capacity, before - exact)
+        with self._using(p) as u:
+            if u is None or not u.tokens:
+                return
+            bucket = u.tokens
+            before = bucket.level + estimate  # what the key held when this request came
+            if exact > estimate and before < min(exact, bucket.capacity):
+                bucket.level = min(bucket.capacity, before)
+                bucket.refill(time.monotonic() if now is None else now)
+                wait = bucket.wait_for(min(exact, bucket.capacity))
+                why = f"the key's tokens per minute limit is reached ({exact} prompt tokens)"
+                raise RateLimited(why, code="rate_limit", retry_after_s=max(1, math.ceil(wait)))
+            bucket.level = min(bucket.capacity, before - exact)
 
     def release(self, p: Principal, completion_tokens: int = 0) -> None:
-        u = self.usage.get(p.key_id) if p.record is not None else None
-        if u is None:
-            return
-        u.in_flight = max(0, u.in_flight - 1)
-        if u.tokens and completion_tokens:
-            u.tokens.level -= completion_tokens  # may go negative: the next request waits it off
+        with self._using(p) as u:
+            if u is None:
+                return
+            u.in_flight = max(0, u.in_flight - 1)
+            if u.tokens and completion_tokens:
+                u.tokens.level -= completion_tokens  # may go negative: the next waits it off

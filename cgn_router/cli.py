@@ -44,6 +44,14 @@ def serve(
     ready_file: Annotated[
         Path | None, flag("--ready-file", "Write {pid, ports} here once serving.")
     ] = None,
+    workers: Annotated[
+        int | None,
+        flag(
+            "--workers",
+            "Router processes sharing the port, each on a core (default: one per core; "
+            "1: a single process). SIGHUP restarts them one by one, re-reading --config.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the OpenAI API and route each request to the engine best placed for it.
 
@@ -57,6 +65,7 @@ def serve(
         "admin.port": admin_port,
         "etcd.endpoints": etcd,
         "discovery": "static" if static else None,
+        "workers": workers,
     }.items():
         if value is not None:
             flags[key] = str(value)
@@ -64,7 +73,7 @@ def serve(
     setup_logging("router", settings.log)
     from cgn_router.daemon import run as run_daemon
 
-    run_daemon(settings, ready_file)
+    run_daemon(settings, ready_file, source=(config, flags))
 
 
 main = run(app)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import ssl
 import time
@@ -23,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from cgn_control.loop import ControlState, run_reconciler
+from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
@@ -30,8 +32,10 @@ from cgn_core.http import Runner, bearer_header
 from cgn_core.process import raise_fd_limit
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
+from cgn_core.settings import ListenSettings
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_router.admin import build_admin_app
+from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.chain import RoutingChain
 from cgn_router.followers import EtcdFollowers
@@ -49,8 +53,10 @@ from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_app
 from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings, ScrapeSettings
+from cgn_router.shared_usage import SharedUsage
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
+from cgn_router.workers import Supervisor, WorkerRole
 
 log = logging.getLogger(__name__)
 DRAIN_CAP_S = 30.0
@@ -92,7 +98,9 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
     return svc
 
 
-async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
+async def serve(
+    settings: RouterSettings, ready_file: Path | None, worker: WorkerRole | None = None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,33 +123,39 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
         Upstream(keepalive_s=UPSTREAM_IDLE_S, tls=engine_ssl) as upstream,
     ):
         svc = build_service(settings, upstream)
+        if worker is not None:
+            svc.limiter = Limiter(shared=SharedUsage(worker.usage_fd, worker.count, worker.index))
         svc.catalog.set_source(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
         )
         await svc.catalog.wait_loaded()  # hash exactly from the first request on
-        runners = []
-        ports = {}
-        for name, listen, app in (
-            ("http", settings.http, build_app(svc)),
-            ("admin", settings.admin, build_admin_app(svc)),
-        ):
-            sock = bind_tcp(listen.host, listen.port)
+        runners: list[Runner] = []
+        ports: dict[str, int] = {}
+
+        async def listen(name: str, where: ListenSettings, app: web.Application) -> None:
+            sock = bind_tcp(where.host, where.port, reuse_port=worker is not None)
             runner = Runner(
                 app,
-                idle_timeout_s=listen.idle_timeout_s,
+                idle_timeout_s=where.idle_timeout_s,
                 handler_cancellation=True,
                 access_log=None,
                 shutdown_timeout=min(DRAIN_CAP_S, settings.deadlines.total_s),
             )
             await runner.setup()
-            ssl_ctx = _listener_ssl(name, settings)
+            # NOTE: a secondary worker's admin listener is loopback, for the primary's /metrics
+            private = worker is not None and not worker.primary and name == "admin"
+            ssl_ctx = None if private else _listener_ssl(name, settings)
             await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
             runners.append(runner)
             ports[name] = sock.getsockname()[1]
+
+        await listen("admin", settings.admin, build_admin_app(svc, worker))
+        if worker is None:
+            await listen("http", settings.http, build_app(svc))
         log.info(
             "OpenAI API on %s:%d, admin on %s:%d",
             settings.http.host,
-            ports["http"],
+            settings.http.port if worker else ports["http"],
             settings.admin.host,
             ports["admin"],
         )
@@ -166,8 +180,13 @@ async def serve(settings: RouterSettings, ready_file: Path | None) -> None:
                         svc.control = ControlState()
                         tg.create_task(_control(svc, svc.control))
                 else:
-                    svc.synced = True
+                    svc.in_sync.set()
                 follower.reconcile()
+                if worker is not None:
+                    # NOTE: a worker joins the shared port once it knows the keys and the
+                    # fleet: before, the kernel would hand it connections it must refuse
+                    await svc.in_sync.wait()
+                    await listen("http", settings.http, build_app(svc))
                 announce_ready(ready_file, f"serving on port {ports['http']}", ports=ports)
                 await stop.wait()
                 log.info("shutting down: draining requests in flight")
@@ -211,7 +230,7 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
     tg.create_task(follow_revocations(client, svc.revoked))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))
-        svc.synced = True
+        svc.in_sync.set()
         log.info("registry synced from etcd: %d endpoints", len(svc.registry.states))
         await asyncio.Event().wait()  # the client lives as long as the watches
     finally:
@@ -276,7 +295,27 @@ def scrape_plan(endpoints: int, s: ScrapeSettings) -> tuple[float, int]:
     return period, max(1, min(endpoints, round(period / SCRAPE_SLICE_S)))
 
 
-def run(settings: RouterSettings, ready_file: Path | None) -> None:
+def run(
+    settings: RouterSettings,
+    ready_file: Path | None,
+    *,
+    worker: WorkerRole | None = None,
+    source: tuple[Path | None, dict[str, str]] = (None, {}),
+) -> None:
+    """Serve: this process alone, or (settings.workers != 1, not a worker already) a
+    supervisor of that many worker processes, each given `source` (config file, flags)."""
+    count = settings.workers or len(os.sched_getaffinity(0))
+    if worker is None and count > 1:
+        config, flags = source
+        try:
+            build_service(settings, Upstream())  # a settings mistake is said once, here
+            supervisor = Supervisor(count, config, flags, ready_file)
+            code = supervisor.run(
+                settings.http.host, settings.http.port, settings.admin.host, settings.admin.port
+            )
+        except ConfigError as exc:
+            fail(exc.message, EXIT_USAGE)
+        raise SystemExit(code)
     raise_fd_limit()
     try:
         import uvloop
@@ -284,4 +323,4 @@ def run(settings: RouterSettings, ready_file: Path | None) -> None:
         uvloop.install()
     except ImportError:  # not on every platform
         pass
-    asyncio.run(serve(settings, ready_file))
+    asyncio.run(serve(settings, ready_file, worker))

@@ -17,6 +17,18 @@ if TYPE_CHECKING:
     from cgn_router.proxy import Relayed
 
 M = TypeVar("M", Counter, Histogram, Gauge)
+# Gauges that are each worker's view of one fleet, not a share of the router's work: with
+# several workers (metrics_merge.py) the largest is shown, not the sum.
+VIEW_GAUGES = frozenset(
+    {
+        "cgn_router_pool_saturation",
+        "cgn_router_endpoint_breaker_open",
+        "cgn_router_endpoint_metrics_stale",
+        "cgn_router_endpoint_kv_blocks",
+        "cgn_autoscaler_desired_replicas",
+        "cgn_autoscaler_current_replicas",
+    }
+)
 
 
 class Labelled(Generic[M]):

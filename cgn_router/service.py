@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class RouterService:
     proxy: Proxy
     metrics: RouterMetrics
     rng: random.Random = field(default_factory=random.Random)
-    synced: bool = False  # the registry has loaded its sources once
+    in_sync: asyncio.Event = field(default_factory=asyncio.Event)  # sources loaded once
     control: ControlState | None = None  # the reconciler, where this router runs one
     keys: KeyStore = field(default_factory=KeyStore)
     limiter: Limiter = field(default_factory=Limiter)

@@ -205,6 +205,9 @@ class AdmissionSettings:
                 raise ConfigError(f"bands.{name}: ceiling and ttl_s must be positive")
 
 
+MAX_WORKERS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     http: ListenSettings = ListenSettings(port=8080)  # the OpenAI surface
@@ -233,6 +236,9 @@ class RouterSettings:
     attempts: int = 3  # endpoints tried per request before the first byte reaches the client
     migration: MigrationSettings = MigrationSettings()  # and after it, for a broken stream
     max_body_bytes: int = 16 << 20
+    # Worker processes sharing the listening port (SO_REUSEPORT), each a whole router;
+    # 0: one per core. 1: a single process, no supervisor.
+    workers: int = 0
     # A non-streamed answer larger than this is not relayed (tried elsewhere): it is held in
     # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).
     max_response_bytes: int = 64 << 20
@@ -240,6 +246,8 @@ class RouterSettings:
     def check(self) -> None:
         """The root's own ranges, then the rules across settings."""
         positive(self, "attempts", "max_body_bytes", "max_response_bytes")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers must be 0 (one per core) to {MAX_WORKERS}: {self.workers}")
         if not self.auth.enabled and self.auth.anonymous_band not in self.admission.bands:
             raise ConfigError(
                 f"auth.anonymous_band {self.auth.anonymous_band!r} is not in admission.bands"

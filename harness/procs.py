@@ -281,9 +281,10 @@ def cgn_router(
     """A real `cgn-router serve` with `config` as its YAML file, on free ports; with `src`,
     the router of that source tree (another checkout, for benchmarks against it).
 
-    API keys are off unless `config` says otherwise (tests of keys set `auth:`).
+    API keys are off unless `config` says otherwise (tests of keys set `auth:`); one
+    process unless `config` sets `workers` (tests of workers do).
     """
-    config = {"auth": {"enabled": False}, **config}
+    config = {"auth": {"enabled": False}, "workers": 1, **config}
     cfg = tmp / f"router-{time.monotonic_ns()}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     ready = cfg.with_suffix(".ready")

@@ -188,3 +188,41 @@ def test_an_over_budget_prompt_is_refused_before_it_is_forwarded() -> None:
     limiter.acquire(who, 50, now=t)
     limiter.settle(who, 50, 20, now=t)  # an overestimate is refunded
     assert bucket.level == pytest.approx(80)
+
+
+def test_a_keys_limits_hold_across_workers() -> None:
+    """Two workers' limiters on one shared table count a key once: its requests per second,
+    its requests in flight; a worker that restarts forgets only its own requests in flight."""
+    import os
+
+    from cgn_core.apikeys import Limits, create
+    from cgn_core.errors import RateLimited
+    from cgn_router import shared_usage
+    from cgn_router.auth import Limiter, Principal
+
+    fd = shared_usage.create(2)
+    views = [shared_usage.SharedUsage(fd, 2, w) for w in (0, 1)]
+    try:
+        one, two = (Limiter(shared=v) for v in views)
+        _, record = create("t", "gold", limits=Limits(rps=2, concurrent=3))
+        who, t = Principal(record.id, "t", "gold", record), 100.0
+        one.acquire(who, 10, now=t)
+        two.acquire(who, 10, now=t)
+        with pytest.raises(RateLimited, match="requests per second"):
+            one.acquire(who, 10, now=t)  # the bucket of 2 is empty, whichever worker asks
+        two.acquire(who, 10, now=t + 1.0)  # refilled: 2 a second
+        with pytest.raises(RateLimited, match="3 requests in flight"):
+            one.acquire(who, 10, now=t + 5.0)
+        one.release(who)
+        one.acquire(who, 10, now=t + 5.0)  # 3 in flight again: 1 in worker 0, 2 in worker 1
+        views[1].close()
+        views[1] = shared_usage.SharedUsage(fd, 2, 1)  # worker 1 restarted: its 2 are gone
+        one.acquire(who, 10, now=t + 9.0)
+        one.acquire(who, 10, now=t + 9.0)
+        with pytest.raises(RateLimited, match="3 requests in flight"):
+            Limiter(shared=views[1]).acquire(who, 10, now=t + 20.0)
+        assert not one.usage  # nothing was counted outside the shared table
+    finally:
+        for v in views:
+            v.close()
+        os.close(fd)

@@ -1,0 +1,331 @@
+"""`cgn-router serve --workers N`: N router processes on one port, and the supervisor
+that starts, watches, reloads and stops them.
+
+Each worker is a whole router (etcd and KV-event followers, admission, scrapes)
+listening on the same port with SO_REUSEPORT, so the kernel spreads
+connections over them and no process is in the request path but the worker
+that serves it. What they share, and how:
+
+* a key's limits: one table in shared memory (shared_usage.py), counted once;
+* admission: each worker counts the others' requests on an engine as another
+  router's (the engine's running + waiting beyond its own), as two routers do;
+* the KV index: each worker follows every engine's KV events itself; its own
+  optimistic guesses stay its own until the events confirm them;
+* the admin port: worker 0, the primary, serves it (and runs the reconciler);
+  its /metrics sums the other workers' pages, read from their loopback-only
+  listeners, and its /healthz reads the supervisor's record of the workers.
+
+The supervisor holds the ports (bound, not listening, so no connection waits
+on it) so a worker restarted on port 0 gets the same port back; writes the one
+ready file and tells systemd once every worker is serving; restarts a worker
+that dies (backing off when it keeps dying); on SIGHUP starts a new worker for
+each old one, in turn, and stops the old one once the new one is serving
+(the config file is read again: a reload); on SIGTERM stops them all, each
+draining its requests as a single router does. A worker that fails before the
+first ready signal fails the whole start (its log line says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cgn_core.errors import ConfigError
+from cgn_core.files import atomic_write_text
+from cgn_core.readiness import announce_ready, announce_stopping
+from cgn_router import shared_usage
+
+log = logging.getLogger(__name__)
+ENV = "CGN_WORKER_ROLE"  # the worker's role, JSON (set by the supervisor only)
+FLAGS_ENV = "CGN_WORKER_FLAGS"  # the config file and flags the supervisor was given, JSON
+STATUS_FILE = "workers.json"
+POLL_S = 0.1
+START_TIMEOUT_S = 120.0  # a worker not serving by then has failed
+STOP_GRACE_S = 35.0  # a worker's drain is capped at 30 s (daemon.DRAIN_CAP_S)
+STEADY_S = 30.0  # a worker that lived this long restarts at once; one dying sooner backs off
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """What makes a worker one of several: its index, the ports, the shared state."""
+
+    index: int
+    count: int
+    run_dir: Path
+    http_port: int
+    admin_port: int
+    usage_fd: int
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+    @classmethod
+    def from_env(cls) -> WorkerRole:
+        doc = json.loads(os.environ[ENV])
+        return cls(**{**doc, "run_dir": Path(doc["run_dir"])})
+
+    def ready_file(self) -> Path:
+        return self.run_dir / f"worker-{self.index}-{os.getpid()}.json"
+
+
+def sibling_admin_urls(role: WorkerRole) -> list[str]:
+    """The loopback admin listeners of the other workers serving now (a rolling reload
+    may briefly show an old and a new one of an index)."""
+    urls = []
+    for path in sorted(role.run_dir.glob("worker-*.json")):
+        try:
+            doc = json.loads(path.read_text())
+            pid, port = int(doc["pid"]), int(doc["ports"]["admin"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or its worker is gone
+        if pid != os.getpid() and _alive(pid):
+            urls.append(f"http://127.0.0.1:{port}")
+    return urls
+
+
+def workers_status(role: WorkerRole) -> dict[str, Any]:
+    """The supervisor's record of every worker: {"workers": [{index, pid, running, ...}]}."""
+    try:
+        doc: dict[str, Any] = json.loads((role.run_dir / STATUS_FILE).read_text())
+        return doc
+    except (OSError, ValueError):
+        return {"workers": []}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- the supervisor --------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: subprocess.Popen[bytes]
+    started: float
+    restarts: int = 0
+    failures: int = 0  # deaths in a row, each within STEADY_S of its start
+    due: float | None = None  # dead: restart at this time
+    last_exit: int | None = None
+
+
+@dataclass
+class Supervisor:
+    count: int
+    config: Path | None
+    flags: dict[str, str]
+    ready_file: Path | None
+    run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cgn-router.")))
+    workers: list[_Worker] = field(default_factory=list)
+    retiring: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    stopping: bool = False
+    reload_asked: bool = False
+    role: dict[str, Any] = field(default_factory=dict)  # what every worker is told
+    _status: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, host: str, http_port: int, admin_host: str, admin_port: int) -> int:
+        """Serve until SIGTERM/SIGINT; the exit code (a worker's, when the start failed)."""
+        held: list[socket.socket] = []
+        fd = -1
+        try:
+            held = [_hold(host, http_port), _hold(admin_host, admin_port)]
+            ports = {"http": held[0].getsockname()[1], "admin": held[1].getsockname()[1]}
+            fd = shared_usage.create(self.count)
+            self.role = dict(
+                count=self.count,
+                run_dir=str(self.run_dir),
+                usage_fd=fd,
+                http_port=ports["http"],
+                admin_port=ports["admin"],
+            )
+            signal.signal(signal.SIGTERM, self._stop)
+            signal.signal(signal.SIGINT, self._stop)
+            signal.signal(signal.SIGHUP, self._reload)
+            self.workers = [self._spawn(i) for i in range(self.count)]
+            code = self._until_ready()
+            if code is not None:
+                return code
+            announce_ready(
+                self.ready_file,
+                f"serving on port {ports['http']} ({self.count} workers)",
+                ports=ports,
+                workers=self.count,
+            )
+            log.info("%d workers serving on port %d", self.count, ports["http"])
+            while not self.stopping:
+                if self.reload_asked:
+                    self.reload_asked = False
+                    self._rolling_restart()
+                self._tend()
+                time.sleep(POLL_S)
+            return 0
+        finally:
+            announce_stopping()
+            self._stop_all()
+            for sock in held:
+                sock.close()
+            if fd >= 0:
+                os.close(fd)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.ready_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self.ready_file.unlink()
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def _reload(self, signum: int, frame: object) -> None:
+        self.reload_asked = True
+
+    def _spawn(self, index: int) -> _Worker:
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # one READY=1
+        env[ENV] = json.dumps({**self.role, "index": index})
+        env[FLAGS_ENV] = json.dumps({"config": str(self.config or ""), **self.flags})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cgn_router.worker"], env=env, pass_fds=(self.role["usage_fd"],)
+        )
+        return _Worker(index, proc, time.monotonic())
+
+    def _ready_path(self, proc: subprocess.Popen[bytes], index: int) -> Path:
+        return self.run_dir / f"worker-{index}-{proc.pid}.json"
+
+    def _serving(self, proc: subprocess.Popen[bytes], index: int) -> bool:
+        return self._ready_path(proc, index).exists()
+
+    def _metrics_url(self, w: _Worker) -> str | None:
+        """A secondary worker's own page (its loopback listener); the primary's /metrics is
+        the sum of all."""
+        if w.index == 0 or w.due is not None:
+            return None
+        try:
+            port = json.loads(self._ready_path(w.proc, w.index).read_text())["ports"]["admin"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def _until_ready(self) -> int | None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(self._serving(w.proc, w.index) for w in self.workers):
+            for w in self.workers:
+                if w.proc.poll() is not None:
+                    log.error("worker %d exited with %s before serving", w.index, w.proc.returncode)
+                    return w.proc.returncode or 1
+            if self.stopping:
+                return 0
+            if time.monotonic() > deadline:
+                log.error("workers not serving after %.0f s", START_TIMEOUT_S)
+                return 1
+            time.sleep(POLL_S)
+        self._write_status()
+        return None
+
+    def _tend(self) -> None:
+        """Restart the workers that died (backing off), reap the retired ones."""
+        now = time.monotonic()
+        for w in self.workers:
+            if w.due is None and w.proc.poll() is not None:
+                w.last_exit = w.proc.returncode
+                self._ready_path(w.proc, w.index).unlink(missing_ok=True)  # SIGKILLed: left
+                w.failures = w.failures + 1 if now - w.started < STEADY_S else 0
+                w.due = now + min(30.0, 0.5 * 2 ** max(0, w.failures - 1)) if w.failures else now
+                log.error(
+                    "worker %d (pid %d) exited with %s; restarting",
+                    w.index,
+                    w.proc.pid,
+                    w.last_exit,
+                )
+            if w.due is not None and now >= w.due:
+                fresh = self._spawn(w.index)
+                w.proc, w.started, w.due, w.restarts = fresh.proc, now, None, w.restarts + 1
+        self.retiring = [p for p in self.retiring if p.poll() is None]
+        self._write_status()
+
+    def _write_status(self) -> None:
+        """workers.json for the primary's /healthz, rewritten when it changes."""
+        doc = {
+            "workers": [
+                {
+                    "index": w.index,
+                    "pid": w.proc.pid,
+                    "running": w.due is None and self._serving(w.proc, w.index),
+                    "restarts": w.restarts,
+                    "last_exit": w.last_exit,
+                    "metrics": self._metrics_url(w),
+                }
+                for w in self.workers
+            ]
+        }
+        if doc != self._status:
+            atomic_write_text(self.run_dir / STATUS_FILE, json.dumps(doc))
+            self._status = doc
+
+    def _rolling_restart(self) -> None:
+        """Each worker in turn: a new one started; the old one stopped once it serves."""
+        log.info("reload: restarting %d workers one by one", self.count)
+        for w in self.workers:
+            fresh = self._spawn(w.index)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not self._serving(fresh.proc, w.index):
+                if fresh.proc.poll() is not None or time.monotonic() > deadline or self.stopping:
+                    log.error("reload: the new worker %d did not start; the old one stays", w.index)
+                    _terminate(fresh.proc)
+                    self.retiring.append(fresh.proc)
+                    return
+                time.sleep(POLL_S)
+            _terminate(w.proc)
+            self.retiring.append(w.proc)
+            w.proc, w.started = fresh.proc, time.monotonic()
+            self._write_status()
+        log.info("reload: done")
+
+    def _stop_all(self) -> None:
+        procs = [w.proc for w in self.workers] + self.retiring
+        for p in procs:
+            _terminate(p)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+
+
+def _hold(host: str, port: int) -> socket.socket:
+    """`port` held for the workers: bound with SO_REUSEPORT, never listening (port 0: a
+    free one, the same for every worker and every restart)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
