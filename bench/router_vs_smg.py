@@ -1,6 +1,6 @@
 """cgn-router against SGLang's Rust gateway (smg, cache_aware) on the same fake engines, one run.
 
-    .venv/bin/python bench/router_vs_smg.py [--rounds 3] [--seconds 8] [--requests 1000]
+    .venv/bin/python bench/router_vs_smg.py [--rounds 3] [--seconds 8] [--requests 1000] [--workers 1,2]
 
 Both gateways route the same chat requests (a ~150-token prompt: a shared
 system prompt and a user question that differs in every request, so nothing
@@ -18,6 +18,8 @@ mean over rounds.
 * c=64: `wrk -t1 -c64 --latency` for `--seconds` per gateway per round:
   requests/s and p99.
 * stream: sequential 64-token streams, time to the last byte, p50.
+* workers: cgn-router is measured once per `--workers` count (default 1 and one
+  per core), each a router of its own on the same engines and etcd.
 * profile: with py-spy installed, cgn-router's CPU profile during one c=64
   run (the functions with the most samples, self and total).
 
@@ -30,6 +32,7 @@ import argparse
 import collections
 import http.client
 import json
+import os
 import re
 import shutil
 import statistics
@@ -67,8 +70,9 @@ ENGINES = 4
 
 
 @contextmanager
-def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
-    """The fake engines, etcd with one API key, cgn-router and smg; all stopped after."""
+def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
+    """The fake engines, etcd with one API key, a cgn-router per worker count (`cgn<N>`)
+    and smg; all stopped after."""
     with ExitStack() as stack:
         ports = [free_port() for _ in range(ENGINES)]
         fake = [sys.executable, str(REPO / "bench/fake_engine.py"), *map(str, ports)]
@@ -88,11 +92,13 @@ def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
             "log": {"level": "warning"}, "models": {"fake": {"tokenizer": "smollm2"}},
             "reconciler": {"enabled": False},
         }  # fmt: skip
-        cgn = stack.enter_context(cgn_router(tmp, config))
-        deadline = time.monotonic() + 30
-        while _status(cgn.url, key) != 200:  # the key and the endpoints are followed from etcd
-            assert time.monotonic() < deadline, "cgn-router never served"
-            time.sleep(0.1)
+        cgns = {f"cgn{n}": stack.enter_context(cgn_router(tmp, {**config, "workers": n}))
+                for n in workers}  # fmt: skip
+        for cgn in cgns.values():
+            deadline = time.monotonic() + 30
+            while _status(cgn.url, key) != 200:  # the key and the endpoints come from etcd
+                assert time.monotonic() < deadline, "cgn-router never served"
+                time.sleep(0.1)
         port = free_port()
         smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
@@ -104,10 +110,11 @@ def gateways(tmp: Path) -> Iterator[dict[str, Any]]:
             time.sleep(0.1)
         yield {
             "direct": urls[0],
-            "cgn": cgn.url,
+            **{name: cgn.url for name, cgn in cgns.items()},
             "smg": smg_url,
             "key": key,
-            "cgn_pid": cgn.proc.pid,
+            "cgn_pid": cgns[f"cgn{workers[0]}"].proc.pid,
+            "cgn_url": cgns[f"cgn{workers[0]}"].url,
         }
 
 
@@ -209,7 +216,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=8, help="wrk duration per gateway per round")
     p.add_argument("--requests", type=int, default=1000, help="sequential requests per target")
+    cores = len(os.sched_getaffinity(0))
+    p.add_argument("--workers", default=f"1,{cores}" if cores > 1 else "1",
+                   help="cgn-router worker counts to measure, comma-separated (default: 1 and "
+                        "one per core); the profile is of the first")  # fmt: skip
     args = p.parse_args()
+    workers = sorted({int(w) for w in args.workers.split(",")})
     if not shutil.which("wrk"):
         sys.exit("install wrk (apt install wrk)")
     if not (BIN / "smg").exists():
@@ -217,12 +229,13 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        with gateways(tmp) as g:
-            targets = {k: g[k] for k in ("direct", "cgn", "smg")}
+        with gateways(tmp, workers) as g:
+            cgns = [f"cgn{n}" for n in workers]
+            targets = {k: g[k] for k in ("direct", *cgns, "smg")}
             for r in range(args.rounds):
                 c1 = sequential(targets, g["key"], args.requests)
                 st = sequential(targets, g["key"], args.requests // 2, max_tokens=64, stream=True)
-                order = ("cgn", "smg") if r % 2 == 0 else ("smg", "cgn")
+                order = [*cgns, "smg"] if r % 2 == 0 else ["smg", *reversed(cgns)]
                 c64 = {k: wrk(g[k], g["key"], args.seconds, tmp) for k in order}
                 one = {k: {"c1_p50_ms": pct(c1[k], 0.5), "c1_p99_ms": pct(c1[k], 0.99),
                            "stream64_p50_ms": pct(st[k], 0.5), **({} if k == "direct" else {
@@ -230,25 +243,28 @@ def main() -> None:
                        for k in targets}  # fmt: skip
                 print(f"round {r + 1}: {json.dumps(one)}", file=sys.stderr, flush=True)
                 rounds.append(one)
-            prof = profile(g["cgn_pid"], args.seconds, g["cgn"], g["key"], tmp)
-    results = {"rounds": rounds, "mean": mean(rounds), "profile_cgn_c64": prof}
+            prof = profile(g["cgn_pid"], args.seconds, g["cgn_url"], g["key"], tmp)
+    results = {"rounds": rounds, "workers": workers, "mean": mean(rounds, cgns),
+               "profile_cgn_c64": prof}  # fmt: skip
     command = " ".join([".venv/bin/python bench/router_vs_smg.py", *sys.argv[1:]])
     write_result("router_vs_smg", command, results, render(results))
 
 
-def mean(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def mean(rounds: list[dict[str, Any]], cgns: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for target in rounds[0]:
         out[target] = {m: round(statistics.fmean(r[target][m] for r in rounds), 3)
                        for m in rounds[0][target]}  # fmt: skip
-    direct, cgn, smg = out["direct"], out["cgn"], out["smg"]
-    for g in (cgn, smg):
+    direct, smg = out["direct"], out["smg"]
+    for name in (*cgns, "smg"):
+        g = out[name]
         g["added_c1_p50_ms"] = round(g["c1_p50_ms"] - direct["c1_p50_ms"], 3)
         g["added_c1_p99_ms"] = round(g["c1_p99_ms"] - direct["c1_p99_ms"], 3)
-    out["cgn_over_smg_req_s"] = round(cgn["c64_req_s"] / smg["c64_req_s"], 2)
-    out["per_round_cgn_over_smg_req_s"] = [
-        round(r["cgn"]["c64_req_s"] / r["smg"]["c64_req_s"], 2) for r in rounds
-    ]
+    for name in cgns:
+        out[f"{name}_over_smg_req_s"] = round(out[name]["c64_req_s"] / smg["c64_req_s"], 2)
+        out[f"per_round_{name}_over_smg_req_s"] = [
+            round(r[name]["c64_req_s"] / r["smg"]["c64_req_s"], 2) for r in rounds
+        ]
     return out
 
 
@@ -261,8 +277,10 @@ def render(r: dict[str, Any]) -> str:
         "| gateway | added c=1 p50 / p99 ms | c=64 req/s | c=64 p99 ms | 64-token stream p50 ms |",
         "|---|---|---:|---:|---:|",
     ]
-    for name, label in (("cgn", "cgn-router (auth, admission, tokenize, hash, score)"),
-                        ("smg", "smg --policy cache_aware")):  # fmt: skip
+    cgns = [f"cgn{n}" for n in r["workers"]]
+    labels = [(f"cgn{n}", f"cgn-router --workers {n} (auth, admission, tokenize, hash, score)")
+              for n in r["workers"]]  # fmt: skip
+    for name, label in (*labels, ("smg", "smg --policy cache_aware")):
         g = m[name]
         lines.append(f"| {label} | {g['added_c1_p50_ms']} / {g['added_c1_p99_ms']} | "
                      f"{g['c64_req_s']:.0f} | {g['c64_p99_ms']} | {g['stream64_p50_ms']} |")  # fmt: skip
@@ -270,12 +288,17 @@ def render(r: dict[str, Any]) -> str:
     lines += [
         f"| (the engine itself) | c=1 p50 {d['c1_p50_ms']} ms | | | {d['stream64_p50_ms']} |",
         "",
-        f"cgn-router / smg requests/s at c=64: **{m['cgn_over_smg_req_s']}x** "
-        f"(per round: {', '.join(map(str, m['per_round_cgn_over_smg_req_s']))}).",
     ]
+    for name in cgns:
+        lines.append(
+            f"cgn-router --workers {name[3:]} / smg requests/s at c=64: "
+            f"**{m[f'{name}_over_smg_req_s']}x** (per round: "
+            f"{', '.join(map(str, m[f'per_round_{name}_over_smg_req_s']))})."
+        )
     prof = r["profile_cgn_c64"]
     if isinstance(prof, list):
-        lines += ["", "cgn-router CPU profile at c=64 (py-spy, % of samples):", "",
+        lines += ["", f"cgn-router --workers {r['workers'][0]} CPU profile at c=64 (py-spy, % "
+                  "of samples):", "",
                   "| function | self % | total % |", "|---|---:|---:|"]  # fmt: skip
         lines += [f"| `{e['function']}` | {e['self_pct']} | {e['total_pct']} |" for e in prof]
     else:

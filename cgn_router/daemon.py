@@ -41,7 +41,7 @@ from cgn_router.chain import RoutingChain
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
-from cgn_router.kv_index import PrefixIndex
+from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
@@ -71,8 +71,11 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         chain = RoutingChain.from_settings(r)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
-    index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s)
-    registry = Registry(settings.breaker, index, Sessions(r.session_ttl_s), settings.scrape.stale_s)
+    budget = r.index_budget_bytes()  # three quarters for engines' blocks, one for the stores'
+    index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s, budget * 3 // 4)
+    sessions = Sessions(r.session_ttl_s)
+    tiers = TierIndex(budget // 4)
+    registry = Registry(settings.breaker, index, sessions, settings.scrape.stale_s, tiers)
     metrics = RouterMetrics()
     metrics.watch(registry)
     svc = RouterService(

@@ -29,6 +29,15 @@ dict entry, its key and its holder mask (docs/cgn-router.md, "Fleet scale").
 
 `match(eid, ...)`: one endpoint's longest run of leading prompt blocks.
 
+Bounded memory: the exact sets are what engines and stores say they hold, and
+an engine may say a great deal (a bug, a flood, a fleet larger than planned),
+so each index has a byte budget (`routing.index_budget_mb`: three quarters for
+the engines' blocks, a quarter for the stores' tiers). Past it, the source
+holding the most loses its oldest-stored quarter: the router forgets blocks an
+engine may still hold (a worse pick, one prefill), never believes one it does
+not. The bytes per block are measured (tracemalloc, CPython 3.11: a distinct
+key ~72-90 B, each holder 8 B; a tier entry ~118 B); `test_kv_index` checks them.
+
 Node tiers (`TierIndex`): each node's cgn-kvcached streams what its RAM and
 SSD tiers hold (one snapshot per tier, then events carrying their tier), so
 `extend()` says how many more of a prompt's blocks, past what an engine's own
@@ -38,6 +47,7 @@ pool holds, that engine's node could restore, and from which tier.
 from __future__ import annotations
 
 import heapq
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -45,6 +55,13 @@ from dataclasses import dataclass, field
 
 from cgn_core.kv.blockhash import BlockHash
 from cgn_router.types import EndpointId
+
+KEY_BYTES = 100  # a distinct block: its dict entry, int key and holders (measured: 72-90)
+HOLDER_BYTES = 10  # each endpoint's 8-byte key in its list, with the list's spare room
+TIER_BYTES = 128  # a store's block: dict entry, 32-byte hash, tier bits (measured: ~118)
+CHECK_EVERY = 4096  # stored keys between two looks at the budget
+HIGH, LOW = 0.9, 0.75  # past HIGH of the budget, the oldest are forgotten down to LOW
+UNLIMITED = 1 << 62
 
 
 def key(h: bytes) -> int:
@@ -65,7 +82,16 @@ class _Slot:
 
 
 class PrefixIndex:
-    def __init__(self, approx_ttl_s: float, approx_blocks: int, optimistic_ttl_s: float):
+    def __init__(
+        self,
+        approx_ttl_s: float,
+        approx_blocks: int,
+        optimistic_ttl_s: float,
+        budget_bytes: int = UNLIMITED,
+    ):
+        self.budget_bytes = budget_bytes
+        self.forgotten = 0  # blocks dropped to stay within the budget
+        self._unchecked = 0  # keys stored since the budget was last looked at
         self.approx_ttl_s = approx_ttl_s
         self.approx_blocks = approx_blocks
         self.optimistic_ttl_s = optimistic_ttl_s
@@ -237,9 +263,34 @@ class PrefixIndex:
                 held[k] = tag if v == 0 else (v if v > 0 else 1 << (-1 - v)) | slot.bit
                 slot.exact += 1
                 slot.keys.append(k)
+                self._unchecked += 1
             if k in mine:  # confirmed: no longer only assumed
                 del mine[k]
                 self._unassume(slot, k)
+        if self._unchecked >= CHECK_EVERY:
+            self._unchecked = 0
+            self._keep_to_budget()
+
+    def bytes_used(self) -> int:
+        """The exact sets' memory, by the measured costs above."""
+        holders = sum(len(s.keys) for s in self._slots.values())
+        return len(self._exact) * KEY_BYTES + holders * HOLDER_BYTES
+
+    def _keep_to_budget(self) -> None:
+        """Near the budget: the endpoint holding the most forgets its oldest-stored quarter,
+        until the index is at 3/4 of it (so this does not run on every event)."""
+        if self.bytes_used() <= self.budget_bytes * HIGH:
+            return
+        while self._slots and self.bytes_used() > self.budget_bytes * LOW:
+            slot = max(self._slots.values(), key=lambda s: len(s.keys))
+            if not slot.keys:
+                return
+            cut = max(1, len(slot.keys) // 4)
+            for k in slot.keys[:cut]:
+                if self._drop(k, slot):
+                    slot.exact -= 1
+                    self.forgotten += 1
+            slot.keys = slot.keys[cut:]
 
     def _clear_exact(self, slot: _Slot) -> None:
         for k in slot.keys:
@@ -318,8 +369,25 @@ class _Tiers:
 class TierIndex:
     """Per node, the blocks its cgn-kvcached holds in RAM and on SSD (exact, from events)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_bytes: int = UNLIMITED) -> None:
         self._by_node: dict[str, _Tiers] = {}
+        self.budget_bytes = budget_bytes
+        self.forgotten = 0
+        self._unchecked = 0
+
+    def _keep_to_budget(self) -> None:
+        """As PrefixIndex's: the node holding the most forgets its oldest-stored quarter."""
+        limit = HIGH
+        while self._by_node:
+            total = sum(len(t.held) for t in self._by_node.values())
+            if total * TIER_BYTES <= self.budget_bytes * limit:
+                return
+            limit = LOW
+            tiers = max(self._by_node.values(), key=lambda t: len(t.held))
+            cut = max(1, len(tiers.held) // 4)
+            # NOTE: a new dict, not deletions from the front (each would scan the holes)
+            tiers.held = dict(itertools.islice(tiers.held.items(), cut, None))
+            self.forgotten += cut
 
     def extend(self, node: str, hashes: Sequence[BlockHash], start: int) -> tuple[int, int]:
         """Of `hashes[start:]`, the leading run the node holds: (blocks in RAM, on SSD only)."""
@@ -352,6 +420,7 @@ class TierIndex:
         for h in hashes:
             held[h] = held.get(h, 0) | tier
         tiers.seq = seq
+        self._keep_to_budget()
 
     def event(
         self, node: str, seq: int, stored: bool, tier: int, hashes: Iterable[BlockHash]
@@ -369,8 +438,12 @@ class TierIndex:
             bits = bits | tier if stored else bits & ~tier
             if bits:
                 held[h] = bits
+                self._unchecked += 1
             else:
                 held.pop(h, None)
+        if self._unchecked >= CHECK_EVERY:
+            self._unchecked = 0
+            self._keep_to_budget()
         return True
 
     def forget(self, node: str) -> None:

@@ -148,12 +148,17 @@ class LoadOrder:
 
 class Registry:
     def __init__(
-        self, breaker: BreakerSettings, index: PrefixIndex, sessions: Sessions, stale_s: float
+        self,
+        breaker: BreakerSettings,
+        index: PrefixIndex,
+        sessions: Sessions,
+        stale_s: float,
+        tiers: TierIndex | None = None,
     ):
         self.breaker = breaker
         self.stale_s = stale_s
         self.index = index
-        self.tiers = TierIndex()  # what each node's cgn-kvcached holds
+        self.tiers = tiers or TierIndex()  # what each node's cgn-kvcached holds
         self.stores: dict[str, tuple[str, str]] = {}  # node -> its kvcached's events URL, token
         self.sessions = sessions
         self.states: dict[EndpointId, EndpointState] = {}

@@ -4,6 +4,7 @@ Each dataclass checks its own fields' ranges (`check`, run by the settings loade
 builds the tree); `RouterSettings.check` holds the rules across settings. The routing
 pipeline is checked where it is built from `routing` (its plugins own their parameters)."""
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -86,11 +87,25 @@ class RoutingSettings:
     # there until its events confirm them (bursts of one prefix land together).
     optimistic_ttl_s: float = 5.0
     chars_per_block: int = 64  # character-block approximation (no tokenizer)
+    # Memory for what the engines and KV stores say they hold (KV events), in MiB; past
+    # it, each source's oldest blocks are forgotten first. 0: 1/16 of this machine's
+    # memory, at most 4096.
+    index_budget_mb: int = 0
     session_ttl_s: float = 600.0
     session_header: str = "x-session-id"  # or the body's `user` field
 
     def check(self) -> None:
         positive(self, "approx_blocks", "chars_per_block")
+        if self.index_budget_mb < 0:
+            raise ConfigError(
+                f"index_budget_mb must be 0 (automatic) or more: {self.index_budget_mb}"
+            )
+
+    def index_budget_bytes(self) -> int:
+        if self.index_budget_mb:
+            return self.index_budget_mb << 20
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(memory // 16, 4096 << 20)
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,6 +230,42 @@ def test_node_tiers_extend_the_pool_match_and_follow_events() -> None:
     assert tiers.extend("n1", h, 0) == (1, 0) and tiers.event("n1", 21, True, RAM, [h[1]])
 
 
+def test_a_flood_of_blocks_stays_within_the_index_budget() -> None:
+    """An engine streaming 300k distinct blocks (and a store 120k) cannot grow the router
+    past its index budget, measured by tracemalloc, not by the index's own estimate; the
+    flooder forgets its oldest blocks, its newest and a quiet endpoint's are still matched."""
+    import tracemalloc
+
+    def blocks(start: int, n: int) -> list[bytes]:
+        return [i.to_bytes(32, "little") for i in range(start, start + n)]
+
+    budget = 8 << 20
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        idx = PrefixIndex(60, 100, 1, budget_bytes=budget)
+        quiet = blocks(10**9, 50)
+        idx.snapshot("quiet", 0, quiet)
+        idx.snapshot("flood", 0, [])
+        for seq in range(1, 301):
+            assert idx.event("flood", seq, True, blocks(seq * 1000, 1000))
+        used = tracemalloc.get_traced_memory()[0] - base
+        tiers = TierIndex(budget_bytes=budget // 2)
+        before = tracemalloc.get_traced_memory()[0]
+        tiers.snapshot("n1", 0, RAM, blocks(0, 1), first=True)
+        for seq in range(1, 121):
+            assert tiers.event("n1", seq, True, SSD, blocks(seq * 1000, 1000))
+        tier_used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used <= budget and idx.forgotten > 0, (used, idx.forgotten)
+    assert tier_used <= budget // 2 and tiers.forgotten > 0, (tier_used, tiers.forgotten)
+    assert idx.match("quiet", quiet, now=0) == 50
+    assert idx.match("flood", blocks(300_000, 1000), now=0) == 1000  # the newest
+    assert idx.match("flood", blocks(1000, 10), now=0) == 0  # the oldest: forgotten
+    assert tiers.extend("n1", blocks(120_000, 1000), 0) == (0, 1000)
+
+
 def test_approximate_tracking_expires_and_evicts_least_recent() -> None:
     idx = PrefixIndex(approx_ttl_s=10, approx_blocks=4, optimistic_ttl_s=1)
     idx.routed(E, H[:3], now=0, exact=False)
