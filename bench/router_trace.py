@@ -167,7 +167,7 @@ def fleet_speed(speed_for_4: float, engines: int) -> float:
 
 
 def run_fleet(
-    engines: int, policy: str, reqs: list[TraceRequest], args: argparse.Namespace
+    engines: int, policy: str, reqs: list[TraceRequest], args: argparse.Namespace, workers: int = 1
 ) -> dict[str, Any]:
     model = "trace"
     speed = fleet_speed(args.speed, engines)
@@ -183,6 +183,7 @@ def run_fleet(
                 "auth": {"enabled": False},
                 "endpoints": {f"e{i}": {"url": e.url, "model": model} for i, e in enumerate(fleet)},
                 "routing": POLICIES[policy],
+                "workers": workers,
             }
             with cgn_router(tmp, config) as router:
                 outcomes, wall = asyncio.run(
@@ -212,6 +213,11 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--result", default="router_trace", help="bench/results/ file name")
+    p.add_argument(
+        "--workers", default="1",
+        help="router worker counts, comma-separated; each past 1 replays every policy again "
+             "(results '<policy>_workers<N>')",
+    )  # fmt: skip
     p.add_argument(
         "--virtual", action="store_true",
         help="each fleet's sim engines in one process (cgn-infer --engines N): fleets of hundreds",
@@ -248,9 +254,11 @@ def main() -> None:
                 "busiest_over_mean": round(r.busiest_over_mean, 3),
             }
         for policy in args.policies.split(","):
-            print(f"fleet of {n}, {policy} ...", file=sys.stderr, flush=True)
-            fleet[policy] = run_fleet(n, policy, reqs, args)
-            print(json.dumps(fleet[policy]), file=sys.stderr, flush=True)
+            for w in map(int, args.workers.split(",")):
+                name = policy if w == 1 else f"{policy}_workers{w}"
+                print(f"fleet of {n}, {name} ...", file=sys.stderr, flush=True)
+                fleet[name] = run_fleet(n, policy, reqs, args, w)
+                print(json.dumps(fleet[name]), file=sys.stderr, flush=True)
         results["fleets"][str(n)] = fleet
     results["sweep"] = {}
     for scale in [float(x) for x in args.sweep.split(",") if x]:

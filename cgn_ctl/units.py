@@ -73,6 +73,8 @@ After=network-online.target cognitora-etcd.service
 [Service]
 Type=notify
 ExecStart={cgn_router} serve --config /etc/cognitora/router.yaml
+# its workers restart one by one, reading the config again, refusing no request
+ExecReload=/bin/kill -HUP $MAINPID
 Restart=always
 RestartSec=2
 TimeoutStopSec=45

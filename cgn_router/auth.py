@@ -8,7 +8,7 @@ model scope (403); `Limiter.acquire` applies the key's limits (429 with a
 Retry-After): requests per second and tokens per minute as token buckets
 (tokens are charged with the prompt on admission and the completion when the
 usage is known), and a cap on requests in flight. With several workers
-(`--workers`), the usage lives in memory they share (shared_usage.py): a key's
+(`--workers`), the usage lives in memory they share (shared.py): a key's
 limits hold for the router as a whole.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from cgn_core.apikeys import KeyRecord, Limits, key_id, matches
 from cgn_core.errors import Forbidden, RateLimited, Unauthorized
-from cgn_router.shared_usage import SharedUsage, Slot
+from cgn_router.shared import SharedUsage, Slot
 
 
 @dataclass(frozen=True, slots=True)

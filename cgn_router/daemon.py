@@ -53,7 +53,7 @@ from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_app
 from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings, ScrapeSettings
-from cgn_router.shared_usage import SharedUsage
+from cgn_router.shared import SharedLoad, SharedUsage
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
 from cgn_router.workers import Supervisor, WorkerRole
@@ -64,18 +64,23 @@ UPSTREAM_IDLE_S = 10.0  # a pooled upstream connection idle this long is closed
 MAX_METRICS_PAGE = 4 << 20  # an engine's /metrics beyond this is cut (vLLM's is ~100 KiB)
 
 
-def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService:
-    """Every object the router runs on, from its settings (no I/O)."""
+def build_service(
+    settings: RouterSettings, upstream: Upstream, worker: WorkerRole | None = None
+) -> RouterService:
+    """Every object the router runs on, from its settings (no I/O); a worker of several
+    counts with the others (shared.py) and has its share of the index's memory budget."""
     r = settings.routing
+    workers = worker.count if worker else 1
     try:
         chain = RoutingChain.from_settings(r)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
-    budget = r.index_budget_bytes()  # three quarters for engines' blocks, one for the stores'
+    budget = r.index_budget_bytes() // workers  # 3/4 for engines' blocks, 1/4 for stores'
     index = PrefixIndex(r.approx_ttl_s, r.approx_blocks, r.optimistic_ttl_s, budget * 3 // 4)
     sessions = Sessions(r.session_ttl_s)
     tiers = TierIndex(budget // 4)
-    registry = Registry(settings.breaker, index, sessions, settings.scrape.stale_s, tiers)
+    load = SharedLoad(worker.load_fd, worker.count, worker.index) if worker else None
+    registry = Registry(settings.breaker, index, sessions, settings.scrape.stale_s, tiers, load)
     metrics = RouterMetrics()
     metrics.watch(registry)
     svc = RouterService(
@@ -85,6 +90,9 @@ def build_service(settings: RouterSettings, upstream: Upstream) -> RouterService
         chain,
         Proxy(upstream, settings.deadlines, settings.max_response_bytes),
         metrics,
+        limiter=Limiter(shared=SharedUsage(worker.usage_fd, worker.count, worker.index))
+        if worker
+        else Limiter(),
     )
     metrics.watch_scaling(lambda: svc.control)
     if settings.admission.enabled:
@@ -125,9 +133,7 @@ async def serve(
         ) as session,
         Upstream(keepalive_s=UPSTREAM_IDLE_S, tls=engine_ssl) as upstream,
     ):
-        svc = build_service(settings, upstream)
-        if worker is not None:
-            svc.limiter = Limiter(shared=SharedUsage(worker.usage_fd, worker.count, worker.index))
+        svc = build_service(settings, upstream, worker)
         svc.catalog.set_source(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
         )

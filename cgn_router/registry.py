@@ -32,6 +32,7 @@ from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex
 from cgn_router.plugins.load import queue_length
 from cgn_router.settings import BreakerSettings, StaticEndpoint
+from cgn_router.shared import SharedLoad
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 
 
@@ -45,6 +46,20 @@ class EndpointState:
     load: EngineLoad | None = None
     scrape_error: str = ""
     since: float = field(default_factory=time.monotonic)  # when it became routable here
+    shared: SharedLoad | None = None  # with several workers: where they count together
+
+    def counted(self) -> None:
+        """`in_flight` or `pending_prefill` changed: tell the other workers."""
+        if self.shared is not None:
+            self.shared.publish(self.endpoint.id, self.in_flight, self.pending_prefill)
+
+    def router_counts(self) -> tuple[int, int]:
+        """(requests in flight, prefill tokens pending) of the whole router: this worker's
+        and, with several, the others'."""
+        if self.shared is None:
+            return self.in_flight, self.pending_prefill
+        theirs, pending = self.shared.others(self.endpoint.id)
+        return self.in_flight + theirs, self.pending_prefill + pending
 
 
 # How an attempt ended. `failed`: refused or broken before the first byte (the request may
@@ -69,6 +84,7 @@ class Lease:
         if self.first_byte_at is None:
             self.first_byte_at = now
             self.state.pending_prefill -= self.uncached
+            self.state.counted()
             self.state.breaker.on_success()
 
     def end(self, outcome: Outcome, now: float) -> None:
@@ -76,9 +92,10 @@ class Lease:
             return
         self.ended = True
         self.state.in_flight -= 1
-        self.requeue(now)
         if self.first_byte_at is None:
             self.state.pending_prefill -= self.uncached
+        self.state.counted()
+        self.requeue(now)
         if outcome in BLAMES_ENGINE:
             self.state.breaker.on_failure(now)
 
@@ -154,7 +171,9 @@ class Registry:
         sessions: Sessions,
         stale_s: float,
         tiers: TierIndex | None = None,
+        shared: SharedLoad | None = None,
     ):
+        self.shared = shared  # with several workers: their counts per endpoint
         self.breaker = breaker
         self.stale_s = stale_s
         self.index = index
@@ -187,7 +206,8 @@ class Registry:
         state = self.states.get(endpoint.id)
         if state is None:
             b = Breaker(self.breaker.failures, self.breaker.open_s)
-            state = self.states[endpoint.id] = EndpointState(endpoint, b, source)
+            state = EndpointState(endpoint, b, source, shared=self.shared)
+            self.states[endpoint.id] = state
             self.by_model.setdefault(endpoint.model, {})[endpoint.id] = state
             self.load_order.setdefault(endpoint.model, LoadOrder()).place(endpoint.id, 0)
             self._count_role(endpoint, 1)
@@ -296,19 +316,21 @@ class Registry:
         scorer counts it (this router's requests there, or the engine's queue if more)."""
         order = self.load_order.get(s.endpoint.model)
         if order is not None and s.endpoint.id in self.states:
-            order.place(s.endpoint.id, int(queue_length(s.in_flight, self.fresh_load(s, now))))
+            in_flight = s.router_counts()[0]
+            order.place(s.endpoint.id, int(queue_length(in_flight, self.fresh_load(s, now))))
 
     def _view(
         self, s: EndpointState, matched: int, owner: bool, req: RequestInfo, now: float
     ) -> EndpointView:
         node = s.endpoint.node
         ram, ssd = self.tiers.extend(node, req.blocks, matched) if req.blocks and node else (0, 0)
+        in_flight, pending = s.router_counts()
         return EndpointView(
             endpoint=s.endpoint,
             cordoned=node in self.cordoned,
             breaker_open=s.breaker.blocks(now),
-            in_flight=s.in_flight,
-            pending_prefill=s.pending_prefill,
+            in_flight=in_flight,
+            pending_prefill=pending,
             load=self.fresh_load(s, now),
             matched_blocks=matched,
             node_ram_blocks=ram,
@@ -325,8 +347,9 @@ class Registry:
         lease = Lease(state, predicted, req.prompt_tokens - predicted, requeue)
         state.breaker.on_attempt(now)
         state.in_flight += 1
-        self.requeue(state, now)
         state.pending_prefill += lease.uncached
+        state.counted()
+        self.requeue(state, now)
         self.index.routed(view.id, req.blocks, now, exact=bool(state.endpoint.kv_events_url))
         self.sessions.record(req.session, view.id, now)
         return lease

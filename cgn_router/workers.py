@@ -6,7 +6,10 @@ listening on the same port with SO_REUSEPORT, so the kernel spreads
 connections over them and no process is in the request path but the worker
 that serves it. What they share, and how:
 
-* a key's limits: one table in shared memory (shared_usage.py), counted once;
+* a key's limits: one table in shared memory (shared.py), counted once;
+* each endpoint's requests in flight and pending prefill: a table in which
+  each worker writes its own counts and reads the others' (the load scorer
+  sees the whole router's requests, not a worker's share);
 * admission: each worker counts the others' requests on an engine as another
   router's (the engine's running + waiting beyond its own), as two routers do;
 * the KV index: each worker follows every engine's KV events itself; its own
@@ -45,7 +48,7 @@ from typing import Any
 from cgn_core.errors import ConfigError
 from cgn_core.files import atomic_write_text
 from cgn_core.readiness import announce_ready, announce_stopping
-from cgn_router import shared_usage
+from cgn_router import shared
 
 log = logging.getLogger(__name__)
 ENV = "CGN_WORKER_ROLE"  # the worker's role, JSON (set by the supervisor only)
@@ -66,7 +69,8 @@ class WorkerRole:
     run_dir: Path
     http_port: int
     admin_port: int
-    usage_fd: int
+    usage_fd: int  # shared.USAGE
+    load_fd: int  # shared.LOAD
 
     @property
     def primary(self) -> bool:
@@ -146,15 +150,16 @@ class Supervisor:
     def run(self, host: str, http_port: int, admin_host: str, admin_port: int) -> int:
         """Serve until SIGTERM/SIGINT; the exit code (a worker's, when the start failed)."""
         held: list[socket.socket] = []
-        fd = -1
+        fds: list[int] = []
         try:
             held = [_hold(host, http_port), _hold(admin_host, admin_port)]
             ports = {"http": held[0].getsockname()[1], "admin": held[1].getsockname()[1]}
-            fd = shared_usage.create(self.count)
+            fds = [shared.create(shared.USAGE, self.count), shared.create(shared.LOAD, self.count)]
             self.role = dict(
                 count=self.count,
                 run_dir=str(self.run_dir),
-                usage_fd=fd,
+                usage_fd=fds[0],
+                load_fd=fds[1],
                 http_port=ports["http"],
                 admin_port=ports["admin"],
             )
@@ -184,7 +189,7 @@ class Supervisor:
             self._stop_all()
             for sock in held:
                 sock.close()
-            if fd >= 0:
+            for fd in fds:
                 os.close(fd)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.ready_file is not None:
@@ -202,7 +207,9 @@ class Supervisor:
         env[ENV] = json.dumps({**self.role, "index": index})
         env[FLAGS_ENV] = json.dumps({"config": str(self.config or ""), **self.flags})
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cgn_router.worker"], env=env, pass_fds=(self.role["usage_fd"],)
+            [sys.executable, "-m", "cgn_router.worker"],
+            env=env,
+            pass_fds=(self.role["usage_fd"], self.role["load_fd"]),
         )
         return _Worker(index, proc, time.monotonic())
 

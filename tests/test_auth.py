@@ -197,11 +197,11 @@ def test_a_keys_limits_hold_across_workers() -> None:
 
     from cgn_core.apikeys import Limits, create
     from cgn_core.errors import RateLimited
-    from cgn_router import shared_usage
+    from cgn_router import shared
     from cgn_router.auth import Limiter, Principal
 
-    fd = shared_usage.create(2)
-    views = [shared_usage.SharedUsage(fd, 2, w) for w in (0, 1)]
+    fd = shared.create(shared.USAGE, 2)
+    views = [shared.SharedUsage(fd, 2, w) for w in (0, 1)]
     try:
         one, two = (Limiter(shared=v) for v in views)
         _, record = create("t", "gold", limits=Limits(rps=2, concurrent=3))
@@ -216,7 +216,7 @@ def test_a_keys_limits_hold_across_workers() -> None:
         one.release(who)
         one.acquire(who, 10, now=t + 5.0)  # 3 in flight again: 1 in worker 0, 2 in worker 1
         views[1].close()
-        views[1] = shared_usage.SharedUsage(fd, 2, 1)  # worker 1 restarted: its 2 are gone
+        views[1] = shared.SharedUsage(fd, 2, 1)  # worker 1 restarted: its 2 are gone
         one.acquire(who, 10, now=t + 9.0)
         one.acquire(who, 10, now=t + 9.0)
         with pytest.raises(RateLimited, match="3 requests in flight"):

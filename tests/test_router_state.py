@@ -417,6 +417,40 @@ def test_a_lease_holds_an_attempts_accounting_until_it_ends(
     assert state.breaker.blocks(2.0) == (failures == 1)
 
 
+def test_workers_see_each_others_requests_on_an_endpoint() -> None:
+    """Two workers' registries on one shared table: a lease in one is in the other's view
+    (requests in flight, pending prefill) until it ends; a restarted worker's are gone."""
+    import os
+
+    from cgn_router import shared
+
+    fd = shared.create(shared.LOAD, 2)
+    tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]
+    try:
+        one, two = (Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), 5,
+                             shared=t) for t in tables)  # fmt: skip
+        for reg in (one, two):
+            reg.upsert(Endpoint(E, "m", "http://a"), "etcd")
+        req = RequestInfo("m", blocks=tuple(H[:2]), prompt_tokens=40)
+        lease = one.begin(one.views(req, now=0)[0], req, now=0)
+        (seen,) = two.views(req, now=0)
+        assert (seen.in_flight, seen.pending_prefill) == (1, 40)
+        assert two.states[E].in_flight == 0  # its own count: none
+        lease.first_byte(0.1)
+        assert two.views(req, now=0.1)[0].pending_prefill == 0
+        again = two.begin(two.views(req, now=0.2)[0], req, now=0.2)
+        assert one.views(req, now=0.2)[0].in_flight == 2
+        lease.end("ok", 0.3)
+        assert two.views(req, now=0.3)[0].in_flight == 1
+        assert again.state.in_flight == 1  # worker 1 dies with it in flight, and restarts:
+        tables.append(shared.SharedLoad(fd, 2, 1))
+        assert one.views(req, now=0.4)[0].in_flight == 0
+    finally:
+        for t in tables:
+            t.close()
+        os.close(fd)
+
+
 def test_registry_groups_endpoints_by_model() -> None:
     reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
     a, b = Endpoint(E, "m", "http://a"), Endpoint(EndpointId("n/r1"), "n", "http://b")

@@ -1,0 +1,199 @@
+"""What the router's worker processes count together (`--workers`, workers.py): a key's
+usage against its limits, and the requests each worker has in flight on each endpoint.
+
+Each is a table in one anonymous shared-memory file (memfd) that the supervisor
+creates and every worker inherits: fixed-size slots found by open addressing on
+a 16-byte digest of their name (an API key id, an endpoint id), each
+
+    digest (16 B) | shared fields | one column per worker
+
+A zeroed slot is a fresh one. Claiming a slot, and a key's usage (read, decide,
+write), hold an fcntl lock on the file for a few microseconds: the kernel drops
+it when its holder dies, so a worker killed mid-update cannot wedge the others.
+Each worker writes only its own column (8-byte aligned: read whole by others
+without a lock), zeroed when it starts, so a killed worker's requests in flight
+are not counted forever. Times are CLOCK_MONOTONIC, the same in every process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A table's shape: its slots, the fields all workers share, each worker's column."""
+
+    name: str
+    slots: int
+    shared: struct.Struct  # after the digest
+    column: struct.Struct  # per worker
+
+    def slot_size(self, workers: int) -> int:
+        return 16 + self.shared.size + self.column.size * workers
+
+
+USAGE = Layout("usage", 16384, struct.Struct("=4d"), struct.Struct("=q"))
+LOAD = Layout("load", 65536, struct.Struct(""), struct.Struct("=qq"))
+
+
+def create(layout: Layout, workers: int) -> int:
+    """A new zeroed table for `workers` workers: its file descriptor (inheritable)."""
+    fd = os.memfd_create(f"cgn-router-{layout.name}", 0)
+    os.ftruncate(fd, layout.slots * layout.slot_size(workers))
+    os.set_inheritable(fd, True)
+    return fd
+
+
+class Table:
+    """Worker `worker`'s view of the table in `fd`."""
+
+    def __init__(self, layout: Layout, fd: int, workers: int, worker: int):
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker {worker} of {workers}")
+        self.layout, self.fd, self.workers, self.worker = layout, fd, workers, worker
+        self.size = layout.slot_size(workers)
+        self.mem = mmap.mmap(fd, layout.slots * self.size, mmap.MAP_SHARED)
+        self.columns = 16 + layout.shared.size  # where the workers' columns begin in a slot
+        self._own = self.columns + layout.column.size * worker
+        self._found: dict[str, int | None] = {}  # name -> its slot's offset
+        self._full_warned = False
+        zero = bytes(layout.column.size)
+        with self.locked():  # a restarted worker's old columns are gone
+            for at in range(self._own, layout.slots * self.size, self.size):
+                if self.mem[at : at + len(zero)] != zero:
+                    self.mem[at : at + len(zero)] = zero
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def slot(self, name: str) -> int | None:
+        """The offset of `name`'s slot, claimed if new (under the lock, once per name and
+        worker); None when the table is full (the caller counts alone, and it is logged)."""
+        if name in self._found:
+            return self._found[name]
+        digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
+        slots, empty = self.layout.slots, bytes(16)
+        start = int.from_bytes(digest[:4], "little") % slots
+        found = None
+        with self.locked():
+            for probe in range(slots):
+                at = ((start + probe) % slots) * self.size
+                held = self.mem[at : at + 16]
+                if held == empty:
+                    self.mem[at : at + 16] = digest
+                if held in (digest, empty):
+                    found = at
+                    break
+        if found is None and not self._full_warned:
+            self._full_warned = True
+            name, n = self.layout.name, slots
+            log.warning("shared %s table full (%d): new names count per worker", name, n)
+        self._found[name] = found
+        return found
+
+    def shared(self, at: int) -> tuple[float, ...]:
+        return self.layout.shared.unpack_from(self.mem, at + 16)
+
+    def set_shared(self, at: int, *values: float) -> None:
+        self.layout.shared.pack_into(self.mem, at + 16, *values)
+
+    def own(self, at: int) -> tuple[int, ...]:
+        return self.layout.column.unpack_from(self.mem, at + self._own)
+
+    def set_own(self, at: int, *values: int) -> None:
+        self.layout.column.pack_into(self.mem, at + self._own, *values)
+
+    def others(self, at: int) -> list[int]:
+        """The other workers' columns, added field by field."""
+        col = self.layout.column
+        total = [0] * len(col.format.lstrip("="))
+        for w in range(self.workers):
+            if w != self.worker:
+                for i, v in enumerate(col.unpack_from(self.mem, at + self.columns + col.size * w)):
+                    total[i] += v
+        return total
+
+    def close(self) -> None:
+        self.mem.close()
+
+
+@dataclass(slots=True)
+class Slot:
+    """One key's token buckets (level and last refill) and its requests in flight in all
+    workers; a change to `in_flight` is this worker's."""
+
+    requests_level: float
+    requests_at: float
+    tokens_level: float
+    tokens_at: float
+    in_flight: int
+
+
+class SharedUsage:
+    """API keys' usage against their limits (auth.Limiter), counted once for all workers."""
+
+    def __init__(self, fd: int, workers: int, worker: int):
+        self.table = Table(USAGE, fd, workers, worker)
+
+    @contextmanager
+    def use(self, key_id: str) -> Iterator[Slot | None]:
+        """The key's usage, locked for the block; what the block changes is stored after
+        (also when it raises: a refusal's refund counts). None: the table is full."""
+        t = self.table
+        at = t.slot(key_id)
+        if at is None:
+            yield None
+            return
+        with t.locked():
+            theirs = t.others(at)[0]
+            rl, ra, tl, ta = t.shared(at)
+            slot = Slot(rl, ra, tl, ta, int(t.own(at)[0]) + theirs)
+            try:
+                yield slot
+            finally:
+                levels = (slot.requests_level, slot.requests_at, slot.tokens_level, slot.tokens_at)
+                t.set_shared(at, *levels)
+                t.set_own(at, max(0, slot.in_flight - theirs))
+
+    def close(self) -> None:
+        self.table.close()
+
+
+class SharedLoad:
+    """Each endpoint's requests in flight and uncached prompt tokens pending, per worker,
+    so every worker's load scorer sees all of the router's requests (registry.py)."""
+
+    def __init__(self, fd: int, workers: int, worker: int):
+        self.table = Table(LOAD, fd, workers, worker)
+
+    def publish(self, eid: str, in_flight: int, pending_prefill: int) -> None:
+        at = self.table.slot(eid)
+        if at is not None:
+            self.table.set_own(at, in_flight, pending_prefill)
+
+    def others(self, eid: str) -> tuple[int, int]:
+        """(requests in flight, prefill tokens pending) of the other workers on `eid`."""
+        at = self.table.slot(eid)
+        if at is None:
+            return 0, 0
+        in_flight, pending = self.table.others(at)
+        return in_flight, pending
+
+    def close(self) -> None:
+        self.table.close()
