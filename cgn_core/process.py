@@ -37,6 +37,22 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int:
     return int(proc.returncode)
 
 
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU
+    quota (a container limited to 2 CPUs on a 64-core node gets 2, rounded up)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here
+    return cores
+
+
 def raise_fd_limit(want: int = 65536) -> int:
     """Raise this process's open-file limit toward `want` (up to the hard limit); returns it.
 

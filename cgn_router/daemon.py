@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import ssl
 import time
@@ -29,7 +28,7 @@ from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.follow import list_and_watch
 from cgn_core.http import Runner, bearer_header
-from cgn_core.process import raise_fd_limit
+from cgn_core.process import raise_fd_limit, usable_cores
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
 from cgn_core.settings import ListenSettings
@@ -313,7 +312,7 @@ def run(
 ) -> None:
     """Serve: this process alone, or (settings.workers != 1, not a worker already) a
     supervisor of that many worker processes, each given `source` (config file, flags)."""
-    count = settings.workers or len(os.sched_getaffinity(0))
+    count = settings.workers or usable_cores()
     if worker is None and count > 1:
         config, flags = source
         try:

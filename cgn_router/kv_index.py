@@ -35,8 +35,8 @@ so each index has a byte budget (`routing.index_budget_mb`: three quarters for
 the engines' blocks, a quarter for the stores' tiers). Past it, the source
 holding the most loses its oldest-stored quarter: the router forgets blocks an
 engine may still hold (a worse pick, one prefill), never believes one it does
-not. The bytes per block are measured (tracemalloc, CPython 3.11: a distinct
-key ~72-90 B, each holder 8 B; a tier entry ~118 B); `test_kv_index` checks them.
+not. The bytes per block are measured (KEY_BYTES below); the flood test in
+tests/test_router_state.py and bench/router_index_budget.py check them.
 
 Node tiers (`TierIndex`): each node's cgn-kvcached streams what its RAM and
 SSD tiers hold (one snapshot per tier, then events carrying their tier), so
@@ -56,9 +56,14 @@ from dataclasses import dataclass, field
 from cgn_core.kv.blockhash import BlockHash
 from cgn_router.types import EndpointId
 
-KEY_BYTES = 100  # a distinct block: its dict entry, int key and holders (measured: 72-90)
-HOLDER_BYTES = 10  # each endpoint's 8-byte key in its list, with the list's spare room
-TIER_BYTES = 128  # a store's block: dict entry, 32-byte hash, tier bits (measured: ~118)
+# What a block costs in the process's RSS once the index has churned (dicts at their peak
+# size, freed ints kept in Python's pools): 1.4x what tracemalloc measures for one fill
+# (a distinct key 72-90 B, each holder 8 B, a store's block ~118 B), from
+# bench/router_index_budget.py, whose RSS at a budget of 256 and 512 MiB was 1.3x the
+# share the index had counted at 1.0x.
+KEY_BYTES = 140  # a distinct block: its dict entry, int key and holders
+HOLDER_BYTES = 14  # each endpoint's 8-byte key in its list, with the list's spare room
+TIER_BYTES = 180  # a store's block: dict entry, 32-byte hash, tier bits
 CHECK_EVERY = 4096  # stored keys between two looks at the budget
 HIGH, LOW = 0.9, 0.75  # past HIGH of the budget, the oldest are forgotten down to LOW
 UNLIMITED = 1 << 62

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -215,3 +216,15 @@ def test_a_reload_restarts_each_worker_and_fails_no_request(
         until("requests served by the new workers", lambda: load.codes[200] >= seen + 5,
               timeout_s=30)  # fmt: skip
     assert set(load.codes) == {200}, load.codes
+
+
+def test_one_worker_per_usable_core_within_a_cgroup_quota(tmp_path: Path) -> None:
+    from cgn_core.process import usable_cores
+
+    cores = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    for text, want in (("max 100000", cores), ("150000 100000", min(cores, 2)),
+                       ("50000 100000", 1), ("garbage", cores)):  # fmt: skip
+        quota.write_text(text + "\n")
+        assert usable_cores(quota) == want, text
+    assert usable_cores(tmp_path / "missing") == cores

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from cgn_agent.inventory.types import Cpu
+from cgn_core import process
 
 
 def parse_cpuinfo(text: str) -> str:
@@ -28,11 +27,7 @@ def parse_meminfo(text: str) -> int:
     raise ValueError("/proc/meminfo has no MemTotal line")
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+usable_cores = process.usable_cores  # affinity, capped by a cgroup CPU quota
 
 
 def linux_cpu(proc: str = "/proc") -> Cpu:
