@@ -1,6 +1,6 @@
 """Admission under load: does a batch job starve interactive traffic? One run, side by side.
 
-    .venv/bin/python -m bench.admission [--bronze 500] [--probes 20]
+    .venv/bin/python -m bench.admission [--bronze 500] [--probes 20] [--workers 1]
 
 A private etcd, two sim engines (max batch 16) registered as endpoints, and
 three routers on them: one with admission (the default bands), one with
@@ -28,7 +28,10 @@ bronze completions per second, and a fairness check: two bronze tenants, one
 sending 20× more requests at once, with the completion ranks of the small
 tenant's requests (alternation puts them early).
 
-Results: bench/results/admission.{json,md}.
+`--workers N` runs every router with N worker processes (each worker counts
+the others' requests on an engine as another router's, as in phase 5).
+
+Results: bench/results/admission.{json,md} (admission_workers<N> with --workers).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
 
 
 @contextmanager
-def fleet(tmp: Path, twin: bool = False, speed: float = SPEED) -> Iterator[Fleet]:
+def fleet(tmp: Path, twin: bool = False, speed: float = SPEED, workers: int = 1) -> Iterator[Fleet]:
     """etcd, two sim engines, two routers (admission on / off) and the keys; all stopped after."""
     with ExitStack() as stack:
         etcd = LocalEtcd(tmp / "etcd")
@@ -94,7 +97,8 @@ def fleet(tmp: Path, twin: bool = False, speed: float = SPEED) -> Iterator[Fleet
                      {"url": e.url, "engine": "cgn-infer", "node": f"n{i}"})  # fmt: skip
         base = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
                 "reconciler": {"enabled": False}, "scrape": {"interval_s": 0.25},
-                "log": {"level": "warning"}, "deadlines": {"first_token_s": 600.0}}  # fmt: skip
+                "log": {"level": "warning"}, "deadlines": {"first_token_s": 600.0},
+                "workers": workers}  # fmt: skip
         on = stack.enter_context(cgn_router(tmp, base))
         off = stack.enter_context(
             cgn_router(tmp, {**base, "admission": {"enabled": False, "engine_priority": False}})
@@ -216,23 +220,42 @@ async def under_load(url: str, keys: dict[str, str], n_bronze: int, n_probes: in
 
 
 async def fairness(
-    url: str, keys: dict[str, str], big: int = 200, small: int = 10
+    router: Router, keys: dict[str, str], big: int = 200, small: int = 10
 ) -> dict[str, Any]:
-    """Two bronze tenants submit at once, one 20× more: where do the small one's requests finish?"""
+    """One bronze tenant's burst of `big` requests is queued, then another's `small` arrive:
+    where do the small one's requests finish among what completes from then on? Alternation
+    puts them early; first come, first served would put them after the whole queue.
+
+    NOTE: the small tenant is sent once the queue holds half the burst, not in the same
+    instant: how many of the burst a router takes in before the small requests arrive
+    depends on its machine's speed against the sim engines' clock (on a slow CI machine
+    ~100 were admitted and served first), which is not what this measures."""
     order: list[str] = []
+    sent = -1  # completions before the small tenant's requests were sent
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
 
         async def one(who: str, i: int) -> None:
-            r = await completion(s, url, keys[f"bronze-{who}"], [100 + i, 200 + i, 300 + i] * 8, 16)
+            r = await completion(s, router.url, keys[f"bronze-{who}"],
+                                 [100 + i, 200 + i, 300 + i] * 8, 16)  # fmt: skip
             if r is not None:
                 order.append(who)
 
-        jobs = [one("big", i) for i in range(big)] + [one("small", i) for i in range(small)]
-        await asyncio.gather(*jobs)
-    ranks = [i for i, who in enumerate(order) if who == "small"]
-    return {"completed": len(order), "small_ranks": ranks,
+        burst = [asyncio.create_task(one("big", i)) for i in range(big)]
+        deadline = time.monotonic() + 60
+        while await asyncio.to_thread(queued, router) < big // 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the big tenant's burst never queued")
+            await asyncio.sleep(0.02)
+        sent = len(order)
+        await asyncio.gather(*burst, *(one("small", i) for i in range(small)))
+    ranks = [i - sent for i, who in enumerate(order) if who == "small"]
+    return {"completed": len(order) - sent, "before_small": sent, "small_ranks": ranks,
             "small_last_rank": max(ranks) if ranks else None}  # fmt: skip
+
+
+def queued(router: Router) -> float:
+    return metric(router.admin, "cgn_router_queue_depth", band="bronze")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -302,7 +325,7 @@ async def measure(f: Fleet, n_bronze: int, n_probes: int, settle_s: float = 4.0)
     # NOTE: the engines finish what the last phase left first: fairness is measured on an idle
     # fleet (a leftover queue on one engine had once held seven small requests behind it)
     await asyncio.to_thread(wait_idle, f.engines)
-    fair = await fairness(f.with_admission.url, f.keys)
+    fair = await fairness(f.with_admission, f.keys)
     base = pct(idle, 0.99)
     return {
         "idle": {"p50": pct(idle, 0.5), "p99": base, "n": len(idle)},
@@ -351,8 +374,9 @@ def table(r: dict[str, Any]) -> str:
     fair = r["fairness"]
     rows.append("")
     rows.append(f"{r['bronze_streams']} concurrent bronze streams. Fairness: two bronze tenants at once, "
-                f"200 vs 10 requests; the small tenant's completions ranked {fair['small_ranks']} "
-                f"of {fair['completed']}.")  # fmt: skip
+                f"200 vs 10 requests, the 10 sent once half the 200 are queued; the small "
+                f"tenant's completions ranked {fair['small_ranks']} of the {fair['completed']} "
+                f"that completed from then on.")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -365,6 +389,10 @@ def main() -> None:
         action="store_true",
         help="idle, one router, then two routers sharing the load (phases 1, 2, 5)",
     )
+    ap.add_argument(
+        "--workers", type=int, default=1,
+        help="each router's worker processes (results: admission_workers<N> past 1)",
+    )  # fmt: skip
     args = ap.parse_args()
     from bench.common import write_result
 
@@ -377,11 +405,14 @@ def main() -> None:
         write_result("admission_two_routers", cmd, result, table_two_routers(result))
         print(table_two_routers(result))
         return
-    with tempfile.TemporaryDirectory() as tmp, fleet(Path(tmp)) as f:
+    with tempfile.TemporaryDirectory() as tmp, fleet(Path(tmp), workers=args.workers) as f:
         result = asyncio.run(measure(f, args.bronze, args.probes))
 
     cmd = f"python -m bench.admission --bronze {args.bronze} --probes {args.probes}"
-    write_result("admission", cmd, result, table(result))
+    name = "admission"
+    if args.workers > 1:
+        cmd, name = f"{cmd} --workers {args.workers}", f"admission_workers{args.workers}"
+    write_result(name, cmd, result, table(result))
     print(table(result))
     print(json.dumps({k: result[k] for k in ("ratio_on", "ratio_off", "ratio_priority_only")}))
 
