@@ -5,9 +5,11 @@ serves, a reload (SIGHUP) that fails no request, one /metrics that adds the work
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -105,12 +107,14 @@ def test_a_keys_limits_are_counted_once_across_workers(router: tuple[LocalEtcd, 
           timeout_s=30)  # fmt: skip
     assert all(health(r)[1]["workers"][i]["running"] for i in (0, 1))
     before = per_worker(r)
+    start = time.monotonic()
     codes = Counter(call(r, limited) for _ in range(12))
+    refilled = 2 * (time.monotonic() - start)  # tokens the bucket regained meanwhile
     after = per_worker(r)
     assert set(codes) <= {200, 429}, codes
-    # a bucket of 2 that refills 2 a second: 12 quick requests get 2 (3 if one refill
-    # landed); counted per worker, they would have had 4
-    assert 2 <= codes[200] <= 3 and codes[429] == 12 - codes[200], codes
+    # a bucket of 2 that refills 2 a second: the burst gets 2 and what refilled meanwhile;
+    # counted per worker it would have had 4, and twice the refill
+    assert 2 <= codes[200] <= 2 + math.ceil(refilled), (codes, refilled)
     assert after[0] > before[0] and after[1] > before[1], (before, after)  # both workers served
 
 
@@ -183,12 +187,18 @@ class Load:
         self._thread.join(60)
 
 
+def known_key(etcd: LocalEtcd, r: Router) -> str:
+    """A key without limits that both workers have read."""
+    secret = key(etcd)
+    until("the key known", lambda: all(call(r, secret) == 200 for _ in range(6)), timeout_s=30)
+    return secret
+
+
 def test_a_killed_worker_is_restarted_while_the_other_serves(
     router: tuple[LocalEtcd, Router],
 ) -> None:
     etcd, r = router
-    secret = key(etcd)
-    until("the key known", lambda: all(call(r, secret) == 200 for _ in range(6)), timeout_s=30)
+    secret = known_key(etcd, r)
     victim = health(r)[1]["workers"][1]
     os.kill(victim["pid"], signal.SIGKILL)
     _, doc = until("/healthz to say a worker is down", lambda: (
@@ -204,8 +214,7 @@ def test_a_reload_restarts_each_worker_and_fails_no_request(
     router: tuple[LocalEtcd, Router],
 ) -> None:
     etcd, r = router
-    secret = key(etcd)
-    until("the key known", lambda: all(call(r, secret) == 200 for _ in range(6)), timeout_s=30)
+    secret = known_key(etcd, r)
     old = {w["pid"] for w in health(r)[1]["workers"]}
     with Load(r, secret) as load:
         until("a few requests", lambda: load.codes[200] >= 5, timeout_s=30)
