@@ -325,8 +325,19 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 def _hold(host: str, port: int) -> socket.socket:
     """`port` held for the workers: bound with SO_REUSEPORT, never listening (port 0: a
-    free one, the same for every worker and every restart)."""
+    free one, the same for every worker and every restart). A port someone listens on is
+    refused first: with SO_REUSEPORT alone, a second router started by mistake on the same
+    port would silently share its connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                ) from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -237,3 +238,27 @@ def test_one_worker_per_usable_core_within_a_cgroup_quota(tmp_path: Path) -> Non
         quota.write_text(text + "\n")
         assert usable_cores(quota) == want, text
     assert usable_cores(tmp_path / "missing") == cores
+
+
+def test_a_port_in_use_is_refused_not_shared(
+    router: tuple[LocalEtcd, Router], tmp_path: Path
+) -> None:
+    """A second router started on the first one's port (SO_REUSEPORT would let it join
+    silently) and a port another program listens on: one line, exit 2."""
+    import subprocess
+    import sys
+
+    _, r = router
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("discovery: static\nauth: {enabled: false}\n"
+                   "endpoints: {e: {url: 'http://127.0.0.1:9', model: m}}\n")  # fmt: skip
+    exe = str(Path(sys.executable).parent / "cgn-router")
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        for port in (r.url.rsplit(":", 1)[1], str(other.getsockname()[1])):
+            res = subprocess.run([exe, "serve", "-c", str(cfg), "--workers", "2", "--port", port,
+                                  "--admin-port", "0"], capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert res.returncode == 2, res.stderr
+            assert (
+                res.stderr.strip()
+                == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+            )
