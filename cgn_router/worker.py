@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -23,6 +25,7 @@ def worker_main() -> None:
     """A worker's process: the settings the supervisor was given, read again (a reload sees
     a changed config file), on the held ports."""
     role = WorkerRole.from_env()
+    stop_with_parent(role.supervisor)
     flags = json.loads(os.environ[FLAGS_ENV])
     config = flags.pop("config") or None
     flags.update({"http.port": str(role.http_port), "workers": "1"})
@@ -34,6 +37,21 @@ def worker_main() -> None:
     settings = load_service_settings(RouterSettings, "router", path, flags)
     setup_logging("router", settings.log)
     run(settings, role.ready_file(), worker=role)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent(supervisor: int) -> None:
+    """SIGTERM this worker when its supervisor dies, even by SIGKILL (Linux), so no worker
+    is left serving the port alone; elsewhere the supervisor's own shutdown stops them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

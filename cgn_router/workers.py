@@ -71,6 +71,7 @@ class WorkerRole:
     admin_port: int
     usage_fd: int  # shared.USAGE
     load_fd: int  # shared.LOAD
+    supervisor: int  # its pid
 
     @property
     def primary(self) -> bool:
@@ -160,6 +161,7 @@ class Supervisor:
                 run_dir=str(self.run_dir),
                 usage_fd=fds[0],
                 load_fd=fds[1],
+                supervisor=os.getpid(),
                 http_port=ports["http"],
                 admin_port=ports["admin"],
             )

@@ -25,7 +25,7 @@ from cgn_core.apikeys import Limits, create
 from cgn_core.etcd.local import LocalEtcd
 from cgn_router.metrics_merge import merge_pages
 from harness.poll import until
-from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put, runs
 
 pytestmark = pytest.mark.etcd
 SIM = ("--backend", "sim", "--speed", "50", "--model-name", "sim")
@@ -262,3 +262,14 @@ def test_a_port_in_use_is_refused_not_shared(
                 res.stderr.strip()
                 == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
             )
+
+
+def test_workers_stop_when_their_supervisor_is_killed(router: tuple[LocalEtcd, Router]) -> None:
+    """kill -9 of the supervisor (last in this module: it ends the router) leaves no worker
+    serving the port on its own."""
+    _, r = router
+    pids = [w["pid"] for w in health(r)[1]["workers"]]
+    r.proc.kill()
+    r.proc.wait(10)
+    until("the workers gone", lambda: not any(runs(p, "cgn_router.worker") for p in pids),
+          timeout_s=30)  # fmt: skip
