@@ -87,10 +87,14 @@ class WorkerRole:
 
 
 def sibling_admin_urls(role: WorkerRole) -> list[str]:
-    """The loopback admin listeners of the other workers serving now (a rolling reload
-    may briefly show an old and a new one of an index)."""
+    """The loopback admin listeners of the secondary workers serving now (a rolling reload
+    may briefly show an old and a new one of an index). Never a primary's: that is the
+    public admin port, whose /metrics is this sum (during a reload the old primary's file
+    is still there, and reading it could land on this very handler)."""
     urls = []
     for path in sorted(role.run_dir.glob("worker-*.json")):
+        if path.name.startswith("worker-0-"):
+            continue
         try:
             doc = json.loads(path.read_text())
             pid, port = int(doc["pid"]), int(doc["ports"]["admin"])
