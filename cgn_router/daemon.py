@@ -199,7 +199,9 @@ async def serve(
                 await stop.wait()
                 log.info("shutting down: draining requests in flight")
                 announce_stopping()
-                for runner in runners:
+                # NOTE: the OpenAI listener closes and drains first, the admin one last (it
+                # was bound first): /metrics and /healthz answer through the drain
+                for runner in reversed(runners):
                     await runner.cleanup()
                 raise _Stop
         except* _Stop:

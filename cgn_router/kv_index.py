@@ -36,7 +36,7 @@ the engines' blocks, a quarter for the stores' tiers). Past it, the source
 holding the most loses its oldest-stored quarter: the router forgets blocks an
 engine may still hold (a worse pick, one prefill), never believes one it does
 not. The bytes per block are measured (KEY_BYTES below); the flood test in
-tests/test_router_state.py and bench/router_index_budget.py check them.
+tests/test_kv_index.py and bench/router_index_budget.py check them.
 
 Node tiers (`TierIndex`): each node's cgn-kvcached streams what its RAM and
 SSD tiers hold (one snapshot per tier, then events carrying their tier), so

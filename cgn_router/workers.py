@@ -136,6 +136,7 @@ class _Worker:
     failures: int = 0  # deaths in a row, each within STEADY_S of its start
     due: float | None = None  # dead: restart at this time
     last_exit: int | None = None
+    metrics: tuple[int, str] = (0, "")  # (pid, URL) of its own /metrics, once known
 
 
 @dataclass
@@ -226,15 +227,17 @@ class Supervisor:
         return self._ready_path(proc, index).exists()
 
     def _metrics_url(self, w: _Worker) -> str | None:
-        """A secondary worker's own page (its loopback listener); the primary's /metrics is
-        the sum of all."""
+        """A secondary worker's own page (its loopback listener; read from its ready file
+        once per process, not on every tick); the primary's /metrics is the sum of all."""
         if w.index == 0 or w.due is not None:
             return None
-        try:
-            port = json.loads(self._ready_path(w.proc, w.index).read_text())["ports"]["admin"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return f"http://127.0.0.1:{port}/metrics"
+        if w.metrics[0] != w.proc.pid:
+            try:
+                doc = json.loads(self._ready_path(w.proc, w.index).read_text())
+                w.metrics = (w.proc.pid, f"http://127.0.0.1:{doc['ports']['admin']}/metrics")
+            except (OSError, ValueError, KeyError, TypeError):
+                return None  # not serving yet
+        return w.metrics[1]
 
     def _until_ready(self) -> int | None:
         deadline = time.monotonic() + START_TIMEOUT_S
