@@ -16,7 +16,9 @@ mean over rounds.
 * c=1: sequential requests on one keep-alive connection, alternating direct
   (the engine itself), cgn and smg request by request; added = gateway - direct.
 * c=64: `wrk -t1 -c64 --latency` for `--seconds` per gateway per round:
-  requests/s and p99.
+  requests/s and p99, and the CPU time the gateway's processes (all of a
+  router's workers and its supervisor) spent per request: what the gateway
+  costs, whichever process got the cores this round.
 * stream: sequential 64-token streams, time to the last byte, p50.
 * workers: cgn-router is measured once per `--workers` count (default 1 and one
   per core), each a router of its own on the same engines and etcd.
@@ -102,7 +104,9 @@ def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
         port = free_port()
         smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
-        stack.enter_context(http_process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log"))
+        smg_proc = stack.enter_context(
+            http_process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log")
+        )
         smg_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while _status(smg_url, key) != 200:  # workers are activated after its health is up
@@ -113,6 +117,7 @@ def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
             **{name: cgn.url for name, cgn in cgns.items()},
             "smg": smg_url,
             "key": key,
+            "pids": {**{n: c.proc.pid for n, c in cgns.items()}, "smg": smg_proc.pid},
             "cgn_pid": cgns[f"cgn{workers[0]}"].proc.pid,
             "cgn_url": cgns[f"cgn{workers[0]}"].url,
         }
@@ -182,6 +187,34 @@ def wrk(
     return {"req_s": float(rps.group(1)), "p99_ms": float(p99.group(1)) * scale}
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and every process under it, from /proc."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(entry)] = int(stat[1])
+        times[int(entry)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        grew, tree = bool(more), tree | more
+    return sum(times.get(p, 0.0) for p in tree)
+
+
+def measured_wrk(pid: int, url: str, key: str, seconds: int, tmp: Path) -> dict[str, float]:
+    """`wrk` on `url`, with the CPU µs the gateway under `pid` spent per request."""
+    before = cpu_s(pid)
+    out = wrk(url, key, seconds, tmp)
+    out["cpu_us_per_req"] = (cpu_s(pid) - before) / (out["req_s"] * seconds) * 1e6
+    return out
+
+
 def profile(pid: int, seconds: int, url: str, key: str, tmp: Path) -> list[dict[str, Any]] | str:
     """cgn-router's hottest functions during a c=64 run, from py-spy's raw stacks."""
     spy = shutil.which("py-spy") or str(BIN / "py-spy")
@@ -236,10 +269,12 @@ def main() -> None:
                 c1 = sequential(targets, g["key"], args.requests)
                 st = sequential(targets, g["key"], args.requests // 2, max_tokens=64, stream=True)
                 order = [*cgns, "smg"] if r % 2 == 0 else ["smg", *reversed(cgns)]
-                c64 = {k: wrk(g[k], g["key"], args.seconds, tmp) for k in order}
+                c64 = {k: measured_wrk(g["pids"][k], g[k], g["key"], args.seconds, tmp)
+                       for k in order}  # fmt: skip
                 one = {k: {"c1_p50_ms": pct(c1[k], 0.5), "c1_p99_ms": pct(c1[k], 0.99),
                            "stream64_p50_ms": pct(st[k], 0.5), **({} if k == "direct" else {
-                               "c64_req_s": c64[k]["req_s"], "c64_p99_ms": c64[k]["p99_ms"]})}
+                               "c64_req_s": c64[k]["req_s"], "c64_p99_ms": c64[k]["p99_ms"],
+                               "c64_cpu_us_per_req": c64[k]["cpu_us_per_req"]})}
                        for k in targets}  # fmt: skip
                 print(f"round {r + 1}: {json.dumps(one)}", file=sys.stderr, flush=True)
                 rounds.append(one)
@@ -265,6 +300,9 @@ def mean(rounds: list[dict[str, Any]], cgns: list[str]) -> dict[str, Any]:
         out[f"per_round_{name}_over_smg_req_s"] = [
             round(r[name]["c64_req_s"] / r["smg"]["c64_req_s"], 2) for r in rounds
         ]
+        out[f"{name}_cpu_over_smg"] = round(
+            out[name]["c64_cpu_us_per_req"] / smg["c64_cpu_us_per_req"], 2
+        )
     return out
 
 
@@ -274,8 +312,9 @@ def render(r: dict[str, Any]) -> str:
         f"Mean of {len(r['rounds'])} alternating rounds; nothing pinned (2 cores shared by "
         "engine, gateways and wrk).",
         "",
-        "| gateway | added c=1 p50 / p99 ms | c=64 req/s | c=64 p99 ms | 64-token stream p50 ms |",
-        "|---|---|---:|---:|---:|",
+        "| gateway | added c=1 p50 / p99 ms | c=64 req/s | c=64 p99 ms | c=64 CPU µs/req "
+        "| 64-token stream p50 ms |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     cgns = [f"cgn{n}" for n in r["workers"]]
     labels = [(f"cgn{n}", f"cgn-router --workers {n} (auth, admission, tokenize, hash, score)")
@@ -283,17 +322,19 @@ def render(r: dict[str, Any]) -> str:
     for name, label in (*labels, ("smg", "smg --policy cache_aware")):
         g = m[name]
         lines.append(f"| {label} | {g['added_c1_p50_ms']} / {g['added_c1_p99_ms']} | "
-                     f"{g['c64_req_s']:.0f} | {g['c64_p99_ms']} | {g['stream64_p50_ms']} |")  # fmt: skip
+                     f"{g['c64_req_s']:.0f} | {g['c64_p99_ms']} | "
+                     f"{g['c64_cpu_us_per_req']:.0f} | {g['stream64_p50_ms']} |")  # fmt: skip
     d = m["direct"]
     lines += [
-        f"| (the engine itself) | c=1 p50 {d['c1_p50_ms']} ms | | | {d['stream64_p50_ms']} |",
+        f"| (the engine itself) | c=1 p50 {d['c1_p50_ms']} ms | | | | {d['stream64_p50_ms']} |",
         "",
     ]
     for name in cgns:
         lines.append(
             f"cgn-router --workers {name[3:]} / smg requests/s at c=64: "
             f"**{m[f'{name}_over_smg_req_s']}x** (per round: "
-            f"{', '.join(map(str, m[f'per_round_{name}_over_smg_req_s']))})."
+            f"{', '.join(map(str, m[f'per_round_{name}_over_smg_req_s']))}); CPU per "
+            f"request {m[f'{name}_cpu_over_smg']}x smg's."
         )
     prof = r["profile_cgn_c64"]
     if isinstance(prof, list):

@@ -12,7 +12,10 @@ gRPC servicer) turn them into a status code, a JSON body or an exit code.
     │   ├── Unauthorized          401   authentication_error
     │   ├── Forbidden             403   permission_error
     │   ├── NotFound              404   not_found_error
+    │   ├── MethodNotAllowed      405   invalid_request_error
+    │   ├── RequestTimeout        408   invalid_request_error
     │   ├── PayloadTooLarge       413   invalid_request_error
+    │   ├── HeadTooLarge          431   invalid_request_error
     │   ├── ConfigError           500   server_error (a daemon's own config)
     │   └── InternalError         500   server_error
     └── RetryableError                  retryable = True
@@ -72,8 +75,20 @@ class NotFound(PermanentError):
     openai_type = "not_found_error"
 
 
+class MethodNotAllowed(PermanentError):
+    http_status = 405
+    openai_type = "invalid_request_error"
+
+
 class PayloadTooLarge(PermanentError):
     http_status = 413
+    openai_type = "invalid_request_error"
+
+
+class HeadTooLarge(PermanentError):
+    """The request line and headers are over the listener's bound."""
+
+    http_status = 431
     openai_type = "invalid_request_error"
 
 

@@ -53,7 +53,9 @@ def _admin_key_middleware(svc: RouterService) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_ADMIN_PATHS:
-            authorize_admin(svc.principal(request))  # 401 without a key, 403 without the scope
+            authorize_admin(
+                svc.principal(request.headers.get("Authorization"))
+            )  # 401 without a key, 403 without the scope
         return await handler(request)
 
     return check

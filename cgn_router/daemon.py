@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import ssl
 import time
 from dataclasses import replace
@@ -49,7 +50,7 @@ from cgn_router.registry import (
     endpoint_from_static,
 )
 from cgn_router.scrape import engine_load, name_map
-from cgn_router.server import build_app
+from cgn_router.server import build_front
 from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings, ScrapeSettings
 from cgn_router.shared import SharedLoad, SharedUsage
@@ -137,29 +138,37 @@ async def serve(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
         )
         await svc.catalog.wait_loaded()  # hash exactly from the first request on
-        runners: list[Runner] = []
+        front = build_front(svc)
+        drain_s = min(DRAIN_CAP_S, settings.deadlines.total_s)
         ports: dict[str, int] = {}
 
-        async def listen(name: str, where: ListenSettings, app: web.Application) -> None:
+        def bind(name: str, where: ListenSettings) -> socket.socket:
             sock = bind_tcp(where.host, where.port, reuse_port=worker is not None)
+            ports[name] = sock.getsockname()[1]
+            return sock
+
+        async def listen_admin() -> Runner:
+            sock = bind("admin", settings.admin)
             runner = Runner(
-                app,
-                idle_timeout_s=where.idle_timeout_s,
+                build_admin_app(svc, worker),
+                idle_timeout_s=settings.admin.idle_timeout_s,
                 handler_cancellation=True,
                 access_log=None,
-                shutdown_timeout=min(DRAIN_CAP_S, settings.deadlines.total_s),
+                shutdown_timeout=drain_s,
             )
             await runner.setup()
             # NOTE: a secondary worker's admin listener is loopback, for the primary's /metrics
-            private = worker is not None and not worker.primary and name == "admin"
-            ssl_ctx = None if private else _listener_ssl(name, settings)
+            private = worker is not None and not worker.primary
+            ssl_ctx = None if private else _listener_ssl("admin", settings)
             await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
-            runners.append(runner)
-            ports[name] = sock.getsockname()[1]
+            return runner
 
-        await listen("admin", settings.admin, build_admin_app(svc, worker))
+        async def listen_openai() -> None:
+            await front.start(bind("http", settings.http), _listener_ssl("http", settings))
+
+        admin = await listen_admin()
         if worker is None:
-            await listen("http", settings.http, build_app(svc))
+            await listen_openai()
         log.info(
             "OpenAI API on %s:%d, admin on %s:%d",
             settings.http.host,
@@ -194,15 +203,15 @@ async def serve(
                     # NOTE: a worker joins the shared port once it knows the keys and the
                     # fleet: before, the kernel would hand it connections it must refuse
                     await svc.in_sync.wait()
-                    await listen("http", settings.http, build_app(svc))
+                    await listen_openai()
                 announce_ready(ready_file, f"serving on port {ports['http']}", ports=ports)
                 await stop.wait()
                 log.info("shutting down: draining requests in flight")
                 announce_stopping()
-                # NOTE: the OpenAI listener closes and drains first, the admin one last (it
-                # was bound first): /metrics and /healthz answer through the drain
-                for runner in reversed(runners):
-                    await runner.cleanup()
+                # NOTE: the OpenAI listener closes and drains first, the admin one last:
+                # /metrics and /healthz answer through the drain
+                await front.shutdown(drain_s)
+                await admin.cleanup()
                 raise _Stop
         except* _Stop:
             pass

@@ -43,9 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import aiohttp
-from aiohttp import web
-
+from cgn_core.h1 import Reply, Request, StreamReply
 from cgn_core.http import PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
@@ -101,7 +99,7 @@ class Progress:
     went out. NOTE: ids and chunk are kept as bytes and parsed only for a continuation: a
     stream that never breaks (nearly all) pays a slice per event, not a parse."""
 
-    out: web.StreamResponse
+    out: StreamReply
     ids: list[bytes] = field(default_factory=list)  # "791,13,2" per ids line
     first: bytes = b""  # the first data event
     finished: bool = False
@@ -128,7 +126,7 @@ Ending = Literal["ok", "client_error", "client_disconnected", "upstream_error"]
 class Relayed:
     """An attempt that answered the client: how it ended and what the engine reported."""
 
-    response: web.StreamResponse
+    response: Reply | StreamReply
     ending: Ending
     usage: Usage | None = None
     cause: str = ""  # why the stream broke after the first byte (ending upstream_error)
@@ -162,7 +160,7 @@ class Proxy:
             ep.url, call.path, call.payload, headers, self.deadlines.connect_s
         )
 
-    async def run(self, request: web.Request, call: Call, lease: FirstByte) -> Relayed:
+    async def run(self, request: Request, call: Call, lease: FirstByte) -> Relayed:
         """Send `call` upstream and relay the answer to `request`'s client."""
         d = self.deadlines
         now = asyncio.get_running_loop().time()
@@ -223,19 +221,19 @@ class Proxy:
         if resp.status >= 500 or resp.status < 400:
             raise AttemptFailed(f"status_{resp.status}", f"{eid}: engine answered {resp.status}")
         headers = _headers(call, resp.content_type)
-        return Relayed(web.Response(body=body, status=resp.status, headers=headers), "client_error")
+        return Relayed(Reply(resp.status, headers, body), "client_error")
 
     def _relay_body(self, body: bytes, content_type: str, call: Call) -> Relayed:
         usage = None
         if b'"usage"' in body:
             with contextlib.suppress(ValueError):
                 usage = _usage(json.loads(body))
-        response = web.Response(body=body, status=200, headers=_headers(call, content_type))
+        response = Reply(200, _headers(call, content_type), body)
         return Relayed(response, "ok", usage)
 
     async def _relay_stream(
         self,
-        request: web.Request,
+        request: Request,
         resp: Response,
         call: Call,
         first_at: float,
@@ -252,8 +250,7 @@ class Proxy:
         if progress is not None:  # a continuation: the client's stream is already open
             out = progress.out
         else:
-            out = web.StreamResponse(status=200, headers=_headers(call, None, sse=True))
-            await out.prepare(request)
+            out = request.stream(200, _headers(call, None, sse=True))
             progress = Progress(out) if call.track else None
         lease.first_byte(time.monotonic())
         idle, usage = self.deadlines.idle_s, None
@@ -293,7 +290,7 @@ class Proxy:
 
     async def _broken(
         self,
-        out: web.StreamResponse,
+        out: StreamReply,
         progress: Progress | None,
         usage: Usage | None,
         cause: str,
@@ -303,7 +300,7 @@ class Proxy:
         caller (`Relayed.broken`), one that had sent its finish chunk is whole, and any
         other ends with an error event."""
         if progress is not None and progress.finished:  # only [DONE] (and usage) were left
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            with contextlib.suppress(ConnectionError):
                 await out.write(b"data: [DONE]\n\n")
                 await out.write_eof()
             return Relayed(out, "ok", usage)
@@ -318,6 +315,7 @@ class Proxy:
         would have ended."""
         assert relayed.broken is not None
         message = f"{relayed.broken.why} (not continued: {why})"
+        assert isinstance(relayed.response, StreamReply)  # only a stream breaks mid-answer
         await _break(relayed.response, relayed.cause, message)
         return dataclasses.replace(relayed, broken=None)
 
@@ -359,10 +357,10 @@ def _usage_chunk(event: bytes) -> Usage | None:
     return _usage(chunk)
 
 
-async def _break(out: web.StreamResponse, cause: str, message: str) -> None:
+async def _break(out: StreamReply, cause: str, message: str) -> None:
     """End a stream that already answered 200 with one SSE error event (and no [DONE])."""
     body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": cause}}
-    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+    with contextlib.suppress(ConnectionError):
         await out.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         await out.write_eof()
 

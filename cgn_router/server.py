@@ -27,18 +27,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from aiohttp import web
-
 from cgn_core.errors import (
     BadGateway,
     CognitoraError,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     RateLimited,
     Unavailable,
     UpstreamTimeout,
 )
-from cgn_core.http import error_middleware, parse_json, read_body
+from cgn_core.h1 import Handler, Reply, Request, Server, StreamReply
+from cgn_core.http import parse_json
 from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
@@ -67,24 +67,38 @@ OFF_LOOP_BYTES = 64 << 10
 PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
 
 
-def build_app(svc: RouterService) -> web.Application:
-    errors = error_middleware(svc.settings.max_body_bytes)
-    app = web.Application(client_max_size=svc.settings.max_body_bytes, middlewares=[errors])
-    for kind, path in PATHS.items():
-        app.router.add_post(path, functools.partial(_handle, svc, kind=kind))
-    app.router.add_get("/v1/models", lambda r: _models(svc, r))
-    return app
+def build_front(svc: RouterService) -> Server:
+    """The OpenAI surface as an HTTP/1.1 server (cgn_core/h1.py): not yet listening."""
+    routes: dict[tuple[str, str], Handler] = {
+        ("POST", path): functools.partial(_handle, svc, kind=kind) for kind, path in PATHS.items()
+    }
+    routes["GET", "/v1/models"] = functools.partial(_models, svc)
+    paths = {path for _, path in routes}
+
+    async def dispatch(request: Request) -> Reply | StreamReply:
+        handler = routes.get((request.method, request.path))
+        if handler is not None:
+            return await handler(request)
+        if request.path in paths:
+            raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+        raise NotFound(f"no such path: {request.path}")
+
+    return Server(
+        dispatch,
+        max_body_bytes=svc.settings.max_body_bytes,
+        idle_timeout_s=svc.settings.http.idle_timeout_s,
+    )
 
 
-async def _handle(svc: RouterService, request: web.Request, *, kind: str) -> web.StreamResponse:
+async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply | StreamReply:
     """Authenticate, validate, rate-limit, tokenize, admit, then route and proxy.
 
     NOTE: the order bounds what a request costs before it is refused: the key is checked
     before the body is read, and the rate limiter charges an estimate of the prompt (its
     bytes / 4) before anything is tokenized; the exact count corrects it afterwards."""
     started = time.monotonic()
-    who = svc.principal(request)  # 401 before anything else is read
-    raw = await read_body(request, svc.settings.http.body_timeout_s)
+    who = svc.principal(request.headers.get("Authorization"))  # 401 before anything else is read
+    raw = await request.read(svc.settings.http.body_timeout_s)
     body, model, stream = _parse(svc, kind, raw, who)
     authorize(who, model)
     estimate = len(raw) // CHARS_PER_TOKEN
@@ -145,7 +159,7 @@ def _parse(
 
 def _context(
     svc: RouterService,
-    request: web.Request,
+    request: Request,
     kind: str,
     body: dict[str, Any],
     raw: bytes,
@@ -179,7 +193,7 @@ def _context(
     )
 
 
-async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) -> Relayed:
+async def _serve(svc: RouterService, request: Request, ctx: RequestContext) -> Relayed:
     """Try the request's models in order, each on up to `attempts` endpoints."""
     await _cold_start(svc, ctx)
     last: AttemptFailed | None = None
@@ -219,7 +233,7 @@ async def _serve(svc: RouterService, request: web.Request, ctx: RequestContext) 
 
 async def _migrate(
     svc: RouterService,
-    request: web.Request,
+    request: Request,
     ctx: RequestContext,
     req: RequestInfo,
     relayed: Relayed,
@@ -284,7 +298,7 @@ def _no_migration(
 
 async def _attempt(
     svc: RouterService,
-    request: web.Request,
+    request: Request,
     ctx: RequestContext,
     req: RequestInfo,
     view: EndpointView,
@@ -454,8 +468,10 @@ def _hash(svc: RouterService, kind: str, model: str, body: Mapping[str, Any]) ->
     return hashed
 
 
-async def _models(svc: RouterService, request: web.Request) -> web.Response:
-    who = svc.principal(request)  # listing models needs a key too, as on OpenAI's API
+async def _models(svc: RouterService, request: Request) -> Reply:
+    who = svc.principal(
+        request.headers.get("Authorization")
+    )  # listing models needs a key too, as on OpenAI's API
     data = [
         {
             "id": name,
@@ -466,4 +482,4 @@ async def _models(svc: RouterService, request: web.Request) -> web.Response:
         }
         for name, model in sorted(visible(who, svc.known_models()).items())
     ]
-    return web.json_response({"object": "list", "data": data})
+    return Reply.json({"object": "list", "data": data})

@@ -7,8 +7,6 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
 from cgn_control.loop import ControlState
 from cgn_core.errors import Unauthorized
 from cgn_core.revocation import RevocationList
@@ -56,13 +54,14 @@ class RouterService:
     def __post_init__(self) -> None:
         self.load = LoadSignals(self.registry)
 
-    def principal(self, request: web.Request) -> Principal:
-        """Who is asking: the API key's principal, or the anonymous one while auth is off."""
+    def principal(self, authorization: str | None) -> Principal:
+        """Who is asking (from the request's Authorization header): the API key's principal,
+        or the anonymous one while auth is off."""
         auth = self.settings.auth
         if not auth.enabled:
             return Principal("", auth.anonymous_tenant, auth.anonymous_band)
         try:
-            return self.keys.authenticate(request.headers.get("Authorization"))
+            return self.keys.authenticate(authorization)
         except Unauthorized:
             self.metrics.admission_rejections.labels("-", "unauthorized").inc()
             raise

@@ -1,0 +1,291 @@
+"""cgn_core/h1.py, the router's HTTP/1.1 server, against raw sockets on loopback.
+
+Each test starts a server in-process with a handler that says what it saw,
+talks to it with exact bytes (asyncio streams), and reads the exact answer:
+framing, keep-alive and pipelining, the errors a hostile client gets (400,
+408, 413, 431, all JSON), a client leaving mid-handler, streams, and shutdown.
+The router's end-to-end tests (tests/test_router.py, tests/test_edge_fuzz.py)
+run every OpenAI request through the same server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from cgn_core.errors import NotFound
+from cgn_core.h1 import LINGER_S, Reply, Request, Server, StreamReply
+
+LIMIT = 1000  # max_body_bytes
+
+
+class App:
+    """A handler: /echo answers the body; /stream streams 3 chunks; /slow waits for a release;
+    /boom raises; /missing raises NotFound; /auth answers 401 without reading the body."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.arrived = asyncio.Event()  # a request reached the handler
+
+    async def __call__(self, req: Request) -> Reply | StreamReply:
+        self.seen.append((req.method, req.path, dict(req.headers)))
+        self.arrived.set()
+        if req.path == "/echo":
+            body = await req.read(timeout_s=0.5)
+            return Reply(200, {"Content-Type": "text/plain", "X-Seen": req.path}, body)
+        if req.path == "/stream":
+            out = req.stream(200, {"Content-Type": "text/event-stream"})
+            for i in range(3):
+                await out.write(b"data: %d\n\n" % i)
+            await out.write_eof()
+            return out
+        if req.path == "/slow":
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return Reply(200, {}, b"done")
+        if req.path == "/boom":
+            raise RuntimeError("a bug")
+        if req.path == "/auth":
+            return Reply.json({"error": "no key"}, 401)
+        raise NotFound(f"no such path: {req.path}")
+
+
+@asynccontextmanager
+async def running(
+    idle_timeout_s: float = 5.0, max_head_bytes: int = 4096
+) -> AsyncIterator[tuple[App, Server, int]]:
+    app = App()
+    server = Server(
+        app, max_body_bytes=LIMIT, idle_timeout_s=idle_timeout_s, max_head_bytes=max_head_bytes
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await server.start(sock)
+    try:
+        yield app, server, sock.getsockname()[1]
+    finally:
+        app.release.set()
+        await server.shutdown(1.0)
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One answer: status, headers (lower-cased), body (Content-Length or chunked, decoded)."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+    lines = head.split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v for k, _, v in (ln.partition(": ") for ln in lines[1:] if ln)}
+    if "content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers["content-length"]))
+    body = b""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        chunk = await reader.readexactly(size + 2)
+        if size == 0:
+            return status, headers, body
+        body += chunk[:-2]
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def post(path: str, body: bytes, *extra: str, length: int | None = None) -> bytes:
+    """A POST of `body`, saying it is `length` bytes (its own length by default)."""
+    size = len(body) if length is None else length
+    head = [f"POST {path} HTTP/1.1", "Host: x", f"Content-Length: {size}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def closed(reader: asyncio.StreamReader, within_s: float = 5.0) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), within_s) == b""
+    except ConnectionError:
+        return True
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
+    async with running() as (app, _, port):
+        reader, writer = await connect(port)
+        writer.write(post("/echo", b"one") + post("/echo?q=1", b"two") + post("/echo", b"3"))
+        answers = [await read_answer(reader) for _ in range(3)]
+        assert [a[2] for a in answers] == [b"one", b"two", b"3"]
+        assert all(a[0] == 200 and "connection" not in a[1] for a in answers)
+        assert [p for _, p, _ in app.seen] == ["/echo"] * 3  # the query is not the path
+        assert app.seen[0][2]["content-length"] == "3"  # headers under lower-cased names
+        writer.close()
+
+
+async def test_a_chunked_body_and_expect_continue() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        )
+        assert (await read_answer(reader))[2] == b"abcde"
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"ok")
+        assert (await read_answer(reader))[2] == b"ok"
+        writer.close()
+
+
+async def test_http_1_0_and_connection_close_end_the_connection() -> None:
+    async with running() as (_, _, port):
+        for extra in (b"GET /missing HTTP/1.0\r\n\r\n", post("/echo", b"x", "Connection: close")):
+            reader, writer = await connect(port)
+            writer.write(extra)
+            _, headers, _ = await read_answer(reader)
+            assert headers["connection"] == "close" and await closed(reader)
+            writer.close()
+
+
+async def test_a_streamed_answer_is_chunked_and_the_connection_is_reused() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(post("/stream", b""))
+        status, headers, body = await read_answer(reader)
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        writer.write(post("/echo", b"after"))
+        assert (await read_answer(reader))[2] == b"after"
+        writer.close()
+
+
+async def test_handler_errors_are_json_and_the_connection_lives_on() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(post("/missing", b"") + post("/boom", b""))
+        status, _, body = await read_answer(reader)
+        assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+        status, _, body = await read_answer(reader)
+        assert status == 500 and "a bug" not in body.decode()  # the traceback stays in the log
+        assert json.loads(body)["error"]["type"] == "server_error"
+        writer.write(post("/echo", b"still"))
+        assert (await read_answer(reader))[2] == b"still"
+        writer.close()
+
+
+async def hostile(port: int, data: bytes) -> tuple[int, dict[str, Any], bool]:
+    """Send `data`; (status, JSON body, closed after)."""
+    reader, writer = await connect(port)
+    writer.write(data)
+    status, _, body = await read_answer(reader)
+    gone = await closed(reader, LINGER_S + 3)
+    writer.close()
+    return status, json.loads(body), gone
+
+
+async def test_hostile_heads_get_json_errors_and_a_close() -> None:
+    async with running() as (_, _, port):
+        status, doc, gone = await hostile(port, b"NOT HTTP AT ALL\r\n\r\n")
+        assert status == 400 and "malformed" in doc["error"]["message"] and gone
+        huge = b"GET /echo HTTP/1.1\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n"
+        status, doc, gone = await hostile(port, huge)
+        assert status == 431 and doc["error"]["type"] == "invalid_request_error" and gone
+        # an upgrade is not made: the request is answered as a plain one, then the connection
+        # closes (what follows it would be the other protocol's bytes)
+        reader, writer = await connect(port)
+        writer.write(b"GET /echo HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        status, headers, _ = await read_answer(reader)
+        assert status == 200 and headers["connection"] == "close" and await closed(reader)
+        writer.close()
+
+
+async def test_an_oversized_body_is_413_even_while_the_client_still_sends() -> None:
+    async with running() as (_, _, port):
+        # declared too large: refused at once; the client is still writing its megabyte
+        reader, writer = await connect(port)
+        writer.write(post("/echo", b"x" * (1 << 20)))
+        status, _, body = await read_answer(reader)  # a reset here would lose the answer
+        assert status == 413 and "over 1000 bytes" in json.loads(body)["error"]["message"]
+        assert await closed(reader, LINGER_S + 3)
+        writer.close()
+        # chunked, no length said: refused once the bytes pass the bound
+        chunk = b"%x\r\n%s\r\n" % (600, b"y" * 600)
+        data = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 2
+        status, _, gone = await hostile(port, data)
+        assert status == 413 and gone
+
+
+async def test_a_trickled_body_is_408_and_an_unread_body_closes_after_the_answer() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(post("/echo", b"abc", length=10))
+        status, _, body = await read_answer(reader)  # the handler waits 0.5 s for it
+        assert status == 408 and "did not arrive" in json.loads(body)["error"]["message"]
+        assert await closed(reader, LINGER_S + 3)
+        writer.close()
+        # answered before its body was read (a 401): the rest cannot be told from a next head
+        reader, writer = await connect(port)
+        writer.write(post("/auth", b"abc", length=10))
+        assert (await read_answer(reader))[0] == 401 and await closed(reader, LINGER_S + 3)
+        writer.close()
+
+
+async def test_idle_and_slow_head_connections_are_closed() -> None:
+    async with running(idle_timeout_s=0.3) as (_, server, port):
+        idle_reader, idle = await connect(port)
+        slow_reader, slow = await connect(port)
+        slow.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        assert await closed(idle_reader, 3) and await closed(slow_reader, 3)
+        reader, writer = await connect(port)  # a served connection is idle after its answer
+        writer.write(post("/echo", b"x"))
+        await read_answer(reader)
+        assert await closed(reader, 3)
+        assert not server.connections
+        for w in (idle, slow, writer):
+            w.close()
+
+
+async def test_a_client_that_leaves_cancels_its_handler() -> None:
+    async with running() as (app, _, port):
+        _, writer = await connect(port)
+        writer.write(post("/slow", b""))
+        await asyncio.wait_for(app.arrived.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(app.cancelled.wait(), 5)
+
+
+async def test_shutdown_answers_what_is_in_flight_then_refuses() -> None:
+    async with running() as (app, server, port):
+        reader, writer = await connect(port)
+        idle_reader, idle = await connect(port)
+        writer.write(post("/slow", b""))
+        await asyncio.wait_for(app.arrived.wait(), 5)
+        stopping = asyncio.create_task(server.shutdown(5.0))
+        assert await closed(idle_reader, 3)  # idle connections go at once
+        app.release.set()
+        status, headers, body = await read_answer(reader)
+        assert status == 200 and body == b"done" and headers["connection"] == "close"
+        await asyncio.wait_for(stopping, 5)
+        try:
+            await connect(port)
+            refused = False
+        except ConnectionError:
+            refused = True
+        assert refused
+        for w in (writer, idle):
+            w.close()
+
+
+async def test_shutdown_cancels_handlers_past_its_timeout() -> None:
+    async with running() as (app, server, port):
+        _, writer = await connect(port)
+        writer.write(post("/slow", b""))
+        await asyncio.wait_for(app.arrived.wait(), 5)
+        await asyncio.wait_for(server.shutdown(0.2), 5)
+        assert app.cancelled.is_set()
+        writer.close()
