@@ -250,21 +250,25 @@ async def test_idle_and_slow_head_connections_are_closed() -> None:
             w.close()
 
 
+async def in_slow(app: App, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose request is in the /slow handler."""
+    reader, writer = await connect(port)
+    writer.write(post("/slow", b""))
+    await asyncio.wait_for(app.arrived.wait(), 5)
+    return reader, writer
+
+
 async def test_a_client_that_leaves_cancels_its_handler() -> None:
     async with running() as (app, _, port):
-        _, writer = await connect(port)
-        writer.write(post("/slow", b""))
-        await asyncio.wait_for(app.arrived.wait(), 5)
+        _, writer = await in_slow(app, port)
         writer.close()
         await asyncio.wait_for(app.cancelled.wait(), 5)
 
 
 async def test_shutdown_answers_what_is_in_flight_then_refuses() -> None:
     async with running() as (app, server, port):
-        reader, writer = await connect(port)
         idle_reader, idle = await connect(port)
-        writer.write(post("/slow", b""))
-        await asyncio.wait_for(app.arrived.wait(), 5)
+        reader, writer = await in_slow(app, port)
         stopping = asyncio.create_task(server.shutdown(5.0))
         assert await closed(idle_reader, 3)  # idle connections go at once
         app.release.set()
@@ -283,9 +287,7 @@ async def test_shutdown_answers_what_is_in_flight_then_refuses() -> None:
 
 async def test_shutdown_cancels_handlers_past_its_timeout() -> None:
     async with running() as (app, server, port):
-        _, writer = await connect(port)
-        writer.write(post("/slow", b""))
-        await asyncio.wait_for(app.arrived.wait(), 5)
+        _, writer = await in_slow(app, port)
         await asyncio.wait_for(server.shutdown(0.2), 5)
         assert app.cancelled.is_set()
         writer.close()
