@@ -72,9 +72,12 @@ ENGINES = 4
 
 
 @contextmanager
-def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
+def gateways(
+    tmp: Path, workers: list[int], variants: dict[str, dict[str, Any]] | None = None
+) -> Iterator[dict[str, Any]]:
     """The fake engines, etcd with one API key, a cgn-router per worker count (`cgn<N>`)
-    and smg; all stopped after."""
+    and smg; all stopped after. With `variants` (name → settings over the common ones),
+    those routers instead of one per worker count, and no smg."""
     with ExitStack() as stack:
         ports = [free_port() for _ in range(ENGINES)]
         fake = [sys.executable, str(REPO / "bench/fake_engine.py"), *map(str, ports)]
@@ -94,13 +97,21 @@ def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
             "log": {"level": "warning"}, "models": {"fake": {"tokenizer": "smollm2"}},
             "reconciler": {"enabled": False},
         }  # fmt: skip
-        cgns = {f"cgn{n}": stack.enter_context(cgn_router(tmp, {**config, "workers": n}))
-                for n in workers}  # fmt: skip
+        with_smg = variants is None
+        variants = variants or {f"cgn{n}": {"workers": n} for n in workers}
+        cgns = {name: stack.enter_context(cgn_router(tmp, {**config, **extra}))
+                for name, extra in variants.items()}  # fmt: skip
         for cgn in cgns.values():
             deadline = time.monotonic() + 30
             while _status(cgn.url, key) != 200:  # the key and the endpoints come from etcd
                 assert time.monotonic() < deadline, "cgn-router never served"
                 time.sleep(0.1)
+        first = next(iter(cgns.values()))
+        common = {"direct": urls[0], "key": key, "cgn_pid": first.proc.pid, "cgn_url": first.url}
+        if not with_smg:
+            yield {**common, **{n: c.url for n, c in cgns.items()},
+                   "pids": {n: c.proc.pid for n, c in cgns.items()}}  # fmt: skip
+            return
         port = free_port()
         smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
@@ -113,13 +124,10 @@ def gateways(tmp: Path, workers: list[int]) -> Iterator[dict[str, Any]]:
             assert time.monotonic() < deadline, "smg never served"
             time.sleep(0.1)
         yield {
-            "direct": urls[0],
+            **common,
             **{name: cgn.url for name, cgn in cgns.items()},
             "smg": smg_url,
-            "key": key,
             "pids": {**{n: c.proc.pid for n, c in cgns.items()}, "smg": smg_proc.pid},
-            "cgn_pid": cgns[f"cgn{workers[0]}"].proc.pid,
-            "cgn_url": cgns[f"cgn{workers[0]}"].url,
         }
 
 

@@ -114,6 +114,28 @@ class ListenSettings:
         positive(self, "idle_timeout_s", "body_timeout_s")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TracingSettings:
+    """OpenTelemetry traces (cgn_core/tracing.py): off unless `enabled`; spans go to the
+    OTLP/gRPC collector at `endpoint` (https:// for TLS). `sample_ratio` of the traces that
+    start here are sampled (failed requests always are); at most `queue_spans` wait for
+    export, more are dropped and counted."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4317"
+    sample_ratio: float = 0.01
+    queue_spans: int = 8192
+    export_every_s: float = 1.0
+    export_timeout_s: float = 5.0
+
+    def check(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ConfigError(f"sample_ratio must be 0 to 1, got {self.sample_ratio}")
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint must be an http(s):// URL, got {self.endpoint!r}")
+        positive(self, "queue_spans", "export_every_s", "export_timeout_s")
+
+
 # ---- loading -----------------------------------------------------------------
 
 

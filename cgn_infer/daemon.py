@@ -36,6 +36,7 @@ from cgn_core.kv.events import KvEventHub
 from cgn_core.kv.layout import Layout
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
+from cgn_core.tracing import SpanCounts, Tracer
 from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_tiering import RestoreCost
@@ -86,9 +87,10 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
     if ssl_ctx is None:
         warn_if_plaintext(log, "engine API", settings.tls)
     listeners: list[_Listener] = []
+    tracer = Tracer(settings.tracing, "cgn-infer", name) if settings.tracing.enabled else None
     try:
         for port in engine_ports(settings):
-            listeners.append(await _listen(settings, name, port, ssl_ctx))
+            listeners.append(await _listen(settings, name, port, ssl_ctx, tracer))
         scheme = "https" if ssl_ctx else "http"
         log.info(
             "listening on %s://%s:%s (model %s loading)",
@@ -103,6 +105,8 @@ async def serve(settings: InferSettings, ready_file: Path | None) -> None:
         for listener in listeners:
             if listener.runner.server is not None:
                 await listener.runner.cleanup()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)  # what is queued goes out, bounded
 
 
 def _port_list(listeners: list[_Listener]) -> str:
@@ -120,11 +124,21 @@ def engine_ports(settings: InferSettings) -> list[int]:
 
 
 async def _listen(
-    settings: InferSettings, name: str, port: int, ssl_ctx: ssl.SSLContext | None
+    settings: InferSettings,
+    name: str,
+    port: int,
+    ssl_ctx: ssl.SSLContext | None,
+    tracer: Tracer | None = None,
 ) -> _Listener:
     svc = InferenceService(
-        name, EngineMetrics(name), KvEventHub(name), body_timeout_s=settings.http.body_timeout_s
+        name,
+        EngineMetrics(name),
+        KvEventHub(name),
+        body_timeout_s=settings.http.body_timeout_s,
+        tracer=tracer,
     )
+    if tracer is not None:
+        svc.metrics.registry.register(SpanCounts(tracer, "cgn_infer"))
     sock = bind_tcp(settings.http.host, port)
     runner = Runner(
         build_app(svc, settings.api_token, client_certs=ssl_ctx is not None),

@@ -107,6 +107,12 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     restored: Restored | None = None  # prompt blocks fetched from cgn-kvcached
+    # When its first step began and its first token came, its steps with prompt tokens (the
+    # request's trace reads them after its FinishEvent; written on the engine thread)
+    first_step_at: float | None = None
+    first_token_at: float | None = None
+    prefill_steps: int = 0
+    restored_tokens: dict[str, int] = field(default_factory=dict)  # tier → prompt tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -361,11 +367,16 @@ class Engine:
         failed: list[tuple[_Active, str, bool]] = []  # (sequence, why, the request's fault)
         for w, row in zip(plan.work, logits, strict=True):
             active = self._active[w.seq.id]
+            if len(w.tokens) > 1 or not active.counted:
+                active.job.prefill_steps += 1
+            if active.job.first_step_at is None:
+                active.job.first_step_at = started
             if not active.counted:
                 active.counted = True
                 m.prompt_tokens.inc(len(w.seq.prompt))
                 m.prefix_queries.inc(len(w.seq.prompt))
                 restored = w.seq.restored_tokens
+                active.job.restored_tokens = dict(restored)
                 m.prefix_hits.inc(w.seq.cached_tokens - sum(restored.values()))
                 for tier, n in restored.items():
                     m.restored(tier, n)
@@ -417,6 +428,8 @@ class Engine:
     def _emit_token(self, active: _Active, sampled: Sampled, now: float) -> None:
         m, seq = self.metrics, active.seq
         (m.ttft if len(seq.output) == 1 else m.itl).observe(now - active.last)
+        if active.job.first_token_at is None:
+            active.job.first_token_at = now
         active.last = now
         m.generation_tokens.inc()
         if len(seq.output) == 1 and self.tiering is not None:

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import (
+    CognitoraError,
     Forbidden,
     InternalError,
     InvalidRequest,
@@ -44,6 +45,7 @@ from cgn_core.kv.transfer import TransferParams
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.resume import IDS_HEADER, ids_line
 from cgn_core.text.prompt import PromptCodec
+from cgn_core.tracing import Tracer
 from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
 from cgn_infer.grammar import Grammars
@@ -51,6 +53,7 @@ from cgn_infer.metrics import EngineMetrics
 from cgn_infer.protocol import Kind, ParsedRequest, parse_request
 from cgn_infer.responses import ResponseBuilder
 from cgn_infer.scheduler import Restored
+from cgn_infer.trace import GenerationTrace
 from cgn_infer.transfer import TransferSink, TransferSource
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class InferenceService:
     body_timeout_s: float = 60.0  # a request body must arrive within this
     created: int = field(default_factory=lambda: int(time.time()))
     serving: Serving | None = None  # None while the model loads
+    tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
 
     def serve(self, serving: Serving) -> None:
         """The model is loaded: from now on requests run (once; a service never reloads)."""
@@ -236,7 +240,10 @@ class InferenceService:
         return None, None
 
     async def generate(
-        self, gen: GenerationRequest, restored: Restored | None = None
+        self,
+        gen: GenerationRequest,
+        restored: Restored | None = None,
+        trace: GenerationTrace = GenerationTrace.OFF,
     ) -> AsyncIterator[Event]:
         """Run `gen` on the engine; cancelling the consumer cancels the generation."""
         engine = self.ready().engine
@@ -251,6 +258,8 @@ class InferenceService:
         try:
             while True:
                 ev = await events.get()
+                if isinstance(ev, FinishEvent):
+                    trace.generated(job, ev)
                 yield ev
                 if isinstance(ev, FinishEvent):
                     return
@@ -282,6 +291,22 @@ def build_app(
 
 
 async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> web.StreamResponse:
+    trace = GenerationTrace.start(svc.tracer, kind, svc.model_name, request.headers)
+    try:
+        resp = await _complete_traced(svc, request, kind, trace)
+    except CognitoraError as err:
+        trace.finish(err.http_status, err.code or type(err).__name__)
+        raise
+    except BaseException as exc:  # a bug (a 500), or the client left
+        trace.finish(500, type(exc).__name__)
+        raise
+    trace.finish(resp.status)
+    return resp
+
+
+async def _complete_traced(
+    svc: InferenceService, request: web.Request, kind: Kind, trace: GenerationTrace
+) -> web.StreamResponse:
     raw = await read_body(request, svc.body_timeout_s)
     parsed = parse_request(kind, parse_json(raw))
     # NOTE: the router's priority jumps queues: trusted only from a caller holding the token
@@ -299,11 +324,16 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     compiles = (
         parsed.grammar is not None and grammars is not None and not grammars.cached(parsed.grammar)
     )
+    began = trace.clock()
     if len(raw) < OFF_LOOP_BYTES and not compiles:
         gen = svc.prepare(parsed)
     else:  # templating and tokenizing a long prompt, or compiling a grammar, would stall
         gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
+    trace.step("prepare", began, **{"grammar.compiled": compiles})
+    began = trace.clock()
     restored, note = await svc.restore(gen, parsed.kv_transfer)
+    if restored is not None or note:
+        trace.restored(began, restored, note)
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
         kind,
@@ -317,7 +347,7 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
         seen, ended = _replay(serving.engine.tokenizer, gen)
         build.resume(parsed.resume, seen)
     if not parsed.stream:
-        async for ev in svc.generate(gen, restored):
+        async for ev in svc.generate(gen, restored, trace):
             if isinstance(ev, TokenEvent):
                 build.add(ev)
             elif ev.reason == "error" and ev.client_fault:
@@ -341,7 +371,7 @@ async def _complete(svc: InferenceService, request: web.Request, kind: Kind) -> 
     if (first := build.first_chunk()) is not None:
         await _send(resp, first)
     ids: list[int] = []  # generated since the last ids line (with_ids)
-    events = svc.generate(gen, restored) if ended is None else _just(ended)
+    events = svc.generate(gen, restored, trace) if ended is None else _just(ended)
     async for ev in events:
         if isinstance(ev, TokenEvent):
             chunks = build.token_chunks(ev)

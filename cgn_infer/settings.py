@@ -11,7 +11,7 @@ from typing import Literal
 
 from cgn_core.errors import ConfigError
 from cgn_core.net import is_host_port
-from cgn_core.settings import ListenSettings, LogSettings, TlsSettings, positive
+from cgn_core.settings import ListenSettings, LogSettings, TlsSettings, TracingSettings, positive
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +148,7 @@ class InferSettings:
     kvcached: KvcachedClientSettings = KvcachedClientSettings()
     transfer: TransferSettings = TransferSettings()
     log: LogSettings = LogSettings()
+    tracing: TracingSettings = TracingSettings()  # OpenTelemetry spans (cgn_core/tracing.py)
     # Requests to /v1/* must carry `Authorization: Bearer <api_token>`; only they may set
     # x-cgn-priority. The agent sets it (CGN_INFER_API_TOKEN) for every engine it launches
     # and publishes it to the router; empty: no authentication (development only, logged).

@@ -34,6 +34,7 @@ from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import follow_revocations
 from cgn_core.settings import ListenSettings
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
+from cgn_core.tracing import SpanCounts, Tracer
 from cgn_router.admin import build_admin_app
 from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
@@ -134,6 +135,10 @@ async def serve(
         Upstream(keepalive_s=UPSTREAM_IDLE_S, tls=engine_ssl) as upstream,
     ):
         svc = build_service(settings, upstream, worker)
+        if settings.tracing.enabled:
+            instance = f"worker-{worker.index}" if worker is not None else ""
+            svc.tracer = Tracer(settings.tracing, "cgn-router", instance)
+            svc.metrics.registry.register(SpanCounts(svc.tracer, "cgn_router"))
         svc.catalog.set_source(
             "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
         )
@@ -215,6 +220,8 @@ async def serve(
                 raise _Stop
         except* _Stop:
             pass
+        if svc.tracer is not None:
+            await asyncio.to_thread(svc.tracer.close)  # what is queued goes out, bounded
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)

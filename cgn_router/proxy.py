@@ -90,6 +90,7 @@ class Call:
     request_id: str = ""  # the client's x-request-id, passed on
     track: bool = False  # ask for token ids (resume.IDS_HEADER): the stream may migrate
     resume: Progress | None = None  # a continuation: relay into this stream's response
+    trace_headers: Mapping[str, str] | None = None  # traceparent (tracing on)
 
 
 @dataclass(slots=True, eq=False)
@@ -156,6 +157,8 @@ class Proxy:
             headers[PRIORITY_HEADER] = str(call.priority)
         if call.track:
             headers[resume.IDS_HEADER] = "1"
+        if call.trace_headers:
+            headers.update(call.trace_headers)
         return self.upstream.post(
             ep.url, call.path, call.payload, headers, self.deadlines.connect_s
         )

@@ -53,6 +53,7 @@ from cgn_router.load_signals import WINDOW_S
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
 from cgn_router.service import RouterService
+from cgn_router.trace import RequestTrace, end_upstream
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,28 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
     NOTE: the order bounds what a request costs before it is refused: the key is checked
     before the body is read, and the rate limiter charges an estimate of the prompt (its
     bytes / 4) before anything is tokenized; the exact count corrects it afterwards."""
+    trace = RequestTrace.start(svc.tracer, kind, request.headers)
+    try:
+        relayed = await _handle_traced(svc, request, kind, trace)
+    except CognitoraError as err:
+        trace.finish(err.http_status, error=err.code or type(err).__name__)
+        raise
+    except BaseException as exc:  # a bug (a 500), or the client left
+        trace.finish(500, error=type(exc).__name__)
+        raise
+    usage = relayed.usage
+    tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+    trace.finish(relayed.response.status, usage=tokens, error=relayed.cause or "")
+    return relayed.response
+
+
+async def _handle_traced(
+    svc: RouterService, request: Request, kind: str, trace: RequestTrace
+) -> Relayed:
     started = time.monotonic()
     who = svc.principal(request.headers.get("Authorization"))  # 401 before anything else is read
     raw = await request.read(svc.settings.http.body_timeout_s)
-    body, model, stream = _parse(svc, kind, raw, who)
+    body, model, stream = _parse(svc, kind, raw, who, trace)
     authorize(who, model)
     estimate = len(raw) // CHARS_PER_TOKEN
     try:
@@ -117,21 +136,22 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
                 svc.metrics.admission_rejections.labels(who.band, "rate_limited").inc()
                 raise
         waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
+        trace.admitted(waited)
         try:
             admitted = (who, started, waited)
-            ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
+            ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted, trace)
             relayed = await _serve(svc, request, ctx)
         finally:
             if svc.gate:
                 svc.gate.leave(model)
         completion = relayed.usage.completion_tokens if relayed.usage else 0
-        return relayed.response
+        return relayed
     finally:
         svc.limiter.release(who, completion)
 
 
 def _parse(
-    svc: RouterService, kind: str, raw: bytes, who: Principal
+    svc: RouterService, kind: str, raw: bytes, who: Principal, trace: RequestTrace
 ) -> tuple[dict[str, Any], str, bool]:
     """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong
     (the 404 names only the models `who` may use)."""
@@ -141,6 +161,7 @@ def _parse(
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
         raise InvalidRequest("'model' is required", param="model")
+    trace.asked(asked, who.tenant, who.band, who.key_id)
     for field in (TRANSFER_FIELD, RESUME_FIELD):  # an engine dials what the first names, and
         if field in body:  # the second passes someone else's tokens off as the model's
             raise InvalidRequest(f"'{field}' is set by the router only", param=field)
@@ -167,6 +188,7 @@ def _context(
     stream: bool,
     prompt: HashedPrompt,
     admitted: tuple[Principal, float, float],  # who, when the request came, how long it queued
+    trace: RequestTrace = RequestTrace.OFF,
 ) -> RequestContext:
     who, started, waited = admitted
     options = body.get("stream_options")
@@ -190,6 +212,7 @@ def _context(
         prompt=prompt,
         response_headers={"x-cgn-queue-ms": str(round(waited * 1000))} if waited > 0 else {},
         request_id="" if "\r" in rid or "\n" in rid else rid,
+        trace=trace,
     )
 
 
@@ -207,7 +230,7 @@ async def _serve(svc: RouterService, request: Request, ctx: RequestContext) -> R
         payload = ctx.payload(served)
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
-            view = svc.route(req, frozenset(tried)).view
+            view = _route(svc, ctx, req, frozenset(tried))
             if view is None:
                 break
             if tried:
@@ -231,6 +254,16 @@ async def _serve(svc: RouterService, request: Request, ctx: RequestContext) -> R
     raise _no_answer(svc, ctx.model, last)
 
 
+def _route(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, tried: frozenset[EndpointId]
+) -> EndpointView | None:
+    """The endpoint the chain picks (None: no candidate left), traced."""
+    started = ctx.trace.clock()
+    decision = svc.route(req, tried)
+    ctx.trace.routed(decision, req.role, svc.chain.weights, started)
+    return decision.view
+
+
 async def _migrate(
     svc: RouterService,
     request: Request,
@@ -252,7 +285,8 @@ async def _migrate(
         except ValueError as exc:
             resume, generated = {}, 0
             why = f"the stream cannot be continued from what it sent ({exc})"
-        view = None if why else svc.route(req, frozenset(tried | svc.cannot_resume(req.model))).view
+        others = frozenset(tried | svc.cannot_resume(req.model))
+        view = None if why else _route(svc, ctx, req, others)
         if not why and view is None:
             why = f"no other replica of {req.model} can continue it"
         if why or view is None:
@@ -308,6 +342,8 @@ async def _attempt(
 ) -> Relayed:
     """One attempt on the chosen endpoint, its accounting held by a lease; with `resume`,
     a continuation relayed into that broken stream."""
+    name = "upstream" if resume is None else "upstream (continuation)"
+    span, trace_headers = ctx.trace.upstream(name, view.id, view.endpoint.url)
     call = Call(
         endpoint=view.endpoint,
         path=PATHS[ctx.kind],
@@ -321,21 +357,30 @@ async def _attempt(
         request_id=ctx.request_id,
         track=ctx.stream and svc.can_resume(view.endpoint),
         resume=resume,
+        trace_headers=trace_headers,
     )
     attempt = Attempt(svc.registry, view, req)
     relayed = None
+    error = ""
     try:
         with attempt as lease:
             relayed = await svc.proxy.run(request, call, lease)
             attempt.outcome = relayed.ending
+        error = relayed.cause
         note = relayed.response.headers.get(TRANSFER_HEADER, "")
         if (why := fallback_reason(note)) is not None:  # the decode engine recomputed the KV
             svc.metrics.pd_fallbacks.labels("decode_" + why).inc()
         return relayed
+    except AttemptFailed as exc:
+        error = exc.cause
+        raise
     finally:
+        end_upstream(span, attempt.outcome, error)
         first = attempt.lease.first_byte_at if attempt.lease else None
         if resume is not None:  # the client's first byte came from an earlier leg
             first = None
+        else:
+            ctx.trace.served(req.model, None if first is None else first - ctx.started)
         svc.metrics.attempt_ended(
             req.model, attempt.outcome, ctx.started, first, relayed, attempt.lease.predicted
         )
@@ -350,7 +395,7 @@ async def _disaggregate(
     prefill leg run and its KV named in the body; else the client's body, computed whole
     there. A failed prefill leg is a fallback (counted), never the request's failure."""
     uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)
-    pre = svc.route(dataclasses.replace(req, role="prefill"), frozenset({view.id})).view
+    pre = _route(svc, ctx, dataclasses.replace(req, role="prefill"), frozenset({view.id}))
     queue = None if pre is None else _queue(pre)
     split = decide(
         svc.settings.pd, prefill_pool=True, uncached_tokens=uncached, prefill_queue=queue
@@ -380,6 +425,7 @@ async def _prefill_leg(
 ) -> dict[str, Any]:
     """Run the prompt on prefill replica `view`; the answer's `kv_transfer_params`."""
     deadline = min(ctx.deadline, time.monotonic() + svc.settings.pd.prefill_timeout_s)
+    span, trace_headers = ctx.trace.upstream("prefill leg", view.id, view.endpoint.url)
     call = Call(
         endpoint=view.endpoint,
         path=PATHS[ctx.kind],
@@ -391,12 +437,18 @@ async def _prefill_leg(
         response_headers={},
         priority=ctx.priority,
         request_id=ctx.request_id,
+        trace_headers=trace_headers,
     )
     attempt = Attempt(svc.registry, view, dataclasses.replace(req, role="prefill"))
-    with attempt as lease:
-        answer = await svc.proxy.exchange(call)
-        lease.first_byte(time.monotonic())
-        attempt.outcome = "ok"
+    try:
+        with attempt as lease:
+            answer = await svc.proxy.exchange(call)
+            lease.first_byte(time.monotonic())
+            attempt.outcome = "ok"
+    except AttemptFailed as exc:
+        end_upstream(span, attempt.outcome, exc.cause)
+        raise
+    end_upstream(span, attempt.outcome)
     try:
         params = parse_transfer_params(answer.get(TRANSFER_FIELD))
     except InvalidRequest as exc:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from cgn_control.loop import ControlState
 from cgn_core.errors import Unauthorized
 from cgn_core.revocation import RevocationList
+from cgn_core.tracing import Tracer
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.chain import Decision, RoutingChain
@@ -47,6 +48,7 @@ class RouterService:
     keys: KeyStore = field(default_factory=KeyStore)
     limiter: Limiter = field(default_factory=Limiter)
     gate: Gate | None = None  # admission; None when switched off
+    tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
     created: int = field(default_factory=lambda: int(time.time()))
     load: LoadSignals = field(init=False)  # what the autoscaler reads (cgn_router/load_signals)

@@ -11,7 +11,14 @@ from typing import Literal
 
 from cgn_control.reconciler import ReconcilerSettings
 from cgn_core.errors import ConfigError
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings, positive
+from cgn_core.settings import (
+    EtcdSettings,
+    ListenSettings,
+    LogSettings,
+    TlsSettings,
+    TracingSettings,
+    positive,
+)
 
 Role = Literal["both", "prefill", "decode"]
 
@@ -257,6 +264,7 @@ class RouterSettings:
     # A non-streamed answer larger than this is not relayed (tried elsewhere): it is held in
     # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).
     max_response_bytes: int = 64 << 20
+    tracing: TracingSettings = TracingSettings()  # OpenTelemetry spans (cgn_core/tracing.py)
 
     def check(self) -> None:
         """The root's own ranges, then the rules across settings."""
