@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,9 +134,12 @@ class KvTiering:
 
     # ---- restore (on the restore thread) ----------------------------------------------------
 
-    def prefetch(self, prompt: Sequence[int]) -> Restored | None:
+    def prefetch(
+        self, prompt: Sequence[int], trace: Mapping[str, str] | None = None
+    ) -> Restored | None:
         """The prompt's blocks past the pool's hit that are worth fetching, fetched; None when
-        nothing is (or anything failed: the prompt is then recomputed)."""
+        nothing is (or anything failed: the prompt is then recomputed). `trace`: the request's
+        trace context, passed to kvcached (its Get span joins the request's trace)."""
         full = (len(prompt) - 1) // BLOCK_SIZE  # the last token is always computed
         if full == 0:
             return None
@@ -145,7 +148,7 @@ class KvTiering:
         if start >= full:
             return None
         try:
-            tiers = self.client.lookup(hashes)
+            tiers = self.client.lookup(hashes, trace)
             if len(tiers) <= start:
                 return None  # the store holds nothing past the pool's own hit
             with self._lock:
@@ -154,7 +157,7 @@ class KvTiering:
                 self.metrics.kv_restore_skipped.inc()
                 return None
             began = time.monotonic()
-            data, got = self.client.get(hashes[start:end])
+            data, got = self.client.get(hashes[start:end], trace)
             if self._sleep_for_model and got:
                 self._model_delay(got, time.monotonic() - began)
             elapsed = time.monotonic() - began

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -221,11 +221,23 @@ class InferenceService:
                 param=f"{TRANSFER_FIELD}.do_remote_prefill",
             )
 
+    def restores(self, params: TransferParams | None) -> bool:
+        """Whether `restore` looks anywhere for this request's prompt blocks."""
+        serving = self.ready()
+        transfer = params is not None and params.do_remote_prefill
+        return (
+            transfer and serving.transfer_sink is not None
+        ) or serving.engine.tiering is not None
+
     async def restore(
-        self, gen: GenerationRequest, params: TransferParams | None
+        self,
+        gen: GenerationRequest,
+        params: TransferParams | None,
+        trace: Mapping[str, str] | None = None,
     ) -> tuple[Restored | None, str | None]:
         """Prompt blocks fetched before the request is queued (off the loop): from the prefill
-        engine a decode leg names, else from the node's KV store; and the transfer's note."""
+        engine a decode leg names, else from the node's KV store (`trace`: the request's trace
+        context, for its spans); and the transfer's note."""
         serving = self.ready()
         loop, engine = asyncio.get_running_loop(), serving.engine
         if params is not None and params.do_remote_prefill and serving.transfer_sink is not None:
@@ -236,7 +248,8 @@ class InferenceService:
             return fetched.restored, fetched.note
         if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
             prefetch = engine.tiering.prefetch
-            return await loop.run_in_executor(engine.restore_executor, prefetch, gen.prompt), None
+            got = await loop.run_in_executor(engine.restore_executor, prefetch, gen.prompt, trace)
+            return got, None
         return None, None
 
     async def generate(
@@ -330,10 +343,11 @@ async def _complete_traced(
     else:  # templating and tokenizing a long prompt, or compiling a grammar, would stall
         gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
     trace.step("prepare", began, **{"grammar.compiled": compiles})
-    began = trace.clock()
-    restored, note = await svc.restore(gen, parsed.kv_transfer)
-    if restored is not None or note:
-        trace.restored(began, restored, note)
+    restored, note = None, None
+    if svc.restores(parsed.kv_transfer):
+        span, context = trace.restoring()
+        restored, note = await svc.restore(gen, parsed.kv_transfer, context)
+        trace.restored(span, restored, note)
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
         kind,

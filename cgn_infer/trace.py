@@ -59,8 +59,13 @@ class GenerationTrace:
     def step(self, name: str, since: float, **attributes: Any) -> None:
         """A child span from `since` (monotonic) to now."""
 
-    def restored(self, since: float, restored: Restored | None, note: str | None) -> None:
-        """The KV restore span: blocks fetched before queueing, where from."""
+    def restoring(self) -> tuple[Any, dict[str, str] | None]:
+        """The KV restore span, started (or None), and the trace context for the calls it
+        makes (kvcached's Get joins the request's trace)."""
+        return None, None
+
+    def restored(self, span: Any, restored: Restored | None, note: str | None) -> None:
+        """End the KV restore span: blocks fetched before queueing, where from."""
 
     def generated(self, job: Job, ev: FinishEvent) -> None:
         """The queue, prefill and decode spans of a finished job."""
@@ -85,14 +90,18 @@ class _Sampled(GenerationTrace):
         span.set_attributes({f"cognitora.{k}": v for k, v in attributes.items()})
         span.end()
 
-    def restored(self, since: float, restored: Restored | None, note: str | None) -> None:
+    def restoring(self) -> tuple[Any, dict[str, str] | None]:
+        span = self.tracer.start("kv restore", self.root)
+        return span, self.tracer.headers(span)
+
+    def restored(self, span: Any, restored: Restored | None, note: str | None) -> None:
         tiers = restored.tiers if restored is not None else ()
-        self.step(
-            "kv restore",
-            since,
-            **{"kv.blocks": len(tiers), "kv.tiers": ",".join(sorted(set(tiers)))},
-            **({"kv.transfer": note} if note else {}),
+        span.set_attributes(
+            {"cognitora.kv.blocks": len(tiers), "cognitora.kv.tiers": ",".join(sorted(set(tiers)))}
         )
+        if note:
+            span.set_attribute("cognitora.kv.transfer", note)
+        span.end()
 
     def generated(self, job: Job, ev: FinishEvent) -> None:
         end = time.monotonic()
@@ -140,6 +149,9 @@ class _Unsampled(GenerationTrace):
         self.attributes = attributes
         self.started_ns = time.time_ns()
         self.error = ""
+
+    def restoring(self) -> tuple[Any, dict[str, str] | None]:
+        return None, self.incoming.headers()
 
     def generated(self, job: Job, ev: FinishEvent) -> None:
         self.attributes.update(_usage(job, ev))

@@ -29,6 +29,7 @@ from cgn_core.kv.service import KvCacheService, start_server
 from cgn_core.kv.ssd_tier import UNSEALED, SsdTier
 from cgn_core.kv.store import BlockStore
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
+from cgn_core.tracing import SpanCounts, Tracer
 from cgn_kvcached.metrics import registry_for
 from cgn_kvcached.settings import KvcachedSettings
 
@@ -90,7 +91,8 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
     store = await asyncio.to_thread(build_store, settings, keys)
     tls = settings.tls
     shm_dir = await asyncio.to_thread(prepare_shm_dir, settings.shm_dir)
-    service = KvCacheService(store, shm_dir=shm_dir, keys=keys)
+    tracer = Tracer(settings.tracing, "cgn-kvcached") if settings.tracing.enabled else None
+    service = KvCacheService(store, shm_dir=shm_dir, keys=keys, tracer=tracer)
     server, port = await start_server(service, settings.grpc.host, settings.grpc.port, tls)
     admin, admin_port = await _start_admin(settings, service)
     stop = asyncio.Event()
@@ -109,6 +111,8 @@ async def serve(settings: KvcachedSettings, ready_file: Path | None) -> None:
         service.events.close()
         await server.stop(GRACE_S)
         await admin.cleanup()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)  # what is queued goes out, bounded
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
@@ -121,6 +125,8 @@ async def _start_admin(
     each tier holds, for routers) to bearers of `events_token` when one is set."""
     store = service.store
     registry = registry_for(store)
+    if service.tracer is not None:
+        registry.register(SpanCounts(service.tracer, "cgn_kvcached"))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(

@@ -4,7 +4,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgn_core.errors import ConfigError
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+from cgn_core.settings import (
+    EtcdSettings,
+    ListenSettings,
+    LogSettings,
+    TlsSettings,
+    TracingSettings,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,7 @@ class KvcachedSettings:
     tls: TlsSettings = TlsSettings()
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
+    tracing: TracingSettings = TracingSettings()  # spans for Get and Put (cgn_core/tracing.py)
 
     def check(self) -> None:
         if self.ram_bytes < 1 << 20:

@@ -1,10 +1,11 @@
 """OpenTelemetry traces through a real router and real engines, into an OTLP/gRPC receiver.
 
-Two sim engines (a prefill and a decode replica of one model) and a router, all with
-tracing on at 100 %, export to an in-process receiver speaking the real OTLP/gRPC
-protocol (harness/otlp.py). A second router exports to a port where nothing listens.
+Two sim engines (a prefill and a decode replica of one model) on one cgn-kvcached, and
+a router, all with tracing on at 100 %, export to an in-process receiver speaking the
+real OTLP/gRPC protocol (harness/otlp.py). A second router exports to a port where nothing listens.
 Checked: one trace per request, router to engine, with the expected parents and
-attributes; a client's `traceparent` continued; both P/D legs under one trace; an
+attributes; a client's `traceparent` continued; both P/D legs under one trace; a
+restore's Get in kvcached under the engine's restore; an
 unsampled trace dropped unless it failed; nothing that names a key or the prompt;
 an unreachable collector costs no request anything and its drops are counted.
 """
@@ -15,6 +16,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -24,10 +26,20 @@ from cgn_core.etcd.local import free_port
 from harness.metrics import metric
 from harness.otlp import Receiver, Span, receiver
 from harness.poll import until
-from harness.procs import Router, cgn_infer_engines, cgn_router
+from harness.procs import Router, cgn_infer_engines, cgn_kvcached, cgn_router
 
 MODEL = "sim"
 SECRET = "sk-never-in-a-span-" + secrets.token_hex(4)
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    rx: Receiver
+    router: Router  # traced
+    lost_router: Router  # its collector is down
+    prefill: str  # the engines' URLs
+    decode: str
+    kvcached: str  # its admin URL (/metrics)
 
 
 def tracing(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -36,15 +48,13 @@ def tracing(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Receiver, Router, Router]]:
-    """(receiver, traced router, router whose collector is down)."""
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("tracing")
     with ExitStack() as stack:
         rx = stack.enter_context(receiver())
         sets = [f"tracing.{k}={v}" for k, v in tracing(rx.url).items()]
-        argv = ["--backend", "sim", "--speed", "200", "--model-name", MODEL]
+        kv = stack.enter_context(cgn_kvcached(tmp, *(a for s in sets for a in ("--set", s))))
+        argv = ["--backend", "sim", "--speed", "200", "--model-name", MODEL, *kv.engine_args]
         for s in sets:
             argv += ["--set", s]
         prefill, decode = stack.enter_context(cgn_infer_engines(tmp, 2, *argv))
@@ -60,7 +70,7 @@ def fleet(
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         lost = {**config, "tracing": tracing(dead, queue_spans=16, export_timeout_s=0.5)}
         lost_router = stack.enter_context(cgn_router(tmp, lost))
-        yield rx, router, lost_router
+        yield Fleet(rx, router, lost_router, prefill.url, decode.url, kv.admin)
 
 
 def chat(
@@ -95,9 +105,9 @@ def one(spans: list[Span], service: str, name: str) -> Span:
 
 
 def test_a_request_is_one_trace_from_the_router_to_the_engines_last_token(
-    fleet: tuple[Receiver, Router, Router],
+    fleet: Fleet,
 ) -> None:
-    rx, router, _ = fleet
+    rx, router = fleet.rx, fleet.router
     prompt = "a question only this test asks " + secrets.token_hex(4)
     sent_ns = time.time_ns()
     resp = chat(router, prompt)
@@ -147,8 +157,8 @@ def _since(spans: list[Span], sent_ns: int) -> list[Span]:
     return [s for s in spans if s.trace_id in ids]
 
 
-def test_a_clients_traceparent_is_continued(fleet: tuple[Receiver, Router, Router]) -> None:
-    rx, router, _ = fleet
+def test_a_clients_traceparent_is_continued(fleet: Fleet) -> None:
+    rx, router = fleet.rx, fleet.router
     trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     resp = chat(router, "continue my trace", {"traceparent": f"00-{trace_id}-{parent}-01"})
     assert resp.status_code == 200, resp.text
@@ -157,9 +167,9 @@ def test_a_clients_traceparent_is_continued(fleet: tuple[Receiver, Router, Route
 
 
 def test_a_disaggregated_request_shows_both_legs_under_one_trace(
-    fleet: tuple[Receiver, Router, Router],
+    fleet: Fleet,
 ) -> None:
-    rx, router, _ = fleet
+    rx, router = fleet.rx, fleet.router
     trace_id = secrets.token_hex(16)
     long = "the context goes on and on " * 60 + secrets.token_hex(4)
     resp = chat(router, long, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
@@ -169,14 +179,45 @@ def test_a_disaggregated_request_shows_both_legs_under_one_trace(
     upstream = one(spans, "cgn-router", "upstream")
     roots = {s.parent_id for s in spans if s.service == "cgn-infer" and s.kind == "server"}
     assert roots == {leg.span_id, upstream.span_id}
-    restore = one(spans, "cgn-infer", "kv restore").attributes
-    assert restore["cognitora.kv.blocks"] > 0 and "fetched" in restore["cognitora.kv.transfer"]
+    restores = [s.attributes for s in spans if s.name == "kv restore"]
+    assert any(r["cognitora.kv.blocks"] > 0 and "fetched" in r.get("cognitora.kv.transfer", "")
+               for r in restores), restores  # fmt: skip
+
+
+def test_a_restore_from_kvcached_shows_its_get_under_the_engines_restore(fleet: Fleet) -> None:
+    """A prompt one engine computed (and offered to the node's store) is restored by the
+    other from cgn-kvcached: kvcached's Get span, with tiers and bytes, joins the trace."""
+    rx = fleet.rx
+    body = {"model": MODEL, "prompt": "a prompt for the store " * 40 + secrets.token_hex(4),
+            "max_tokens": 2}  # fmt: skip
+    stored = metric(fleet.kvcached, "cgn_kvcached_blocks", tier="ram")
+    assert httpx.post(fleet.prefill + "/v1/completions", json=body, timeout=30).status_code == 200
+    # the engine offers the prompt's blocks from a background thread: wait for the store
+    until("the offer stored", lambda: metric(fleet.kvcached, "cgn_kvcached_blocks", tier="ram")
+          >= stored + 5)  # fmt: skip
+    trace_id = secrets.token_hex(16)
+    head = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    resp = httpx.post(fleet.decode + "/v1/completions", json=body, headers=head, timeout=30)
+    assert resp.status_code == 200, resp.text
+    spans = rx.wait("the engine's trace", lambda _: (t := rx.trace(trace_id)) and
+                    any(s.name == "decode" for s in t) and t)  # fmt: skip
+    restore = one(spans, "cgn-infer", "kv restore")
+    assert restore.attributes["cognitora.kv.blocks"] >= 5
+    assert restore.attributes["cognitora.kv.tiers"] == "ram"
+    get = rx.wait("kvcached's Get", lambda _: [s for s in rx.trace(spans[0].trace_id)
+                                               if s.name == "kv get"])  # fmt: skip
+    assert len(get) == 1 and get[0].service == "cgn-kvcached"
+    assert get[0].parent_id == restore.span_id
+    attrs = get[0].attributes
+    assert attrs["cognitora.kv.blocks_found"] == restore.attributes["cognitora.kv.blocks"]
+    assert attrs["cognitora.kv.blocks_ram"] == attrs["cognitora.kv.blocks_found"]
+    assert attrs["cognitora.kv.bytes"] > 0
 
 
 def test_an_unsampled_trace_is_dropped_unless_it_fails(
-    fleet: tuple[Receiver, Router, Router],
+    fleet: Fleet,
 ) -> None:
-    rx, router, _ = fleet
+    rx, router = fleet.rx, fleet.router
     ok_id, failed_id, marker = (secrets.token_hex(16) for _ in range(3))
     unsampled = lambda tid: {"traceparent": f"00-{tid}-{secrets.token_hex(8)}-00"}  # noqa: E731
     assert chat(router, "fine", unsampled(ok_id)).status_code == 200
@@ -192,9 +233,9 @@ def test_an_unsampled_trace_is_dropped_unless_it_fails(
 
 
 def test_an_unreachable_collector_never_fails_or_holds_a_request(
-    fleet: tuple[Receiver, Router, Router],
+    fleet: Fleet,
 ) -> None:
-    _, _, lost_router = fleet
+    lost_router = fleet.lost_router
     for i in range(40):
         started = time.monotonic()
         resp = chat(lost_router, f"request {i}")

@@ -20,8 +20,9 @@ import logging
 import mmap
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -90,20 +91,23 @@ class KvCacheClient:
 
     # ---- calls ------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[str]:
-        """The tier ("ram" or "ssd") of each block of the longest stored prefix of `hashes`."""
+    def lookup(self, hashes: Sequence[bytes], trace: Mapping[str, str] | None = None) -> list[str]:
+        """The tier ("ram" or "ssd") of each block of the longest stored prefix of `hashes`;
+        `trace`: a request's `traceparent` (and `tracestate`), sent as call metadata."""
         if not hashes:
             return []
         req = pb.LookupRequest(layout=self._pb_layout, hashes=list(hashes))
         try:
-            reply = self._stub.Lookup(req, timeout=self.timeout_s, metadata=self._meta)
+            reply = self._stub.Lookup(req, timeout=self.timeout_s, metadata=self._with(trace))
         except grpc.RpcError as exc:
             raise KvCacheError(_describe(exc)) from None
         return [TIER_NAMES.get(t, "ssd") for t in reply.tiers]
 
-    def get(self, hashes: Sequence[bytes]) -> tuple[np.ndarray, list[str]]:
+    def get(
+        self, hashes: Sequence[bytes], trace: Mapping[str, str] | None = None
+    ) -> tuple[np.ndarray, list[str]]:
         """The bytes of the longest stored prefix of `hashes`, [blocks, block bytes] uint8,
-        and the tier each block came from."""
+        and the tier each block came from (`trace`: as for `lookup`)."""
         if not hashes:
             return np.empty((0, self.layout.block_bytes), np.uint8), []
         bb = self.layout.block_bytes
@@ -115,7 +119,8 @@ class KvCacheClient:
         chunks: list[bytes] = []
         try:
             try:
-                for reply in self._stub.Get(req, timeout=self.timeout_s, metadata=self._meta):
+                meta = self._with(trace)
+                for reply in self._stub.Get(req, timeout=self.timeout_s, metadata=meta):
                     pairs = (
                         zip(reply.blocks, reply.tiers, strict=True)
                         if reply.blocks
@@ -217,6 +222,10 @@ class KvCacheClient:
             _discard((Path(name), fd))
             return None
         return Path(name), fd
+
+    def _with(self, trace: Mapping[str, str] | None) -> Any:
+        """The call's metadata: the token, and a request's trace context when given."""
+        return (*self._meta, *trace.items()) if trace else self._meta
 
     def _probe(self) -> None:
         """Ask the server where its shared-memory directory is; use it if this host has it."""

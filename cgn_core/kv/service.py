@@ -35,6 +35,7 @@ import re
 import stat
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ from cgn_core.kv.layout import BlockKey, Layout, LayoutError
 from cgn_core.kv.store import BlockStore
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import NodeIdentityInterceptor, server_credentials, warn_if_plaintext
+from cgn_core.tracing import Tracer
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev_pb
 from cgn_proto.cognitora.v1 import kvcached_pb2 as pb
 from cgn_proto.cognitora.v1 import kvcached_pb2_grpc as pb_grpc
@@ -72,7 +74,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
         shm_dir: Path | None = None,
         keys: StoreKeys | None = None,
         writable: bool = True,
+        tracer: Tracer | None = None,
     ):
+        """`tracer`: spans for Get and Put (cgn_core/tracing.py); None: tracing off."""
+        self.tracer = tracer
         self.store = store
         self.shm_dir = shm_dir
         self.keys = keys
@@ -114,6 +119,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
     # ---- the calls ------------------------------------------------------------------------
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutReply:
+        span = _span(self.tracer, "kv put", context)  # an offer is a trace of its own
         await self._caller(context, writes=True)
         layout: Layout | None = None
         shm: int | None = None
@@ -143,6 +149,17 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 n = await self._put_batch(batch, shm, layout, context)
                 stored, dropped = stored + n, dropped + len(batch) - n
         finally:
+            if span is not None:
+                size = layout.block_bytes if layout is not None else 0
+                span.set_attributes(
+                    {
+                        "cognitora.kv.blocks_stored": stored,
+                        "cognitora.kv.blocks_dropped": dropped,
+                        "cognitora.kv.bytes": stored * size,
+                        "cognitora.kv.shared_memory": shm is not None,
+                    }
+                )
+                span.end()
             if shm is not None:
                 os.close(shm)
         return pb.PutReply(stored=stored, dropped=dropped)
@@ -161,8 +178,22 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             raise  # not reached: abort raises
 
     async def Get(self, req: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetReply]:
+        span = _span(self.tracer, "kv get", context)
+        served = _Served(shared_memory=bool(req.shm_path))
+        try:
+            async for reply in self._get(req, context, served):
+                yield reply
+        finally:
+            if span is not None:
+                span.set_attributes(served.attributes(asked=len(req.hashes)))
+                span.end()
+
+    async def _get(
+        self, req: pb.GetRequest, context: Any, served: _Served
+    ) -> AsyncIterator[pb.GetReply]:
         await self._caller(context)
         layout = await _layout(req.layout, context)
+        served.block_bytes = layout.block_bytes
         keys = [await _key(layout.digest, h, context) for h in await _hashes(req.hashes, context)]
         if req.shm_path:
             size = len(keys) * layout.block_bytes
@@ -175,6 +206,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
                 pb.KvBlock(hash=key.block, shm_offset=i * layout.block_bytes)
                 for i, key in enumerate(keys[: len(tiers)])
             ]
+            served.tiers += tiers
             if blocks:
                 yield pb.GetReply(blocks=blocks, tiers=[TIERS[t] for t in tiers])
             return
@@ -183,6 +215,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):  # type: ignore[misc]
             if found is None:
                 return  # a chain stops at its first miss
             data, tier = found
+            served.tiers.append(tier)
             try:
                 yield pb.GetReply(block=pb.KvBlock(hash=key.block, data=data), tier=TIERS[tier])
             finally:
@@ -341,6 +374,36 @@ async def start_server(
         raise ConfigError(f"cannot listen on {address}")
     await server.start()
     return server, bound
+
+
+@dataclass(slots=True)
+class _Served:
+    """What a Get sent, for its span."""
+
+    shared_memory: bool
+    tiers: list[str] = field(default_factory=list)  # of each block sent
+    block_bytes: int = 0
+
+    def attributes(self, asked: int) -> dict[str, Any]:
+        return {
+            "cognitora.kv.blocks_asked": asked,
+            "cognitora.kv.blocks_found": len(self.tiers),
+            "cognitora.kv.blocks_ram": self.tiers.count("ram"),
+            "cognitora.kv.blocks_ssd": self.tiers.count("ssd"),
+            "cognitora.kv.bytes": len(self.tiers) * self.block_bytes,
+            "cognitora.kv.shared_memory": self.shared_memory,
+        }
+
+
+def _span(tracer: Tracer | None, name: str, context: Any) -> Any:
+    """A SERVER span for a call, continuing the caller's trace from its metadata; None when
+    tracing is off or the trace is not sampled."""
+    if tracer is None:
+        return None
+    incoming = tracer.incoming(dict(context.invocation_metadata() or ()))
+    if not incoming.sampled:
+        return None
+    return tracer.start(name, incoming.context, kind="server")
 
 
 async def _layout(layout: pb.KvLayout, context: Any) -> Layout:
