@@ -144,8 +144,12 @@ class Request:
         return b"".join(self._chunks)
 
     def stream(self, status: int, headers: dict[str, str]) -> StreamReply:
-        """Start a streamed answer (chunked): its head goes out now."""
-        reply = StreamReply(self, status, headers)
+        """Start a streamed answer: its head goes out now. Chunked; to an HTTP/1.0 client
+        (which knows no chunks) the bytes as they are, ended by closing the connection."""
+        chunked = self._conn.parser.get_http_version() != "1.0"
+        if not chunked:
+            self.keep_alive = False
+        reply = StreamReply(self, status, headers, chunked)
         self._conn.write(reply.head(self.keep_alive))
         return reply
 
@@ -201,18 +205,22 @@ class StreamReply:
     """A streamed answer, chunked; `write` waits while the client's socket is full and raises
     ConnectionResetError once the client left."""
 
-    __slots__ = ("_ended", "_request", "headers", "status")
+    __slots__ = ("_chunked", "_ended", "_request", "headers", "status")
 
-    def __init__(self, request: Request, status: int, headers: dict[str, str]):
+    def __init__(
+        self, request: Request, status: int, headers: dict[str, str], chunked: bool = True
+    ):
         self.status = status
         self.headers = headers
         self._request = request
+        self._chunked = chunked
         self._ended = False
 
     def head(self, keep_alive: bool) -> bytes:
         lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, _PHRASES.get(self.status, b"Unknown"))]
         lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in self.headers.items()]
-        lines.append(b"Transfer-Encoding: chunked\r\n")
+        if self._chunked:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
         lines.append(_DATE.line())
         lines.append(b"\r\n" if keep_alive else b"Connection: close\r\n\r\n")
         return b"".join(lines)
@@ -221,14 +229,15 @@ class StreamReply:
         if not data:  # an empty chunk would end the body
             return
         conn = self._request._conn
-        conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         if conn.write_paused:
             await conn.drained()
 
     async def write_eof(self) -> None:
         if not self._ended:
             self._ended = True
-            self._request._conn.write(b"0\r\n\r\n")
+            if self._chunked:  # NOTE: unchunked, the connection's close ends the body
+                self._request._conn.write(b"0\r\n\r\n")
 
 
 Handler = Callable[[Request], Awaitable[Reply | StreamReply]]

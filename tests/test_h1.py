@@ -164,6 +164,17 @@ async def test_a_streamed_answer_is_chunked_and_the_connection_is_reused() -> No
         writer.close()
 
 
+async def test_a_stream_to_an_http_1_0_client_is_not_chunked_and_ends_with_the_connection() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(b"POST /stream HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), 5)  # to the close
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert b"Transfer-Encoding" not in head and b"Connection: close" in head
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        writer.close()
+
+
 async def test_handler_errors_are_json_and_the_connection_lives_on() -> None:
     async with running() as (_, _, port):
         reader, writer = await connect(port)
