@@ -88,10 +88,10 @@ class Request:
         "_complete",
         "_conn",
         "_continue",
-        "_declared",
         "_size",
         "_too_large",
         "_waiter",
+        "chunked",
         "headers",
         "keep_alive",
         "method",
@@ -99,18 +99,28 @@ class Request:
         "query",
     )
 
-    def __init__(self, conn: _Connection, method: str, target: str, headers: Headers):
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        target: str,
+        headers: Headers,
+        *,
+        keep_alive: bool,
+        http10: bool,
+    ):
         self.method = method
         self.path, _, self.query = target.partition("?")
         self.headers = headers
-        self.keep_alive = True
+        self.keep_alive = keep_alive
+        self.chunked = not http10  # HTTP/1.0 knows no chunked coding
         self._conn = conn
         self._chunks: list[bytes] = []
         self._size = 0
         length = headers.get("content-length")
-        self._declared = int(length) if length and length.isdigit() else -1
+        declared = int(length) if length and length.isdigit() else -1
         self._complete = False
-        self._too_large = conn.server.max_body_bytes < self._declared
+        self._too_large = conn.server.max_body_bytes < declared
         self._waiter: asyncio.Future[None] | None = None
         self._continue = headers.get("expect", "").lower() == "100-continue"
 
@@ -146,10 +156,9 @@ class Request:
     def stream(self, status: int, headers: dict[str, str]) -> StreamReply:
         """Start a streamed answer: its head goes out now. Chunked; to an HTTP/1.0 client
         (which knows no chunks) the bytes as they are, ended by closing the connection."""
-        chunked = self._conn.parser.get_http_version() != "1.0"
-        if not chunked:
+        if not self.chunked:
             self.keep_alive = False
-        reply = StreamReply(self, status, headers, chunked)
+        reply = StreamReply(self, status, headers, self.chunked)
         self._conn.write(reply.head(self.keep_alive))
         return reply
 
@@ -193,12 +202,8 @@ class Reply:
         return cls(status, out, json.dumps(value).encode())
 
     def encode(self, keep_alive: bool) -> bytes:
-        head = [b"HTTP/1.1 %d %s\r\n" % (self.status, _PHRASES.get(self.status, b"Unknown"))]
-        head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in self.headers.items()]
-        head.append(b"Content-Length: %d\r\n" % len(self.body))
-        head.append(_DATE.line())
-        head.append(b"\r\n" if keep_alive else b"Connection: close\r\n\r\n")
-        return b"".join(head) + self.body
+        framing = b"Content-Length: %d\r\n" % len(self.body)
+        return _head(self.status, self.headers, framing, keep_alive) + self.body
 
 
 class StreamReply:
@@ -217,13 +222,8 @@ class StreamReply:
         self._ended = False
 
     def head(self, keep_alive: bool) -> bytes:
-        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, _PHRASES.get(self.status, b"Unknown"))]
-        lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in self.headers.items()]
-        if self._chunked:
-            lines.append(b"Transfer-Encoding: chunked\r\n")
-        lines.append(_DATE.line())
-        lines.append(b"\r\n" if keep_alive else b"Connection: close\r\n\r\n")
-        return b"".join(lines)
+        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        return _head(self.status, self.headers, framing, keep_alive)
 
     async def write(self, data: bytes) -> None:
         if not data:  # an empty chunk would end the body
@@ -241,6 +241,14 @@ class StreamReply:
 
 
 Handler = Callable[[Request], Awaitable[Reply | StreamReply]]
+
+
+def _head(status: int, headers: dict[str, str], framing: bytes, keep_alive: bool) -> bytes:
+    """An answer's status line and headers, its body's `framing` header among them."""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _PHRASES.get(status, b"Unknown"))]
+    lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items()]
+    lines += (framing, _DATE.line(), b"\r\n" if keep_alive else b"Connection: close\r\n\r\n")
+    return b"".join(lines)
 
 
 class _Date:
@@ -402,8 +410,14 @@ class _Connection(asyncio.Protocol):
         if self._refused:
             return
         method = self.parser.get_method().decode("ascii", "replace")
-        req = Request(self, method, self._target.decode("latin-1"), self._headers)
-        req.keep_alive = self.parser.should_keep_alive() and not self.server.closing
+        req = Request(
+            self,
+            method,
+            self._target.decode("latin-1"),
+            self._headers,
+            keep_alive=self.parser.should_keep_alive() and not self.server.closing,
+            http10=self.parser.get_http_version() == "1.0",  # NOTE: this head's, not a later one's
+        )
         self.parsing = req
         if self.active is None:
             self._start(req)
@@ -447,10 +461,9 @@ class _Connection(asyncio.Protocol):
         self.task = asyncio.get_running_loop().create_task(self._run(req))
 
     async def _run(self, req: Request) -> None:
-        streamed = False
+        reply: Reply | StreamReply
         try:
             reply = await self.server.handler(req)
-            streamed = isinstance(reply, StreamReply)
         except CognitoraError as err:
             reply = _error_reply(err)
         except (asyncio.CancelledError, ConnectionError):
@@ -463,13 +476,10 @@ class _Connection(asyncio.Protocol):
         # what is left of the body cannot be told from the next request's head
         keep = req.keep_alive and req._complete and not self.server.closing
         try:
-            if streamed:
-                assert isinstance(reply, StreamReply)
-                if not reply._ended:  # the handler failed mid-stream: the client must see a cut
-                    keep = False
-            else:
-                assert isinstance(reply, Reply)
+            if isinstance(reply, Reply):
                 self.write(reply.encode(keep))
+            elif not reply._ended:  # the handler failed mid-stream: the client must see a cut
+                keep = False
         except ConnectionError:
             keep = False
         self._finished(keep)

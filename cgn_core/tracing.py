@@ -20,7 +20,7 @@ even imported). With it on:
 * Export: one thread sends batches to the collector (OTLP/gRPC, the
   opentelemetry-exporter-otlp-proto-grpc package); the queue between the
   request path and it holds `queue_spans` spans, and a span that finds it
-  full is dropped and counted (`Tracer.dropped`), so a slow or unreachable
+  full is dropped and counted (`SpanCounts` on /metrics), so a slow or unreachable
   collector costs the requests nothing but those spans.
 * Propagation: W3C trace context (`traceparent`, `tracestate`) in and out.
 
@@ -101,11 +101,6 @@ class Tracer:
         self._kinds = {k.name.lower(): k for k in trace.SpanKind}
         self.ratio = settings.sample_ratio
         self._rng = random.Random()
-
-    @property
-    def dropped(self) -> int:
-        """Spans dropped: the export queue was full, or the collector refused a batch."""
-        return self.exporting.dropped
 
     def incoming(self, headers: Mapping[str, str]) -> Incoming:
         """What a request continues: its `traceparent` and the caller's decision; without

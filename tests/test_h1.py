@@ -175,6 +175,17 @@ async def test_a_stream_to_an_http_1_0_client_is_not_chunked_and_ends_with_the_c
         writer.close()
 
 
+async def test_each_pipelined_request_is_framed_by_its_own_http_version() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)  # the 1.0 head is parsed before the stream starts
+        writer.write(post("/stream", b"") + b"GET /missing HTTP/1.0\r\n\r\n")
+        _, headers, body = await read_answer(reader)
+        assert headers["transfer-encoding"] == "chunked" and body.startswith(b"data: 0")
+        status, headers, _ = await read_answer(reader)
+        assert status == 404 and headers["connection"] == "close"
+        writer.close()
+
+
 async def test_handler_errors_are_json_and_the_connection_lives_on() -> None:
     async with running() as (_, _, port):
         reader, writer = await connect(port)
