@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -221,36 +221,37 @@ class InferenceService:
                 param=f"{TRANSFER_FIELD}.do_remote_prefill",
             )
 
-    def restores(self, params: TransferParams | None) -> bool:
-        """Whether `restore` looks anywhere for this request's prompt blocks."""
-        serving = self.ready()
-        transfer = params is not None and params.do_remote_prefill
-        return (
-            transfer and serving.transfer_sink is not None
-        ) or serving.engine.tiering is not None
-
     async def restore(
         self,
         gen: GenerationRequest,
         params: TransferParams | None,
-        trace: Mapping[str, str] | None = None,
+        trace: GenerationTrace = GenerationTrace.OFF,
     ) -> tuple[Restored | None, str | None]:
         """Prompt blocks fetched before the request is queued (off the loop): from the prefill
-        engine a decode leg names, else from the node's KV store (`trace`: the request's trace
-        context, for its spans); and the transfer's note."""
+        engine a decode leg names, else from the node's KV store; and the transfer's note.
+        Where it looks at all, `trace` gets a KV restore span (its context goes to kvcached)."""
         serving = self.ready()
         loop, engine = asyncio.get_running_loop(), serving.engine
-        if params is not None and params.do_remote_prefill and serving.transfer_sink is not None:
-            sink = serving.transfer_sink
+        transfer = params is not None and params.do_remote_prefill
+        sink = serving.transfer_sink if transfer else None
+        if sink is None and engine.tiering is None:
+            return None, None
+        span, context = trace.restoring()
+        note = None
+        if sink is not None:
+            assert params is not None  # a sink is chosen only for a decode leg's params
             fetched = await loop.run_in_executor(
                 engine.restore_executor, sink.fetch, gen.prompt, params
             )
-            return fetched.restored, fetched.note
-        if engine.tiering is not None:  # fetch what the node's KV store has, off the loop
+            restored, note = fetched.restored, fetched.note
+        else:  # fetch what the node's KV store has, off the loop
+            assert engine.tiering is not None
             prefetch = engine.tiering.prefetch
-            got = await loop.run_in_executor(engine.restore_executor, prefetch, gen.prompt, trace)
-            return got, None
-        return None, None
+            restored = await loop.run_in_executor(
+                engine.restore_executor, prefetch, gen.prompt, context
+            )
+        trace.restored(span, restored, note)
+        return restored, note
 
     async def generate(
         self,
@@ -343,11 +344,7 @@ async def _complete_traced(
     else:  # templating and tokenizing a long prompt, or compiling a grammar, would stall
         gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
     trace.step("prepare", began, **{"grammar.compiled": compiles})
-    restored, note = None, None
-    if svc.restores(parsed.kv_transfer):
-        span, context = trace.restoring()
-        restored, note = await svc.restore(gen, parsed.kv_transfer, context)
-        trace.restored(span, restored, note)
+    restored, note = await svc.restore(gen, parsed.kv_transfer, trace)
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
         kind,
