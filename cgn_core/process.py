@@ -85,7 +85,8 @@ def boot_id() -> str:
 
 
 def start_time(pid: int) -> str | None:
-    """When `pid` started, or None if there is no such process."""
+    """When `pid` started, or None if there is no such process or it has exited (a zombie:
+    its parent, often init, has not reaped it yet; some inits reap only every few seconds)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -93,7 +94,8 @@ def start_time(pid: int) -> str | None:
     except OSError:
         return _ps_start(pid)
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    return stat.rpartition(")")[2].split()[19]
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] == "Z" else fields[19]
 
 
 def cmdline(pid: int) -> tuple[str, ...]:
