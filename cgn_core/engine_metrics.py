@@ -73,9 +73,20 @@ NAME_MAPS: dict[str, NameMap] = {
         prefix_hits=("llamacpp:prompt_tokens_cached_total",),
         prompt_excludes_cached=True,
     ),
+    # mlx_lm.server has no /metrics; cgn-agent's runner (cgn_agent/runners/mlx_lm_server.py)
+    # counts around it: no queue figure, no KV usage, no latency histograms
+    "mlx_lm": NameMap(
+        running=("mlx_lm:requests_running",),
+        waiting=(),
+        kv_usage=(),
+        prompt_tokens=("mlx_lm:prompt_tokens_total",),
+        generation_tokens=("mlx_lm:generation_tokens_total",),
+        prefix_hits=("mlx_lm:prompt_tokens_cached_total",),
+        requests_done=("mlx_lm:requests_total",),
+    ),
 }
 # every prefix the maps read under (what a scraper keeps)
-PREFIXES = ("vllm:", "sglang:", "llamacpp:")
+PREFIXES = ("vllm:", "sglang:", "llamacpp:", "mlx_lm:")
 
 
 def name_map(engine: str) -> NameMap:

@@ -13,6 +13,7 @@ import pytest
 
 from cgn_agent.drivers import DRIVERS, LaunchContext, PlacementRefused, installed_engines
 from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
+from cgn_agent.runners import mlx_lm_server
 from cgn_agent.spec import (
     EngineProfile,
     PipelinePart,
@@ -40,7 +41,7 @@ DOCUMENTED = {
                "--enable-hierarchical-cache", "--enable-lmcache", "--disaggregation-mode",
                "--disaggregation-transfer-backend", "--hicache-size"},
     "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
-    "mlx_lm": {"--model", "--host", "--port"},
+    "mlx_lm": {"--source", "--name", "--host", "--port"},  # cgn_agent/runners/mlx_lm_server.py
     "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl"},
     "llama_cpp_python": {"--model", "--host", "--port", "--model_alias", "--n_ctx",
                          "--n_threads", "--n_gpu_layers"},
@@ -137,14 +138,20 @@ def test_trtllm_and_mlx_argv_and_documented_flags() -> None:
     )  # fmt: skip
     assert flags(launch.argv) <= DOCUMENTED["trtllm"]
     assert launch.metrics_dialect is None  # its /metrics is JSON, not Prometheus
-    m = spec(
-        "mlx_lm", model="mlx-community/Qwen2.5-7B-4bit", source="mlx-community/Qwen2.5-7B-4bit"
-    )
+    m = spec("mlx_lm", model="qwen-7b", source="mlx-community/Qwen2.5-7B-4bit")
+    m = replace(m, profile=EngineProfile(extra_args=("--temp", "0.2")))
     DRIVERS["mlx_lm"].validate(m, MAC, ALL_TOOLS)
-    launch = DRIVERS["mlx_lm"].launch(m, CTX, ALL_TOOLS)
-    assert launch.argv == ("/venv/bin/python", "-m", "mlx_lm.server", "--model",
-                           "mlx-community/Qwen2.5-7B-4bit", "--host", "0.0.0.0", "--port", "8100")  # fmt: skip
-    assert flags(launch.argv[3:]) <= DOCUMENTED["mlx_lm"]
+    DRIVERS["mlx_lm"].validate(m, CPU_NODE, ALL_TOOLS)  # MLX's CPU backend: any node with mlx_lm
+    launch = DRIVERS["mlx_lm"].launch(m, replace(CTX, token="s3cret"), ALL_TOOLS)
+    assert launch.argv == ("/venv/bin/python", "-m", "cgn_agent.runners.mlx_lm_server", "--source",
+                           "mlx-community/Qwen2.5-7B-4bit", "--name", "qwen-7b", "--host", "0.0.0.0",
+                           "--port", "8100", "--", "--temp", "0.2")  # fmt: skip
+    assert flags(launch.argv[3:-3]) <= DOCUMENTED["mlx_lm"]
+    assert launch.env == {"MLX_LM_API_KEY": "s3cret"} and launch.token == "s3cret"
+    assert launch.metrics_dialect == "mlx_lm"
+    parsed = mlx_lm_server.parser().parse_args(launch.argv[3:])  # the runner takes its argv
+    assert (parsed.source, parsed.name, parsed.port, parsed.rest) == (
+        "mlx-community/Qwen2.5-7B-4bit", "qwen-7b", 8100, ["--temp", "0.2"])  # fmt: skip
 
 
 def test_llama_cpp_loads_a_bundled_model_by_its_name() -> None:
@@ -239,8 +246,8 @@ def test_cgn_infer_roles_and_the_transfer_address_reach_the_engine() -> None:
          "sglang has no 'kvbm' KV connector"),
         ("sglang", h100s(1), {"devices": (0,), "profile": EngineProfile(kv_connector="nixl")},
          "nixl needs role prefill or decode"),
-        ("mlx_lm", CPU_NODE, {}, "mlx_lm needs Apple silicon"),
-        ("mlx_lm", MAC, {}, "serves a model under its source name"),
+        ("mlx_lm", CPU_NODE, {"source": "/missing.gguf"}, "model file /missing.gguf does not exist"),
+        ("mlx_lm", MAC, {"devices": (0,)}, "mlx_lm takes no device indices"),
         ("llama_cpp", CPU_NODE, {"source": "/missing.gguf"}, "model file /missing.gguf does not exist"),
         ("llama_cpp", CPU_NODE, {"source": "/m/smol.gguf", "profile": EngineProfile(kv_connector="lmcache")},
          "llama_cpp has no engine-side KV connector"),

@@ -120,6 +120,8 @@ def view(*s: Scraped, fleet: Fleet | None = None) -> dict[str, Any]:
           "prefix_queries", "ttft", "itl"}),  # recorded before a request had finished
         ("llamacpp", "metrics_llamacpp.txt",  # recorded from llama.cpp's server (xllamacpp)
          {"running", "waiting", "prompt_tokens", "generation_tokens", "prefix_hits"}),
+        ("mlx_lm", "metrics_mlx_lm.txt",  # recorded from cgn-agent's mlx_lm runner
+         {"running", "prompt_tokens", "generation_tokens", "prefix_hits", "requests_done"}),
     ],
 )  # fmt: skip
 def test_each_engines_vocabulary_reads_its_own_page(

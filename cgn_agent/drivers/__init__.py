@@ -29,9 +29,12 @@ DRIVERS: dict[str, Driver] = {
 }
 
 
-def installed_engines(tools: Toolbox) -> list[str]:
-    """The engines whose software is on this machine (openai_compat needs none)."""
-    return [name for name, d in DRIVERS.items() if d.installed(tools)]
+def installed_engines(tools: Toolbox, offer: tuple[str, ...] = ()) -> list[str]:
+    """The engines whose software is on this machine (openai_compat needs none), of those in
+    `offer` when it names any (the agent's engines.offer)."""
+    return [
+        name for name, d in DRIVERS.items() if (not offer or name in offer) and d.installed(tools)
+    ]
 
 
 __all__ = [

@@ -153,7 +153,8 @@ def require_source(spec: ReplicaSpec, engine: str) -> None:
 
 
 HUB_ENGINES = ("vllm", "sglang", "trtllm", "mlx_lm")  # they take a Hugging Face repo id
-GGUF_ENGINES = ("cgn_infer", "llama_cpp")  # they load a GGUF file: a bundled model's name works
+# they load a GGUF file (mlx_lm through a conversion): a bundled model's name works
+GGUF_ENGINES = ("cgn_infer", "llama_cpp", "mlx_lm")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 

@@ -1,8 +1,11 @@
-"""mlx_lm.server on Apple silicon, and external OpenAI-compatible engines (nothing spawned).
+"""mlx_lm's server, and external OpenAI-compatible engines (nothing spawned).
 
-* mlx_lm: `python -m mlx_lm.server --model <source> --host --port`. It serves
-  a model under its source name and has no alias flag, so the placement's
-  model must equal its source; it has /health but no Prometheus /metrics.
+* mlx_lm: `python -m cgn_agent.runners.mlx_lm_server` runs `mlx_lm.server`
+  wherever `mlx_lm` imports (Apple silicon's GPU, or MLX's CPU backend on
+  Linux). A GGUF source (a bundled model, a .gguf file) is converted once per
+  node into an MLX directory; an MLX directory or a hub repo id is loaded as
+  it is. The runner serves it under the placement's model name, requires the
+  replica secret (MLX_LM_API_KEY) and publishes /metrics in the `mlx_lm:` names.
 * openai_compat: an engine someone else runs at `profile.url`; the agent only
   probes it (its /v1/models must list the model) and publishes it.
 """
@@ -14,6 +17,7 @@ from cgn_agent.drivers.base import (
     LaunchContext,
     PlacementRefused,
     Toolbox,
+    model_file,
     require_connector_none,
     require_source,
     url_for,
@@ -31,31 +35,36 @@ class MlxLmDriver:
     def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
         require_source(spec, self.name)
         require_connector_none(spec, self.name)
-        if not any(a.kind == "apple" for a in node.accelerators):
-            raise PlacementRefused(
-                f"mlx_lm needs Apple silicon; node {node.node} is class {node.node_class}"
-            )
         if spec.devices:
-            raise PlacementRefused("mlx_lm takes no device indices (Apple has one GPU)")
-        if spec.model != spec.source:
-            raise PlacementRefused(
-                f"mlx_lm.server serves a model under its source name; set model to {spec.source!r}"
-            )
+            raise PlacementRefused("mlx_lm takes no device indices (MLX uses the one GPU or CPU)")
+        source = model_file(spec)  # a bundled model's file; anything else as it is
+        if source.endswith(".gguf") and not tools.is_file(source):
+            raise PlacementRefused(f"mlx_lm: model file {source} does not exist")
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         argv = [
             ctx.python,
             "-m",
-            "mlx_lm.server",
-            "--model",
-            spec.source,
+            "cgn_agent.runners.mlx_lm_server",
+            "--source",
+            model_file(spec),
+            "--name",
+            spec.model,
             "--host",
             ctx.host,
             "--port",
             str(ctx.port),
         ]
+        extra = list(spec.profile.extra_args)
+        env = dict(spec.profile.env)
+        if ctx.token:  # read from the environment by the runner: never on argv
+            env["MLX_LM_API_KEY"] = ctx.token
         return Launch(
-            tuple(argv + list(spec.profile.extra_args)), dict(spec.profile.env), url_for(ctx)
+            tuple(argv + (["--", *extra] if extra else [])),
+            env,
+            url_for(ctx),
+            metrics_dialect="mlx_lm",
+            token=ctx.token,
         )
 
 

@@ -23,7 +23,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 
@@ -145,6 +153,17 @@ class BpeCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tk.decode(list(ids), skip_special_tokens=False))
+
+    def hf_json(self, bos: int | None) -> str:
+        """This tokenizer as a `tokenizer.json` for Hugging Face loaders (mlx_lm's), with
+        `bos` put before every encoded text when given (as the GGUF's add_bos_token asks)."""
+        tk = Tokenizer.from_str(self._tk.to_str())  # a copy: the codec's own stays as it is
+        if bos is not None:
+            piece = tk.id_to_token(bos)
+            tk.post_processor = processors.TemplateProcessing(
+                single=f"{piece} $A", pair=f"{piece} $A {piece} $B", special_tokens=[(piece, bos)]
+            )
+        return str(tk.to_str())
 
     def token_bytes(self, piece: str) -> bytes:
         """The bytes a vocabulary piece stands for (byte-level BPE writes each byte as a

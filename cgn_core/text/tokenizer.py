@@ -99,6 +99,16 @@ class GGUFTokenizer:
             ids.insert(0, bos)
         return ids
 
+    def hf_json(self) -> str:
+        """The vocabulary as a Hugging Face `tokenizer.json` (an MLX model directory's
+        tokenizer); byte-level BPE only."""
+        if not isinstance(self._codec, BpeCodec):
+            raise GGUFError(
+                "only byte-level BPE vocabularies ('gpt2') convert to a tokenizer.json; "
+                "this file's is SentencePiece-style ('llama')"
+            )
+        return self._codec.hf_json(self.special.bos if self.special.add_bos else None)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, control tokens (BOS, EOS, ...) left out."""
         return self._codec.decode([i for i in ids if i not in self._control])
