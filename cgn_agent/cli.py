@@ -91,7 +91,8 @@ def inventory(
 
     settings = load_service_settings(AgentSettings, "agent", config, parse_overrides(set_))
     node = settings.node_id or _peek_node_id(settings.state_dir) or derive_node_id()
-    inv = collect(node, engines=installed_engines(SystemToolbox()), labels=settings.labels)
+    engines = installed_engines(SystemToolbox(), settings.engines.offer)
+    inv = collect(node, engines=engines, labels=settings.labels)
     zones, notes = rapl_zones()
     power = "rapl" if zones else "unknown"
     if any(a.kind == "nvidia" and a.power_w is not None for a in inv.accelerators):

@@ -175,7 +175,9 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tools = SystemToolbox()
-    engines = installed_engines(tools)
+    engines = installed_engines(tools, settings.engines.offer)
+    if missing := [e for e in settings.engines.offer if e not in engines]:
+        log.warning("engines.offer names %s, not installed here", ", ".join(missing))
     inv = await asyncio.to_thread(collect, node, engines=engines, labels=settings.labels)
     rt = Runtime(inv)
     publisher = Publisher()

@@ -177,7 +177,13 @@ class NodeAgent:
             # NOTE: least privilege first: what a placement may run, then whether it can run
             engine_args.check(spec.engine, spec.profile.extra_args, spec.profile.env)
             check_source(spec, self.model_dirs)
-            driver.validate(spec, self.inventory(), self.tools)
+            node = self.inventory()
+            driver.validate(spec, node, self.tools)  # what the engine needs, then whether offered
+            if spec.engine not in node.engines and spec.engine != "openai_compat":
+                raise PlacementRefused(
+                    f"{spec.engine} is not installed or not offered on node {node.node} "
+                    f"(engines here: {', '.join(node.engines) or 'none'})"
+                )
         except ArgsRefused as exc:
             self._refuse(spec.replica, spec, f"refused: {exc}")
             return

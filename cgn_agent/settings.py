@@ -24,6 +24,19 @@ class EngineHostSettings:
     # cgn-infer engines serve HTTPS with this certificate (usually the node's) and require the
     # caller's from the same CA on /v1/*; the agent presents it when probing. Empty: HTTP.
     tls: TlsSettings = TlsSettings()
+    # The engines this node offers placements for (empty: every one installed here). Several
+    # agents on one machine, each offering one engine, make a mixed fleet there (cgn-ctl up
+    # --engines); a placement for an engine not offered is refused.
+    offer: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        from cgn_agent.drivers import DRIVERS
+
+        if unknown := [e for e in self.offer if e not in DRIVERS]:
+            raise ConfigError(
+                f"engines.offer: {', '.join(unknown)} is not an engine "
+                f"(engines: {', '.join(DRIVERS)})"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,11 @@ unreachable or lost, cordoned, lacks the profile's engine, or has too few
 free healthy devices of the profile's class, and everywhere for a multi-node
 profile of an engine agents cannot yet launch across nodes (only cgn-infer
 pipelines): explain and reconcile are one decision. The first profile with an
-accepted node wins; among its accepted nodes:
+accepted node wins, with one exception: a CPU profile whose every accepted node
+already runs a replica of the model gives way to a later profile with a node
+that runs none (replicas spread over nodes before doubling up on one, so the
+loss of a node costs one replica; a fleet of nodes each offering another
+engine serves a model on each of them). Among the winning profile's accepted nodes:
 
 * GPU profiles bin-pack: the node left with the fewest free devices of the
   class after the allocation goes first (partly used nodes before whole ones,
@@ -127,11 +131,23 @@ def place(
     """The nodes and devices for one more replica of `model`, with every candidate's verdict;
     `refused`: (node, engine) → why its agent refused this model's placement lately (such a
     pair is not a candidate: placing it again would only be refused again)."""
+    spread = _place(model, nodes, refused, spread=True)
+    return spread if spread.profile is not None else _place(model, nodes, refused, spread=False)
+
+
+def _place(
+    model: ModelSpec,
+    nodes: Sequence[NodeView],
+    refused: Mapping[tuple[str, str], str],
+    spread: bool,
+) -> Decision:
     candidates: list[Candidate] = []
     for i, profile in enumerate(model.profiles):
         fits: list[NodeView] = []
         for node in sorted(nodes, key=lambda n: n.name):
             why = _reject(node, profile) or refused.get((node.name, profile.engine), "")
+            if not why and spread and profile.on_cpu and node.replicas.get(model.name, 0):
+                why = f"runs a replica of {model.name} already (a node that runs none goes first)"
             if why:
                 candidates.append(Candidate(node.name, i, False, why))
             else:

@@ -376,6 +376,15 @@ def up(
     metrics_port: Annotated[
         int, typer.Option("--metrics-port", help="The dashboard's port (cgn-metrics).")
     ] = 9092,
+    engines: Annotated[
+        str,
+        typer.Option(
+            "--engines",
+            help="The engines serving the model, in profile order: cgn_infer, llama_cpp, "
+            "mlx_lm, comma-separated. Several make a mixed fleet on this machine: one agent "
+            "per engine (node <host>-<engine>, offering only it) and one replica of each.",
+        ),
+    ] = "cgn_infer",
     state_dir: Annotated[
         Path | None, flag("--state-dir", "Where up keeps etcd data, logs, up.json.")
     ] = None,
@@ -406,6 +415,7 @@ def up(
         kv_ram_gib,
         kv_ssd_gib,
         metrics_port,
+        tuple(e.strip() for e in engines.split(",") if e.strip()),
     )
     try:
         doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
@@ -415,6 +425,8 @@ def up(
         typer.echo(f"node {doc['node']} joined the cluster at {doc['etcd']}")
         return
     typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}")
+    if len(doc.get("engines", ())) > 1:
+        typer.echo(f"engines:    {', '.join(doc['engines'])} (nodes {', '.join(doc['nodes'])})")
     typer.echo(f"etcd:       {doc['etcd']}")
     typer.echo(f"router admin: {doc.get('router_admin', '-')} (/metrics, /endpoints)")
     typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import time
@@ -62,6 +63,20 @@ class UpOptions:
     kv_ram_gib: float = 1.0  # the node's KV store (cgn-kvcached): RAM tier; 0: no store
     kv_ssd_gib: float = 2.0  # and its SSD tier under the state dir; 0: RAM only
     metrics_port: int = 9092  # cgn-metrics: the dashboard
+    # The engines serving the model, in profile order. One: one agent, as ever. Several: a
+    # mixed fleet on this machine, one agent per engine offering only it, one replica each.
+    engines: tuple[str, ...] = ("cgn_infer",)
+
+
+LOCAL_ENGINES = ("cgn_infer", "llama_cpp", "mlx_lm")  # engines that run on this machine's CPU
+
+
+def agent_nodes(opts: UpOptions) -> list[tuple[str, str]]:
+    """(engine, node id) of each agent `up` starts; a node id of "" lets the agent derive it."""
+    if len(opts.engines) == 1:
+        return [(opts.engines[0], opts.node_id)]
+    base = opts.node_id or re.sub(r"[^a-z0-9.-]+", "-", socket.gethostname().lower()).strip("-.")
+    return [(e, f"{(base or 'node')[:48]}-{e.replace('_', '-')}") for e in opts.engines]
 
 
 def record_path(state_dir: Path) -> Path:
@@ -104,15 +119,14 @@ def _store_flags(opts: UpOptions, state: Path) -> list[str]:
 
 
 def _free(port: int) -> int:
-    """`port` if nothing listens there, else any free port."""
+    """`port` if nothing listens there, else (or for 0) any free port."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
-            return port
         except OSError:
             s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+        return int(s.getsockname()[1])
 
 
 class Starter:
@@ -168,9 +182,17 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         raise CognitoraError(
             f"already up (see {record_path(state)}); `cgn-ctl down` first, or `cgn-ctl status`"
         )
-    # The agent serves the model through cgn-infer, which lives in its own venv: without it
-    # the placement would be refused and `up` would only time out.
-    executables.require("cgn-infer")
+    bad = [e for e in opts.engines if e not in LOCAL_ENGINES]
+    if bad or not opts.engines:
+        raise CognitoraError(
+            f"--engines {','.join(bad)}: up runs {', '.join(LOCAL_ENGINES)} (in profile order)"
+        )
+    if len(set(opts.engines)) != len(opts.engines):
+        raise CognitoraError(f"--engines {','.join(opts.engines)} names an engine twice")
+    if "cgn_infer" in opts.engines:
+        # cgn-infer lives in its own venv: without it the placement would be refused and
+        # `up` would only time out
+        executables.require("cgn-infer")
     starter = Starter(state, say)
     etcd = opts.join or opts.etcd or _start_etcd(starter, opts)
     ready_dir = state / "run"
@@ -196,24 +218,38 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         )
         # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
         port, admin_port = int(started["ports"]["http"]), int(started["ports"]["admin"])
-    agent_argv = [
-        executables.require("cgn-agent"),
-        "run",
-        "--etcd",
-        etcd,
-        "--state-dir",
-        str(state / "agent"),
-        "--admin-port",
-        str(_free(opts.agent_port)),
-        "--ready-file",
-        str(ready_dir / "agent.ready"),
-    ]
-    if opts.node_id:
-        agent_argv += ["--node-id", opts.node_id]
-    if opts.join is None:  # one machine: engines on loopback, stopped with the agent
-        agent_argv += ["--set", "engines.bind_host=127.0.0.1", "--set", "engines.stop_on_exit=true"]
-    agent_argv += _store_flags(opts, state)
-    agent = starter.start("agent", agent_argv, ready_dir / "agent.ready")
+    agents = []
+    for i, (engine, node) in enumerate(agent_nodes(opts)):
+        suffix = "" if i == 0 else f"-{engine}"
+        agent_argv = [
+            executables.require("cgn-agent"),
+            "run",
+            "--etcd",
+            etcd,
+            "--state-dir",
+            str(state / f"agent{suffix}"),
+            "--admin-port",
+            str(_free(opts.agent_port + i if opts.agent_port else 0)),
+            "--ready-file",
+            str(ready_dir / f"agent{suffix}.ready"),
+        ]
+        if node:
+            agent_argv += ["--node-id", node]
+        if len(opts.engines) > 1:
+            agent_argv += ["--set", f"engines.offer={engine}"]
+        if opts.join is None:  # one machine: engines on loopback, stopped with the agent
+            agent_argv += [
+                "--set",
+                "engines.bind_host=127.0.0.1",
+                "--set",
+                "engines.stop_on_exit=true",
+            ]
+        if i == 0:  # the node's KV store, once per machine (its ports are the machine's)
+            agent_argv += _store_flags(opts, state)
+        agents.append(
+            starter.start(f"agent{suffix}", agent_argv, ready_dir / f"agent{suffix}.ready")
+        )
+    agent = agents[0]
     if opts.join is not None:
         starter.save({"etcd": etcd, "node": agent["node"], "joined": True})
         return read_record(state) or {}
@@ -242,19 +278,21 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
             "model": model,
             "key": key,
             "node": agent["node"],
+            "nodes": [a["node"] for a in agents],
+            "engines": list(opts.engines),
             "router_admin": f"http://127.0.0.1:{admin_port}",
             "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}",
             "dashboard": f"http://127.0.0.1:{metrics['ports']['http']}/",
         }
     )
-    _wait_served(url, model, key, opts.timeout_s, etcd, say)
+    _wait_served(url, model, key, opts.timeout_s, etcd, say, replicas=len(opts.engines))
     return read_record(state) or {}
 
 
 def _start_etcd(starter: Starter, opts: UpOptions) -> str:
     from cgn_core.etcd.local import find_etcd_binary
 
-    client, peer = _free(opts.etcd_port), _free(opts.etcd_port + 1)
+    client, peer = _free(opts.etcd_port), _free(opts.etcd_port + 1 if opts.etcd_port else 0)
     data = opts.state_dir / "etcd"
     argv = [
         str(find_etcd_binary()),
@@ -297,10 +335,15 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
             f"--model {opts.model}: no such GGUF file (or a bundled name: smollm2)"
         )
     name = opts.name or (opts.model if bundled else Path(opts.model).stem)
-    profile: dict[str, Any] = {"engine": "cgn_infer", "accelerator": "cpu"}
-    if opts.threads:
-        profile["threads"] = opts.threads
-    spec = parse_model({"name": name, "source": source, "profiles": [profile]})
+    profiles: list[dict[str, Any]] = []
+    for engine in opts.engines:
+        profiles.append({"engine": engine, "accelerator": "cpu"})
+        if opts.threads:
+            profiles[-1]["threads"] = opts.threads
+    n = len(opts.engines)
+    spec = parse_model(
+        {"name": name, "source": source, "profiles": profiles, "replicas": {"min": n, "max": n}}
+    )
     key, record = create("local", "gold", note="created by cgn-ctl up")
 
     async def write() -> None:
@@ -313,40 +356,55 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
     return name, key
 
 
-def _wait_served(url: str, model: str, key: str, timeout_s: float, etcd: str, say: Any) -> None:
+def _wait_served(
+    url: str, model: str, key: str, timeout_s: float, etcd: str, say: Any, replicas: int = 1
+) -> None:
+    """Until a chat completion through the router succeeds and `replicas` replicas are Ready."""
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8}
     ).encode()
     deadline = time.monotonic() + timeout_s
     last = ""
     phases: dict[str, str] = {}
+    served = False
     while True:
         for replica, phase in _replica_phases(etcd, model).items():
             if phases.get(replica) != phase:
                 say(f"replica {replica}: {phase}")  # Starting, Loading (weights), Ready, ...
                 phases[replica] = phase
-        req = urllib.request.Request(
-            url + "/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                if resp.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            why = f"{exc.code}: {json.load(exc).get('error', {}).get('message', '')}"
-            if why != last:
-                say(f"waiting for {model}: {why}")
-                last = why
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            if str(exc) != last:
-                say(f"waiting for the router: {exc}")
-                last = str(exc)
+        if not served:
+            served, why = _serves(url, key, body)
+            if why and why != last:
+                say(why)
+            last = why
+        if served and sum(p == "Ready" for p in phases.values()) >= replicas:
+            return
         if time.monotonic() > deadline:
-            why = f"{model} was not served within {timeout_s:.0f}s"
-            raise Unavailable(f"{why}; see `cgn-ctl replicas --etcd {etcd}` and the logs")
+            what = (
+                f"{model} was not served"
+                if not served
+                else f"not all {replicas} replicas were Ready"
+            )
+            raise Unavailable(
+                f"{what} within {timeout_s:.0f}s; see `cgn-ctl replicas --etcd {etcd}` and the logs"
+            )
         time.sleep(1.0)
+
+
+def _serves(url: str, key: str, body: bytes) -> tuple[bool, str]:
+    """Whether a chat completion through the router succeeds; else why not."""
+    req = urllib.request.Request(
+        url + "/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status == 200, ""
+    except urllib.error.HTTPError as exc:
+        return False, f"waiting: {exc.code} {json.load(exc).get('error', {}).get('message', '')}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return False, f"waiting for the router: {exc}"
 
 
 def _replica_phases(etcd: str, model: str) -> dict[str, str]:
@@ -400,7 +458,7 @@ def down(state_dir: Path, say: Any) -> list[str]:
                 else f"{p['name']} (pid {fp.pid}) is still running"
             )
             stopped.append(p["name"])
-    for rec in sorted((state_dir / "agent" / "replicas").glob("*.json")):  # engines left behind
+    for rec in sorted(state_dir.glob("agent*/replicas/*.json")):  # engines left behind
         try:
             fp = fingerprint_from_json(json.loads(rec.read_text())["fingerprint"])
         except (OSError, ValueError, KeyError, TypeError):

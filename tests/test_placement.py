@@ -76,6 +76,31 @@ def test_falls_back_to_the_next_profile_and_cpu_replicas_spread() -> None:
     assert any(c.profile == 0 and c.node == "x" and not c.ok for c in d.candidates)
 
 
+def test_a_node_without_the_model_takes_the_next_profile_before_a_node_doubles_up() -> None:
+    """Three nodes each offering one engine (cgn-ctl up --engines): one replica per engine in
+    profile order; a fourth doubles up on the first profile's node. One node offering all
+    three engines runs its replicas on the first profile, as before."""
+    m = spec({"engine": "cgn_infer"}, {"engine": "llama_cpp"}, {"engine": "mlx_lm"})
+    nodes = [NodeView(f"n-{e}", (), frozenset({e})) for e in ("cgn_infer", "llama_cpp", "mlx_lm")]
+    placed = []
+    for _ in range(4):
+        d = place(m, nodes)
+        ((node, _),) = d.nodes
+        placed.append((d.profile, node))
+        nodes = [replace(n, replicas={"m": n.replicas.get("m", 0) + (n.name == node)})
+                 for n in nodes]  # fmt: skip
+    assert placed == [(0, "n-cgn_infer"), (1, "n-llama_cpp"), (2, "n-mlx_lm"), (0, "n-cgn_infer")]
+    one = NodeView("all", (), frozenset({"cgn_infer", "llama_cpp", "mlx_lm"}), replicas={"m": 1})
+    d = place(m, [one])
+    assert (d.profile, d.nodes) == (0, (("all", ()),))
+    mixed = [replace(nodes[0], replicas={"m": 1}), replace(nodes[1], replicas={})]
+    d = place(m, mixed)
+    assert (d.profile, d.nodes) == (1, (("n-llama_cpp", ()),))
+    assert {(c.node, c.profile): c.reason for c in d.candidates}[("n-cgn_infer", 0)] == (
+        "runs a replica of m already (a node that runs none goes first)"
+    )
+
+
 def test_power_breaks_ties_where_known() -> None:
     nodes = [NodeView("a", gpus("h100-80g", 8), ENGINES, watts=900.0),
              NodeView("b", gpus("h100-80g", 8), ENGINES, watts=600.0),
