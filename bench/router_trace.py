@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,15 @@ class Outcome:
 
 
 async def replay(
-    url: str, model: str, reqs: list[TraceRequest], blocks_per_id: int, output_scale: float
+    url: str,
+    model: str,
+    reqs: list[TraceRequest],
+    blocks_per_id: int,
+    output_scale: float,
+    prompt_of: Callable[[int, TraceRequest], Any] | None = None,
 ) -> tuple[list[Outcome], float]:
-    """Send every request at its arrival time; returns the outcomes and the wall time."""
+    """Send every request at its arrival time; returns the outcomes and the wall time.
+    `prompt_of(i, request)`: its prompt (default: token ids from `expand`)."""
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
@@ -88,7 +95,8 @@ async def replay(
 
         async def one(i: int, req: TraceRequest) -> Outcome:
             body = json.dumps({
-                "model": model, "prompt": expand(req, blocks_per_id, tail=i), "stream": True,
+                "model": model, "stream": True,
+                "prompt": prompt_of(i, req) if prompt_of else expand(req, blocks_per_id, tail=i),
                 "max_tokens": max(1, round(req.output_tokens * output_scale)), "ignore_eos": True,
                 "stream_options": {"include_usage": True},
             }).encode()  # fmt: skip
