@@ -138,6 +138,11 @@ class Starter:
         self.processes: list[dict[str, Any]] = []
 
     def start(self, name: str, argv: list[str], ready: Path | None, timeout_s: float = 120) -> Any:
+        """Start one daemon; its ready document once `ready` is written (None: at once)."""
+        proc = self.spawn(name, argv)
+        return None if ready is None else self.wait(name, proc, ready, timeout_s)
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
@@ -155,11 +160,15 @@ class Starter:
         )
         self.save({})
         self.say(f"started {name} (pid {proc.pid}, log {log})")
-        if ready is None:
-            return None
+        return proc
+
+    def wait(
+        self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float = 120
+    ) -> Any:
         try:
             return wait_ready_file(ready, timeout_s, proc)
         except (RuntimeError, TimeoutError) as exc:
+            log = self.state_dir / "logs" / f"{name}.log"
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             raise Unavailable(f"{name} did not start ({exc}): {' | '.join(tail)}") from None
 
@@ -218,7 +227,7 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
         )
         # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
         port, admin_port = int(started["ports"]["http"]), int(started["ports"]["admin"])
-    agents = []
+    spawned: list[tuple[str, subprocess.Popen[bytes]]] = []
     for i, (engine, node) in enumerate(agent_nodes(opts)):
         suffix = "" if i == 0 else f"-{engine}"
         agent_argv = [
@@ -246,9 +255,9 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
             ]
         if i == 0:  # the node's KV store, once per machine (its ports are the machine's)
             agent_argv += _store_flags(opts, state)
-        agents.append(
-            starter.start(f"agent{suffix}", agent_argv, ready_dir / f"agent{suffix}.ready")
-        )
+        spawned.append((f"agent{suffix}", starter.spawn(f"agent{suffix}", agent_argv)))
+    # the agents start side by side (each takes a second or two to import and register)
+    agents = [starter.wait(name, proc, ready_dir / f"{name}.ready") for name, proc in spawned]
     agent = agents[0]
     if opts.join is not None:
         starter.save({"etcd": etcd, "node": agent["node"], "joined": True})

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -127,7 +130,9 @@ def open_page(
     if exe is None:
         raise FileNotFoundError("chromium is not installed (Debian: apt-get install chromium)")
     with (
-        tempfile.TemporaryDirectory(prefix="cgn-chromium-") as profile,
+        # NOTE: a child Chromium forked (crashpad, a renderer) can still be writing into the
+        # profile while it is removed: cleanup must not fail the test (the group is killed below)
+        tempfile.TemporaryDirectory(prefix="cgn-chromium-", ignore_cleanup_errors=True) as profile,
         tempfile.TemporaryFile("w+") as log,
     ):
         proc = subprocess.Popen(
@@ -140,12 +145,19 @@ def open_page(
             port = _devtools_port(proc, Path(profile), log, time.monotonic() + 60)
             return asyncio.run(_drive(port, url, ready, timeout_s, size))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the browser's whole process group (it runs in its own session), SIGKILL what
+    is left after 10 s or once the browser itself has exited: its children outlive it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def _devtools_port(
