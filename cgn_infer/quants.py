@@ -1,14 +1,15 @@
 """Dequantization of GGUF tensors to float32 (numpy), with a clear error for unknown types.
 
 The block formats are ggml's; the arithmetic is the `gguf` package's numpy
-implementation (`gguf.quants.dequantize`), used one tensor at a time straight
-from the mmap so peak memory is one float32 tensor beyond the loaded model.
+implementation (cgn_core.text.gguf_file.dequantize), used one tensor at a time
+straight from the mmap so peak memory is one float32 tensor beyond the loaded model.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from cgn_core.text import gguf_file
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 
 # Types this engine loads; every one is dequantized once at load time.
@@ -30,24 +31,15 @@ SUPPORTED = (
 
 
 def dequantize(gguf: GGUFFile, name: str) -> np.ndarray:
-    """Tensor `name` as a float32 array of its (numpy-order) shape."""
+    """Tensor `name` as a float32 array of its (numpy-order) shape; a type this engine does
+    not load is a GGUFError naming it."""
     info = gguf.tensors[name]
     if info.type_name not in SUPPORTED:
         raise GGUFError(
             f"{gguf.path}: tensor {name} is {info.type_name}, which cgn-infer cannot load "
             f"(supported: {', '.join(SUPPORTED)})"
         )
-    raw = gguf.raw(name)
-    if info.type_name == "F32":
-        return raw.view(np.float32).reshape(info.shape)
-    if info.type_name == "F16":
-        return raw.view(np.float16).astype(np.float32).reshape(info.shape)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
-    rows = raw.reshape(-1, raw.size // (info.n_elements // info.shape[-1]))
-    out = gguf_dequantize(rows, GGMLQuantizationType(info.ggml_type))
-    return np.asarray(out, dtype=np.float32).reshape(info.shape)
+    return gguf_file.dequantize(gguf, name)
 
 
 def q4_groups(gguf: GGUFFile, name: str) -> np.ndarray | None:

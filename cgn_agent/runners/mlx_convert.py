@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from cgn_core.errors import ConfigError
-from cgn_core.text.gguf_file import GGUFError, GGUFFile
+from cgn_core.text.gguf_file import GGUFError, GGUFFile, dequantize
 from cgn_core.text.tokenizer import GGUFTokenizer
 
 FORMAT = 1  # bump when the directory's layout changes: older conversions are redone
@@ -170,7 +170,7 @@ def _weights(
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: dict[str, Any] = {}
     bits: dict[str, int] = {}
-    for name, info in g.tensors.items():
+    for name in g.tensors:
         base, suffix = name.rsplit(".", 1)
         if hf_name(name) is None:
             continue
@@ -185,7 +185,7 @@ def _weights(
                     }
                 )
         else:
-            values = mx.array(_dequantized(g, name, info.ggml_type, info.shape))
+            values = mx.array(_dequantized(g, name))
             parts = {suffix: values}
             if suffix == "weight" and values.ndim == 2 and values.shape[1] % GROUP == 0:
                 w, scales, biases = mx.quantize(values, group_size=GROUP, bits=REQUANT_BITS)
@@ -212,22 +212,10 @@ def _quantization(bits: dict[str, int]) -> dict[str, Any]:
     return table
 
 
-def _dequantized(g: GGUFFile, name: str, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+def _dequantized(g: GGUFFile, name: str) -> np.ndarray:
     """A tensor's values as float16 (float32 for 1-D tensors: norms and biases)."""
-    raw = g.raw(name)
-    values: np.ndarray[Any, Any]
-    if ggml_type == 0:
-        values = raw.view(np.float32).reshape(shape)
-    elif ggml_type == 1:
-        values = raw.view(np.float16).reshape(shape)
-    else:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType(ggml_type))
-        values = values.reshape(shape)
-    return values.astype(np.float32 if len(shape) == 1 else np.float16)
+    values = dequantize(g, name)
+    return values if values.ndim == 1 else values.astype(np.float16)
 
 
 def _tokenizer_config(out: Path, g: GGUFFile, tok: GGUFTokenizer, ctx: int) -> None:

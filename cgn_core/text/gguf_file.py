@@ -195,3 +195,22 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
             tensors[name] = info
         return metadata, tensors
+
+
+def dequantize(gguf: GGUFFile, name: str) -> np.ndarray:
+    """Tensor `name` as a float32 array of its (numpy-order) shape: F32 and F16 as stored,
+    every other type through the `gguf` package's numpy implementation of ggml's block
+    formats (imported here: a dependency only of what loads weights: cgn-infer, the MLX
+    conversion), one tensor at a time straight from the mmap."""
+    info = gguf.tensors[name]
+    raw = gguf.raw(name)
+    if info.type_name == "F32":
+        return raw.view(np.float32).reshape(info.shape)
+    if info.type_name == "F16":
+        return raw.view(np.float16).astype(np.float32).reshape(info.shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rows = raw.reshape(-1, raw.size // (info.n_elements // info.shape[-1]))
+    out = gguf_dequantize(rows, GGMLQuantizationType(info.ggml_type))
+    return np.asarray(out, dtype=np.float32).reshape(info.shape)
