@@ -35,10 +35,11 @@ import json
 import logging
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError
@@ -48,48 +49,36 @@ log = logging.getLogger("cgn_agent.runners.mlx_lm_server")
 
 
 class Counters:
-    """What /metrics publishes; updated from the server's request threads."""
+    """What /metrics publishes, in prometheus_client's metrics (safe from the server's
+    request threads): `add(running=1, prompt_tokens=30, ...)`."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.running = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prompt_cached = 0
-        self.requests = 0
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._metrics: dict[str, Gauge | Counter] = {
+            "running": Gauge("mlx_lm:requests_running", "Requests being answered", registry=r),
+            "prompt_tokens": Counter("mlx_lm:prompt_tokens", "Prompt tokens", registry=r),
+            "generation_tokens": Counter(
+                "mlx_lm:generation_tokens", "Generated tokens", registry=r
+            ),
+            "prompt_cached": Counter(
+                "mlx_lm:prompt_tokens_cached", "Prompt tokens from the prompt cache", registry=r
+            ),
+            "requests": Counter("mlx_lm:requests", "Requests answered", registry=r),
+        }
 
     def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
+        for name, delta in deltas.items():
+            self._metrics[name].inc(delta)
 
     def page(self) -> str:
-        with self._lock:
-            rows = [
-                ("requests_running", "gauge", "requests being answered", self.running),
-                ("prompt_tokens_total", "counter", "prompt tokens", self.prompt_tokens),
-                ("generation_tokens_total", "counter", "generated tokens", self.generation_tokens),
-                (
-                    "prompt_tokens_cached_total",
-                    "counter",
-                    "prompt tokens served from the prompt cache",
-                    self.prompt_cached,
-                ),
-                ("requests_total", "counter", "requests answered", self.requests),
-            ]
-        out = []
-        for name, kind, text, value in rows:
-            out += [f"# HELP mlx_lm:{name} {text}", f"# TYPE mlx_lm:{name} {kind}"]
-            out.append(f"mlx_lm:{name} {value}")
-        return "\n".join(out) + "\n"
+        return generate_latest(self.registry).decode()
 
 
 def model_dir(source: str, cache: Path) -> str:
     """What mlx_lm.server loads for `source`: a GGUF (a bundled model's name or a .gguf
     file) converted once into `cache`, else the source itself (an MLX directory, a repo id)."""
-    path = Path(source)
-    if source in bundled_models.BUNDLED and not path.exists():
-        path = bundled_models.BUNDLED[source]()
+    path = bundled_models.resolve(Path(source))
     if path.is_file():
         from cgn_agent.runners import mlx_convert
 
@@ -196,7 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         server: Any = importlib.import_module("mlx_lm.server")
-        for needed in ("run", "APIHandler", "ResponseGenerator", "LRUPromptCache"):
+        for needed in (
+            "main",
+            "run",
+            "_run_http_server",
+            "APIHandler",
+            "ResponseGenerator",
+            "LRUPromptCache",
+        ):
             if not hasattr(server, needed):
                 raise CognitoraError(
                     f"mlx_lm {getattr(server, '__version__', '')} has no server.{needed}: "
