@@ -22,18 +22,21 @@ from typing import Any
 
 
 def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int:
-    """SIGTERM the process group `proc` leads, SIGKILL it after `grace_s`; returns the exit code.
+    """SIGTERM the process group `proc` leads, SIGKILL what is left of it once the leader has
+    exited or after `grace_s`; returns the leader's exit code.
 
     `proc` must have been started with `start_new_session=True`, so its pid is
-    the group id and only processes we started are signalled.
+    the group id and only processes we started are signalled. Children that
+    outlive their leader (a browser's renderers, still writing into its profile)
+    are stopped with it.
     """
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # none left: the group is gone
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
     return int(proc.returncode)
 
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import itertools
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -26,6 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+
+from cgn_core.process import stop_group
 
 FLAGS = (
     "--headless=new",
@@ -130,8 +129,8 @@ def open_page(
     if exe is None:
         raise FileNotFoundError("chromium is not installed (Debian: apt-get install chromium)")
     with (
-        # NOTE: a child Chromium forked (crashpad, a renderer) can still be writing into the
-        # profile while it is removed: cleanup must not fail the test (the group is killed below)
+        # NOTE: a child Chromium forked (crashpad, a renderer) can be writing into the profile
+        # until the SIGKILL stop_group sends it lands: its removal must not fail the test
         tempfile.TemporaryDirectory(prefix="cgn-chromium-", ignore_cleanup_errors=True) as profile,
         tempfile.TemporaryFile("w+") as log,
     ):
@@ -145,19 +144,7 @@ def open_page(
             port = _devtools_port(proc, Path(profile), log, time.monotonic() + 60)
             return asyncio.run(_drive(port, url, ready, timeout_s, size))
         finally:
-            _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the browser's whole process group (it runs in its own session), SIGKILL what
-    is left after 10 s or once the browser itself has exited: its children outlive it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
+            stop_group(proc)
 
 
 def _devtools_port(
