@@ -30,15 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -50,14 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 from bench.router_trace import POLICIES, TRACE, replay, summarize
 from bench.trace import TraceRequest, load
-from cgn_core import bundled_models, keys
+from cgn_core import bundled_models
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
+from harness.mixed_fleet import ENGINES, endpoint_records, engine_of_node, mixed_fleet
 from harness.poll import router_endpoints, until
-from harness.procs import cgn_router, etcd_run
-
-ENGINES = ("cgn_infer", "llama_cpp", "mlx_lm")
-BIN = Path(sys.executable).parent
+from harness.procs import cgn_router
 
 
 def one_token_words() -> list[str]:
@@ -77,21 +71,6 @@ def text_of(req: TraceRequest, i: int, words: list[str], per_id: int, run: int) 
     return "\n".join(parts) + f"\nRequest {i}."
 
 
-def endpoints(etcd: str) -> dict[str, dict[str, Any]]:
-    """Each engine's endpoint record (url, api_token), by engine."""
-
-    async def read(c: Any) -> dict[str, dict[str, Any]]:
-        kvs, _ = await c.get_prefix(keys.ENDPOINTS)
-        out = {}
-        for kv in kvs:
-            node = kv.key.split("/")[-3]
-            engine = next(e for e in ENGINES if node.endswith("-" + e.replace("_", "-")))
-            out[engine] = json.loads(kv.value) | {"node": node}
-        return out
-
-    return etcd_run(etcd, read)
-
-
 def capacity(rec: dict[str, Any], prompts: list[str], max_tokens: int) -> dict[str, float]:
     """Requests/s of one engine alone, one request at a time (after one to warm it)."""
     auth = {"Authorization": f"Bearer {rec['api_token']}"}
@@ -106,16 +85,14 @@ def capacity(rec: dict[str, Any], prompts: list[str], max_tokens: int) -> dict[s
     return {"req_s": round(len(prompts) / wall, 3), "s_per_req": round(wall / len(prompts), 2)}
 
 
-def shares(outcomes: list[Any], by_endpoint: dict[str, str]) -> dict[str, dict[str, float]]:
+def shares(outcomes: list[Any]) -> dict[str, dict[str, float]]:
     ok = [o for o in outcomes if o.ok]
+    answered: dict[str, list[Any]] = {e: [] for e in ENGINES}
+    for o in ok:  # endpoint ids are <model>/<node>.<replica>
+        answered[engine_of_node(o.endpoint.split("/", 1)[-1].rsplit(".", 1)[0])].append(o)
     out: dict[str, dict[str, float]] = {}
     uncached_total = sum(o.prompt_tokens - o.cached_tokens for o in ok) or 1
-    for engine in ENGINES:
-        mine = [
-            o
-            for o in ok
-            if by_endpoint.get(o.endpoint.split("/", 1)[-1].rsplit(".", 1)[0]) == engine
-        ]
+    for engine, mine in answered.items():
         out[engine] = {
             "requests": round(len(mine) / max(len(ok), 1), 3),
             "uncached_tokens": round(
@@ -126,27 +103,6 @@ def shares(outcomes: list[Any], by_endpoint: dict[str, str]) -> dict[str, dict[s
             ),
         }
     return out
-
-
-@contextmanager
-def fleet(tmp: Path) -> Iterator[tuple[str, dict[str, dict[str, Any]]]]:
-    """`cgn-ctl up --engines ...` in `tmp`: (etcd, each engine's endpoint record); down after."""
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    ctl, state = str(BIN / "cgn-ctl"), tmp / "up"
-    ports = ["--port", "0", "--admin-port", "0", "--agent-port", "0", "--metrics-port", "0"]
-    try:
-        up = subprocess.run(
-            [ctl, "up", "--engines", ",".join(ENGINES), "--state-dir", str(state), *ports,
-             "--etcd-port", "0", "--kv-ram-gib", "0", "--threads", "1"],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if up.returncode:
-            raise SystemExit(f"cgn-ctl up failed: {up.stderr[-2000:]}")
-        etcd = json.loads((state / "up.json").read_text())["etcd"]
-        yield etcd, endpoints(etcd)
-    finally:
-        subprocess.run([ctl, "down", "--state-dir", str(state)], env=env, capture_output=True,
-                       timeout=120)  # fmt: skip
 
 
 def main() -> None:
@@ -167,10 +123,12 @@ def main() -> None:
         "time_scale": args.time_scale, "output_scale": args.output_scale, "runs": {},
     }  # fmt: skip
     mean = statistics.mean(len(r.hash_ids) for r in reqs)
-    shape = [r for r in reqs if abs(len(r.hash_ids) - mean) <= mean / 2][:2]
+    shape = [r for r in reqs if abs(len(r.hash_ids) - mean) <= mean / 2][:2] or reqs[:2]
     out_tokens = max(1, round(statistics.mean(r.output_tokens for r in reqs) * args.output_scale))
     for run, policy in enumerate(args.policies.split(",")):
-        with tempfile.TemporaryDirectory() as d, fleet(Path(d)) as (etcd, recs):
+        with tempfile.TemporaryDirectory() as d, mixed_fleet(Path(d) / "up") as up:
+            etcd = up["etcd"]
+            recs = endpoint_records(etcd)
             if run == 0:  # each engine alone, before any traffic
                 cap = {}
                 for e in ENGINES:
@@ -193,7 +151,7 @@ def main() -> None:
                            prompt_of=lambda i, r, run=run: text_of(r, i, words, args.words, run))
                 )  # fmt: skip
             s = summarize(outcomes, wall)
-            s["shares"] = shares(outcomes, {r["node"]: e for e, r in recs.items()})
+            s["shares"] = shares(outcomes)
             results["runs"][policy] = s
             print(json.dumps(s), file=sys.stderr, flush=True)
     command = " ".join([".venv/bin/python bench/mixed_fleet.py", *sys.argv[1:]])

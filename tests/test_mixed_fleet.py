@@ -16,47 +16,26 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from cgn_core import keys
 from cgn_core.engine_metrics import name_map, parse_samples
 from harness import browser
+from harness.mixed_fleet import ENGINES, endpoint_records, engine_of_node, mixed_fleet
 from harness.poll import get_json, until
-from harness.procs import etcd_run
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-ENGINES = ("cgn_infer", "llama_cpp", "mlx_lm")
 DIALECT = {"cgn_infer": "cgn-infer", "llama_cpp": "llamacpp", "mlx_lm": "mlx_lm"}
-BIN = Path(sys.executable).parent
-
-
-def ctl(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    return subprocess.run(
-        [str(BIN / "cgn-ctl"), *args], env=env, capture_output=True, text=True, timeout=timeout_s
-    )
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    state = tmp_path_factory.mktemp("mixed")
-    ports = ["--port", "0", "--admin-port", "0", "--agent-port", "0", "--metrics-port", "0"]
-    up = ctl("up", "--engines", ",".join(ENGINES), "--state-dir", str(state), *ports,
-             "--etcd-port", "0", "--kv-ram-gib", "0", "--threads", "1")  # fmt: skip
-    try:
-        assert up.returncode == 0, up.stderr[-3000:]
-        doc = json.loads((state / "up.json").read_text())
-        yield doc | {"state": state}
-    finally:
-        ctl("down", "--state-dir", str(state), timeout_s=120)
+    with mixed_fleet(tmp_path_factory.mktemp("mixed"), timeout_s=300) as doc:
+        yield doc
 
 
 def client(fleet: dict[str, Any]) -> openai.OpenAI:
@@ -64,9 +43,8 @@ def client(fleet: dict[str, Any]) -> openai.OpenAI:
 
 
 def engine_of(endpoint: str) -> str:
-    """The engine behind a router endpoint id `<model>/<node>.<replica>` (node <host>-<engine>)."""
-    node = endpoint.split("/", 1)[1].rsplit(".", 1)[0]
-    return next(e for e in ENGINES if node.endswith("-" + e.replace("_", "-")))
+    """The engine behind a router endpoint id `<model>/<node>.<replica>`."""
+    return engine_of_node(endpoint.split("/", 1)[1].rsplit(".", 1)[0])
 
 
 def ask(fleet: dict[str, Any], i: int, stream: bool) -> str:
@@ -97,13 +75,7 @@ def ask(fleet: dict[str, Any], i: int, stream: bool) -> str:
 
 
 def endpoints(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each engine's endpoint record (url, api_token) as its agent published it."""
-
-    async def read(c: Any) -> dict[str, dict[str, Any]]:
-        kvs, _ = await c.get_prefix(keys.ENDPOINTS)
-        return {engine_of("m/" + kv.key.split("/")[-3] + ".r"): json.loads(kv.value) for kv in kvs}
-
-    return etcd_run(fleet["etcd"], read)
+    return endpoint_records(fleet["etcd"])
 
 
 def test_every_engine_serves_the_openai_client_through_the_router(fleet: dict[str, Any]) -> None:
@@ -139,7 +111,7 @@ def test_cgn_metrics_reads_each_engine_as_its_own_page_says(fleet: dict[str, Any
     def federated(engine: str) -> float | None:
         names = name_map(DIALECT[engine]).generation_tokens
         text = httpx.get(fleet["dashboard"] + "federate", timeout=10).text
-        node = next(n for n in fleet["nodes"] if engine_of(f"m/{n}.r") == engine)
+        node = next(n for n in fleet["nodes"] if engine_of_node(n) == engine)
         found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                  if line.startswith(names[0] + "{") and f'node="{node}"' in line]  # fmt: skip
         return found[0] if found else None
@@ -149,7 +121,7 @@ def test_cgn_metrics_reads_each_engine_as_its_own_page_says(fleet: dict[str, Any
               timeout_s=20, poll_s=0.5)  # fmt: skip
         assert own(engine) > 0, engine  # the first test's traffic reached it
     view = get_json(fleet["dashboard"] + "api/v1/fleet")
-    reps = {engine_of("m/" + r["node"] + ".r"): r for r in view["replicas"]}
+    reps = {engine_of_node(r["node"]): r for r in view["replicas"]}
     assert reps["mlx_lm"]["waiting"] is None and reps["mlx_lm"]["running"] is not None
     assert reps["llama_cpp"]["kv_usage"] is None  # llama.cpp's build has none
     assert all(r["running"] is not None for r in reps.values())
@@ -160,7 +132,7 @@ def test_cgn_metrics_reads_each_engine_as_its_own_page_says(fleet: dict[str, Any
     assert page.errors == [], browser.as_json(page)
     table = page.dom.split('id="replicas"', 1)[1].split("</table>", 1)[0]
     rows = re.findall(r"<tr><td>([^<]+)\.smollm2-[0-9a-f]+</td>(.*?)</tr>", table)
-    shown = {engine_of(f"m/{node}.r"): cells for node, cells in rows}
+    shown = {engine_of_node(node): cells for node, cells in rows}
     assert set(shown) == set(ENGINES), page.dom[-3000:]
     assert "—" in shown["mlx_lm"]
 
