@@ -78,11 +78,11 @@ def parts(etcd: str) -> dict[str, dict[str, Any]]:
 
 
 def ask(router: Router) -> str:
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    out = client.chat.completions.create(
-        model="big", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
-        temperature=0,
-    )  # fmt: skip
+    with openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        out = c.chat.completions.create(
+            model="big", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+            temperature=0,
+        )  # fmt: skip
     return out.choices[0].message.content or ""
 
 
