@@ -1,6 +1,6 @@
 """Where a cgn-infer decode step's time goes, per weight format: the per-op profile.
 
-    python bench/infer_profile.py [--models smollm2 qwen] [--weights gguf float32 int8]
+    python bench/infer_profile.py [--models smollm2 qwen] [--weights gguf gguf-ops float32 int8]
 
 For each model and weight format: the torch backend in this process (no
 server), the prompt's KV in the pool, then single-stream decode steps (one
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
+from cgn_infer.backends.fused import FusedLayers
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.quantized import QuantMatrix
 from cgn_infer.loader import load_model
@@ -42,6 +43,7 @@ MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
 CONTEXT = 128  # tokens already in the pool when decode starts
 STEPS = 20
 BUCKETS = [  # first match wins: (bucket, substrings of the aten op name)
+    ("layers in C (kernels/layer.c: all of the below but the LM head)", ("cgn::layers",)),
     (
         "weight matmuls",
         ("int4pack_mm", "int8pack_mm", "linear", "addmm", " mm", "matmul", "cgn::qmatmul"),
@@ -64,6 +66,7 @@ def _traced(name: str, fn: Any) -> Any:
 
 QuantMatrix.__call__ = _traced("cgn::qmatmul", QuantMatrix.__call__)  # type: ignore[method-assign]
 QuantMatrix.rows = _traced("cgn::embed", QuantMatrix.rows)  # type: ignore[method-assign]
+FusedLayers.run = _traced("cgn::layers", FusedLayers.run)  # type: ignore[method-assign]
 
 
 def bucket(op: str) -> str:
@@ -79,8 +82,11 @@ def decode_items(rows: int) -> list[BatchItem]:
 
 
 def profile_one(model: str, weights: str, threads: int) -> dict[str, Any]:
-    m = load_model(InferSettings(model=MODELS[model](), weights=weights, threads=threads))  # type: ignore[arg-type]
+    chosen = weights.removesuffix("-ops")
+    m = load_model(InferSettings(model=MODELS[model](), weights=chosen, threads=threads))  # type: ignore[arg-type]
     b: Any = m.backend
+    if weights.endswith("-ops"):
+        b._fused = None  # the op-by-op path the one-call layers replaced, for the comparison
     kv = b.new_kv(16 * (-(-(CONTEXT + STEPS + 8) // 16)))
     prompt = [BatchItem(list(range(100, 100 + CONTEXT)), 0, decode_items(16)[r].table)
               for r in range(16)]  # fmt: skip
@@ -127,7 +133,8 @@ def profile_one(model: str, weights: str, threads: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2", "qwen"], choices=list(MODELS))
-    p.add_argument("--weights", nargs="+", default=["gguf", "float32", "int8"])
+    p.add_argument("--weights", nargs="+", default=["gguf", "gguf-ops", "float32", "int8"],
+                   help="gguf-ops: gguf weights with the layers op by op in torch (no layer.c)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     warnings.simplefilter("ignore", UserWarning)

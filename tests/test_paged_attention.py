@@ -45,10 +45,37 @@ def two_decode_groups(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_torch_paged_batch_equals_alone(smollm2_torch: Any, two_decode_groups: None) -> None:
-    """Exactly, by default: the quantized kernels and the paged C attention compute each row
-    the same way whatever the batch and however its prompt was chunked."""
-    assert smollm2_torch.weights == "gguf"
+    """Exactly, by default: the one-call C layers (quantized kernels, paged C attention)
+    compute each row the same way whatever the batch and however its prompt was chunked."""
+    assert smollm2_torch.weights == "gguf" and smollm2_torch._fused is not None
     check(smollm2_torch, tol=0.0)
+
+
+def test_one_call_layers_track_the_torch_ops(smollm2_gguf: Any, smollm2_torch: Any) -> None:
+    """kernels/layer.c computes what the op-by-op torch path computes, up to rounding (its
+    norms sum in double, its silu is libm's): the same logits to 0.999 correlation over a
+    prompt and its chunked continuation. A row outside the RoPE table or the pool is refused
+    before the kernel reads it."""
+    from cgn_infer.backends.torch_backend import TorchBackend
+    from cgn_infer.models import args_from_gguf
+
+    ops = TorchBackend(smollm2_gguf, args_from_gguf(smollm2_gguf), threads=2, fused=False)
+    assert ops._fused is None
+    prompt = np.random.default_rng(3).integers(100, 20000, 40).tolist()
+    got = [
+        b.forward_batch([BatchItem(prompt, 0, [0, 1, 2])], kv, all_logits=True)
+        for b, kv in ((smollm2_torch, smollm2_torch.new_kv(4)), (ops, ops.new_kv(4)))
+    ]
+    assert np.corrcoef(got[0].ravel(), got[1].ravel())[0, 1] > 0.999
+    assert (got[0].argmax(-1) == got[1].argmax(-1)).mean() >= 0.9
+    kv = smollm2_torch.new_kv(2)
+    x = smollm2_torch.embed(layout([BatchItem([5], 0, [0])]))
+    paged_rows = (np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64))
+    for positions, slots, what in (([0], [32], "KV slots"), ([10**7], [0], "positions")):
+        with pytest.raises(ValueError, match=what):
+            smollm2_torch._fused.run(
+                x, np.array(positions), np.array(slots), paged_rows, kv.k, kv.v
+            )
 
 
 def test_torch_float32_paged_batch_equals_alone(smollm2_gguf: Any, two_decode_groups: None) -> None:

@@ -81,6 +81,57 @@ def test_products_track_float32_and_ignore_the_batch(lib: kernels.Kernels, qtype
     assert torch.equal(y, alone)  # one row's arithmetic whatever the batch
 
 
+def _llamacpp_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, ...]:
+    """ggml's quantize_row_q8_1 (block 32) and quantize_row_q8_K (block 256), in numpy."""
+    v = x.reshape(-1, block)
+    with np.errstate(over="ignore"):
+        return _q8(v, block, x.shape)
+
+
+def _q8(v: np.ndarray, block: int, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    if block == 32:
+        amax = np.abs(v).max(axis=1)
+        d = amax / np.float32(127)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(
+            np.float32
+        )
+    else:
+        big = v[np.arange(len(v)), np.abs(v).argmax(axis=1)]
+        inv = np.where(big != 0, np.float32(-127) / np.where(big != 0, big, 1), 0).astype(
+            np.float32
+        )
+        d = np.where(inv != 0, np.float32(1) / np.where(inv != 0, inv, 1), 0).astype(np.float32)
+    inv[~np.isfinite(inv)] = d[~np.isfinite(inv)] = 0  # subnormal blocks: zeros
+    q = np.minimum(np.rint(v * inv[:, None]), 127).astype(np.int8).reshape(-1, 32)
+    d = np.repeat(d, block // 32).astype(np.float32)
+    s = d * q.astype(np.int32).sum(axis=1).astype(np.float32)
+    if block == 32:  # q8_1 keeps d and s in float16
+        d, s = (a.astype(np.float16).astype(np.float32) for a in (d, s))
+    return q.reshape(shape), d, s
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_are_quantized_as_llamacpp_stores_them(
+    lib: kernels.Kernels, block: int
+) -> None:
+    """The int8 activations, their scales and sums match ggml's own blocks for the weight
+    type (Q4_0..Q8_0 meet q8_1/q8_0 with float16 scales, the K-quants q8_K with float32),
+    including rows of zeros, scales below float16's smallest subnormal and subnormal inputs."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, K)) * rng.choice([1e-9, 1e-5, 1.0, 300.0], (5, 1))
+    x = x.astype(np.float32)
+    x[2] = 0.0
+    x[3, :block] *= np.float32(1e-30)
+    got = [
+        np.empty((5, K), np.int8),
+        np.empty((5, K // 32), np.float32),
+        np.empty((5, K // 32), np.float32),
+    ]
+    lib.lib.cgn_quantize_rows(x.ctypes.data, 5, K, block, *(a.ctypes.data for a in got))
+    for mine, ref in zip(got, _llamacpp_activations(x, block), strict=True):
+        np.testing.assert_array_equal(mine.reshape(-1), ref.reshape(-1))
+
+
 def test_parts_of_different_types_fill_their_own_columns(lib: kernels.Kernels) -> None:
     a, b = _blocks(Q.Q5_0, 3), _blocks(Q.Q8_0, 4)
     x = torch.randn(3, K)
@@ -102,9 +153,9 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
     path.write_bytes(b"not a shared library")  # e.g. a crash mid-write by an older version
     loaded = kernels.load()
     assert loaded is not None and loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
-    source = tmp_path / "qmatmul.c"  # a new engine version: another library, not the old one
-    source.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(kernels, "SOURCE", source)
+    source = tmp_path / "layer.c"  # a new engine version: another library, not the old one
+    source.write_text(kernels.SOURCES[-1].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(kernels, "SOURCES", (*kernels.SOURCES[:-1], source))
     assert kernels.library_path(compiler, kernels.current().isa) != path
 
 

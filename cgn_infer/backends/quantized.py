@@ -85,11 +85,13 @@ class QuantMatrix:
         m, k = x.shape
         lib = self.kernels.lib
         qa, da, sa = _activation_buffers(m, k)
-        lib.cgn_quantize_rows(address(x), m, k, qa, da, sa)
         y = torch.empty((m, self.out), dtype=torch.float32)
-        base, col = y.data_ptr(), 0
+        base, col, block = y.data_ptr(), 0, 0
         for type_id, rows, ptr in self.parts:
             n, row_bytes = rows.shape
+            if (want := lib.cgn_activation_block(type_id)) != block:  # as layer.c's matmul
+                lib.cgn_quantize_rows(address(x), m, k, want, qa, da, sa)
+                block = want
             lib.cgn_qmatmul(
                 type_id,
                 ptr,

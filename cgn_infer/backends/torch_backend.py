@@ -34,6 +34,7 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
+from cgn_infer.backends.fused import FusedLayers
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.backends.quantized import QuantMatrix, address
 from cgn_infer.kernels import KERNEL_TYPES
@@ -164,6 +165,7 @@ class TorchBackend(SingleSequence):
         progress: Callable[[int, int], None] | None = None,
         layers: tuple[int, int] | None = None,
         ends: bool = True,
+        fused: bool = True,
     ):
         """`layers` (first, end) and `ends` as in `load_weights`: a pipeline part (the head
         with its first layers and both ends, or a stage with a middle range and no ends)."""
@@ -221,6 +223,13 @@ class TorchBackend(SingleSequence):
         # Attention reads the float32 pool in place (C); other pools gather for SDPA.
         self._attend = lib if lib is not None and kv_dtype == "float32" else None
         self.rope = rope_table(args, args.ctx_len, self.device)
+        self._fused = (
+            FusedLayers(self._attend, args, self.w.layers, self.rope)
+            if fused and self._attend is not None and FusedLayers.applies(self.w.layers)
+            else None
+        )
+        if self._fused is None and self._attend is not None and self.w.layers:
+            log.info("layers run op by op in torch (a matrix without a kernel, or fused=False)")
 
     def weight_bytes(self) -> int:
         """Bytes held by the weight matrices (what a decode step streams from memory)."""
@@ -305,6 +314,9 @@ class TorchBackend(SingleSequence):
             torch.set_num_threads(want)
         if not self.w.layers:
             return x
+        if self._fused is not None:
+            paged = _paged_rows(lay, kv.k.shape[1])
+            return self._fused.run(x, lay.positions, lay.slots, paged, kv.k, kv.v)
         step = self._step_tensors(lay, kv.k.shape[1])
         rot = self.rope[torch.from_numpy(lay.positions).to(self.device)][:, None, :]  # [T, 1, hd/2]
         for i, layer in enumerate(self.w.layers):

@@ -32,7 +32,7 @@ from cgn_infer.kernels.isa import Isa, IsaError, current
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "layer.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name
@@ -67,7 +67,7 @@ def library_path(compiler: str, isa: Isa) -> Path:
     ).stdout
     flags = " ".join((*FLAGS, *isa.cflags))
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, flags))
+        b"\0".join(x.encode() for x in (*(s.read_text() for s in SOURCES), version, flags))
     ).hexdigest()[:16]
     return cache_dir() / f"qmatmul-{platform.machine()}-{isa.name}-{key}.so"
 
@@ -78,7 +78,7 @@ def _build(compiler: str, isa: Isa, target: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, *isa.cflags, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *isa.cflags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -98,7 +98,9 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.cgn_block_bytes.restype = ctypes.c_int
     lib.cgn_block_values.argtypes = [ctypes.c_int]
     lib.cgn_block_values.restype = ctypes.c_int
-    lib.cgn_quantize_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.cgn_activation_block.argtypes = [ctypes.c_int]
+    lib.cgn_activation_block.restype = ctypes.c_int
+    lib.cgn_quantize_rows.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
     lib.cgn_quantize_rows.restype = None
     lib.cgn_dequantize_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
     lib.cgn_dequantize_rows.restype = None
@@ -132,6 +134,8 @@ def _bind(path: Path) -> ctypes.CDLL:
         _ptr,
     ]
     lib.cgn_attend.restype = None
+    lib.cgn_layer.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr]
+    lib.cgn_layer.restype = ctypes.c_int
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree
         if lib.cgn_block_bytes(type_id) == 0:
             raise OSError(f"{path}: no kernel for {name}")

@@ -1,0 +1,156 @@
+/* A whole transformer layer of cgn-infer in one call: the decode and prefill hot path.
+ *
+ * x [T, D] (the residual stream, float32) is updated in place:
+ *
+ *     h = rms_norm(x) * attn_norm;   qkv = h @ Wqkv.T (+ bias);   rotate q and k (RoPE)
+ *     each row's K and V into its slot of the paged pool;   a = attention (cgn_attend)
+ *     x += a @ Wo.T;   h = rms_norm(x) * ffn_norm;   [g | u] = h @ Wgu.T
+ *     x += (silu(g) * u) @ Wd.T
+ *
+ * with every matrix in its GGUF blocks (cgn_qmatmul, qmatmul.c). Python made ~15 torch
+ * ops and ~10 ctypes calls per layer for this, a third of a decode step
+ * (bench/results/infer_profile.md); here it is one call.
+ *
+ * RoPE rotates adjacent pairs (the loader permutes NEOX-layout q/k rows into pairs) by the
+ * table's (cos, sin) at each row's position. Every row's arithmetic is independent of the
+ * other rows in the call, as in qmatmul.c, so batching and chunking change nothing.
+ * Scratch is one buffer per calling thread, grown to the largest step it has seen.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define MAX_PARTS 4
+
+/* A weight matrix [out, K]: its parts' block rows stacked (a fused QKV may mix types). */
+typedef struct {
+    int64_t parts, out, type[MAX_PARTS], rows[MAX_PARTS], row_bytes[MAX_PARTS];
+    const uint8_t *data[MAX_PARTS];
+} cgn_matrix;
+
+/* One layer's weights and shape. bqkv is NULL for a model without QKV biases. */
+typedef struct {
+    int64_t dim, heads, kv_heads, head_dim, ffn;
+    float eps, scale;
+    const float *attn_norm, *ffn_norm, *bqkv;
+    cgn_matrix wqkv, wo, w_gate_up, w_down;
+} cgn_layer_weights;
+
+/* What every layer of a step reads: rows, their positions and KV slots, the attention's
+ * view of the pool (as cgn_attend takes it), and the RoPE table [positions, hd/2, 2]. */
+typedef struct {
+    int64_t rows, table_width;
+    const int64_t *positions, *slots, *tables, *seq, *lengths;
+    const float *rope;
+} cgn_step;
+
+void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
+                       float *sa);
+int cgn_activation_block(int type);
+void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                 const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
+                 int64_t ldy);
+void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
+                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
+                int64_t KVH, int64_t hd, float scale, float *out);
+
+static _Thread_local struct {
+    void *p;
+    size_t n;
+} scratch;
+
+static void *grow(size_t n) {
+    if (n > scratch.n) {
+        free(scratch.p);
+        scratch.p = malloc(n);
+        scratch.n = scratch.p ? n : 0;
+    }
+    return scratch.p;
+}
+
+/* Quantized activations for the widest input of the layer. */
+typedef struct {
+    int8_t *qa;
+    float *da, *sa;
+} acts;
+
+/* y [T, m->out] = x [T, K] @ m.T, x quantized into a first (again for a part whose type
+ * wants its activations in other blocks: a fused matrix rarely mixes the two kinds). */
+static void matmul(const cgn_matrix *m, const float *x, int64_t T, int64_t K, acts a, float *y) {
+    int64_t col = 0;
+    for (int64_t p = 0, block = 0; p < m->parts; p++) {
+        int want = cgn_activation_block((int)m->type[p]);
+        if (want != block) cgn_quantize_rows(x, T, K, want, a.qa, a.da, a.sa), block = want;
+        cgn_qmatmul((int)m->type[p], m->data[p], m->row_bytes[p], m->rows[p], K, a.qa, a.da, a.sa,
+                    T, y + col, m->out);
+        col += m->rows[p];
+    }
+}
+
+/* out = x * w / sqrt(mean(x^2) + eps), per row; the sum in double, as llama.cpp does. */
+static void rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *r = x + t * D;
+        double ss = 0.0;
+        for (int64_t i = 0; i < D; i++) ss += (double)r[i] * r[i];
+        float inv = 1.0f / sqrtf((float)(ss / (double)D) + eps);
+        for (int64_t i = 0; i < D; i++) out[t * D + i] = r[i] * inv * w[i];
+    }
+}
+
+/* Rotate heads [n, hd] at one position: (a, b) -> (a c - b s, a s + b c) per pair. */
+static void rotate(float *v, int64_t n, int64_t hd, const float *cs) {
+    for (int64_t h = 0; h < n; h++, v += hd)
+        for (int64_t i = 0; i < hd / 2; i++) {
+            float a = v[2 * i], b = v[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+            v[2 * i] = a * c - b * s;
+            v[2 * i + 1] = a * s + b * c;
+        }
+}
+
+int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cgn_step *s,
+              float *x) {
+    const int64_t T = s->rows, D = w->dim, hd = w->head_dim, F = w->ffn;
+    const int64_t qn = w->heads * hd, kvn = w->kv_heads * hd, qkvn = w->wqkv.out;
+    int64_t widest = D > F ? D : F;
+    widest = widest > qn ? widest : qn;
+    /* h [T, D] | qkv [T, qkvn] | q, att [T, qn] | gu [T, 2F] | act [T, F] | y [T, D] |
+     * activation scales and sums [T, widest/32] each | quantized activations [T, widest] */
+    const int64_t groups = widest / GROUP;
+    size_t floats = (size_t)T * (D + qkvn + 2 * qn + 3 * F + D + 2 * groups);
+    float *h = grow(sizeof(float) * floats + (size_t)T * widest);
+    if (h == NULL) return -1;
+    float *qkv = h + T * D, *q = qkv + T * qkvn, *att = q + T * qn, *gu = att + T * qn;
+    float *act = gu + T * 2 * F, *y = act + T * F;
+    acts a = {(int8_t *)(y + T * D + 2 * T * groups), y + T * D, y + T * D + T * groups};
+
+    rms_norm(x, w->attn_norm, T, D, w->eps, h);
+    matmul(&w->wqkv, h, T, D, a, qkv);
+    for (int64_t t = 0; t < T; t++) {
+        float *r = qkv + t * qkvn;
+        if (w->bqkv)
+            for (int64_t i = 0; i < qkvn; i++) r[i] += w->bqkv[i];
+        const float *cs = s->rope + s->positions[t] * hd;
+        rotate(r, w->heads + w->kv_heads, hd, cs);
+        memcpy(q + t * qn, r, sizeof(float) * qn);
+        memcpy(pool_k + s->slots[t] * kvn, r + qn, sizeof(float) * kvn);
+        memcpy(pool_v + s->slots[t] * kvn, r + qn + kvn, sizeof(float) * kvn);
+    }
+    cgn_attend(q, pool_k, pool_v, s->tables, s->table_width, s->seq, s->lengths, T, w->heads,
+               w->kv_heads, hd, w->scale, att);
+    matmul(&w->wo, att, T, qn, a, y);
+    for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
+
+    rms_norm(x, w->ffn_norm, T, D, w->eps, h);
+    matmul(&w->w_gate_up, h, T, D, a, gu);
+    #pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * F, *u = g + F;
+        for (int64_t i = 0; i < F; i++) act[t * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    matmul(&w->w_down, act, T, F, a, y);
+    for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
+    return 0;
+}
