@@ -444,6 +444,15 @@ group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float
     }
 }
 
+/* Pairwise sums of w * a (int16): maddubs takes its first operand unsigned, so signed
+ * weights go in as |w| with a's signs flipped where w < 0; the types whose values are never
+ * negative (Q4_1, Q5_1) skip that, and the sums are the same integers either way. */
+static inline __attribute__((always_inline)) __m256i
+product(const int type, __m256i w, __m256i wabs, __m256i a) {
+    if (type == T_Q4_1 || type == T_Q5_1) return _mm256_maddubs_epi16(w, a);
+    return _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w));
+}
+
 /* One weight row against one activation row, with block_dot's arithmetic exactly. */
 static inline __attribute__((always_inline)) float
 row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *restrict qa,
@@ -459,11 +468,92 @@ row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *r
         __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
         __m256i a = _mm256_loadu_si256((const __m256i *)(qa + g * GROUP));
         __m256 sd = _mm256_set1_ps(da[g]);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w)), ones);
+        __m256i p = _mm256_madd_epi16(product(type, w, wabs, a), ones);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, sd), acc);
         mins += m * sa[g];
     }
     return hsum(acc) + mins;
+}
+
+/* block_dot's arithmetic for NR weight rows (pairs) read straight from their 32-value
+ * blocks (group_q) against NC activation rows: what a few decode rows take instead of the
+ * unpacked tile, whose copy costs more than it saves when few rows share it. */
+static inline __attribute__((always_inline)) void
+direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_bytes, int64_t K,
+           const int NC, const int8_t *restrict qa, const float *restrict da,
+           const float *restrict sa, float *restrict y, int64_t ldy) {
+    int64_t groups = K / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][CHUNK];
+    float mins[2][CHUNK];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i wq[2], wabs[2];
+        __m256 scale[2];
+        float m[2];
+        for (int r = 0; r < NR; r++) {
+            float d0, d1;
+            wq[r] = group_q(type, w + r * row_bytes, g, &d0, &d1, &m[r]);
+            wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
+            scale[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
+        }
+        for (int c = 0; c < NC; c++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
+            __m256 sd = _mm256_set1_ps(da[c * groups + g]);
+            for (int r = 0; r < NR; r++) {
+                __m256i p = _mm256_madd_epi16(product(type, wq[r], wabs[r], a), ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale[r], sd), acc[r][c]);
+                mins[r][c] += m[r] * sa[c * groups + g];
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) y[c * ldy + r] = hsum(acc[r][c]) + mins[r][c];
+}
+
+/* y [M, N] for M <= DIRECT_ROWS of a 32-value-block type: pairs of weight rows in parallel,
+ * each pair against every activation row, CHUNK at a time, straight from the blocks. */
+#define DIRECT_ROWS 16
+static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                        const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
+                        int64_t ldy) {
+    int64_t groups = K / GROUP;
+#define DIRECT(T)                                                                              \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int64_t n = 0; n < N; n += 2) {                                                      \
+        for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {                                           \
+            int nc = (int)(M - c0 < CHUNK ? M - c0 : CHUNK);                                  \
+            const uint8_t *rows = w + n * row_bytes;                                           \
+            const int8_t *a = qa + c0 * K;                                                     \
+            const float *d = da + c0 * groups, *s = sa + c0 * groups;                          \
+            float *out = y + c0 * ldy + n;                                                     \
+            if (n + 1 < N) {                                                                   \
+                switch (nc) {                                                                  \
+                case 1: direct_dot(T, 2, rows, row_bytes, K, 1, a, d, s, out, ldy); break;     \
+                case 2: direct_dot(T, 2, rows, row_bytes, K, 2, a, d, s, out, ldy); break;     \
+                case 3: direct_dot(T, 2, rows, row_bytes, K, 3, a, d, s, out, ldy); break;     \
+                default: direct_dot(T, 2, rows, row_bytes, K, 4, a, d, s, out, ldy); break;    \
+                }                                                                              \
+            } else {                                                                           \
+                switch (nc) {                                                                  \
+                case 1: direct_dot(T, 1, rows, row_bytes, K, 1, a, d, s, out, ldy); break;     \
+                case 2: direct_dot(T, 1, rows, row_bytes, K, 2, a, d, s, out, ldy); break;     \
+                case 3: direct_dot(T, 1, rows, row_bytes, K, 3, a, d, s, out, ldy); break;     \
+                default: direct_dot(T, 1, rows, row_bytes, K, 4, a, d, s, out, ldy); break;    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    return;
+    switch (type) {
+    case T_Q4_0: DIRECT(T_Q4_0)
+    case T_Q4_1: DIRECT(T_Q4_1)
+    case T_Q5_0: DIRECT(T_Q5_0)
+    case T_Q5_1: DIRECT(T_Q5_1)
+    default: DIRECT(T_Q8_0)
+    }
+#undef DIRECT
 }
 
 static void rows_dot1(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
@@ -493,6 +583,10 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
      * at one row); the K-quants' scale decoding is cheaper once per row in unpack_row */
     if (M == 1 && type != T_Q4_K && type != T_Q6_K) {
         rows_dot1(type, w, row_bytes, N, K, qa, da, sa, y);
+        return;
+    }
+    if (M <= DIRECT_ROWS && type != T_Q4_K && type != T_Q6_K) {
+        rows_direct(type, w, row_bytes, N, K, qa, da, sa, M, y, ldy);
         return;
     }
 #endif
