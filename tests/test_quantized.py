@@ -73,12 +73,13 @@ def test_products_track_float32_and_ignore_the_batch(lib: kernels.Kernels, qtype
     rows = _blocks(qtype, 2)
     w = torch.from_numpy(gguf.quants.dequantize(rows, qtype).reshape(N, K).astype(np.float32))
     m = _matrix(lib, (qtype, rows))
-    x = torch.randn(7, K)
+    x = torch.randn(20, K)  # over 16 rows: the unpacked tiles; up to 16: straight from blocks
     y, ref = m(x), x @ w.T
     corr = np.corrcoef(y.flatten().numpy(), ref.flatten().numpy())[0, 1]
     assert corr > 0.9999 and (y - ref).abs().max() / ref.abs().max() < 0.02, corr
-    alone = torch.cat([m(x[i : i + 1]) for i in range(7)])
+    alone = torch.cat([m(x[i : i + 1]) for i in range(20)])
     assert torch.equal(y, alone)  # one row's arithmetic whatever the batch
+    assert torch.equal(m(x[:7]), y[:7])
 
 
 def _llamacpp_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, ...]:

@@ -412,8 +412,7 @@ static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *r
 }
 
 #ifdef __AVX2__
-/* Group g (values 32g..32g+31) of a row of 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
- * straight from the blocks: the same int8 values, 16-value scales and offset that
+/* Group g (values 32g..32g+31) of a row of any supported type, straight from the blocks: the same int8 values, 16-value scales and offset that
  * unpack_row writes for it (same expressions), for the one-activation-row path, which
  * skips the unpacked copy. */
 static inline __attribute__((always_inline)) __m256i
@@ -433,6 +432,30 @@ group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float
         nibbles16(b + (type == T_Q4_0 ? 2 : 4), tmp, type == T_Q4_0 ? -8 : 0);
         return _mm256_loadu_si256((const __m256i *)tmp);
     }
+    case T_Q4_K: { /* sub-block g % 8 of block g / 8: pair j's low or high nibbles */
+        const uint8_t *b = row + (g / 8) * 144;
+        int s = (int)(g % 8), sc, mn;
+        scale_min_k4(s, b + 4, &sc, &mn);
+        *d0 = *d1 = fp16(b) * sc;
+        *m = -fp16(b + 2) * mn;
+        __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s / 2)));
+        if (s & 1) v = _mm256_srli_epi16(v, 4);
+        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    }
+    case T_Q6_K: { /* sixes128's quarter g % 4 of half (g % 8) / 4 of block g / 8 */
+        const uint8_t *b = row + (g / 8) * 210;
+        int s = (int)(g % 8), k = s % 4;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = fp16(b + 208);
+        *d0 = d * sc[2 * s];
+        *d1 = d * sc[2 * s + 1];
+        *m = 0.0f;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * (s / 4) + 32 * (k & 1)));
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (s / 4)));
+        lo = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(0x0f));
+        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(0x03));
+        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    }
     default: { /* Q5_0, Q5_1 */
         const uint8_t *b = row + g * (type == T_Q5_0 ? 22 : 24);
         *d0 = *d1 = fp16(b);
@@ -446,10 +469,10 @@ group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float
 
 /* Pairwise sums of w * a (int16): maddubs takes its first operand unsigned, so signed
  * weights go in as |w| with a's signs flipped where w < 0; the types whose values are never
- * negative (Q4_1, Q5_1) skip that, and the sums are the same integers either way. */
+ * negative (Q4_1, Q5_1, Q4_K) skip that, and the sums are the same integers either way. */
 static inline __attribute__((always_inline)) __m256i
 product(const int type, __m256i w, __m256i wabs, __m256i a) {
-    if (type == T_Q4_1 || type == T_Q5_1) return _mm256_maddubs_epi16(w, a);
+    if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K) return _mm256_maddubs_epi16(w, a);
     return _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w));
 }
 
@@ -512,7 +535,7 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
         for (int c = 0; c < NC; c++) y[c * ldy + r] = hsum(acc[r][c]) + mins[r][c];
 }
 
-/* y [M, N] for M <= DIRECT_ROWS of a 32-value-block type: pairs of weight rows in parallel,
+/* y [M, N] for M <= DIRECT_ROWS: pairs of weight rows in parallel,
  * each pair against every activation row, CHUNK at a time, straight from the blocks. */
 #define DIRECT_ROWS 16
 static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
@@ -551,6 +574,8 @@ static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N
     case T_Q4_1: DIRECT(T_Q4_1)
     case T_Q5_0: DIRECT(T_Q5_0)
     case T_Q5_1: DIRECT(T_Q5_1)
+    case T_Q4_K: DIRECT(T_Q4_K)
+    case T_Q6_K: DIRECT(T_Q6_K)
     default: DIRECT(T_Q8_0)
     }
 #undef DIRECT
@@ -579,13 +604,13 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
                  int64_t ldy) {
     int64_t tiles = (N + TILE - 1) / TILE, groups = K / GROUP;
 #ifdef __AVX2__
-    /* decode: blocks of 32 straight into the dot products, no unpacked tile (1.5-2x faster
-     * at one row); the K-quants' scale decoding is cheaper once per row in unpack_row */
+    /* decode: blocks straight into the dot products, no unpacked tile (1.5-2x faster at
+     * one row: the tile's copy costs more than it saves when few rows share it) */
     if (M == 1 && type != T_Q4_K && type != T_Q6_K) {
         rows_dot1(type, w, row_bytes, N, K, qa, da, sa, y);
         return;
     }
-    if (M <= DIRECT_ROWS && type != T_Q4_K && type != T_Q6_K) {
+    if (M <= DIRECT_ROWS) {
         rows_direct(type, w, row_bytes, N, K, qa, da, sa, M, y, ldy);
         return;
     }
