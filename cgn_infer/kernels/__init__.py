@@ -1,4 +1,5 @@
-"""cgn-infer's C kernels (qmatmul.c): built on first use for the CPU's path, cached, loaded.
+"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c): built on first use for the CPU's
+path into one library, cached, loaded.
 
 The library is compiled with the system C compiler (`-O3 -fopenmp` and the flags of the
 instruction-set path `isa.py` chooses: `-mavx2 -mfma -mf16c`, or none for the portable
@@ -32,7 +33,7 @@ from cgn_infer.kernels.isa import Isa, IsaError, current
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "layer.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "activations.c", "layer.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name

@@ -49,12 +49,12 @@ typedef struct {
 void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
                        float *sa);
 int cgn_activation_block(int type);
-void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
-                 const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
-                 int64_t ldy);
 void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
                 int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
                 int64_t KVH, int64_t hd, float scale, float *out);
+void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                 const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
+                 int64_t ldy);
 
 static _Thread_local struct {
     void *p;
@@ -153,4 +153,54 @@ int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cg
     matmul(&w->w_down, act, T, F, a, y);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
     return 0;
+}
+
+/* Attention straight over the paged KV pool (float32), for every row of a step: prompt
+ * chunks and decode rows alike, with no gather into a scratch copy.
+ * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
+ * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
+ * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
+ * Every row is computed by the same code in the same order, whatever else is in the step
+ * and however its prompt was chunked, so results are exactly batch- and chunk-invariant. */
+void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
+                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
+                int64_t KVH, int64_t hd, float scale, float *out) {
+    int64_t group = H / KVH, maxlen = 1;
+    for (int64_t r = 0; r < R; r++) maxlen = lengths[r] > maxlen ? lengths[r] : maxlen;
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < R * KVH; job++) {
+            int64_t r = job / KVH, kvh = job % KVH, len = lengths[r];
+            const int64_t *table = tables + seq[r] * nb;
+            const float *qh = q + (r * H + kvh * group) * hd;
+            float *oh = out + (r * H + kvh * group) * hd;
+            for (int64_t t = 0; t < len; t++) {
+                const float *k = pool_k + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                for (int64_t g = 0; g < group; g++) {
+                    float s = 0.0f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int64_t i = 0; i < hd; i++) s += qh[g * hd + i] * k[i];
+                    scores[g * len + t] = s * scale;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * len, mx = -INFINITY, total = 0.0f;
+                for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
+                for (int64_t t = 0; t < len; t++) total += (sg[t] = expf(sg[t] - mx));
+                float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+                for (int64_t i = 0; i < hd; i++) oh[g * hd + i] = 0.0f;
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const float *v = pool_v + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                for (int64_t g = 0; g < group; g++) {
+                    float p = scores[g * len + t], *o = oh + g * hd;
+                    for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
+                }
+            }
+        }
+        free(scores);
+    }
 }

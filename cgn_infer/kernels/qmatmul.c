@@ -2,8 +2,9 @@
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], where W's rows are the file's own blocks,
  * untouched: no float copy of the model exists. Activations are quantized per row
- * in groups of 32 (int8 + a float scale + the scaled sum, like ggml's q8_1), and
- * each weight row is unpacked, a tile at a time, into a common form:
+ * into int8 with a float scale and the scaled sum per 32 values (activations.c, as
+ * llama.cpp quantizes them for each weight type), and each weight row is read, a
+ * tile at a time or (for up to 16 rows) a group at a time, in a common form:
  *
  *     value[k] = d16[k / 16] * q[k] + m32[k / 32]        (q: int8)
  *
@@ -14,7 +15,8 @@
  *     y = sum_g d16 * da[g] * (q . qa)_g + sum_g m32[g] * sa[g]
  *
  * Each output row's arithmetic is the same whatever the number of rows M in the
- * call, so a sequence's result never depends on the rows batched with it.
+ * call and whichever way the weights were read, so a sequence's result never
+ * depends on the rows batched with it.
  * Parallel over weight-row tiles with OpenMP; loaded after torch, this library
  * shares torch's libgomp (same soname), so both use one thread pool.
  */
@@ -54,30 +56,6 @@ static inline float fp16(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
-#endif
-}
-
-/* x rounded to the nearest float16 (ties to even), back as a float. */
-static inline float half_round(float x) {
-#ifdef __F16C__
-    return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
-#else
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    uint32_t exp = (bits >> 23) & 0xff;
-    if (exp == 0xff || exp < 103) { /* inf/nan stay; below half's subnormals: signed zero */
-        if (exp < 103) bits &= 0x80000000u;
-    } else if (exp < 113) { /* a half subnormal: a multiple of 2^-24 */
-        float f = fabsf(x), q = rintf(f * 16777216.0f) / 16777216.0f;
-        return x < 0 ? -q : q;
-    } else { /* 10 mantissa bits kept, round to nearest even; overflow rounds to inf */
-        uint32_t lsb = (bits >> 13) & 1;
-        bits += 0xfff + lsb;
-        bits &= ~0x1fffu;
-        if (((bits >> 23) & 0xff) > 142) bits = (bits & 0x80000000u) | 0x7f800000u;
-    }
-    memcpy(&x, &bits, 4);
-    return x;
 #endif
 }
 
@@ -250,48 +228,6 @@ static void unpack_row(int type, const uint8_t *restrict src, int64_t K, int8_t 
         return;
     }
 }
-
-/* x [M, K] float32 -> qa [M, K] int8, da and sa [M, K/32], as llama.cpp quantizes the
- * activations for each weight type (ggml's q8_1/q8_0 and q8_K):
- *   block 32 (for Q4_0..Q8_0): per 32 values d = max|x| / 127, q = round(x * 127 / max|x|),
- *     d and d * sum(q) rounded to float16, as those blocks store them;
- *   block 256 (for the K-quants): per 256 values, m = the value of largest magnitude,
- *     q = min(127, round(x * -127 / m)), d = m / -127 in float32, repeated for its 8 groups.
- * A block so small that its inverse scale overflows (subnormal floats) becomes zeros.
- * sa = d * sum(q) per group of 32. Rows are independent (parallel only when large). */
-static void quantize_row(const float *x, int64_t K, int block, int8_t *qa, float *da, float *sa) {
-    for (int64_t b = 0; b < K / block; b++) {
-        const float *v = x + b * block;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < block; j++)
-            if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
-        float d, inv;
-        if (block == GROUP) d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        else inv = amax > 0.0f ? -127.0f / max : 0.0f, d = amax > 0.0f ? 1.0f / inv : 0.0f;
-        if (isinf(inv)) d = inv = 0.0f; /* subnormal inputs: zeros (ggml would overflow) */
-        for (int g = 0; g < block / GROUP; g++) {
-            int64_t i = b * (block / GROUP) + g;
-            int sum = 0;
-            for (int j = 0; j < GROUP; j++) {
-                int r = (int)rintf(v[g * GROUP + j] * inv); /* half to even, like nearbyintf */
-                r = r > 127 ? 127 : r;
-                qa[i * GROUP + j] = (int8_t)r;
-                sum += r;
-            }
-            da[i] = block == GROUP ? half_round(d) : d;
-            sa[i] = block == GROUP ? half_round(d * (float)sum) : d * (float)sum;
-        }
-    }
-}
-
-void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
-                       float *sa) {
-    #pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, block, qa + m * K, da + m * (K / GROUP), sa + m * (K / GROUP));
-}
-
-int cgn_activation_block(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : GROUP; }
 
 /* Rows `ids` of a quantized matrix [N, K] as float32 (embedding lookups). */
 void cgn_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K,
@@ -634,55 +570,5 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
             }
         }
         free(q); free(d16); free(m32);
-    }
-}
-
-/* Attention straight over the paged KV pool (float32), for every row of a step: prompt
- * chunks and decode rows alike, with no gather into a scratch copy.
- * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
- * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
- * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
- * Every row is computed by the same code in the same order, whatever else is in the step
- * and however its prompt was chunked, so results are exactly batch- and chunk-invariant. */
-void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
-                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
-                int64_t KVH, int64_t hd, float scale, float *out) {
-    int64_t group = H / KVH, maxlen = 1;
-    for (int64_t r = 0; r < R; r++) maxlen = lengths[r] > maxlen ? lengths[r] : maxlen;
-    #pragma omp parallel
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen));
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < R * KVH; job++) {
-            int64_t r = job / KVH, kvh = job % KVH, len = lengths[r];
-            const int64_t *table = tables + seq[r] * nb;
-            const float *qh = q + (r * H + kvh * group) * hd;
-            float *oh = out + (r * H + kvh * group) * hd;
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = pool_k + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
-                for (int64_t g = 0; g < group; g++) {
-                    float s = 0.0f;
-                    #pragma omp simd reduction(+ : s)
-                    for (int64_t i = 0; i < hd; i++) s += qh[g * hd + i] * k[i];
-                    scores[g * len + t] = s * scale;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len, mx = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
-                for (int64_t t = 0; t < len; t++) total += (sg[t] = expf(sg[t] - mx));
-                float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-                for (int64_t i = 0; i < hd; i++) oh[g * hd + i] = 0.0f;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = pool_v + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
-                for (int64_t g = 0; g < group; g++) {
-                    float p = scores[g * len + t], *o = oh + g * hd;
-                    for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
-                }
-            }
-        }
-        free(scores);
     }
 }
