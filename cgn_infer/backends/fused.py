@@ -7,7 +7,7 @@ the gated MLP run in C, with no torch op or Python between them. Anything else (
 dequantized for want of a kernel, a float16 pool, another device) keeps the torch path.
 
 The descriptors below mirror layer.c's structs field for field; each layer's is built once
-at load and points into arrays the backend keeps alive (the weights' block rows, the norm
+at load and points into what the backend keeps alive (its QuantMatrix descriptors, the norm
 vectors, the bias). A step's descriptor is built per step and checked here, because the
 kernel trusts it: every position inside the RoPE table, every slot inside the pool.
 """
@@ -22,24 +22,12 @@ import numpy as np
 import torch
 
 from cgn_core.kv.blockhash import BLOCK_SIZE
-from cgn_infer.backends.quantized import QuantMatrix, address
+from cgn_infer.backends.quantized import CMatrix, QuantMatrix, address
 from cgn_infer.kernels import Kernels
 from cgn_infer.models.args import Args
 from cgn_infer.weights import LayerWeights
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-MAX_PARTS = 4  # layer.c's MAX_PARTS
-
-
-class _Matrix(ctypes.Structure):
-    _fields_ = (
-        ("parts", _i64),
-        ("out", _i64),
-        ("type", _i64 * MAX_PARTS),
-        ("rows", _i64 * MAX_PARTS),
-        ("row_bytes", _i64 * MAX_PARTS),
-        ("data", _ptr * MAX_PARTS),
-    )
 
 
 class _Layer(ctypes.Structure):
@@ -54,10 +42,10 @@ class _Layer(ctypes.Structure):
         ("attn_norm", _ptr),
         ("ffn_norm", _ptr),
         ("bqkv", _ptr),
-        ("wqkv", _Matrix),
-        ("wo", _Matrix),
-        ("w_gate_up", _Matrix),
-        ("w_down", _Matrix),
+        ("wqkv", CMatrix),
+        ("wo", CMatrix),
+        ("w_gate_up", CMatrix),
+        ("w_down", CMatrix),
     )
 
 
@@ -72,15 +60,6 @@ class _Step(ctypes.Structure):
         ("lengths", _ptr),
         ("rope", _ptr),
     )
-
-
-def _matrix(m: QuantMatrix) -> _Matrix:
-    if len(m.parts) > MAX_PARTS:
-        raise ValueError(f"a matrix of {len(m.parts)} parts (layer.c takes {MAX_PARTS})")
-    d = _Matrix(parts=len(m.parts), out=m.out)
-    for i, (type_id, rows, ptr) in enumerate(m.parts):
-        d.type[i], d.rows[i], d.row_bytes[i], d.data[i] = type_id, rows.shape[0], rows.shape[1], ptr
-    return d
 
 
 def _vector(t: object) -> torch.Tensor:
@@ -114,10 +93,10 @@ class FusedLayers:
                     attn_norm=address(_vector(layer.attn_norm)),
                     ffn_norm=address(_vector(layer.ffn_norm)),
                     bqkv=None if bias is None else address(bias),
-                    wqkv=_matrix(layer.wqkv),
-                    wo=_matrix(layer.wo),
-                    w_gate_up=_matrix(layer.w_gate_up),
-                    w_down=_matrix(layer.w_down),
+                    wqkv=layer.wqkv.desc,
+                    wo=layer.wo.desc,
+                    w_gate_up=layer.w_gate_up.desc,
+                    w_down=layer.w_down.desc,
                 )
             )
 
@@ -125,9 +104,9 @@ class FusedLayers:
     def applies(layers: Sequence[LayerWeights[Any]]) -> bool:
         """Whether every layer's matrices have kernels (then the layers run in C)."""
         return all(
-            all(isinstance(m, QuantMatrix) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-            and all(len(m.parts) <= MAX_PARTS for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+            isinstance(m, QuantMatrix)
             for lw in layers
+            for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
         )
 
     def run(

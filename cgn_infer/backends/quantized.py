@@ -1,14 +1,15 @@
 """Weight matrices kept in the GGUF file's own quantized blocks, for the torch backend on CPU.
 
 A `QuantMatrix` is one or more tensors' block rows (a fused QKV may mix types,
-e.g. Qwen's Q5_0 q/k with a Q8_0 v), multiplied by cgn_infer/kernels (C, OpenMP):
-the activations are quantized to int8 per 32 values once per call, and every
-part writes its columns of one output. Nothing is dequantized at load, so the
-weights cost what the file costs, and memory is the file's mmap. `rows(ids)`
-dequantizes just those rows, exactly (the embedding lookup).
+e.g. Qwen's Q5_0 q/k with a Q8_0 v), multiplied by cgn_infer/kernels (C, OpenMP)
+in one call: the activations are quantized to int8 as llama.cpp quantizes them
+for the parts' types, and every part writes its columns of one output. Nothing
+is dequantized at load, so the weights cost what the file costs, and memory is
+the file's mmap. `rows(ids)` dequantizes just those rows, exactly (the
+embedding lookup).
 
 What is exact: the weights, always (every supported type unpacks losslessly).
-What is approximated: the activations, to int8 with a float scale per 32
+What is approximated: the activations, to int8 with a scale per 32 or 256
 values (as llama.cpp does for these types). Its error against float32 weights
 and activations is measured in tests/test_quantized.py (logit correlation
 above 0.9999 on random inputs).
@@ -27,6 +28,8 @@ from cgn_infer.kernels import KERNEL_TYPES, Kernels
 from cgn_infer.weights import RawPart
 
 _GROUP = 32
+MAX_PARTS = 4  # kernels/layer.c's MAX_PARTS
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def address(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
@@ -56,16 +59,31 @@ def _activation_buffers(m: int, k: int) -> tuple[ctypes.c_void_p, ...]:
     return bufs[:3]
 
 
+class CMatrix(ctypes.Structure):
+    """kernels/layer.c's cgn_matrix, field for field: what its products read."""
+
+    _fields_ = (
+        ("parts", _i64),
+        ("out", _i64),
+        ("type", _i64 * MAX_PARTS),
+        ("rows", _i64 * MAX_PARTS),
+        ("row_bytes", _i64 * MAX_PARTS),
+        ("data", _ptr * MAX_PARTS),
+    )
+
+
 class QuantMatrix:
     """[out, in] = the parts' rows stacked; `self(x)` = x @ W.T in float32."""
 
-    __slots__ = ("cols", "kernels", "out", "parts")
+    __slots__ = ("cols", "desc", "kernels", "out", "parts")
 
     def __init__(self, kernels: Kernels, parts: list[RawPart]):
         cols = {p.cols for p in parts}
         if len(cols) != 1 or next(iter(cols)) % _GROUP:
             names = [p.name for p in parts]
             raise ValueError(f"parts {names} do not share a width divisible by 32")
+        if len(parts) > MAX_PARTS:
+            raise ValueError(f"{len(parts)} parts in one matrix (the kernels take {MAX_PARTS})")
         self.kernels = kernels
         self.cols = cols.pop()
         self.parts = []  # (ggml type id, block rows [n, bytes], their address)
@@ -73,39 +91,25 @@ class QuantMatrix:
             rows = np.ascontiguousarray(p.rows)
             self.parts.append((KERNEL_TYPES[p.type_name], rows, address(rows)))
         self.out = sum(rows.shape[0] for _, rows, _ in self.parts)
+        self.desc = CMatrix(parts=len(self.parts), out=self.out)  # points into self.parts
+        for i, (type_id, rows, ptr) in enumerate(self.parts):
+            self.desc.type[i], self.desc.rows[i] = type_id, rows.shape[0]
+            self.desc.row_bytes[i], self.desc.data[i] = rows.shape[1], ptr
 
     @staticmethod
     def supports(parts: list[RawPart]) -> bool:
-        return all(p.type_name in KERNEL_TYPES for p in parts) and all(
-            p.cols % _GROUP == 0 for p in parts
+        return len(parts) <= MAX_PARTS and all(
+            p.type_name in KERNEL_TYPES and p.cols % _GROUP == 0 for p in parts
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, out] float32
         x = x.float().contiguous()
         m, k = x.shape
-        lib = self.kernels.lib
-        qa, da, sa = _activation_buffers(m, k)
         y = torch.empty((m, self.out), dtype=torch.float32)
-        base, col, block = y.data_ptr(), 0, 0
-        for type_id, rows, ptr in self.parts:
-            n, row_bytes = rows.shape
-            if (want := lib.cgn_activation_block(type_id)) != block:  # as layer.c's matmul
-                lib.cgn_quantize_rows(address(x), m, k, want, qa, da, sa)
-                block = want
-            lib.cgn_qmatmul(
-                type_id,
-                ptr,
-                row_bytes,
-                n,
-                k,
-                qa,
-                da,
-                sa,
-                m,
-                ctypes.c_void_p(base + 4 * col),
-                self.out,
-            )
-            col += n
+        qa, da, sa = _activation_buffers(m, k)
+        self.kernels.lib.cgn_matrix_product(
+            ctypes.byref(self.desc), address(x), m, k, qa, da, sa, address(y)
+        )
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,6 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.cgn_block_bytes.restype = ctypes.c_int
     lib.cgn_block_values.argtypes = [ctypes.c_int]
     lib.cgn_block_values.restype = ctypes.c_int
-    lib.cgn_activation_block.argtypes = [ctypes.c_int]
-    lib.cgn_activation_block.restype = ctypes.c_int
     lib.cgn_quantize_rows.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr]
     lib.cgn_quantize_rows.restype = None
     lib.cgn_dequantize_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
@@ -135,6 +133,8 @@ def _bind(path: Path) -> ctypes.CDLL:
         _ptr,
     ]
     lib.cgn_attend.restype = None
+    lib.cgn_matrix_product.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
+    lib.cgn_matrix_product.restype = None
     lib.cgn_layer.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr]
     lib.cgn_layer.restype = ctypes.c_int
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree

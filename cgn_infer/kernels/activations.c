@@ -11,8 +11,6 @@
 
 #define GROUP 32
 
-enum { T_Q4_K = 12, T_Q6_K = 14 }; /* qmatmul.c's ggml type ids */
-
 /* x rounded to the nearest float16 (ties to even), back as a float. */
 static inline float half_round(float x) {
 #ifdef __F16C__
@@ -38,7 +36,8 @@ static inline float half_round(float x) {
 }
 
 /* x [M, K] float32 -> qa [M, K] int8, da and sa [M, K/32], as llama.cpp quantizes the
- * activations for each weight type (ggml's q8_1/q8_0 and q8_K):
+ * activations for each weight type, in blocks of the weight's own block size (ggml's
+ * q8_1/q8_0 and q8_K):
  *   block 32 (for Q4_0..Q8_0): per 32 values d = max|x| / 127, q = round(x * 127 / max|x|),
  *     d and d * sum(q) rounded to float16, as those blocks store them;
  *   block 256 (for the K-quants): per 256 values, m = the value of largest magnitude,
@@ -76,5 +75,3 @@ void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, block, qa + m * K, da + m * (K / GROUP), sa + m * (K / GROUP));
 }
-
-int cgn_activation_block(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : GROUP; }

@@ -24,7 +24,8 @@
 #define GROUP 32
 #define MAX_PARTS 4
 
-/* A weight matrix [out, K]: its parts' block rows stacked (a fused QKV may mix types). */
+/* A weight matrix [out, K]: its parts' block rows stacked (a fused QKV may mix types).
+ * backends/quantized.py builds one per QuantMatrix, once. */
 typedef struct {
     int64_t parts, out, type[MAX_PARTS], rows[MAX_PARTS], row_bytes[MAX_PARTS];
     const uint8_t *data[MAX_PARTS];
@@ -48,7 +49,7 @@ typedef struct {
 
 void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
                        float *sa);
-int cgn_activation_block(int type);
+int cgn_block_values(int type);
 void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
                 int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
                 int64_t KVH, int64_t hd, float scale, float *out);
@@ -70,21 +71,18 @@ static void *grow(size_t n) {
     return scratch.p;
 }
 
-/* Quantized activations for the widest input of the layer. */
-typedef struct {
-    int8_t *qa;
-    float *da, *sa;
-} acts;
-
-/* y [T, m->out] = x [T, K] @ m.T, x quantized into a first (again for a part whose type
- * wants its activations in other blocks: a fused matrix rarely mixes the two kinds). */
-static void matmul(const cgn_matrix *m, const float *x, int64_t T, int64_t K, acts a, float *y) {
+/* y [T, m->out] = x [T, K] @ m.T: x quantized into qa/da/sa (room for [T, K]) in the
+ * blocks of each part's type, again only where a part's type wants other blocks than the
+ * part before it (a fused matrix rarely mixes the two kinds). Every product of a quantized
+ * matrix goes through here: the layers below and QuantMatrix's calls from Python. */
+void cgn_matrix_product(const cgn_matrix *m, const float *x, int64_t T, int64_t K, int8_t *qa,
+                        float *da, float *sa, float *y) {
     int64_t col = 0;
     for (int64_t p = 0, block = 0; p < m->parts; p++) {
-        int want = cgn_activation_block((int)m->type[p]);
-        if (want != block) cgn_quantize_rows(x, T, K, want, a.qa, a.da, a.sa), block = want;
-        cgn_qmatmul((int)m->type[p], m->data[p], m->row_bytes[p], m->rows[p], K, a.qa, a.da, a.sa,
-                    T, y + col, m->out);
+        int want = cgn_block_values((int)m->type[p]); /* ggml quantizes to the weight's block */
+        if (want != block) cgn_quantize_rows(x, T, K, want, qa, da, sa), block = want;
+        cgn_qmatmul((int)m->type[p], m->data[p], m->row_bytes[p], m->rows[p], K, qa, da, sa, T,
+                    y + col, m->out);
         col += m->rows[p];
     }
 }
@@ -124,10 +122,11 @@ int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cg
     if (h == NULL) return -1;
     float *qkv = h + T * D, *q = qkv + T * qkvn, *att = q + T * qn, *gu = att + T * qn;
     float *act = gu + T * 2 * F, *y = act + T * F;
-    acts a = {(int8_t *)(y + T * D + 2 * T * groups), y + T * D, y + T * D + T * groups};
+    int8_t *qa = (int8_t *)(y + T * D + 2 * T * groups);
+    float *da = y + T * D, *sa = da + T * groups;
 
     rms_norm(x, w->attn_norm, T, D, w->eps, h);
-    matmul(&w->wqkv, h, T, D, a, qkv);
+    cgn_matrix_product(&w->wqkv, h, T, D, qa, da, sa, qkv);
     for (int64_t t = 0; t < T; t++) {
         float *r = qkv + t * qkvn;
         if (w->bqkv)
@@ -140,17 +139,17 @@ int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cg
     }
     cgn_attend(q, pool_k, pool_v, s->tables, s->table_width, s->seq, s->lengths, T, w->heads,
                w->kv_heads, hd, w->scale, att);
-    matmul(&w->wo, att, T, qn, a, y);
+    cgn_matrix_product(&w->wo, att, T, qn, qa, da, sa, y);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
 
     rms_norm(x, w->ffn_norm, T, D, w->eps, h);
-    matmul(&w->w_gate_up, h, T, D, a, gu);
+    cgn_matrix_product(&w->w_gate_up, h, T, D, qa, da, sa, gu);
     #pragma omp parallel for schedule(static) if (T > 4)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * 2 * F, *u = g + F;
         for (int64_t i = 0; i < F; i++) act[t * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    matmul(&w->w_down, act, T, F, a, y);
+    cgn_matrix_product(&w->w_down, act, T, F, qa, da, sa, y);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
     return 0;
 }

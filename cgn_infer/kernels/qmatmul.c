@@ -348,9 +348,10 @@ static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *r
 }
 
 #ifdef __AVX2__
-/* Group g (values 32g..32g+31) of a row of any supported type, straight from the blocks: the same int8 values, 16-value scales and offset that
- * unpack_row writes for it (same expressions), for the one-activation-row path, which
- * skips the unpacked copy. */
+/* Group g (values 32g..32g+31) of a row of any supported type, straight from the blocks:
+ * the same int8 values, 16-value scales and offset that unpack_row writes for it (same
+ * expressions), for the paths of up to DIRECT_ROWS activation rows, which skip the
+ * unpacked copy. */
 static inline __attribute__((always_inline)) __m256i
 group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float *d1, float *m) {
     int8_t tmp[32];
@@ -434,8 +435,8 @@ row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *r
     return hsum(acc) + mins;
 }
 
-/* block_dot's arithmetic for NR weight rows (pairs) read straight from their 32-value
- * blocks (group_q) against NC activation rows: what a few decode rows take instead of the
+/* block_dot's arithmetic for NR weight rows (pairs) read straight from their blocks
+ * (group_q) against NC activation rows: what a few decode rows take instead of the
  * unpacked tile, whose copy costs more than it saves when few rows share it. */
 static inline __attribute__((always_inline)) void
 direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_bytes, int64_t K,
