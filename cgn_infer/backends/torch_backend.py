@@ -168,7 +168,9 @@ class TorchBackend(SingleSequence):
         fused: bool = True,
     ):
         """`layers` (first, end) and `ends` as in `load_weights`: a pipeline part (the head
-        with its first layers and both ends, or a stage with a middle range and no ends)."""
+        with its first layers and both ends, or a stage with a middle range and no ends).
+        `fused=False` keeps the op-by-op torch layers where the one-call C layers
+        (backends/fused.py) would apply: the benchmark and tests compare the two."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}")
         if args.rope_dim != args.head_dim:
