@@ -48,7 +48,7 @@ def serve(
         flag("--kv-pool-tokens", "KV pool size in tokens (default 16384; on CPU, memory as used)."),
     ] = None,
     kv_dtype: Annotated[
-        str | None, flag("--kv-dtype", "KV pool: float32 | bfloat16 | float16 (default float32).")
+        str | None, flag("--kv-dtype", "KV pool: float16 | bfloat16 | float32 (default float16).")
     ] = None,
     speed: Annotated[
         float | None, flag("--speed", "sim backend: run this many times faster than modelled.")

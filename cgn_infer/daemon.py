@@ -460,7 +460,7 @@ def check_pool_fits(settings: InferSettings, backend: Backend, available: int | 
             f"kv_pool_tokens={settings.kv_pool_tokens} needs {need / 2**30:.1f} GiB of host "
             f"memory ({what}); this host has {available / 2**30:.1f} GiB available and the "
             f"pool may take {POOL_MEMORY_SHARE:.0%} of it: lower --kv-pool-tokens"
-            + (" (or use --kv-dtype bfloat16)" if in_host else "")
+            + (" (or a 16-bit --kv-dtype)" if in_host and settings.kv_dtype == "float32" else "")
         )
 
 

@@ -141,8 +141,9 @@ class InferSettings:
     prefill_chunk: int = 512  # prompt tokens per step, shared with the decoding streams
     max_batch: int = 8  # sequences running at once
     kv_pool_tokens: int = 16384  # KV pool size (16-token blocks); on CPU resident as written
-    # float32 keeps batched and sequential greedy output identical; bfloat16 halves the pool.
-    kv_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # float16 (as llama.cpp keeps its cache) holds the parity bars at half float32's memory;
+    # with the gguf kernels every type keeps batched and sequential output identical.
+    kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"
     aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()

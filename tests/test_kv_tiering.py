@@ -83,10 +83,10 @@ def _roundtrip(backend: Any, kv: Any) -> np.ndarray:
 def test_backends_serialize_blocks_as_the_layout_says(smollm2_torch: Any) -> None:
     torch_kv = smollm2_torch.new_kv(8)
     dtype, layers, heads, dim = smollm2_torch.kv_layout()
-    assert (dtype, layers, heads, dim) == ("float32", 30, 3, 64)
+    assert (dtype, layers, heads, dim) == ("float16", 30, 3, 64)
     data = _roundtrip(smollm2_torch, torch_kv)
     # K then V, each [layers, 16, KV heads, head dim]: layer 7, position 3, head 2 of block 5
-    block = data[0].view(np.float32).reshape(2, layers, 16, heads, dim)
+    block = data[0].view(np.float16).reshape(2, layers, 16, heads, dim)
     assert np.array_equal(torch_kv.k[7, 5, 3, 2].numpy(), block[0, 7, 3, 2])
     assert np.array_equal(torch_kv.v[29, 5, 15, 0].numpy(), block[1, 29, 15, 0])
     assert (
@@ -105,8 +105,8 @@ def test_backends_serialize_blocks_as_the_layout_says(smollm2_torch: Any) -> Non
     mlx.n_local = smollm2_torch.args.n_layers  # a whole model (not a pipeline part)
     mlx_kv = mlx.new_kv(8)
     assert mlx.kv_layout() == ("float32", 30, 3, 64)
-    _roundtrip(mlx, mlx_kv)
-    assert np.array_equal(np.array(mlx_kv.k[7][5 * 16 + 3, 2]), block[0, 7, 3, 2])
+    mlx_block = _roundtrip(mlx, mlx_kv)[0].view(np.float32).reshape(2, layers, 16, heads, dim)
+    assert np.array_equal(np.array(mlx_kv.k[7][5 * 16 + 3, 2]), mlx_block[0, 7, 3, 2])
 
 
 # ---- real processes -----------------------------------------------------------------------

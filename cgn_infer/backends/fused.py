@@ -1,10 +1,11 @@
 """The torch backend's layers in one C call each (cgn_infer/kernels/layer.c).
 
 Taken when every matrix of every layer is a `QuantMatrix` (the `gguf` weights with a
-kernel for each type) and the KV pool is float32: norms, the QKV product and its bias,
-RoPE, the KV write, attention over the paged pool, the output product, the residuals and
-the gated MLP run in C, with no torch op or Python between them. Anything else (a tensor
-dequantized for want of a kernel, a float16 pool, another device) keeps the torch path.
+kernel for each type), whatever the KV pool's type (float16, bfloat16 or float32): norms,
+the QKV product and its bias, RoPE, the KV write, attention over the paged pool, the output
+product, the residuals and the gated MLP run in C, with no torch op or Python between them.
+Anything else (a tensor dequantized for want of a kernel, another device) keeps the torch
+path.
 
 The descriptors below mirror layer.c's structs field for field; each layer's is built once
 at load and points into what the backend keeps alive (its QuantMatrix descriptors, the norm
@@ -53,6 +54,7 @@ class _Step(ctypes.Structure):
     _fields_ = (
         ("rows", _i64),
         ("table_width", _i64),
+        ("kv_type", _i64),
         ("positions", _ptr),
         ("slots", _ptr),
         ("tables", _ptr),
@@ -60,6 +62,10 @@ class _Step(ctypes.Structure):
         ("lengths", _ptr),
         ("rope", _ptr),
     )
+
+
+# layer.c's KV_F32, KV_F16, KV_BF16: the pool's element type
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _vector(t: object) -> torch.Tensor:
@@ -118,7 +124,8 @@ class FusedLayers:
         pool_k: torch.Tensor,
         pool_v: torch.Tensor,
     ) -> torch.Tensor:
-        """x [T, D] after every layer; pool_k/pool_v [layers, blocks, 16, KVH, hd] float32."""
+        """x [T, D] after every layer; pool_k/pool_v [layers, blocks, 16, KVH, hd], float32,
+        float16 or bfloat16 (both alike)."""
         tables, seq, lengths = paged
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         slot = np.ascontiguousarray(slots, dtype=np.int64)
@@ -127,11 +134,12 @@ class FusedLayers:
             raise ValueError(f"positions must lie in 0..{self.rope.shape[0] - 1}")
         if len(slot) and (slot.min() < 0 or slot.max() >= capacity):
             raise ValueError(f"KV slots must lie in 0..{capacity - 1}")
-        assert pool_k.is_contiguous() and pool_v.is_contiguous() and pool_k.dtype == torch.float32
+        assert pool_k.is_contiguous() and pool_v.is_contiguous() and pool_k.dtype == pool_v.dtype
         x = x.float().contiguous().clone()  # updated in place: never the caller's buffer
         step = _Step(
             rows=x.shape[0],
             table_width=tables.shape[1],
+            kv_type=KV_TYPES[pool_k.dtype],
             positions=address(pos),
             slots=address(slot),
             tables=address(tables),

@@ -8,10 +8,14 @@ others dequantize everything once at load: `int8` (per-row symmetric int8 +
 scale, through torch's int8 weight-only GEMM), `int4` (Q4_0/Q4_1 only),
 `auto`, `bfloat16`, `float16` or `float32`.
 Activations, norms, RoPE and the residual stream run in float32 on CPU. K/V
-live in one paged pool (`new_kv`); each step writes the new tokens' K/V into
-their slots with one index_copy per layer and reads each sequence's context
-through its block table (a gather of whole 16-token blocks, padded and masked
-for decode rows, grouped by context width: backends/paged.py), then runs SDPA.
+live in one paged pool (`new_kv`, float32, float16 or bfloat16). With the gguf
+kernels, each layer is one C call (backends/fused.py) that writes the new
+tokens' K/V into their slots and attends over the pool in place, every row by
+the same code (so results are batch-invariant); op by op, attention is that same
+C kernel. Without kernels, each step writes K/V with one index_copy per layer and
+reads each sequence's context through its block table (a gather of whole 16-token
+blocks, padded and masked for decode rows, grouped by context width:
+backends/paged.py), then runs SDPA.
 
 RoPE always rotates adjacent pairs (one complex multiply): for NEOX-layout
 models (qwen2) the q/k rows are permuted at load so that halves become
@@ -34,7 +38,7 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
-from cgn_infer.backends.fused import FusedLayers
+from cgn_infer.backends.fused import KV_TYPES, FusedLayers
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.backends.quantized import QuantMatrix, address
 from cgn_infer.kernels import KERNEL_TYPES
@@ -159,7 +163,7 @@ class TorchBackend(SingleSequence):
         *,
         device: str = "cpu",
         weights: str = "gguf",
-        kv_dtype: str = "float32",
+        kv_dtype: str = "float16",
         threads: int = 0,
         decode_threads: int = 0,
         progress: Callable[[int, int], None] | None = None,
@@ -222,8 +226,8 @@ class TorchBackend(SingleSequence):
                 types,
             )
         self.weights = weights if lib is not None or weights != "gguf" else "float32"
-        # Attention reads the float32 pool in place (C); other pools gather for SDPA.
-        self._attend = lib if lib is not None and kv_dtype == "float32" else None
+        # With the kernels, attention reads the pool in place (C); without, it gathers for SDPA.
+        self._attend = lib
         self.rope = rope_table(args, args.ctx_len, self.device)
         self._fused = (
             FusedLayers(self._attend, args, self.w.layers, self.rope)
@@ -395,15 +399,15 @@ class TorchBackend(SingleSequence):
         flat = (-1, a.n_kv_heads, a.head_dim)
         pool_k.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
         pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
-        q = q.to(self.kv_dtype)
         if step.paged is not None and self._attend is not None:
             tables, seq, lengths = step.paged
-            q = q.contiguous()
+            q = q.float().contiguous()
             att = torch.empty_like(q)
             self._attend.lib.cgn_attend(
                 address(q),
                 address(pool_k),
                 address(pool_v),
+                KV_TYPES[self.kv_dtype],
                 address(tables),
                 tables.shape[1],
                 address(seq),
@@ -416,6 +420,7 @@ class TorchBackend(SingleSequence):
                 address(att),
             )
             return _l(layer.wo)(att.view(n, a.q_size))  # [T, D]
+        q = q.to(self.kv_dtype)
         out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for dec_rows, tables, mask in step.decodes:
             b = dec_rows.shape[0]

@@ -1,5 +1,5 @@
-"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c): built on first use for the CPU's
-path into one library, cached, loaded.
+"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c, with half.h): built on first use
+for the CPU's path into one library, cached, loaded.
 
 The library is compiled with the system C compiler (`-O3 -fopenmp` and the flags of the
 instruction-set path `isa.py` chooses: `-mavx2 -mfma -mf16c`, or none for the portable
@@ -34,6 +34,7 @@ from cgn_infer.kernels.isa import Isa, IsaError, current
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "activations.c", "layer.c"))
+HEADERS = (Path(__file__).with_name("half.h"),)  # part of the cache key, not compiled alone
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name
@@ -68,7 +69,9 @@ def library_path(compiler: str, isa: Isa) -> Path:
     ).stdout
     flags = " ".join((*FLAGS, *isa.cflags))
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (*(s.read_text() for s in SOURCES), version, flags))
+        b"\0".join(
+            x.encode() for x in (*(s.read_text() for s in (*SOURCES, *HEADERS)), version, flags)
+        )
     ).hexdigest()[:16]
     return cache_dir() / f"qmatmul-{platform.machine()}-{isa.name}-{key}.so"
 
@@ -78,8 +81,9 @@ def _build(compiler: str, isa: Isa, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
+        include = f"-I{HEADERS[0].parent}"
         done = subprocess.run(
-            [compiler, *FLAGS, *isa.cflags, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *isa.cflags, include, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -121,6 +125,7 @@ def _bind(path: Path) -> ctypes.CDLL:
         _ptr,
         _ptr,
         _ptr,
+        ctypes.c_int,
         _ptr,
         _i64,
         _ptr,

@@ -5,35 +5,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
+
+#include "half.h"
 
 #define GROUP 32
 
 /* x rounded to the nearest float16 (ties to even), back as a float. */
-static inline float half_round(float x) {
-#ifdef __F16C__
-    return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
-#else
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    uint32_t exp = (bits >> 23) & 0xff;
-    if (exp == 0xff || exp < 103) { /* inf/nan stay; below half's subnormals: signed zero */
-        if (exp < 103) bits &= 0x80000000u;
-    } else if (exp < 113) { /* a half subnormal: a multiple of 2^-24 */
-        float f = fabsf(x), q = rintf(f * 16777216.0f) / 16777216.0f;
-        return x < 0 ? -q : q;
-    } else { /* 10 mantissa bits kept, round to nearest even; overflow rounds to inf */
-        uint32_t lsb = (bits >> 13) & 1;
-        bits += 0xfff + lsb;
-        bits &= ~0x1fffu;
-        if (((bits >> 23) & 0xff) > 142) bits = (bits & 0x80000000u) | 0x7f800000u;
-    }
-    memcpy(&x, &bits, 4);
-    return x;
-#endif
-}
+static inline float half_round(float x) { return half_to_float(float_to_half(x)); }
 
 /* x [M, K] float32 -> qa [M, K] int8, da and sa [M, K/32], as llama.cpp quantizes the
  * activations for each weight type, in blocks of the weight's own block size (ggml's

@@ -15,11 +15,15 @@
  * table's (cos, sin) at each row's position. Every row's arithmetic is independent of the
  * other rows in the call, as in qmatmul.c, so batching and chunking change nothing.
  * Scratch is one buffer per calling thread, grown to the largest step it has seen.
+ * The KV pool holds float32, float16 or bfloat16 (cgn_step.kv_type): K and V are rounded
+ * to it as they are written and widened back to float32 as attention reads them.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "half.h"
 
 #define GROUP 32
 #define MAX_PARTS 4
@@ -39,10 +43,12 @@ typedef struct {
     cgn_matrix wqkv, wo, w_gate_up, w_down;
 } cgn_layer_weights;
 
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* the pool's element type */
+
 /* What every layer of a step reads: rows, their positions and KV slots, the attention's
  * view of the pool (as cgn_attend takes it), and the RoPE table [positions, hd/2, 2]. */
 typedef struct {
-    int64_t rows, table_width;
+    int64_t rows, table_width, kv_type;
     const int64_t *positions, *slots, *tables, *seq, *lengths;
     const float *rope;
 } cgn_step;
@@ -50,9 +56,9 @@ typedef struct {
 void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
                        float *sa);
 int cgn_block_values(int type);
-void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
-                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
-                int64_t KVH, int64_t hd, float scale, float *out);
+void cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
+                const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
+                int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out);
 void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                  const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                  int64_t ldy);
@@ -98,6 +104,34 @@ static void rms_norm(const float *x, const float *w, int64_t T, int64_t D, float
     }
 }
 
+/* Row i (n values) of a pool: written from float32, rounded to the pool's type. */
+static void kv_store(void *pool, int64_t i, int64_t n, int kv, const float *src) {
+    if (kv == KV_F32) {
+        memcpy((float *)pool + i * n, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = (uint16_t *)pool + i * n;
+    for (int64_t j = 0; j < n; j++)
+        h[j] = kv == KV_F16 ? float_to_half(src[j]) : float_to_bf16(src[j]);
+}
+
+/* Row i (n values) of a pool as float32: in place for float32, else widened into buf. */
+static inline const float *kv_load(const void *pool, int64_t i, int64_t n, int kv, float *buf) {
+    if (kv == KV_F32) return (const float *)pool + i * n;
+    const uint16_t *h = (const uint16_t *)pool + i * n;
+    int64_t j = 0;
+    if (kv == KV_BF16) {
+        for (; j < n; j++) buf[j] = bf16_to_float(h[j]);
+        return buf;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+#endif
+    for (; j < n; j++) buf[j] = half_to_float(h[j]);
+    return buf;
+}
+
 /* Rotate heads [n, hd] at one position: (a, b) -> (a c - b s, a s + b c) per pair. */
 static void rotate(float *v, int64_t n, int64_t hd, const float *cs) {
     for (int64_t h = 0; h < n; h++, v += hd)
@@ -108,7 +142,7 @@ static void rotate(float *v, int64_t n, int64_t hd, const float *cs) {
         }
 }
 
-int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cgn_step *s,
+int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_step *s,
               float *x) {
     const int64_t T = s->rows, D = w->dim, hd = w->head_dim, F = w->ffn;
     const int64_t qn = w->heads * hd, kvn = w->kv_heads * hd, qkvn = w->wqkv.out;
@@ -134,10 +168,10 @@ int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cg
         const float *cs = s->rope + s->positions[t] * hd;
         rotate(r, w->heads + w->kv_heads, hd, cs);
         memcpy(q + t * qn, r, sizeof(float) * qn);
-        memcpy(pool_k + s->slots[t] * kvn, r + qn, sizeof(float) * kvn);
-        memcpy(pool_v + s->slots[t] * kvn, r + qn + kvn, sizeof(float) * kvn);
+        kv_store(pool_k, s->slots[t], kvn, (int)s->kv_type, r + qn);
+        kv_store(pool_v, s->slots[t], kvn, (int)s->kv_type, r + qn + kvn);
     }
-    cgn_attend(q, pool_k, pool_v, s->tables, s->table_width, s->seq, s->lengths, T, w->heads,
+    cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq, s->lengths, T, w->heads,
                w->kv_heads, hd, w->scale, att);
     cgn_matrix_product(&w->wo, att, T, qn, qa, da, sa, y);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
@@ -154,21 +188,22 @@ int cgn_layer(const cgn_layer_weights *w, float *pool_k, float *pool_v, const cg
     return 0;
 }
 
-/* Attention straight over the paged KV pool (float32), for every row of a step: prompt
+/* Attention straight over the paged KV pool (float32, float16 or bfloat16), for every row of a step: prompt
  * chunks and decode rows alike, with no gather into a scratch copy.
  * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
  * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
  * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
  * Every row is computed by the same code in the same order, whatever else is in the step
  * and however its prompt was chunked, so results are exactly batch- and chunk-invariant. */
-void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const int64_t *tables,
-                int64_t nb, const int64_t *seq, const int64_t *lengths, int64_t R, int64_t H,
-                int64_t KVH, int64_t hd, float scale, float *out) {
+void cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
+                const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
+                int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out) {
     int64_t group = H / KVH, maxlen = 1;
     for (int64_t r = 0; r < R; r++) maxlen = lengths[r] > maxlen ? lengths[r] : maxlen;
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen));
+        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen + hd));
+        float *row = scores + group * maxlen; /* a 16-bit pool's K or V row, widened */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < R * KVH; job++) {
             int64_t r = job / KVH, kvh = job % KVH, len = lengths[r];
@@ -176,7 +211,8 @@ void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const 
             const float *qh = q + (r * H + kvh * group) * hd;
             float *oh = out + (r * H + kvh * group) * hd;
             for (int64_t t = 0; t < len; t++) {
-                const float *k = pool_k + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                int64_t at = (table[t / 16] * 16 + t % 16) * KVH + kvh;
+                const float *k = kv_load(pool_k, at, hd, kv_type, row);
                 for (int64_t g = 0; g < group; g++) {
                     float s = 0.0f;
                     #pragma omp simd reduction(+ : s)
@@ -193,7 +229,8 @@ void cgn_attend(const float *q, const float *pool_k, const float *pool_v, const 
                 for (int64_t i = 0; i < hd; i++) oh[g * hd + i] = 0.0f;
             }
             for (int64_t t = 0; t < len; t++) {
-                const float *v = pool_v + ((table[t / 16] * 16 + t % 16) * KVH + kvh) * hd;
+                int64_t at = (table[t / 16] * 16 + t % 16) * KVH + kvh;
+                const float *v = kv_load(pool_v, at, hd, kv_type, row);
                 for (int64_t g = 0; g < group; g++) {
                     float p = scores[g * len + t], *o = oh + g * hd;
                     for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
