@@ -20,7 +20,8 @@ from cgn_infer.kernels.isa import ENV, ISAS, IsaError, choose, cpu_features, cur
 
 REPO = Path(__file__).resolve().parent.parent
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}  # Skylake-X: no VNNI
+VNNI = AVX512 | {"avx512_vnni"}
 NEON = frozenset({"fp", "asimd", "aes", "crc32"})
 
 
@@ -28,10 +29,11 @@ NEON = frozenset({"fp", "asimd", "aes", "crc32"})
     ("requested", "features", "machine", "path", "forced", "why"),
     [
         ("", AVX2, "x86_64", "avx2", False, "avx2: this CPU has AVX2, FMA and F16C"),
-        ("auto", AVX512, "x86_64", "avx2", False, "(no AVX-512 kernels yet)"),
+        ("auto", VNNI, "x86_64", "avx512vnni", False, "this CPU has AVX-512 VNNI"),
+        ("auto", AVX512, "x86_64", "avx2", False, "this CPU has AVX2"),
         ("", frozenset({"sse4_2", "avx"}), "x86_64", "generic", False, "several times slower"),
         ("", NEON, "aarch64", "generic", False, "generic"),
-        ("AVX2", AVX512, "x86_64", "avx2", True, "forced by CGN_CPU_ISA"),
+        ("AVX2", VNNI, "x86_64", "avx2", True, "forced by CGN_CPU_ISA"),
         (" generic ", AVX512, "x86_64", "generic", True, "forced by CGN_CPU_ISA"),
         ("generic", NEON, "aarch64", "generic", True, "forced"),
     ],
@@ -47,7 +49,8 @@ def test_a_cpu_gets_its_path(
 @pytest.mark.parametrize(
     ("requested", "features", "message"),
     [
-        ("avx512", AVX512, "expected auto or one of avx2, generic"),
+        ("avx512", VNNI, "expected auto or one of avx512vnni, avx2, generic"),
+        ("avx512vnni", AVX512, "this CPU lacks avx512_vnni"),
         ("native", AVX2, "expected auto or one of"),
         ("avx2", frozenset({"sse4_2", "avx"}), "this CPU lacks avx2, f16c, fma"),
         ("avx2", NEON, "this CPU lacks avx2"),
@@ -66,14 +69,15 @@ def test_cgn_infer_refuses_a_bad_path_in_one_line(tmp_path: Path) -> None:
                          text=True, timeout=60, env={**os.environ, ENV: "avx9"})  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
-        f"error: {ENV}='avx9': expected auto or one of avx2, generic"
+        f"error: {ENV}='avx9': expected auto or one of avx512vnni, avx2, generic"
     ]
 
 
 def _other_paths() -> list[str]:
-    """Paths this CPU runs whose arithmetic differs from what the suite ran: `generic`
-    wherever the default is `avx2`, and a forced `avx2` where torch alone would go further
-    (AVX-512): the same kernels, torch's own kernels held back."""
+    """Paths this CPU runs besides the suite's: `generic` everywhere, `avx2` where the
+    default is avx512vnni (the kernels' bits are avx2's, torch's own kernels are held
+    back), and a forced `avx2` where the default is avx2 but torch alone would go further
+    (AVX-512 without VNNI)."""
     features, default = cpu_features(), current()
     if default.forced:  # the suite already runs on a forced path: nothing else to compare
         return []

@@ -15,8 +15,11 @@ from gguf import GGMLQuantizationType as Q
 
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer import kernels
+from cgn_infer.backends.fused import FusedLayers
+from cgn_infer.backends.paged import BatchItem, layout
 from cgn_infer.backends.quantized import QuantMatrix
 from cgn_infer.backends.torch_backend import Linear, TorchBackend
+from cgn_infer.kernels.isa import ISAS, cpu_features
 from cgn_infer.models import args_from_gguf
 from cgn_infer.quants import dequantize
 from cgn_infer.weights import RawPart
@@ -209,3 +212,39 @@ def test_a_type_without_a_kernel_loads_dequantized_with_a_log_line(
         ref = x @ torch.from_numpy(dequantize(g, "blk.0.ffn_down.weight")).T
         assert down_in == 1536 and torch.allclose(down(x), ref, rtol=1e-4, atol=1e-4)
     assert "no quantized kernel for F16 (1 parts)" in caplog.text
+
+
+def _library(isa: str, where: Path) -> kernels.Kernels:
+    """The kernels compiled for `isa`, loaded beside the process's own."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    path = where / f"{isa}.so"
+    kernels._build(compiler, ISAS[isa], path)
+    return kernels.Kernels(kernels._bind(path), path, isa)
+
+
+@pytest.mark.skipif(
+    not ISAS["avx512vnni"].needs <= cpu_features(), reason="this CPU has no AVX-512 VNNI"
+)
+def test_the_vnni_path_computes_the_avx2_paths_bits(
+    smollm2_torch: TorchBackend, tmp_path: Path
+) -> None:
+    """avx512vnni makes avx2's integer sums in one instruction and keeps its 256-bit float
+    code: every type's products (up to 16 rows straight from the blocks, more in tiles) and
+    whole layers (norms, RoPE, the float16 KV write, attention) are the same bits."""
+    vnni, avx2 = (_library(isa, tmp_path) for isa in ("avx512vnni", "avx2"))
+    x = torch.randn(20, K)
+    for qtype in TYPES:
+        rows = _blocks(qtype, 3)
+        y = [_matrix(lib, (qtype, rows)) for lib in (vnni, avx2)]
+        assert torch.equal(y[0](x), y[1](x)) and torch.equal(y[0](x[:3]), y[1](x[:3])), qtype
+    b = smollm2_torch
+    prompt = np.random.default_rng(4).integers(100, 20000, 20)
+    x = b.embed(layout([BatchItem(prompt.tolist(), 0, [0, 1])]))
+    paged = (np.array([[0, 1]]), np.zeros(20, np.int64), np.arange(1, 21, dtype=np.int64))
+    out = []
+    for lib in (vnni, avx2):
+        kv = b.new_kv(2)
+        layers = FusedLayers(lib, b.args, b.w.layers, b.rope)
+        out.append((layers.run(x, np.arange(20), np.arange(20), paged, kv.k, kv.v), kv))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1].k, out[1][1].k)

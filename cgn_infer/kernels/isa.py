@@ -8,12 +8,17 @@ differ in rounding, which a near-tie in a model's logits can turn into another g
 
 | path | kernels compiled with | torch held to, when forced | runs on |
 |---|---|---|---|
+| `avx512vnni` | avx2's, `-mavx512f -mavx512vl -mavx512vnni` | AVX-512 | x86-64, AVX-512 VNNI |
 | `avx2` | `-mavx2 -mfma -mf16c` | AVX2 (aten, MKL, oneDNN) | x86-64 with AVX2, FMA, F16C |
 | `generic` | no ISA flags: portable C | its baseline | any CPU |
 
-`auto` (the default) takes `avx2` where the CPU has it and `generic` elsewhere (with a
-warning on x86-64: that path is several times slower), and leaves torch on the best
-capability it finds (AVX-512 where there is one). `CGN_CPU_ISA=avx2|generic` forces a path
+`avx512vnni` computes the kernels' results bit for bit as `avx2` does: one `vpdpbusd` makes
+the integer sums that `vpmaddubsw` and `vpmaddwd` make there, and the float code keeps
+avx2's 256-bit vectors (`-mprefer-vector-width=256`), so its reductions run in the same
+order (tests/test_quantized.py compares the two libraries). `auto` (the default) takes the
+first path of the table the CPU can run, with a warning where that is `generic` on x86-64
+(several times slower), and leaves torch on the best capability it finds (AVX-512 where
+there is one). `CGN_CPU_ISA=avx2|generic` forces a path
 for the kernels and torch alike; torch reads its variables when it loads, so `pin_torch()`
 runs before anything imports it (cgn-infer's commands and the test suite call it first).
 """
@@ -44,11 +49,24 @@ class Isa:
     torch_env: tuple[tuple[str, str], ...]  # variables that hold torch to the same path
 
 
-ISAS = {
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX2_NEEDS = frozenset({"avx2", "fma", "f16c"})
+
+ISAS = {  # in the order `auto` tries them
+    "avx512vnni": Isa(
+        "avx512vnni",
+        (*_AVX2_FLAGS, "-mavx512f", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"),
+        _AVX2_NEEDS | {"avx512f", "avx512vl", "avx512_vnni"},
+        (
+            ("ATEN_CPU_CAPABILITY", "avx512"),
+            ("MKL_ENABLE_INSTRUCTIONS", "AVX512"),
+            ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI"),
+        ),
+    ),
     "avx2": Isa(
         "avx2",
-        ("-mavx2", "-mfma", "-mf16c"),
-        frozenset({"avx2", "fma", "f16c"}),
+        _AVX2_FLAGS,
+        _AVX2_NEEDS,
         (
             ("ATEN_CPU_CAPABILITY", "avx2"),
             ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
@@ -90,9 +108,11 @@ def choose(requested: str, features: frozenset[str], machine: str) -> Choice:
     """The path for `requested` ("auto", "" or a name in ISAS) on a CPU with `features`."""
     name = requested.strip().lower()
     if name in ("", "auto"):
+        if ISAS["avx512vnni"].needs <= features:
+            why = "avx512vnni: this CPU has AVX-512 VNNI (the integer sums in one instruction)"
+            return Choice(ISAS["avx512vnni"], False, why)
         if ISAS["avx2"].needs <= features:
-            extra = " (no AVX-512 kernels yet)" if "avx512f" in features else ""
-            return Choice(ISAS["avx2"], False, f"avx2: this CPU has AVX2, FMA and F16C{extra}")
+            return Choice(ISAS["avx2"], False, "avx2: this CPU has AVX2, FMA and F16C")
         slow = " (no AVX2 here: the portable loops are several times slower)"
         x86 = machine in ("x86_64", "AMD64", "i686")
         return Choice(ISAS["generic"], False, "generic" + (slow if x86 else ""))

@@ -225,6 +225,17 @@ void cgn_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
 }
 
 #ifdef __AVX2__
+/* int32 sums of 4 adjacent products of u's unsigned bytes and s's signed ones: one VNNI
+ * instruction (dpbusd) on the avx512vnni path, maddubs and madd on avx2. The same
+ * integers: maddubs's int16 pair sums cannot saturate here (|w| <= 128, |a| <= 127). */
+static inline __attribute__((always_inline)) __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -246,7 +257,6 @@ block_dot(int64_t K, const int NR, const int8_t *restrict q, const float *restri
     __m256 acc[2][CHUNK];
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i w[2], wabs[2];
         __m256 scale[2];
@@ -261,7 +271,7 @@ block_dot(int64_t K, const int NR, const int8_t *restrict q, const float *restri
             __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
             __m256 sd = _mm256_set1_ps(da[c * groups + g]);
             for (int r = 0; r < NR; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(a, w[r])), ones);
+                __m256i p = dot4(wabs[r], _mm256_sign_epi8(a, w[r]));
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale[r], sd), acc[r][c]);
             }
         }
@@ -383,13 +393,13 @@ group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float
     }
 }
 
-/* Pairwise sums of w * a (int16): maddubs takes its first operand unsigned, so signed
+/* Sums of w * a per 4 values (int32): dot4 takes its first operand unsigned, so signed
  * weights go in as |w| with a's signs flipped where w < 0; the types whose values are never
  * negative (Q4_1, Q5_1, Q4_K) skip that, and the sums are the same integers either way. */
 static inline __attribute__((always_inline)) __m256i
 product(const int type, __m256i w, __m256i wabs, __m256i a) {
-    if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K) return _mm256_maddubs_epi16(w, a);
-    return _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w));
+    if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K) return dot4(w, a);
+    return dot4(wabs, _mm256_sign_epi8(a, w));
 }
 
 /* One weight row against one activation row, with block_dot's arithmetic exactly. */
@@ -397,7 +407,6 @@ static inline __attribute__((always_inline)) float
 row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *restrict qa,
          const float *restrict da, const float *restrict sa) {
     int64_t groups = K / GROUP;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
@@ -407,7 +416,7 @@ row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *r
         __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
         __m256i a = _mm256_loadu_si256((const __m256i *)(qa + g * GROUP));
         __m256 sd = _mm256_set1_ps(da[g]);
-        __m256i p = _mm256_madd_epi16(product(type, w, wabs, a), ones);
+        __m256i p = product(type, w, wabs, a);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, sd), acc);
         mins += m * sa[g];
     }
@@ -416,13 +425,14 @@ row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *r
 
 /* block_dot's arithmetic for NR weight rows (pairs) read straight from their blocks
  * (group_q) against NC activation rows: what a few decode rows take instead of the
- * unpacked tile, whose copy costs more than it saves when few rows share it. */
+ * unpacked tile, whose copy costs more than it saves when few rows share it. `far`: the
+ * matrix streams from memory, where two interleaved rows defeat the hardware prefetcher
+ * (an LM head at 2-4 rows ran at a third of one row's bandwidth), so prefetch them. */
 static inline __attribute__((always_inline)) void
 direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_bytes, int64_t K,
-           const int NC, const int8_t *restrict qa, const float *restrict da,
+           const int far, const int NC, const int8_t *restrict qa, const float *restrict da,
            const float *restrict sa, float *restrict y, int64_t ldy) {
     int64_t groups = K / GROUP;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][CHUNK];
     float mins[2][CHUNK];
     for (int r = 0; r < NR; r++)
@@ -433,6 +443,9 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
         float m[2];
         for (int r = 0; r < NR; r++) {
             float d0, d1;
+            if (far) /* a few hundred bytes ahead in each row (row_bytes / groups per group) */
+                _mm_prefetch((const char *)(w + r * row_bytes + (g * row_bytes) / groups + 384),
+                             _MM_HINT_T0);
             wq[r] = group_q(type, w + r * row_bytes, g, &d0, &d1, &m[r]);
             wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
             scale[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
@@ -441,7 +454,7 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
             __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
             __m256 sd = _mm256_set1_ps(da[c * groups + g]);
             for (int r = 0; r < NR; r++) {
-                __m256i p = _mm256_madd_epi16(product(type, wq[r], wabs[r], a), ones);
+                __m256i p = product(type, wq[r], wabs[r], a);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale[r], sd), acc[r][c]);
                 mins[r][c] += m[r] * sa[c * groups + g];
             }
@@ -454,10 +467,13 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
 /* y [M, N] for M <= DIRECT_ROWS: pairs of weight rows in parallel,
  * each pair against every activation row, CHUNK at a time, straight from the blocks. */
 #define DIRECT_ROWS 16
+#define FAR_BYTES (8 << 20) /* a matrix this large is read from memory, not cache */
 static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                         int64_t ldy) {
     int64_t groups = K / GROUP;
+    const int far = N * row_bytes > FAR_BYTES;
+#define D(T, NR, NC) direct_dot(T, NR, rows, row_bytes, K, far, NC, a, d, s, out, ldy)
 #define DIRECT(T)                                                                              \
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int64_t n = 0; n < N; n += 2) {                                                      \
@@ -469,17 +485,17 @@ static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N
             float *out = y + c0 * ldy + n;                                                     \
             if (n + 1 < N) {                                                                   \
                 switch (nc) {                                                                  \
-                case 1: direct_dot(T, 2, rows, row_bytes, K, 1, a, d, s, out, ldy); break;     \
-                case 2: direct_dot(T, 2, rows, row_bytes, K, 2, a, d, s, out, ldy); break;     \
-                case 3: direct_dot(T, 2, rows, row_bytes, K, 3, a, d, s, out, ldy); break;     \
-                default: direct_dot(T, 2, rows, row_bytes, K, 4, a, d, s, out, ldy); break;    \
+                case 1: D(T, 2, 1); break;                                                     \
+                case 2: D(T, 2, 2); break;                                                     \
+                case 3: D(T, 2, 3); break;                                                     \
+                default: D(T, 2, 4); break;                                                    \
                 }                                                                              \
             } else {                                                                           \
                 switch (nc) {                                                                  \
-                case 1: direct_dot(T, 1, rows, row_bytes, K, 1, a, d, s, out, ldy); break;     \
-                case 2: direct_dot(T, 1, rows, row_bytes, K, 2, a, d, s, out, ldy); break;     \
-                case 3: direct_dot(T, 1, rows, row_bytes, K, 3, a, d, s, out, ldy); break;     \
-                default: direct_dot(T, 1, rows, row_bytes, K, 4, a, d, s, out, ldy); break;    \
+                case 1: D(T, 1, 1); break;                                                     \
+                case 2: D(T, 1, 2); break;                                                     \
+                case 3: D(T, 1, 3); break;                                                     \
+                default: D(T, 1, 4); break;                                                    \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -495,6 +511,7 @@ static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N
     default: DIRECT(T_Q8_0)
     }
 #undef DIRECT
+#undef D
 }
 
 static void rows_dot1(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
