@@ -38,6 +38,7 @@ from bench.common import engine, model_id, peak_rss_mib, stream_completion, writ
 from cgn_core import bundled_models
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
+from cgn_infer.settings import InferSettings
 
 CONCURRENCY = (1, 4, 8, 16)
 SLOT_CTX = 2048
@@ -139,9 +140,11 @@ def main() -> None:
                 entry["kv_bytes_per_token_measured"] = kv_pool_bytes(eng["url"]) / pool_tokens
             results[label] = entry
             print(label, {k: v for k, v in entry.items() if k != "throughput"}, file=sys.stderr)
-    dtype_bytes = 4  # cgn-infer's default KV dtype, float32
+    kv_dtype = InferSettings().kv_dtype  # cgn-infer's default KV pool
+    dtype_bytes = 4 if kv_dtype == "float32" else 2
     predicted = 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes
     results["kv_bytes_per_token_predicted"] = predicted
+    results["kv_dtype"] = kv_dtype
     write_result(  # one result per model: smollm2's keeps the historical name
         "infer_batching" if opts.model == "smollm2" else f"infer_batching_{opts.model}",
         "python bench/infer_batching.py " + " ".join(sys.argv[1:]),
@@ -151,7 +154,7 @@ def main() -> None:
 
 
 def render(results: dict[str, Any], tokens: int) -> str:
-    engines = [k for k in results if isinstance(results[k], dict)]
+    engines = [k for k in results if isinstance(results[k], dict) and "throughput" in results[k]]
     ref = results.get("llama.cpp")
     lines = [
         f"Aggregate tokens/s, {tokens} tokens per stream (greedy, EOS ignored); "
@@ -177,8 +180,10 @@ def render(results: dict[str, Any], tokens: int) -> str:
             f"| {name} | {e['cold_ttft_s'] * 1000:.0f} ms | {e['cached_ttft_s'] * 1000:.0f} ms "
             f"| {e['cold_over_cached']:.1f}× | {e['peak_rss_mib']:.0f} |"
         )
+    dtype = results.get("kv_dtype", "float32")
+    size = 4 if dtype == "float32" else 2
     lines += ["", f"KV pool bytes per token: predicted {results['kv_bytes_per_token_predicted']} "
-              "(2 × layers × KV heads × head dim × 4 bytes, float32)"]  # fmt: skip
+              f"(2 × layers × KV heads × head dim × {size} bytes, {dtype})"]  # fmt: skip
     for name in engines:
         if "kv_bytes_per_token_measured" in results[name]:
             lines[-1] += f"; {name} measured {results[name]['kv_bytes_per_token_measured']:.0f}"
