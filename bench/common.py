@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,11 +31,17 @@ def peak_rss_mib(pid: int, field: str = "VmHWM") -> float:
 
 @contextmanager
 def engine(
-    kind: str, model: Path, threads: int, *extra: str, parallel: int = 1, ctx: int = 4096
+    kind: str,
+    model: Path,
+    threads: int,
+    *extra: str,
+    parallel: int = 1,
+    ctx: int = 4096,
+    env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Start `cgn-infer` or llama.cpp (xllamacpp) on a free port; yields url, pid, load_s.
     llama.cpp gets `ctx` tokens per parallel slot, and cgn-infer a KV pool of the same token
-    capacity unless `extra` sets one."""
+    capacity unless `extra` sets one. `env` is added to this process's environment."""
     port = free_port()
     if kind == "llama.cpp":
         argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
@@ -47,7 +54,11 @@ def engine(
             argv += ["--kv-pool-tokens", str(ctx * parallel)]
     start = time.monotonic()
     proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -97,6 +108,4 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    import os
-
     return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
