@@ -171,8 +171,8 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
         kv_store(pool_k, s->slots[t], kvn, (int)s->kv_type, r + qn);
         kv_store(pool_v, s->slots[t], kvn, (int)s->kv_type, r + qn + kvn);
     }
-    cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq, s->lengths, T, w->heads,
-               w->kv_heads, hd, w->scale, att);
+    cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq,
+               s->lengths, T, w->heads, w->kv_heads, hd, w->scale, att);
     cgn_matrix_product(&w->wo, att, T, qn, qa, da, sa, y);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
 
@@ -188,8 +188,8 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
     return 0;
 }
 
-/* Attention straight over the paged KV pool (float32, float16 or bfloat16), for every row of a step: prompt
- * chunks and decode rows alike, with no gather into a scratch copy.
+/* Attention straight over the paged KV pool (float32, float16 or bfloat16), for every row
+ * of a step: prompt chunks and decode rows alike, with no gather into a scratch copy.
  * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
  * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
  * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
