@@ -38,7 +38,7 @@ from bench.common import engine, model_id, peak_rss_mib, stream_completion, writ
 from cgn_core import bundled_models
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models import args_from_gguf
-from cgn_infer.settings import InferSettings
+from cgn_infer.settings import KV_DTYPE_BYTES, InferSettings
 
 CONCURRENCY = (1, 4, 8, 16)
 SLOT_CTX = 2048
@@ -141,8 +141,7 @@ def main() -> None:
             results[label] = entry
             print(label, {k: v for k, v in entry.items() if k != "throughput"}, file=sys.stderr)
     kv_dtype = InferSettings().kv_dtype  # cgn-infer's default KV pool
-    dtype_bytes = 4 if kv_dtype == "float32" else 2
-    predicted = 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes
+    predicted = 2 * args.n_layers * args.n_kv_heads * args.head_dim * KV_DTYPE_BYTES[kv_dtype]
     results["kv_bytes_per_token_predicted"] = predicted
     results["kv_dtype"] = kv_dtype
     write_result(  # one result per model: smollm2's keeps the historical name
@@ -181,9 +180,8 @@ def render(results: dict[str, Any], tokens: int) -> str:
             f"| {e['cold_over_cached']:.1f}× | {e['peak_rss_mib']:.0f} |"
         )
     dtype = results.get("kv_dtype", "float32")
-    size = 4 if dtype == "float32" else 2
     lines += ["", f"KV pool bytes per token: predicted {results['kv_bytes_per_token_predicted']} "
-              f"(2 × layers × KV heads × head dim × {size} bytes, {dtype})"]  # fmt: skip
+              f"(2 × layers × KV heads × head dim × {KV_DTYPE_BYTES[dtype]} bytes, {dtype})"]  # fmt: skip
     for name in engines:
         if "kv_bytes_per_token_measured" in results[name]:
             lines[-1] += f"; {name} measured {results[name]['kv_bytes_per_token_measured']:.0f}"

@@ -13,7 +13,6 @@ machine's noise is the slower rounds). avx512vnni and avx2 compute the same bits
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -38,16 +37,14 @@ ROUNDS = 7
 
 
 def libraries(where: Path) -> dict[str, kernels.Kernels]:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        sys.exit("error: no C compiler (cc/gcc) on PATH")
-    out = {}
-    for name, isa in ISAS.items():
-        if isa.needs <= cpu_features():
-            path = where / f"{name}.so"
-            kernels._build(compiler, isa, path)
-            out[name] = kernels.Kernels(kernels._bind(path), path, name)
-    return out
+    if kernels.compiler() is None:
+        sys.exit(f"error: {kernels.NO_COMPILER}")
+    features = cpu_features()
+    return {
+        name: kernels.build(isa, where / f"{name}.so")
+        for name, isa in ISAS.items()
+        if isa.needs <= features
+    }
 
 
 def on(m: QuantMatrix, lib: kernels.Kernels) -> QuantMatrix:
@@ -60,8 +57,9 @@ def on(m: QuantMatrix, lib: kernels.Kernels) -> QuantMatrix:
 
 
 def best_us(m: dict[str, QuantMatrix], x: torch.Tensor) -> dict[str, float]:
-    calls = max(2, int(2e6 // (x.shape[0] * m[next(iter(m))].cols * m[next(iter(m))].out // 64)))
-    calls = min(calls, 50)
+    any_path = next(iter(m.values()))
+    work = x.shape[0] * any_path.cols * any_path.out  # multiply-adds per call
+    calls = min(50, max(2, int(128e6 // work)))  # about the same time per round for any size
     best = dict.fromkeys(m, float("inf"))
     for _ in range(ROUNDS):
         for path, q in m.items():

@@ -119,6 +119,9 @@ class PipelineSettings:
             raise ConfigError(f"stages: expected host:port, got {', '.join(bad)}")
 
 
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per value of each --kv-dtype
+
+
 @dataclass(frozen=True, slots=True)
 class InferSettings:
     http: ListenSettings = ListenSettings(port=8001)
@@ -143,7 +146,7 @@ class InferSettings:
     kv_pool_tokens: int = 16384  # KV pool size (16-token blocks); on CPU resident as written
     # float16 (as llama.cpp keeps its cache) holds the parity bars at half float32's memory;
     # with the gguf kernels every type keeps batched and sequential output identical.
-    kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"
+    kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"  # bytes: KV_DTYPE_BYTES
     aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()

@@ -4,7 +4,6 @@ results independent of the batch, the build cache, and the dequantized fallback.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import gguf
@@ -150,7 +149,7 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
 ) -> None:
     monkeypatch.setenv("CGN_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_loaded", None)
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = kernels.compiler()
     assert compiler is not None
     path = kernels.library_path(compiler, kernels.current().isa)
     path.parent.mkdir(parents=True)
@@ -214,15 +213,6 @@ def test_a_type_without_a_kernel_loads_dequantized_with_a_log_line(
     assert "no quantized kernel for F16 (1 parts)" in caplog.text
 
 
-def _library(isa: str, where: Path) -> kernels.Kernels:
-    """The kernels compiled for `isa`, loaded beside the process's own."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler is not None
-    path = where / f"{isa}.so"
-    kernels._build(compiler, ISAS[isa], path)
-    return kernels.Kernels(kernels._bind(path), path, isa)
-
-
 @pytest.mark.skipif(
     not ISAS["avx512vnni"].needs <= cpu_features(), reason="this CPU has no AVX-512 VNNI"
 )
@@ -232,7 +222,9 @@ def test_the_vnni_path_computes_the_avx2_paths_bits(
     """avx512vnni makes avx2's integer sums in one instruction and keeps its 256-bit float
     code: every type's products (up to 16 rows straight from the blocks, more in tiles) and
     whole layers (norms, RoPE, the float16 KV write, attention) are the same bits."""
-    vnni, avx2 = (_library(isa, tmp_path) for isa in ("avx512vnni", "avx2"))
+    vnni, avx2 = (
+        kernels.build(ISAS[isa], tmp_path / f"{isa}.so") for isa in ("avx512vnni", "avx2")
+    )
     x = torch.randn(20, K)
     for qtype in TYPES:
         rows = _blocks(qtype, 3)

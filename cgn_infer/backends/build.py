@@ -12,7 +12,7 @@ from typing import Any
 from cgn_core.errors import ConfigError
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models.args import Args
-from cgn_infer.settings import InferSettings
+from cgn_infer.settings import KV_DTYPE_BYTES, InferSettings
 
 
 def build_part(
@@ -67,7 +67,7 @@ def build_sim(args: Args, settings: InferSettings, pieces: Sequence[str]) -> Any
         sim.decode_s_per_ctx_token,
         sim.speed,
     )
-    kv_bytes = 4 if settings.kv_dtype == "float32" else 2
+    kv_bytes = KV_DTYPE_BYTES[settings.kv_dtype]
     if sim.load_s:  # NOTE: on the loading thread: the listener is up and says "loading"
         time.sleep(sim.load_s)
     # A simulated model has no position tables: its context is what --ctx asks for.

@@ -148,6 +148,24 @@ def _bind(path: Path) -> ctypes.CDLL:
     return lib
 
 
+NO_COMPILER = "no C compiler (cc/gcc) on PATH: apt-get install gcc"
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(isa: Isa, path: Path) -> Kernels:
+    """The kernels compiled for `isa` into `path` and loaded, whatever this process's own
+    path is (the benchmark and the tests put paths side by side); OSError if that fails."""
+    cc = compiler()
+    if cc is None:
+        raise OSError(NO_COMPILER)
+    _build(cc, isa, path)
+    return Kernels(_bind(path), path, isa.name)
+
+
 def load() -> Kernels | None:
     """The kernels, built if needed; None (and `failure()` says why) where they cannot be."""
     global _loaded, _failure
@@ -155,23 +173,23 @@ def load() -> Kernels | None:
         return _loaded
     import torch  # noqa: F401  (its libgomp first: see the module docstring)
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _failure = "no C compiler (cc/gcc) on PATH: apt-get install gcc"
+    cc = compiler()
+    if cc is None:
+        _failure = NO_COMPILER
         return None
     try:
         choice = current()
-        path = library_path(compiler, choice.isa)
+        path = library_path(cc, choice.isa)
         if not path.exists():
             log.info(
                 "building cgn-infer's kernels for the %s path (once): %s", choice.isa.name, path
             )
-            _build(compiler, choice.isa, path)
+            _build(cc, choice.isa, path)
         try:
             lib = _bind(path)
         except OSError as e:  # a corrupt or stale file: build it again, once
             log.warning("kernel library %s did not load (%s); rebuilding it", path, e)
-            _build(compiler, choice.isa, path)
+            _build(cc, choice.isa, path)
             lib = _bind(path)
     except (OSError, subprocess.SubprocessError, IsaError) as e:
         _failure = str(e)

@@ -18,7 +18,7 @@ avx2's 256-bit vectors (`-mprefer-vector-width=256`), so its reductions run in t
 order (tests/test_quantized.py compares the two libraries). `auto` (the default) takes the
 first path of the table the CPU can run, with a warning where that is `generic` on x86-64
 (several times slower), and leaves torch on the best capability it finds (AVX-512 where
-there is one). `CGN_CPU_ISA=avx2|generic` forces a path
+there is one). `CGN_CPU_ISA=avx512vnni|avx2|generic` forces a path
 for the kernels and torch alike; torch reads its variables when it loads, so `pin_torch()`
 runs before anything imports it (cgn-infer's commands and the test suite call it first).
 """
