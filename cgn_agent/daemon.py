@@ -90,6 +90,8 @@ class HttpProber:
     async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
         if launch.probe == "tcp":
             return await _tcp_probe(launch.url, self.timeout.total or 5.0)
+        if launch.probe == "alive":  # a rank with no server of its own: alive is all it shows
+            return True, True, ""
         try:
             async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
                 if r.status != 200:
@@ -178,11 +180,13 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     engines = installed_engines(tools, settings.engines.offer)
     if missing := [e for e in settings.engines.offer if e not in engines]:
         log.warning("engines.offer names %s, not installed here", ", ".join(missing))
-    inv = await asyncio.to_thread(collect, node, engines=engines, labels=settings.labels)
-    rt = Runtime(inv)
-    publisher = Publisher()
     eh = settings.engines
     bind_host, advertise = engine_addresses(eh.bind_host, eh.advertise_host, primary_address)
+    inv = await asyncio.to_thread(
+        collect, node, engines=engines, labels=settings.labels, address=advertise
+    )
+    rt = Runtime(inv)
+    publisher = Publisher()
     probe_ssl = client_ssl_context(eh.tls) if eh.tls.enabled else None
     connector = aiohttp.TCPConnector(ssl=probe_ssl or True)
     async with (
@@ -447,7 +451,12 @@ async def _refresh_inventory(
     while True:
         await asyncio.sleep(settings.inventory_interval_s)
         rt.inventory = await asyncio.to_thread(
-            collect, agent.node, engines=engines, own_pids=agent.own_pids(), labels=settings.labels
+            collect,
+            agent.node,
+            engines=engines,
+            own_pids=agent.own_pids(),
+            labels=settings.labels,
+            address=agent.advertise_host,
         )
 
 

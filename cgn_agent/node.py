@@ -28,9 +28,10 @@ from cgn_agent.inventory.types import Inventory
 from cgn_agent.processes import EngineProcess, matches
 from cgn_agent.runner import ReplicaRunner, RunnerContext
 from cgn_agent.spec import ReplicaSpec
-from cgn_core import engine_args, keys
+from cgn_core import engine_args, keys, multinode
 from cgn_core.engine_args import ArgsRefused
 from cgn_core.kv import shm
+from cgn_core.process import group_members
 from cgn_core.settings import TlsSettings
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,24 @@ ENGINE_MARKERS = (
     "trtllm-serve",
     "mlx_lm.server",
 )
+
+
+SHOWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "RAY_ADDRESS")  # and NCCL_*, GLOO_*
+
+
+def rank_log(spec: ReplicaSpec, launch: Launch) -> str:
+    """A multi-node rank's launch as the agent logs it: its commands, what each waits for,
+    and the environment that places it (never a secret)."""
+    assert spec.pipeline is not None
+    out = [f"rank {spec.pipeline.part}/{spec.pipeline.parts} of {spec.engine}"]
+    for c in launch.commands:
+        shown = {
+            k: v for k, v in c.env.items() if k in SHOWN_ENV or k.startswith(("NCCL_", "GLOO_"))
+        }
+        wait = f" after {c.wait_for} accepts" if c.wait_for else ""
+        env = " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
+        out.append(f"[{env}] {' '.join(c.argv)}{wait}")
+    return "; ".join(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +142,7 @@ class NodeAgent:
                 )
                 self.ctx.store.remove(replica)
                 continue
-            launch = self._launch(rec.spec, rec.port, rec.token)
+            launch = self._launch(rec.spec, rec.port, rec.token, rec.rendezvous_port)
             runner = ReplicaRunner(rec.spec, launch, rec.port, self.ctx)
             self.runners[replica] = runner
             if rec.fingerprint is None:
@@ -167,10 +186,16 @@ class NodeAgent:
     async def _start(self, spec: ReplicaSpec) -> None:
         driver = DRIVERS[spec.engine]
         part = spec.pipeline
-        if part is not None and part.part == 0 and not part.stages:
+        ranks = spec.engine in multinode.RANK_ENGINES
+        if part is not None and not ranks and part.part == 0 and not part.stages:
             # the head of a layer pipeline starts once the reconciler has written where its
             # stages listen (every stage Ready); until then it is Starting, not refused
             why = f"waiting for the pipeline's {part.parts - 1} stage(s) to be Ready"
+            self._refuse(spec.replica, spec, why, phase=sv.Phase.STARTING)
+            return
+        if part is not None and ranks and part.part > 0 and not part.rendezvous:
+            # a rank > 0 starts once the reconciler has written where rank 0 listens
+            why = f"waiting for rank 0's rendezvous address (rank {part.part}/{part.parts})"
             self._refuse(spec.replica, spec, why, phase=sv.Phase.STARTING)
             return
         try:
@@ -195,11 +220,18 @@ class NodeAgent:
             self.free_port(self.bind_host) if driver.name != "openai_compat" else 0
         )
         token = secrets.token_urlsafe(32)  # the router presents it; other peers cannot
-        runner = ReplicaRunner(spec, self._launch(spec, port, token), port, self.ctx)
+        rank0 = part is not None and ranks and part.part == 0
+        rendezvous = self.free_port(self.bind_host) if rank0 else 0
+        launch = self._launch(spec, port, token, rendezvous)
+        if part is not None and ranks:
+            log.info("replica %s: %s", spec.replica, rank_log(spec, launch))
+        runner = ReplicaRunner(spec, launch, port, self.ctx)
         self.runners[spec.replica] = runner
         await runner.begin()
 
-    def _launch(self, spec: ReplicaSpec, port: int, token: str) -> Launch:
+    def _launch(self, spec: ReplicaSpec, port: int, token: str, rendezvous: int = 0) -> Launch:
+        inv = self.inventory()
+        links = [multinode.Link(n.device, n.port, n.state, n.link_layer) for n in inv.network]
         ctx = LaunchContext(
             self.bind_host,
             port,
@@ -209,6 +241,8 @@ class NodeAgent:
             kvcached_token=self.kv_token,
             offload_gib=self.kv_offload_gib,
             advertise_host=self.advertise_host,
+            rendezvous_port=rendezvous,
+            nccl=multinode.nccl_env(multinode.fabric_adapters(links), inv.iface),
         )
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 
@@ -234,7 +268,10 @@ class NodeAgent:
     # ---- views -------------------------------------------------------------------------
 
     def own_pids(self) -> list[int]:
-        return [r.state.pid for r in self.runners.values() if r.state.pid]
+        """Our engines' pids and every process in their groups (a multi-process engine's
+        workers, a multi-node rank's sidecars): none of them is a stray or a foreign user."""
+        pids = [r.state.pid for r in self.runners.values() if r.state.pid]
+        return sorted(set(pids) | set(group_members(pids)))
 
     def running(self) -> list[dict[str, Any]]:
         return [

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from cgn_agent import shard
 from cgn_agent import supervisor as sv
 from cgn_agent.drivers import Launch
 from cgn_agent.processes import EngineProcess, log_tail, spawn
@@ -58,6 +60,7 @@ class RunnerContext:
 class ReplicaRunner:
     def __init__(self, spec: ReplicaSpec, launch: Launch, port: int, ctx: RunnerContext):
         self.spec, self.launch, self.port, self.ctx = spec, launch, port, ctx
+        self.policy = ctx.policy if launch.restart else replace(ctx.policy, restart=False)
         self.state = sv.State()
         self.proc: EngineProcess | None = None
         self.forgotten = False
@@ -73,6 +76,10 @@ class ReplicaRunner:
     @property
     def status_key(self) -> str:
         return f"{keys.REPLICAS}{self.ctx.node}/{self.spec.replica}"
+
+    @property
+    def reason_path(self) -> Path:  # where a multi-node rank's shard says why it ended
+        return self.ctx.log_dir / f"{self.spec.replica}.reason"
 
     @property
     def endpoint_key(self) -> str:
@@ -130,7 +137,9 @@ class ReplicaRunner:
         if part is None:
             return {}
         doc = part.status()
-        if part.part > 0:
+        if self.launch.rendezvous:  # rank 0 of vLLM or SGLang: where the other ranks join
+            doc["address"] = self.launch.rendezvous
+        elif part.part > 0 and self.launch.probe == "tcp":  # a pipeline stage
             doc["address"] = self.url.split("://", 1)[-1]  # advertise host:port
         return {"pipeline": doc}
 
@@ -146,7 +155,7 @@ class ReplicaRunner:
         await self._run(actions)
 
     async def observe(self, obs: sv.Observation) -> None:
-        self.state, actions = sv.step(self.state, obs, self.ctx.policy)
+        self.state, actions = sv.step(self.state, obs, self.policy)
         await self._run(actions)
 
     async def poll(self) -> None:
@@ -159,7 +168,8 @@ class ReplicaRunner:
                 # NOTE: an engine killed with SIGKILL leaves its KV transfer directory in
                 # /dev/shm (memory); it is gone now, so is the directory
                 await asyncio.to_thread(shm.reclaim, pid)
-                await self.observe(sv.Exited(now, code, self.ctx.rand()))
+                why = await asyncio.to_thread(self._reason)
+                await self.observe(sv.Exited(now, code, self.ctx.rand(), why))
         s = self.state
         if (
             s.pid is not None
@@ -209,14 +219,33 @@ class ReplicaRunner:
             self.ctx.store.save(ReplicaRecord(self.spec, self.port, self.url, None))
             await self.observe(sv.Spawned(now, 0))
             return
+        argv, env = self.launch.argv, self.launch.env
+        if len(self.launch.commands) > 1 or self.launch.wait_for:  # a rank: cgn_agent/shard.py
+            self._reason()  # NOTE: an earlier run's reason is not this one's
+            plan = shard.Plan(
+                tuple(shard.Step(c.argv, dict(c.env), c.wait_for) for c in self.launch.commands),
+                self.launch.wait_timeout_s,
+                str(self.reason_path),
+                grace_s=max(1.0, self.ctx.stop_grace_s - 2.0),
+            )
+            argv = (sys.executable, "-m", "cgn_agent.shard", self.spec.replica)
+            env = {shard.PLAN_ENV: plan.to_json()}
         try:
-            proc = spawn(self.launch.argv, self.launch.env, self.log_path)
+            proc = spawn(argv, env, self.log_path)
         except OSError as exc:
             await self.observe(sv.SpawnFailed(now, str(exc), self.ctx.rand()))
             return
         try:
+            rendezvous = self.launch.rendezvous
             self.ctx.store.save(
-                ReplicaRecord(self.spec, self.port, self.url, proc.fp, self.launch.token)
+                ReplicaRecord(
+                    self.spec,
+                    self.port,
+                    self.url,
+                    proc.fp,
+                    self.launch.token,
+                    int(rendezvous.rpartition(":")[2]) if rendezvous else 0,
+                )
             )
         except OSError as exc:
             # NOTE: an engine the state file does not know could not be adopted after an agent
@@ -229,6 +258,15 @@ class ReplicaRunner:
             return
         self.proc = proc
         await self.observe(sv.Spawned(now, proc.pid))
+
+    def _reason(self) -> str:
+        """What a rank's shard wrote about why it ended (read once: the file goes)."""
+        try:
+            why = self.reason_path.read_text()[:1000]
+        except OSError:
+            return ""
+        self.reason_path.unlink(missing_ok=True)
+        return why
 
     async def _terminate(self) -> None:
         if not self.launch.spawn:  # an external engine: nothing to stop, it is "gone" at once

@@ -10,12 +10,18 @@ through `spec_to_json` / `parse_placement` unchanged.
      "port": 0, "devices": [], "role": "both",
      "profile": {"ctx": 4096, "threads": 2, "extra_args": ["--max-batch", "4"]}}
 
-A replica that spans several nodes (a cgn-infer layer pipeline) has one placement per node,
-all under the same replica id, each naming its part: part 0 is the head (the only part the
-router sees), parts 1.. are stages. The head's placement gets the stages' addresses from
-the reconciler once every stage is Ready; until then the head waits.
+A replica that spans several nodes has one placement per node, all under the same replica
+id, each naming its part: part 0 is the head (the only part the router sees).
+* A cgn-infer layer pipeline: parts 1.. are stages. The head's placement gets the stages'
+  addresses from the reconciler once every stage is Ready; until then the head waits.
 
      "pipeline": {"part": 0, "parts": 2, "head": "n1", "stages": ["10.0.0.2:40123"]}
+
+* vLLM or SGLang (cgn_core/multinode.py): parts are ranks. Rank 0 starts at once and opens
+  the rendezvous point; the other ranks' placements get its address from the reconciler
+  (rank 0's status reports it), and they start then.
+
+     "pipeline": {"part": 1, "parts": 2, "head": "n1", "rendezvous": "10.0.0.1:40555"}
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NewType, get_args
+
+from cgn_core.multinode import LAUNCH_MODES, RANK_ENGINES
 
 ReplicaId = NewType("ReplicaId", str)
 Role = Literal["both", "prefill", "decode"]
@@ -47,18 +55,24 @@ class EngineProfile:
     backend: str | None = None  # cgn_infer: torch|mlx|sim; trtllm: pytorch|tensorrt
     launcher: str = "auto"  # llama_cpp: auto|llama_server|xllamacpp|llama_cpp_python
     url: str | None = None  # openai_compat: the external engine's base URL
+    quantization: str | None = None  # vllm / sglang --quantization (fp8, awq, ...)
+    launch_mode: str | None = None  # vllm across nodes: ray (default) | mp
+    # a multi-node rank: how long rank 0's rendezvous point may take to accept a connection
+    rendezvous_timeout_s: float | None = None
     extra_args: tuple[str, ...] = ()  # appended verbatim to the engine's argv
     env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class PipelinePart:
-    """This node's part of a multi-node replica (a cgn-infer layer pipeline)."""
+    """This node's part of a multi-node replica (a cgn-infer layer pipeline, or a rank of a
+    vLLM or SGLang replica)."""
 
-    part: int  # 0: the head; 1..parts-1: the stages, in layer order
+    part: int  # 0: the head; 1..parts-1: the stages in layer order, or the ranks
     parts: int
     head: str  # the head's node id: stages serve only it (its certificate CN)
-    stages: tuple[str, ...] = ()  # head only: each stage's host:port, once all are Ready
+    stages: tuple[str, ...] = ()  # a pipeline's head only: each stage's host:port, once Ready
+    rendezvous: str = ""  # a rank > 0 only: rank 0's rendezvous host:port, once it has one
 
     def status(self) -> dict[str, Any]:
         """Where this part stands in its replica, for the replica's status record."""
@@ -127,8 +141,9 @@ def _pipeline(raw: Any, where: str, engine: str) -> PipelinePart | None:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: expected a JSON object")
     _no_unknown(raw, {f.name for f in dataclasses.fields(PipelinePart)}, where)
-    if engine != "cgn_infer":
-        raise ValueError(f"{where}: only cgn_infer runs as a layer pipeline, not {engine}")
+    if engine != "cgn_infer" and engine not in RANK_ENGINES:
+        engines = ", ".join(["cgn_infer", *sorted(RANK_ENGINES)])
+        raise ValueError(f"{where}: only {engines} run across nodes, not {engine}")
     part: Any = raw.get("part")
     parts: Any = raw.get("parts")
     if not (_is_int(parts) and 2 <= parts <= MAX_PARTS):
@@ -147,7 +162,16 @@ def _pipeline(raw: Any, where: str, engine: str) -> PipelinePart | None:
         raise ValueError(
             f"{where}: 'stages' belongs to the head (part 0) and lists all {parts - 1} stages"
         )
-    return PipelinePart(part, parts, head, tuple(stages))
+    rendezvous = raw.get("rendezvous", "")
+    if rendezvous and (not isinstance(rendezvous, str) or not _ADDRESS.match(rendezvous)):
+        raise ValueError(f"{where}: 'rendezvous' must be a host:port address")
+    if engine == "cgn_infer" and rendezvous:
+        raise ValueError(f"{where}: 'rendezvous' belongs to a vLLM or SGLang rank, not cgn_infer")
+    if engine != "cgn_infer" and stages:
+        raise ValueError(f"{where}: 'stages' belongs to a cgn_infer pipeline, not {engine}")
+    if rendezvous and part == 0:
+        raise ValueError(f"{where}: 'rendezvous' belongs to ranks 1..{parts - 1} (rank 0 opens it)")
+    return PipelinePart(part, parts, head, tuple(stages), rendezvous)
 
 
 def _owner(data: Mapping[str, Any], where: str) -> str:
@@ -167,9 +191,16 @@ def _profile(raw: Any, where: str) -> EngineProfile:
             if not _is_int(raw[name]) or raw[name] < 1:
                 raise ValueError(f"{where}: '{name}' must be a positive integer")
             out[name] = raw[name]
-    for name in ("dtype", "backend", "launcher", "url"):
+    for name in ("dtype", "backend", "launcher", "url", "quantization", "launch_mode"):
         if raw.get(name) is not None:
             out[name] = _str(raw, name, where)
+    if out.get("launch_mode", LAUNCH_MODES[0]) not in LAUNCH_MODES:
+        raise ValueError(f"{where}: 'launch_mode' must be one of {', '.join(LAUNCH_MODES)}")
+    if raw.get("rendezvous_timeout_s") is not None:
+        t = raw["rendezvous_timeout_s"]
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t <= 86400:
+            raise ValueError(f"{where}: 'rendezvous_timeout_s' must be in (0, 86400] seconds")
+        out["rendezvous_timeout_s"] = float(t)
     if raw.get("gpu_memory_utilization") is not None:
         g = raw["gpu_memory_utilization"]
         if not isinstance(g, int | float) or isinstance(g, bool) or not 0 < g <= 1:

@@ -31,6 +31,7 @@ class ReplicaRecord:
     url: str
     fingerprint: Fingerprint | None  # None: nothing spawned (an external engine)
     token: str = ""  # the engine's API secret (the file is 0600), so an adopted one keeps it
+    rendezvous_port: int = 0  # rank 0 of a multi-node replica: where its ranks join it
 
 
 class StateStore:
@@ -47,6 +48,7 @@ class StateStore:
             "url": rec.url,
             "fingerprint": rec.fingerprint and fingerprint_to_json(rec.fingerprint),
             "token": rec.token,
+            "rendezvous_port": rec.rendezvous_port,
         }
         atomic_write_json(self.path(rec.spec.replica), doc, mode=0o600)
 
@@ -69,6 +71,7 @@ class StateStore:
                         str(doc["url"]),
                         None if fp is None else fingerprint_from_json(fp),
                         str(doc.get("token") or ""),
+                        int(doc.get("rendezvous_port") or 0),
                     )
                 )
             except (OSError, ValueError, KeyError, TypeError) as exc:

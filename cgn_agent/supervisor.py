@@ -4,7 +4,7 @@
         |                    |  load timeout / exit        | health fails x N / exit
         v                    v                             v
       FAILED <---------------+-----------------------------+
-        | retry_at reached (jittered exponential backoff)
+        | retry_at reached (jittered exponential backoff; never with restart off)
         +--> STARTING
     any running phase --stop--> DRAINING --(drain_s, then no requests in flight
                                           or drain_timeout_s: terminate)--exit--> STOPPED
@@ -45,6 +45,9 @@ class Policy:
     # SIGTERM after this long even with requests in flight: the router continues what is
     # still streaming on another replica (request migration), so a drain takes seconds
     drain_timeout_s: float = 30.0
+    # False: a failure stays Failed (a rank of a multi-node replica: the control plane
+    # rebuilds the replica whole, every rank at once, rather than one rank alone)
+    restart: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class Exited:
     now: float
     code: int | None  # None: an adopted process (not our child), exit status unknown
     rand: float = 0.5
+    reason: str = ""  # why, where the process said (a multi-node rank's wait ran out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +185,8 @@ def step(s: State, obs: Observation, policy: Policy) -> tuple[State, list[Action
             return replace(s, phase=Phase.LOADING, since=now, pid=pid, bad_probes=0), [Report()]
         case SpawnFailed(now, error, rand) if s.phase == Phase.STARTING:
             return _fail(s, now, f"could not start: {error}", rand, policy, [])
-        case Exited(now, code, rand):
-            return _exited(s, now, code, rand, policy)
+        case Exited(now, code, rand, reason):
+            return _exited(s, now, code, rand, policy, reason)
         case Probe() if s.pid is not None and not s.terminating:
             return _probe(s, obs, policy)
         case Stop(now, reason):
@@ -198,7 +202,7 @@ def _fail(
     s: State, now: float, reason: str, rand: float, policy: Policy, actions: list[Action]
 ) -> tuple[State, list[Action]]:
     failures = s.failures + 1
-    retry_at = now + backoff_s(failures, policy, rand)
+    retry_at = now + backoff_s(failures, policy, rand) if policy.restart else None
     withdraw: list[Action] = [WithdrawEndpoint()] if s.phase == Phase.READY else []
     new = replace(
         s, phase=Phase.FAILED, since=now, failures=failures, retry_at=retry_at, reason=reason
@@ -207,7 +211,7 @@ def _fail(
 
 
 def _exited(
-    s: State, now: float, code: int | None, rand: float, policy: Policy
+    s: State, now: float, code: int | None, rand: float, policy: Policy, reason: str = ""
 ) -> tuple[State, list[Action]]:
     if s.phase == Phase.DRAINING:
         return replace(s, phase=Phase.STOPPED, since=now, pid=None, terminating=False), [Forget()]
@@ -215,7 +219,7 @@ def _exited(
         return replace(s, pid=None, terminating=False), []
     if s.phase not in RUNNING:
         return s, []
-    why = "engine exited" + ("" if code is None else f" with code {code}")
+    why = reason or "engine exited" + ("" if code is None else f" with code {code}")
     failed, actions = _fail(s, now, why, rand, policy, [])
     return replace(failed, pid=None, terminating=False), actions
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cgn_control.scaling import ScalingPolicy
-from cgn_core import engine_args
+from cgn_core import engine_args, multinode
 from cgn_core.errors import ConfigError
 from cgn_core.records import Placement
 
@@ -66,6 +66,10 @@ class Profile:
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     role: str = "both"  # the pool(s) of a disaggregated model it may serve
+    quantization: str | None = None  # vllm / sglang --quantization (fp8 needs sm 8.9+)
+    # vllm across nodes: ray (the default) or mp, whichever the installed vLLM supports
+    launch_mode: str | None = None
+    rendezvous_timeout_s: float | None = None  # ranks 1.. wait this long for rank 0
 
     @property
     def on_cpu(self) -> bool:
@@ -378,6 +382,19 @@ def _parse_profile(raw: Any, where: str) -> Profile:
     role = _text(raw, "role", where) or "both"
     if role not in ROLES:
         raise CatalogError(f"{_p(where, 'role')}: must be one of {', '.join(ROLES)}")
+    launch_mode = _text(raw, "launch_mode", where) or None
+    if launch_mode is not None and (engine != "vllm" or nodes < 2):
+        raise CatalogError(f"{_p(where, 'launch_mode')}: only a vllm profile across nodes has one")
+    if launch_mode is not None and launch_mode not in multinode.LAUNCH_MODES:
+        modes = ", ".join(multinode.LAUNCH_MODES)
+        raise CatalogError(f"{_p(where, 'launch_mode')}: must be one of {modes}")
+    timeout = raw.get("rendezvous_timeout_s")
+    number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if timeout is not None and not (number and 0 < timeout <= 86400):
+        raise CatalogError(f"{_p(where, 'rendezvous_timeout_s')}: seconds in (0, 86400]")
+    quantization = _text(raw, "quantization", where) or None
+    if quantization is not None and engine not in multinode.RANK_ENGINES:
+        raise CatalogError(f"{_p(where, 'quantization')}: only vllm and sglang take it")
     return Profile(
         role=role,
         engine=engine,
@@ -394,6 +411,9 @@ def _parse_profile(raw: Any, where: str) -> Profile:
         url=_text(raw, "url", where) or None,
         extra_args=tuple(extra),
         env=dict(env),
+        quantization=quantization,
+        launch_mode=launch_mode,
+        rendezvous_timeout_s=None if timeout is None else float(timeout),
         **optional_ints,
     )
 

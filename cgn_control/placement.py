@@ -5,8 +5,9 @@ explain-placement` both call it). For each profile of the model, in priority
 order, every node is a candidate; it is rejected, with the reason, when it is
 unreachable or lost, cordoned, lacks the profile's engine, or has too few
 free healthy devices of the profile's class, and everywhere for a multi-node
-profile of an engine agents cannot yet launch across nodes (only cgn-infer
-pipelines): explain and reconcile are one decision. The first profile with an
+profile of an engine agents do not launch across nodes (TensorRT-LLM, llama.cpp, MLX),
+and where the profile is FP8 and the node's devices are older than compute capability
+8.9: explain and reconcile are one decision. The first profile with an
 accepted node wins, with one exception: a CPU profile whose every accepted node
 already runs a replica of the model gives way to a later profile with a node
 that runs none (replicas spread over nodes before doubling up on one, so the
@@ -31,10 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from cgn_control.catalog import ModelSpec, Profile
+from cgn_core import multinode
 from cgn_core.records import NodeInventory
+
+EMPTY = NodeInventory()
 
 NodeState = Literal["ready", "unreachable", "lost"]
 TIE_BREAK = "more output tokens per joule, then fewer watts, then the name"
@@ -46,6 +50,7 @@ class Device:
     accel_class: str
     healthy: bool = True
     reason: str = ""
+    compute_capability: str = ""  # "9.0"; "" when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,7 @@ def node_view(
 ) -> NodeView:
     """A node as placement sees it, from its `/cognitora/nodes/<node>` record."""
     devices = tuple(
-        Device(a.index, a.accel_class, not a.health, "; ".join(a.health))
+        Device(a.index, a.accel_class, not a.health, "; ".join(a.health), a.compute_capability)
         for a in inventory.accelerators
     )
     return NodeView(
@@ -145,7 +150,7 @@ def _place(
     for i, profile in enumerate(model.profiles):
         fits: list[NodeView] = []
         for node in sorted(nodes, key=lambda n: n.name):
-            why = _reject(node, profile) or refused.get((node.name, profile.engine), "")
+            why = _reject(node, profile, i) or refused.get((node.name, profile.engine), "")
             if not why and spread and profile.on_cpu and node.replicas.get(model.name, 0):
                 why = f"runs a replica of {model.name} already (a node that runs none goes first)"
             if why:
@@ -166,14 +171,16 @@ def _place(
     return Decision(model.name, None, (), tuple(candidates))
 
 
-# Engines whose replicas agents launch across nodes (a cgn-infer layer pipeline); another
-# engine's multi-node profile is described and explained, never placed (docs/control-plane.md)
-MULTI_NODE_ENGINES = frozenset({"cgn_infer"})
+# Engines whose replicas agents launch across nodes (a cgn-infer layer pipeline, vLLM and
+# SGLang ranks); another engine's multi-node profile is described and explained, never
+# placed (docs/control-plane.md)
+MULTI_NODE_ENGINES = frozenset({"cgn_infer"}) | multinode.RANK_ENGINES
 
 
-def _reject(node: NodeView, p: Profile) -> str:
+def _reject(node: NodeView, p: Profile, i: int) -> str:
     if p.nodes > 1 and p.engine not in MULTI_NODE_ENGINES:
-        return f"{p.engine} across {p.nodes} nodes is not launched by agents yet (cgn_infer only)"
+        engines = ", ".join(sorted(MULTI_NODE_ENGINES))
+        return f"{p.engine} across {p.nodes} nodes is not launched by agents ({engines} are)"
     if node.state != "ready":
         return f"node is {node.state}"
     if node.cordoned:
@@ -186,6 +193,9 @@ def _reject(node: NodeView, p: Profile) -> str:
     if not of_class:
         classes = sorted({d.accel_class for d in node.devices}) or ["cpu"]
         return f"no {p.accelerator} devices (node has {', '.join(classes)})"
+    fp8 = multinode.fp8_field(p.quantization, p.dtype, p.extra_args)
+    if why := multinode.fp8_refusal(fp8, {d.index: d.compute_capability for d in of_class}):
+        return f"profiles[{i}].{why}"
     free = node.free(p.accelerator)
     if len(free) < p.devices:
         sick = [d for d in of_class if not d.healthy]
@@ -278,3 +288,42 @@ def _choose_multi(
         if n.fabric and n.name not in chosen and n.name not in too_small and best:
             candidates.append(Candidate(n.name, i, False, "fits; emptier nodes chosen"))
     return [(n.name, tuple(n.free(p.accelerator)[: p.devices])) for n in best]
+
+
+def rank_plan(
+    model: ModelSpec, d: Decision, nodes: Mapping[str, NodeInventory]
+) -> list[dict[str, Any]]:
+    """How a decided vLLM or SGLang replica across nodes would launch, rank by rank: what
+    each rank runs and the environment its agent gives it (cgn_core/multinode.py, the rules
+    the agents apply); [] for any other decision. Rank 0's rendezvous port is picked by its
+    agent at launch, so it is shown as such."""
+    if d.profile is None or len(d.nodes) < 2:
+        return []
+    p = model.profiles[d.profile]
+    if p.engine not in multinode.RANK_ENGINES:
+        return []
+    mode = p.launch_mode or multinode.DEFAULT_LAUNCH_MODE
+    head = nodes.get(d.nodes[0][0], EMPTY).network.address or d.nodes[0][0]
+    out = []
+    for rank, (name, devices) in enumerate(d.nodes):
+        net = nodes.get(name, EMPTY).network
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+        env |= multinode.nccl_env(net.fabric_adapters, net.iface)
+        if p.engine == "vllm":
+            env["VLLM_HOST_IP"] = net.address or "?"
+        if p.engine == "sglang":
+            runs = "sglang.launch_server (serves HTTP)" if rank == 0 else "sglang.launch_server"
+        elif mode == "ray":
+            runs = "ray head, then vllm serve (serves HTTP)" if rank == 0 else "ray worker"
+        else:
+            runs = "vllm serve (serves HTTP)" if rank == 0 else "vllm serve --headless"
+        out.append(
+            {
+                "rank": rank,
+                "node": name,
+                "runs": runs,
+                "rendezvous": f"{head}:<port picked by rank 0's agent>",
+                "env": env,
+            }
+        )
+    return out

@@ -40,8 +40,13 @@ alone counts as the replica and is routed to). Whatever deletes one part
 deletes them all (a lost node, a failed part, a drain), so a replica is
 rebuilt whole. Once every stage reports Ready with its address, the head's
 placement gets the addresses (`pipeline.stages`); its agent starts the head
-then, and again whenever a stage comes back elsewhere. Other engines' multi-node
-profiles are rejected by placement itself, with the reason explain shows too.
+then, and again whenever a stage comes back elsewhere.
+vLLM and SGLang replicas across nodes are ranks (cgn_core/multinode.py): rank 0 starts at
+once and reports its rendezvous point; ranks 1..'s placements get it (`pipeline.rendezvous`)
+and their agents start them then. Agents do not restart a failed rank: any rank's failure
+deletes every rank at once (with the model's rebuild backoff), so the replica is rebuilt
+whole. Other engines' multi-node profiles are rejected by placement itself, with the
+reason explain shows too.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from cgn_control.placement import Decision, NodeState, place
 from cgn_control.scaling import Decision as ScaleDecision
 from cgn_control.scaling import Pool as ScalePool
 from cgn_control.scaling import ReplicaLoad, Sample, Scaler, Signals
+from cgn_core import multinode
 from cgn_core.records import Part, Placement, ReplicaStatus
 
 
@@ -194,7 +200,7 @@ def reconcile(
             delete(key, f"model {model} is not in the catalog")
         elif key[1] in parts and len(parts[key[1]]) != p.part.parts:
             delete(key, f"multi-node replica has {len(parts[key[1]])} of {p.part.parts} parts")
-        elif status is not None and _failed(status, policy):
+        elif status is not None and _failed(status, policy, p.engine if key[1] in parts else ""):
             delete(key, f"replica failed: {status.reason}")
             mem.rebuilds[model] += 1
             mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
@@ -313,7 +319,8 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
         "extra_args": list(p.extra_args),
         "env": dict(p.env),
     }
-    for k in ("ctx", "threads", "dtype", "gpu_memory_utilization", "backend", "url"):
+    optional = ("ctx", "threads", "dtype", "gpu_memory_utilization", "backend", "url")
+    for k in (*optional, "quantization", "launch_mode", "rendezvous_timeout_s"):
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
@@ -374,6 +381,9 @@ def _relay_stages(
         ):
             continue
         keys = [by_part[i] for i in range(len(by_part))]
+        if live[keys[0]].engine in multinode.RANK_ENGINES:
+            out += _relay_rendezvous(replica, keys, live, snap)
+            continue
         addresses = []
         for key in keys[1:]:
             status = snap.statuses.get(key)
@@ -386,6 +396,22 @@ def _relay_stages(
             if list(p.part.stages) != addresses:
                 new = replace(p, part=replace(p.part, stages=tuple(addresses)))
                 out.append(Put(head[0], replica, new, "stages Ready at " + ", ".join(addresses)))
+    return out
+
+
+def _relay_rendezvous(
+    replica: str, keys: list[Key], live: Mapping[Key, Placement], snap: Snapshot
+) -> list[Action]:
+    """Ranks 1.. of a vLLM or SGLang replica get rank 0's rendezvous point (its status
+    reports it from its start) in their placements; their agents start them then."""
+    status = snap.statuses.get(keys[0])
+    address = status.part.address if status is not None and status.phase != "Failed" else ""
+    out: list[Action] = []
+    for key in keys[1:] if address else []:
+        p = live[key]
+        if p.part.rendezvous != address:
+            new = replace(p, part=replace(p.part, rendezvous=address))
+            out.append(Put(key[0], replica, new, f"rank 0's rendezvous point is {address}"))
     return out
 
 
@@ -409,11 +435,16 @@ def _ready(status: ReplicaStatus | None) -> bool:
     return status is not None and status.ready
 
 
-def _failed(status: ReplicaStatus, policy: ReconcilerSettings) -> bool:
+def _failed(status: ReplicaStatus, policy: ReconcilerSettings, multi_engine: str = "") -> bool:
+    """Whether a placement's failure calls for a rebuild: a refusal, too many failures in a
+    row on its node, or any failure of one rank of a multi-node vLLM or SGLang replica (its
+    agent does not restart it: the ranks' process group is rebuilt whole)."""
     if status.phase != "Failed":
         return False
-    return status.reason.startswith(("refused", "invalid")) or (
-        status.failures >= policy.max_local_failures
+    return (
+        status.reason.startswith(("refused", "invalid"))
+        or status.failures >= policy.max_local_failures
+        or multi_engine in multinode.RANK_ENGINES
     )
 
 

@@ -20,3 +20,12 @@ def is_loopback(remote: str | None) -> bool:
         return remote is not None and ipaddress.ip_address(remote).is_loopback
     except ValueError:
         return False
+
+
+def is_ip(value: Any) -> bool:
+    """Whether `value` is an IPv4 or IPv6 address literal."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return isinstance(value, str)

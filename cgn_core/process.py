@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,3 +187,20 @@ def stop_pid_group(fp: Fingerprint, grace_s: float = 10.0) -> bool:
             os.killpg(fp.pid, signal.SIGKILL)
         time.sleep(0.2)
     return not matches(fp)
+
+
+def group_members(groups: Iterable[int], proc: Path = Path("/proc")) -> list[int]:
+    """Every live process whose process group is one of `groups` (Linux; [] without /proc):
+    the children an engine or a multi-node rank's sidecars started in its group."""
+    want = set(groups)
+    out: list[int] = []
+    if not want or not proc.is_dir():
+        return out
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[2]) in want:  # fields: state, ppid, pgrp, ...
+                out.append(int(entry.name))
+    return sorted(out)

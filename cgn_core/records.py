@@ -25,12 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast, get_args
 
+from cgn_core import multinode
 from cgn_core.errors import CognitoraError
-from cgn_core.net import is_host_port
+from cgn_core.net import is_host_port, is_ip
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,10 @@ class Part:
     part: int = 0
     parts: int = 1
     head: str = ""
-    stages: tuple[str, ...] = ()  # a head's placement: each stage's host:port
-    address: str = ""  # a stage's status: where it listens (host:port)
+    stages: tuple[str, ...] = ()  # a pipeline head's placement: each stage's host:port
+    # a stage's status: where it listens; a vLLM or SGLang rank 0's: its rendezvous point
+    address: str = ""
+    rendezvous: str = ""  # the placement of a vLLM or SGLang rank > 0: rank 0's address
 
     @property
     def multi(self) -> bool:
@@ -138,6 +142,8 @@ class Part:
             doc["stages"] = list(self.stages)
         if self.address:
             doc["address"] = self.address
+        if self.rendezvous:
+            doc["rendezvous"] = self.rendezvous
         return doc
 
 
@@ -156,13 +162,14 @@ def _part(doc: Mapping[str, Any]) -> Part:
     if parts == 1:
         return SINGLE
     stages = p.get("stages")
-    address = p.get("address")
+    address, rendezvous = p.get("address"), p.get("rendezvous")
     return Part(
         part,
         parts,
         str(p.get("head", ""))[:256],
         tuple(s for s in stages if is_host_port(s))[:64] if isinstance(stages, list) else (),
         str(address) if is_host_port(address) else "",
+        str(rendezvous) if is_host_port(rendezvous) else "",
     )
 
 
@@ -333,6 +340,17 @@ class Accelerator:
     index: int
     accel_class: str
     health: tuple[str, ...] = ()  # what is wrong with it; () when healthy
+    compute_capability: str = ""  # "9.0"; "" when its agent could not read it
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    """Where a node's multi-node ranks talk: its advertised address, the interface holding it
+    (the management network), and the RDMA ports NCCL may use (cgn_core/multinode.py)."""
+
+    address: str = ""
+    iface: str = ""
+    fabric_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,13 +364,26 @@ class NodeInventory:
     node_class: str = "?"
     admin_url: str = ""
     cpu: Mapping[str, Any] = field(default_factory=dict)  # shown by `cgn-ctl nodes`, as written
+    network: Network = Network()
 
     def to_json(self) -> dict[str, Any]:
         accelerators = [
-            {"index": a.index, "accel_class": a.accel_class, "health": list(a.health)}
+            {
+                "index": a.index,
+                "accel_class": a.accel_class,
+                "health": list(a.health),
+                "compute_capability": a.compute_capability,
+            }
             for a in self.accelerators
         ]
+        links = [
+            {"device": d, "port": int(p), "state": "ACTIVE", "link_layer": "InfiniBand"}
+            for d, _, p in (a.rpartition(":") for a in self.network.fabric_adapters)
+        ]
         return {
+            "address": self.network.address,
+            "iface": self.network.iface,
+            "network": links,
             "accelerators": accelerators,
             "engines": list(self.engines),
             "labels": dict(self.labels),
@@ -375,7 +406,9 @@ def node_inventory(doc: Any) -> NodeInventory:
         if index < 0:
             raise RecordError(f"accelerators[{i}].index is required")
         accel_class = text(a, "accel_class", required=True)
-        accelerators.append(Accelerator(index, accel_class, strings(a, "health")))
+        cap = text(a, "compute_capability")
+        cap = cap if multinode.capability(cap) else ""
+        accelerators.append(Accelerator(index, accel_class, strings(a, "health"), cap))
     labels = d.get("labels") or {}
     if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
         raise RecordError("'labels' must be an object of strings")
@@ -389,6 +422,35 @@ def node_inventory(doc: Any) -> NodeInventory:
         node_class=text(d, "node_class", "?"),
         admin_url=text(d, "admin_url"),
         cpu=cpu if isinstance(cpu, dict) else {},
+        network=_network(d),
+    )
+
+
+_IFACE = re.compile(r"^[A-Za-z0-9._@:-]{1,15}$")  # Linux: IFNAMSIZ - 1
+_RDMA = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _network(d: Mapping[str, Any]) -> Network:
+    """The node's address, management interface and fabric ports; each part that is not
+    well formed reads as unknown (an agent before these fields wrote none of them)."""
+    address = text(d, "address")
+    iface = text(d, "iface")
+    raw = d.get("network")
+    links = []
+    for link in raw[:64] if isinstance(raw, list) else []:
+        if not isinstance(link, dict):
+            continue
+        device, port = link.get("device"), link.get("port")
+        if not (isinstance(device, str) and _RDMA.match(device)):
+            continue
+        if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 256):
+            continue
+        state, layer = link.get("state"), link.get("link_layer")
+        links.append(multinode.Link(device, port, str(state), str(layer)))
+    return Network(
+        address if is_ip(address) else "",
+        iface if _IFACE.match(iface) else "",
+        multinode.fabric_adapters(links),
     )
 
 

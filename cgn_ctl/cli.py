@@ -81,8 +81,9 @@ def explain_placement(
     config: Config = None,
     as_json: Json = False,
 ) -> None:
-    """Where one more replica of MODEL would go now: every candidate and what rejected it."""
-    d = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
+    """Where one more replica of MODEL would go now: every candidate and what rejected it;
+    for vLLM or SGLang across nodes, what each rank runs and its NCCL/Gloo environment."""
+    d, ranks = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
     data = {
         "model": d.model,
         "role": role or "",
@@ -92,6 +93,7 @@ def explain_placement(
             {"node": c.node, "profile": c.profile, "ok": c.ok, "reason": c.reason}
             for c in d.candidates
         ],
+        "ranks": ranks,
     }
     _emit(data, as_json, render.explain)
 

@@ -15,9 +15,9 @@ from cgn_control import store
 from cgn_control.catalog import pool_label, pool_record
 from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
-from cgn_control.placement import Decision, place
+from cgn_control.placement import Decision, place, rank_plan
 from cgn_control.views import model_replicas, node_states
-from cgn_core import keys
+from cgn_core import keys, multinode
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.records import NodeInventory, Placement, ReplicaStatus
@@ -119,18 +119,25 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
 
 
 def _part(p: Placement, status: ReplicaStatus | None) -> str:
-    """A multi-node replica's part as a person reads it: `head 0/2`, `stage 1/2 10.0.0.2:9101`;
-    "" for a replica on one node."""
+    """A multi-node replica's part as a person reads it: `head 0/2`, `stage 1/2 10.0.0.2:9101`
+    (a cgn-infer pipeline), `rank 0/2 10.0.0.1:29500` (its rendezvous point), `rank 1/2`
+    (vLLM, SGLang); "" for a replica on one node."""
     if not p.part.multi:
         return ""
+    if p.engine in multinode.RANK_ENGINES:
+        address = status.part.address if status and p.part.part == 0 else ""
+        return f"rank {p.part.part}/{p.part.parts}" + (f" {address}" if address else "")
     if p.part.part == 0:
         return f"head 0/{p.part.parts}"
     address = status.part.address if status else ""
     return f"stage {p.part.part}/{p.part.parts}" + (f" {address}" if address else "")
 
 
-async def explain(client: EtcdClient, name: str, role: str | None = None) -> Decision:
-    """Where one more replica of model `name` (of its pool of `role`) would go now."""
+async def explain(
+    client: EtcdClient, name: str, role: str | None = None
+) -> tuple[Decision, list[dict[str, Any]]]:
+    """Where one more replica of model `name` (of its pool of `role`) would go now, and, for
+    vLLM or SGLang across nodes, how each rank would launch."""
     snap = await read_snapshot(client)
     spec = snap.models.get(name)
     if spec is None:
@@ -138,7 +145,9 @@ async def explain(client: EtcdClient, name: str, role: str | None = None) -> Dec
     roles = [r for r, _, _ in spec.wants()]
     if role is not None and role not in roles:
         raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {', '.join(roles)})")
-    return place(spec.for_role(role) if role else spec, node_views(snap, node_states(snap)))
+    sub = spec.for_role(role) if role else spec
+    decision = place(sub, node_views(snap, node_states(snap)))
+    return decision, rank_plan(sub, decision, snap.nodes)
 
 
 async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:

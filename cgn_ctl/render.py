@@ -93,6 +93,12 @@ def explain(d: dict[str, Any]) -> None:
     for c in d["candidates"]:
         t.add_row(str(c["profile"]), c["node"], "✓" if c["ok"] else "✗", c["reason"])
     console.print(t)
+    if d.get("ranks"):
+        r = Table("rank", "node", "runs", "rendezvous", "environment")
+        for rank in d["ranks"]:
+            env = " ".join(f"{k}={v}" for k, v in sorted(rank["env"].items()))
+            r.add_row(str(rank["rank"]), rank["node"], rank["runs"], rank["rendezvous"], env)
+        console.print(r)
 
 
 def explain_scaling(d: dict[str, Any]) -> None:

@@ -354,8 +354,8 @@ def test_pipeline_parts_parse_and_name_bad_fields() -> None:
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_placement("r7", {**base, "pipeline": bad})
-    with pytest.raises(ValueError, match="only cgn_infer runs as a layer pipeline"):
-        parse_placement("r7", {"model": "m", "engine": "vllm",
+    with pytest.raises(ValueError, match="only cgn_infer, sglang, vllm run across nodes"):
+        parse_placement("r7", {"model": "m", "engine": "trtllm",
                                "pipeline": {"part": 0, "parts": 2, "head": "n1"}})  # fmt: skip
 
 

@@ -161,10 +161,23 @@ def test_collect_on_a_gpu_node_with_a_fake_runner() -> None:
     outputs = {
         nvidia.GPUS_QUERY: fixture("nvidia_smi_h100x8.csv"),
         nvidia.APPS_QUERY: fixture("nvidia_smi_apps_h100x8.csv"),
+        nvidia.CAPS_QUERY: fixture("nvidia_smi_caps_h100x8.csv"),
     }
     inv = collect("n1", run=lambda argv: outputs[tuple(argv)], use_nvml=False)
     assert inv.node_class == "h100-80g" and len(inv.accelerators) == 8
     assert not inv.accelerators[1].healthy and inv.driver_version == "550.90.07"
+    assert {a.compute_capability for a in inv.accelerators} == {"9.0"} and not inv.notes
+
+    def old_driver(argv: object) -> str:  # before 510, a query naming compute_cap is refused
+        if argv == nvidia.CAPS_QUERY:
+            raise OSError('nvidia-smi exited 2: Field "compute_cap" is not a valid field')
+        return outputs[tuple(argv)]  # type: ignore[arg-type]
+
+    inv = collect("n1", run=old_driver, use_nvml=False, address="127.0.0.1")
+    assert len(inv.accelerators) == 8 and inv.accelerators[0].compute_capability == ""
+    assert inv.notes == ('nvidia-smi compute_cap: nvidia-smi exited 2: Field "compute_cap" '
+                         "is not a valid field",)  # fmt: skip
+    assert (inv.address, inv.iface) == ("127.0.0.1", "lo")
 
     def broken(argv: object) -> str:
         raise OSError("nvidia-smi exited 9: NVIDIA-SMI has failed")

@@ -130,17 +130,37 @@ def test_multi_node_replicas_take_the_emptiest_nodes_of_one_fabric() -> None:
 
 
 def test_a_multi_node_profile_no_agent_can_launch_is_rejected_everywhere_with_why() -> None:
-    """vLLM across two nodes is described, explained and never placed: explain and the
-    reconciler run the same `place`, so both say why (it was chosen by explain and dropped
-    by the reconciler with an empty reason). The next profile is used."""
-    two = {"engine": "vllm", "accelerator": "h100-80g", "devices": 8, "nodes": 2,
+    """TensorRT-LLM across two nodes is described, explained and never placed: explain and
+    the reconciler run the same `place`, so both say why. The next profile is used; vLLM
+    across two nodes of one fabric is placed, rank 0 on the first node."""
+    two = {"engine": "trtllm", "accelerator": "h100-80g", "devices": 8, "nodes": 2,
            "tensor_parallel": 8}  # fmt: skip
-    nodes = [NodeView(n, gpus("h100-80g", 8), ENGINES, fabric="ib1") for n in ("a", "b")]
-    d = place(spec(two, H100), nodes)
-    assert d.profile == 1
+    engines = ENGINES | {"trtllm"}
+    nodes = [NodeView(n, gpus("h100-80g", 8), engines, fabric="ib1") for n in ("a", "b")]
+    d = place(spec(two, {**two, "engine": "vllm"}), nodes)
+    assert d.profile == 1 and d.nodes == (("a", tuple(range(8))), ("b", tuple(range(8))))
     assert {c.reason for c in d.candidates if c.profile == 0} == {
-        "vllm across 2 nodes is not launched by agents yet (cgn_infer only)"
+        "trtllm across 2 nodes is not launched by agents (cgn_infer, sglang, vllm are)"
     }
+
+
+def test_an_fp8_profile_is_refused_on_gpus_older_than_sm89_with_its_field() -> None:
+    """The capability comes from each node's record: A100s (8.0) are refused with the field
+    that made the profile FP8; H100s (9.0) and a node whose capability is unknown fit."""
+    a100 = tuple(replace(d, compute_capability="8.0") for d in gpus("h100-80g", 2))
+    h100 = tuple(replace(d, compute_capability="9.0") for d in gpus("h100-80g", 2))
+    nodes = [NodeView("old", a100, ENGINES), NodeView("new", h100, ENGINES),
+             NodeView("unknown", gpus("h100-80g", 2), ENGINES)]  # fmt: skip
+    for fp8, field in (({"quantization": "fp8"}, "quantization"),
+                       ({"extra_args": ["--kv-cache-dtype", "fp8_e5m2"]}, "extra_args")):  # fmt: skip
+        d = place(spec({**H100, **fp8}), nodes)
+        verdicts = {c.node: c.reason for c in d.candidates}
+        assert verdicts["old"] == (
+            f"profiles[0].{field} asks for FP8, which needs compute capability 8.9 or newer "
+            "(0: 8.0, 1: 8.0)"
+        )
+        assert d.nodes[0][0] in ("new", "unknown")
+    assert place(spec(H100), nodes[:1]).nodes == (("old", (0,)),)  # not FP8: A100s do
 
 
 def test_node_view_from_an_agent_inventory_document() -> None:

@@ -23,11 +23,21 @@ from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
 from cgn_core import bundled_models, executables
 from cgn_core.errors import CognitoraError, PermanentError
+from cgn_core.multinode import DEFAULT_RENDEZVOUS_TIMEOUT_S
 from cgn_core.settings import TlsSettings
 
 
 class PlacementRefused(PermanentError):
     """This node cannot run this replica as specified; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One command of a launch that runs several (cgn_agent/shard.py runs them in order)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the agent's environment
+    wait_for: str = ""  # host:port that must accept a TCP connection before this one starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +57,28 @@ class Launch:
     # The secret the router must present (Authorization: Bearer); "" when the engine takes none.
     token: str = ""
     # How readiness is checked: "http" (health_path answers 200, models_path lists the
-    # model) or "tcp" (the port accepts a connection: a pipeline stage, which binds its gRPC
-    # port only once its layers are loaded)
+    # model), "tcp" (the port accepts a connection: a pipeline stage, which binds its gRPC
+    # port only once its layers are loaded) or "alive" (the process runs: a rank > 0 of a
+    # vLLM or SGLang replica, which serves nothing of its own; rank 0 is Ready only once
+    # every rank has joined it)
     probe: str = "http"
     endpoint: bool = True  # published for routers once Ready (a pipeline stage is not)
+    # A multi-node rank (cgn_core/multinode.py): commands started before this one, in order,
+    # kept alive as long as it runs and stopped with it (a Ray head or worker); the
+    # host:port this one waits for (rank 0's rendezvous point), and for how long at most;
+    # rank 0's own rendezvous point as other nodes reach it (its status reports it).
+    sidecars: tuple[Command, ...] = ()
+    wait_for: str = ""
+    wait_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    rendezvous: str = ""
+    # False: a failure is not retried here (a rank: the control plane rebuilds the replica
+    # whole, every rank at once)
+    restart: bool = True
+
+    @property
+    def commands(self) -> tuple[Command, ...]:
+        """Everything this launch runs, in order; the last one's exit is the launch's."""
+        return (*self.sidecars, Command(self.argv, self.env, self.wait_for))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +92,10 @@ class LaunchContext:
     kvcached_token: str = ""  # its client token (cgn_core/kv/identity.py); "" when open
     offload_gib: float = 0.0  # built-in CPU KV offload for engines that have one (vLLM, SGLang)
     advertise_host: str = ""  # the address other nodes reach this one's engines on
+    rendezvous_port: int = 0  # rank 0 of a multi-node replica: where its ranks rendezvous
+    # a multi-node rank's collective-library settings, from this node's inventory
+    # (cgn_core/multinode.py: NCCL_IB_HCA, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
+    nccl: Mapping[str, str] = field(default_factory=dict)
 
 
 class Toolbox(Protocol):

@@ -9,12 +9,15 @@
 * TensorRT-LLM: `trtllm-serve <model> --host --port --backend --tp_size
   [--max_seq_len] --served_model_name`; its /metrics is JSON iteration
   statistics, not Prometheus, so no dialect is published.
-All three need NVIDIA GPUs: a placement without them is refused up front.
+All three need NVIDIA GPUs: a placement without them is refused up front, and so is an
+FP8 profile (`quantization: fp8`, an fp8 `dtype`, or fp8 in extra_args) on GPUs older than
+compute capability 8.9. vLLM and SGLang also run one replica across nodes, as ranks
+(drivers/ranks.py); `quantization` is their `--quantization`.
 """
 
 from __future__ import annotations
 
-from cgn_agent.drivers import kv_connectors
+from cgn_agent.drivers import kv_connectors, ranks
 from cgn_agent.drivers.base import (
     Launch,
     LaunchContext,
@@ -33,7 +36,31 @@ from cgn_agent.spec import ReplicaSpec
 
 def _check(spec: ReplicaSpec, node: Inventory, engine: str) -> None:
     require_source(spec, engine)
-    require_gpus(spec, node, engine, spec.profile.tensor_parallel)
+    if spec.pipeline is not None:  # a rank: its devices are part of the tensor-parallel size
+        require_gpus(spec, node, engine, max(1, len(spec.devices)))
+        ranks.check(spec, node, engine)
+    else:
+        require_gpus(spec, node, engine, spec.profile.tensor_parallel)
+        if spec.profile.launch_mode is not None:
+            raise PlacementRefused(f"{engine}: profile.launch_mode applies across nodes only")
+    ranks.check_fp8(spec, node, engine)
+
+
+def _multi_node(spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox, serve: Launch) -> Launch:
+    """`serve` as it is on one node, or this node's rank of a replica across nodes."""
+    if spec.pipeline is None:
+        return serve
+    http = {"--host", "--port", "--served-model-name"}
+    model_args: list[str] = []
+    skip = False
+    for arg in serve.argv[: len(serve.argv) - len(spec.profile.extra_args)]:
+        if skip:
+            skip = False
+        elif arg in http:
+            skip = True
+        else:
+            model_args.append(arg)
+    return ranks.launch(spec, ctx, tools, spec.engine, serve, model_args)
 
 
 class VllmDriver:
@@ -63,6 +90,7 @@ class VllmDriver:
         ]
         argv += optional_flags(("--max-model-len", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
+        argv += optional_flags(("--quantization", p.quantization))
         if p.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
         argv += kv_connectors.vllm_args(p.kv_connector)
@@ -70,13 +98,14 @@ class VllmDriver:
         env = {**cuda_env(spec), **p.env}
         if ctx.token:  # vLLM's server reads it (as --api-key) and guards /v1/* with it
             env["VLLM_API_KEY"] = ctx.token
-        return Launch(
+        serve = Launch(
             tuple(argv + list(p.extra_args)),
             env,
             url_for(ctx),
             metrics_dialect="vllm",
             token=ctx.token,
         )
+        return _multi_node(spec, ctx, tools, serve)
 
 
 class SglangDriver:
@@ -108,16 +137,18 @@ class SglangDriver:
         ]
         argv += optional_flags(("--context-length", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
+        argv += optional_flags(("--quantization", p.quantization))
         if p.gpu_memory_utilization is not None:
             argv += ["--mem-fraction-static", str(p.gpu_memory_utilization)]
         argv += ["--enable-metrics", *kv_connectors.sglang_args(p.kv_connector, spec.role)]
         argv += kv_connectors.offload_args("sglang", p.kv_connector, ctx.offload_gib)
-        return Launch(
+        serve = Launch(
             tuple(argv + list(p.extra_args)),
             {**cuda_env(spec), **p.env},
             url_for(ctx),
             metrics_dialect="sglang",
         )
+        return _multi_node(spec, ctx, tools, serve)
 
 
 class TrtllmDriver:
@@ -130,6 +161,8 @@ class TrtllmDriver:
     def validate(self, spec: ReplicaSpec, node: Inventory, tools: Toolbox) -> None:
         _check(spec, node, self.name)
         require_connector_none(spec, self.name)
+        if spec.pipeline is not None:
+            raise PlacementRefused("trtllm: agents do not launch it across nodes")
         if (spec.profile.backend or "pytorch") not in self.BACKENDS:
             raise PlacementRefused(f"trtllm: backend must be one of {', '.join(self.BACKENDS)}")
 

@@ -41,7 +41,9 @@ def collect(
     labels: dict[str, str] | None = None,
     run: Runner = run_command,
     use_nvml: bool = True,
+    address: str = "",
 ) -> Inventory:
+    """`address`: the node's advertised address (its interface is the management one)."""
     notes: list[str] = []
     accelerators: list[Accelerator] = []
     driver = ""
@@ -64,6 +66,11 @@ def collect(
             gpus = nvidia.flag_foreign(gpus, nvidia.parse_apps(run(nvidia.APPS_QUERY)), own_pids)
             if use_nvml and gpus:
                 gpus = _with_topology(gpus, notes)
+            if gpus:
+                try:
+                    gpus = nvidia.with_caps(gpus, nvidia.parse_caps(run(nvidia.CAPS_QUERY)))
+                except (OSError, ValueError) as exc:
+                    notes.append(f"nvidia-smi compute_cap: {exc}")
             accelerators += gpus
         except FileNotFoundError:
             pass  # no NVIDIA driver: a CPU node (or another vendor's), not an error
@@ -79,6 +86,8 @@ def collect(
         driver_version=driver,
         labels=dict(labels or {}),
         notes=tuple(notes),
+        address=address,
+        iface=network.iface_of(address) if address else "",
     )
 
 

@@ -36,6 +36,9 @@ GPU_FIELDS = (
     "driver_version",
 )
 GPUS_QUERY = ("nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits")
+# NOTE: a query of its own: drivers older than 510 do not know the field, and refuse the
+# whole query that names it (the inventory then lacks only the capabilities)
+CAPS_QUERY = ("nvidia-smi", "--query-gpu=index,compute_cap", "--format=csv,noheader,nounits")
 APPS_QUERY = (
     "nvidia-smi",
     "--query-compute-apps=gpu_uuid,pid,used_memory",
@@ -97,6 +100,22 @@ def parse_gpus(text: str) -> tuple[list[Accelerator], str]:
         )
         driver = _value(f["driver_version"]) or driver
     return gpus, driver
+
+
+def parse_caps(text: str) -> dict[int, str]:
+    """Rows of CAPS_QUERY output: device index -> compute capability ("9.0")."""
+    out = {}
+    for row in _rows(text):
+        if len(row) != 2:
+            raise ValueError(f"nvidia-smi compute_cap row has {len(row)} fields, expected 2")
+        cap = _value(row[1])
+        if cap is not None:
+            out[int(row[0])] = cap
+    return out
+
+
+def with_caps(gpus: Iterable[Accelerator], caps: dict[int, str]) -> list[Accelerator]:
+    return [replace(g, compute_capability=caps.get(g.index, "")) for g in gpus]
 
 
 def parse_apps(text: str) -> list[GpuProcess]:

@@ -31,6 +31,7 @@ class Accelerator:
     power_limit_w: float | None = None
     health: tuple[str, ...] = ()  # reasons to keep it out of placement; empty = healthy
     topology: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compute_capability: str = ""  # "9.0" (nvidia-smi compute_cap); "" when unknown
 
     @property
     def healthy(self) -> bool:
@@ -59,6 +60,8 @@ class Inventory:
     driver_version: str = ""
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what could not be read, and why
+    address: str = ""  # where other nodes reach this one's engines (the advertised address)
+    iface: str = ""  # the management interface: the one holding `address`
 
     @property
     def node_class(self) -> str:

@@ -1,0 +1,1 @@
+"""A stand-in for SGLang's package: only `python -m sglang.launch_server` (rank_stub.py)."""
