@@ -122,15 +122,19 @@ class Shard:
 
     def _wait(self, address: str) -> bool:
         host, _, port = address.rpartition(":")
+        started = time.monotonic()
         while not self.stopping and time.monotonic() < self.deadline:
             if self._dead_sidecar():
                 return True  # the caller reports it
             try:
                 socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
-                return True
             except OSError:
-                pass
-            time.sleep(POLL_S)
+                time.sleep(POLL_S)
+                continue
+            waited = time.monotonic() - started
+            if waited > POLL_S:  # it was not there yet: this rank waited for its head
+                _say(f"{address} accepted a connection after {waited:.1f} s")
+            return True
         return False
 
     def _dead_sidecar(self) -> str:

@@ -316,17 +316,27 @@ class Agent:
 
 
 @contextmanager
-def cgn_agent(state_dir: Path, etcd_endpoint: str, *args: str, node: str = "n1") -> Iterator[Agent]:
-    """A real `cgn-agent run` for node `node`, engines on loopback, quick backoff and drain."""
+def cgn_agent(
+    state_dir: Path,
+    etcd_endpoint: str,
+    *args: str,
+    node: str = "n1",
+    prefix: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[Agent]:
+    """A real `cgn-agent run` for node `node`, engines on loopback, quick backoff and drain;
+    `prefix` runs it under another command (`ip netns exec <ns>`: another host)."""
     ready = state_dir.parent / f"agent-{time.monotonic_ns()}.ready"
-    argv = [str(BIN / "cgn-agent"), "run", "--etcd", etcd_endpoint, "--node-id", node,
+    argv = [*prefix, str(BIN / "cgn-agent"), "run", "--etcd", etcd_endpoint, "--node-id", node,
             "--state-dir", str(state_dir), "--admin-port", "0", "--ready-file", str(ready),
             "--set", "engines.bind_host=127.0.0.1", "--set", "engines.probe_interval_s=0.5",
             "--set", "engines.stop_grace_s=10", "--set", "supervisor.drain_s=0.2",
             "--set", "supervisor.backoff_base_s=0.5", "--set", "supervisor.backoff_cap_s=2",
             *args]  # fmt: skip
     with (state_dir.parent / f"{ready.stem}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     try:
         doc = wait_ready_file(ready, timeout_s=60, proc=proc)
         yield Agent(f"http://127.0.0.1:{doc['ports']['admin']}", node, proc)

@@ -208,8 +208,8 @@ BIG = {"name": "big", "source": "org/Big",
                      "tensor_parallel": 4}]}  # fmt: skip
 
 
-def node_doc(address: str) -> dict[str, Any]:
-    return {"accelerators": [{"index": i, "accel_class": "h100-80g"} for i in range(4)],
+def node_doc(address: str, devices: int = 4) -> dict[str, Any]:
+    return {"accelerators": [{"index": i, "accel_class": "h100-80g"} for i in range(devices)],
             "engines": ["vllm"], "labels": {"fabric": "ib"}, "address": address,
             "iface": "eth0", "network": [{"device": "mlx5_0", "port": 1, "state": "ACTIVE",
                                           "link_layer": "InfiniBand"}]}  # fmt: skip
@@ -323,3 +323,29 @@ def test_no_sidecar_outlives_its_rank_nor_a_stop(tmp_path: Path) -> None:
     proc.terminate()
     assert proc.wait(timeout=30) == 0
     until("nothing of the group is left", lambda: not group_members([proc.pid]), timeout_s=10)
+
+
+def test_a_drain_moves_a_multi_node_replica_whole_replacement_first() -> None:
+    """Draining one rank's node places a whole new replica off it; the old one (every rank)
+    goes only once the new rank 0 is Ready."""
+    three = {n: node_doc(f"10.0.0.{i}", 8) for i, n in enumerate(("a", "b", "c"), 1)}
+    base = {"model": "big", "engine": "vllm", "devices": [0, 1, 2, 3], "owner": "reconciler"}
+    placed = {("a", "r1"): {**base, "pipeline": {"part": 0, "parts": 2, "head": "a"}},
+              ("b", "r1"): {**base, "pipeline": {"part": 1, "parts": 2, "head": "a",
+                                                   "rendezvous": "10.0.0.1:29500"}}}  # fmt: skip
+    ready = {k: {"phase": "Ready"} for k in placed}
+
+    def snap(placed: dict[Any, Any], status: dict[Any, Any]) -> Snapshot:
+        return Snapshot.of(models={"big": parse_model(BIG)}, nodes=three, placements=placed,
+                           statuses=status, cordons={"b": {"drain": True}}, wall=1000.0)  # fmt: skip
+
+    mem = Memory()
+    new = reconcile(snap(placed, ready), mem, 0.0, S)
+    assert {(type(a), a.node) for a in new} == {(Put, "a"), (Put, "c")}  # off b, whole
+    placed |= {(p.node, p.replica): p.doc for p in new}
+    assert not any(isinstance(a, Delete) for a in reconcile(snap(placed, ready), mem, 1.0, S))
+    head = next(p for p in new if p.doc["pipeline"]["part"] == 0)
+    done = reconcile(snap(placed, {**ready, (head.node, head.replica): {"phase": "Ready"}}),
+                     mem, 2.0, S)  # fmt: skip
+    assert {(a.node, a.replica) for a in done if isinstance(a, Delete)} == {
+        ("a", "r1"), ("b", "r1")}  # fmt: skip

@@ -67,12 +67,14 @@ class LocalEtcd:
         peer_port: int = 0,
         name: str = "cgn",
         tls: TlsSettings | None = None,
+        host: str = "127.0.0.1",
     ):
         """`tls`: serve clients over TLS with this certificate and require client certificates
         signed by its CA (`--client-cert-auth`); health is then read from a plain metrics port."""
         self.data_dir = data_dir
         self._auto_ports = not client_port and not peer_port
-        auto = free_ports(3)
+        self.host = host  # clients reach it here (another address: a test's second host)
+        auto = free_ports(3, host)
         self.client_port = client_port or auto[0]
         self.peer_port = peer_port or auto[1]
         self.metrics_port = auto[2]
@@ -83,11 +85,11 @@ class LocalEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def argv(self) -> list[str]:
         scheme = "https" if self.tls else "http"
-        client = f"{scheme}://127.0.0.1:{self.client_port}"
+        client = f"{scheme}://{self.host}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         secure = []
         if self.tls is not None:
@@ -128,7 +130,8 @@ class LocalEtcd:
                 if not (fresh and attempt < 2 and "address already in use" in exc.message):
                     raise
                 shutil.rmtree(self.data_dir, ignore_errors=True)
-                self.client_port, self.peer_port, self.metrics_port = free_ports(3)
+                ports = free_ports(3, self.host)
+                self.client_port, self.peer_port, self.metrics_port = ports
 
     def _start(self, timeout_s: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -147,8 +150,8 @@ class LocalEtcd:
             time.sleep(0.05)
 
     def healthy(self) -> bool:
-        port = self.metrics_port if self.tls else self.client_port
-        url = f"http://127.0.0.1:{port}/health"
+        host, port = ("127.0.0.1", self.metrics_port) if self.tls else (self.host, self.client_port)
+        url = f"http://{host}:{port}/health"
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return bool(json.load(resp).get("health") == "true")
