@@ -22,14 +22,13 @@ from cgn_agent.node import rank_log
 from cgn_agent.shard import EXIT_REASON, PLAN_ENV, Plan, Step
 from cgn_agent.spec import EngineProfile, PipelinePart, ReplicaId, ReplicaSpec, parse_placement
 from cgn_control.catalog import CatalogError, parse_model
-from cgn_control.placement import NodeView, place, rank_plan
+from cgn_control.placement import Device, NodeView, place, rank_plan
 from cgn_control.reconciler import Delete, Memory, Put, Snapshot, reconcile
 from cgn_core import multinode
 from cgn_core.process import group_members
 from cgn_core.records import node_inventory
 from cgn_router.settings import ReconcilerSettings
 from harness.poll import until
-from tests.test_placement import gpus
 
 NCCL = multinode.nccl_env(("mlx5_0:1", "mlx5_1:1"), "eth0")
 
@@ -243,8 +242,8 @@ def test_rank_0_starts_first_the_others_learn_its_rendezvous_and_any_failure_reb
     assert {(type(a), a.node) for a in acts} == {(Delete, "a"), (Delete, "b")}
     assert mem.rebuild_after["big"] > 4.0
     # explain shows each rank's command and environment from the nodes' records
-    d = place(parse_model(BIG), [NodeView(n, gpus("h100-80g", 4), frozenset({"vllm"}), "ib")
-                                 for n in ("a", "b")])  # fmt: skip
+    h100 = tuple(Device(i, "h100-80g") for i in range(4))
+    d = place(parse_model(BIG), [NodeView(n, h100, frozenset({"vllm"}), "ib") for n in "ab"])
     plan = rank_plan(parse_model(BIG), d, cluster({}, {}).nodes)
     assert [(r["rank"], r["node"], r["runs"]) for r in plan] == [
         (0, "a", "ray head, then vllm serve (serves HTTP)"), (1, "b", "ray worker")]  # fmt: skip

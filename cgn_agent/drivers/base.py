@@ -1,10 +1,11 @@
 """The engine-driver interface: how to launch and probe one kind of engine (no process handling).
 
 A driver turns a `ReplicaSpec` into a `Launch` (argv, environment, the URL
-to probe, which ranks serve HTTP) and refuses, before anything starts, a spec
-the node cannot run. It never spawns or signals anything: the executor
-does that. What a driver needs to know about the machine (binaries on PATH,
-importable modules, files) it asks a `Toolbox`, so tests use a fake one.
+to probe, how readiness is judged; a multi-node rank's sidecars and the
+rendezvous point it waits for) and refuses, before anything starts, a spec the
+node cannot run. It never spawns or signals anything: the executor does that.
+What a driver needs to know about the machine (binaries on PATH, importable
+modules, files) it asks a `Toolbox`, so tests use a fake one.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class Launch:
     # llamacpp, cgn-infer), published in the endpoint record; None: no
     # Prometheus page, so the router relies on its own in-flight counts.
     metrics_dialect: str | None = None
-    http_ranks: tuple[int, ...] = (0,)  # of a multi-process engine, the ranks with an HTTP server
     # The secret the router must present (Authorization: Bearer); "" when the engine takes none.
     token: str = ""
     # How readiness is checked: "http" (health_path answers 200, models_path lists the
