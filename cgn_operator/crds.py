@@ -20,6 +20,7 @@ from typing import Any
 
 from cgn_control.catalog import ENGINES, KV_CONNECTORS, ROLES, Profile
 from cgn_control.scaling import ScalingPolicy
+from cgn_core.multinode import LAUNCH_MODES
 
 GROUP = "cognitora.io"
 VERSION = "v1alpha1"
@@ -81,6 +82,11 @@ def _profile() -> dict[str, Any]:
         "extra_args": _STRINGS,
         "env": _s("object", additionalProperties=_STR),
         "role": _s("string", "the pool of a disaggregated model it may serve", enum=list(ROLES)),
+        "quantization": _s("string", "vllm / sglang --quantization (fp8 needs sm 8.9+)"),
+        "launch_mode": _s("string", "vllm across nodes: ray or mp", enum=list(LAUNCH_MODES)),
+        "rendezvous_timeout_s": _s(
+            "number", "how long ranks 1.. wait for rank 0", exclusiveMinimum=True, minimum=0
+        ),
     }
     missing = {f.name for f in dataclasses.fields(Profile)} ^ set(props)
     assert not missing, f"the CRD's profile schema and catalog.Profile differ: {missing}"
