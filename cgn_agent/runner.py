@@ -220,7 +220,7 @@ class ReplicaRunner:
             await self.observe(sv.Spawned(now, 0))
             return
         argv, env = self.launch.argv, self.launch.env
-        if len(self.launch.commands) > 1 or self.launch.wait_for:  # a rank: cgn_agent/shard.py
+        if self.launch.sidecars or self.launch.wait_for:  # a rank: cgn_agent/shard.py
             self._reason()  # NOTE: an earlier run's reason is not this one's
             plan = shard.Plan(
                 tuple(shard.Step(c.argv, dict(c.env), c.wait_for) for c in self.launch.commands),

@@ -307,10 +307,8 @@ def rank_plan(
     out = []
     for rank, (name, devices) in enumerate(d.nodes):
         net = nodes.get(name, EMPTY).network
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
-        env |= multinode.nccl_env(net.fabric_adapters, net.iface)
-        if p.engine == "vllm":
-            env["VLLM_HOST_IP"] = net.address or "?"
+        nccl = multinode.nccl_env(net.fabric_adapters, net.iface)
+        env = multinode.rank_env(p.engine, devices, nccl, net.address or "?")
         if p.engine == "sglang":
             runs = "sglang.launch_server (serves HTTP)" if rank == 0 else "sglang.launch_server"
         elif mode == "ray":

@@ -60,6 +60,17 @@ def nccl_env(adapters: Sequence[str], iface: str) -> dict[str, str]:
     return env
 
 
+def rank_env(
+    engine: str, devices: Sequence[int], nccl: Mapping[str, str], address: str
+) -> dict[str, str]:
+    """What places one rank: its devices, its node's `nccl_env`, and under vLLM the address
+    its workers announce (`VLLM_HOST_IP`: the node's advertised one)."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), **nccl}
+    if engine == "vllm":
+        env["VLLM_HOST_IP"] = address
+    return env
+
+
 def fp8_field(quantization: str | None, dtype: str | None, extra_args: Sequence[str]) -> str:
     """The profile field that makes it an FP8 profile, or "" when it is not one."""
     if quantization and quantization.lower().startswith("fp8"):

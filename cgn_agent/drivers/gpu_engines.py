@@ -37,8 +37,8 @@ from cgn_agent.spec import ReplicaSpec
 def _check(spec: ReplicaSpec, node: Inventory, engine: str) -> None:
     require_source(spec, engine)
     if spec.pipeline is not None:  # a rank: its devices are part of the tensor-parallel size
-        require_gpus(spec, node, engine, max(1, len(spec.devices)))
         ranks.check(spec, node, engine)
+        require_gpus(spec, node, engine, len(spec.devices))
     else:
         require_gpus(spec, node, engine, spec.profile.tensor_parallel)
         if spec.profile.launch_mode is not None:
@@ -46,21 +46,14 @@ def _check(spec: ReplicaSpec, node: Inventory, engine: str) -> None:
     ranks.check_fp8(spec, node, engine)
 
 
-def _multi_node(spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox, serve: Launch) -> Launch:
-    """`serve` as it is on one node, or this node's rank of a replica across nodes."""
+def _multi_node(
+    spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox, serve: Launch, model_args: list[str]
+) -> Launch:
+    """`serve` as it is on one node, or this node's rank of a replica across nodes
+    (`model_args`: the engine's argv without its HTTP flags and extra_args)."""
     if spec.pipeline is None:
         return serve
-    http = {"--host", "--port", "--served-model-name"}
-    model_args: list[str] = []
-    skip = False
-    for arg in serve.argv[: len(serve.argv) - len(spec.profile.extra_args)]:
-        if skip:
-            skip = False
-        elif arg in http:
-            skip = True
-        else:
-            model_args.append(arg)
-    return ranks.launch(spec, ctx, tools, spec.engine, serve, model_args)
+    return ranks.launch(spec, ctx, tools, serve, model_args)
 
 
 class VllmDriver:
@@ -75,19 +68,9 @@ class VllmDriver:
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
-        argv = [
-            tools.which("vllm") or "vllm",
-            "serve",
-            spec.source,
-            "--host",
-            ctx.host,
-            "--port",
-            str(ctx.port),
-            "--served-model-name",
-            spec.model,
-            "--tensor-parallel-size",
-            str(p.tensor_parallel),
-        ]
+        exe = [tools.which("vllm") or "vllm", "serve", spec.source]
+        http = ["--host", ctx.host, "--port", str(ctx.port), "--served-model-name", spec.model]
+        argv = ["--tensor-parallel-size", str(p.tensor_parallel)]
         argv += optional_flags(("--max-model-len", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         argv += optional_flags(("--quantization", p.quantization))
@@ -99,13 +82,13 @@ class VllmDriver:
         if ctx.token:  # vLLM's server reads it (as --api-key) and guards /v1/* with it
             env["VLLM_API_KEY"] = ctx.token
         serve = Launch(
-            tuple(argv + list(p.extra_args)),
+            (*exe, *http, *argv, *p.extra_args),
             env,
             url_for(ctx),
             metrics_dialect="vllm",
             token=ctx.token,
         )
-        return _multi_node(spec, ctx, tools, serve)
+        return _multi_node(spec, ctx, tools, serve, exe + argv)
 
 
 class SglangDriver:
@@ -120,21 +103,9 @@ class SglangDriver:
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
-        argv = [
-            ctx.python,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            spec.source,
-            "--host",
-            ctx.host,
-            "--port",
-            str(ctx.port),
-            "--served-model-name",
-            spec.model,
-            "--tp-size",
-            str(p.tensor_parallel),
-        ]
+        exe = [ctx.python, "-m", "sglang.launch_server", "--model-path", spec.source]
+        http = ["--host", ctx.host, "--port", str(ctx.port), "--served-model-name", spec.model]
+        argv = ["--tp-size", str(p.tensor_parallel)]
         argv += optional_flags(("--context-length", p.ctx))
         argv += ["--dtype", p.dtype] if p.dtype else []
         argv += optional_flags(("--quantization", p.quantization))
@@ -143,12 +114,12 @@ class SglangDriver:
         argv += ["--enable-metrics", *kv_connectors.sglang_args(p.kv_connector, spec.role)]
         argv += kv_connectors.offload_args("sglang", p.kv_connector, ctx.offload_gib)
         serve = Launch(
-            tuple(argv + list(p.extra_args)),
+            (*exe, *http, *argv, *p.extra_args),
             {**cuda_env(spec), **p.env},
             url_for(ctx),
             metrics_dialect="sglang",
         )
-        return _multi_node(spec, ctx, tools, serve)
+        return _multi_node(spec, ctx, tools, serve, exe + argv)
 
 
 class TrtllmDriver:

@@ -29,7 +29,6 @@ from cgn_agent.drivers.base import (
     LaunchContext,
     PlacementRefused,
     Toolbox,
-    cuda_env,
 )
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.spec import ReplicaSpec
@@ -79,11 +78,9 @@ def master(spec: ReplicaSpec, ctx: LaunchContext) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def env(spec: ReplicaSpec, ctx: LaunchContext, engine: str) -> dict[str, str]:
-    out = {**cuda_env(spec), **ctx.nccl}
-    if engine == "vllm":  # the address vLLM's workers on this node announce
-        out["VLLM_HOST_IP"] = ctx.advertise_host or ctx.host
-    return {**out, **spec.profile.env}
+def env(spec: ReplicaSpec, ctx: LaunchContext) -> dict[str, str]:
+    own = ctx.advertise_host or ctx.host
+    return {**multinode.rank_env(spec.engine, spec.devices, ctx.nccl, own), **spec.profile.env}
 
 
 def _address(host: str, port: int) -> str:
@@ -94,17 +91,16 @@ def launch(
     spec: ReplicaSpec,
     ctx: LaunchContext,
     tools: Toolbox,
-    engine: str,
     serve: Launch,
     model_args: list[str],
 ) -> Launch:
     """Rank `spec.pipeline.part`'s launch: `serve` is the engine's single-node launch
-    (rank 0's HTTP server), `model_args` its argv without the HTTP flags."""
-    part, p = spec.pipeline, spec.profile
+    (rank 0's HTTP server), `model_args` its argv without the HTTP flags and extra_args."""
+    part, p, engine = spec.pipeline, spec.profile, spec.engine
     assert part is not None
     host, port = master(spec, ctx)
     rendezvous = _address(host, port)
-    base = env(spec, ctx, engine)
+    base = env(spec, ctx)
     pp = multinode.pipeline_parallel(len(spec.devices), part.parts, p.tensor_parallel)
     pp_flag = "--pipeline-parallel-size" if engine == "vllm" else "--pp-size"
     stages = [pp_flag, str(pp)] if pp > 1 else []
