@@ -13,14 +13,25 @@ decodes both); answers whole (`Reply`, with Content-Length) or streamed
 (`StreamReply`, chunked); keep-alive as HTTP/1.x says; `Expect: 100-continue`
 answered when the handler first reads the body. No upgrades, no compression.
 
-Hardening, as the aiohttp server had it: a request head over `max_head_bytes`
-is a 431; a malformed one a 400 (JSON, like every error here), and the
-connection closes; a body over `max_body_bytes` is a 413 as soon as its
-declared length or its bytes say so; a body not whole within the handler's
-timeout is its 408 (`Request.read`); a connection that sends no complete head
-for `idle_timeout_s` (from its opening or its last answer) is closed; a client
-that leaves cancels its handler (so the proxy closes its upstream request and
-the engine stops generating). Every CognitoraError a handler raises is its
+Hardening: a request head over `max_head_bytes` is a 431; a malformed one a
+400 (JSON, like every error here), and the connection closes; a body over
+`max_body_bytes` is a 413 as soon as its declared length or its bytes say so;
+a body not whole within the handler's timeout is its 408 (`Request.read`); a
+body that turns out malformed (a chunk size that overflows, a coding other
+than chunked) is a 400 at once, to the handler that waits for it; a
+connection that sends no complete head for `idle_timeout_s` (from its
+opening or its last answer) is closed; a client that leaves cancels its
+handler (so the proxy closes its upstream request and the engine stops
+generating); one that half-closes after a whole request gets its answer.
+
+NOTE: the budgets count the bytes as they arrive, not only as llhttp hands them
+over: httptools keeps a header's value (and a trailer's) in its own buffer
+until the value ends, so a head that never ends would grow there unseen. Every
+read that falls wholly within one head counts against `max_head_bytes`, and
+every read within one body (its chunk framing and trailers included) against
+`max_body_bytes` plus `FRAMING_BYTES`; a read that crosses into a new head is
+counted by llhttp's callbacks alone, so what a parser holds is bounded by a
+budget plus one read. Every CognitoraError a handler raises is its
 OpenAI-style JSON answer; anything else is a 500 and a log line with the
 traceback; an error after a stream started closes the connection.
 
@@ -61,6 +72,10 @@ PIPELINE = 8  # pipelined requests held per connection before reading pauses
 # still sends is read and dropped for this long before the connection closes: closing with
 # unread bytes would reset it, and the client could lose the answer (lingering close).
 LINGER_S = 2.0
+# What a chunked body may add to its data in chunk-size lines and trailers before the
+# connection is refused as too large (1-byte chunks take 6 bytes each: a client that
+# sends those is refused at a sixth of the body limit).
+FRAMING_BYTES = 1 << 20
 _PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -88,6 +103,7 @@ class Request:
         "_complete",
         "_conn",
         "_continue",
+        "_error",
         "_size",
         "_too_large",
         "_waiter",
@@ -122,6 +138,7 @@ class Request:
         self._complete = False
         self._too_large = conn.server.max_body_bytes < declared
         self._waiter: asyncio.Future[None] | None = None
+        self._error: CognitoraError | None = None  # the body turned out malformed
         self._continue = headers.get("expect", "").lower() == "100-continue"
 
     @property
@@ -133,9 +150,10 @@ class Request:
     async def read(self, timeout_s: float) -> bytes:
         """The whole body: PayloadTooLarge past the server's `max_body_bytes`, RequestTimeout
         when it is not whole within `timeout_s` (a client that trickles its body must not
-        hold a handler forever), ConnectionResetError when the client left."""
+        hold a handler forever), InvalidRequest when it cannot be parsed,
+        ConnectionResetError when the client left."""
         limit = self._conn.server.max_body_bytes
-        if not self._complete and not self._too_large:
+        if not self._complete and not self._too_large and self._error is None:
             if self._continue:
                 self._continue = False
                 self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -149,6 +167,8 @@ class Request:
                 raise RequestTimeout(why) from None
             finally:
                 self._waiter = None
+        if self._error is not None:
+            raise self._error
         if self._too_large:
             raise PayloadTooLarge(f"request body over {limit} bytes")
         return b"".join(self._chunks)
@@ -167,11 +187,18 @@ class Request:
     def _body(self, chunk: bytes) -> None:
         self._size += len(chunk)
         if self._size > self._conn.server.max_body_bytes:
-            self._too_large = True
-            self._chunks.clear()
-            self._wake()
+            self._overflow()
         elif not self._too_large:
             self._chunks.append(chunk)
+
+    def _overflow(self) -> None:
+        self._too_large = True
+        self._chunks.clear()
+        self._wake()
+
+    def _fail(self, err: CognitoraError) -> None:
+        self._error = err
+        self._wake()
 
     def _done(self) -> None:
         self._complete = True
@@ -347,9 +374,13 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._target = b""
         self._headers = Headers()
-        self._head_bytes = 0
+        self._head_bytes = 0  # of the head being parsed, as llhttp's callbacks hand it over
+        self._in_head = True  # what arrives now belongs to a head (or to the gap before one)
+        self._begun = 0  # heads begun: a read that saw one begin is not counted whole
+        self._received = 0  # bytes of the current head, or body, counted read by read
         self._reading_paused = False
         self._refused = False  # the stream could not be parsed: no more requests from it
+        self._eof = False  # the client half-closed: answer what it sent, then close
 
     # ---- asyncio.Protocol ----
 
@@ -372,12 +403,23 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: dropped
+        begun, in_head = self._begun, self._in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(InvalidRequest("protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
             self._refuse(InvalidRequest(f"malformed HTTP request: {exc}"))
+        if not self._refused and begun == self._begun and in_head == self._in_head:
+            self._count_received(len(data))  # the whole read was one head's, or one body's
+
+    def eof_received(self) -> bool:
+        """The client half-closed: a request already whole is still answered (then the
+        connection closes); one whose body never came whole is lost."""
+        self._eof = True
+        if self.parsing is not None:
+            self.parsing._lost()
+        return self.active is not None and self.active._complete
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -394,6 +436,8 @@ class _Connection(asyncio.Protocol):
         self._target = b""
         self._headers = Headers()
         self._head_bytes = 0
+        self._begun += 1
+        self._received = 0
 
     def on_url(self, url: bytes) -> None:
         self._target += url
@@ -407,6 +451,7 @@ class _Connection(asyncio.Protocol):
         dict.__setitem__(self._headers, key, text if seen is None else f"{seen}, {text}")
 
     def on_headers_complete(self) -> None:
+        self._in_head, self._received = False, 0
         if self._refused:
             return
         method = self.parser.get_method().decode("ascii", "replace")
@@ -434,6 +479,7 @@ class _Connection(asyncio.Protocol):
                 self._pause_reading()  # its answer is a 413 and a close: read no more
 
     def on_message_complete(self) -> None:
+        self._in_head = True
         req, self.parsing = self.parsing, None
         if req is not None:
             req._done()
@@ -486,6 +532,9 @@ class _Connection(asyncio.Protocol):
 
     def _finished(self, keep: bool) -> None:
         req, self.active, self.task = self.active, None, None
+        if self._eof and not (self.pending and self.pending[0]._complete):
+            self.close()  # half-closed: nothing more can come
+            return
         if not keep:
             if self._refused or (req is not None and not req._complete):
                 self._linger()
@@ -523,6 +572,19 @@ class _Connection(asyncio.Protocol):
         if self._head_bytes > self.server.max_head_bytes:
             self._refuse(HeadTooLarge(f"request head over {self.server.max_head_bytes} bytes"))
 
+    def _count_received(self, n: int) -> None:
+        """A read wholly within the current head or body: refused once over its budget."""
+        self._received += n
+        if self._in_head:
+            if self._received > self.server.max_head_bytes:
+                self._refuse(HeadTooLarge(f"request head over {self.server.max_head_bytes} bytes"))
+        elif self._received > self.server.max_body_bytes + FRAMING_BYTES:
+            req = self.parsing
+            if req is not None:
+                req._overflow()  # its handler answers 413, and the connection closes
+            self._refused = True
+            self._pause_reading()
+
     def _refuse(self, err: CognitoraError) -> None:
         """Answer a request that could not be parsed, then close (nothing after it can be
         trusted to start where a request starts)."""
@@ -533,6 +595,8 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
         if self.active is not None:  # its answer goes out first, then the connection closes
             self.active.keep_alive = False
+            if self.parsing is self.active:  # its handler waits for this body: 400 at once
+                self.active._fail(err)
             return
         with contextlib.suppress(ConnectionError):
             self.write(_error_reply(err).encode(keep_alive=False))

@@ -11,14 +11,18 @@ run every OpenAI request through the same server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from cgn_core.errors import NotFound
-from cgn_core.h1 import LINGER_S, Reply, Request, Server, StreamReply
+from cgn_core.h1 import FRAMING_BYTES, LINGER_S, Reply, Request, Server, StreamReply
 
 LIMIT = 1000  # max_body_bytes
 
@@ -36,14 +40,24 @@ class App:
     async def __call__(self, req: Request) -> Reply | StreamReply:
         self.seen.append((req.method, req.path, dict(req.headers)))
         self.arrived.set()
-        if req.path == "/echo":
-            body = await req.read(timeout_s=0.5)
+        if req.path in ("/echo", "/patient"):  # /patient waits long for its body
+            body = await req.read(timeout_s=0.5 if req.path == "/echo" else 30)
             return Reply(200, {"Content-Type": "text/plain", "X-Seen": req.path}, body)
         if req.path == "/stream":
             out = req.stream(200, {"Content-Type": "text/event-stream"})
             for i in range(3):
                 await out.write(b"data: %d\n\n" % i)
             await out.write_eof()
+            return out
+        if req.path == "/drip":  # streams until the client leaves
+            out = req.stream(200, {"Content-Type": "text/event-stream"})
+            try:
+                for i in range(1000):
+                    await out.write(b"data: %d\n\n" % i)
+                    await asyncio.sleep(0.02)
+            except (asyncio.CancelledError, ConnectionError):
+                self.cancelled.set()
+                raise
             return out
         if req.path == "/slow":
             try:
@@ -281,8 +295,18 @@ async def in_slow(app: App, port: int) -> tuple[asyncio.StreamReader, asyncio.St
 
 
 async def test_a_client_that_leaves_cancels_its_handler() -> None:
+    """A reset cancels at once; a close (FIN, which a half-close also sends) is seen by the
+    stream's next writes, so a streamed answer's engine stops within a chunk or two."""
     async with running() as (app, _, port):
         _, writer = await in_slow(app, port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        writer.close()  # SO_LINGER 0: a reset
+        await asyncio.wait_for(app.cancelled.wait(), 5)
+        app.cancelled.clear()
+        reader, writer = await connect(port)
+        writer.write(post("/drip", b""))
+        await reader.readuntil(b"data: 1")
         writer.close()
         await asyncio.wait_for(app.cancelled.wait(), 5)
 
@@ -313,3 +337,160 @@ async def test_shutdown_cancels_handlers_past_its_timeout() -> None:
         await asyncio.wait_for(server.shutdown(0.2), 5)
         assert app.cancelled.is_set()
         writer.close()
+
+
+async def trickle(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, piece: bytes) -> int:
+    """Write `piece` until the server answers or closes (at most 1,000 times): the bytes sent."""
+    sent = 0
+    for _ in range(1000):
+        if reader.at_eof() or len(reader._buffer):  # type: ignore[attr-defined]
+            break
+        try:
+            writer.write(piece)
+            await writer.drain()
+        except ConnectionError:
+            break
+        sent += len(piece)
+        await asyncio.sleep(0.002)
+    return sent
+
+
+async def test_a_header_value_that_never_ends_is_431_by_its_bytes_not_its_parse() -> None:
+    """httptools holds a header's value until it ends: the bytes count as they arrive, so an
+    endless value is refused at the head limit (not after the idle sweep), and the server's
+    memory stays bounded meanwhile."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        async with running(idle_timeout_s=60) as (_, _, port):
+            before = tracemalloc.get_traced_memory()[0]
+            reader, writer = await connect(port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            sent = await trickle(writer, reader, b"a" * 512)
+            status, _, body = await read_answer(reader)
+            grew = tracemalloc.get_traced_memory()[1] - before
+            assert status == 431 and "request head over 4096 bytes" in body.decode()
+            assert sent < 4096 + 4 * 512  # refused within a few reads of the limit
+            assert grew < 1 << 20
+            writer.close()
+            # a trailer that never ends is bounded as the body's bytes: refused, not held
+            reader, writer = await connect(port)
+            writer.write(b"POST /patient HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked")
+            writer.write(b"\r\n\r\n1\r\na\r\n0\r\nX-Trailer: ")
+            sent = await trickle(writer, reader, b"b" * 4096)
+            assert sent <= LIMIT + FRAMING_BYTES + 2 * 4096
+            assert (await read_answer(reader))[0] in (413, 431)
+            writer.close()
+    finally:
+        tracemalloc.stop()
+
+
+async def test_a_malformed_chunked_body_is_400_at_once() -> None:
+    """RFC 9112 6.3: a body that cannot be framed is a 400 and a close; the handler waiting
+    for it gets the error at once, not its body timeout (30 s for /patient)."""
+    bad = [
+        b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFFFFFF\r\nabc",  # overflows 64 bits
+        b"Transfer-Encoding: xchunked\r\n\r\nabc",
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc",
+    ]
+    async with running() as (_, _, port):
+        for tail in bad:
+            started = asyncio.get_running_loop().time()
+            status, doc, gone = await hostile(port, b"POST /patient HTTP/1.1\r\nHost: x\r\n" + tail)
+            assert status == 400 and "malformed" in doc["error"]["message"] and gone, tail
+            assert asyncio.get_running_loop().time() - started < LINGER_S + 3
+
+
+async def test_a_client_that_half_closes_after_its_request_gets_the_answer() -> None:
+    async with running() as (_, _, port):
+        reader, writer = await connect(port)
+        writer.write(post("/echo", b"whole") + post("/echo", b"second"))
+        writer.write_eof()
+        answers = [await read_answer(reader) for _ in range(2)]
+        assert [a[2] for a in answers] == [b"whole", b"second"] and await closed(reader)
+        writer.close()
+
+
+# ---- a grammar of heads and chunked bodies (hypothesis) ----
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-ABCXYZ0123456789", min_size=1, max_size=12)
+VALUE = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+    st.binary(max_size=12).map(lambda b: b.decode("latin-1")),  # CR, LF, NUL, high bytes
+    st.integers(1, 9000).map(lambda n: "v" * n),  # past the head limit
+)
+HEADER = st.one_of(
+    st.tuples(TOKEN, VALUE),
+    st.tuples(
+        st.sampled_from(["Content-Length", "content-length"]),
+        st.one_of(
+            st.integers(-5, 5000).map(str), st.just("1" * 30), st.just("3, 4"), st.just("0x10")
+        ),
+    ),
+    st.tuples(
+        st.just("Transfer-Encoding"),
+        st.sampled_from(
+            [
+                "chunked",
+                "xchunked",
+                "gzip, chunked",
+                "chunked, gzip",
+                "identity",
+                "chunked, chunked",
+            ]
+        ),
+    ),
+    st.tuples(st.just("Expect"), st.just("100-continue")),
+    st.tuples(st.just("Connection"), st.sampled_from(["close", "keep-alive", "upgrade"])),
+)
+CHUNK = st.one_of(
+    st.binary(max_size=700).map(lambda b: b"%x\r\n%s\r\n" % (len(b), b)),
+    st.sampled_from([b"FFFFFFFFFFFFFFFFFFFFFF\r\n", b"-1\r\n", b"zz\r\n", b"5;ext=1\r\nabcde\r\n"]),
+    st.binary(max_size=20),  # junk
+)
+REQUEST = st.builds(
+    lambda method, path, version, headers, chunks, end, cut: (
+        b"%s %s %s\r\n" % (method, path, version)
+        + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        + b"\r\n"
+        + b"".join(chunks)
+        + end,
+        cut,
+    ),
+    st.sampled_from([b"POST", b"GET", b"PUT", b"P\x00ST", b""]),
+    st.sampled_from([b"/echo", b"/patient", b"/stream", b"/missing", b"*", b"/" + b"p" * 5000]),
+    st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/9.9", b"HTTP/1.1x"]),
+    st.lists(HEADER, max_size=6),
+    st.lists(CHUNK, max_size=4),
+    st.sampled_from([b"", b"0\r\n\r\n", b"0\r\nX-T: 1\r\n\r\n", b"0\r\n" + b"X: " + b"t" * 6000]),
+    st.integers(1, 64),  # written in pieces of 37 times this many bytes
+)
+
+
+async def _one_hostile_exchange(data: bytes, piece: int) -> None:
+    """(The memory bound is the trickle test's: what llhttp holds is a budget plus a read.)"""
+    async with running(idle_timeout_s=0.5) as (_, _, port):
+        reader, writer = await connect(port)
+        for at in range(0, len(data), piece):
+            if reader.at_eof():
+                break
+            with contextlib.suppress(ConnectionError):
+                writer.write(data[at : at + piece])
+        # an answer, or the close, within the bound: the body timeouts are 0.5 s (30 s for
+        # /patient, which a malformed or incomplete head never reaches) and idle is 0.5 s
+        try:
+            got = await asyncio.wait_for(reader.read(1 << 16), 0.5 + LINGER_S + 2)
+        except ConnectionError:
+            got = b""
+        assert got == b"" or got.startswith(b"HTTP/1.1 "), got[:80]
+        writer.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(REQUEST)
+def test_any_head_or_chunked_body_is_answered_or_closed_within_a_bound(
+    request: tuple[bytes, int],
+) -> None:
+    data, piece = request
+    asyncio.run(asyncio.wait_for(_one_hostile_exchange(data, piece * 37), 10))
