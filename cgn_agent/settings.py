@@ -8,7 +8,7 @@ from typing import Literal
 
 from cgn_agent.supervisor import Policy
 from cgn_core.errors import ConfigError
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings, ranged
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,9 +17,9 @@ class EngineHostSettings:
 
     bind_host: str = ""  # empty: the advertised address (0.0.0.0 must be asked for)
     advertise_host: str = ""  # empty: this machine's primary address
-    stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
-    probe_interval_s: float = 2.0  # readiness/liveness probes of Ready engines
-    probe_timeout_s: float = 3.0
+    stop_grace_s: float = ranged(30.0, 0, 3600)  # SIGTERM, then SIGKILL after this long
+    probe_interval_s: float = ranged(2.0, 0.01, 3600)  # readiness/liveness probes of Ready engines
+    probe_timeout_s: float = ranged(3.0, 0.01, 3600)
     stop_on_exit: bool = False  # stop engines when the agent exits (default: keep serving)
     # cgn-infer engines serve HTTPS with this certificate (usually the node's) and require the
     # caller's from the same CA on /v1/*; the agent presents it when probing. Empty: HTTP.
@@ -41,7 +41,7 @@ class EngineHostSettings:
 
 @dataclass(frozen=True, slots=True)
 class PowerSettings:
-    interval_s: float = 5.0
+    interval_s: float = ranged(5.0, 0.1, 3600)
     powermetrics: bool = False  # Apple: run `powermetrics` (needs root)
 
 
@@ -50,26 +50,20 @@ class NodeKvcachedSettings:
     """The node's KV store, cgn-kvcached (modes and flags: cgn_agent/kvcached.py)."""
 
     mode: Literal["off", "run", "external"] = "off"
-    port: int = 7071  # its gRPC listener
-    admin_port: int = 9094  # /metrics, /healthz, /v1/kv/events
-    ram_bytes: int = 4 << 30
+    port: int = ranged(7071, 1, 65535)  # its gRPC listener
+    admin_port: int = ranged(9094, 1, 65535)  # /metrics, /healthz, /v1/kv/events
+    ram_bytes: int = ranged(4 << 30, 1 << 20, 1 << 44)
     ssd_dir: Path | None = None  # run mode; None: RAM only
-    ssd_bytes: int = 0
+    ssd_bytes: int = ranged(0, 0, 1 << 50)
     events_token: str = ""  # external mode: the token its unit was given (run: generated)
     # The node secret (cgn_core/kv/identity.py); engines get its client token. Run mode:
     # default <state_dir>/kvcached.secret, made on first start. External mode: the file the
     # unit's kvcached.yaml names (unset: the store must run without one; development only).
     secret_file: Path | None = None
-    engine_offload_gib: float = 0.0  # vLLM/SGLang built-in CPU offload per engine; 0: none
+    # vLLM/SGLang built-in CPU offload per engine; 0: none
+    engine_offload_gib: float = ranged(0.0, 0, 65536)
 
     def check(self) -> None:
-        if self.mode == "off":
-            return
-        for name in ("port", "admin_port"):
-            if not 0 < getattr(self, name) < 65536:
-                raise ConfigError(f"{name} must be a port number (routers are told it)")
-        if self.engine_offload_gib < 0:
-            raise ConfigError("engine_offload_gib must not be negative")
         if self.mode == "run" and (self.ssd_dir is None) != (self.ssd_bytes == 0):
             raise ConfigError("ssd_dir and ssd_bytes go together")
 
@@ -80,8 +74,8 @@ class AgentSettings:
     state_dir: Path = Path("/var/lib/cognitora/agent")
     admin: ListenSettings = ListenSettings(port=9093)
     admin_tls: TlsSettings = TlsSettings()  # HTTPS; management paths need a client certificate
-    lease_ttl_s: int = 10
-    inventory_interval_s: float = 30.0  # re-read GPU health and memory holders
+    lease_ttl_s: int = ranged(10, 1, 3600)
+    inventory_interval_s: float = ranged(30.0, 0.1, 86400)  # re-read GPU health and memory holders
     labels: dict[str, str] = field(default_factory=dict)
     # Where placements may load model files from (a placement naming any other path is
     # refused); bundled models and, for hub engines, Hugging Face repo ids need none.

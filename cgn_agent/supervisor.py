@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from cgn_core.settings import ranged
+
 
 class Phase(StrEnum):
     STARTING = "Starting"
@@ -35,16 +37,16 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    backoff_base_s: float = 1.0
-    backoff_cap_s: float = 60.0
-    jitter: float = 0.5
-    load_timeout_s: float = 900.0  # Loading longer than this is a failure
-    health_failures: int = 3  # consecutive failed probes that fail a Ready replica
-    stable_s: float = 60.0  # Ready this long: consecutive-failure count resets
-    drain_s: float = 5.0  # endpoint withdrawn at least this long before SIGTERM
+    backoff_base_s: float = ranged(1.0, 0.01, 3600)
+    backoff_cap_s: float = ranged(60.0, 0.01, 86400)
+    jitter: float = ranged(0.5, 0, 1)
+    load_timeout_s: float = ranged(900.0, 1, 86400)  # Loading longer than this is a failure
+    health_failures: int = ranged(3, 1, 1000)  # consecutive failed probes that fail a Ready replica
+    stable_s: float = ranged(60.0, 0, 86400)  # Ready this long: consecutive-failure count resets
+    drain_s: float = ranged(5.0, 0, 3600)  # endpoint withdrawn at least this long before SIGTERM
     # SIGTERM after this long even with requests in flight: the router continues what is
     # still streaming on another replica (request migration), so a drain takes seconds
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = ranged(30.0, 0, 86400)
     # False: a failure stays Failed (a rank of a multi-node replica: the control plane
     # rebuilds the replica whole, every rank at once, rather than one rank alone)
     restart: bool = True

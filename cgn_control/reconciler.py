@@ -66,6 +66,7 @@ from cgn_control.scaling import Pool as ScalePool
 from cgn_control.scaling import ReplicaLoad, Sample, Scaler, Signals
 from cgn_core import multinode
 from cgn_core.records import Part, Placement, ReplicaStatus
+from cgn_core.settings import ranged
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,16 +74,21 @@ class ReconcilerSettings:
     """The control loop (runs on the elected leader among routers; etcd discovery only)."""
 
     enabled: bool = True
-    lease_ttl_s: int = 10  # leadership passes to another router this long after the leader dies
-    interval_s: float = 1.0  # between passes (each reads a fresh snapshot)
-    lost_after_s: float = 30.0  # a node unreachable this long is lost: its replicas are rebuilt
-    max_local_failures: int = 5  # engine failures in a row on one node before a rebuild elsewhere
-    rebuild_base_s: float = 2.0  # rebuild backoff: min(cap, base * 2^(n-1)), jittered
-    rebuild_cap_s: float = 60.0
-    drain_grace_s: float = 600.0  # a drain deletes the remaining originals after this long
+    # leadership passes to another router this long after the leader dies
+    lease_ttl_s: int = ranged(10, 1, 3600)
+    interval_s: float = ranged(1.0, 0.01, 3600)  # between passes (each reads a fresh snapshot)
+    # a node unreachable this long is lost: its replicas are rebuilt
+    lost_after_s: float = ranged(30.0, 0.1, 86400)
+    # engine failures in a row on one node before a rebuild elsewhere
+    max_local_failures: int = ranged(5, 1, 1000)
+    # rebuild backoff: min(cap, base * 2^(n-1)), jittered
+    rebuild_base_s: float = ranged(2.0, 0.01, 3600)
+    rebuild_cap_s: float = ranged(60.0, 0.01, 86400)
+    # a drain deletes the remaining originals after this long
+    drain_grace_s: float = ranged(600.0, 0, 604800)
     # The most replicas the autoscaler may want across every model's pools (0: no budget
     # but each pool's max); placement still needs room on a node for each.
-    budget_replicas: int = 0
+    budget_replicas: int = ranged(0, 0, 1 << 20)
 
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages

@@ -20,11 +20,18 @@ tuples); YAML values must already have the right type.
 Supported field types: bool, int, float, str, Path, Literal[...] of strings,
 `X | None`, `tuple[X, ...]`, `dict[str, X]` and nested settings dataclasses (as
 fields, or as the items of a tuple or dict, given in YAML).
+
+Every int and float field declares its range where it is declared, with
+`ranged(default, low, high)`; a value outside it (or NaN, or an infinity) is
+refused as it is built, naming the field and the range
+(tests/test_settings.py walks every service's tree: a numeric field without a
+range fails it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -37,6 +44,8 @@ from cgn_core.errors import ConfigError
 from cgn_core.files import read_regular
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
+RANGE = "range"  # a numeric field's metadata key: (low, high), both inclusive
 MAX_SETTINGS_BYTES = 16 << 20  # a settings file larger than this is not one
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -65,21 +74,53 @@ class TlsSettings:
 
 @typing.runtime_checkable
 class Checked(typing.Protocol):
-    """A settings dataclass that checks itself: the one way settings are validated.
+    """A settings dataclass with rules beyond its fields' ranges (`ranged`, which the loader
+    checks first): with them, the one way settings are validated.
 
-    `check` raises ConfigError naming the field (the loader prefixes its path: `sim.speed
-    must be positive`); a sub-tree's runs as it is built, before its parent's, so a service's
-    root settings check last, with the rules that span several settings. Daemons validate
-    nothing of their own."""
+    `check` raises ConfigError naming the field (the loader prefixes its path: `pipeline.stages:
+    expected host:port`); a sub-tree's runs as it is built, before its parent's, so a
+    service's root settings check last, with the rules that span several settings. Daemons
+    validate nothing of their own."""
 
     def check(self) -> None: ...
 
 
-def positive(settings: Any, *names: str) -> None:
-    """A settings dataclass's `check`: each of `names` must be a positive number."""
-    for name in names:
-        if not getattr(settings, name) > 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(settings, name)}")
+def ranged(default: N, low: float, high: float) -> N:
+    """A numeric setting: its default and its range [low, high], both inclusive."""
+    if not low <= default <= high:
+        raise ValueError(f"default {default} is outside [{low}, {high}]")  # a bug in a tree
+    field: N = dataclasses.field(default=default, metadata={RANGE: (low, high)})
+    return field
+
+
+def numeric_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The int and float fields of a settings dataclass (`X | None` of them included)."""
+    hints = _hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) in (types.UnionType, typing.Union) and len(members) == 1:
+            tp = members[0]
+        if tp in (int, float):
+            out.append(f)
+    return out
+
+
+def check_ranges(settings: Any) -> None:
+    """ConfigError naming the first numeric field of `settings` outside its declared range."""
+    for f in numeric_fields(type(settings)):
+        value = getattr(settings, f.name)
+        bounds = f.metadata.get(RANGE)
+        if value is None or bounds is None:
+            continue
+        low, high = bounds
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ConfigError(f"{f.name} must be in [{_bound(low)}, {_bound(high)}], got {value!r}")
+
+
+def _bound(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +128,7 @@ class EtcdSettings:
     """How to reach etcd."""
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    timeout_s: float = 5.0
+    timeout_s: float = ranged(5.0, 0.1, 300)
     tls: TlsSettings = TlsSettings()
 
 
@@ -104,14 +145,9 @@ class ListenSettings:
     not read within `body_timeout_s` is refused with 408."""
 
     host: str = "127.0.0.1"
-    port: int = 0
-    idle_timeout_s: float = 15.0
-    body_timeout_s: float = 60.0
-
-    def check(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be 0-65535, got {self.port}")
-        positive(self, "idle_timeout_s", "body_timeout_s")
+    port: int = ranged(0, 0, 65535)
+    idle_timeout_s: float = ranged(15.0, 0.01, 3600)
+    body_timeout_s: float = ranged(60.0, 0.01, 3600)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,17 +159,14 @@ class TracingSettings:
 
     enabled: bool = False
     endpoint: str = "http://127.0.0.1:4317"
-    sample_ratio: float = 0.01
-    queue_spans: int = 8192
-    export_every_s: float = 1.0
-    export_timeout_s: float = 5.0
+    sample_ratio: float = ranged(0.01, 0, 1)
+    queue_spans: int = ranged(8192, 1, 1 << 20)
+    export_every_s: float = ranged(1.0, 0.01, 3600)
+    export_timeout_s: float = ranged(5.0, 0.1, 300)
 
     def check(self) -> None:
-        if not 0.0 <= self.sample_ratio <= 1.0:
-            raise ConfigError(f"sample_ratio must be 0 to 1, got {self.sample_ratio}")
         if not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint must be an http(s):// URL, got {self.endpoint!r}")
-        positive(self, "queue_spans", "export_every_s", "export_timeout_s")
 
 
 # ---- loading -----------------------------------------------------------------
@@ -245,13 +278,17 @@ def _build(cls: type[T], raw: Mapping[str, Any], trail: tuple[str, ...] = ()) ->
             kwargs[name] = _build(sub, value, (*trail, name))
         else:
             kwargs[name] = value
-    built = cls(**kwargs)
-    if isinstance(built, Checked):  # a sub-tree's own range checks, named by its path
-        try:
+    return _checked(cls(**kwargs), ".".join(trail))
+
+
+def _checked(built: T, where: str) -> T:
+    """`built` once its ranges and its own check hold; SettingsError prefixed by `where`."""
+    try:
+        check_ranges(built)
+        if isinstance(built, Checked):  # a sub-tree's own rules, named by its path
             built.check()
-        except ConfigError as exc:
-            where = ".".join(trail)
-            raise SettingsError(f"{where}.{exc.message}" if where else exc.message) from None
+    except ConfigError as exc:
+        raise SettingsError(f"{where}.{exc.message}" if where else exc.message) from None
     return built
 
 
@@ -286,7 +323,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 if key not in hints:
                     known = ", ".join(sorted(hints))
                     raise SettingsError(f"{where}.{key}: unknown key (known: {known})")
-            return sub(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+            built = sub(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+            return _checked(built, where)
         raise SettingsError(f"{where}: expected a mapping of settings, got {_kind(value)}")
     return _scalar(tp, value, where)
 

@@ -11,7 +11,13 @@ from typing import Literal
 
 from cgn_core.errors import ConfigError
 from cgn_core.net import is_host_port
-from cgn_core.settings import ListenSettings, LogSettings, TlsSettings, TracingSettings, positive
+from cgn_core.settings import (
+    ListenSettings,
+    LogSettings,
+    TlsSettings,
+    TracingSettings,
+    ranged,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,25 +25,18 @@ class SimSettings:
     """The sim backend's cost model (seconds). Defaults: fitted to the torch backend on
     SmolLM2-135M, float32, 2 cores (bench/results/sim_calibration.md)."""
 
-    step_s: float = 0.060
-    prefill_s_per_token: float = 0.00116
-    decode_s_per_seq: float = 0.00037
-    decode_s_per_ctx_token: float = 1.14e-5
-    speed: float = 1.0  # >1: faster than modelled
+    step_s: float = ranged(0.060, 0, 60)
+    prefill_s_per_token: float = ranged(0.00116, 0, 10)
+    decode_s_per_seq: float = ranged(0.00037, 0, 10)
+    decode_s_per_ctx_token: float = ranged(1.14e-5, 0, 1)
+    speed: float = ranged(1.0, 0.001, 1000)  # >1: faster than modelled
     # Virtual engines in this one process, each with its own port (http.port and the next
     # ones; 0: any free ports), scheduler, KV pool, metrics and KV event stream, sharing
     # the tokenizer: a fleet of hundreds on a small machine, for tests and benchmarks.
-    engines: int = 1
+    engines: int = ranged(1, 1, 256)
     # Seconds the weights take to load, slept at start (not scaled by speed): a fleet's cold
     # start, for autoscaling benchmarks; /health says "loading" meanwhile.
-    load_s: float = 0.0
-
-    def check(self) -> None:
-        positive(self, "speed")
-        if self.engines < 1:
-            raise ConfigError(f"engines must be at least 1, got {self.engines}")
-        if not 0 <= self.load_s <= 3600:
-            raise ConfigError(f"load_s must be in [0, 3600], got {self.load_s}")
+    load_s: float = ranged(0.0, 0, 3600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +47,14 @@ class KvcachedClientSettings:
 
     address: str = ""  # host:port of cgn-kvcached's gRPC listener; empty: not used
     token: str = ""  # the store's client token (the agent sets CGN_INFER_KVCACHED__TOKEN)
-    timeout_s: float = 2.0  # per call; a slower answer means recompute
+    timeout_s: float = ranged(2.0, 0.01, 300)  # per call; a slower answer means recompute
     shared_memory: bool = True  # move blocks through kvcached's shm_dir when on the same host
-    ram_mb_per_s: float = 1000.0  # restore bandwidth from its RAM tier
-    ssd_mb_per_s: float = 200.0  # restore bandwidth from its SSD tier
-    fixed_ms: float = 5.0  # overhead of one restore
-    prefill_tokens_per_s: float = 1000.0  # this engine's prefill rate
+    ram_mb_per_s: float = ranged(1000.0, 0.001, 1000000.0)  # restore bandwidth from its RAM tier
+    ssd_mb_per_s: float = ranged(200.0, 0.001, 1000000.0)  # restore bandwidth from its SSD tier
+    fixed_ms: float = ranged(5.0, 0, 60000)  # overhead of one restore
+    prefill_tokens_per_s: float = ranged(1000.0, 0.001, 1000000000.0)  # this engine's prefill rate
 
     def check(self) -> None:
-        positive(self, "timeout_s", "ram_mb_per_s", "ssd_mb_per_s", "prefill_tokens_per_s")
-        if self.fixed_ms < 0:
-            raise ConfigError(f"fixed_ms must not be negative, got {self.fixed_ms}")
         if self.address and ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
 
@@ -69,22 +65,20 @@ class TransferSettings:
     engine holds a prompt's KV blocks for a decode engine to fetch over gRPC."""
 
     host: str = "127.0.0.1"  # the KV source listener (engines whose role is not decode)
-    port: int = 0  # 0: any free port (the ready file and the endpoint record say which)
+    # 0: any free port (the ready file and the endpoint record say which)
+    port: int = ranged(0, 0, 65535)
     advertise: str = ""  # the host decode engines dial; empty: `host`
-    ram_bytes: int = 1 << 30  # blocks held for transfers, at most (least recent dropped)
-    lease_s: float = 30.0  # a transfer's blocks are dropped this long after the prefill
-    timeout_s: float = 5.0  # decode side: a fetch slower than this is recomputed instead
+    # blocks held for transfers, at most (least recent dropped)
+    ram_bytes: int = ranged(1 << 30, 1 << 20, 1 << 40)
+    # a transfer's blocks are dropped this long after the prefill
+    lease_s: float = ranged(30.0, 0.01, 86400)
+    # decode side: a fetch slower than this is recomputed instead
+    timeout_s: float = ranged(5.0, 0.01, 3600)
     # same host: blocks cross through a file in /dev/shm instead of gRPC messages (a decode
     # engine on another host cannot open it and uses the messages)
     shared_memory: bool = True
-    mb_per_s: float = 1000.0  # sim backend: the modelled link (transfer time = bytes / this)
-
-    def check(self) -> None:
-        positive(self, "lease_s", "timeout_s", "mb_per_s")
-        if self.ram_bytes < 1 << 20:
-            raise ConfigError(f"ram_bytes must be at least 1 MiB, got {self.ram_bytes}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+    # sim backend: the modelled link (transfer time = bytes / this)
+    mb_per_s: float = ranged(1000.0, 0.001, 1000000.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +88,8 @@ class PipelineSettings:
     (`cgn-infer serve` with `stages`) runs the rest and drives the stages in order."""
 
     host: str = "127.0.0.1"  # stage: listen address
-    port: int = 9101  # stage: listen port (0: any free port; the ready file says which)
+    # stage: listen port (0: any free port; the ready file says which)
+    port: int = ranged(9101, 0, 65535)
     # this part's layers, FIRST:END (END excluded); the head's default: every layer before
     # the first stage's
     layers: str = ""
@@ -105,16 +100,16 @@ class PipelineSettings:
     # what crosses the wire between parts: f32 (exact), f16 (half the bytes), int8 (a
     # quarter, one scale per row)
     activations: Literal["f32", "f16", "int8"] = "f16"
-    micro_batches: int = 0  # head: a step's rows split in this many groups; 0: one per part
+    # head: a step's rows split in this many groups; 0: one per part
+    micro_batches: int = ranged(0, 0, 1024)
     # stage: the node id (certificate CN) of the one head it serves; required with TLS
     head: str = ""
-    timeout_s: float = 60.0  # head: a stage that takes longer over one step is lost
-    connect_timeout_s: float = 120.0  # head: how long to wait for the stages at start
+    # head: a stage that takes longer over one step is lost
+    timeout_s: float = ranged(60.0, 0.01, 3600)
+    # head: how long to wait for the stages at start
+    connect_timeout_s: float = ranged(120.0, 0.01, 86400)
 
     def check(self) -> None:
-        positive(self, "timeout_s", "connect_timeout_s")
-        if self.micro_batches < 0:
-            raise ConfigError(f"micro_batches must be 0 or more, got {self.micro_batches}")
         if bad := [s for s in self.stages if not is_host_port(s)]:
             raise ConfigError(f"stages: expected host:port, got {', '.join(bad)}")
 
@@ -138,16 +133,20 @@ class InferSettings:
     # C compiler exists); float32 dequantizes everything (4-8x the memory); the others are
     # compared in docs/cgn-infer.md.
     weights: Literal["gguf", "auto", "bfloat16", "float16", "float32", "int8", "int4"] = "gguf"
-    ctx: int = 4096
-    threads: int = 0  # 0: torch's default (one per core); used for prompt processing
-    decode_threads: int = 0  # single-stream decode steps; 0: `threads`
-    prefill_chunk: int = 512  # prompt tokens per step, shared with the decoding streams
-    max_batch: int = 8  # sequences running at once
-    kv_pool_tokens: int = 16384  # KV pool size (16-token blocks); on CPU resident as written
+    ctx: int = ranged(4096, 2, 1 << 20)
+    # 0: torch's default (one per core); used for prompt processing
+    threads: int = ranged(0, 0, 1024)
+    decode_threads: int = ranged(0, 0, 1024)  # single-stream decode steps; 0: `threads`
+    # prompt tokens per step, shared with the decoding streams
+    prefill_chunk: int = ranged(512, 1, 65536)
+    max_batch: int = ranged(8, 1, 4096)  # sequences running at once
+    # KV pool size (16-token blocks); on CPU resident as written
+    kv_pool_tokens: int = ranged(16384, 16, 1 << 26)
     # float16 (as llama.cpp keeps its cache) holds the parity bars at half float32's memory;
     # with the gguf kernels every type keeps batched and sequential output identical.
     kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"  # bytes: KV_DTYPE_BYTES
-    aging_steps: int = 8  # steps the head of the queue may be passed by smaller requests
+    # steps the head of the queue may be passed by smaller requests
+    aging_steps: int = ranged(8, 0, 1 << 20)
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()
     transfer: TransferSettings = TransferSettings()
@@ -162,20 +161,7 @@ class InferSettings:
     tls: TlsSettings = TlsSettings()
 
     def check(self) -> None:
-        """The root's own ranges, then the rules across settings (each sub-tree has checked
-        its own fields already)."""
-        least = {
-            "max_batch": 1,
-            "prefill_chunk": 1,
-            "kv_pool_tokens": 16,
-            "ctx": 2,
-            "aging_steps": 0,
-            "threads": 0,
-            "decode_threads": 0,
-        }
-        for key, low in least.items():
-            if getattr(self, key) < low:
-                raise ConfigError(f"{key} must be at least {low}, got {getattr(self, key)}")
+        """The rules across settings (every field's range has been checked already)."""
         engines = self.sim.engines
         if engines > 1 and self.backend != "sim":
             raise ConfigError(

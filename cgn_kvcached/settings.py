@@ -1,5 +1,6 @@
 """cgn-kvcached's settings tree."""
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from cgn_core.settings import (
     LogSettings,
     TlsSettings,
     TracingSettings,
+    ranged,
 )
 
 
@@ -17,9 +19,9 @@ from cgn_core.settings import (
 class KvcachedSettings:
     grpc: ListenSettings = ListenSettings(port=7071)
     admin: ListenSettings = ListenSettings(port=9094)
-    ram_bytes: int = 4 << 30  # the RAM tier's budget
+    ram_bytes: int = ranged(4 << 30, 1 << 20, 1 << 44)  # the RAM tier's budget
     ssd_dir: Path | None = None  # the SSD tier's directory; None: RAM only
-    ssd_bytes: int = 0  # the SSD tier's budget
+    ssd_bytes: int = ranged(0, 0, 1 << 50)  # the SSD tier's budget
     write_through: bool = False  # also write every block to the SSD at once (default: on eviction)
     # Same-node clients move blocks through files here instead of gRPC messages (a tmpfs;
     # made 0700 at start, so engines must run as the same user). None: not offered.
@@ -37,8 +39,11 @@ class KvcachedSettings:
     tracing: TracingSettings = TracingSettings()  # spans for Get and Put (cgn_core/tracing.py)
 
     def check(self) -> None:
-        if self.ram_bytes < 1 << 20:
-            raise ConfigError(f"ram_bytes must be at least 1 MiB, got {self.ram_bytes}")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.ram_bytes > memory:
+            raise ConfigError(
+                f"ram_bytes ({self.ram_bytes}) is more than this machine's memory ({memory})"
+            )
         if self.ssd_dir is not None and self.ssd_bytes < 1 << 20:
             raise ConfigError(
                 f"ssd_bytes must be at least 1 MiB with ssd_dir, got {self.ssd_bytes}"

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Literal
 
 from cgn_core.errors import ConfigError
-from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings
+from cgn_core.settings import EtcdSettings, ListenSettings, LogSettings, TlsSettings, ranged
 from cgn_metrics.targets import static_targets
 
 
@@ -18,25 +18,25 @@ class MetricsSettings:
     # KIND=URL (KIND: router, agent, engine, kvcached, other) or URL; routers do not
     # register in etcd, so list them here
     targets: tuple[str, ...] = ()
-    scrape_interval_s: float = 5.0
-    scrape_timeout_s: float = 2.0  # a target slower than this is down for the round
-    scrape_concurrency: int = 32  # targets scraped at once
-    window_s: float = 60.0  # rates, percentiles and energy per token are over this
-    retention_s: float = 3600.0  # history kept for the dashboard's charts
+    scrape_interval_s: float = ranged(5.0, 0.01, 3600)
+    # a target slower than this is down for the round
+    scrape_timeout_s: float = ranged(2.0, 0.01, 3600)
+    scrape_concurrency: int = ranged(32, 1, 4096)  # targets scraped at once
+    # rates, percentiles and energy per token are over this
+    window_s: float = ranged(60.0, 0.1, 86400)
+    retention_s: float = ranged(3600.0, 1, 604800)  # history kept for the dashboard's charts
     # Write a Prometheus file_sd target list here on every change (a site's own Prometheus
     # scrapes the fleet directly); None: off
     file_sd: Path | None = None
     # With discovery etcd: write each measured node's output tokens per joule to
     # /cognitora/efficiency/<node> this often (placement's tie-break and the router's
     # `efficiency` scorer read it); 0: never
-    efficiency_publish_s: float = 30.0
+    efficiency_publish_s: float = ranged(30.0, 1, 86400)
     tls: TlsSettings = TlsSettings()  # client certificate and CA for https targets
     etcd: EtcdSettings = EtcdSettings()
     log: LogSettings = LogSettings()
 
     def check(self) -> None:
-        if self.scrape_interval_s <= 0 or self.scrape_timeout_s <= 0:
-            raise ConfigError("scrape_interval_s and scrape_timeout_s must be positive")
         if self.window_s < 2 * self.scrape_interval_s:
             raise ConfigError("window_s must cover at least two scrape intervals")
         if self.retention_s < self.window_s:

@@ -17,7 +17,7 @@ from cgn_core.settings import (
     LogSettings,
     TlsSettings,
     TracingSettings,
-    positive,
+    ranged,
 )
 
 Role = Literal["both", "prefill", "decode"]
@@ -62,7 +62,7 @@ class ScorerSpec:
     """One scorer of the routing chain: a registered type, its weight, its parameters."""
 
     type: str = ""  # prefix | load | kv_usage | affinity (cgn_router/plugins/)
-    weight: float = 1.0
+    weight: float = ranged(1.0, 0, 1e9)
     name: str = ""  # defaults to the type; two scorers of one type need two names
     params: dict[str, float] = field(default_factory=dict)  # the scorer's fields
 
@@ -88,25 +88,18 @@ class RoutingSettings:
     picker: str = "max"  # max | p2c | round_robin (a baseline only)
     # Approximate KV tracking (engines without a KV event stream): blocks assumed
     # cached on the chosen endpoint for this long, at most this many per endpoint.
-    approx_ttl_s: float = 300.0
-    approx_blocks: int = 65536
+    approx_ttl_s: float = ranged(300.0, 0, 86400)
+    approx_blocks: int = ranged(65536, 1, 1 << 24)
     # Blocks of a request just routed to an event-publishing engine count as cached
     # there until its events confirm them (bursts of one prefix land together).
-    optimistic_ttl_s: float = 5.0
-    chars_per_block: int = 64  # character-block approximation (no tokenizer)
+    optimistic_ttl_s: float = ranged(5.0, 0, 3600)
+    chars_per_block: int = ranged(64, 1, 65536)  # character-block approximation (no tokenizer)
     # Memory for what the engines and KV stores say they hold (KV events), in MiB; past
     # it, each source's oldest blocks are forgotten first. 0: 1/16 of this machine's
     # memory, at most 4096.
-    index_budget_mb: int = 0
-    session_ttl_s: float = 600.0
+    index_budget_mb: int = ranged(0, 0, 1 << 20)
+    session_ttl_s: float = ranged(600.0, 0, 604800)
     session_header: str = "x-session-id"  # or the body's `user` field
-
-    def check(self) -> None:
-        positive(self, "approx_blocks", "chars_per_block")
-        if self.index_budget_mb < 0:
-            raise ConfigError(
-                f"index_budget_mb must be 0 (automatic) or more: {self.index_budget_mb}"
-            )
 
     def index_budget_bytes(self) -> int:
         if self.index_budget_mb:
@@ -121,30 +114,22 @@ class PdSettings:
     (cgn_router/disagg.py has the rule)."""
 
     enabled: bool = True
-    min_uncached_tokens: int = 512  # shorter uncached prompts run whole on the decode replica
-    max_prefill_queue: int = 4  # a prefill replica busier than this is not used
-    prefill_timeout_s: float = 60.0  # the prefill leg's answer, at most (then recompute)
-
-    def check(self) -> None:
-        positive(self, "prefill_timeout_s")
-        if self.min_uncached_tokens < 0 or self.max_prefill_queue < 0:
-            raise ConfigError("min_uncached_tokens and max_prefill_queue must not be negative")
+    # shorter uncached prompts run whole on the decode replica
+    min_uncached_tokens: int = ranged(512, 0, 1 << 24)
+    max_prefill_queue: int = ranged(4, 0, 65536)  # a prefill replica busier than this is not used
+    # the prefill leg's answer, at most (then recompute)
+    prefill_timeout_s: float = ranged(60.0, 0.01, 3600)
 
 
 @dataclass(frozen=True, slots=True)
 class DeadlineSettings:
-    connect_s: float = 3.0
-    first_token_s: float = 120.0  # request sent → first response byte
-    idle_s: float = 60.0  # between two streamed chunks
-    total_s: float = 1800.0
+    connect_s: float = ranged(3.0, 0.01, 300)
+    first_token_s: float = ranged(120.0, 0.01, 86400)  # request sent → first response byte
+    idle_s: float = ranged(60.0, 0.01, 86400)  # between two streamed chunks
+    total_s: float = ranged(1800.0, 0.01, 604800)
     # A request for a model scaled to zero (catalog replicas.min 0, no replica) waits this
     # long (within total_s) for the autoscaler to start one, then gets 503 with Retry-After.
-    cold_start_s: float = 120.0
-
-    def check(self) -> None:
-        positive(self, "connect_s", "first_token_s", "idle_s", "total_s")
-        if not 0 <= self.cold_start_s <= 3600:
-            raise ConfigError(f"cold_start_s must be in [0, 3600], got {self.cold_start_s}")
+    cold_start_s: float = ranged(120.0, 0, 3600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,34 +137,25 @@ class MigrationSettings:
     """Request migration: a stream whose engine fails mid-answer continues on another
     replica of the same model (cgn_core/openai/resume.py; docs/cgn-router.md)."""
 
-    limit: int = 3  # continuations per request; 0: off (a catalog model's migration_limit wins)
-    max_tokens: int = 32768  # prompt plus generated tokens beyond which a stream is not moved
-
-    def check(self) -> None:
-        if not 0 <= self.limit <= 16:
-            raise ConfigError(f"limit must be in [0, 16], got {self.limit}")
-        positive(self, "max_tokens")
+    # continuations per request; 0: off (a catalog model's migration_limit wins)
+    limit: int = ranged(3, 0, 16)
+    # prompt plus generated tokens beyond which a stream is not moved
+    max_tokens: int = ranged(32768, 1, 1 << 24)
 
 
 @dataclass(frozen=True, slots=True)
 class BreakerSettings:
-    failures: int = 3  # consecutive failures that open the breaker
-    open_s: float = 5.0  # then one half-open probe request after this long
-
-    def check(self) -> None:
-        positive(self, "failures")
+    failures: int = ranged(3, 1, 1000)  # consecutive failures that open the breaker
+    open_s: float = ranged(5.0, 0.01, 3600)  # then one half-open probe request after this long
 
 
 @dataclass(frozen=True, slots=True)
 class ScrapeSettings:
-    interval_s: float = 1.0  # each engine's /metrics
-    stale_s: float = 5.0  # older load figures are not trusted
+    interval_s: float = ranged(1.0, 0.01, 3600)  # each engine's /metrics
+    stale_s: float = ranged(5.0, 0.01, 86400)  # older load figures are not trusted
     # At most this many scrapes a second: a fleet larger than interval_s x max_per_s is
     # scraped less often (its figures then trusted for twice the longer period).
-    max_per_s: float = 100.0
-
-    def check(self) -> None:
-        positive(self, "interval_s", "max_per_s")
+    max_per_s: float = ranged(100.0, 0.01, 100000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,10 +169,11 @@ class AuthSettings:
 
 @dataclass(frozen=True, slots=True)
 class BandSettings:
-    priority: int = 1  # lower is served first
-    ceiling: float = 1.0  # admitted while pool saturation stays at or below this (1.0: batch full)
-    queue: int = 1000  # waiting requests beyond this are refused at once (503)
-    ttl_s: float = 60.0  # a request waiting longer is refused (504)
+    priority: int = ranged(1, 0, 1000)  # lower is served first
+    # admitted while pool saturation stays at or below this (1.0: batch full)
+    ceiling: float = ranged(1.0, 0.01, 100)
+    queue: int = ranged(1000, 0, 1 << 20)  # waiting requests beyond this are refused at once (503)
+    ttl_s: float = ranged(60.0, 0.01, 86400)  # a request waiting longer is refused (504)
 
 
 def _default_bands() -> dict[str, BandSettings]:
@@ -213,8 +190,9 @@ class AdmissionSettings:
 
     enabled: bool = True
     bands: dict[str, BandSettings] = field(default_factory=_default_bands)
-    default_capacity: int = 8  # batch slots assumed per endpoint until its metrics show more
-    tick_s: float = 0.05  # queue expiry and re-dispatch when capacity changes
+    # batch slots assumed per endpoint until its metrics show more
+    default_capacity: int = ranged(8, 1, 65536)
+    tick_s: float = ranged(0.05, 0.001, 10)  # queue expiry and re-dispatch when capacity changes
     # Send each request's band priority to the engine (x-cgn-priority): cgn-infer queues
     # and preempts by it, so a band keeps its rank in the engines' own queues too.
     engine_priority: bool = True
@@ -222,9 +200,6 @@ class AdmissionSettings:
     def check(self) -> None:
         if not self.bands:
             raise ConfigError("bands: at least one band is needed")
-        for name, band in self.bands.items():
-            if band.ceiling <= 0 or band.ttl_s <= 0 or band.queue < 0:
-                raise ConfigError(f"bands.{name}: ceiling and ttl_s must be positive")
 
 
 MAX_WORKERS = 64
@@ -255,22 +230,20 @@ class RouterSettings:
     reconciler: ReconcilerSettings = ReconcilerSettings()
     auth: AuthSettings = AuthSettings()
     admission: AdmissionSettings = AdmissionSettings()
-    attempts: int = 3  # endpoints tried per request before the first byte reaches the client
+    # endpoints tried per request before the first byte reaches the client
+    attempts: int = ranged(3, 1, 16)
     migration: MigrationSettings = MigrationSettings()  # and after it, for a broken stream
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = ranged(8 << 20, 1024, 1 << 30)
     # Worker processes sharing the listening port (SO_REUSEPORT), each a whole router;
     # 0: one per core. 1: a single process, no supervisor.
-    workers: int = 0
+    workers: int = ranged(0, 0, MAX_WORKERS)
     # A non-streamed answer larger than this is not relayed (tried elsewhere): it is held in
     # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).
-    max_response_bytes: int = 64 << 20
+    max_response_bytes: int = ranged(64 << 20, 1024, 1 << 34)
     tracing: TracingSettings = TracingSettings()  # OpenTelemetry spans (cgn_core/tracing.py)
 
     def check(self) -> None:
         """The root's own ranges, then the rules across settings."""
-        positive(self, "attempts", "max_body_bytes", "max_response_bytes")
-        if not 0 <= self.workers <= MAX_WORKERS:
-            raise ConfigError(f"workers must be 0 (one per core) to {MAX_WORKERS}: {self.workers}")
         if not self.auth.enabled and self.auth.anonymous_band not in self.admission.bands:
             raise ConfigError(
                 f"auth.anonymous_band {self.auth.anonymous_band!r} is not in admission.bands"

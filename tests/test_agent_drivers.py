@@ -23,7 +23,7 @@ from cgn_agent.spec import (
     spec_to_json,
 )
 from cgn_core.cli import load_service_settings, parse_overrides
-from cgn_core.settings import TlsSettings, load_settings
+from cgn_core.settings import TlsSettings, check_ranges, load_settings
 from cgn_infer.settings import InferSettings
 
 BIN = Path(sys.executable).parent
@@ -467,13 +467,14 @@ def test_node_store_plan_and_settings(tmp_path: Path) -> None:
         kvcached.plan(run, "10.0.0.5", "tok", secret)
     helped = _help_flags([str(BIN / "cgn-kvcached"), "serve", "--help"])
     assert flags(tuple(argv)) <= helped
-    for bad, why in ((replace(run, port=0), "port must be a port number"),
+    for bad, why in ((replace(run, port=0), r"port must be in \[1, 65535\]"),
                      (replace(run, ssd_dir=Path("/kv")), "go together"),
                      (replace(run, engine_offload_gib=-1), "engine_offload_gib")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
+            check_ranges(bad)
             bad.check()
     # loaded as settings, the error names the path
-    with pytest.raises(ConfigError, match=r"^kvcached\.port must be a port number"):
+    with pytest.raises(ConfigError, match=r"^kvcached\.port must be in \[1, 65535\]"):
         load_settings(AgentSettings, "agent", flags={"kvcached.mode": "run", "kvcached.port": "0"})
 
 

@@ -107,9 +107,8 @@ def test_out_of_range_numbers_on_command_lines_are_one_line_errors() -> None:
         ([*key, "--expires-in", "-5"], "expires in must be a positive number"),
         ([*key, "--expires-in", "nan"], "expires in must be a positive number"),
         ([*key, "--rps", "-1"], "limit rps must be positive"),
-        ([*sim, "--threads", "-1"], "threads must be at least 0"),
-        # a simulated pool holds no KV, but its blocks' bookkeeping is host memory too
-        ([*sim, "--kv-pool-tokens", str(10**12)], "needs 14901.2 GiB of host memory"),
+        ([*sim, "--threads", "-1"], "threads must be in [0, 1024], got -1"),
+        ([*sim, "--kv-pool-tokens", str(10**12)], "kv_pool_tokens must be in [16, 67108864]"),
     ]
     for argv, fragment in cases:
         one_line_error(argv, fragment)

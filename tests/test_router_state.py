@@ -340,7 +340,7 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         (
             "routing: {scorers: [{type: prefix, weight: -1}]}\n",
             (),
-            "routing: weight of 'prefix' must be a number from 0 to 1e9",
+            "routing.scorers.weight must be in [0, 1000000000], got -1.0",
         ),
         (
             "routing: {scorers: [{type: prefix, params: {ram_weight: 2}}]}\n",
@@ -354,7 +354,7 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         ),
         ("routing: {picker: best}\n", (), "routing: unknown picker 'best'"),
         ("routing: {prefix: 3}\n", (), "routing.prefix: unknown key"),
-        ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be positive"),
+        ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be in [0.01, 86400], got 0.0"),
     ],
 )
 def test_bad_router_settings_are_one_line_exit_2(

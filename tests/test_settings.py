@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from cgn_agent.settings import AgentSettings
-from cgn_core.settings import EtcdSettings, SettingsError, load_settings, settings_to_dict
+from cgn_core.settings import (
+    RANGE,
+    EtcdSettings,
+    SettingsError,
+    load_settings,
+    numeric_fields,
+    settings_to_dict,
+)
 from cgn_ctl.settings import CtlSettings
 from cgn_infer.settings import InferSettings
 from cgn_kvcached.settings import KvcachedSettings
@@ -137,9 +148,9 @@ def test_round_trip_to_plain_data() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"http.port": "70000"}, "http.port must be 0-65535, got 70000"),
-        ({"http.port": "-1"}, "http.port must be 0-65535, got -1"),
-        ({"http.idle_timeout_s": "0"}, "http.idle_timeout_s must be positive"),
+        ({"http.port": "70000"}, r"http.port must be in \[0, 65535\], got 70000"),
+        ({"http.port": "-1"}, r"http.port must be in \[0, 65535\], got -1"),
+        ({"http.idle_timeout_s": "0"}, r"http.idle_timeout_s must be in \[0.01, 3600\]"),
     ],
 )
 def test_listener_values_are_range_checked(flags: dict[str, str], message: str) -> None:
@@ -158,3 +169,100 @@ def test_unreadable_yaml_is_one_settings_error(
     path.write_bytes(content)
     with pytest.raises(SettingsError, match=message):
         load_settings(RouterSettings, "router", yaml_path=path)
+
+
+# ---- every numeric setting has a range, and a value outside it is refused ----
+
+
+def _numeric_settings() -> list[tuple[str, list[Any], dataclasses.Field[Any], type]]:
+    """(service, YAML path to the field, the field, its type) for every int and float field
+    of every service's tree: a dict of settings by one entry "x", a tuple by one item."""
+    found = []
+
+    def walk(service: str, cls: type, trail: list[Any]) -> None:
+        hints = typing.get_type_hints(cls)
+        numeric = {f.name for f in numeric_fields(cls)}
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if f.name in numeric:
+                found.append((service, [*trail, f.name], f, float if float in _types(tp) else int))
+            elif dataclasses.is_dataclass(tp):
+                walk(service, tp, [*trail, f.name])
+            elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+                walk(service, typing.get_args(tp)[1], [*trail, f.name, "x"])
+            elif typing.get_origin(tp) is tuple and dataclasses.is_dataclass(
+                typing.get_args(tp)[0]
+            ):
+                walk(service, typing.get_args(tp)[0], [*trail, f.name, 0])
+
+    for service, cls in sorted(TREES.items()):
+        walk(service, cls, [])
+    return found
+
+
+def _types(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) or (tp,)
+
+
+def _nested(path: list[Any], value: Any) -> Any:
+    for key in reversed(path):
+        value = [value] if key == 0 else {key: value}
+    return value
+
+
+NUMERIC = _numeric_settings()
+
+
+def test_every_numeric_setting_declares_a_range_that_holds_its_default() -> None:
+    assert len(NUMERIC) > 100  # the walk reaches every tree
+    unranged = [
+        f"{s}: {'.'.join(map(str, p))}" for s, p, f, _ in NUMERIC if RANGE not in f.metadata
+    ]
+    assert not unranged, f"numeric settings without ranged(default, low, high): {unranged}"
+    for service, path, f, _ in NUMERIC:
+        low, high = f.metadata[RANGE]
+        assert low <= f.default <= high, (service, path)
+
+
+@pytest.mark.parametrize(
+    ("service", "path", "field", "kind"),
+    NUMERIC,
+    ids=[f"{s}:{'.'.join(map(str, p))}" for s, p, _, _ in NUMERIC],
+)
+def test_a_numeric_setting_outside_its_range_is_a_one_line_error(
+    service: str, path: list[Any], field: dataclasses.Field[Any], kind: type, tmp_path: Path
+) -> None:
+    low, high = field.metadata[RANGE]
+    bad: list[Any] = [kind(high * 2 + 1), kind(low - 1)]
+    if kind is float:
+        bad += [math.nan, math.inf]
+    for value in bad:
+        doc = tmp_path / "settings.yaml"
+        doc.write_text(yaml.safe_dump(_nested(path, value)))
+        with pytest.raises(SettingsError) as err:
+            load_settings(TREES[service], service, yaml_path=doc)
+        message = err.value.message
+        assert f"{field.name} must be in [" in message and "\n" not in message, message
+    for value in (low, high):  # both ends are in range
+        doc.write_text(yaml.safe_dump(_nested(path, kind(value))))
+        try:
+            load_settings(TREES[service], service, yaml_path=doc)
+        except SettingsError as exc:  # another rule across settings may refuse an end
+            assert f"{field.name} must be in [" not in exc.message, exc.message
+
+
+def test_the_issue_55_absurd_values_are_refused() -> None:
+    """Each was accepted before ranges: --ctx 10^12, migration.max_tokens=10^30,
+    attempts=1e20, kvcached ram_bytes=10^15, scrape_concurrency=0, retention_s=1e12."""
+    cases = [
+        ("infer", {"ctx": str(10**12)}),
+        ("infer", {"sim.engines": "100000"}),
+        ("router", {"migration.max_tokens": str(10**30)}),
+        ("router", {"attempts": "1e20"}),
+        ("kvcached", {"ram_bytes": str(10**15)}),
+        ("metrics", {"scrape_concurrency": "0"}),
+        ("metrics", {"retention_s": "1e12"}),
+    ]
+    for service, flags in cases:
+        with pytest.raises(SettingsError):
+            load_settings(TREES[service], service, flags=flags)

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cgn_core.errors import ConfigError
 from cgn_infer.backends.sim_backend import SimCost
+from cgn_infer.settings import InferSettings
 from harness.metrics import metric
 from harness.procs import BIN, cgn_infer_fleet
 
@@ -110,10 +112,11 @@ def test_cost_model_arithmetic() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--max-batch", "0"), "max_batch must be at least 1, got 0"),
-        (("--kv-pool-tokens", "8"), "kv_pool_tokens must be at least 16, got 8"),
-        (("--speed", "-1"), "sim.speed must be positive, got -1.0"),
-        (("--engines", "0"), "sim.engines must be at least 1, got 0"),
+        (("--max-batch", "0"), "max_batch must be in [1, 4096], got 0"),
+        (("--kv-pool-tokens", "8"), "kv_pool_tokens must be in [16, 67108864], got 8"),
+        (("--speed", "-1"), "sim.speed must be in [0.001, 1000], got -1.0"),
+        (("--engines", "0"), "sim.engines must be in [1, 256], got 0"),
+        (("--engines", "100000"), "sim.engines must be in [1, 256], got 100000"),
         (("--engines", "3", "--backend", "torch"),
          "sim.engines=3: only the sim backend hosts several engines in one process "
          "(--backend sim)"),
@@ -126,3 +129,19 @@ def test_bad_engine_settings_are_one_line_errors(flags: tuple[str, ...], message
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {message}"
+
+
+def test_a_pool_whose_bookkeeping_the_host_cannot_hold_is_refused() -> None:
+    """Simulated KV takes no host memory, but its blocks' bookkeeping does (256 B a block)."""
+    from cgn_infer.daemon import check_pool_fits
+
+    class Modelled:  # a stand-in for the sim backend: only what the check reads
+        modelled = object()
+
+        def kv_bytes_per_token(self) -> int:
+            raise AssertionError("a modelled pool holds no KV in host memory")
+
+    settings = InferSettings(backend="sim", kv_pool_tokens=1 << 20)  # 65,536 blocks: 16 MiB
+    with pytest.raises(ConfigError, match=r"needs 0\.0 GiB of host memory \(its blocks'"):
+        check_pool_fits(settings, Modelled(), available=1 << 20)  # type: ignore[arg-type]
+    check_pool_fits(settings, Modelled(), available=1 << 30)  # type: ignore[arg-type]
