@@ -10,6 +10,12 @@ a 16-byte digest of their name (an API key id, an endpoint id), each
 A zeroed slot is a fresh one. Claiming a slot, and a key's usage (read, decide,
 write), hold an fcntl lock on the file for a few microseconds: the kernel drops
 it when its holder dies, so a worker killed mid-update cannot wedge the others.
+A holder that is stopped instead (SIGSTOP, a debugger, a frozen cgroup) keeps
+it, so the lock is never waited for on the event loop: it is tried for at most
+`LOCK_WAIT_S`, and past that the table is `Busy`, the caller counts alone (its
+own view of the key, as when the table is full), the holder is logged by pid,
+and for `BUSY_S` no one here tries again (the supervisor replaces a worker
+whose loop stops within its heartbeat bound, workers.py, which frees the lock).
 Each worker writes only its own column (8-byte aligned: read whole by others
 without a lock), zeroed when it starts, so a killed worker's requests in flight
 are not counted forever. Times are CLOCK_MONOTONIC, the same in every process.
@@ -17,17 +23,27 @@ are not counted forever. Times are CLOCK_MONOTONIC, the same in every process.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+LOCK_WAIT_S = 0.005  # the most a worker's loop waits for the table's lock
+LOCK_POLL_S = 0.0002
+BUSY_S = 1.0  # after a wait that ran out: count alone this long without trying
+_FLOCK = struct.Struct("hhqqii")  # struct flock on Linux (padded to its 32 bytes)
+
+
+class Busy(Exception):
+    """The table's lock is held past LOCK_WAIT_S: the caller counts alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,38 +84,85 @@ class Table:
         self._own = self.columns + layout.column.size * worker
         self._found: dict[str, int | None] = {}  # name -> its slot's offset
         self._full_warned = False
+        self._busy_until = 0.0
         zero = bytes(layout.column.size)
-        with self.locked():  # a restarted worker's old columns are gone
-            for at in range(self._own, layout.slots * self.size, self.size):
-                if self.mem[at : at + len(zero)] != zero:
-                    self.mem[at : at + len(zero)] = zero
+        # NOTE: a worker's own column is written by it alone: no lock (a stopped holder must
+        # not keep a restarted worker from starting)
+        for at in range(self._own, layout.slots * self.size, self.size):
+            if self.mem[at : at + len(zero)] != zero:
+                self.mem[at : at + len(zero)] = zero
+
+    def acquire(self) -> bool:
+        """Take the table's lock within LOCK_WAIT_S (True), or report its holder (False)."""
+        now = time.monotonic()
+        if now < self._busy_until:
+            return False
+        deadline = now + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(LOCK_POLL_S)
+        self._busy_until = time.monotonic() + BUSY_S
+        log.warning(
+            "shared %s table: its lock is held past %.0f ms (by pid %s, stopped?); counting "
+            "alone for %.0f s",
+            self.layout.name,
+            LOCK_WAIT_S * 1000,
+            self.holder() or "unknown",
+            BUSY_S,
+        )
+        return False
+
+    def release(self) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        """The table's lock for the block; Busy when it cannot be had within LOCK_WAIT_S."""
+        if not self.acquire():
+            raise Busy
         try:
             yield
         finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            self.release()
+
+    def holder(self) -> int | None:
+        """The pid holding the table's lock (None: none, or it cannot be told)."""
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0, 0)
+        try:
+            kind, _, _, _, pid, _ = _FLOCK.unpack(fcntl.fcntl(self.fd, fcntl.F_GETLK, query))
+        except OSError:
+            return None
+        return pid if kind != fcntl.F_UNLCK and pid > 0 else None
 
     def slot(self, name: str) -> int | None:
         """The offset of `name`'s slot, claimed if new (under the lock, once per name and
-        worker); None when the table is full (the caller counts alone, and it is logged)."""
+        worker); None when the table is full (the caller counts alone, and it is logged) or
+        Busy (the caller counts alone, and the next call tries again)."""
         if name in self._found:
             return self._found[name]
         digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
         slots, empty = self.layout.slots, bytes(16)
         start = int.from_bytes(digest[:4], "little") % slots
         found = None
-        with self.locked():
-            for probe in range(slots):
-                at = ((start + probe) % slots) * self.size
-                held = self.mem[at : at + 16]
-                if held == empty:
-                    self.mem[at : at + 16] = digest
-                if held in (digest, empty):
-                    found = at
-                    break
+        try:
+            with self.locked():
+                for probe in range(slots):
+                    at = ((start + probe) % slots) * self.size
+                    held = self.mem[at : at + 16]
+                    if held == empty:
+                        self.mem[at : at + 16] = digest
+                    if held in (digest, empty):
+                        found = at
+                        break
+        except Busy:
+            return None
         if found is None and not self._full_warned:
             self._full_warned = True
             name, n = self.layout.name, slots
@@ -154,13 +217,14 @@ class SharedUsage:
     @contextmanager
     def use(self, key_id: str) -> Iterator[Slot | None]:
         """The key's usage, locked for the block; what the block changes is stored after
-        (also when it raises: a refusal's refund counts). None: the table is full."""
+        (also when it raises: a refusal's refund counts). None: the table is full or busy
+        (the caller counts alone)."""
         t = self.table
         at = t.slot(key_id)
-        if at is None:
+        if at is None or not t.acquire():
             yield None
             return
-        with t.locked():
+        try:
             theirs = t.others(at)[0]
             rl, ra, tl, ta = t.shared(at)
             slot = Slot(rl, ra, tl, ta, int(t.own(at)[0]) + theirs)
@@ -170,6 +234,8 @@ class SharedUsage:
                 levels = (slot.requests_level, slot.requests_at, slot.tokens_level, slot.tokens_at)
                 t.set_shared(at, *levels)
                 t.set_own(at, max(0, slot.in_flight - theirs))
+        finally:
+            t.release()
 
     def close(self) -> None:
         self.table.close()

@@ -4,11 +4,15 @@ serves, a reload (SIGHUP) that fails no request, one /metrics that adds the work
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -195,6 +199,38 @@ def known_key(etcd: LocalEtcd, r: Router) -> str:
     return secret
 
 
+def usage_table(router: Router) -> int:
+    """A descriptor of the router's shared usage table (its memfd, opened through /proc)."""
+    fds = Path(f"/proc/{router.proc.pid}/fd")
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith("/memfd:cgn-router-usage"):
+                return os.open(fd, os.O_RDWR)
+    raise AssertionError("the supervisor holds no usage table")
+
+
+def test_a_lock_held_from_outside_stalls_no_worker(router: tuple[LocalEtcd, Router]) -> None:
+    """A holder of the usage table's lock that never lets go (a stopped worker, here another
+    process) costs a request at most the lock's bounded wait: keys with limits are still
+    served, each worker counting alone meanwhile."""
+    etcd, r = router
+    limited = key(etcd, Limits(rps=1000, tokens_per_min=10**6, concurrent=100))
+    until("both workers to know the key", lambda: all(call(r, limited) == 200 for _ in range(6)),
+          timeout_s=30)  # fmt: skip
+    fd = usage_table(r)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    try:
+        started = time.monotonic()
+        codes = Counter(call(r, limited) for _ in range(8))
+        took = time.monotonic() - started
+        assert codes == {200: 8}, codes
+        assert took < 8 * 1.0, took  # each waited at most ms for the lock, not for its holder
+        assert health(r)[0] == 200
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def test_a_killed_worker_is_restarted_while_the_other_serves(
     router: tuple[LocalEtcd, Router],
 ) -> None:
@@ -273,3 +309,38 @@ def test_workers_stop_when_their_supervisor_is_killed(router: tuple[LocalEtcd, R
     r.proc.wait(10)
     until("the workers gone", lambda: not any(runs(p, "cgn_router.worker") for p in pids),
           timeout_s=30)  # fmt: skip
+
+
+def test_a_table_whose_lock_another_process_holds_is_busy_within_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The wait is bounded, the holder is named, and for BUSY_S nobody tries again."""
+    from cgn_router import shared
+
+    fd = shared.create(shared.USAGE, 2)
+    usage = shared.SharedUsage(fd, 2, 0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, time; fcntl.lockf({fd}, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)"],
+        pass_fds=(fd,), stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        started = time.monotonic()
+        with caplog.at_level("WARNING"), usage.use("key") as slot:
+            assert slot is None  # counts alone
+        assert time.monotonic() - started < 0.5
+        assert f"by pid {holder.pid}" in caplog.text
+        assert usage.table.holder() == holder.pid
+        caplog.clear()
+        with usage.use("key") as slot:  # within BUSY_S: not tried, not logged again
+            assert slot is None
+        assert not caplog.text
+    finally:
+        holder.kill()
+        holder.communicate()
+    usage.table._busy_until = 0.0
+    with usage.use("key") as slot:
+        assert slot is not None and slot.in_flight == 0
+    usage.close()
+    os.close(fd)
