@@ -57,7 +57,7 @@ from cgn_router.settings import RouterSettings, ScrapeSettings
 from cgn_router.shared import SharedLoad, SharedUsage
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
-from cgn_router.workers import Supervisor, WorkerRole
+from cgn_router.workers import Heartbeat, Supervisor, WorkerRole
 
 log = logging.getLogger(__name__)
 DRAIN_CAP_S = 30.0
@@ -193,6 +193,8 @@ async def serve(
         try:
             async with asyncio.TaskGroup() as tg:
                 follower = KvFollowers(svc, session, tg)
+                if worker is not None:  # the supervisor replaces a worker whose loop stops
+                    tg.create_task(Heartbeat(worker.beat_fd, worker.count).run(worker.index))
                 tg.create_task(_scrape_loop(svc, session))
                 if svc.gate is not None:
                     tg.create_task(svc.gate.run())

@@ -21,22 +21,30 @@ that serves it. What they share, and how:
 The supervisor holds the ports (bound, not listening, so no connection waits
 on it) so a worker restarted on port 0 gets the same port back; writes the one
 ready file and tells systemd once every worker is serving; restarts a worker
-that dies (backing off when it keeps dying); on SIGHUP starts a new worker for
-each old one, in turn, and stops the old one once the new one is serving
-(the config file is read again: a reload); on SIGTERM stops them all, each
-draining its requests as a single router does. A worker that fails before the
-first ready signal fails the whole start (its log line says why).
+that dies (backing off when it keeps dying), and one that hangs: each worker's
+event loop writes a heartbeat every `BEAT_S` into a shared table, and a
+serving worker whose heartbeat is older than `HUNG_S` (stopped by SIGSTOP, a
+debugger or a frozen cgroup, or stuck) is killed and replaced, because the
+kernel keeps handing it its share of new connections while it lives; on
+SIGHUP starts a new worker for each old one, in turn, and stops the old one
+once the new one is serving (the config file is read again: a reload); on
+SIGTERM stops them all, each draining its requests as a single router does. A
+worker that fails before the first ready signal fails the whole start (its
+log line says why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +66,9 @@ POLL_S = 0.1
 START_TIMEOUT_S = 120.0  # a worker not serving by then has failed
 STOP_GRACE_S = 35.0  # a worker's drain is capped at 30 s (daemon.DRAIN_CAP_S)
 STEADY_S = 30.0  # a worker that lived this long restarts at once; one dying sooner backs off
+BEAT_S = 0.25  # each worker's event loop writes its heartbeat this often
+HUNG_S = 1.5  # a serving worker whose heartbeat is older is killed and replaced
+_BEAT = struct.Struct("=qd")  # per worker index: (its pid, CLOCK_MONOTONIC of the last beat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,7 @@ class WorkerRole:
     admin_port: int
     usage_fd: int  # shared.USAGE
     load_fd: int  # shared.LOAD
+    beat_fd: int  # the heartbeats (Heartbeat)
     supervisor: int  # its pid
 
     @property
@@ -114,6 +126,39 @@ def workers_status(role: WorkerRole) -> dict[str, Any]:
         return {"workers": []}
 
 
+class Heartbeat:
+    """The heartbeat table: `count` slots of (pid, time), one per worker index, in a memfd
+    the supervisor creates and every worker inherits. A slot's writes are 16 bytes that a
+    reader may see torn: a torn one holds this pid and the last time or the one before."""
+
+    def __init__(self, fd: int, count: int):
+        self.mem = mmap.mmap(fd, count * _BEAT.size, mmap.MAP_SHARED)
+
+    @staticmethod
+    def create(count: int) -> int:
+        fd = os.memfd_create("cgn-router-beats", 0)
+        os.ftruncate(fd, count * _BEAT.size)
+        os.set_inheritable(fd, True)
+        return fd
+
+    def beat(self, index: int) -> None:
+        _BEAT.pack_into(self.mem, index * _BEAT.size, os.getpid(), time.monotonic())
+
+    def last(self, index: int, pid: int) -> float | None:
+        """When worker `pid` at `index` last beat (None: it has not yet)."""
+        held, at = _BEAT.unpack_from(self.mem, index * _BEAT.size)
+        return at if held == pid else None
+
+    async def run(self, index: int) -> None:
+        """A worker's beats, from its event loop: a loop that stops beats no more."""
+        while True:
+            self.beat(index)
+            await asyncio.sleep(BEAT_S)
+
+    def close(self) -> None:
+        self.mem.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -133,6 +178,8 @@ class _Worker:
     proc: subprocess.Popen[bytes]
     started: float
     restarts: int = 0
+    hangs: int = 0  # times it stopped beating and was replaced
+    replaced: bool = False  # killed for a hang: restarted at once (not a crash loop)
     failures: int = 0  # deaths in a row, each within STEADY_S of its start
     due: float | None = None  # dead: restart at this time
     last_exit: int | None = None
@@ -151,6 +198,7 @@ class Supervisor:
     stopping: bool = False
     reload_asked: bool = False
     role: dict[str, Any] = field(default_factory=dict)  # what every worker is told
+    beats: Heartbeat | None = None
     _status: dict[str, Any] = field(default_factory=dict)
 
     def run(self, host: str, http_port: int, admin_host: str, admin_port: int) -> int:
@@ -160,12 +208,18 @@ class Supervisor:
         try:
             held = [_hold(host, http_port), _hold(admin_host, admin_port)]
             ports = {"http": held[0].getsockname()[1], "admin": held[1].getsockname()[1]}
-            fds = [shared.create(shared.USAGE, self.count), shared.create(shared.LOAD, self.count)]
+            fds = [
+                shared.create(shared.USAGE, self.count),
+                shared.create(shared.LOAD, self.count),
+                Heartbeat.create(self.count),
+            ]
+            self.beats = Heartbeat(fds[2], self.count)
             self.role = dict(
                 count=self.count,
                 run_dir=str(self.run_dir),
                 usage_fd=fds[0],
                 load_fd=fds[1],
+                beat_fd=fds[2],
                 supervisor=os.getpid(),
                 http_port=ports["http"],
                 admin_port=ports["admin"],
@@ -196,6 +250,8 @@ class Supervisor:
             self._stop_all()
             for sock in held:
                 sock.close()
+            if self.beats is not None:
+                self.beats.close()
             for fd in fds:
                 os.close(fd)
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -216,7 +272,7 @@ class Supervisor:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cgn_router.worker"],
             env=env,
-            pass_fds=(self.role["usage_fd"], self.role["load_fd"]),
+            pass_fds=(self.role["usage_fd"], self.role["load_fd"], self.role["beat_fd"]),
         )
         return _Worker(index, proc, time.monotonic())
 
@@ -256,13 +312,17 @@ class Supervisor:
         return None
 
     def _tend(self) -> None:
-        """Restart the workers that died (backing off), reap the retired ones."""
+        """Replace the workers that hang, restart the ones that died (backing off), reap the
+        retired ones."""
         now = time.monotonic()
         for w in self.workers:
+            if w.due is None and w.proc.poll() is None:
+                self._unless_hung(w, now)
             if w.due is None and w.proc.poll() is not None:
                 w.last_exit = w.proc.returncode
                 self._ready_path(w.proc, w.index).unlink(missing_ok=True)  # SIGKILLed: left
-                w.failures = w.failures + 1 if now - w.started < STEADY_S else 0
+                crashed = now - w.started < STEADY_S and not w.replaced
+                w.failures, w.replaced = (w.failures + 1 if crashed else 0), False
                 w.due = now + min(30.0, 0.5 * 2 ** max(0, w.failures - 1)) if w.failures else now
                 log.error(
                     "worker %d (pid %d) exited with %s; restarting",
@@ -276,6 +336,23 @@ class Supervisor:
         self.retiring = [p for p in self.retiring if p.poll() is None]
         self._write_status()
 
+    def _unless_hung(self, w: _Worker, now: float) -> None:
+        """Kill a serving worker whose loop stopped beating (`_tend` restarts it at once:
+        its share of new connections goes to the others as its socket closes)."""
+        last = self.beats.last(w.index, w.proc.pid) if self.beats else None
+        if last is None or now - last <= HUNG_S or not self._serving(w.proc, w.index):
+            return
+        w.hangs += 1
+        log.error(
+            "worker %d (pid %d) has not run its event loop for %.1f s (stopped or stuck); "
+            "replacing it",
+            w.index,
+            w.proc.pid,
+            now - last,
+        )
+        w.proc.kill()
+        w.proc.wait()
+        w.replaced = True
     def _write_status(self) -> None:
         """workers.json for the primary's /healthz, rewritten when it changes."""
         doc = {
@@ -285,6 +362,7 @@ class Supervisor:
                     "pid": w.proc.pid,
                     "running": w.due is None and self._serving(w.proc, w.index),
                     "restarts": w.restarts,
+                    "hangs": w.hangs,
                     "last_exit": w.last_exit,
                     "metrics": self._metrics_url(w),
                 }

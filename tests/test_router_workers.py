@@ -28,6 +28,7 @@ from cgn_core import keys
 from cgn_core.apikeys import Limits, create
 from cgn_core.etcd.local import LocalEtcd
 from cgn_router.metrics_merge import merge_pages
+from cgn_router.workers import HUNG_S
 from harness.poll import until
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put, runs
 
@@ -245,6 +246,34 @@ def test_a_killed_worker_is_restarted_while_the_other_serves(
     assert codes == {200: 10}, codes
     _, doc = until("the worker restarted", lambda: (h := health(r))[0] == 200 and h, timeout_s=60)
     assert doc["workers"][1]["restarts"] == 1 and doc["workers"][1]["pid"] != victim["pid"]
+
+
+def test_a_stopped_worker_is_replaced_and_every_new_request_answered(
+    router: tuple[LocalEtcd, Router],
+) -> None:
+    """SIGSTOP: the kernel keeps handing the worker its share of new connections while it
+    lives, so the supervisor, seeing its heartbeat stop, kills and replaces it within
+    HUNG_S (and a poll); after that every new request is answered within 2 s."""
+    etcd, r = router
+    secret = known_key(etcd, r)
+    victim = health(r)[1]["workers"][1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        until("the stopped worker replaced",
+              lambda: health(r)[1]["workers"][1]["hangs"] == victim["hangs"] + 1,
+              timeout_s=15, poll_s=0.05)  # fmt: skip
+        received_for = time.monotonic() - stopped
+        assert received_for < HUNG_S + 1.0, received_for
+        for _ in range(16):
+            asked = time.monotonic()
+            assert call(r, secret) == 200
+            assert time.monotonic() - asked < 2.0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGCONT)
+    _, doc = until("the worker back", lambda: (h := health(r))[0] == 200 and h, timeout_s=60)
+    assert doc["workers"][1]["pid"] != victim["pid"]
 
 
 def test_a_reload_restarts_each_worker_and_fails_no_request(
