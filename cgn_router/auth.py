@@ -3,8 +3,9 @@
 Keys come from etcd (`/cognitora/keys/<id>`, written by `cgn-ctl keys`) and
 change while the router runs: a revoked key fails on its next request.
 `authenticate` maps the Authorization header to a Principal (401 when the key
-is missing, malformed, unknown, revoked or expired); `authorize` checks the
-model scope (403); `Limiter.acquire` applies the key's limits (429 with a
+is missing, malformed, unknown, revoked or expired); `may_use` checks the
+model scope (a model outside it is answered as one that does not exist, a 404:
+a scoped key cannot tell the two apart); `Limiter.acquire` applies the key's limits (429 with a
 Retry-After): requests per second and tokens per minute as token buckets
 (tokens are charged with the prompt on admission and the completion when the
 usage is known), and a cap on requests in flight. With several workers
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from cgn_core.apikeys import KeyRecord, Limits, key_id, matches
-from cgn_core.errors import Forbidden, RateLimited, Unauthorized
+from cgn_core.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from cgn_router.shared import SharedUsage, Slot
 
 
@@ -68,17 +69,14 @@ class KeyStore:
         return Principal(record.id, record.tenant, record.band, record)
 
 
-def authorize(p: Principal, model: str) -> None:
-    if p.record is not None and not p.record.allows(model):
-        raise Forbidden(f"this API key may not use model '{model}'", code="model_not_allowed")
+def may_use(p: Principal, model: str) -> bool:
+    return p.record is None or p.record.allows(model)
 
 
 def visible(p: Principal, models: Mapping[str, str]) -> dict[str, str]:
     """The names (aliases too, with the model each means) a key may use: a key scoped to
     some models learns nothing of the others, in /v1/models or in a 404."""
-    if p.record is None:
-        return dict(models)
-    return {name: m for name, m in models.items() if p.record.allows(m)}  # as `authorize`
+    return {name: m for name, m in models.items() if may_use(p, m)}
 
 
 def authorize_admin(p: Principal) -> None:
@@ -201,12 +199,21 @@ class Limiter:
     def settle(self, p: Principal, estimate: int, exact: int, now: float | None = None) -> None:
         """Replace the prompt estimate `acquire` charged with the exact count. RateLimited
         (the estimate refunded) when the exact count would not have been admitted: an
-        over-budget prompt is refused before it is forwarded, not after."""
+        over-budget prompt is refused before it is forwarded, not after; InvalidRequest
+        (400, refunded too) for a prompt larger than the key's whole budget, which no wait
+        would ever admit."""
         with self._using(p) as u:
             if u is None or not u.tokens:
                 return
             bucket = u.tokens
             before = bucket.level + estimate  # what the key held when this request came
+            if exact > bucket.capacity:
+                bucket.level = min(bucket.capacity, before)
+                raise InvalidRequest(
+                    f"the prompt's {exact} tokens exceed the key's whole budget of "
+                    f"{bucket.capacity:.0f} tokens per minute",
+                    code="prompt_over_budget",
+                )
             if exact > estimate and before < min(exact, bucket.capacity):
                 bucket.level = min(bucket.capacity, before)
                 bucket.refill(time.monotonic() if now is None else now)

@@ -46,7 +46,7 @@ from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_core.openai.request import sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.attempt import Attempt
-from cgn_router.auth import Principal, authorize, visible
+from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
 from cgn_router.disagg import decide
 from cgn_router.load_signals import WINDOW_S
@@ -119,7 +119,6 @@ async def _handle_traced(
     who = svc.principal(request.headers.get("Authorization"))  # 401 before anything else is read
     raw = await request.read(svc.settings.http.body_timeout_s)
     body, model, stream = _parse(svc, kind, raw, who, trace)
-    authorize(who, model)
     estimate = len(raw) // CHARS_PER_TOKEN
     try:
         svc.limiter.acquire(who, estimate)
@@ -153,8 +152,9 @@ async def _handle_traced(
 def _parse(
     svc: RouterService, kind: str, raw: bytes, who: Principal, trace: RequestTrace
 ) -> tuple[dict[str, Any], str, bool]:
-    """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong
-    (the 404 names only the models `who` may use)."""
+    """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong.
+    A model outside `who`'s scope is a 404 worded as for one that does not exist, and the
+    404 names only the models `who` may use: a key learns nothing of the others."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -168,10 +168,11 @@ def _parse(
     # What cgn-infer would refuse for its generation fields is refused here, before any work.
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
-    if model is None:
+    if model is None or not may_use(who, model):
         known = ", ".join(sorted(visible(who, svc.known_models()))) or "none"
+        scoped = "" if who.record is None else " or this key may not use it"
         raise NotFound(
-            f"model '{asked}' does not exist (known: {known})",
+            f"model '{asked}' does not exist{scoped} (known: {known})",
             code="model_not_found",
             param="model",
         )

@@ -353,6 +353,7 @@ class Supervisor:
         w.proc.kill()
         w.proc.wait()
         w.replaced = True
+
     def _write_status(self) -> None:
         """workers.json for the primary's /healthz, rewritten when it changes."""
         doc = {

@@ -91,16 +91,22 @@ def test_keys_scopes_and_revocation(cluster: tuple[LocalEtcd, Router]) -> None:
     )
     assert call(router, key[:-1] + ("A" if key[-1] != "A" else "B"))[0] == 401
     assert call(router, "not-a-key")[0] == 401
-    status, _, err = call(router, key, model="other")
-    assert status == 403 and err["error"]["message"] == "this API key may not use model 'other'"
-    # a scoped key learns nothing of the other models: not from /v1/models, not from a 404
+    # a scoped key learns nothing of the other models: not from /v1/models, not from a 404,
+    # and a model it may not use is answered exactly as one that does not exist
+    forbidden, missing = call(router, key, model="other"), call(router, key, model="nope")
+    assert forbidden[0] == missing[0] == 404
+    assert forbidden[2]["error"]["message"] == missing[2]["error"]["message"].replace(
+        "nope", "other"
+    )
     req = urllib.request.Request(
         router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert [m["id"] for m in json.load(resp)["data"]] == ["sim"]
     status, _, err = call(router, key, model="nope")
-    assert status == 404 and err["error"]["message"] == "model 'nope' does not exist (known: sim)"
+    assert status == 404 and err["error"]["message"] == (
+        "model 'nope' does not exist or this key may not use it (known: sim)"
+    )
     listed = ctl(etcd, "list")
     assert [k["id"] for k in listed] == [created["id"]] and "hash" not in listed[0]
     ctl(etcd, "revoke", created["id"])
@@ -188,6 +194,24 @@ def test_an_over_budget_prompt_is_refused_before_it_is_forwarded() -> None:
     limiter.acquire(who, 50, now=t)
     limiter.settle(who, 50, 20, now=t)  # an overestimate is refunded
     assert bucket.level == pytest.approx(80)
+    limiter.release(who)
+
+
+def test_a_prompt_over_the_keys_whole_budget_is_a_400_even_on_a_fresh_key() -> None:
+    """No wait would ever admit it: 400, nothing charged (it was served once before)."""
+    from cgn_core.apikeys import Limits, create
+    from cgn_core.errors import InvalidRequest
+    from cgn_router.auth import Limiter, Principal
+
+    _, record = create("t", "gold", limits=Limits(tokens_per_min=1000))
+    who, limiter, t = Principal(record.id, "t", "gold", record), Limiter(), 100.0
+    for estimate, exact in ((3000, 3000), (200, 400_000)):
+        limiter.acquire(who, estimate, now=t)  # an estimate over the budget takes it whole
+        with pytest.raises(InvalidRequest, match="exceed the key's whole budget of 1000"):
+            limiter.settle(who, estimate, exact, now=t)
+        limiter.release(who)
+        bucket = limiter.usage[record.id].tokens
+        assert bucket is not None and bucket.level == pytest.approx(1000)
 
 
 def test_a_keys_limits_hold_across_workers() -> None:
