@@ -24,11 +24,13 @@ from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings, make_app
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.files import read_regular
+from cgn_core.terminal import for_terminal
 from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
+MAX_GRACE_S = 7 * 86400.0
 MAX_CATALOG_FILE_BYTES = 16 << 20  # `models apply -f`: larger is not a catalog
 
 app = make_app(
@@ -43,10 +45,12 @@ app.add_typer(keys_cmd.app, name="keys")
 
 
 def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:
+    """`data` as JSON, or through the `table` renderer with every string in it made safe for
+    a terminal (records are strangers' text: cgn_core/terminal.py)."""
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
     else:
-        table(data)
+        table(for_terminal(data))
 
 
 @app.command()
@@ -163,10 +167,12 @@ def drain(
 ) -> None:
     """Rolling drain: cordon NODE, start each replica elsewhere, stop the original once its
     replacement is Ready (or after --grace). Needs a running router (the reconciler)."""
-    if grace <= 0:
-        fail("--grace must be positive", EXIT_USAGE)
+    if not 0 < grace <= MAX_GRACE_S:  # NOTE: NaN fails this too
+        fail(f"--grace must be a number of seconds from 0 to {MAX_GRACE_S:.0f}", EXIT_USAGE)
 
-    async def work(c: EtcdClient) -> list[dict[str, Any]]:
+    async def work(c: EtcdClient) -> list[dict[str, Any]] | None:
+        if not await cluster_ops.node_exists(c, node):
+            return None
         await cluster_ops.cordon(c, node, drain=True, grace_s=grace)
         if not wait:
             return await cluster_ops.replicas_on(c, node)
@@ -185,6 +191,8 @@ def drain(
             await asyncio.sleep(1.0)
 
     left = with_etcd(etcd, config, work)
+    if left is None:
+        fail(f"no node {node!r} is registered (cgn-ctl nodes lists them)", EXIT_USAGE)
     typer.echo(f"{node} drained" if not left else f"{node} draining ({len(left)} replica(s) left)")
 
 

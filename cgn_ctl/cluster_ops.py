@@ -152,7 +152,9 @@ async def explain(
 
 async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
     """The autoscaler's last decision for each pool of model `name` (the leader writes one
-    record per pool under /cognitora/scaling/), with the model's bounds and policy."""
+    record per pool under /cognitora/scaling/), with the model's bounds and policy. A target
+    outside the pool's bounds (a forged or stale record: the leader never writes one) is
+    shown clamped, with what the record said under `recorded_desired`."""
     snap = await read_snapshot(client)
     spec = snap.models.get(name)
     if spec is None:
@@ -165,11 +167,22 @@ async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
                 "role": role if spec.pools else "",
                 "min": lo,
                 "max": hi,
-                "decision": record.to_json() if record is not None else None,
+                "decision": _bounded(record.to_json(), lo, hi) if record is not None else None,
             }
         )
     policy = dataclasses.asdict(spec.scaling)
     return {"model": name, "policy": policy, "pools": pools}
+
+
+def _bounded(decision: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """`decision` and its history with every target clamped to [lo, hi]; an entry whose
+    record said otherwise keeps that under `recorded_desired`."""
+    out = dict(decision)
+    if not lo <= out["desired"] <= hi:
+        out["recorded_desired"], out["desired"] = out["desired"], min(max(out["desired"], lo), hi)
+    if "history" in out:
+        out["history"] = [_bounded(h, lo, hi) for h in out["history"]]
+    return out
 
 
 async def cordon(

@@ -18,6 +18,7 @@ from cgn_core.apikeys import ApiKeyError, Limits, create, parse_record
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
+from cgn_core.terminal import for_terminal
 from cgn_ctl.options import Config, Etcd, Json, ctl_settings, with_etcd
 
 app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
@@ -111,7 +112,7 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
         return
     t = Table("id", "tenant", "band", "models", "rps", "tokens/min", "concurrent", "expires")
     now = time.time()
-    for r in rows:
+    for r in for_terminal(rows):
         lim = r["limits"]
         exp = r["expires_unix"]
         expires = "-" if exp is None else ("expired" if exp <= now else f"in {int(exp - now)}s")

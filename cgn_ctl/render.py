@@ -115,7 +115,7 @@ def explain_scaling(d: dict[str, Any]) -> None:
         when = time.strftime("%H:%M:%S", time.localtime(got["at_unix"]))
         capacity = "not learned" if got["capacity"] is None else f"{got['capacity']:g}"
         console.print(
-            f"[bold]{name}[/bold] ({bounds}): target {got['desired']}, "
+            f"[bold]{name}[/bold] ({bounds}): target {got['desired']}{_forged(got)}, "
             f"{got['current']} placed — {got['reason']}"
         )
         console.print(
@@ -124,7 +124,8 @@ def explain_scaling(d: dict[str, Any]) -> None:
         t = Table("at", "", "target", "reason")
         for h in reversed(got["history"]):
             at = time.strftime("%H:%M:%S", time.localtime(h["at_unix"]))
-            t.add_row(at, h["direction"], f"{h['current']} → {h['desired']}", h["reason"])
+            target = f"{h['current']} → {h['desired']}{_forged(h)}"
+            t.add_row(at, h["direction"], target, h["reason"])
         if got["history"]:
             console.print(t)
     p = d["policy"]
@@ -135,6 +136,12 @@ def explain_scaling(d: dict[str, Any]) -> None:
         f"{p['max_step_up']}), down after {p['down_cooldown_s']:g} s and a "
         f"{p['stabilization_s']:g} s window; SLO: {slo or 'none'}"
     )
+
+
+def _forged(decision: dict[str, Any]) -> str:
+    """A note for a target the record put outside the pool's bounds (cluster_ops clamps it)."""
+    said = decision.get("recorded_desired")
+    return "" if said is None else f" [red](the record says {said}: out of bounds)[/red]"
 
 
 def status(s: dict[str, Any]) -> None:

@@ -5,11 +5,13 @@ replicas (running, waiting, KV usage, output tokens/s), nodes (state, watts, jou
 output token) and totals. `frame` is pure: it validates the view (a peer's JSON is not
 trusted: a row of the wrong shape is left out, a number that is not a finite one is "no
 figure") and sums each node's and each model's replicas. A figure no replica publishes is
-None, shown as "—", never 0.
+None, shown as "—", never 0. The view is read up to `MAX_VIEW_BYTES`, and its text reaches
+the terminal only through `plain` (no escape sequence, no markup: cgn_core/terminal.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,8 +25,10 @@ from rich.table import Table
 from rich.text import Text
 
 from cgn_core.errors import CognitoraError
+from cgn_core.terminal import plain
 
 DASH = "—"
+MAX_VIEW_BYTES = 16 << 20  # a fleet view larger than this is not read
 
 
 class MetricsUnreachable(CognitoraError):
@@ -144,9 +148,10 @@ def frame(view: Mapping[str, Any], url: str) -> Frame:
         for x in _rows(view, "targets")
         if x.get("state") == "down"
     )
+    at = _num(view.get("time"))
     return Frame(
         url=url,
-        at_unix=_num(view.get("time")) or time.time(),
+        at_unix=at if at is not None and 0 < at < 1 << 34 else time.time(),  # a real time
         requests_per_s=_num(t.get("requests_per_s")),
         tokens_per_s=_num(t.get("tokens_per_s")),
         ttft_p95_s=_num(ttft.get("p95")) if isinstance(ttft, Mapping) else None,
@@ -170,9 +175,14 @@ def fetch(url: str, timeout_s: float = 5.0) -> Frame:
     """The frame from cgn-metrics at `url` (its base URL); MetricsUnreachable says why not."""
     api = url.rstrip("/") + "/api/v1/fleet"
     try:
-        resp = httpx.get(api, timeout=timeout_s)
-        resp.raise_for_status()
-        view = resp.json()
+        with httpx.stream("GET", api, timeout=timeout_s) as resp:
+            resp.raise_for_status()
+            body = bytearray()
+            for chunk in resp.iter_bytes():
+                body += chunk
+                if len(body) > MAX_VIEW_BYTES:
+                    raise MetricsUnreachable(f"{api} answered more than {MAX_VIEW_BYTES} bytes")
+        view = json.loads(body)
     except (httpx.HTTPError, ValueError) as exc:
         raise MetricsUnreachable(
             f"cannot read the fleet from cgn-metrics at {url} ({type(exc).__name__}: {exc}); "
@@ -209,7 +219,7 @@ def _table(title: str, rows: Iterable[Row], *, per_node: bool) -> Table:
     ]
     table = Table(*(name for name, _ in columns), title=title, title_justify="left")
     for row in rows:
-        table.add_row(*(cell(row) for _, cell in columns))
+        table.add_row(*(Text(plain(cell(row))) for _, cell in columns))  # Text: no markup
     return table
 
 
@@ -217,19 +227,19 @@ def render(f: Frame, error: str = "") -> Group:
     """The frame as rich renderables: a line of totals, the nodes, the models, what is down."""
     head = Text.assemble(
         ("cgn-ctl top", "bold"),
-        f"  {f.url}  {time.strftime('%H:%M:%S', time.localtime(f.at_unix))}\n",
+        f"  {plain(f.url)}  {time.strftime('%H:%M:%S', time.localtime(f.at_unix))}\n",
         f"requests/s {_f(f.requests_per_s)}   output tokens/s {_f(f.tokens_per_s)}   "
         f"TTFT p95 {_f(f.ttft_p95_s, 3, ' s')}   running {_f(f.running, 0)}   "
         f"waiting {_f(f.waiting, 0)}   watts {_f(f.watts, 0)}   "
-        f"J/output token {_f(f.j_per_output_token, 3)} ({f.energy_source})",
+        f"J/output token {_f(f.j_per_output_token, 3)} ({plain(f.energy_source)})",
     )
     nodes = _table("nodes", f.nodes, per_node=True)
     models = _table("models", f.models, per_node=False)
     parts: list[Any] = [head, nodes if f.nodes else Text("no nodes"), models]
     if f.down:
-        parts.append(Text("down: " + "; ".join(f.down), style="yellow"))
+        parts.append(Text("down: " + "; ".join(map(plain, f.down)), style="yellow"))
     if error:
-        parts.append(Text(error, style="red"))
+        parts.append(Text(plain(error), style="red"))
     return Group(*parts)
 
 

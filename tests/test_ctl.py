@@ -186,6 +186,10 @@ def test_operator_mistakes_are_refused_in_one_line(etcd: LocalEtcd, tmp_path: Pa
     typo = ctl(etcd, "cordon", "c1-typo")
     assert typo.returncode == 2 and typo.stderr.startswith("error: no node 'c1-typo' is registered")
     assert etcd_get(etcd, "/cognitora/cordon/c1-typo") is None
+    typo = ctl(etcd, "drain", "c1-typo", "--no-wait")  # it exited 0 and wrote a cordon
+    assert typo.returncode == 2 and typo.stderr.startswith("error: no node 'c1-typo' is registered")
+    assert etcd_get(etcd, "/cognitora/cordon/c1-typo") is None
+    assert ctl(etcd, "drain", "c1", "--grace", "nan").returncode == 2
     pre = ctl(etcd, "cordon", "c9", "--pre")
     assert pre.returncode == 0 and pre.stdout.strip() == "c9 pre-cordoned (it has not joined yet)"
     band = ctl(etcd, "keys", "create", "--tenant", "acme", "--band", "golden")
@@ -198,6 +202,18 @@ def test_operator_mistakes_are_refused_in_one_line(etcd: LocalEtcd, tmp_path: Pa
         path.write_bytes(content)
         res = ctl(etcd, "models", "apply", "-f", str(path))
         assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr
+
+
+def test_record_text_reaches_the_terminal_as_text(etcd: LocalEtcd) -> None:
+    """A forged node record's escape sequences and markup are shown, never obeyed."""
+    evil = "e\x1b]0;pwned\x07\x1b[2J[red]x[/red]\u202e"
+    etcd_put(etcd.endpoint, "/cognitora/nodes/evil1", {**CPU_NODE, "node": "evil1",
+             "node_class": evil, "engines": [evil]})  # fmt: skip
+    shown = subprocess.run([CTL, "nodes", "--etcd", etcd.endpoint], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})  # fmt: skip
+    assert shown.returncode == 0 and "pwned" in shown.stdout, shown.stdout + shown.stderr
+    assert "\x1b" not in shown.stdout and "\u202e" not in shown.stdout
+    assert "[red]x[/red]" in shown.stdout.replace("\n", "")
 
 
 def test_commands_find_the_etcd_that_up_started(etcd: LocalEtcd, tmp_path: Path) -> None:

@@ -83,3 +83,85 @@ def test_a_hostile_view_gives_a_frame_not_a_crash(view: dict[str, Any]) -> None:
     console = Console(record=True, width=200)
     console.print(render(f))  # renders too
     assert "cgn-ctl top" in console.export_text()
+
+
+EVIL = "n\x1b]0;pwned\x07\x1b[2J[red]x[/red]\u202eevil\nforged line"
+
+
+def _shown(renderable: Any) -> str:
+    """What a terminal would receive (colours off: rich adds no escape code of its own, so
+    any in the output came from the text)."""
+    console = Console(record=True, width=300, force_terminal=True, color_system=None)
+    with console.capture() as cap:
+        console.print(renderable)
+    return cap.get()
+
+
+def test_a_views_text_reaches_the_terminal_without_escapes_or_markup() -> None:
+    """cgn-metrics relays names from records: what top shows of them is the text itself."""
+    view = {**VIEW, "nodes": [{"node": EVIL, "state": EVIL}],
+            "replicas": [{"node": EVIL, "model": "smollm2", "state": "up"}],
+            "targets": [{"id": EVIL, "state": "down", "error": EVIL}],
+            "totals": {"energy_source": EVIL}}  # fmt: skip
+    out = _shown(render(frame(view, "http://m:9092/" + EVIL), EVIL))
+    assert "pwned" in out and "[red]x[/red]" in out  # shown as text: markup not read
+    for code in ("\x1b", "\x07", "\u202e", "\nforged"):
+        assert code not in out, repr(code)
+
+
+def test_a_fleet_answer_past_the_bound_is_refused_not_read_whole() -> None:
+    import http.server
+    import threading
+
+    from cgn_ctl.top import MAX_VIEW_BYTES, MetricsUnreachable, fetch
+
+    class Huge(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            chunk = b" " * (1 << 20)
+            try:
+                for _ in range(MAX_VIEW_BYTES // len(chunk) + 8):
+                    self.wfile.write(chunk)
+            except OSError:
+                pass  # the reader stopped: what this test wants
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Huge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(MetricsUnreachable, match="more than 16777216 bytes"):
+            fetch(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_forged_scaling_target_is_clamped_and_flagged() -> None:
+    from cgn_core.terminal import for_terminal
+    from cgn_ctl import render as ctl_render
+    from cgn_ctl.cluster_ops import _bounded
+
+    said = {"model": "m", "role": "", "desired": 4096, "current": 1, "direction": "up",
+            "reason": EVIL, "demand": 3.0, "capacity": None, "at_unix": 1.79e9,
+            "history": [{"desired": 4096, "current": 1, "direction": "up", "reason": "x",
+                         "at_unix": 1.79e9}]}  # fmt: skip
+    shown = _bounded(said, 1, 3)
+    assert shown["desired"] == 3 and shown["recorded_desired"] == 4096
+    assert shown["history"][0]["desired"] == 3
+    doc = {"model": "m", "pools": [{"role": "", "min": 1, "max": 3, "decision": shown}],
+           "policy": {"enabled": True, "utilization": 0.7, "hysteresis": 0.1,
+                      "up_cooldown_s": 30, "max_step_up": 2, "down_cooldown_s": 300,
+                      "stabilization_s": 300, "ttft_p90_ms": None, "itl_p90_ms": None}}  # fmt: skip
+    console = Console(record=True, width=300, force_terminal=True, color_system=None)
+    ctl_render.console, saved = console, ctl_render.console
+    try:
+        with console.capture() as cap:
+            ctl_render.explain_scaling(for_terminal(doc))  # as cgn-ctl's _emit hands it over
+    finally:
+        ctl_render.console = saved
+    out = cap.get()
+    assert "target 3" in out and "the record says 4096: out of bounds" in out
+    assert "\x1b" not in out and "\u202e" not in out and "[red]x[/red]" in out
