@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
 from cgn_core.kv.transfer import FIELD, TransferParams, parse_transfer_params
-from cgn_core.openai.request import sampling_fields, unsupported_fields
+from cgn_core.openai.request import refuse_unsupported, sampling_fields, unsupported_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.resume import Resume, parse_resume
 from cgn_core.openai.tools import NO_TOOLS, ToolFields, tool_fields
@@ -54,11 +54,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
     if unknown := unsupported_fields(kind, body):
-        raise InvalidRequest(
-            f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}",
-            code="unsupported_field",
-            param=unknown[0],
-        )
+        raise refuse_unsupported(unknown)
     f = sampling_fields(kind, body)
     tools = tool_fields(body) if kind == "chat" else NO_TOOLS
     if kind == "chat":

@@ -109,6 +109,21 @@ def unsupported_fields(kind: str, body: Mapping[str, Any]) -> list[str]:
     return sorted(str(k) for k in body if k not in known)
 
 
+NAMED_FIELDS = 8  # an error lists this many unsupported fields, then counts the rest
+
+
+def refuse_unsupported(unknown: list[str]) -> InvalidRequest:
+    """The 400 for a body's `unknown` fields: the first few named (each cut to 64
+    characters), the rest counted, so 10,000 of them cost an error line, not 150 KB."""
+    named = ", ".join(name[:64] for name in unknown[:NAMED_FIELDS])
+    more = f" and {len(unknown) - NAMED_FIELDS} more" if len(unknown) > NAMED_FIELDS else ""
+    return InvalidRequest(
+        f"unsupported field{'s' if len(unknown) > 1 else ''}: {named}{more}",
+        code="unsupported_field",
+        param=unknown[0][:64],
+    )
+
+
 def sampling_fields(kind: str, body: Mapping[str, Any]) -> SamplingFields:
     """Validate a chat (`kind="chat"`) or completion body's generation fields."""
     if _get(body, "n", int, 1) != 1:
@@ -140,7 +155,7 @@ def sampling_fields(kind: str, body: Mapping[str, Any]) -> SamplingFields:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: the most likely token, as OpenAI
-        top_k=int(_number(body, "top_k", 0, -1, 1 << 20)),
+        top_k=_int(body, "top_k", 0, -1, 1 << 20) or 0,  # 1.5 is refused, not truncated
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
