@@ -32,6 +32,7 @@ ConfigError that says so.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ class Tracer:
             return self.incoming({})
         if parent.trace_flags.sampled:
             return Incoming(True, ctx)
-        state = headers.get("tracestate") or ""
+        state = bounded_tracestate(headers.get("tracestate") or "")
         return Incoming(False, None, parent.trace_id, parent.span_id, state)
 
     def failed_root(
@@ -208,3 +209,26 @@ def failed(span: Any, error_type: str, message: str = "") -> None:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+TRACESTATE_MEMBERS = 32  # W3C trace context: a tracestate holds at most this many
+TRACESTATE_CHARS = 512  # and a propagator keeps at least this many characters of it
+_VALUE_CHAR = r"\x2d-\x3c\x3e-\x7e\x21-\x2b"  # printable, but not ',' or '=' (nor space)
+_MEMBER = re.compile(rf"[a-z0-9][a-z0-9_\-*/@]{{0,255}}=[ {_VALUE_CHAR}]{{0,255}}[{_VALUE_CHAR}]")
+
+
+def bounded_tracestate(value: str) -> str:
+    """A client's `tracestate`, as forwarded: its well-formed members, in order, at most 32 of
+    them and 512 characters (a client's 8 KB of it reached an engine, which refused the
+    request with its parser's text); what is dropped is what the spec lets a hop drop."""
+    kept: list[str] = []
+    size = 0
+    for raw in value.split(",", TRACESTATE_MEMBERS * 4)[: TRACESTATE_MEMBERS * 4]:
+        member = raw.strip(" \t")
+        if not member or not _MEMBER.fullmatch(member):
+            continue
+        if len(kept) == TRACESTATE_MEMBERS or size + len(member) + len(kept) > TRACESTATE_CHARS:
+            break
+        kept.append(member)
+        size += len(member)
+    return ",".join(kept)

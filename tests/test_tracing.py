@@ -248,3 +248,17 @@ def test_an_unreachable_collector_never_fails_or_holds_a_request(
         timeout_s=20,
     )
     assert dropped > 0
+
+
+def test_a_clients_tracestate_is_forwarded_only_as_the_spec_bounds_it() -> None:
+    """At most 32 well-formed members and 512 characters (8 KB of it reached an engine)."""
+    from cgn_core.tracing import TRACESTATE_CHARS, bounded_tracestate
+
+    assert bounded_tracestate("a=1, b@v=x y,bad key=1,c=,d=2") == "a=1,b@v=x y,d=2"
+    many = ",".join(f"k{i}=v" for i in range(100))
+    assert bounded_tracestate(many).count(",") == 31
+    huge = ",".join(f"k{i}={'v' * 200}" for i in range(40))
+    kept = bounded_tracestate(huge)
+    assert 0 < len(kept) <= TRACESTATE_CHARS and kept.count(",") == 1
+    assert bounded_tracestate("x=" + "v" * 9000) == ""
+    assert bounded_tracestate("a=\x1b[2J,b=ok\r\nX-Injected: 1") == ""
