@@ -84,8 +84,13 @@ def qwen_coder_05b(dest_dir: Path | None = None) -> Path:
 BUNDLED = {"smollm2": smollm2, "qwen2.5-coder-0.5b": qwen_coder_05b}
 
 
+def is_bundled(model: Path) -> bool:
+    """Whether `model` names a bundled model (and no file of that name)."""
+    return not model.exists() and str(model) in BUNDLED
+
+
 def resolve(model: Path) -> Path:
     """`model` itself if it names a file; a bundled model for the names in BUNDLED."""
-    if not model.exists() and str(model) in BUNDLED:
+    if is_bundled(model):
         return BUNDLED[str(model)]()
     return model

@@ -28,6 +28,7 @@ from pathlib import Path
 from aiohttp import web
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.http import Runner
 from cgn_core.kv.blockhash import BLOCK_SIZE
@@ -55,9 +56,13 @@ STREAMS_GRACE_S = 2.0
 
 
 def model_name(settings: InferSettings) -> str:
+    """The name clients ask for: `model_name`, a bundled model's own name, or the file's
+    stem (a bundled name's stem would cut "qwen2.5-coder-0.5b" at its first dot)."""
     if settings.model_name:
         return settings.model_name
-    return settings.model.stem if settings.model else "model"
+    if settings.model is None:
+        return "model"
+    return str(settings.model) if bundled_models.is_bundled(settings.model) else settings.model.stem
 
 
 @dataclass(slots=True)

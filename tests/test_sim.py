@@ -145,3 +145,14 @@ def test_a_pool_whose_bookkeeping_the_host_cannot_hold_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"needs 0\.0 GiB of host memory \(its blocks'"):
         check_pool_fits(settings, Modelled(), available=1 << 20)  # type: ignore[arg-type]
     check_pool_fits(settings, Modelled(), available=1 << 30)  # type: ignore[arg-type]
+
+
+def test_a_bundled_model_is_served_under_its_own_name(tmp_path: Path) -> None:
+    from cgn_infer.daemon import model_name
+
+    assert model_name(InferSettings(model=Path("qwen2.5-coder-0.5b"))) == "qwen2.5-coder-0.5b"
+    assert model_name(InferSettings(model=Path("smollm2"))) == "smollm2"
+    gguf = tmp_path / "my.model.q4.gguf"
+    gguf.write_bytes(b"")
+    assert model_name(InferSettings(model=gguf)) == "my.model.q4"
+    assert model_name(InferSettings(model=gguf, model_name="x")) == "x"
