@@ -150,7 +150,11 @@ class Proxy:
 
     def _post(self, call: Call) -> Awaitable[Response]:
         ep = call.endpoint
-        headers = {"Content-Type": "application/json", **bearer_header(ep.token)}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",  # the answer is relayed, parsed for usage and events
+            **bearer_header(ep.token),
+        }
         if call.request_id:
             headers["x-request-id"] = call.request_id
         if call.priority is not None:
@@ -174,6 +178,7 @@ class Proxy:
             late = "answer not complete in time"
             async with _phase(ep.id, total_at, "total_timeout", late):
                 with await post as resp:
+                    _identity(resp, ep.id)
                     call = _passed_on(call, resp)
                     if resp.status != 200:
                         return await self._refused(resp, call)
@@ -189,6 +194,7 @@ class Proxy:
             resp = await post
         call = _passed_on(call, resp)
         with resp:  # an unfinished body closes the connection: the engine stops generating
+            _identity(resp, ep.id)
             if resp.status != 200:
                 return await self._refused(resp, call)
             return await self._relay_stream(request, resp, call, first_at, total_at, lease)
@@ -201,6 +207,7 @@ class Proxy:
         total_at = asyncio.get_running_loop().time() + call.total_at - time.monotonic()
         async with _phase(ep.id, total_at, "total_timeout", "answer not complete in time"):
             with await self._post(call) as resp:
+                _identity(resp, ep.id)
                 body = await resp.read(MAX_EXCHANGE_BODY)
         if resp.status != 200:
             raise AttemptFailed(f"status_{resp.status}", f"{ep.id}: engine answered {resp.status}")
@@ -375,6 +382,16 @@ def _passed_on(call: Call, resp: Response) -> Call:
     if not extra:
         return call
     return dataclasses.replace(call, response_headers={**call.response_headers, **extra})
+
+
+def _identity(resp: Response, eid: str) -> None:
+    """AttemptFailed (tried elsewhere) for an answer in a content coding the router did not
+    accept: it could not read its usage or events, and relayed without its
+    Content-Encoding (the router relays no engine header but a few) it is garbage."""
+    coding = resp.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        why = f"{eid}: answered in {coding[:40]!r} coding, which was not accepted"
+        raise AttemptFailed("bad_answer", why)
 
 
 def _headers(call: Call, content_type: str | None, sse: bool = False) -> dict[str, str]:

@@ -220,8 +220,10 @@ def test_issue_reproductions_are_served(sim_url: str, extra: dict[str, object]) 
         ),
         ({"stream_options": {"include_usage": True}}, "only allowed when 'stream' is true"),
         ({"functions": [], "audio": {}}, "unsupported fields: audio, functions"),
-        ({f"x{i:05}": 1 for i in range(10_000)}, "x00000, x00001, x00002, x00003, x00004, "
-         "x00005, x00006, x00007 and 9992 more"),  # not 150 KB of names
+        (
+            {f"x{i:05}": 1 for i in range(10_000)},
+            "x00000, x00001, x00002, x00003, x00004, x00005, x00006, x00007 and 9992 more",
+        ),  # not 150 KB of names
         ({"top_k": 1.5}, "'top_k' must be int"),  # it was truncated to 1
         ({"tools": []}, "'tools' must be a non-empty list"),
         ({"logit_bias": {"x": 1}}, "'logit_bias' keys must be token ids"),

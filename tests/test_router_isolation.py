@@ -22,7 +22,7 @@ from harness.procs import Router, cgn_router, stop, wait_http_ok
 # headers it received.
 UPSTREAM = textwrap.dedent(
     """
-    import json, sys
+    import gzip, json, sys
     from aiohttp import web
 
     async def complete(request):
@@ -44,12 +44,18 @@ UPSTREAM = textwrap.dedent(
             await resp.write(chunk)
         return resp
 
+    async def gzipped(request):  # compresses though it was asked for identity only
+        body = gzip.compress(json.dumps({"object": "list", "data": [],
+                                         "asked": request.headers.get("Accept-Encoding")}).encode())
+        return web.Response(body=body, headers={"Content-Type": "application/json",
+                                                "Content-Encoding": "gzip"})
+
     async def health(request):
         return web.Response(text="ok")
 
     app = web.Application()
     app.add_routes([web.post("/v1/chat/completions", complete), web.get("/health", health),
-                    web.post("/v1/completions", huge)])
+                    web.post("/v1/completions", huge), web.post("/v1/embeddings", gzipped)])
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
     """
 )
@@ -108,3 +114,16 @@ def test_an_answer_over_max_response_bytes_is_cut_not_buffered(router: Router) -
                    .read_text().splitlines() if line.startswith("VmHWM:")))  # fmt: skip
     assert rss < 400 << 10, f"the router's peak RSS reached {rss} KiB"
     assert ask(router)[0].startswith("no-cookie")
+
+
+def test_an_answer_in_a_coding_the_router_did_not_accept_is_not_relayed(router: Router) -> None:
+    """The router asks for identity; a gzipped answer would reach the client without its
+    Content-Encoding (garbage), so it is a failed attempt (here the only engine: a 502)."""
+    body = json.dumps({"model": "m", "input": "hi"}).encode()
+    req = urllib.request.Request(router.url + "/v1/embeddings", body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    with refused.value as resp:
+        assert resp.code == 502
+        assert "answered in 'gzip' coding" in json.load(resp)["error"]["message"]
