@@ -3,6 +3,7 @@ are regular files of a bounded size."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -68,3 +69,47 @@ def read_regular(path: Path, max_bytes: int, *, follow_links: bool = True) -> by
     if len(data) > max_bytes:  # it grew while read
         raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes")
     return data
+
+
+MAX_LINK_HOPS = 40  # as the kernel's own limit on a path's symlinks
+
+
+def open_dir_safely(path: Path, mode: int = 0o700) -> int:
+    """A descriptor of the directory `path` (made, with `mode`, where it or a parent is
+    missing), reached one component at a time from "/": a symlink on the way is followed
+    only when root owns it (the system's own: /var/run -> /run), and the last component is
+    never one. So a link planted by another user in a world-writable directory (/dev/shm)
+    cannot move `path` elsewhere, at any depth. OSError(ELOOP) names such a link."""
+    parts = list(Path(os.path.abspath(path)).parts[1:])
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    hops = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=fd)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if not parts or st.st_uid != 0 or hops > MAX_LINK_HOPS:
+                    why = f"{name} is a symlink (owner uid {st.st_uid}), which is not followed"
+                    raise OSError(errno.ELOOP, why)
+                target = Path(os.readlink(name, dir_fd=fd))
+                if target.is_absolute():
+                    os.close(fd)
+                    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    parts = [*target.parts[1:], *parts]
+                else:
+                    parts = [*target.parts, *parts]
+                continue
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            inner = os.open(name, flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

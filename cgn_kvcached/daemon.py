@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.errors import ConfigError
+from cgn_core.files import open_dir_safely
 from cgn_core.http import Runner, bearer_middleware, error_middleware, serve_sse
 from cgn_core.kv.identity import StoreKeys, read_secret
 from cgn_core.kv.ram_tier import RamTier
@@ -42,17 +43,15 @@ def prepare_shm_dir(directory: Path | None) -> Path | None:
     """The shared-memory transfer directory, private to this user; None if unusable.
 
     NOTE: it usually lives in a sticky world-writable parent (/dev/shm) where anyone may
-    have planted its name first: it is created, or opened, without following a link, must
-    be a directory this user owns, and only then made 0700 (through the open descriptor)."""
+    have planted its name, or a parent's, first: it is created, or opened, one component at
+    a time following no link another user could have made (files.open_dir_safely), must be
+    a directory this user owns, and only then made 0700 (through the open descriptor)."""
     if directory is None:
         return None
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o700)
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_dir_safely(directory)
     except OSError as exc:
-        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        why = str(exc) if exc.errno == errno.ELOOP else exc.strerror
         log.warning("shared memory off: shm_dir %s: %s", directory, why)
         return None
     try:

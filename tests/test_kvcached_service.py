@@ -332,3 +332,26 @@ def test_the_shm_dir_is_never_taken_through_a_link_or_from_another_user(tmp_path
         theirs.mkdir()
         os.chown(theirs, 65534, 65534)
         assert prepare_shm_dir(theirs) is None
+        # a link planted by another user higher up the path is not followed either: only
+        # root's own links are (the system's layout)
+        planted = tmp_path / "planted"
+        planted.symlink_to(victim)
+        os.lchown(planted, 65534, 65534)
+        assert prepare_shm_dir(planted / "kv") is None and not (victim / "kv").exists()
+        system = tmp_path / "system"
+        system.symlink_to(victim)  # root's
+        assert prepare_shm_dir(system / "kv") == system / "kv" and (victim / "kv").is_dir()
+
+
+def test_a_secret_that_is_not_random_is_refused(tmp_path: Path) -> None:
+    from cgn_core.errors import ConfigError
+    from cgn_core.kv.identity import SECRET_BYTES, read_secret
+
+    for weak in (bytes(SECRET_BYTES), b"\xab" * SECRET_BYTES, bytes(range(4)) * 8):
+        path = tmp_path / "secret"
+        path.write_text(weak.hex())
+        path.chmod(0o600)
+        with pytest.raises(ConfigError, match="not a random secret"):
+            read_secret(path)
+    path.write_text(os.urandom(SECRET_BYTES).hex())
+    assert len(read_secret(path)) == SECRET_BYTES

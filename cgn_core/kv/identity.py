@@ -31,6 +31,9 @@ from cgn_core.errors import ConfigError
 from cgn_core.files import open_regular
 
 SECRET_BYTES = 32
+# 32 random bytes hold fewer than 8 distinct values with odds below 1e-40: a secret that
+# does was not drawn at random
+MIN_DISTINCT_BYTES = 8
 AUTH_HEADER = "authorization"
 
 
@@ -93,6 +96,11 @@ def read_secret(path: Path) -> bytes:
         secret = b""
     if len(secret) != SECRET_BYTES:
         raise ConfigError(f"secret_file {path}: expected {2 * SECRET_BYTES} hex digits")
+    if len(set(secret)) < MIN_DISTINCT_BYTES:  # all zeros, a repeated byte: not a secret
+        raise ConfigError(
+            f"secret_file {path}: not a random secret ({len(set(secret))} distinct bytes); "
+            "delete it and the agent (or cgn-ctl up) makes one"
+        )
     return secret
 
 
