@@ -10,6 +10,10 @@ Deadlines (`deadlines.*`): connect; first token (request sent → first event
 of a stream, or the whole answer of a non-streaming request, bounded by the
 total); idle (between two streamed events); total. A client that goes away
 closes the upstream connection, which cancels the generation on the engine.
+A stream that goes idle past its deadline is evidence that its engine
+stalled (stopped, frozen): the requests that still wait for their first byte
+from that engine fail at once as `stalled` (`FirstWaits`) and are tried
+elsewhere, instead of each waiting out its first-token deadline.
 
 Migration (cgn_core/openai/resume.py): a stream to an engine that can continue
 another's answer (`Call.track`) asks it for the token ids it produces and keeps
@@ -140,6 +144,45 @@ class FirstByte(Protocol):
         ...
 
 
+class FirstWaits:
+    """The attempts waiting for an endpoint's first byte (or, unstreamed, its whole answer),
+    each by its deadline's `asyncio.Timeout`, so that a stall seen on one of the endpoint's
+    streams ends them all at once (`stalled`)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        self._stalled: set[asyncio.Timeout] = set()
+
+    @contextlib.asynccontextmanager
+    async def first(self, eid: str, deadline: float, cause: str, late: str) -> AsyncIterator[None]:
+        """`_phase`, ended early (AttemptFailed "stalled") when `stall(eid)` is called."""
+        timeout = asyncio.timeout_at(deadline)
+        waiting = self._waiting.setdefault(eid, set())
+        waiting.add(timeout)
+        try:
+            async with _phase(eid, timeout, cause, late):
+                yield
+        except AttemptFailed:
+            if timeout in self._stalled:
+                why = f"{eid}: the engine stalled (a stream on it was silent past idle_s)"
+                raise AttemptFailed("stalled", why) from None
+            raise
+        finally:
+            waiting.discard(timeout)
+            self._stalled.discard(timeout)
+            if not waiting:
+                self._waiting.pop(eid, None)
+
+    def stall(self, eid: str) -> int:
+        """End every wait on `eid` now; how many there were."""
+        waiting = self._waiting.get(eid, ())
+        now = asyncio.get_running_loop().time()
+        for timeout in waiting:
+            self._stalled.add(timeout)
+            timeout.reschedule(now)
+        return len(waiting)
+
+
 class Proxy:
     def __init__(
         self, upstream: Upstream, deadlines: DeadlineSettings, max_response_bytes: int = 64 << 20
@@ -147,6 +190,7 @@ class Proxy:
         self.max_response_bytes = max_response_bytes
         self.upstream = upstream
         self.deadlines = deadlines
+        self.waits = FirstWaits()
 
     def _post(self, call: Call) -> Awaitable[Response]:
         ep = call.endpoint
@@ -176,7 +220,7 @@ class Proxy:
         post = self._post(call)
         if not call.stream:  # one deadline for the whole answer
             late = "answer not complete in time"
-            async with _phase(ep.id, total_at, "total_timeout", late):
+            async with self.waits.first(ep.id, total_at, "total_timeout", late):
                 with await post as resp:
                     _identity(resp, ep.id)
                     call = _passed_on(call, resp)
@@ -190,7 +234,7 @@ class Proxy:
             lease.first_byte(time.monotonic())
             return self._relay_body(body, resp.content_type, call)
         first_at = min(total_at, now + d.first_token_s)
-        async with _phase(ep.id, first_at, "first_token_timeout", "no answer in time"):
+        async with self.waits.first(ep.id, first_at, "first_token_timeout", "no answer in time"):
             resp = await post
         call = _passed_on(call, resp)
         with resp:  # an unfinished body closes the connection: the engine stops generating
@@ -205,7 +249,9 @@ class Proxy:
         timeout, an answer other than 200 or a body that is not a JSON object."""
         ep = call.endpoint
         total_at = asyncio.get_running_loop().time() + call.total_at - time.monotonic()
-        async with _phase(ep.id, total_at, "total_timeout", "answer not complete in time"):
+        async with self.waits.first(
+            ep.id, total_at, "total_timeout", "answer not complete in time"
+        ):
             with await self._post(call) as resp:
                 _identity(resp, ep.id)
                 body = await resp.read(MAX_EXCHANGE_BODY)
@@ -252,7 +298,8 @@ class Proxy:
     ) -> Relayed:
         eid = call.endpoint.id
         loop = asyncio.get_running_loop()
-        async with _phase(eid, first_at, "first_token_timeout", "no first token in time"):
+        late = "no first token in time"
+        async with self.waits.first(eid, first_at, "first_token_timeout", late):
             event = await _next_event(resp)
         if event is None:
             raise AttemptFailed("disconnect", f"{eid}: stream ended before the first event")
@@ -290,6 +337,8 @@ class Proxy:
                     pending = await _next_event(resp)
             except TimeoutError:
                 cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
+                if cause == "idle_timeout" and (moved := self.waits.stall(eid)):
+                    log.warning("%s stalled: %d request(s) waiting on it move", eid, moved)
                 msg = f"{eid}: the stream stalled ({cause})"
                 return await self._broken(out, progress, usage, cause, msg)
             except UpstreamError as exc:
@@ -403,10 +452,14 @@ def _headers(call: Call, content_type: str | None, sse: bool = False) -> dict[st
 
 
 @contextlib.asynccontextmanager
-async def _phase(eid: str, deadline: float, timeout_cause: str, late: str) -> AsyncIterator[None]:
-    """Bound one upstream step by `deadline`; its failures become `AttemptFailed`."""
+async def _phase(
+    eid: str, deadline: float | asyncio.Timeout, timeout_cause: str, late: str
+) -> AsyncIterator[None]:
+    """Bound one upstream step by `deadline` (a loop time, or a Timeout made for it); its
+    failures become `AttemptFailed`."""
+    timeout = deadline if isinstance(deadline, asyncio.Timeout) else asyncio.timeout_at(deadline)
     try:
-        async with asyncio.timeout_at(deadline):
+        async with timeout:
             yield
     except TimeoutError:
         raise AttemptFailed(timeout_cause, f"{eid}: {late}", timeout=True) from None

@@ -73,3 +73,54 @@ def test_a_stalled_stream_ends_with_an_idle_timeout_event(slow_router: Router) -
         events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
     last = json.loads(events[-1][6:])
     assert last["error"]["code"] == "idle_timeout" and b"data: [DONE]" not in events
+
+
+def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
+    """SIGSTOP of an engine: its running streams go idle and move after idle_s; the requests
+    queued on it (no first byte yet, bounded by first_token_s) move with them, at once,
+    instead of waiting out the stall. Every stream completes while it is still stopped."""
+    import os
+    import signal
+    import tempfile
+    import threading
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from harness.metrics import metric
+    from harness.procs import cgn_infer_engines
+
+    tmp = Path(tempfile.mkdtemp(prefix="stall-"))
+    sim = ("--backend", "sim", "--speed", "10", "--model-name", MODEL, "--max-batch", "1")
+    with cgn_infer_engines(tmp, 2, *sim) as engines:
+        endpoints = {f"e{i}": {"url": e.url, "model": MODEL} for i, e in enumerate(engines)}
+        config = {"discovery": "static", "endpoints": endpoints, "breaker": {"failures": 100},
+                  "deadlines": {"idle_s": 1.0, "first_token_s": 60.0}}  # fmt: skip
+        with cgn_router(tmp, config) as router:
+            done: list[float] = []
+
+            def stream(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 120,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                with httpx.stream("POST", router.url + "/v1/completions", json=body,
+                                  timeout=60) as resp:  # fmt: skip
+                    text = resp.read()
+                assert resp.status_code == 200 and b"data: [DONE]" in text, text[-300:]
+                done.append(time.monotonic())
+
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # each engine runs one stream and queues the others
+            os.kill(engines[0].proc.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                for t in threads:
+                    t.join(timeout=40)
+                still_stopped = time.monotonic()
+            finally:
+                os.kill(engines[0].proc.pid, signal.SIGCONT)
+            assert len(done) == 6 and max(done) <= still_stopped
+            assert max(done) - stopped < 30  # the stall itself would never end
+            assert metric(router.admin, "cgn_router_errors_total", cause="stalled") >= 1
