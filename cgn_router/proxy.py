@@ -43,7 +43,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -150,37 +150,61 @@ class FirstWaits:
     streams ends them all at once (`stalled`)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, set[asyncio.Timeout]] = {}
-        self._stalled: set[asyncio.Timeout] = set()
+        self.waiting: dict[str, set[asyncio.Timeout]] = {}
+        self.stalled: set[asyncio.Timeout] = set()
 
-    @contextlib.asynccontextmanager
-    async def first(self, eid: str, deadline: float, cause: str, late: str) -> AsyncIterator[None]:
-        """`_phase`, ended early (AttemptFailed "stalled") when `stall(eid)` is called."""
-        timeout = asyncio.timeout_at(deadline)
-        waiting = self._waiting.setdefault(eid, set())
-        waiting.add(timeout)
-        try:
-            async with _phase(eid, timeout, cause, late):
-                yield
-        except AttemptFailed:
-            if timeout in self._stalled:
-                why = f"{eid}: the engine stalled (a stream on it was silent past idle_s)"
-                raise AttemptFailed("stalled", why) from None
-            raise
-        finally:
-            waiting.discard(timeout)
-            self._stalled.discard(timeout)
-            if not waiting:
-                self._waiting.pop(eid, None)
+    def first(self, eid: str, deadline: float, cause: str, late: str) -> Deadline:
+        """A step bounded by `deadline` that `stall(eid)` ends early."""
+        return Deadline(eid, deadline, cause, late, self)
 
     def stall(self, eid: str) -> int:
         """End every wait on `eid` now; how many there were."""
-        waiting = self._waiting.get(eid, ())
+        waiting = self.waiting.get(eid, ())
         now = asyncio.get_running_loop().time()
         for timeout in waiting:
-            self._stalled.add(timeout)
+            self.stalled.add(timeout)
             timeout.reschedule(now)
         return len(waiting)
+
+
+class Deadline:
+    """One upstream step bounded by a deadline (a loop time), as `async with`: its failures
+    become AttemptFailed (`timeout_cause` past the deadline; `stalled` when its endpoint's
+    FirstWaits says so; connect or disconnect for the upstream's errors)."""
+
+    __slots__ = ("cause", "eid", "late", "timeout", "waits")
+
+    def __init__(
+        self, eid: str, deadline: float, cause: str, late: str, waits: FirstWaits | None = None
+    ):
+        self.eid, self.cause, self.late, self.waits = eid, cause, late, waits
+        self.timeout = asyncio.timeout_at(deadline)
+
+    async def __aenter__(self) -> None:
+        if self.waits is not None:
+            self.waits.waiting.setdefault(self.eid, set()).add(self.timeout)
+        await self.timeout.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: Any, tb: Any) -> None:
+        eid, waits, timeout = self.eid, self.waits, self.timeout
+        try:
+            await timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            if waits is not None and timeout in waits.stalled:
+                why = f"{eid}: the engine stalled (a stream on it was silent past idle_s)"
+                raise AttemptFailed("stalled", why) from None
+            raise AttemptFailed(self.cause, f"{eid}: {self.late}", timeout=True) from None
+        finally:
+            if waits is not None:
+                waiting = waits.waiting.get(eid)
+                if waiting is not None:
+                    waiting.discard(timeout)
+                    if not waiting:
+                        del waits.waiting[eid]
+                waits.stalled.discard(timeout)
+        if kind is not None and issubclass(kind, UpstreamError):
+            cause = "connect" if issubclass(kind, ConnectFailed) else "disconnect"
+            raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
 class Proxy:
@@ -449,23 +473,6 @@ def _headers(call: Call, content_type: str | None, sse: bool = False) -> dict[st
     headers["x-cognitora-endpoint"] = call.endpoint.id
     headers.update(call.response_headers)
     return headers
-
-
-@contextlib.asynccontextmanager
-async def _phase(
-    eid: str, deadline: float | asyncio.Timeout, timeout_cause: str, late: str
-) -> AsyncIterator[None]:
-    """Bound one upstream step by `deadline` (a loop time, or a Timeout made for it); its
-    failures become `AttemptFailed`."""
-    timeout = deadline if isinstance(deadline, asyncio.Timeout) else asyncio.timeout_at(deadline)
-    try:
-        async with timeout:
-            yield
-    except TimeoutError:
-        raise AttemptFailed(timeout_cause, f"{eid}: {late}", timeout=True) from None
-    except UpstreamError as exc:
-        cause = "connect" if isinstance(exc, ConnectFailed) else "disconnect"
-        raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
 async def _next_event(resp: Response) -> bytes | None:
