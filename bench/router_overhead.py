@@ -1,6 +1,7 @@
 """What the router adds: latency at concurrency 1, throughput at 64, direct vs routed, one run.
 
     .venv/bin/python bench/router_overhead.py [--requests 2000] [--seconds 8] [--base REF]
+                                              [--rounds N]
 
 Upstreams: a fake engine that answers at once (bench/fake_engine.py), and a
 real cgn-infer sim engine (--speed 1000, one output token). The router runs
@@ -15,7 +16,10 @@ generator share CPU 1, so the router's throughput is measured on one core.
 
 With `--base REF` the router of that commit (a git worktree) is measured too,
 against the same upstreams in the same run, one router after the other:
-before and after a change, side by side.
+before and after a change, side by side. With `--rounds N` (N > 1) the fake
+upstream's scenario runs N times, the routers alternating, and the table
+gives each router's median and range of requests/s per router core (what a
+shared 2-core machine varies by between minutes, ±15 %, is then visible).
 
 Results: bench/results/router_overhead.{json,md}.
 """
@@ -169,6 +173,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000, help="sequential requests per side at c=1")
     p.add_argument("--seconds", type=int, default=8, help="wrk duration per side at c=64")
     p.add_argument("--base", help="also measure the router of this commit (before/after)")
+    p.add_argument("--rounds", type=int, default=1, help="fake-upstream rounds, alternating")
     args = p.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
@@ -179,10 +184,12 @@ def main() -> None:
         port = free_port()
         fake = pinned(CLIENT_CPU, [sys.executable, str(REPO / "bench/fake_engine.py"), str(port)])
         with http_process(fake, f"http://127.0.0.1:{port}/health"):
-            for label, src in trees.items():
-                results["fake_upstream" + label] = scenario(
-                    "fake" + label, f"http://127.0.0.1:{port}", "fake", "vllm", args, tmp, src
-                )
+            for round_ in range(args.rounds):
+                for label, src in trees.items():
+                    key = "fake_upstream" + label + (f" #{round_ + 1}" if args.rounds > 1 else "")
+                    results[key] = scenario(
+                        "fake" + label, f"http://127.0.0.1:{port}", "fake", "vllm", args, tmp, src
+                    )
         port = free_port()
         sim = pinned(CLIENT_CPU, [str(BIN / "cgn-infer"), "serve", "--model", str(smollm2()), "--backend", "sim",
                                   "--speed", "1000", "--port", str(port), "--model-name", "sim",
@@ -222,6 +229,24 @@ def render(r: dict[str, Any]) -> str:
             f"| {name} | {c1['direct_p50_ms']} / {c1['direct_p99_ms']} | {c1['routed_p50_ms']} / "
             f"{c1['routed_p99_ms']} | {c1['added_p50_ms']} / {c1['added_p99_ms']} | {tail} |"
         )
+    rounds: dict[str, list[int]] = {}
+    for name, s in r.items():
+        if " #" in name and isinstance(s["c64"], dict):
+            rounds.setdefault(name.split(" #")[0], []).append(
+                s["c64"]["routed_req_s_per_router_core"]
+            )
+    if rounds:
+        lines += ["", "| router | rounds | req/s per router core: median | min | max |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        paired = list(rounds.values())
+        for name, rates in rounds.items():
+            ordered = sorted(rates)
+            lines.append(f"| {name} | {len(rates)} | {ordered[len(rates) // 2]} | {ordered[0]} | "
+                         f"{ordered[-1]} |")  # fmt: skip
+        if len(paired) == 2:  # --base: each round's routers ran back to back
+            ratios = sorted(round(b / a, 2) for a, b in zip(*paired, strict=True))
+            lines += ["", f"This tree / the base, round by round (sorted): {ratios}; median "
+                          f"{ratios[len(ratios) // 2]}."]  # fmt: skip
     lines += [
         "",
         "Router pinned to CPU 0; upstream and load generator (wrk, or the c=1 client) on CPU 1.",

@@ -296,8 +296,10 @@ def cgn_router(
     argv = [*exe, "serve", "--port", "0", "--admin-port", "0",
             "--config", str(cfg), "--ready-file", str(ready), *args]  # fmt: skip
     with (tmp / f"{cfg.stem}.log").open("wb") as log:
+        # NOTE: from `src` (its workers run `python -m cgn_router.worker`, which imports from
+        # the current folder first)
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=src
         )
     try:
         ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
