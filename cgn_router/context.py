@@ -9,7 +9,6 @@ from typing import Any
 
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.prompts import HashedPrompt
-from cgn_router.trace import RequestTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +30,6 @@ class RequestContext:
     prompt: HashedPrompt  # for chain[0]
     response_headers: Mapping[str, str]  # e.g. x-cgn-queue-ms
     request_id: str  # the client's x-request-id, when it is a clean header value
-    trace: RequestTrace = RequestTrace.OFF  # its spans (tracing on)
 
     @property
     def model(self) -> str:

@@ -43,6 +43,7 @@ from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
 from cgn_router.kv_index import PrefixIndex, TierIndex
+from cgn_router.lifecycle import Observer
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
@@ -66,10 +67,14 @@ MAX_METRICS_PAGE = 4 << 20  # an engine's /metrics beyond this is cut (vLLM's is
 
 
 def build_service(
-    settings: RouterSettings, upstream: Upstream, worker: WorkerRole | None = None
+    settings: RouterSettings,
+    upstream: Upstream,
+    worker: WorkerRole | None = None,
+    observers: tuple[Observer, ...] = (),
 ) -> RouterService:
     """Every object the router runs on, from its settings (no I/O); a worker of several
-    counts with the others (shared.py) and has its share of the index's memory budget."""
+    counts with the others (shared.py) and has its share of the index's memory budget.
+    `observers` see every request's records besides the metrics and load signals."""
     r = settings.routing
     workers = worker.count if worker else 1
     try:
@@ -94,6 +99,7 @@ def build_service(
         limiter=Limiter(shared=SharedUsage(worker.usage_fd, worker.count, worker.index))
         if worker
         else Limiter(),
+        observers=observers,
     )
     metrics.watch_scaling(lambda: svc.control)
     if settings.admission.enabled:

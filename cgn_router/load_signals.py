@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cgn_control.scaling import ReplicaLoad, Signals
+from cgn_router.lifecycle import AttemptEnded, Record, Unrouted
 from cgn_router.registry import Registry
 
 WINDOW_S = 60.0  # latencies and unrouted requests count for this long
@@ -92,3 +93,19 @@ class LoadSignals:
             ttft_p90_s=self.ttft.p90(now),
             waiting_at_router=self.unrouted.counts(now),
         )
+
+
+class LoadObserver:
+    """What the autoscaler learns from every request's records (cgn_router/lifecycle.py): the
+    time to each client's first byte, per model (its SLO signal), and the requests no
+    replica existed for."""
+
+    def __init__(self, load: LoadSignals):
+        self.load = load
+
+    def observe(self, record: Record) -> None:
+        if isinstance(record, AttemptEnded):
+            if record.first_byte_s is not None and record.leg == "client":
+                self.load.ttft.add(record.model, record.first_byte_s)
+        elif isinstance(record, Unrouted):
+            self.load.unrouted.add(record.model, 1.0)

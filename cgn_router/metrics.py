@@ -1,20 +1,33 @@
-"""cgn-router's Prometheus metrics (one CollectorRegistry per router, no globals)."""
+"""cgn-router's Prometheus metrics (one CollectorRegistry per router, no globals), and the
+observer that counts every request's records in them (cgn_router/lifecycle.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cgn_router.registry import Outcome, Registry
+from cgn_router.lifecycle import (
+    AttemptEnded,
+    Ended,
+    Fallback,
+    Hashed,
+    Migrated,
+    PdDecided,
+    PdFallback,
+    Record,
+    Refused,
+    Retried,
+    Routed,
+)
+from cgn_router.registry import Registry
 
 if TYPE_CHECKING:
     from cgn_control.loop import ControlState
-    from cgn_router.proxy import Relayed
 
 M = TypeVar("M", Counter, Histogram, Gauge)
 # Gauges that are each worker's view of one fleet, not a share of the router's work: with
@@ -179,38 +192,6 @@ class RouterMetrics:
             "reason",
         )
 
-    def attempt_ended(
-        self,
-        model: str,
-        outcome: Outcome,
-        started: float,
-        first_byte_at: float | None,
-        relayed: Relayed | None,
-        predicted: int = 0,
-    ) -> None:
-        """Count an attempt that answered the client (a failed one is counted by its cause;
-        a broken stream by its cause, its request once it is continued or ended);
-        `first_byte_at`: when the client's first byte went out, if this attempt sent it."""
-        if outcome in ("failed", "busy"):
-            return
-        if first_byte_at is not None:
-            self.ttft.labels(model).observe(first_byte_at - started)
-        if relayed is not None and relayed.cause:
-            self.errors.labels(relayed.cause).inc()
-        if relayed is not None and relayed.broken is not None:
-            return
-        self.request_ended(model, outcome, started)
-        if relayed is not None and (u := relayed.usage) is not None:
-            self.tokens.labels(model, "prompt").inc(u.prompt_tokens)
-            self.tokens.labels(model, "completion").inc(u.completion_tokens)
-            self.prompt_tokens_routed.labels(model).inc(u.prompt_tokens)
-            self.prefix_predicted.labels(model).inc(predicted)
-            self.prefix_reported.labels(model).inc(u.cached_tokens)
-
-    def request_ended(self, model: str, outcome: str, started: float) -> None:
-        self.requests.labels(model, outcome).inc()
-        self.latency.labels(model).observe(time.monotonic() - started)
-
     def watch(self, endpoints: Registry) -> None:
         """Export per-endpoint live state at scrape time."""
         self.registry.register(_EndpointCollector(endpoints))
@@ -218,6 +199,70 @@ class RouterMetrics:
     def watch_scaling(self, control: Callable[[], ControlState | None]) -> None:
         """Export the autoscaler's targets (on the router leading the reconciler)."""
         self.registry.register(_ScalingCollector(control))
+
+
+class MetricsObserver:
+    """Every request's records (cgn_router/lifecycle.py) as the router's metrics."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.m = m = metrics
+        # NOTE: one table lookup a record (records this observer ignores cost no more)
+        self._on: dict[type, Callable[[Any], None]] = {
+            AttemptEnded: self._attempt,
+            Ended: self._ended,
+            Routed: self._routed,
+            Refused: lambda r: m.admission_rejections.labels(r.band, r.reason).inc(),
+            Hashed: lambda r: m.hashed.labels(r.model, r.method).inc(),
+            Retried: lambda r: m.retries.labels(r.model).inc(),
+            Fallback: lambda r: m.fallbacks.labels(r.model, r.served).inc(),
+            Migrated: lambda r: m.migrations.labels(r.model, r.cause, r.result).inc(),
+            PdDecided: lambda r: m.pd_decisions.labels(r.model, r.reason).inc(),
+            PdFallback: lambda r: m.pd_fallbacks.labels(r.reason).inc(),
+        }
+
+    def observe(self, record: Record) -> None:
+        handler = self._on.get(type(record))
+        if handler is not None:
+            handler(record)
+
+    def _ended(self, r: Ended) -> None:
+        if r.outcome:  # routing was tried: a request of the model, however it ended
+            self.m.requests.labels(r.model, r.outcome).inc()
+            self.m.latency.labels(r.model).observe(r.seconds)
+            if r.outcome == "no_endpoint":
+                self.m.errors.labels("no_endpoint").inc()
+
+    def _attempt(self, r: AttemptEnded) -> None:
+        """A failed attempt counts its cause; one that answered, its TTFT (when it sent the
+        client's first byte), a broken stream's cause, and the engine's usage (its request
+        counts once it ends: Ended)."""
+        if r.leg != "client":  # a prefill leg's failure is its PdFallback
+            return
+        m, model = self.m, r.model
+        if r.outcome in ("failed", "busy"):
+            m.errors.labels(r.cause).inc()
+            return
+        if r.first_byte_s is not None:
+            m.ttft.labels(model).observe(r.first_byte_s)
+        if r.cause:
+            m.errors.labels(r.cause).inc()
+        if r.broken or (u := r.usage) is None:
+            return
+        m.tokens.labels(model, "prompt").inc(u.prompt_tokens)
+        m.tokens.labels(model, "completion").inc(u.completion_tokens)
+        m.prompt_tokens_routed.labels(model).inc(u.prompt_tokens)
+        m.prefix_predicted.labels(model).inc(r.predicted)
+        m.prefix_reported.labels(model).inc(u.cached_tokens)
+
+    def _routed(self, r: Routed) -> None:
+        m, decision = self.m, r.decision
+        for name, n in decision.dropped.items():
+            m.filter_drops.labels(name).inc(n)
+        if decision.chosen is not None:
+            for scorer, values in decision.scores.items():
+                m.scores.labels(scorer).observe(values[decision.chosen])
+            if decision.saturated:
+                m.saturated.labels(r.model).inc(decision.saturated)
 
 
 class _EndpointCollector(Collector):

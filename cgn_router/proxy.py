@@ -52,7 +52,7 @@ from cgn_core.http import PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
 from cgn_router.settings import DeadlineSettings
-from cgn_router.types import Endpoint
+from cgn_router.types import Endpoint, Usage
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,6 @@ class AttemptFailed(Exception):
     def __init__(self, cause: str, message: str, *, timeout: bool = False, breaker: bool = True):
         super().__init__(message)
         self.cause, self.message, self.timeout, self.breaker = cause, message, timeout, breaker
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,16 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.records import Efficiency, fresh_efficiency
 from cgn_router.breaker import Breaker
 from cgn_router.kv_index import PrefixIndex, TierIndex
-from cgn_router.plugins.load import queue_length
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.shared import SharedLoad
-from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
+from cgn_router.types import (
+    Endpoint,
+    EndpointId,
+    EndpointView,
+    EngineLoad,
+    RequestInfo,
+    queue_length,
+)
 
 
 @dataclass(slots=True)

@@ -5,21 +5,23 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cgn_control.loop import ControlState
-from cgn_core.errors import Unauthorized
 from cgn_core.revocation import RevocationList
 from cgn_core.tracing import Tracer
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.chain import Decision, RoutingChain
 from cgn_router.gate import Gate
-from cgn_router.load_signals import LoadSignals
-from cgn_router.metrics import RouterMetrics
+from cgn_router.lifecycle import Account, Observer
+from cgn_router.load_signals import LoadObserver, LoadSignals
+from cgn_router.metrics import MetricsObserver, RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import Registry
 from cgn_router.settings import RouterSettings
+from cgn_router.trace import RequestTrace
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
 
 # Engines that continue another engine's stream from token ids (cgn_core/openai/resume.py).
@@ -51,22 +53,28 @@ class RouterService:
     tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
     created: int = field(default_factory=lambda: int(time.time()))
+    # Who observes every request's records besides the metrics and the load signals (tests)
+    observers: tuple[Observer, ...] = ()
     load: LoadSignals = field(init=False)  # what the autoscaler reads (cgn_router/load_signals)
 
     def __post_init__(self) -> None:
         self.load = LoadSignals(self.registry)
+        self.observers = (MetricsObserver(self.metrics), LoadObserver(self.load), *self.observers)
+
+    def account(self, kind: str, headers: Mapping[str, str]) -> Account:
+        """A new request's account (cgn_router/lifecycle.py): the service's observers, and
+        the request's trace when tracing is on."""
+        if self.tracer is None:
+            return Account(self.observers)
+        return Account((*self.observers, RequestTrace.start(self.tracer, kind, headers)))
 
     def principal(self, authorization: str | None) -> Principal:
         """Who is asking (from the request's Authorization header): the API key's principal,
-        or the anonymous one while auth is off."""
+        or the anonymous one while auth is off. Unauthorized otherwise."""
         auth = self.settings.auth
         if not auth.enabled:
             return Principal("", auth.anonymous_tenant, auth.anonymous_band)
-        try:
-            return self.keys.authenticate(authorization)
-        except Unauthorized:
-            self.metrics.admission_rejections.labels("-", "unauthorized").inc()
-            raise
+        return self.keys.authenticate(authorization)
 
     def known_models(self) -> dict[str, str]:
         """Every name a client may use → the model it means (catalog and registry)."""
@@ -105,7 +113,7 @@ class RouterService:
         return {eid for eid, st in peers.items() if st.endpoint.engine not in RESUMABLE_ENGINES}
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
-        """The chain's decision over the live registry, counted in the metrics.
+        """The chain's decision over the live registry (the request path emits it: Routed).
 
         A model with more than SHORT_LIST endpoints is scored over a short list first
         (`Registry.views`); when the filters leave none of it, over all of them."""
@@ -116,11 +124,4 @@ class RouterService:
         decision = self.chain.route(req, views, self.rng)
         if decision.chosen is None and picks is not None:
             decision = self.chain.route(req, self.registry.views(req, now, tried), self.rng)
-        for name, n in decision.dropped.items():
-            self.metrics.filter_drops.labels(name).inc(n)
-        if decision.chosen is not None:
-            for scorer, values in decision.scores.items():
-                self.metrics.scores.labels(scorer).observe(values[decision.chosen])
-            if decision.saturated:
-                self.metrics.saturated.labels(req.model).inc(decision.saturated)
         return decision

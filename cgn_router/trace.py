@@ -13,9 +13,11 @@ Attributes follow OpenTelemetry's `gen_ai.*` conventions where they apply
 (operation, request and response model, usage, time to first token). Never
 recorded: the API key, the prompt, the answer.
 
-`RequestTrace.OFF` stands in when tracing is off: every method is a no-op,
-so the request path calls them without asking. An unsampled request makes no
-spans; only its root, if it fails (cgn_core/tracing.py, "Sampling").
+A request's trace is one of its observers (cgn_router/lifecycle.py): it
+makes its spans from the request's records, and answers an attempt's start
+with the headers that carry the trace to the engine. With tracing off a
+request has no trace observer at all. An unsampled request makes no spans;
+only its root, if it fails (cgn_core/tracing.py, "Sampling").
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from typing import Any
 
 from cgn_core.tracing import Incoming, Tracer, failed, now_ns
 from cgn_router.chain import Decision
+from cgn_router.lifecycle import (
+    Admitted,
+    Asked,
+    AttemptEnded,
+    AttemptStarted,
+    Ended,
+    Record,
+    Routed,
+)
 
 OPERATIONS = {"chat": "chat", "completion": "text_completion", "embeddings": "embeddings"}
 
@@ -48,9 +59,36 @@ class RequestTrace:
             return _Sampled(tracer, incoming.context, operation)
         return _Unsampled(tracer, incoming, operation)
 
-    def clock(self) -> int:
-        """Now, in ns since the epoch, where spans are made (0 where they are not)."""
-        return 0
+    def observe(self, record: Record) -> Mapping[str, str] | None:
+        """One of the request's records as its spans; an attempt's start is answered with the
+        headers that carry the trace upstream."""
+        match record:
+            case AttemptStarted():
+                return self._attempt_started(record)
+            case AttemptEnded():
+                self._attempt_ended(record)
+                if record.leg == "client":
+                    self.served(record.model, record.first_byte_s)
+            case Routed():
+                self.routed(record.decision, record.role, record.weights, record.took_ns)
+            case Asked():
+                self.asked(record.asked, record.tenant, record.band, record.key_id)
+            case Admitted():
+                self.admitted(record.waited_s)
+            case Ended():
+                u = record.usage
+                self.finish(
+                    record.status,
+                    None if u is None else (u.prompt_tokens, u.completion_tokens),
+                    record.error,
+                )
+        return None
+
+    def _attempt_started(self, record: AttemptStarted) -> Mapping[str, str] | None:
+        return self.upstream(record.name, record.endpoint, record.url)[1]
+
+    def _attempt_ended(self, record: AttemptEnded) -> None:
+        pass
 
     def asked(self, model: str, tenant: str, band: str, key_id: str) -> None:
         """What the body asked for, and who asked (never the key itself)."""
@@ -75,10 +113,10 @@ class RequestTrace:
         """The admission span: the time the request queued (ending now)."""
 
     def routed(
-        self, decision: Decision, role: str, weights: Mapping[str, float], started_ns: int
+        self, decision: Decision, role: str, weights: Mapping[str, float], took_ns: int
     ) -> None:
         """The route span: what the chain saw and chose for a replica of `role` (both,
-        prefill, decode), from `started_ns` to now."""
+        prefill, decode), in the `took_ns` before now."""
 
     def upstream(self, name: str, endpoint: str, url: str) -> tuple[Any, dict[str, str] | None]:
         """A started CLIENT span for a call to an engine (or None), and the headers that carry
@@ -111,9 +149,15 @@ class _Sampled(RequestTrace):
         self.root = tracer.start(
             operation, ctx, kind="server", attributes={"gen_ai.operation.name": operation}
         )
+        self.attempts: dict[int, Any] = {}  # attempt -> its upstream span, until it ends
 
-    def clock(self) -> int:
-        return now_ns()
+    def _attempt_started(self, record: AttemptStarted) -> Mapping[str, str] | None:
+        span, headers = self.upstream(record.name, record.endpoint, record.url)
+        self.attempts[record.attempt] = span
+        return headers
+
+    def _attempt_ended(self, record: AttemptEnded) -> None:
+        end_upstream(self.attempts.pop(record.attempt, None), record.outcome, record.cause)
 
     def admitted(self, waited_s: float) -> None:
         end = now_ns()
@@ -122,9 +166,9 @@ class _Sampled(RequestTrace):
         span.end(end)
 
     def routed(
-        self, decision: Decision, role: str, weights: Mapping[str, float], started_ns: int
+        self, decision: Decision, role: str, weights: Mapping[str, float], took_ns: int
     ) -> None:
-        span = self.tracer.start("route", self.root, start_ns=started_ns)
+        span = self.tracer.start("route", self.root, start_ns=now_ns() - took_ns)
         span.set_attribute("cognitora.route.candidates", len(decision.totals))
         span.set_attribute("cognitora.route.role", role)
         view = decision.view

@@ -41,6 +41,22 @@ class EngineLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class Usage:
+    """An answer's token counts, as the engine reported them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def queue_length(in_flight: int, load: EngineLoad | None) -> float:
+    """An endpoint's queue as best known: the router's count or the engine's, whichever is
+    more (the load scorer scores by it; the registry's load order keeps endpoints by it)."""
+    engine = load.running + load.waiting if load is not None else 0.0
+    return max(float(in_flight), engine)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What routing needs from a request; the body itself is never looked at again."""
 

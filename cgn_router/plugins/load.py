@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cgn_router.plugins.base import SCORERS, Scores, register
-from cgn_router.types import EndpointId, EndpointView, EngineLoad, RequestInfo
+from cgn_router.types import EndpointId, EndpointView, RequestInfo, queue_length
 
 STALE_FACTOR = 0.5
 
@@ -27,12 +27,6 @@ STALE_FACTOR = 0.5
 def queue(view: EndpointView) -> float:
     """The endpoint's queue as best known: the router's count or the engine's, whichever is more."""
     return queue_length(view.in_flight, view.load)
-
-
-def queue_length(in_flight: int, load: EngineLoad | None) -> float:
-    """`queue` from its parts (the registry's load order keeps endpoints by it too)."""
-    engine = load.running + load.waiting if load is not None else 0.0
-    return max(float(in_flight), engine)
 
 
 def _share(value: float, top: float) -> float:

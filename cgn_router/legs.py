@@ -1,0 +1,186 @@
+"""One leg of a request on one endpoint: routed by the chain, run through the proxy under a
+lease, and accounted as records (cgn_router/lifecycle.py): the client's answer (`attempt`,
+also a migrated stream's continuation), and for a model with a prefill pool the P/D split
+(`disaggregate`: cgn_router/disagg.py decides, `prefill_leg` runs the first leg)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cgn_core.errors import InvalidRequest
+from cgn_core.h1 import Request
+from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
+from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
+from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
+from cgn_router.attempt import Attempt
+from cgn_router.context import RequestContext
+from cgn_router.disagg import decide
+from cgn_router.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
+from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
+from cgn_router.service import RouterService
+from cgn_router.types import EndpointId, EndpointView, RequestInfo
+
+log = logging.getLogger(__name__)
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
+
+
+def route(
+    svc: RouterService, req: RequestInfo, tried: frozenset[EndpointId], acct: Account
+) -> EndpointView | None:
+    """The endpoint the chain picks (None: no candidate left)."""
+    started = time.perf_counter_ns()
+    decision = svc.route(req, tried)
+    took = time.perf_counter_ns() - started
+    acct.emit(Routed(req.model, req.role, decision, svc.chain.weights, took))
+    return decision.view
+
+
+async def attempt(
+    svc: RouterService,
+    request: Request,
+    ctx: RequestContext,
+    req: RequestInfo,
+    view: EndpointView,
+    payload: bytes,
+    headers: Mapping[str, str],
+    acct: Account,
+    resume: Progress | None = None,
+) -> Relayed:
+    """One attempt on the chosen endpoint, its accounting held by a lease; with `resume`,
+    a continuation relayed into that broken stream."""
+    name = "upstream" if resume is None else "upstream (continuation)"
+    number, trace_headers = acct.attempt(name, view.id, view.endpoint.url)
+    call = Call(
+        endpoint=view.endpoint,
+        path=PATHS[ctx.kind],
+        payload=payload,
+        stream=ctx.stream,
+        strip_usage=ctx.strip_usage,
+        served_model=req.model,
+        total_at=ctx.deadline,
+        response_headers={**ctx.response_headers, **headers},
+        priority=ctx.priority,
+        request_id=ctx.request_id,
+        track=ctx.stream and svc.can_resume(view.endpoint),
+        resume=resume,
+        trace_headers=trace_headers or None,
+    )
+    held = Attempt(svc.registry, view, req)
+    relayed = None
+    cause = ""
+    try:
+        with held as lease:
+            relayed = await svc.proxy.run(request, call, lease)
+            held.outcome = relayed.ending
+        cause = relayed.cause
+        note = relayed.response.headers.get(TRANSFER_HEADER, "")
+        if (why := fallback_reason(note)) is not None:  # the decode engine recomputed the KV
+            acct.emit(PdFallback("decode_" + why))
+        return relayed
+    except AttemptFailed as exc:
+        cause = exc.cause
+        raise
+    finally:
+        lease = held.lease
+        # NOTE: a continuation's client had its first byte from an earlier leg
+        first = lease.first_byte_at if resume is None else None
+        acct.emit(
+            AttemptEnded(
+                number,
+                req.model,
+                "client",
+                held.outcome,
+                cause,
+                None if first is None else first - ctx.started,
+                relayed.usage if relayed is not None else None,
+                lease.predicted,
+                relayed is not None and relayed.broken is not None,
+            )
+        )
+
+
+async def disaggregate(
+    svc: RouterService,
+    ctx: RequestContext,
+    req: RequestInfo,
+    view: EndpointView,
+    payload: bytes,
+    acct: Account,
+) -> tuple[bytes, dict[str, str]]:
+    """The decode replica `view`'s body and the P/D header: split (cgn_router/disagg.py), the
+    prefill leg run and its KV named in the body; else the client's body, computed whole
+    there. A failed prefill leg is a fallback (counted), never the request's failure."""
+    uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)
+    pre = route(svc, dataclasses.replace(req, role="prefill"), frozenset({view.id}), acct)
+    queue = None if pre is None else _queue(pre)
+    split = decide(
+        svc.settings.pd, prefill_pool=True, uncached_tokens=uncached, prefill_queue=queue
+    )
+    acct.emit(PdDecided(req.model, split.reason))
+    if not split.split or pre is None:
+        return payload, {PD_HEADER: f"aggregated: {split.reason}"}
+    try:
+        params = await prefill_leg(svc, ctx, req, pre, acct)
+    except AttemptFailed as exc:
+        acct.emit(PdFallback(exc.cause))
+        log.warning(
+            "prefill leg on %s failed, the decode replica computes it: %s", pre.id, exc.message
+        )
+        return payload, {PD_HEADER: f"aggregated: prefill leg failed ({exc.cause})"}
+    return ctx.decode_leg(req.model, params), {PD_HEADER: f"disaggregated (prefill {pre.id})"}
+
+
+def _queue(view: EndpointView) -> int:
+    """Requests running and waiting on an endpoint: the engine's figures, or the router's own
+    in-flight count where it has none fresh."""
+    return view.in_flight if view.load is None else round(view.load.running + view.load.waiting)
+
+
+async def prefill_leg(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, view: EndpointView, acct: Account
+) -> dict[str, Any]:
+    """Run the prompt on prefill replica `view`; the answer's `kv_transfer_params`."""
+    deadline = min(ctx.deadline, time.monotonic() + svc.settings.pd.prefill_timeout_s)
+    number, trace_headers = acct.attempt("prefill leg", view.id, view.endpoint.url)
+    call = Call(
+        endpoint=view.endpoint,
+        path=PATHS[ctx.kind],
+        payload=ctx.prefill_leg(req.model),
+        stream=False,
+        strip_usage=False,
+        served_model=req.model,
+        total_at=deadline,
+        response_headers={},
+        priority=ctx.priority,
+        request_id=ctx.request_id,
+        trace_headers=trace_headers or None,
+    )
+    held = Attempt(svc.registry, view, dataclasses.replace(req, role="prefill"))
+    cause = ""
+    try:
+        with held as lease:
+            answer = await svc.proxy.exchange(call)
+            lease.first_byte(time.monotonic())
+            held.outcome = "ok"
+    except AttemptFailed as exc:
+        cause = exc.cause
+        raise
+    finally:
+        acct.emit(AttemptEnded(number, req.model, "prefill", held.outcome, cause))
+    try:
+        params = parse_transfer_params(answer.get(TRANSFER_FIELD))
+    except InvalidRequest as exc:
+        raise AttemptFailed("bad_answer", f"{view.id}: {exc.message}", breaker=False) from None
+    if not params.do_remote_prefill:
+        raise AttemptFailed("bad_answer", f"{view.id}: no KV named in the answer", breaker=False)
+    return params.to_json()
