@@ -91,22 +91,14 @@ async def attempt(
         cause = exc.cause
         raise
     finally:
-        lease = held.lease
         # NOTE: a continuation's client had its first byte from an earlier leg
-        first = lease.first_byte_at if resume is None else None
-        acct.emit(
-            AttemptEnded(
-                number,
-                req.model,
-                "client",
-                held.outcome,
-                cause,
-                None if first is None else first - ctx.started,
-                relayed.usage if relayed is not None else None,
-                lease.predicted,
-                relayed is not None and relayed.broken is not None,
-            )
+        first = held.lease.first_byte_at if resume is None else None
+        since = None if first is None else first - ctx.started
+        usage, broken = (
+            (None, False) if relayed is None else (relayed.usage, relayed.broken is not None)
         )
+        ended = (number, req.model, "client", held.outcome, cause, since, usage)
+        acct.emit(AttemptEnded(*ended, held.lease.predicted, broken))
 
 
 async def disaggregate(
