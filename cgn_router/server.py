@@ -315,19 +315,21 @@ def _no_answer(model: str, last: AttemptFailed | None, acct: Account) -> Cognito
 async def _hash_off_loop(
     svc: RouterService, kind: str, model: str, body: dict[str, Any], size: int, acct: Account
 ) -> HashedPrompt:
-    """`_hash`, on a worker thread when the body is big enough to stall other streams."""
+    """`_hash`, on a worker thread when the body is big enough to stall other streams (the
+    record is emitted back on the loop: observers are not shared with threads)."""
     if size < OFF_LOOP_BYTES:
         return _hash(svc, kind, model, body, acct)
-    hashed = await asyncio.to_thread(_prompt, svc, kind, model, body)
-    if hashed.method != "none":
-        acct.emit(Hashed(model, hashed.method))  # NOTE: on the loop: observers are not shared
-    return hashed
+    return _noted(await asyncio.to_thread(_prompt, svc, kind, model, body), model, acct)
 
 
 def _hash(
     svc: RouterService, kind: str, model: str, body: Mapping[str, Any], acct: Account
 ) -> HashedPrompt:
-    hashed = _prompt(svc, kind, model, body)
+    return _noted(_prompt(svc, kind, model, body), model, acct)
+
+
+def _noted(hashed: HashedPrompt, model: str, acct: Account) -> HashedPrompt:
+    """`hashed`, its method recorded (an embedding's prompt is not hashed: no record)."""
     if hashed.method != "none":
         acct.emit(Hashed(model, hashed.method))
     return hashed
