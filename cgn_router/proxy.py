@@ -167,15 +167,12 @@ class Deadline:
 
     __slots__ = ("cause", "eid", "late", "timeout", "waits")
 
-    def __init__(
-        self, eid: str, deadline: float, cause: str, late: str, waits: FirstWaits | None = None
-    ):
+    def __init__(self, eid: str, deadline: float, cause: str, late: str, waits: FirstWaits):
         self.eid, self.cause, self.late, self.waits = eid, cause, late, waits
         self.timeout = asyncio.timeout_at(deadline)
 
     async def __aenter__(self) -> None:
-        if self.waits is not None:
-            self.waits.waiting.setdefault(self.eid, set()).add(self.timeout)
+        self.waits.waiting.setdefault(self.eid, set()).add(self.timeout)
         await self.timeout.__aenter__()
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: Any, tb: Any) -> None:
@@ -183,18 +180,16 @@ class Deadline:
         try:
             await timeout.__aexit__(kind, exc, tb)
         except TimeoutError:
-            if waits is not None and timeout in waits.stalled:
+            if timeout in waits.stalled:
                 why = f"{eid}: the engine stalled (a stream on it was silent past idle_s)"
                 raise AttemptFailed("stalled", why) from None
             raise AttemptFailed(self.cause, f"{eid}: {self.late}", timeout=True) from None
         finally:
-            if waits is not None:
-                waiting = waits.waiting.get(eid)
-                if waiting is not None:
-                    waiting.discard(timeout)
-                    if not waiting:
-                        del waits.waiting[eid]
-                waits.stalled.discard(timeout)
+            waiting = waits.waiting[eid]
+            waiting.discard(timeout)
+            if not waiting:
+                del waits.waiting[eid]
+            waits.stalled.discard(timeout)
         if kind is not None and issubclass(kind, UpstreamError):
             cause = "connect" if issubclass(kind, ConnectFailed) else "disconnect"
             raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
