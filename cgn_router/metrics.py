@@ -4,12 +4,14 @@ observer that counts every request's records in them (cgn_router/lifecycle.py)."
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from cgn_router.lifecycle import (
     AttemptEnded,
@@ -58,6 +60,79 @@ class Labelled(Generic[M]):
         return child
 
 
+class Tally:
+    """A counter's series the request path adds to: plain numbers, no lock and no checks
+    (prometheus_client takes a lock and validates on every `inc`, 1-4 us each, a dozen a
+    request). The worker's event loop is the only writer; a scrape reads them between
+    its steps. `series(*labels)` is looked up once per label tuple and kept by the caller."""
+
+    def __init__(self, name: str, doc: str, *labels: str):
+        self.name, self.doc, self.labels = name, doc, labels
+        self._series: dict[tuple[str, ...], list[float]] = {}
+
+    def series(self, *values: str) -> list[float]:
+        """The one-element list to add to: `series[0] += n`."""
+        found = self._series.get(values)
+        if found is None:
+            found = self._series[values] = [0.0]
+        return found
+
+    def collect(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, (total,) in list(self._series.items()):
+            family.add_metric(values, total)
+        return family
+
+
+class Buckets:
+    """One histogram series: counts per bucket (the last is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: the first bound >= value
+        self.sum += value
+
+
+class TallyHistogram:
+    """A histogram the request path observes into, as `Tally` is a counter."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], *labels: str):
+        self.name, self.doc, self.bounds, self.labels = name, doc, bounds, labels
+        self._series: dict[tuple[str, ...], Buckets] = {}
+
+    def series(self, *values: str) -> Buckets:
+        found = self._series.get(values)
+        if found is None:
+            found = self._series[values] = Buckets(self.bounds)
+        return found
+
+    def collect(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
+        for values, b in list(self._series.items()):
+            cumulative, total = [], 0
+            for le, n in zip(les, list(b.counts)):
+                total += n
+                cumulative.append((le, float(total)))
+            family.add_metric(values, cumulative, b.sum)
+        return family
+
+
+class _TallyCollector(Collector):
+    def __init__(self, tallies: list[Tally | TallyHistogram]):
+        self.tallies = tallies
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        for tally in self.tallies:
+            yield tally.collect()
+
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SCORE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
@@ -95,7 +170,9 @@ class RouterMetrics:
             "max(admitted requests / batch capacity, KV usage) per model pool.",
             "pool",
         )
-        self.requests = counter(
+        # The series every request adds to: Tally, not prometheus_client (see Tally)
+        tally, hist = Tally, TallyHistogram
+        self.requests = tally(
             "cgn_router_requests", "Requests by model and outcome.", "model", "outcome"
         )
         self.errors = counter(
@@ -115,32 +192,32 @@ class RouterMetrics:
             "cause",
             "result",
         )
-        self.ttft = histogram(
+        self.ttft = hist(
             "cgn_router_ttft_seconds",
             "Request received to first byte relayed.",
             LATENCY_BUCKETS,
             "model",
         )
-        self.latency = histogram(
+        self.latency = hist(
             "cgn_router_request_seconds",
             "Request received to response complete.",
             LATENCY_BUCKETS,
             "model",
         )
-        self.tokens = counter(
+        self.tokens = tally(
             "cgn_router_tokens", "Tokens by the engines' usage reports.", "model", "kind"
         )
-        self.prefix_predicted = counter(
+        self.prefix_predicted = tally(
             "cgn_router_prefix_tokens_predicted",
             "Prompt tokens the router expected the chosen engine to have cached.",
             "model",
         )
-        self.prefix_reported = counter(
+        self.prefix_reported = tally(
             "cgn_router_prefix_tokens_reported",
             "Cached prompt tokens the engines reported (usage.prompt_tokens_details).",
             "model",
         )
-        self.prompt_tokens_routed = counter(
+        self.prompt_tokens_routed = tally(
             "cgn_router_prompt_tokens_routed",
             "Prompt tokens of requests whose usage was reported (the hit ratios' denominator).",
             "model",
@@ -151,7 +228,7 @@ class RouterMetrics:
             "model",
             "method",
         )
-        self.scores = histogram(
+        self.scores = hist(
             "cgn_router_scorer_value",
             "Each scorer's value for the chosen endpoint.",
             SCORE_BUCKETS,
@@ -192,6 +269,21 @@ class RouterMetrics:
             "reason",
         )
 
+        r.register(
+            _TallyCollector(
+                [
+                    self.requests,
+                    self.ttft,
+                    self.latency,
+                    self.tokens,
+                    self.prefix_predicted,
+                    self.prefix_reported,
+                    self.prompt_tokens_routed,
+                    self.scores,
+                ]
+            )
+        )
+
     def watch(self, endpoints: Registry) -> None:
         """Export per-endpoint live state at scrape time."""
         self.registry.register(_EndpointCollector(endpoints))
@@ -201,12 +293,40 @@ class RouterMetrics:
         self.registry.register(_ScalingCollector(control))
 
 
+class _ModelSeries:
+    """The series a model's requests add to, found once per model."""
+
+    __slots__ = (
+        "completion",
+        "latency",
+        "outcomes",
+        "predicted",
+        "prompt",
+        "reported",
+        "routed",
+        "ttft",
+    )
+
+    def __init__(self, m: RouterMetrics, model: str):
+        self.latency = m.latency.series(model)
+        self.ttft = m.ttft.series(model)
+        self.prompt = m.tokens.series(model, "prompt")
+        self.completion = m.tokens.series(model, "completion")
+        self.predicted = m.prefix_predicted.series(model)
+        self.reported = m.prefix_reported.series(model)
+        self.routed = m.prompt_tokens_routed.series(model)
+        self.outcomes: dict[str, list[float]] = {}  # cgn_router_requests by outcome
+
+
 class MetricsObserver:
-    """Every request's records (cgn_router/lifecycle.py) as the router's metrics."""
+    """Every request's records (cgn_router/lifecycle.py) as the router's metrics. Per request
+    it makes one lookup per record kind and one per model; the series it adds to are plain
+    numbers (Tally), each found once."""
 
     def __init__(self, metrics: RouterMetrics):
         self.m = m = metrics
-        # NOTE: one table lookup a record (records this observer ignores cost no more)
+        self._models: dict[str, _ModelSeries] = {}
+        self._scores: dict[str, Buckets] = {}
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -225,12 +345,23 @@ class MetricsObserver:
         if handler is not None:
             handler(record)
 
+    def _model(self, model: str) -> _ModelSeries:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = _ModelSeries(self.m, model)
+        return found
+
     def _ended(self, r: Ended) -> None:
-        if r.outcome:  # routing was tried: a request of the model, however it ended
-            self.m.requests.labels(r.model, r.outcome).inc()
-            self.m.latency.labels(r.model).observe(r.seconds)
-            if r.outcome == "no_endpoint":
-                self.m.errors.labels("no_endpoint").inc()
+        if not r.outcome:  # routing was not tried: counted by its refusal, not as a request
+            return
+        series = self._model(r.model)
+        count = series.outcomes.get(r.outcome)
+        if count is None:
+            count = series.outcomes[r.outcome] = self.m.requests.series(r.model, r.outcome)
+        count[0] += 1
+        series.latency.observe(r.seconds)
+        if r.outcome == "no_endpoint":
+            self.m.errors.labels("no_endpoint").inc()
 
     def _attempt(self, r: AttemptEnded) -> None:
         """A failed attempt counts its cause; one that answered, its TTFT (when it sent the
@@ -238,21 +369,21 @@ class MetricsObserver:
         counts once it ends: Ended)."""
         if r.leg != "client":  # a prefill leg's failure is its PdFallback
             return
-        m, model = self.m, r.model
         if r.outcome in ("failed", "busy"):
-            m.errors.labels(r.cause).inc()
+            self.m.errors.labels(r.cause).inc()
             return
+        series = self._model(r.model)
         if r.first_byte_s is not None:
-            m.ttft.labels(model).observe(r.first_byte_s)
+            series.ttft.observe(r.first_byte_s)
         if r.cause:
-            m.errors.labels(r.cause).inc()
+            self.m.errors.labels(r.cause).inc()
         if r.broken or (u := r.usage) is None:
             return
-        m.tokens.labels(model, "prompt").inc(u.prompt_tokens)
-        m.tokens.labels(model, "completion").inc(u.completion_tokens)
-        m.prompt_tokens_routed.labels(model).inc(u.prompt_tokens)
-        m.prefix_predicted.labels(model).inc(r.predicted)
-        m.prefix_reported.labels(model).inc(u.cached_tokens)
+        series.prompt[0] += u.prompt_tokens
+        series.routed[0] += u.prompt_tokens  # the hit ratios' denominator
+        series.completion[0] += u.completion_tokens
+        series.predicted[0] += r.predicted
+        series.reported[0] += u.cached_tokens
 
     def _routed(self, r: Routed) -> None:
         m, decision = self.m, r.decision
@@ -260,7 +391,10 @@ class MetricsObserver:
             m.filter_drops.labels(name).inc(n)
         if decision.chosen is not None:
             for scorer, values in decision.scores.items():
-                m.scores.labels(scorer).observe(values[decision.chosen])
+                buckets = self._scores.get(scorer)
+                if buckets is None:
+                    buckets = self._scores[scorer] = m.scores.series(scorer)
+                buckets.observe(values[decision.chosen])
             if decision.saturated:
                 m.saturated.labels(r.model).inc(decision.saturated)
 
