@@ -360,6 +360,7 @@ def _engine(
         config,
         namespace=svc.model_name,
         on_kv_events=lambda events: loop.call_soon_threadsafe(hub.publish, events),
+        on_stats=lambda stats: loop.call_soon_threadsafe(svc.metrics.observe, stats),
         executor=executor,
         kvcache=kvcache,
         restore_cost=restore_cost,

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from cgn_core.errors import Unavailable
-from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash
+from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.kv.client import KvCacheClient
 from cgn_core.kv.events import KvEvent
 from cgn_core.text.tokenizer import GGUFTokenizer
@@ -39,65 +39,24 @@ from cgn_infer.backends.base import Backend, BackendLost
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.block_pool import BlockPool
 from cgn_infer.detokenizer import IncrementalText
-from cgn_infer.grammar import Constraint, Grammars
+from cgn_infer.events import (
+    Event,
+    Exported,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+)
+from cgn_infer.grammar import Grammars
 from cgn_infer.kv_tiering import KvTiering, RestoreCost
 from cgn_infer.metrics import EngineMetrics
-from cgn_infer.sampling import Sampled, Sampler, SamplingParams
+from cgn_infer.sampling import Sampled, Sampler
 from cgn_infer.scheduler import Plan, Restored, Scheduler, Seq, SeqId
+from cgn_infer.stats import JobStats, PromptStats, QueueStats, Stats, StepStats, Tiers
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_LOOP_FAILURES = 3  # failed loop iterations in a row that stop the worker
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    priority: int = 0  # lower runs sooner
-    export_kv: bool = False  # a prefill leg: hand back the prompt's full KV blocks at the end
-    constraint: Constraint | None = None  # a grammar the output must follow (its own state)
-    # a continuation (cgn_core/openai/resume.py): tokens another engine generated, computed
-    # after the prompt and counted as output; max_tokens is what is left to generate
-    resumed: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One decoded token: the text it completed (maybe ''), and how it was sampled."""
-
-    text: str
-    sampled: Sampled
-
-
-@dataclass(frozen=True, slots=True)
-class FinishEvent:
-    reason: FinishReason
-    text: str  # the last held-back text, emitted at the end
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    error: str | None = None
-    # the error is the request's: its grammar hit llguidance's limits (a 400, not a 500)
-    client_fault: bool = False
-    exported: Exported | None = None  # export_kv: the prompt's blocks, read before release
-
-
-@dataclass(frozen=True, slots=True)
-class Exported:
-    """A prompt's full blocks (all but the block holding its last token, which the decode
-    engine computes itself), as the backend serializes them."""
-
-    hashes: tuple[BlockHash, ...]
-    data: Any  # [blocks, block bytes] uint8
-
-
-Event = TokenEvent | FinishEvent
 
 
 @dataclass(slots=True)
@@ -107,12 +66,6 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     restored: Restored | None = None  # prompt blocks fetched from cgn-kvcached
-    # When its first step began and its first token came, its steps with prompt tokens (the
-    # request's trace reads them after its FinishEvent; written on the engine thread)
-    first_step_at: float | None = None
-    first_token_at: float | None = None
-    prefill_steps: int = 0
-    restored_tokens: dict[str, int] = field(default_factory=dict)  # tier → prompt tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -125,7 +78,11 @@ class _Active:
     text: IncrementalText
     stop_ids: frozenset[int]
     last: float  # when the previous token (or the request) arrived
-    counted: bool = False  # prompt and prefix-cache metrics recorded
+    # what its JobStats will say: its first step and token, its steps with prompt tokens
+    first_step_at: float | None = None
+    first_token_at: float | None = None
+    prefill_steps: int = 0
+    restored: Tiers | None = None  # None until its first step counts its prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +110,12 @@ class Engine:
         kvcache: KvCacheClient | None = None,
         restore_cost: RestoreCost | None = None,
         grammars: Grammars | None = None,
+        on_stats: Callable[[Stats], object] | None = None,
     ):
+        """`on_stats` takes each step's and turn's stats (cgn_infer/stats.py) on the engine
+        thread, to hand them to the loop; by default `metrics` consumes them there."""
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
+        self._report = on_stats or metrics.observe
         self.grammars = grammars
         # NOTE: masks are computed here while the forward pass runs (llguidance drops the GIL)
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="cgn-infer-grammar")
@@ -174,15 +135,15 @@ class Engine:
         # The node's KV store (cgn-kvcached): blocks offered after requests, prompts restored.
         self.tiering: KvTiering | None = None
         if kvcache is not None:
-            modelled = backend.kv_bytes_per_token() * BLOCK_SIZE
-            sim = modelled != kvcache.layout.block_bytes  # the sim's blocks stand for bigger ones
+            # a simulated backend's blocks stand for the modelled engine's bigger ones
+            block_bytes = backend.kv_bytes_per_token() * BLOCK_SIZE
             self.tiering = KvTiering(
                 kvcache,
                 backend,
                 self.pool,
                 metrics,
                 restore_cost or RestoreCost(),
-                modelled_block_bytes=modelled if sim else None,
+                modelled_block_bytes=block_bytes if backend.modelled else None,
             )
         self._active: dict[SeqId, _Active] = {}
         self._jobs: queue.Queue[tuple[Job, Seq] | None] = queue.Queue()
@@ -239,7 +200,6 @@ class Engine:
         with self._gate:
             if (failure := self.failure) is not None:
                 raise Unavailable(f"the engine's worker stopped: {failure}")
-            self.metrics.waiting.inc()
             self._jobs.put((job, seq))
 
     # ---- the worker thread ----------------------------------------------------------
@@ -271,12 +231,13 @@ class Engine:
         self._take_jobs(block=not self.scheduler.has_work())
         self._drop_cancelled()
         plan = self.scheduler.schedule()
-        if plan.preempted:
-            self.metrics.preemptions.inc(len(plan.preempted))
         if plan.work:
             self._step(plan)
-        elif self.scheduler.has_work():  # nothing fits this step; wait for a change
-            self._take_jobs(block=True, timeout_s=0.01)
+        else:
+            if plan.preempted:
+                self._report(StepStats(0, 0, len(plan.preempted), (), (), ()))
+            if self.scheduler.has_work():  # nothing fits this step; wait for a change
+                self._take_jobs(block=True, timeout_s=0.01)
         self._publish()
 
     def _fail_active(self, error: str) -> None:
@@ -358,45 +319,20 @@ class Engine:
             for w in plan.work:
                 self._finish(self._active[w.seq.id], "error", error=str(exc))
             return
-        m = self.metrics
-        m.step_sequences.observe(len(plan.work))
-        m.prefill_computed.inc(prefill)
         if self.tiering is not None and prefill >= 4 * BLOCK_SIZE and not plan.restores:
             self.tiering.observe_prefill(prefill, time.monotonic() - started)
-        sampled: dict[SeqId, Sampled] = {}
-        failed: list[tuple[_Active, str, bool]] = []  # (sequence, why, the request's fault)
-        for w, row in zip(plan.work, logits, strict=True):
+        prompts: list[PromptStats] = []
+        for w in plan.work:
             active = self._active[w.seq.id]
-            if len(w.tokens) > 1 or not active.counted:
-                active.job.prefill_steps += 1
-            if active.job.first_step_at is None:
-                active.job.first_step_at = started
-            if not active.counted:
-                active.counted = True
-                m.prompt_tokens.inc(len(w.seq.prompt))
-                m.prefix_queries.inc(len(w.seq.prompt))
-                restored = w.seq.restored_tokens
-                active.job.restored_tokens = dict(restored)
-                m.prefix_hits.inc(w.seq.cached_tokens - sum(restored.values()))
-                for tier, n in restored.items():
-                    m.restored(tier, n)
-            if w.sample:
-                try:
-                    constraint = active.job.request.constraint
-                    allowed = None
-                    if constraint is not None and masks is not None:
-                        allowed = masks.result()[w.seq.id]
-                    s = active.sampler.sample(row, allowed)
-                    if constraint is not None and (refused := constraint.advance(s.token)):
-                        why = f"the structured output constraint cannot go on: {refused}"
-                        failed.append((active, " ".join(why.split())[:300], True))
-                        if self.grammars is not None:
-                            self.grammars.forget(constraint.key)
-                        continue
-                    sampled[w.seq.id] = s
-                except Exception as exc:  # NOTE: this sequence alone fails
-                    log.exception("sampling failed for one sequence")
-                    failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}", False))
+            if len(w.tokens) > 1 or active.restored is None:
+                active.prefill_steps += 1
+            if active.first_step_at is None:
+                active.first_step_at = started
+            if active.restored is None:  # its first step: its prompt counts
+                active.restored = tiers = tuple(w.seq.restored_tokens.items())
+                hits = w.seq.cached_tokens - sum(n for _, n in tiers)
+                prompts.append(PromptStats(len(w.seq.prompt), hits, tiers))
+        sampled, failed = self._sample(plan, logits, masks)
         if failed:
             for active, why, theirs in failed:
                 self._finish(active, "error", error=why, client_fault=theirs)
@@ -404,8 +340,47 @@ class Engine:
             plan = Plan(tuple(w for w in plan.work if w.seq.id not in gone), plan.preempted)
         self.scheduler.update(plan, {sid: s.token for sid, s in sampled.items()})
         now = time.monotonic()
+        firsts: list[float] = []
+        gaps: list[float] = []
+        for sid in sampled:
+            active = self._active[sid]
+            (firsts if len(active.seq.output) == 1 else gaps).append(now - active.last)
+        # NOTE: before the tokens: the loop counts the step before it relays them
+        stats = StepStats(
+            len(plan.work), prefill, len(plan.preempted), (*prompts,), (*firsts,), (*gaps,)
+        )
+        self._report(stats)
         for sid, s in sampled.items():
             self._emit_token(self._active[sid], s, now)
+
+    def _sample(
+        self, plan: Plan, logits: Any, masks: Future[dict[SeqId, Any]] | None
+    ) -> tuple[dict[SeqId, Sampled], list[tuple[_Active, str, bool]]]:
+        """The tokens of the rows this step samples, and the sequences that failed: (why,
+        whether it is the request's fault: its grammar cannot go on)."""
+        sampled: dict[SeqId, Sampled] = {}
+        failed: list[tuple[_Active, str, bool]] = []
+        for w, row in zip(plan.work, logits, strict=True):
+            if not w.sample:
+                continue
+            active = self._active[w.seq.id]
+            try:
+                constraint = active.job.request.constraint
+                allowed = None
+                if constraint is not None and masks is not None:
+                    allowed = masks.result()[w.seq.id]
+                s = active.sampler.sample(row, allowed)
+                if constraint is not None and (refused := constraint.advance(s.token)):
+                    why = f"the structured output constraint cannot go on: {refused}"
+                    failed.append((active, " ".join(why.split())[:300], True))
+                    if self.grammars is not None:
+                        self.grammars.forget(constraint.key)
+                    continue
+                sampled[w.seq.id] = s
+            except Exception as exc:  # NOTE: this sequence alone fails
+                log.exception("sampling failed for one sequence")
+                failed.append((active, f"sampling failed: {type(exc).__name__}: {exc}", False))
+        return sampled, failed
 
     def _masks(self, plan: Plan) -> Future[dict[SeqId, Any]] | None:
         """The grammar masks of the rows this step samples under a constraint, computed on
@@ -426,12 +401,10 @@ class Engine:
         return self._masker.submit(fill)
 
     def _emit_token(self, active: _Active, sampled: Sampled, now: float) -> None:
-        m, seq = self.metrics, active.seq
-        (m.ttft if len(seq.output) == 1 else m.itl).observe(now - active.last)
-        if active.job.first_token_at is None:
-            active.job.first_token_at = now
+        seq = active.seq
+        if active.first_token_at is None:
+            active.first_token_at = now
         active.last = now
-        m.generation_tokens.inc()
         if len(seq.output) == 1 and self.tiering is not None:
             # NOTE: the prompt's blocks go to the node's store as soon as they are computed,
             # not only at the end: an answer this engine does not live to finish continues
@@ -455,10 +428,17 @@ class Engine:
         error: str | None = None,
         client_fault: bool = False,
     ) -> None:
-        seq, m = active.seq, self.metrics
+        seq, job = active.seq, active.job
         del self._active[seq.id]
-        m.e2e.observe(time.monotonic() - active.job.enqueued)
-        m.finished("abort" if reason == "cancelled" else reason)
+        stats = JobStats(
+            reason,
+            job.enqueued,
+            time.monotonic(),
+            active.first_step_at,
+            active.first_token_at,
+            active.prefill_steps,
+            active.restored or (),
+        )
         tail = active.text.flush() if reason in ("stop", "length") else ""
         exported = None
         if active.job.request.export_kv and reason in ("stop", "length"):
@@ -474,6 +454,7 @@ class Engine:
                 error=error,
                 client_fault=client_fault,
                 exported=exported,
+                stats=stats,
             )
         )
         # NOTE: after the client has its answer, before the blocks go back to the pool
@@ -506,10 +487,10 @@ class Engine:
             return None
 
     def _publish(self) -> None:
-        m, s = self.metrics, self.scheduler
-        m.running.set(len(s.running))
-        m.waiting.set(len(s.waiting) + self._jobs.qsize())
-        m.kv_usage.set(self.pool.usage)
+        s = self.scheduler
+        self._report(
+            QueueStats(len(s.running), len(s.waiting) + self._jobs.qsize(), self.pool.usage)
+        )
         events = self.pool.drain_events()
         if events and self.on_kv_events is not None:
             self.on_kv_events(events)

@@ -41,6 +41,7 @@ import numpy as np
 
 from cgn_core import safejson
 from cgn_core.errors import InvalidRequest
+from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.tools import ToolFields
 from cgn_core.text.tokenizer import GGUFTokenizer
 
@@ -314,6 +315,25 @@ class Grammars:
             while len(self._cache) > self.cache_entries:
                 self._cache.popitem(last=False)
         return Constraint(compiled.deep_copy(), key)
+
+    def resumed(
+        self,
+        spec: GrammarSpec,
+        tokens: Sequence[int],
+        on_compile: Callable[[float], object] | None = None,
+    ) -> Constraint:
+        """`spec`'s constraint where a first engine left it after `tokens` (a continuation;
+        none: a fresh one); a 400 when those tokens break the grammar."""
+        constraint = self.constraint(spec, on_compile)
+        for token in tokens:
+            if (refused := constraint.advance(token)) is not None:
+                self.forget(constraint.key)
+                raise InvalidRequest(
+                    f"the tokens to continue from break the request's grammar: {refused}",
+                    code="constraint_failed",
+                    param=f"{RESUME_FIELD}.token_ids",
+                )
+        return constraint
 
     def forget(self, key: str) -> None:
         """Drop a compiled grammar that failed while followed (llguidance's lexer limits are

@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cgn_infer.stats import JobStats, QueueStats, Stats
+
 _LATENCY = (
     0.005,
     0.01,
@@ -129,11 +131,36 @@ class EngineMetrics:
             registry=r,
         )
 
-    def restored(self, tier: str, tokens: int) -> None:
-        self._restored.labels(self._model, tier).inc(tokens)
+    def observe(self, stats: Stats) -> None:
+        """The engine's stats of a step or a turn (cgn_infer/stats.py)."""
+        if isinstance(stats, QueueStats):
+            self.running.set(stats.running)
+            self.waiting.set(stats.waiting)
+            self.kv_usage.set(stats.kv_usage)
+            return
+        if stats.preempted:
+            self.preemptions.inc(stats.preempted)
+        if not stats.sequences:
+            return
+        self.step_sequences.observe(stats.sequences)
+        self.prefill_computed.inc(stats.prefill_computed)
+        for prompt in stats.prompts:
+            self.prompt_tokens.inc(prompt.tokens)
+            self.prefix_queries.inc(prompt.tokens)
+            self.prefix_hits.inc(prompt.hits)
+            for tier, n in prompt.restored:
+                self._restored.labels(self._model, tier).inc(n)
+        for seconds in stats.first_tokens:
+            self.ttft.observe(seconds)
+        for seconds in stats.gaps:
+            self.itl.observe(seconds)
+        self.generation_tokens.inc(len(stats.first_tokens) + len(stats.gaps))
+
+    def finished(self, job: JobStats) -> None:
+        """A job's end (its FinishEvent's stats)."""
+        self.e2e.observe(job.finished - job.enqueued)
+        reason = "abort" if job.reason == "cancelled" else job.reason
+        self._success.labels(self._model, reason).inc()
 
     def pd_fallback(self, reason: str) -> None:
         self._pd_fallbacks.labels(self._model, reason).inc()
-
-    def finished(self, reason: str) -> None:
-        self._success.labels(self._model, reason).inc()

@@ -104,3 +104,55 @@ def _transfer(body: dict[str, Any], stream: bool) -> TransferParams | None:
             param="stream",
         )
     return params
+
+
+def check_vocabulary(req: ParsedRequest, prompt: list[int], vocab_size: int) -> None:
+    """Refuse token ids this model does not have: in `logit_bias`, a prompt of ids, the
+    tokens to continue from."""
+    if bad := [t for t, _ in req.params.logit_bias if t >= vocab_size]:
+        raise InvalidRequest(
+            f"'logit_bias' names token {bad[0]}; this model's vocabulary has {vocab_size} tokens",
+            param="logit_bias",
+        )
+    if req.prompt_ids is not None and any(not 0 <= t < vocab_size for t in prompt):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if req.resume is not None and any(t >= vocab_size for t in req.resume.token_ids):
+        raise InvalidRequest(
+            f"'{RESUME_FIELD}.token_ids' must be in [0, {vocab_size})",
+            param=f"{RESUME_FIELD}.token_ids",
+        )
+
+
+def token_budget(req: ParsedRequest, prompt: int, resumed: int, ctx: int, kv_capacity: int) -> int:
+    """The tokens `req` may still generate after its `prompt` tokens (a continuation's
+    `resumed` tokens included: the room left is what the first engine had, less what it
+    produced), within the context and the KV slots one request may use; a 400 when none."""
+    if req.max_tokens is not None and resumed > req.max_tokens:
+        raise InvalidRequest(
+            f"{resumed} tokens to continue from are more than max_tokens={req.max_tokens}",
+            param=f"{RESUME_FIELD}.token_ids",
+        )
+    room = ctx - prompt
+    kv_room = kv_capacity + 1 - prompt  # the last token's K/V is never stored
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {prompt} tokens; this model's context is {ctx}",
+            code="context_length_exceeded",
+            param="messages" if req.kind == "chat" else "prompt",
+        )
+    left = None if req.max_tokens is None else req.max_tokens - resumed
+    if left is not None and left > room:
+        raise InvalidRequest(
+            f"max_tokens={req.max_tokens} plus the {prompt}-token prompt exceeds "
+            f"the context of {ctx} tokens",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+    if kv_room < 1 or (left or 1) > kv_room:
+        raise InvalidRequest(
+            f"the {prompt}-token prompt plus max_tokens={req.max_tokens or 1} can never "
+            f"fit this engine's KV pool of {kv_capacity} tokens (--kv-pool-tokens)",
+            code="kv_capacity_exceeded",
+            param="max_tokens" if kv_room >= 1 else "messages",
+        )
+    return min(room, kv_room) if left is None else left

@@ -9,7 +9,7 @@ from typing import Any
 
 from cgn_core.openai.resume import Resume
 from cgn_core.openai.tools import NO_TOOLS, ToolFields
-from cgn_infer.engine import FinishEvent, TokenEvent
+from cgn_infer.events import FinishEvent, TokenEvent
 from cgn_infer.protocol import Kind
 from cgn_infer.tool_parsers import ToolCall, ToolParser, parser_for, split
 

@@ -47,10 +47,17 @@ from cgn_core.openai.resume import IDS_HEADER, ids_line
 from cgn_core.text.prompt import PromptCodec
 from cgn_core.tracing import Tracer
 from cgn_infer.detokenizer import IncrementalText
-from cgn_infer.engine import Engine, Event, FinishEvent, GenerationRequest, Job, TokenEvent
+from cgn_infer.engine import Engine, Job
+from cgn_infer.events import Event, FinishEvent, GenerationRequest, TokenEvent
 from cgn_infer.grammar import Grammars
 from cgn_infer.metrics import EngineMetrics
-from cgn_infer.protocol import Kind, ParsedRequest, parse_request
+from cgn_infer.protocol import (
+    Kind,
+    ParsedRequest,
+    check_vocabulary,
+    parse_request,
+    token_budget,
+)
 from cgn_infer.responses import ResponseBuilder
 from cgn_infer.scheduler import Restored
 from cgn_infer.trace import GenerationTrace
@@ -109,64 +116,18 @@ class InferenceService:
                 param="model",
             )
         serving = self.ready()
-        tok = serving.codec.tokenizer
-        if bad := [t for t, _ in req.params.logit_bias if t >= tok.vocab_size]:
-            raise InvalidRequest(
-                f"'logit_bias' names token {bad[0]}; this model's vocabulary has "
-                f"{tok.vocab_size} tokens",
-                param="logit_bias",
-            )
         if req.kind == "chat":
             prompt = serving.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
             prompt = serving.codec.encode_text(req.prompt_text)
         else:
             prompt = list(req.prompt_ids or ())
-            if any(not 0 <= t < tok.vocab_size for t in prompt):
-                raise InvalidRequest(
-                    f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt"
-                )
+        check_vocabulary(req, prompt, serving.codec.tokenizer.vocab_size)
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         resumed = req.resume.token_ids if req.resume is not None else ()
-        if any(t >= tok.vocab_size for t in resumed):
-            raise InvalidRequest(
-                f"'{RESUME_FIELD}.token_ids' must be in [0, {tok.vocab_size})",
-                param=f"{RESUME_FIELD}.token_ids",
-            )
-        if req.max_tokens is not None and len(resumed) > req.max_tokens:
-            raise InvalidRequest(
-                f"{len(resumed)} tokens to continue from are more than max_tokens={req.max_tokens}",
-                param=f"{RESUME_FIELD}.token_ids",
-            )
-        prompt = [
-            *prompt,
-            *resumed,
-        ]  # the room left is what the first engine had, less what it produced
-        room = serving.ctx - len(prompt)
-        kv_room = serving.kv_capacity + 1 - len(prompt)  # the last token's K/V is never stored
-        if room < 1:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt)} tokens; this model's context is {serving.ctx}",
-                code="context_length_exceeded",
-                param="messages" if req.kind == "chat" else "prompt",
-            )
-        left = None if req.max_tokens is None else req.max_tokens - len(resumed)
-        if left is not None and left > room:
-            raise InvalidRequest(
-                f"max_tokens={req.max_tokens} plus the {len(prompt)}-token prompt exceeds "
-                f"the context of {serving.ctx} tokens",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
-        if kv_room < 1 or (left or 1) > kv_room:
-            raise InvalidRequest(
-                f"the {len(prompt)}-token prompt plus max_tokens={req.max_tokens or 1} can never "
-                f"fit this engine's KV pool of {serving.kv_capacity} tokens (--kv-pool-tokens)",
-                code="kv_capacity_exceeded",
-                param="max_tokens" if kv_room >= 1 else "messages",
-            )
-        transfer = req.kv_transfer
+        n = len(prompt) + len(resumed)
+        max_tokens = token_budget(req, n, len(resumed), serving.ctx, serving.kv_capacity)
         constraint = None
         if req.grammar is not None:
             if serving.grammars is None:
@@ -174,26 +135,17 @@ class InferenceService:
                     f"'{req.grammar.origin}' is not supported by this engine",
                     param=req.grammar.origin,
                 )
-            constraint = serving.grammars.constraint(
-                req.grammar, self.metrics.grammar_compile_seconds.observe
-            )
+            compiled = self.metrics.grammar_compile_seconds.observe
+            constraint = serving.grammars.resumed(req.grammar, resumed, compiled)
             self.metrics.constrained.inc()
-            for token in resumed:  # the grammar's state where the first engine left it
-                if (refused := constraint.advance(token)) is not None:
-                    serving.grammars.forget(constraint.key)
-                    raise InvalidRequest(
-                        f"the tokens to continue from break the request's grammar: {refused}",
-                        code="constraint_failed",
-                        param=f"{RESUME_FIELD}.token_ids",
-                    )
-        n = len(prompt) - len(resumed)
+        transfer = req.kv_transfer
         return GenerationRequest(
             constraint=constraint,
             export_kv=transfer is not None and transfer.do_remote_decode,
-            prompt=tuple(prompt[:n]),
+            prompt=tuple(prompt),
             resumed=tuple(resumed),
             params=req.params,
-            max_tokens=min(room, kv_room) if left is None else left,
+            max_tokens=max_tokens,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
@@ -264,16 +216,21 @@ class InferenceService:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
+        def arrived(ev: Event) -> None:  # on the loop, consumer or not (a cancelled job ends)
+            if isinstance(ev, FinishEvent) and ev.stats is not None:
+                self.metrics.finished(ev.stats)
+            events.put_nowait(ev)
+
         def emit(ev: Event) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, ev)
+            loop.call_soon_threadsafe(arrived, ev)
 
         job = Job(gen, emit, restored=restored)
         engine.submit(job)
         try:
             while True:
                 ev = await events.get()
-                if isinstance(ev, FinishEvent):
-                    trace.generated(job, ev)
+                if isinstance(ev, FinishEvent) and ev.stats is not None:
+                    trace.generated(ev.stats, ev)
                 yield ev
                 if isinstance(ev, FinishEvent):
                     return
@@ -331,19 +288,8 @@ async def _complete_traced(
     svc.check_transfer(parsed.kv_transfer, trusted)
     if parsed.resume is not None and not trusted:
         raise Forbidden(f"'{RESUME_FIELD}' is accepted from the router only", param=RESUME_FIELD)
-    # token ids on the stream, for the router to continue it elsewhere if this engine goes
-    with_ids = trusted and parsed.stream and request.headers.get(IDS_HEADER) == "1"
     serving = svc.ready()  # 503 while the model loads
-    grammars = serving.grammars
-    compiles = (
-        parsed.grammar is not None and grammars is not None and not grammars.cached(parsed.grammar)
-    )
-    began = trace.clock()
-    if len(raw) < OFF_LOOP_BYTES and not compiles:
-        gen = svc.prepare(parsed)
-    else:  # templating and tokenizing a long prompt, or compiling a grammar, would stall
-        gen = await asyncio.to_thread(svc.prepare, parsed)  # every other stream
-    trace.step("prepare", began, **{"grammar.compiled": compiles})
+    gen = await _prepared(svc, parsed, len(raw), trace)
     restored, note = await svc.restore(gen, parsed.kv_transfer, trace)
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
@@ -357,32 +303,67 @@ async def _complete_traced(
     if parsed.resume is not None:
         seen, ended = _replay(serving.engine.tokenizer, gen)
         build.resume(parsed.resume, seen)
+    events = svc.generate(gen, restored, trace) if ended is None else _just(ended)
     if not parsed.stream:
-        async for ev in svc.generate(gen, restored, trace):
-            if isinstance(ev, TokenEvent):
-                build.add(ev)
-            elif ev.reason == "error" and ev.client_fault:
-                raise InvalidRequest(str(ev.error), code="constraint_failed")
-            elif ev.reason == "error":
-                raise InternalError(f"generation failed: {ev.error}")
-            else:
-                body = build.final(ev)
-                if ev.exported is not None and serving.transfer_source is not None:
-                    # a prefill leg: keep its blocks, and say where (no blocks: nothing held)
-                    source = serving.transfer_source
-                    await source.hold(ev.exported)
-                    svc.metrics.kv_transfer_held.inc(len(ev.exported.hashes))
-                    body[TRANSFER_FIELD] = source.params(ev.exported, serving.engine_id).to_json()
-                return web.json_response(body, headers=headers)
-        raise InternalError("generation ended without a result")
+        return web.json_response(await _answer(svc, events, build), headers=headers)
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
     await resp.prepare(request)
+    # token ids on the stream, for the router to continue it elsewhere if this engine goes
+    with_ids = trusted and request.headers.get(IDS_HEADER) == "1"
+    await _stream(resp, events, build, with_ids, parsed.include_usage)
+    return resp
+
+
+async def _prepared(
+    svc: InferenceService, parsed: ParsedRequest, size: int, trace: GenerationTrace
+) -> GenerationRequest:
+    """`svc.prepare`, off the loop where it is slow: templating and tokenizing a long prompt,
+    or compiling a grammar, would stall every other stream."""
+    grammars = svc.ready().grammars
+    compiles = (
+        parsed.grammar is not None and grammars is not None and not grammars.cached(parsed.grammar)
+    )
+    began = trace.clock()
+    if size < OFF_LOOP_BYTES and not compiles:
+        gen = svc.prepare(parsed)
+    else:
+        gen = await asyncio.to_thread(svc.prepare, parsed)
+    trace.step("prepare", began, **{"grammar.compiled": compiles})
+    return gen
+
+
+async def _answer(
+    svc: InferenceService, events: AsyncIterator[Event], build: ResponseBuilder
+) -> dict[str, Any]:
+    """A whole answer's body; a prefill leg's says where its KV blocks are held."""
+    async for ev in events:
+        if isinstance(ev, TokenEvent):
+            build.add(ev)
+        elif ev.reason == "error":
+            raise _generation_error(ev)
+        else:
+            body = build.final(ev)
+            serving = svc.ready()
+            if ev.exported is not None and (source := serving.transfer_source) is not None:
+                body[TRANSFER_FIELD] = await source.hand_over(ev.exported, serving.engine_id)
+                svc.metrics.kv_transfer_held.inc(len(ev.exported.hashes))
+            return body
+    raise InternalError("generation ended without a result")
+
+
+async def _stream(
+    resp: web.StreamResponse,
+    events: AsyncIterator[Event],
+    build: ResponseBuilder,
+    with_ids: bool,
+    include_usage: bool,
+) -> None:
+    """An answer as server-sent events; `with_ids`: each token's id goes before its text."""
     if (first := build.first_chunk()) is not None:
         await _send(resp, first)
     ids: list[int] = []  # generated since the last ids line (with_ids)
-    events = svc.generate(gen, restored, trace) if ended is None else _just(ended)
     async for ev in events:
         if isinstance(ev, TokenEvent):
             chunks = build.token_chunks(ev)
@@ -396,12 +377,7 @@ async def _complete_traced(
                 ids.clear()
             continue
         if ev.reason == "error":
-            err = (
-                InvalidRequest(str(ev.error), code="constraint_failed")
-                if ev.client_fault
-                else InternalError(f"generation failed: {ev.error}")
-            )
-            await _send(resp, openai_error_body(err))
+            await _send(resp, openai_error_body(_generation_error(ev)))
         else:
             last = build.finish_chunks(ev)
             if with_ids and ids:  # text held back until the end: its ids go with it
@@ -409,11 +385,17 @@ async def _complete_traced(
             else:
                 for chunk in last:
                     await _send(resp, chunk)
-            if parsed.include_usage:
+            if include_usage:
                 await _send(resp, build.usage_chunk(ev))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return resp
+
+
+def _generation_error(ev: FinishEvent) -> CognitoraError:
+    """A generation's error: the request's grammar could not go on (a 400), else a 500."""
+    if ev.client_fault:
+        return InvalidRequest(str(ev.error), code="constraint_failed")
+    return InternalError(f"generation failed: {ev.error}")
 
 
 def _priority(header: str) -> int:

@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from cgn_core.tracing import Incoming, Tracer, failed
-from cgn_infer.engine import FinishEvent, Job
+from cgn_infer.events import FinishEvent
 from cgn_infer.scheduler import Restored
+from cgn_infer.stats import JobStats
 
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 
@@ -67,7 +68,7 @@ class GenerationTrace:
     def restored(self, span: Any, restored: Restored | None, note: str | None) -> None:
         """End the KV restore span: blocks fetched before queueing, where from."""
 
-    def generated(self, job: Job, ev: FinishEvent) -> None:
+    def generated(self, job: JobStats, ev: FinishEvent) -> None:
         """The queue, prefill and decode spans of a finished job."""
 
     def finish(self, status: int, error: str = "") -> None:
@@ -103,17 +104,17 @@ class _Sampled(GenerationTrace):
             span.set_attribute("cognitora.kv.transfer", note)
         span.end()
 
-    def generated(self, job: Job, ev: FinishEvent) -> None:
-        end = time.monotonic()
+    def generated(self, job: JobStats, ev: FinishEvent) -> None:
+        end = job.finished
         first_step = job.first_step_at or end
         first_token = job.first_token_at or end
-        restored = sum(job.restored_tokens.values())
+        restored = sum(n for _, n in job.restored)
         prefill: dict[str, Any] = {
             "cognitora.prefill.tokens_computed": ev.prompt_tokens - ev.cached_tokens,
             "cognitora.prefill.tokens_cached": ev.cached_tokens - restored,
             "cognitora.prefill.steps": job.prefill_steps,
         }
-        for tier, n in job.restored_tokens.items():
+        for tier, n in job.restored:
             prefill[f"cognitora.prefill.tokens_restored.{tier}"] = n
         decode = {
             "gen_ai.usage.output_tokens": ev.completion_tokens,
@@ -153,7 +154,7 @@ class _Unsampled(GenerationTrace):
     def restoring(self) -> tuple[Any, dict[str, str] | None]:
         return None, self.incoming.headers()
 
-    def generated(self, job: Job, ev: FinishEvent) -> None:
+    def generated(self, job: JobStats, ev: FinishEvent) -> None:
         self.attributes.update(_usage(job, ev))
         if ev.reason == "error":
             self.error = "generation_error"
@@ -165,8 +166,8 @@ class _Unsampled(GenerationTrace):
             self.tracer.failed_root(self.name, self.incoming, self.started_ns, attributes, why)
 
 
-def _usage(job: Job, ev: FinishEvent) -> dict[str, Any]:
-    first_token = job.first_token_at or time.monotonic()
+def _usage(job: JobStats, ev: FinishEvent) -> dict[str, Any]:
+    first_token = job.first_token_at or job.finished
     return {
         "gen_ai.usage.input_tokens": ev.prompt_tokens,
         "gen_ai.usage.output_tokens": ev.completion_tokens,

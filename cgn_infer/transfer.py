@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -58,7 +59,7 @@ from cgn_core.kv.store import BlockStore
 from cgn_core.kv.transfer import TransferParams, fallback_note
 from cgn_core.settings import TlsSettings
 from cgn_infer.block_pool import BlockPool
-from cgn_infer.engine import Exported
+from cgn_infer.events import Exported
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.scheduler import PEER, Restored
 from cgn_infer.settings import TransferSettings
@@ -120,6 +121,12 @@ class TransferSource:
             self._refs[h] = self._refs.get(h, 0) + 1
         now = time.monotonic() if now is None else now
         self._leases.append((now + self.settings.lease_s, exported.hashes))
+
+    async def hand_over(self, exported: Exported, engine_id: str) -> dict[str, Any]:
+        """A prefill leg's end: its blocks held (none: nothing held), and the field its
+        answer carries to say where they are."""
+        await self.hold(exported)
+        return self.params(exported, engine_id).to_json()
 
     async def sweep(self, now: float) -> int:
         """Drop the blocks of leases ended by `now` that no other lease holds; how many."""

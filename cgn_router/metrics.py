@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from cgn_router.lifecycle import (
     AttemptEnded,
@@ -114,14 +113,19 @@ class TallyHistogram:
 
     def collect(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
-        les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
+        les = [*(_le(b) for b in self.bounds), "+Inf"]
         for values, b in list(self._series.items()):
             cumulative, total = [], 0
-            for le, n in zip(les, list(b.counts)):
+            for le, n in zip(les, list(b.counts), strict=True):
                 total += n
                 cumulative.append((le, float(total)))
             family.add_metric(values, cumulative, b.sum)
         return family
+
+
+def _le(bound: float) -> str:
+    """A bucket's bound as prometheus_client writes it (1 -> "1.0")."""
+    return repr(float(bound))
 
 
 class _TallyCollector(Collector):

@@ -24,15 +24,8 @@ from cgn_core.errors import Unavailable
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_infer.backends.sim_backend import SimBackend, SimCost, word_tokens
-from cgn_infer.engine import (
-    MAX_LOOP_FAILURES,
-    Engine,
-    EngineConfig,
-    Event,
-    FinishEvent,
-    GenerationRequest,
-    Job,
-)
+from cgn_infer.engine import MAX_LOOP_FAILURES, Engine, EngineConfig, Job
+from cgn_infer.events import Event, FinishEvent, GenerationRequest
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.models import args_from_gguf
 from cgn_infer.sampling import Sampler, SamplingParams
