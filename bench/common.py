@@ -44,7 +44,7 @@ def engine(
     capacity unless `extra` sets one. `env` is added to this process's environment."""
     port = free_port()
     if kind == "llama.cpp":
-        argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
+        argv = [sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", str(model),
                 "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
                 "--ctx", str(ctx)]  # fmt: skip
     else:

@@ -80,7 +80,7 @@ def measure(
 
 INDEX_PROBE = """
 import json, random, sys, time
-from cgn_router.kv_index import PrefixIndex
+from cgn_router.routing.kv_index import PrefixIndex
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
@@ -108,8 +108,8 @@ print(json.dumps({"rss_mib": round(after - before), "pairs": 1000 * 16384,
 
 ROUTE_PROBE = """
 import json, random, sys, time
-from cgn_router.kv_index import PrefixIndex
-from cgn_router.chain import RoutingChain
+from cgn_router.routing.kv_index import PrefixIndex
+from cgn_router.routing.chain import RoutingChain
 from cgn_router.registry import Registry, Sessions
 from cgn_router.settings import BreakerSettings, RoutingSettings
 from cgn_router.types import Endpoint, EndpointId, RequestInfo

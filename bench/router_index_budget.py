@@ -29,7 +29,7 @@ from bench.common import write_result
 
 PROBE = """
 import json, random, sys, time
-from cgn_router.kv_index import UNLIMITED, PrefixIndex
+from cgn_router.routing.kv_index import UNLIMITED, PrefixIndex
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):

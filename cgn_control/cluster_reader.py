@@ -1,6 +1,7 @@
-"""The cluster as of one moment, read from etcd and validated (`cgn_control.cluster.Snapshot`).
+"""The cluster as of one moment, read from etcd and validated
+(`cgn_control.decide.cluster.Snapshot`).
 
-Apart from `cgn_control.cluster` so that the decisions built on a snapshot (the
+Apart from `cgn_control.decide.cluster` so that the decisions built on a snapshot (the
 reconciler, placement) import no etcd client.
 """
 
@@ -12,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cgn_control.catalog import ModelSpec, parse_model
-from cgn_control.cluster import Key, Snapshot
+from cgn_control.decide.catalog import ModelSpec, parse_model
+from cgn_control.decide.cluster import Key, Snapshot
 from cgn_core import keys
 from cgn_core import records as records_
 from cgn_core.etcd.client import EtcdClient

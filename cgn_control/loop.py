@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgn_control.catalog import pool_label, pool_record
 from cgn_control.cluster_reader import read_snapshot
-from cgn_control.reconciler import Memory, Put, ReconcilerSettings, reconcile, scale
-from cgn_control.scaling import Decision as ScaleDecision
-from cgn_control.scaling import Signals
+from cgn_control.decide.catalog import pool_label, pool_record
+from cgn_control.decide.reconciler import Memory, Put, ReconcilerSettings, reconcile, scale
+from cgn_control.decide.scaling import Decision as ScaleDecision
+from cgn_control.decide.scaling import Signals
 from cgn_core import keys
 from cgn_core.backoff import Backoff
 from cgn_core.errors import CognitoraError

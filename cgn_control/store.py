@@ -17,8 +17,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cgn_control.catalog import CatalogError, ModelSpec, check_catalog, parse_model
 from cgn_control.cluster_reader import read_snapshot
+from cgn_control.decide.catalog import CatalogError, ModelSpec, check_catalog, parse_model
 from cgn_core import keys
 from cgn_core.errors import NotFound, PermanentError
 from cgn_core.etcd import Compare, EtcdClient, Op

@@ -73,7 +73,7 @@ NAME_MAPS: dict[str, NameMap] = {
         prefix_hits=("llamacpp:prompt_tokens_cached_total",),
         prompt_excludes_cached=True,
     ),
-    # mlx_lm.server has no /metrics; cgn-agent's runner (cgn_agent/runners/mlx_lm_server.py)
+    # mlx_lm.server has no /metrics; cgn-agent's runner (cgn_agent/launchers/mlx_lm_server.py)
     # counts around it: no queue figure, no KV usage, no latency histograms
     "mlx_lm": NameMap(
         running=("mlx_lm:requests_running",),

@@ -16,7 +16,7 @@ node inventory (`/cognitora/nodes/<node>`), cordon (`/cognitora/cordon/<node>`),
 KV store (`/cognitora/kvcached/<node>`), node efficiency (`/cognitora/efficiency/<node>`,
 written by cgn-metrics), a pool's autoscaler decision (`/cognitora/scaling/<model>[/<role>]`,
 written by the leading router). The catalog, endpoints and API keys have their own parsers beside
-the types they build (`cgn_control.catalog.parse_model`, `cgn_router.registry.
+the types they build (`cgn_control.decide.catalog.parse_model`, `cgn_router.registry.
 endpoint_from_etcd`, `cgn_core.apikeys.parse_record`), on the readers below.
 """
 

@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 from cgn_control import store
-from cgn_control.catalog import pool_label, pool_record
-from cgn_control.cluster import node_views
 from cgn_control.cluster_reader import read_snapshot
-from cgn_control.placement import Decision, place, rank_plan
-from cgn_control.views import model_replicas, node_states
+from cgn_control.decide.catalog import pool_label, pool_record
+from cgn_control.decide.cluster import node_views
+from cgn_control.decide.placement import Decision, place, rank_plan
+from cgn_control.decide.views import model_replicas, node_states
 from cgn_core import keys, multinode
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient

@@ -10,7 +10,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from cgn_control.catalog import CatalogError
+from cgn_control.decide.catalog import CatalogError
 from cgn_core.apikeys import ApiKeyError
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
 from cgn_core.errors import CognitoraError

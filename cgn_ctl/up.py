@@ -332,7 +332,7 @@ def _declare(etcd: str, opts: UpOptions, say: Any) -> tuple[str, str]:
     """The catalog entry for the model and an API key for the user."""
     import asyncio
 
-    from cgn_control.catalog import parse_model
+    from cgn_control.decide.catalog import parse_model
     from cgn_core.apikeys import create
     from cgn_core.etcd import EtcdClient
     from cgn_core.settings import EtcdSettings

@@ -399,6 +399,7 @@ async def _transfers(
     if settings.role != "decode":
         port = t.port + index if t.port else 0  # virtual sim engines: the next ports
         source = TransferSource(layout, dataclasses.replace(t, port=port), settings.tls)
+        listener.svc.metrics.kv_transfer_holding.set_function(lambda: source.holding)
         await source.start()
     return source, sink
 

@@ -118,6 +118,10 @@ class EngineMetrics:
         self.kv_transfer_held = counter(
             "cgn_infer_kv_transfer_held_blocks", "Blocks held for decode engines (prefill legs)."
         )
+        self.kv_transfer_holding = gauge(
+            "cgn_infer_kv_transfer_holding_blocks",
+            "Blocks held now for decode engines, until their leases end (prefill legs).",
+        )
         self.kv_transfer_blocks = counter(
             "cgn_infer_kv_transfer_fetched_blocks", "Blocks fetched from prefill engines."
         )

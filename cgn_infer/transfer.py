@@ -82,6 +82,11 @@ class TransferSource:
         self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
 
+    @property
+    def holding(self) -> int:
+        """Blocks held now for decode engines (until their leases end)."""
+        return len(self._refs)
+
     async def start(self) -> int:
         s = self.settings
         if s.shared_memory:

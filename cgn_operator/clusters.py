@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from cgn_control.cluster import Snapshot
+from cgn_control.decide.cluster import Snapshot
 from cgn_core import pki
 from cgn_core.errors import CognitoraError
 from cgn_operator import children, status

@@ -1,7 +1,7 @@
 """The custom resources, cognitora.io/v1alpha1: CognitoraCluster and CognitoraModel.
 
 A CognitoraModel's `spec` is the catalog's model YAML (`cgn-ctl models apply -f`) one to
-one: the same fields, checked by the same `cgn_control.catalog.parse_model`. Only the
+one: the same fields, checked by the same `cgn_control.decide.catalog.parse_model`. Only the
 envelope differs: `metadata.name` is the model's name unless `spec.name` gives one that
 Kubernetes cannot (upper case, `_`, `:`), and the model belongs to the namespace's
 CognitoraCluster (or the one its `cognitora.io/cluster` label names).
@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from cgn_control.catalog import ENGINES, KV_CONNECTORS, ROLES, Profile
-from cgn_control.scaling import ScalingPolicy
+from cgn_control.decide.catalog import ENGINES, KV_CONNECTORS, ROLES, Profile
+from cgn_control.decide.scaling import ScalingPolicy
 from cgn_core.multinode import LAUNCH_MODES
 
 GROUP = "cognitora.io"
@@ -97,7 +97,8 @@ _SLO_FIELDS = ("ttft_p90_ms", "itl_p90_ms")
 
 
 def _scaling() -> dict[str, Any]:
-    """The catalog's `scaling:` block (cgn_control/scaling.py ScalingPolicy, less the SLO)."""
+    """The catalog's `scaling:` block (ScalingPolicy of cgn_control/decide/scaling.py, less
+    the SLO)."""
     kinds = {"enabled": "boolean", "max_step_up": "integer"}
     props = {
         f.name: _s(kinds.get(f.name, "number"), minimum=0) if f.name != "enabled" else _s("boolean")

@@ -11,8 +11,8 @@ from typing import Any
 import kopf
 
 from cgn_control import store
-from cgn_control.catalog import CatalogError, ModelSpec, parse_model
-from cgn_control.cluster import Snapshot
+from cgn_control.decide.catalog import CatalogError, ModelSpec, parse_model
+from cgn_control.decide.cluster import Snapshot
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_operator import children, status

@@ -22,8 +22,8 @@ from pathlib import Path
 import kopf
 
 from cgn_control import store
-from cgn_control.cluster import Snapshot
 from cgn_control.cluster_reader import read_snapshot
+from cgn_control.decide.cluster import Snapshot
 from cgn_core import pki
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient

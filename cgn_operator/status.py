@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cgn_control.catalog import ModelSpec, pool_record
-from cgn_control.cluster import Snapshot
-from cgn_control.views import model_replicas
+from cgn_control.decide.catalog import ModelSpec, pool_record
+from cgn_control.decide.cluster import Snapshot
+from cgn_control.decide.views import model_replicas
 
 Condition = dict[str, Any]
 

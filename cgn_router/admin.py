@@ -19,9 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_core.http import Handler, error_middleware, mtls_middleware
 from cgn_router.auth import authorize_admin
-from cgn_router.metrics_merge import merge_pages
 from cgn_router.service import RouterService
-from cgn_router.workers import WorkerRole, sibling_admin_urls, workers_status
+from cgn_router.workers.metrics_merge import merge_pages
+from cgn_router.workers.supervisor import WorkerRole, sibling_admin_urls, workers_status
 
 OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # no client certificate needed
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from cgn_core.apikeys import KeyRecord, Limits, key_id, matches
 from cgn_core.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
-from cgn_router.shared import SharedUsage, Slot
+from cgn_router.workers.shared import SharedUsage, Slot
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,4 +76,33 @@ def serve(
     run_daemon(settings, ready_file, source=(config, flags))
 
 
+@app.command(hidden=True)
+def worker() -> None:
+    """A worker process of `serve --workers N`, started by its supervisor (workers/supervisor.py):
+    the settings the supervisor was given, read again (a reload sees a changed config file),
+    on the held ports."""
+    import json
+    import os
+
+    from cgn_router.daemon import run as run_daemon
+    from cgn_router.workers.supervisor import FLAGS_ENV, WorkerRole, stop_with_parent
+
+    role = WorkerRole.from_env()
+    stop_with_parent(role.supervisor)
+    flags = json.loads(os.environ[FLAGS_ENV])
+    config = flags.pop("config") or None
+    flags.update({"http.port": str(role.http_port), "workers": "1"})
+    if role.primary:
+        flags["admin.port"] = str(role.admin_port)
+    else:  # NOTE: one reconciler per router host; the others need no vote
+        flags.update({"admin.host": "127.0.0.1", "admin.port": "0", "reconciler.enabled": "false"})
+    path = Path(config) if config else None
+    settings = load_service_settings(RouterSettings, "router", path, flags)
+    setup_logging("router", settings.log)
+    run_daemon(settings, role.ready_file(), worker=role)
+
+
 main = run(app)
+
+if __name__ == "__main__":  # a worker: python -m cgn_router.cli worker
+    main()

@@ -38,12 +38,9 @@ from cgn_core.tracing import SpanCounts, Tracer
 from cgn_router.admin import build_admin_app
 from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
-from cgn_router.chain import RoutingChain
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
-from cgn_router.kv_index import PrefixIndex, TierIndex
-from cgn_router.lifecycle import Observer
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
@@ -51,14 +48,17 @@ from cgn_router.registry import (
     Sessions,
     endpoint_from_static,
 )
+from cgn_router.routing.chain import RoutingChain
+from cgn_router.routing.kv_index import PrefixIndex, TierIndex
+from cgn_router.routing.lifecycle import Observer
 from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_front
 from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings, ScrapeSettings
-from cgn_router.shared import SharedLoad, SharedUsage
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
-from cgn_router.workers import Heartbeat, Supervisor, WorkerRole
+from cgn_router.workers.shared import SharedLoad, SharedUsage
+from cgn_router.workers.supervisor import Heartbeat, Supervisor, WorkerRole
 
 log = logging.getLogger(__name__)
 DRAIN_CAP_S = 30.0

@@ -18,9 +18,9 @@ import logging
 import time
 
 from cgn_core.errors import Overloaded, UpstreamTimeout
-from cgn_router.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.metrics import RouterMetrics
 from cgn_router.registry import Registry
+from cgn_router.routing.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.settings import AdmissionSettings
 from cgn_router.types import EndpointId
 

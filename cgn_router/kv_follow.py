@@ -37,7 +37,7 @@ from cgn_core.backoff import Backoff
 from cgn_core.http import bearer_header
 from cgn_core.kv.blockhash import BLOCK_SIZE, namespace
 from cgn_proto.cognitora.v1 import kv_events_pb2 as pb
-from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
+from cgn_router.routing.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId
 

@@ -1,7 +1,7 @@
 """One leg of a request on one endpoint: routed by the chain, run through the proxy under a
-lease, and accounted as records (cgn_router/lifecycle.py): the client's answer (`attempt`,
+lease, and accounted as records (cgn_router/routing/lifecycle.py): the client's answer (`attempt`,
 also a migrated stream's continuation), and for a model with a prefill pool the P/D split
-(`disaggregate`: cgn_router/disagg.py decides, `prefill_leg` runs the first leg)."""
+(`disaggregate`: cgn_router/routing/disagg.py decides, `prefill_leg` runs the first leg)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_router.attempt import Attempt
 from cgn_router.context import RequestContext
-from cgn_router.disagg import decide
-from cgn_router.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
 from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
+from cgn_router.routing.disagg import decide
+from cgn_router.routing.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
@@ -109,7 +109,7 @@ async def disaggregate(
     payload: bytes,
     acct: Account,
 ) -> tuple[bytes, dict[str, str]]:
-    """The decode replica `view`'s body and the P/D header: split (cgn_router/disagg.py), the
+    """The decode replica `view`'s body and the P/D header: split (routing/disagg.py), the
     prefill leg run and its KV named in the body; else the client's body, computed whole
     there. A failed prefill leg is a fallback (counted), never the request's failure."""
     uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)

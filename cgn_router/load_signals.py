@@ -1,4 +1,4 @@
-"""What the autoscaler reads from the router it runs in (cgn_control/scaling.py, `Signals`).
+"""What the autoscaler reads from the router it runs in (cgn_control/decide/scaling.py, `Signals`).
 
 The leader of the control loop is a router, and a router already knows the
 fleet's load: each replica's running and waiting requests (scraped from its
@@ -16,9 +16,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cgn_control.scaling import ReplicaLoad, Signals
-from cgn_router.lifecycle import AttemptEnded, Record, Unrouted
+from cgn_control.decide.scaling import ReplicaLoad, Signals
 from cgn_router.registry import Registry
+from cgn_router.routing.lifecycle import AttemptEnded, Record, Unrouted
 
 WINDOW_S = 60.0  # latencies and unrouted requests count for this long
 MAX_SAMPLES = 4096  # per model: the most recent ones
@@ -96,7 +96,7 @@ class LoadSignals:
 
 
 class LoadObserver:
-    """What the autoscaler learns from every request's records (cgn_router/lifecycle.py): the
+    """What the autoscaler learns from every request's records (routing/lifecycle.py): the
     time to each client's first byte, per model (its SLO signal), and the requests no
     replica existed for."""
 

@@ -1,5 +1,5 @@
 """cgn-router's Prometheus metrics (one CollectorRegistry per router, no globals), and the
-observer that counts every request's records in them (cgn_router/lifecycle.py)."""
+observer that counts every request's records in them (cgn_router/routing/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cgn_router.lifecycle import (
+from cgn_router.registry import Registry
+from cgn_router.routing.lifecycle import (
     AttemptEnded,
     Ended,
     Fallback,
@@ -25,24 +26,11 @@ from cgn_router.lifecycle import (
     Retried,
     Routed,
 )
-from cgn_router.registry import Registry
 
 if TYPE_CHECKING:
     from cgn_control.loop import ControlState
 
 M = TypeVar("M", Counter, Histogram, Gauge)
-# Gauges that are each worker's view of one fleet, not a share of the router's work: with
-# several workers (metrics_merge.py) the largest is shown, not the sum.
-VIEW_GAUGES = frozenset(
-    {
-        "cgn_router_pool_saturation",
-        "cgn_router_endpoint_breaker_open",
-        "cgn_router_endpoint_metrics_stale",
-        "cgn_router_endpoint_kv_blocks",
-        "cgn_autoscaler_desired_replicas",
-        "cgn_autoscaler_current_replicas",
-    }
-)
 
 
 class Labelled(Generic[M]):
@@ -262,7 +250,7 @@ class RouterMetrics:
         self.kv_events = counter("cgn_router_kv_events", "KV events applied.", "endpoint")
         self.pd_decisions = counter(
             "cgn_router_pd_decisions",
-            "Requests of models with a prefill pool: split, or why not (cgn_router/disagg.py).",
+            "Requests of models with a prefill pool: split, or why not (routing/disagg.py).",
             "model",
             "reason",
         )
@@ -323,7 +311,7 @@ class _ModelSeries:
 
 
 class MetricsObserver:
-    """Every request's records (cgn_router/lifecycle.py) as the router's metrics. Per request
+    """Every request's records (routing/lifecycle.py) as the router's metrics. Per request
     it makes one lookup per record kind and one per model; the series it adds to are plain
     numbers (Tally), each found once."""
 

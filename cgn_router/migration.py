@@ -10,8 +10,8 @@ import time
 from cgn_core.h1 import Request
 from cgn_router.context import RequestContext
 from cgn_router.legs import attempt, route
-from cgn_router.lifecycle import Account, Migrated
 from cgn_router.proxy import AttemptFailed, Relayed
+from cgn_router.routing.lifecycle import Account, Migrated
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, RequestInfo
 

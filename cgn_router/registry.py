@@ -28,10 +28,9 @@ from typing import Any, Literal
 from cgn_core import keys
 from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.records import Efficiency, fresh_efficiency
-from cgn_router.breaker import Breaker
-from cgn_router.kv_index import PrefixIndex, TierIndex
+from cgn_router.routing.breaker import Breaker
+from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.settings import BreakerSettings, StaticEndpoint
-from cgn_router.shared import SharedLoad
 from cgn_router.types import (
     Endpoint,
     EndpointId,
@@ -40,6 +39,7 @@ from cgn_router.types import (
     RequestInfo,
     queue_length,
 )
+from cgn_router.workers.shared import SharedLoad
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ after it, only a continuation of the same answer by the same model (never a
 fallback: that would splice two models' answers into one).
 
 This module counts nothing: each step emits a record to the request's
-`Account` (cgn_router/lifecycle.py), whose observers are the metrics, the
+`Account` (cgn_router/routing/lifecycle.py), whose observers are the metrics, the
 autoscaler's load signals and the request's trace; `Ended` is emitted in one
 place, `_handle`.
 """
@@ -52,7 +52,11 @@ from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
 from cgn_router.legs import PATHS, attempt, disaggregate, route
-from cgn_router.lifecycle import (
+from cgn_router.load_signals import WINDOW_S
+from cgn_router.migration import migrate
+from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
+from cgn_router.proxy import AttemptFailed, Relayed
+from cgn_router.routing.lifecycle import (
     Account,
     Admitted,
     Asked,
@@ -63,10 +67,6 @@ from cgn_router.lifecycle import (
     Retried,
     Unrouted,
 )
-from cgn_router.load_signals import WINDOW_S
-from cgn_router.migration import migrate
-from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
-from cgn_router.proxy import AttemptFailed, Relayed
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, RequestInfo
 

@@ -13,13 +13,13 @@ from cgn_core.revocation import RevocationList
 from cgn_core.tracing import Tracer
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
-from cgn_router.chain import Decision, RoutingChain
 from cgn_router.gate import Gate
-from cgn_router.lifecycle import Account, Observer
 from cgn_router.load_signals import LoadObserver, LoadSignals
 from cgn_router.metrics import MetricsObserver, RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import Registry
+from cgn_router.routing.chain import Decision, RoutingChain
+from cgn_router.routing.lifecycle import Account, Observer
 from cgn_router.settings import RouterSettings
 from cgn_router.trace import RequestTrace
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
@@ -62,7 +62,7 @@ class RouterService:
         self.observers = (MetricsObserver(self.metrics), LoadObserver(self.load), *self.observers)
 
     def account(self, kind: str, headers: Mapping[str, str]) -> Account:
-        """A new request's account (cgn_router/lifecycle.py): the service's observers, and
+        """A new request's account (cgn_router/routing/lifecycle.py): the service's observers, and
         the request's trace when tracing is on."""
         if self.tracer is None:
             return Account(self.observers)

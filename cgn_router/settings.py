@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cgn_control.reconciler import ReconcilerSettings
+from cgn_control.decide.reconciler import ReconcilerSettings
 from cgn_core.errors import ConfigError
 from cgn_core.settings import (
     EtcdSettings,
@@ -61,7 +61,7 @@ class StaticStore:
 class ScorerSpec:
     """One scorer of the routing chain: a registered type, its weight, its parameters."""
 
-    type: str = ""  # prefix | load | kv_usage | affinity (cgn_router/plugins/)
+    type: str = ""  # prefix | load | kv_usage | affinity (cgn_router/routing/plugins/)
     weight: float = ranged(1.0, 0, 1e9)
     name: str = ""  # defaults to the type; two scorers of one type need two names
     params: dict[str, float] = field(default_factory=dict)  # the scorer's fields
@@ -111,7 +111,7 @@ class RoutingSettings:
 @dataclass(frozen=True, slots=True)
 class PdSettings:
     """Prefill/decode disaggregation, for models with prefill-role endpoints
-    (cgn_router/disagg.py has the rule)."""
+    (cgn_router/routing/disagg.py has the rule)."""
 
     enabled: bool = True
     # shorter uncached prompts run whole on the decode replica

@@ -13,7 +13,7 @@ Attributes follow OpenTelemetry's `gen_ai.*` conventions where they apply
 (operation, request and response model, usage, time to first token). Never
 recorded: the API key, the prompt, the answer.
 
-A request's trace is one of its observers (cgn_router/lifecycle.py): it
+A request's trace is one of its observers (cgn_router/routing/lifecycle.py): it
 makes its spans from the request's records, and answers an attempt's start
 with the headers that carry the trace to the engine. With tracing off a
 request has no trace observer at all. An unsampled request makes no spans;
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cgn_core.tracing import Incoming, Tracer, failed, now_ns
-from cgn_router.chain import Decision
-from cgn_router.lifecycle import (
+from cgn_router.routing.chain import Decision
+from cgn_router.routing.lifecycle import (
     Admitted,
     Asked,
     AttemptEnded,

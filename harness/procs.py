@@ -161,7 +161,7 @@ def llamacpp(
 ) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
     port = free_port()
-    argv = [sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--model", str(model),
+    argv = [sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", str(model),
             "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
             "--ctx", str(ctx), "--flash-attn", flash_attn]  # fmt: skip
     proc = subprocess.Popen(
@@ -296,7 +296,7 @@ def cgn_router(
     argv = [*exe, "serve", "--port", "0", "--admin-port", "0",
             "--config", str(cfg), "--ready-file", str(ready), *args]  # fmt: skip
     with (tmp / f"{cfg.stem}.log").open("wb") as log:
-        # NOTE: from `src` (its workers run `python -m cgn_router.worker`, which imports from
+        # NOTE: from `src` (its workers run `python -m cgn_router.cli worker`, which imports from
         # the current folder first)
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=src

@@ -13,7 +13,7 @@ import pytest
 
 from cgn_agent.drivers import DRIVERS, LaunchContext, PlacementRefused, installed_engines
 from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
-from cgn_agent.runners import mlx_lm_server
+from cgn_agent.launchers import mlx_lm_server
 from cgn_agent.spec import (
     EngineProfile,
     PipelinePart,
@@ -41,7 +41,7 @@ DOCUMENTED = {
                "--enable-hierarchical-cache", "--enable-lmcache", "--disaggregation-mode",
                "--disaggregation-transfer-backend", "--hicache-size"},
     "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
-    "mlx_lm": {"--source", "--name", "--host", "--port"},  # cgn_agent/runners/mlx_lm_server.py
+    "mlx_lm": {"--source", "--name", "--host", "--port"},  # cgn_agent/launchers/mlx_lm_server.py
     "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl"},
     "llama_cpp_python": {"--model", "--host", "--port", "--model_alias", "--n_ctx",
                          "--n_threads", "--n_gpu_layers"},
@@ -143,7 +143,7 @@ def test_trtllm_and_mlx_argv_and_documented_flags() -> None:
     DRIVERS["mlx_lm"].validate(m, MAC, ALL_TOOLS)
     DRIVERS["mlx_lm"].validate(m, CPU_NODE, ALL_TOOLS)  # MLX's CPU backend: any node with mlx_lm
     launch = DRIVERS["mlx_lm"].launch(m, replace(CTX, token="s3cret"), ALL_TOOLS)
-    assert launch.argv == ("/venv/bin/python", "-m", "cgn_agent.runners.mlx_lm_server", "--source",
+    assert launch.argv == ("/venv/bin/python", "-m", "cgn_agent.launchers.mlx_lm_server", "--source",
                            "mlx-community/Qwen2.5-7B-4bit", "--name", "qwen-7b", "--host", "0.0.0.0",
                            "--port", "8100", "--", "--temp", "0.2")  # fmt: skip
     assert flags(launch.argv[3:-3]) <= DOCUMENTED["mlx_lm"]
@@ -205,8 +205,8 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
                      profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp")), model="smol", devices=())  # fmt: skip
     launch = DRIVERS["llama_cpp"].launch(x, CTX, tools)
-    assert launch.argv[1:3] == ("-m", "cgn_agent.runners.xllamacpp_server")
-    helped = _help_flags([sys.executable, "-m", "cgn_agent.runners.xllamacpp_server", "--help"])
+    assert launch.argv[1:3] == ("-m", "cgn_agent.launchers.xllamacpp_server")
+    helped = _help_flags([sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--help"])
     assert flags(launch.argv[3:]) <= helped
 
 

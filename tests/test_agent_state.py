@@ -149,7 +149,7 @@ def test_node_id_is_derived_once_and_kept(tmp_path: Path) -> None:
 
 
 def test_runner_module_refuses_bad_usage() -> None:
-    out = subprocess.run([sys.executable, "-m", "cgn_agent.runners.xllamacpp_server"],
+    out = subprocess.run([sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server"],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert out.returncode == 2 and "--model" in out.stderr
 

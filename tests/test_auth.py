@@ -221,8 +221,8 @@ def test_a_keys_limits_hold_across_workers() -> None:
 
     from cgn_core.apikeys import Limits, create
     from cgn_core.errors import RateLimited
-    from cgn_router import shared
     from cgn_router.auth import Limiter, Principal
+    from cgn_router.workers import shared
 
     fd = shared.create(shared.USAGE, 2)
     views = [shared.SharedUsage(fd, 2, w) for w in (0, 1)]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cgn_control.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_control.decide.catalog import CatalogError, ModelSpec, check_catalog, parse_model
 
 
 def model(**kw: Any) -> dict[str, Any]:

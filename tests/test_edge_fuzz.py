@@ -179,14 +179,18 @@ def test_both_still_serve_after_the_fuzz(edge: tuple[str, Router]) -> None:
 # ---- chaos: slow and idle clients and a big prompt while streams run ------------------------
 
 
-def stream_gaps(url: str, out: list[float]) -> None:
-    """Stream one completion through `url`, appending the longest gap between chunks."""
+def stream_gaps(url: str, out: list[float], flowing: threading.Semaphore | None = None) -> None:
+    """Stream one completion through `url`, appending the longest gap between chunks;
+    `flowing` is released at its first chunk."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me"}],
             "max_tokens": 400, "stream": True, "ignore_eos": True}  # fmt: skip
     last, worst = time.monotonic(), 0.0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
+            if flowing is not None and worst == 0.0 and line.startswith("data: "):
+                flowing.release()
+                flowing = None
             now = time.monotonic()
             worst, last = max(worst, now - last), now
             if line == "data: [DONE]":
@@ -207,10 +211,14 @@ def test_streams_survive_slow_clients_idle_sockets_and_a_big_prompt(
     for s in slow:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never more
     gaps: list[float] = []
-    streams = [threading.Thread(target=stream_gaps, args=(router.url, gaps)) for _ in range(4)]
+    flowing = threading.Semaphore(0)
+    streams = [
+        threading.Thread(target=stream_gaps, args=(router.url, gaps, flowing)) for _ in range(4)
+    ]
     for t in streams:
         t.start()
-    time.sleep(0.3)  # the streams are under way
+    for _ in streams:  # each stream's first chunk has come
+        assert flowing.acquire(timeout=60), "a stream never started"
     word = "a" * (4 << 20)  # ~3 s to tokenize here: on the event loop, every stream would stall
     big = {"model": MODEL, "messages": [{"role": "user", "content": word}], "max_tokens": 1}
     started = time.monotonic()

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from cgn_control.catalog import parse_model
-from cgn_control.cluster import Snapshot, node_views
-from cgn_control.placement import NodeView, place
+from cgn_control.decide.catalog import parse_model
+from cgn_control.decide.cluster import Snapshot, node_views
+from cgn_control.decide.placement import NodeView, place
 from cgn_core import rbac, records
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_metrics.daemon import efficiency_records
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers
-from cgn_router.plugins.efficiency import EfficiencyScorer
+from cgn_router.routing.plugins.efficiency import EfficiencyScorer
 from cgn_router.settings import RouterSettings
 from cgn_router.types import Endpoint, EndpointId, EndpointView, RequestInfo
 from cgn_router.upstream import Upstream

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cgn_proto.cognitora.v1 import kv_events_pb2 as ev
 from cgn_router.kv_follow import StreamRefused, apply_pool, apply_tiers
-from cgn_router.kv_index import RAM, SSD, PrefixIndex, TierIndex
+from cgn_router.routing.kv_index import RAM, SSD, PrefixIndex, TierIndex
 from cgn_router.types import EndpointId
 
 E = EndpointId("m/r1")

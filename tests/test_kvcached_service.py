@@ -276,7 +276,7 @@ def test_tier_events_feed_the_router_index_exactly(tmp_path: Path) -> None:
     from google.protobuf import json_format
 
     from cgn_router.kv_follow import apply_tiers
-    from cgn_router.kv_index import TierIndex
+    from cgn_router.routing.kv_index import TierIndex
 
     args = ("--ram-bytes", str(1 << 20), "--ssd-dir", str(tmp_path / "ssd"),
             "--ssd-bytes", str(16 << 20), "--set", "events_token=s3cret")  # fmt: skip

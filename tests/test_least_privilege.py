@@ -11,7 +11,7 @@ import pytest
 from cgn_agent.drivers import PlacementRefused
 from cgn_agent.drivers.base import check_source
 from cgn_agent.spec import ReplicaId, ReplicaSpec
-from cgn_control.catalog import CatalogError, parse_model
+from cgn_control.decide.catalog import CatalogError, parse_model
 from cgn_core import engine_args
 from cgn_core.bundled_models import smollm2
 from cgn_core.engine_args import ArgsRefused

@@ -1,4 +1,4 @@
-"""One account of each request (cgn_router/lifecycle.py): the records a scenario produces,
+"""One account of each request (cgn_router/routing/lifecycle.py): the records a scenario produces,
 asserted as records, and the metrics observer's counts from them.
 
 The router runs in-process (build_service and build_front, as the daemon builds
@@ -18,7 +18,7 @@ import pytest
 
 from cgn_core.etcd.local import free_port
 from cgn_router.daemon import build_service
-from cgn_router.lifecycle import (
+from cgn_router.routing.lifecycle import (
     AttemptEnded,
     AttemptStarted,
     Ended,

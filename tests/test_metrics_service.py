@@ -149,8 +149,13 @@ def test_metrics_federation_file_sd_and_history(stack: dict[str, Any]) -> None:
 def test_an_agent_restart_does_not_make_negative_energy(stack: dict[str, Any]) -> None:
     load(stack["engine"], 4)
     stack["power"].reset()  # the agent's energy counter starts again from zero
-    time.sleep(1.5)
-    v = fleet(stack["url"])
+    reset_at = time.time()
+    # a view summarized from a scrape after the reset (an agent target scraped since)
+    v = until(
+        "a view after the reset",
+        lambda: (f := fleet(stack["url"]))["time"] > reset_at + 0.2 and f,
+        timeout_s=15,
+    )
     m1 = next(n for n in v["nodes"] if n["node"] == "m1")
     assert m1["joules"] is not None and m1["joules"] >= 0
 

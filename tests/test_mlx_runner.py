@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cgn_agent.runners.mlx_convert import _quantization, hf_name, unpermute
-from cgn_agent.runners.mlx_lm_server import Counters, link_name
+from cgn_agent.launchers.mlx_convert import _quantization, hf_name, unpermute
+from cgn_agent.launchers.mlx_lm_server import Counters, link_name
 from cgn_core.engine_metrics import in_flight, name_map, parse_samples
 from cgn_core.errors import CognitoraError
 

@@ -21,9 +21,9 @@ from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
 from cgn_agent.node import rank_log
 from cgn_agent.shard import EXIT_REASON, PLAN_ENV, Plan, Step
 from cgn_agent.spec import EngineProfile, PipelinePart, ReplicaId, ReplicaSpec, parse_placement
-from cgn_control.catalog import CatalogError, parse_model
-from cgn_control.placement import Device, NodeView, place, rank_plan
-from cgn_control.reconciler import Delete, Memory, Put, Snapshot, reconcile
+from cgn_control.decide.catalog import CatalogError, parse_model
+from cgn_control.decide.placement import Device, NodeView, place, rank_plan
+from cgn_control.decide.reconciler import Delete, Memory, Put, Snapshot, reconcile
 from cgn_core import multinode
 from cgn_core.process import group_members
 from cgn_core.records import node_inventory

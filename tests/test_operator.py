@@ -22,8 +22,8 @@ import jsonschema
 import pytest
 import yaml
 
-from cgn_control.catalog import CatalogError, parse_model
-from cgn_control.cluster import Snapshot
+from cgn_control.decide.catalog import CatalogError, parse_model
+from cgn_control.decide.cluster import Snapshot
 from cgn_core import pki
 from cgn_operator import children, lease, manifests, status
 from cgn_operator.crds import API_VERSION, CLUSTER, MODEL, crds, model_doc
@@ -454,7 +454,7 @@ def test_a_model_resource_carries_the_autoscalers_policy() -> None:
     they reach the catalog entry through the same parser."""
     import dataclasses
 
-    from cgn_control.scaling import ScalingPolicy
+    from cgn_control.decide.scaling import ScalingPolicy
     from cgn_operator import crds
 
     props = crds.model_spec_schema()["properties"]

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from cgn_control import store
-from cgn_control.catalog import parse_model
+from cgn_control.decide.catalog import parse_model
 from cgn_core import keys, pki
 from cgn_core.errors import ConfigError
 from cgn_core.etcd import EtcdClient

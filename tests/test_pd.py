@@ -23,10 +23,11 @@ from cgn_core.errors import InvalidRequest
 from cgn_core.etcd.local import free_port
 from cgn_core.kv.transfer import TransferParams, parse_transfer_params
 from cgn_core.readiness import wait_ready_file
-from cgn_router.disagg import decide
+from cgn_router.routing.disagg import decide
 from cgn_router.settings import PdSettings
 from harness import netns
 from harness.metrics import metric
+from harness.poll import until
 from harness.procs import BIN, Engine, Router, cgn_infer, cgn_infer_engines, cgn_router, stop
 
 pytestmark = pytest.mark.slow  # real multi-process runs: not in the fast loop
@@ -126,7 +127,12 @@ def test_sim_engines_transfer_and_the_lease_ends(sims: list[Engine]) -> None:
     # past transfer.lease_s the blocks are gone: the decode leg recomputes, and says so
     first = post(prefill, {**sim_body(2), **PREFILL}).json()["kv_transfer_params"]
     fallbacks0 = metric(decode, "cgn_infer_pd_fallbacks_total", reason="missing")
-    time.sleep(2.5)  # lease_s 1, swept every second
+    assert metric(prefill, "cgn_infer_kv_transfer_holding_blocks") > 0
+    until(  # lease_s 1, swept every second
+        "the leases ended",
+        lambda: metric(prefill, "cgn_infer_kv_transfer_holding_blocks") == 0,
+        timeout_s=10,
+    )
     late = post(decode, {**sim_body(2), "kv_transfer_params": first})
     assert late.status_code == 200 and late.headers["x-cgn-kv-transfer"] == "fallback: missing"
     assert late.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_control.catalog import ModelSpec, parse_model
-from cgn_control.placement import Decision, Device, NodeView, node_view, place
+from cgn_control.decide.catalog import ModelSpec, parse_model
+from cgn_control.decide.placement import Decision, Device, NodeView, node_view, place
 from cgn_core.records import node_inventory
 
 ENGINES = frozenset({"vllm", "cgn_infer", "llama_cpp"})

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cgn_agent.spec import parse_placement
-from cgn_control.catalog import parse_model
-from cgn_control.cluster import Snapshot, node_views
-from cgn_control.placement import node_view
-from cgn_control.reconciler import Memory, reconcile
+from cgn_control.decide.catalog import parse_model
+from cgn_control.decide.cluster import Snapshot, node_views
+from cgn_control.decide.placement import node_view
+from cgn_control.decide.reconciler import Memory, reconcile
 from cgn_core import records
 from cgn_core.apikeys import Limits, create, parse_record
 from cgn_core.errors import CognitoraError

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from cgn_control.catalog import ModelSpec, parse_model
-from cgn_control.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
-from cgn_control.scaling import ReplicaLoad
+from cgn_control.decide.catalog import ModelSpec, parse_model
+from cgn_control.decide.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
+from cgn_control.decide.scaling import ReplicaLoad
 from cgn_core.records import placement
 from cgn_router.settings import ReconcilerSettings
 
@@ -92,7 +92,7 @@ def test_a_refused_engine_is_not_placed_on_that_node_again_until_its_profiles_ch
     """The agent on a refuses the model's engine: the next replica goes to b, and explain
     says why not a; after REFUSED_FOR_S, or once the catalog's profiles change, a is a
     candidate again."""
-    from cgn_control.reconciler import REFUSED_FOR_S
+    from cgn_control.decide.reconciler import REFUSED_FOR_S
 
     mem = Memory()
     m = model("m")
@@ -389,8 +389,8 @@ def test_the_replica_that_goes_is_the_one_whose_loss_costs_least(
 
 
 def test_scale_reads_the_routers_signals_per_pool() -> None:
-    from cgn_control.reconciler import scale
-    from cgn_control.scaling import Signals
+    from cgn_control.decide.reconciler import scale
+    from cgn_control.decide.scaling import Signals
 
     m = model("m", lo=1, hi=6)
     placed = {("a", "r1"): "m", ("b", "r2"): "m"}

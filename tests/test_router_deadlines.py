@@ -89,6 +89,7 @@ def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
     import httpx
 
     from harness.metrics import metric
+    from harness.poll import until
     from harness.procs import cgn_infer_engines
 
     tmp = Path(tempfile.mkdtemp(prefix="stall-"))
@@ -112,7 +113,8 @@ def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
             threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
-            time.sleep(0.5)  # each engine runs one stream and queues the others
+            for e in engines:  # each engine runs one stream and queues the others
+                until(f"{e.url} busy", lambda e=e: metric(e.url, "vllm:num_requests_running"))
             os.kill(engines[0].proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:

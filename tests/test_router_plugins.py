@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from cgn_router.chain import Policy, RoutingChain, chain_from_policy
-from cgn_router.plugins import FILTERS, PICKERS, SCORERS
-from cgn_router.plugins.affinity import AffinityScorer
-from cgn_router.plugins.base import build
-from cgn_router.plugins.kv_usage import KvUsageScorer
-from cgn_router.plugins.load import LoadScorer
-from cgn_router.plugins.picker import MaxScorePicker, PowerOfTwoPicker
-from cgn_router.plugins.prefix import PrefixScorer
+from cgn_router.routing.chain import Policy, RoutingChain, chain_from_policy
+from cgn_router.routing.plugins import FILTERS, PICKERS, SCORERS
+from cgn_router.routing.plugins.affinity import AffinityScorer
+from cgn_router.routing.plugins.base import build
+from cgn_router.routing.plugins.kv_usage import KvUsageScorer
+from cgn_router.routing.plugins.load import LoadScorer
+from cgn_router.routing.plugins.picker import MaxScorePicker, PowerOfTwoPicker
+from cgn_router.routing.plugins.prefix import PrefixScorer
 from cgn_router.settings import RoutingSettings, ScorerSpec
 from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
 

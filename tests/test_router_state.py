@@ -16,13 +16,13 @@ import pytest
 from cgn_core.kv.blockhash import block_hashes
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
-from cgn_router.breaker import Breaker
 from cgn_router.catalog import entry_from_etcd
-from cgn_router.chain import RoutingChain
 from cgn_router.daemon import scrape_plan
-from cgn_router.kv_index import PrefixIndex
 from cgn_router.prompts import PromptHasher
 from cgn_router.registry import LoadOrder, Registry, Sessions, endpoint_from_etcd
+from cgn_router.routing.breaker import Breaker
+from cgn_router.routing.chain import RoutingChain
+from cgn_router.routing.kv_index import PrefixIndex
 from cgn_router.scrape import engine_load, name_map, parse_samples
 from cgn_router.settings import BreakerSettings, RoutingSettings, ScrapeSettings
 from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
@@ -188,7 +188,7 @@ def test_workers_see_each_others_requests_on_an_endpoint() -> None:
     (requests in flight, pending prefill) until it ends; a restarted worker's are gone."""
     import os
 
-    from cgn_router import shared
+    from cgn_router.workers import shared
 
     fd = shared.create(shared.LOAD, 2)
     tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]

@@ -27,8 +27,8 @@ import pytest
 from cgn_core import keys
 from cgn_core.apikeys import Limits, create
 from cgn_core.etcd.local import LocalEtcd
-from cgn_router.metrics_merge import merge_pages
-from cgn_router.workers import HUNG_S
+from cgn_router.workers.metrics_merge import merge_pages
+from cgn_router.workers.supervisor import HUNG_S
 from harness.poll import until
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put, runs
 
@@ -336,7 +336,7 @@ def test_workers_stop_when_their_supervisor_is_killed(router: tuple[LocalEtcd, R
     pids = [w["pid"] for w in health(r)[1]["workers"]]
     r.proc.kill()
     r.proc.wait(10)
-    until("the workers gone", lambda: not any(runs(p, "cgn_router.worker") for p in pids),
+    until("the workers gone", lambda: not any(runs(p, "cgn_router.cli") for p in pids),
           timeout_s=30)  # fmt: skip
 
 
@@ -344,7 +344,7 @@ def test_a_table_whose_lock_another_process_holds_is_busy_within_its_bound(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The wait is bounded, the holder is named, and for BUSY_S nobody tries again."""
-    from cgn_router import shared
+    from cgn_router.workers import shared
 
     fd = shared.create(shared.USAGE, 2)
     usage = shared.SharedUsage(fd, 2, 0)

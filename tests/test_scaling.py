@@ -1,4 +1,4 @@
-"""The autoscaler's decision (cgn_control/scaling.py) as tables, plus a property: whatever the
+"""The autoscaler's decision (cgn_control/decide/scaling.py) as tables, plus a property: whatever the
 load does, a target stays within min..max and the budget, and changes at most once a cooldown."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_control.scaling import Pool, Sample, Scaler, ScalingPolicy
+from cgn_control.decide.scaling import Pool, Sample, Scaler, ScalingPolicy
 
 # demand as sampled (window_s 0): the tables below are about the rules, not the averaging
 POLICY = ScalingPolicy(

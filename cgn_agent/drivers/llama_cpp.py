@@ -2,7 +2,7 @@
 
 * `llama_server`: the `llama-server` binary (`-m`, `--alias`, `--metrics`, `-c`, `-t`, `-ngl`);
 * `xllamacpp`: llama.cpp's server in-process through the xllamacpp wheel
-  (`python -m cgn_agent.runners.xllamacpp_server`, same metrics);
+  (`python -m cgn_agent.launchers.xllamacpp_server`, same metrics);
 * `llama_cpp_python`: `python -m llama_cpp.server` (`--model_alias`, `--n_ctx`,
   `--n_threads`, `--n_gpu_layers`); it has neither /health nor /metrics.
 
@@ -96,7 +96,7 @@ class LlamaCppDriver:
             argv = [
                 ctx.python,
                 "-m",
-                "cgn_agent.runners.xllamacpp_server",
+                "cgn_agent.launchers.xllamacpp_server",
                 "--model",
                 model,
                 "--host",

@@ -1,6 +1,6 @@
 """mlx_lm's server, and external OpenAI-compatible engines (nothing spawned).
 
-* mlx_lm: `python -m cgn_agent.runners.mlx_lm_server` runs `mlx_lm.server`
+* mlx_lm: `python -m cgn_agent.launchers.mlx_lm_server` runs `mlx_lm.server`
   wherever `mlx_lm` imports (Apple silicon's GPU, or MLX's CPU backend on
   Linux). A GGUF source (a bundled model, a .gguf file) is converted once per
   node into an MLX directory; an MLX directory or a hub repo id is loaded as
@@ -45,7 +45,7 @@ class MlxLmDriver:
         argv = [
             ctx.python,
             "-m",
-            "cgn_agent.runners.mlx_lm_server",
+            "cgn_agent.launchers.mlx_lm_server",
             "--source",
             model_file(spec),
             "--name",

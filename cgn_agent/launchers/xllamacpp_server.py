@@ -1,6 +1,6 @@
 """llama.cpp's own server, run in-process through the xllamacpp wheel (no compiler, no binary).
 
-    python -m cgn_agent.runners.xllamacpp_server --model M.gguf --port 8002 --alias smollm2
+    python -m cgn_agent.launchers.xllamacpp_server --model M.gguf --port 8002 --alias smollm2
 
 Serves /health, /v1/models (listing --alias), the OpenAI endpoints and
 Prometheus /metrics (as `llama-server --metrics`) until SIGTERM.

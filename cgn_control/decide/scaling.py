@@ -84,7 +84,7 @@ class ScalingPolicy:
 class Sample:
     """One replica's load as the router last saw it (the leader is a router)."""
 
-    pool: str  # the pool label (cgn_control.catalog.pool_label)
+    pool: str  # the pool label (cgn_control.decide.catalog.pool_label)
     replica: str
     running: float
     waiting: float

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cgn_control.cluster import Snapshot
-from cgn_control.placement import NodeState
+from cgn_control.decide.cluster import Snapshot
+from cgn_control.decide.placement import NodeState
 
 
 def node_states(snap: Snapshot) -> dict[str, NodeState]:

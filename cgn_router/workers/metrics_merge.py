@@ -2,7 +2,7 @@
 
 Counters, histograms and summaries are added up (their `_created` stamps: the
 earliest). Gauges are added up too (requests in flight, queue depths), except
-those in `metrics.VIEW_GAUGES`: each worker's view of the same fleet (breakers,
+those in `VIEW_GAUGES`: each worker's view of the same fleet (breakers,
 staleness, KV blocks held, saturation), where the largest is shown. Families
 and samples keep the order of the first page that has them.
 """
@@ -11,14 +11,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cgn_router.metrics import VIEW_GAUGES
-
 
 @dataclass
 class _Family:
     head: list[str] = field(default_factory=list)  # its HELP and TYPE lines
     kind: str = "untyped"
     samples: dict[str, float] = field(default_factory=dict)  # "name{labels}" -> value
+
+
+# Gauges that are each worker's view of one fleet, not a share of the router's work: with
+# several workers the largest is shown, not the sum.
+VIEW_GAUGES = frozenset(
+    {
+        "cgn_router_pool_saturation",
+        "cgn_router_endpoint_breaker_open",
+        "cgn_router_endpoint_metrics_stale",
+        "cgn_router_endpoint_kv_blocks",
+        "cgn_autoscaler_desired_replicas",
+        "cgn_autoscaler_current_replicas",
+    }
+)
 
 
 def merge_pages(pages: list[str]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import FILTERS, register
+from cgn_router.routing.plugins.base import FILTERS, register
 from cgn_router.types import EndpointView, RequestInfo
 
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cgn_control.catalog import ModelSpec, Profile
+from cgn_control.decide.catalog import ModelSpec, Profile
 from cgn_core import multinode
 from cgn_core.records import NodeInventory
 

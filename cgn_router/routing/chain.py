@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_router.plugins import FILTERS, PICKERS, SCORERS
-from cgn_router.plugins.base import Filter, Picker, Scorer, build
+from cgn_router.routing.plugins import FILTERS, PICKERS, SCORERS
+from cgn_router.routing.plugins.base import Filter, Picker, Scorer, build
 from cgn_router.settings import RoutingSettings, ScorerSpec
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 

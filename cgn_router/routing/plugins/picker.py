@@ -6,7 +6,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import PICKERS, register
+from cgn_router.routing.plugins.base import PICKERS, register
 from cgn_router.types import EndpointId
 
 TIE = 1e-9  # totals this close are a tie

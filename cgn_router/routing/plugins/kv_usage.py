@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cgn_router.plugins.base import SCORERS, Scores, register
+from cgn_router.routing.plugins.base import SCORERS, Scores, register
 from cgn_router.types import EndpointView, RequestInfo
 
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgn_control.scaling import ScalingPolicy
+from cgn_control.decide.scaling import ScalingPolicy
 from cgn_core import engine_args, multinode
 from cgn_core.errors import ConfigError
 from cgn_core.records import Placement

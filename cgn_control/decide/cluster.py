@@ -15,8 +15,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgn_control.catalog import ModelSpec
-from cgn_control.placement import NodeState, NodeView, node_view
+from cgn_control.decide.catalog import ModelSpec
+from cgn_control.decide.placement import NodeState, NodeView, node_view
 from cgn_core import records
 from cgn_core.records import Cordon, Efficiency, NodeInventory, Placement, ReplicaStatus, Scaling
 

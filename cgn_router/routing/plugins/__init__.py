@@ -1,7 +1,7 @@
 """Routing plugins; importing this package registers every built-in one."""
 
-from cgn_router.plugins import affinity, efficiency, filters, kv_usage, load, picker, prefix
-from cgn_router.plugins.base import FILTERS, PICKERS, SCORERS, Filter, Picker, Scorer
+from cgn_router.routing.plugins import affinity, efficiency, filters, kv_usage, load, picker, prefix
+from cgn_router.routing.plugins.base import FILTERS, PICKERS, SCORERS, Filter, Picker, Scorer
 
 __all__ = [
     "FILTERS",

@@ -1,6 +1,6 @@
 """mlx_lm's OpenAI server, run as an agent's engine: a local model, a name, a secret, metrics.
 
-    python -m cgn_agent.runners.mlx_lm_server --source smollm2 --name smollm2 --port 8003
+    python -m cgn_agent.launchers.mlx_lm_server --source smollm2 --name smollm2 --port 8003
 
 `mlx_lm.server` (the `mlx-lm` package) answers /v1/chat/completions and
 /v1/completions and has /health; it loads Hugging Face-style directories or
@@ -8,7 +8,7 @@ repo ids, serves a request's `model` by loading that name, and has no API key
 and no /metrics. This runner closes those gaps without changing its serving:
 
 * model: a GGUF source (a bundled model's name or a .gguf file) is converted
-  once per node into an MLX directory (cgn_agent/runners/mlx_convert.py, cached
+  once per node into an MLX directory (cgn_agent/launchers/mlx_convert.py, cached
   under --cache); an MLX directory or a hub repo id is used as it is.
 * name: the engine starts in its replica's directory; a link there named like
   the served model points at the model, and mlx_lm.server is started with
@@ -45,7 +45,7 @@ from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError
 
 TOKEN_ENV = "MLX_LM_API_KEY"
-log = logging.getLogger("cgn_agent.runners.mlx_lm_server")
+log = logging.getLogger("cgn_agent.launchers.mlx_lm_server")
 
 
 class Counters:
@@ -80,7 +80,7 @@ def model_dir(source: str, cache: Path) -> str:
     file) converted once into `cache`, else the source itself (an MLX directory, a repo id)."""
     path = bundled_models.resolve(Path(source))
     if path.is_file():
-        from cgn_agent.runners import mlx_convert
+        from cgn_agent.launchers import mlx_convert
 
         return str(mlx_convert.ensure(path, cache))
     return source

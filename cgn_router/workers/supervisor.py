@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -56,7 +57,7 @@ from typing import Any
 from cgn_core.errors import ConfigError
 from cgn_core.files import atomic_write_text
 from cgn_core.readiness import announce_ready, announce_stopping
-from cgn_router import shared
+from cgn_router.workers import shared
 
 log = logging.getLogger(__name__)
 ENV = "CGN_WORKER_ROLE"  # the worker's role, JSON (set by the supervisor only)
@@ -270,7 +271,7 @@ class Supervisor:
         env[ENV] = json.dumps({**self.role, "index": index})
         env[FLAGS_ENV] = json.dumps({"config": str(self.config or ""), **self.flags})
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cgn_router.worker"],
+            [sys.executable, "-m", "cgn_router.cli", "worker"],
             env=env,
             pass_fds=(self.role["usage_fd"], self.role["load_fd"], self.role["beat_fd"]),
         )
@@ -435,3 +436,18 @@ def _hold(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent(supervisor: int) -> None:
+    """SIGTERM this worker when its supervisor dies, even by SIGKILL (Linux), so no worker
+    is left serving the port alone; elsewhere the supervisor's own shutdown stops them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)

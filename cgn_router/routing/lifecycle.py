@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from cgn_router.chain import Decision
+    from cgn_router.routing.chain import Decision
     from cgn_router.types import Usage
 
 

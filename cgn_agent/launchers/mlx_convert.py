@@ -1,6 +1,6 @@
 """A GGUF model as an MLX model directory, which `mlx_lm.server` loads from local files.
 
-    python -m cgn_agent.runners.mlx_convert MODEL.gguf OUT_DIR
+    python -m cgn_agent.launchers.mlx_convert MODEL.gguf OUT_DIR
 
 mlx_lm loads Hugging Face-style directories (config.json, safetensors weights,
 tokenizer.json); the catalog's models are GGUF files. The directory is built
@@ -238,7 +238,7 @@ def _tokenizer_config(out: Path, g: GGUFFile, tok: GGUFTokenizer, ctx: int) -> N
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        sys.exit("usage: python -m cgn_agent.runners.mlx_convert MODEL.gguf OUT_DIR")
+        sys.exit("usage: python -m cgn_agent.launchers.mlx_convert MODEL.gguf OUT_DIR")
     out = Path(args[1])
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -23,7 +23,7 @@ Per pass, in order:
    withdraws the endpoint and stops the engine only after its requests in
    flight have finished.)
 5. Scale: each pool's target is `min`, or with autoscaling (max > min) what
-   cgn_control/scaling.py decided from the load (`scale`); below the target
+   cgn_control/decide/scaling.py decided from the load (`scale`); below the target
    (off draining and lost nodes) one placement is made with placement.place();
    above it (or above `max`), one replica is deleted, the one whose loss costs
    least (`removal_cost`): not-Ready ones first, then the least load to drain,
@@ -58,12 +58,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_control.catalog import ModelSpec, pool_label
-from cgn_control.cluster import Key, Snapshot, node_views
-from cgn_control.placement import Decision, NodeState, place
-from cgn_control.scaling import Decision as ScaleDecision
-from cgn_control.scaling import Pool as ScalePool
-from cgn_control.scaling import ReplicaLoad, Sample, Scaler, Signals
+from cgn_control.decide.catalog import ModelSpec, pool_label
+from cgn_control.decide.cluster import Key, Snapshot, node_views
+from cgn_control.decide.placement import Decision, NodeState, place
+from cgn_control.decide.scaling import Decision as ScaleDecision
+from cgn_control.decide.scaling import Pool as ScalePool
+from cgn_control.decide.scaling import ReplicaLoad, Sample, Scaler, Signals
 from cgn_core import multinode
 from cgn_core.records import Part, Placement, ReplicaStatus
 from cgn_core.settings import ranged
