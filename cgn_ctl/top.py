@@ -2,17 +2,17 @@
 
 The figures are cgn-metrics' fleet view (`GET /api/v1/fleet`, docs/cgn-metrics.md): its
 replicas (running, waiting, KV usage, output tokens/s), nodes (state, watts, joules per
-output token) and totals. `frame` is pure: it validates the view (a peer's JSON is not
-trusted: a row of the wrong shape is left out, a number that is not a finite one is "no
-figure") and sums each node's and each model's replicas. A figure no replica publishes is
-None, shown as "—", never 0. The view is read up to `MAX_VIEW_BYTES`, and its text reaches
-the terminal only through `plain` (no escape sequence, no markup: cgn_core/terminal.py).
+output token) and totals. The view is read back with `FleetView.from_json`, which does not
+trust it (a row of the wrong shape is left out, a number that is not a finite one is "no
+figure"); `frame` is pure and sums each node's and each model's replicas. A figure no
+replica publishes is None, shown as "—", never 0. The view is read up to `MAX_VIEW_BYTES`,
+and its text reaches the terminal only through `plain` (no escape sequence, no markup:
+cgn_core/terminal.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cgn_core.errors import CognitoraError
+from cgn_core.fleet_view import FleetView, ReplicaView
 from cgn_core.terminal import plain
 
 DASH = "—"
@@ -71,25 +72,6 @@ class Frame:
         return asdict(self)
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:  # a 400-digit integer
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _str(value: Any, default: str = "") -> str:
-    return value if isinstance(value, str) else default
-
-
-def _rows(view: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    rows = view.get(key)
-    return [r for r in rows if isinstance(r, Mapping)] if isinstance(rows, list) else []
-
-
 def _total(values: Iterable[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
@@ -100,66 +82,53 @@ def _fullest(values: Iterable[float | None]) -> float | None:
     return max(known) if known else None
 
 
-def _row(name: str, state: str, reps: list[Mapping[str, Any]], **extra: float | None) -> Row:
+def _row(name: str, state: str, reps: list[ReplicaView], **extra: float | None) -> Row:
     return Row(
         name=name,
         state=state,
         replicas=len(reps),
-        ready=sum(1 for r in reps if r.get("state") == "up"),
-        running=_total(_num(r.get("running")) for r in reps),
-        waiting=_total(_num(r.get("waiting")) for r in reps),
-        tokens_per_s=_total(_num(r.get("tokens_per_s")) for r in reps),
-        kv_usage=_fullest(_num(r.get("kv_usage")) for r in reps),
+        ready=sum(1 for r in reps if r.state == "up"),
+        running=_total(r.running for r in reps),
+        waiting=_total(r.waiting for r in reps),
+        tokens_per_s=_total(r.tokens_per_s for r in reps),
+        kv_usage=_fullest(r.kv_usage for r in reps),
         watts=extra.get("watts"),
         j_per_output_token=extra.get("j_per_output_token"),
     )
 
 
-def frame(view: Mapping[str, Any], url: str) -> Frame:
+def frame(view: FleetView, url: str) -> Frame:
     """One screen of `top` from a fleet view."""
-    replicas = _rows(view, "replicas")
-    nodes = []
-    for n in _rows(view, "nodes"):
-        name = _str(n.get("node"))
-        if name:
-            here = [r for r in replicas if r.get("node") == name]
-            nodes.append(
-                _row(
-                    name,
-                    _str(n.get("state"), "?"),
-                    here,
-                    watts=_num(n.get("watts")),
-                    j_per_output_token=_num(n.get("j_per_output_token")),
-                )
-            )
+    nodes = [
+        _row(
+            n.node,
+            n.state or "?",
+            [r for r in view.replicas if r.node == n.node],
+            watts=n.watts,
+            j_per_output_token=n.j_per_output_token,
+        )
+        for n in view.nodes
+        if n.node
+    ]
     models = []
-    for m in _rows(view, "models"):
-        name = _str(m.get("model"))
-        if name:
-            mine = [r for r in replicas if r.get("model") == name]
-            row = _row(name, "", mine, j_per_output_token=_num(m.get("j_per_output_token")))
-            placed = _num(m.get("replicas"))
-            models.append(row if placed is None else _with_placed(row, int(placed)))
-    totals = view.get("totals")
-    t: Mapping[str, Any] = totals if isinstance(totals, Mapping) else {}
-    ttft = t.get("ttft_s")
-    down = tuple(
-        f"{_str(x.get('id'), '?')}: {_str(x.get('error'), 'down')}"
-        for x in _rows(view, "targets")
-        if x.get("state") == "down"
-    )
-    at = _num(view.get("time"))
+    for m in view.models:
+        if m.model:
+            mine = [r for r in view.replicas if r.model == m.model]
+            row = _row(m.model, "", mine, j_per_output_token=m.j_per_output_token)
+            models.append(_with_placed(row, m.replicas))
+    t = view.totals
+    down = tuple(f"{x.id or '?'}: {x.error or 'down'}" for x in view.targets if x.state == "down")
     return Frame(
         url=url,
-        at_unix=at if at is not None and 0 < at < 1 << 34 else time.time(),  # a real time
-        requests_per_s=_num(t.get("requests_per_s")),
-        tokens_per_s=_num(t.get("tokens_per_s")),
-        ttft_p95_s=_num(ttft.get("p95")) if isinstance(ttft, Mapping) else None,
-        running=_num(t.get("running")),
-        waiting=_num(t.get("waiting")),
-        watts=_num(t.get("watts")),
-        j_per_output_token=_num(t.get("j_per_output_token")),
-        energy_source=_str(t.get("energy_source"), "unavailable"),
+        at_unix=view.time if 0 < view.time < 1 << 34 else time.time(),  # a real time
+        requests_per_s=t.requests_per_s,
+        tokens_per_s=t.tokens_per_s,
+        ttft_p95_s=t.ttft_s.get("p95"),
+        running=t.running,
+        waiting=t.waiting,
+        watts=t.watts,
+        j_per_output_token=t.j_per_output_token,
+        energy_source=t.energy_source or "unavailable",
         nodes=tuple(nodes),
         models=tuple(models),
         down=down,
@@ -190,7 +159,7 @@ def fetch(url: str, timeout_s: float = 5.0) -> Frame:
         ) from None
     if not isinstance(view, Mapping):
         raise MetricsUnreachable(f"{api} answered JSON that is not a fleet view")
-    return frame(view, url)
+    return frame(FleetView.from_json(view), url)
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -255,7 +224,7 @@ def live(url: str, interval_s: float, console: Console) -> None:
                     last = fetch(url)
                 except MetricsUnreachable as exc:
                     error = exc.message
-                shown = last or frame({}, url)
+                shown = last or frame(FleetView.from_json({}), url)
                 screen.update(render(shown, error), refresh=True)
                 time.sleep(interval_s)
         except KeyboardInterrupt:

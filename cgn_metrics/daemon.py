@@ -21,6 +21,7 @@ import contextlib
 import logging
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import httpx
 from cgn_core import keys
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.client import EtcdClient
+from cgn_core.fleet_view import FleetView
 from cgn_core.readiness import announce_ready, announce_stopping
 from cgn_core.records import Efficiency, RecordLog
 from cgn_core.tls import client_ssl_context
@@ -59,18 +61,18 @@ async def read_fleet(client: EtcdClient, rec: RecordLog) -> Fleet:
     return fleet_from_records(nodes, endpoints, kvcached, cordons, placed, rec, scaling=scaling)
 
 
-def efficiency_records(view: dict[str, Any], now_unix: float) -> dict[str, dict[str, Any]]:
+def efficiency_records(view: FleetView, now_unix: float) -> dict[str, dict[str, Any]]:
     """The `/cognitora/efficiency/<node>` records of a view: measured nodes only."""
     return {
-        keys.EFFICIENCY + n["node"]: Efficiency(
-            n["tokens_per_joule"], round(now_unix, 3), n["source"], view["window_s"]
+        keys.EFFICIENCY + n.node: Efficiency(
+            n.tokens_per_joule, round(now_unix, 3), n.source, view.window_s
         ).to_json()
-        for n in view.get("nodes", [])
-        if n.get("tokens_per_joule") and n["node"]
+        for n in view.nodes
+        if n.tokens_per_joule and n.node
     }
 
 
-async def publish_efficiency(etcd: EtcdClient, view: dict[str, Any]) -> None:
+async def publish_efficiency(etcd: EtcdClient, view: FleetView) -> None:
     for key, doc in efficiency_records(view, time.time()).items():
         await etcd.put_json(key, doc)
 
@@ -94,7 +96,7 @@ async def run_loop(monitor: Monitor, scraper: Scraper, etcd: EtcdClient | None) 
             scraper.set_targets(targets)
             await scraper.round()
             view = summarize(monitor.fleet, scraper.scraped, time.time(), s.window_s)
-            view["etcd_error"] = monitor.etcd_error
+            view = replace(view, etcd_error=monitor.etcd_error)
             monitor.record(view)
             await asyncio.to_thread(monitor.write_file_sd, targets)
             due = s.efficiency_publish_s and time.monotonic() - published >= s.efficiency_publish_s

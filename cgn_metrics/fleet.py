@@ -1,7 +1,8 @@
 """The fleet view from scraped samples: traffic, latency, queues, KV, nodes, watts, joules.
 
 Pure: `summarize` takes what was scraped (per target, rings of the samples kept)
-and returns the JSON the dashboard draws; `scrape.py` calls it after each round.
+and returns the typed view (cgn_core/fleet_view.py) whose JSON the dashboard draws;
+the daemon calls it after each scrape round.
 Rates and percentiles are over `window_s` (counter restarts count from zero, as in
 Prometheus); rates divide by the part of the window the rings cover, so the first
 minute after a start is not under-counted. Energy: a node's joules are the increase of its agent's
@@ -19,9 +20,17 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from cgn_core.engine_metrics import PREFIXES, NameMap, name_map
+from cgn_core.fleet_view import (
+    FleetView,
+    ModelView,
+    NodeView,
+    ReplicaView,
+    StoreView,
+    TargetView,
+    Totals,
+)
 from cgn_metrics.series import Ring, increase, quantile
 from cgn_metrics.targets import Fleet, Target
 
@@ -185,127 +194,169 @@ def _tokens(s: Scraped, since: float) -> tuple[float, float, float | None]:
     return out, prompt, rate
 
 
+@dataclass(slots=True)
+class _Window:
+    """What every section of one view shares: the window and each node's and model's
+    tokens in it (summed from the engines)."""
+
+    since: float
+    span: float  # what the rings hold of the window
+    node_tokens: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
+    model_tokens: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
+
+    def per_s(self, x: float) -> float | None:
+        return x / self.span if self.span > 0 else None
+
+
 def summarize(
     fleet: Fleet, scraped: Mapping[str, Scraped], now: float, window_s: float
-) -> dict[str, Any]:
-    """The whole fleet view as JSON-ready values (None where there is no figure)."""
+) -> FleetView:
+    """The whole fleet view (None where there is no figure)."""
     since = now - window_s
-    span = _covered(scraped.values(), since)  # what the rings hold of the window
-    per_s = (lambda x: x / span) if span > 0 else (lambda x: None)
+    w = _Window(since, _covered(scraped.values(), since))
     by_kind: dict[str, list[Scraped]] = defaultdict(list)
     for s in scraped.values():
         by_kind[s.target.kind].append(s)
-    engines, routers = by_kind["engine"], by_kind["router"]
-
-    replicas: list[dict[str, Any]] = []
-    node_tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    model_tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for s in engines:
-        t = s.target
-        if not t.model:  # listed by hand: the engine's metrics name its model
-            t = replace(t, model=s.label(s.signal("running") or "", "model_name"))
-        out_tokens, prompt_tokens, hit_rate = _tokens(s, since)
-        node_tokens[t.node]["output"] += out_tokens
-        node_tokens[t.node]["total"] += out_tokens + prompt_tokens
-        model_tokens[t.model]["output"] += out_tokens
-        model_tokens[t.model]["total"] += out_tokens + prompt_tokens
-        model_tokens[t.model][f"node:{t.node}"] += out_tokens + prompt_tokens
-        replicas.append(
-            {
-                "model": t.model,
-                "replica": t.replica,
-                "node": t.node,
-                "url": t.url,
-                "state": s.state,
-                "error": s.error,
-                "running": s.signal_gauge("running"),
-                "waiting": s.signal_gauge("waiting"),
-                "kv_usage": s.signal_gauge("kv_usage"),
-                "prefix_hit_rate": hit_rate,
-                "tokens_per_s": per_s(out_tokens) if s.signal("generation_tokens") else None,
-            }
-        )
-
-    nodes: list[dict[str, Any]] = []
-    joules_by_node: dict[str, float] = {}
+    replicas = [_replica(s, w) for s in by_kind["engine"]]
     agents = {s.target.node: s for s in by_kind["agent"] if s.target.node}
-    names = sorted(set(fleet.nodes) | set(agents) | {r["node"] for r in replicas if r["node"]})
-    for node in names:
-        agent = agents.get(node)
-        watts = source = None
-        if agent is not None and agent.state == "up":
-            for labels, ring in agent.series("cgn_agent_power_watts"):
-                last = ring.last()
-                if last is not None:
-                    watts, source = (watts or 0.0) + last[1], labels.get("source", "unknown")
-        joules = None
-        if watts is not None and agent is not None:
-            joules = agent.increase("cgn_agent_energy_joules_total", since)
-        if joules is not None:
-            joules_by_node[node] = joules
-        tokens = node_tokens.get(node, {})
-        nodes.append(
-            {
-                "node": node,
-                "state": fleet.nodes.get(
-                    node, "Ready" if agent and agent.state == "up" else "Unknown"
-                ),
-                "agent": agent.state if agent else "absent",
-                "watts": watts,
-                "source": source or "unavailable",
-                "joules": joules,
-                "j_per_output_token": _per(joules, tokens.get("output", 0.0)),
-                "j_per_token": _per(joules, tokens.get("total", 0.0)),
-                "tokens_per_joule": _ratio(tokens.get("output", 0.0), joules) if joules else None,
-            }
-        )
-
-    models: list[dict[str, Any]] = []
-    for model in sorted(set(model_tokens) | set(fleet.replicas)):
-        tok = model_tokens.get(model, {})
-        joules = 0.0
-        measured = False
-        for node, j in joules_by_node.items():
-            here, all_here = tok.get(f"node:{node}", 0.0), node_tokens[node].get("total", 0.0)
-            if here and all_here:
-                joules += j * here / all_here
-                measured = True
-        models.append(
-            {
-                "model": model,
-                "replicas": fleet.replicas.get(
-                    model, sum(1 for r in replicas if r["model"] == model)
-                ),
-                "ready": sum(1 for r in replicas if r["model"] == model and r["state"] == "up"),
-                "desired": fleet.desired.get(model),  # the autoscaler's target; None: none
-                "tokens_per_s": per_s(tok.get("output", 0.0)),
-                "j_per_output_token": _ratio(joules, tok.get("output", 0.0)) if measured else None,
-            }
-        )
-
-    kvcached = [
-        {
-            "node": s.target.node or s.target.url,
-            "state": s.state,
-            "bytes": {
-                lb.get("tier", "?"): last[1]
-                for lb, r in s.series("cgn_kvcached_bytes")
-                if (last := r.last()) is not None
-            },
-            "hits_per_s": per_s(s.increase("cgn_kvcached_hits_total", since)),
-            "misses_per_s": per_s(s.increase("cgn_kvcached_misses_total", since)),
-        }
-        for s in by_kind["kvcached"]
+    names = sorted(set(fleet.nodes) | set(agents) | {r.node for r in replicas if r.node})
+    joules: dict[str, float] = {}  # by node, where measured
+    nodes = [_node(node, fleet, agents.get(node), w, joules) for node in names]
+    models = [
+        _model(model, fleet, replicas, w, joules)
+        for model in sorted(set(w.model_tokens) | set(fleet.replicas))
     ]
+    targets = tuple(_target(s, now) for s in sorted(scraped.values(), key=lambda s: s.target.id))
+    return FleetView(
+        time=now,
+        window_s=window_s,
+        covered_s=w.span,
+        totals=_totals(by_kind, replicas, nodes, w, joules),
+        nodes=tuple(nodes),
+        models=tuple(models),
+        replicas=tuple(replicas),
+        kvcached=tuple(_store(s, w) for s in by_kind["kvcached"]),
+        targets=targets,
+    )
 
-    out_tokens = sum(t["output"] for t in node_tokens.values())
-    all_tokens = sum(t["total"] for t in node_tokens.values())
-    measured_tokens = sum(node_tokens[n]["output"] for n in joules_by_node)
-    fleet_joules = sum(joules_by_node.values())
+
+def _replica(s: Scraped, w: _Window) -> ReplicaView:
+    """An engine's row; its tokens counted to its node and model."""
+    t = s.target
+    if not t.model:  # listed by hand: the engine's metrics name its model
+        t = replace(t, model=s.label(s.signal("running") or "", "model_name"))
+    out_tokens, prompt_tokens, hit_rate = _tokens(s, w.since)
+    node, model = w.node_tokens[t.node], w.model_tokens[t.model]
+    node["output"] += out_tokens
+    node["total"] += out_tokens + prompt_tokens
+    model["output"] += out_tokens
+    model["total"] += out_tokens + prompt_tokens
+    model[f"node:{t.node}"] += out_tokens + prompt_tokens
+    return ReplicaView(
+        model=t.model,
+        replica=t.replica,
+        node=t.node,
+        url=t.url,
+        state=s.state,
+        error=s.error,
+        running=s.signal_gauge("running"),
+        waiting=s.signal_gauge("waiting"),
+        kv_usage=s.signal_gauge("kv_usage"),
+        prefix_hit_rate=hit_rate,
+        tokens_per_s=w.per_s(out_tokens) if s.signal("generation_tokens") else None,
+    )
+
+
+def _node(
+    node: str, fleet: Fleet, agent: Scraped | None, w: _Window, joules_by_node: dict[str, float]
+) -> NodeView:
+    """A machine's row: its power as its agent measured it (`joules_by_node` gets its
+    joules over the window, where measured)."""
+    watts = source = None
+    if agent is not None and agent.state == "up":
+        for labels, ring in agent.series("cgn_agent_power_watts"):
+            last = ring.last()
+            if last is not None:
+                watts, source = (watts or 0.0) + last[1], labels.get("source", "unknown")
+    joules = None
+    if watts is not None and agent is not None:
+        joules = agent.increase("cgn_agent_energy_joules_total", w.since)
+    if joules is not None:
+        joules_by_node[node] = joules
+    tokens = w.node_tokens.get(node, {})
+    up = agent is not None and agent.state == "up"
+    return NodeView(
+        node=node,
+        state=fleet.nodes.get(node, "Ready" if up else "Unknown"),
+        agent=agent.state if agent else "absent",
+        watts=watts,
+        source=source or "unavailable",
+        joules=joules,
+        j_per_output_token=_per(joules, tokens.get("output", 0.0)),
+        j_per_token=_per(joules, tokens.get("total", 0.0)),
+        tokens_per_joule=_ratio(tokens.get("output", 0.0), joules) if joules else None,
+    )
+
+
+def _model(
+    model: str,
+    fleet: Fleet,
+    replicas: list[ReplicaView],
+    w: _Window,
+    joules_by_node: Mapping[str, float],
+) -> ModelView:
+    """A model's row: its nodes' joules shared by the tokens it produced there."""
+    tok = w.model_tokens.get(model, {})
+    joules, measured = 0.0, False
+    for node, j in joules_by_node.items():
+        here, all_here = tok.get(f"node:{node}", 0.0), w.node_tokens[node].get("total", 0.0)
+        if here and all_here:
+            joules += j * here / all_here
+            measured = True
+    mine = [r for r in replicas if r.model == model]
+    return ModelView(
+        model=model,
+        replicas=fleet.replicas.get(model, len(mine)),
+        ready=sum(1 for r in mine if r.state == "up"),
+        desired=fleet.desired.get(model),
+        tokens_per_s=w.per_s(tok.get("output", 0.0)),
+        j_per_output_token=_ratio(joules, tok.get("output", 0.0)) if measured else None,
+    )
+
+
+def _store(s: Scraped, w: _Window) -> StoreView:
+    return StoreView(
+        node=s.target.node or s.target.url,
+        state=s.state,
+        bytes={
+            lb.get("tier", "?"): last[1]
+            for lb, r in s.series("cgn_kvcached_bytes")
+            if (last := r.last()) is not None
+        },
+        hits_per_s=w.per_s(s.increase("cgn_kvcached_hits_total", w.since)),
+        misses_per_s=w.per_s(s.increase("cgn_kvcached_misses_total", w.since)),
+    )
+
+
+def _totals(
+    by_kind: Mapping[str, list[Scraped]],
+    replicas: list[ReplicaView],
+    nodes: list[NodeView],
+    w: _Window,
+    joules_by_node: Mapping[str, float],
+) -> Totals:
+    engines, routers = by_kind["engine"], by_kind["router"]
+    out_tokens = sum(t["output"] for t in w.node_tokens.values())
+    all_tokens = sum(t["total"] for t in w.node_tokens.values())
+    measured_tokens = sum(w.node_tokens[n]["output"] for n in joules_by_node)
     if routers:
-        requests = sum(s.increase("cgn_router_requests_total", since) for s in routers)
+        requests = sum(s.increase("cgn_router_requests_total", w.since) for s in routers)
     else:
-        requests = sum(s.signal_increase("requests_done", since) or 0.0 for s in engines)
+        requests = sum(s.signal_increase("requests_done", w.since) or 0.0 for s in engines)
     bands: dict[str, float] = defaultdict(float)
     rejected: dict[str, float] = defaultdict(float)
     for s in routers:
@@ -313,67 +364,57 @@ def summarize(
             last = ring.last()
             bands[labels.get("band", "")] += last[1] if last else 0.0
         for labels, ring in s.series("cgn_router_admission_rejections_total"):
-            rejected[labels.get("band", "")] += increase(ring.points(since)[1])
-    node_watts = [float(n["watts"]) for n in nodes if n["watts"] is not None]
-    sources = sorted({str(n["source"]) for n in nodes if n["watts"] is not None})
-    totals = {
-        "requests_per_s": per_s(requests),
-        "tokens_per_s": per_s(out_tokens),
-        "prompt_tokens_per_s": per_s(all_tokens - out_tokens),
-        "ttft_s": _latency(engines, "ttft", since),
-        "itl_s": _latency(engines, "itl", since),
-        "waiting": sum(r["waiting"] or 0 for r in replicas),
-        "running": sum(r["running"] or 0 for r in replicas),
-        "queue_by_band": dict(bands),
-        "rejected_per_s_by_band": {band: per_s(n) for band, n in rejected.items()},
-        "watts": sum(node_watts) if node_watts else None,
-        "power_nodes": len(node_watts),
-        "j_per_output_token": _ratio(fleet_joules, measured_tokens) if joules_by_node else None,
-        "energy_source": "+".join(sources) or "unavailable",
-    }
-    targets = [
-        {
-            "id": s.target.id,
-            "kind": s.target.kind,
-            "url": s.target.url,
-            "node": s.target.node,
-            "model": s.target.model,
-            "state": s.state,
-            "error": s.error,
-            "age_s": None if not s.last_ok else round(now - s.last_ok, 1),
-            "scrape_ms": round(1e3 * s.duration_s, 1),
-        }
-        for s in sorted(scraped.values(), key=lambda s: s.target.id)
-    ]
-    return {
-        "time": now,
-        "window_s": window_s,
-        "covered_s": span,
-        "totals": totals,
-        "nodes": nodes,
-        "models": models,
-        "replicas": replicas,
-        "kvcached": kvcached,
-        "targets": targets,
-    }
+            rejected[labels.get("band", "")] += increase(ring.points(w.since)[1])
+    node_watts = [n.watts for n in nodes if n.watts is not None]
+    fleet_joules = sum(joules_by_node.values())
+    return Totals(
+        requests_per_s=w.per_s(requests),
+        tokens_per_s=w.per_s(out_tokens),
+        prompt_tokens_per_s=w.per_s(all_tokens - out_tokens),
+        ttft_s=_latency(engines, "ttft", w.since),
+        itl_s=_latency(engines, "itl", w.since),
+        waiting=sum(r.waiting or 0 for r in replicas),
+        running=sum(r.running or 0 for r in replicas),
+        queue_by_band=dict(bands),
+        rejected_per_s_by_band={band: w.per_s(n) for band, n in rejected.items()},
+        watts=sum(node_watts) if node_watts else None,
+        power_nodes=len(node_watts),
+        j_per_output_token=_ratio(fleet_joules, measured_tokens) if joules_by_node else None,
+        energy_source="+".join(sorted({n.source for n in nodes if n.watts is not None}))
+        or "unavailable",
+    )
 
 
-def history_points(view: Mapping[str, Any]) -> dict[str, float]:
+def _target(s: Scraped, now: float) -> TargetView:
+    return TargetView(
+        id=s.target.id,
+        kind=s.target.kind,
+        url=s.target.url,
+        node=s.target.node,
+        model=s.target.model,
+        state=s.state,
+        error=s.error,
+        age_s=None if not s.last_ok else round(now - s.last_ok, 1),
+        scrape_ms=round(1e3 * s.duration_s, 1),
+    )
+
+
+def history_points(view: FleetView) -> dict[str, float]:
     """The scalars of a view that are kept as history (name -> value; None left out)."""
-    t = view["totals"]
+    t = view.totals
     points: dict[str, float | None] = {
-        "fleet:requests_per_s": t["requests_per_s"],
-        "fleet:tokens_per_s": t["tokens_per_s"],
-        "fleet:waiting": t["waiting"],
-        "fleet:watts": t["watts"],
-        "fleet:j_per_output_token": t["j_per_output_token"],
+        "fleet:requests_per_s": t.requests_per_s,
+        "fleet:tokens_per_s": t.tokens_per_s,
+        "fleet:waiting": t.waiting,
+        "fleet:watts": t.watts,
+        "fleet:j_per_output_token": t.j_per_output_token,
     }
-    for name in ("ttft_s", "itl_s"):
-        for q, v in t[name].items():
+    for name, quantiles in (("ttft_s", t.ttft_s), ("itl_s", t.itl_s)):
+        for q, v in quantiles.items():
             points[f"fleet:{name}:{q}"] = v
-    for n in view["nodes"]:
-        points[f"node:{n['node']}:watts"] = n["watts"]
-        points[f"node:{n['node']}:j_per_output_token"] = n["j_per_output_token"]
-    for m in view["models"]:
-        points[f"model:{m['model']}:tokens_per_s"] = m["tokens_per_s"]
+    for n in view.nodes:
+        points[f"node:{n.node}:watts"] = n.watts
+        points[f"node:{n.node}:j_per_output_token"] = n.j_per_output_token
+    for m in view.models:
+        points[f"model:{m.model}:tokens_per_s"] = m.tokens_per_s
     return {k: float(v) for k, v in points.items() if v is not None and math.isfinite(v)}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 from cgn_core.files import atomic_write_text
+from cgn_core.fleet_view import FleetView
 from cgn_metrics.fleet import Scraped, history_points
 from cgn_metrics.series import Ring
 from cgn_metrics.settings import MetricsSettings
@@ -25,7 +25,7 @@ class Monitor:
         self.static = static
         self.fleet = EMPTY
         self.etcd_error = ""
-        self.view: dict[str, Any] = {}
+        self.view: FleetView | None = None  # before the first round
         self.points = max(2, int(settings.retention_s / settings.scrape_interval_s))
         self.history: dict[str, Ring] = {}
         self.last_round = 0.0
@@ -33,13 +33,13 @@ class Monitor:
         self.scraped: dict[str, Scraped] = {}  # the scraper's, for /federate
         self._file_sd = ""
 
-    def record(self, view: dict[str, Any]) -> None:
+    def record(self, view: FleetView) -> None:
         self.view = view
         for name, value in history_points(view).items():
             ring = self.history.get(name)
             if ring is None:
                 ring = self.history[name] = Ring(self.points)
-            ring.append(view["time"], value)
+            ring.append(view.time, value)
         self.last_round = time.monotonic()
         self.rounds += 1
 

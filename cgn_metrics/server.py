@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cgn_core.fleet_view import FleetView
 from cgn_core.http import Runner, error_middleware
 from cgn_core.readiness import bind_tcp
 from cgn_metrics.monitor import Monitor
@@ -44,8 +45,8 @@ def build_app(monitor: Monitor) -> web.Application:
         return web.Response(text=page, content_type="text/html", charset="utf-8")
 
     async def fleet(_: web.Request) -> web.Response:
-        view = {**monitor.view, "rounds": monitor.rounds}
-        return web.json_response(_finite(view), headers=CORS)
+        view = monitor.view.to_json() if monitor.view is not None else {}
+        return web.json_response(_finite({**view, "rounds": monitor.rounds}), headers=CORS)
 
     async def history(request: web.Request) -> web.Response:
         prefix = request.query.get("prefix", "fleet:")
@@ -61,7 +62,8 @@ def build_app(monitor: Monitor) -> web.Application:
         return web.json_response(out, headers=CORS)
 
     async def targets(_: web.Request) -> web.Response:
-        return web.json_response(_finite(monitor.view.get("targets", [])), headers=CORS)
+        view = monitor.view.to_json() if monitor.view is not None else {}
+        return web.json_response(_finite(view.get("targets", [])), headers=CORS)
 
     async def federate(_: web.Request) -> web.Response:
         return web.Response(text=federation_text(monitor), headers={"Content-Type": TEXT, **CORS})
@@ -123,45 +125,40 @@ def _line(name: str, labels: dict[str, str], value: float | None) -> str:
     return f"{name}{_labels(labels)} {value:.17g}\n"
 
 
-def fleet_text(view: dict[str, Any]) -> str:
+def fleet_text(view: FleetView | None) -> str:
     """The fleet series in Prometheus' text format (absent figures are absent, not 0)."""
-    if not view:
+    if view is None:
         return ""
-    t, source = view["totals"], {"source": view["totals"]["energy_source"]}
+    t, source = view.totals, {"source": view.totals.energy_source}
     families: list[tuple[str, list[tuple[dict[str, str], float | None]]]] = [
-        ("cgn_fleet_requests_per_second", [({}, t["requests_per_s"])]),
-        ("cgn_fleet_tokens_per_second", [({}, t["tokens_per_s"])]),
-        ("cgn_fleet_requests_waiting", [({}, t["waiting"])]),
-        ("cgn_fleet_power_watts", [(source, t["watts"])]),
-        ("cgn_fleet_energy_per_output_token_joules", [(source, t["j_per_output_token"])]),
-        ("cgn_fleet_ttft_seconds", [({"quantile": q[1:]}, v) for q, v in t["ttft_s"].items()]),
-        ("cgn_fleet_itl_seconds", [({"quantile": q[1:]}, v) for q, v in t["itl_s"].items()]),
+        ("cgn_fleet_requests_per_second", [({}, t.requests_per_s)]),
+        ("cgn_fleet_tokens_per_second", [({}, t.tokens_per_s)]),
+        ("cgn_fleet_requests_waiting", [({}, t.waiting)]),
+        ("cgn_fleet_power_watts", [(source, t.watts)]),
+        ("cgn_fleet_energy_per_output_token_joules", [(source, t.j_per_output_token)]),
+        ("cgn_fleet_ttft_seconds", [({"quantile": q[1:]}, v) for q, v in t.ttft_s.items()]),
+        ("cgn_fleet_itl_seconds", [({"quantile": q[1:]}, v) for q, v in t.itl_s.items()]),
     ]
-    nodes = [({"node": n["node"], "source": n["source"]}, n) for n in view["nodes"]]
+    nodes = [({"node": n.node, "source": n.source}, n) for n in view.nodes]
+    models = [({"model": m.model}, m) for m in view.models]
     families += [
-        ("cgn_node_power_watts", [(lb, n["watts"]) for lb, n in nodes]),
+        ("cgn_node_power_watts", [(lb, n.watts) for lb, n in nodes]),
         (
             "cgn_node_energy_per_output_token_joules",
-            [(lb, n["j_per_output_token"]) for lb, n in nodes],
+            [(lb, n.j_per_output_token) for lb, n in nodes],
         ),
-        ("cgn_node_energy_per_token_joules", [(lb, n["j_per_token"]) for lb, n in nodes]),
-        (
-            "cgn_node_state",
-            [({"node": n["node"], "state": n["state"]}, 1.0) for n in view["nodes"]],
-        ),
-        (
-            "cgn_model_tokens_per_second",
-            [({"model": m["model"]}, m["tokens_per_s"]) for m in view["models"]],
-        ),
+        ("cgn_node_energy_per_token_joules", [(lb, n.j_per_token) for lb, n in nodes]),
+        ("cgn_node_state", [({"node": n.node, "state": n.state}, 1.0) for n in view.nodes]),
+        ("cgn_model_tokens_per_second", [(lb, m.tokens_per_s) for lb, m in models]),
         (
             "cgn_model_energy_per_output_token_joules",
-            [({"model": m["model"]}, m["j_per_output_token"]) for m in view["models"]],
+            [(lb, m.j_per_output_token) for lb, m in models],
         ),
         (
             "cgn_metrics_target_up",
             [
-                ({"target": x["id"], "kind": x["kind"]}, 1.0 if x["state"] == "up" else 0.0)
-                for x in view["targets"]
+                ({"target": x.id, "kind": x.kind}, 1.0 if x.state == "up" else 0.0)
+                for x in view.targets
             ],
         ),
     ]

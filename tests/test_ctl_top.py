@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from cgn_ctl.top import DASH, Frame, frame, render
+from cgn_core.fleet_view import FleetView
+from cgn_ctl.top import DASH, Frame, render
+from cgn_ctl.top import frame as frame_of
+
+
+def frame(view: Any, url: str) -> Frame:
+    """A frame from the JSON cgn-metrics would serve (read back as `fetch` reads it)."""
+    return frame_of(FleetView.from_json(view), url)
+
 
 VIEW: dict[str, Any] = {
     "time": 1_790_000_000.0,

@@ -15,6 +15,7 @@ from cgn_control.decide.cluster import Snapshot, node_views
 from cgn_control.decide.placement import NodeView, place
 from cgn_core import rbac, records
 from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.fleet_view import FleetView
 from cgn_metrics.daemon import efficiency_records
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers
@@ -99,7 +100,7 @@ def test_cgn_metrics_publishes_measured_nodes_only() -> None:
         {"node": "a", "tokens_per_joule": 2.5, "source": "rapl"},
         {"node": "b", "tokens_per_joule": None, "source": "unavailable"},
     ]}  # fmt: skip
-    out = efficiency_records(view_, 1234.5)
+    out = efficiency_records(FleetView.from_json(view_), 1234.5)
     assert out == {"/cognitora/efficiency/a": {"tokens_per_joule": 2.5, "source": "rapl",
                                                "window_s": 60.0, "at_unix": 1234.5}}  # fmt: skip
     records.efficiency(out["/cognitora/efficiency/a"])  # what it writes, readers accept

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from cgn_core.fleet_view import FleetView
 from cgn_core.records import RecordLog
 from cgn_metrics.fleet import Scraped, history_points, summarize
 from cgn_metrics.scrape import parse
@@ -109,7 +110,10 @@ def agent(node: str, joules: list[float], source: str = "rapl") -> Scraped:
 
 
 def view(*s: Scraped, fleet: Fleet | None = None) -> dict[str, Any]:
-    return summarize(fleet or Fleet((), {}, {}), {x.target.id: x for x in s}, 30.0, 60.0)
+    """The view's JSON, as the dashboard and `cgn-ctl top` get it."""
+    v = summarize(fleet or Fleet((), {}, {}), {x.target.id: x for x in s}, 30.0, 60.0)
+    assert FleetView.from_json(v.to_json()) == v  # read back whole
+    return v.to_json()
 
 
 @pytest.mark.parametrize(
@@ -202,7 +206,7 @@ def test_no_power_source_anywhere_is_unavailable_not_zero() -> None:
     t = v["totals"]
     assert t["watts"] is None and t["j_per_output_token"] is None
     assert t["energy_source"] == "unavailable"
-    points = history_points(v)
+    points = history_points(FleetView.from_json(v))
     assert "fleet:watts" not in points and points["fleet:tokens_per_s"] == pytest.approx(1.0)
 
 
@@ -311,7 +315,7 @@ def exported_names() -> set[str]:
 
     texts.append(generate_latest(kvcached_registry(BlockStore(RamTier(1 << 20), None))).decode())
     v = view(engine("a", [0, 100, 200, 300]), agent("a", [0, 300, 600, 900]))
-    texts.append(fleet_text(v))
+    texts.append(fleet_text(FleetView.from_json(v)))
     names = set()
     for text in texts:
         for family in text_string_to_metric_families(text):
