@@ -123,7 +123,7 @@ async def _pass(
     names = {
         pool_label(name, spec, role): (
             name,
-            role if spec.pools else "",
+            role if spec.disaggregated else "",
             pool_record(name, spec, role),
         )
         for name, spec in snap.models.items()

@@ -13,12 +13,19 @@ back): the resource is where such a model changes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cgn_control.cluster_reader import read_snapshot
-from cgn_control.decide.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_control.decide.catalog import (
+    Bounds,
+    CatalogError,
+    ModelSpec,
+    check_catalog,
+    parse_model,
+)
 from cgn_core import keys
 from cgn_core.errors import NotFound, PermanentError
 from cgn_core.etcd import Compare, EtcdClient, Op
@@ -123,27 +130,17 @@ async def scale_model(
     spec = current.get(name)
     if spec is None:
         raise NotFound(f"model {name!r} is not in the catalog")
-    doc = spec.to_json()
-    if spec.pools:
-        if role not in spec.pools:
-            raise CatalogError(f"{name} has pools ({', '.join(spec.pools)}): name one with --role")
-        pool = doc["pools"][role]
-        old = pool if isinstance(pool, dict) else {"min": pool, "max": pool}
-        doc["pools"][role] = {
-            "min": old["min"] if lo is None else lo,
-            "max": old["max"] if hi is None else hi,
-        }
-    else:
-        if role is not None:
-            raise CatalogError(f"{name} has no pools: --role applies to a disaggregated model")
-        old = doc["replicas"]
-        doc["replicas"] = {
-            "min": old["min"] if lo is None else lo,
-            "max": old["max"] if hi is None else hi,
-        }
-        if lo is not None and hi is None and lo > old["max"]:
-            doc["replicas"]["max"] = lo  # raising min alone raises max with it
-    new = parse_model(doc, name)
+    if spec.disaggregated and role not in spec.pools:
+        raise CatalogError(f"{name} has pools ({', '.join(spec.pools)}): name one with --role")
+    if not spec.disaggregated and role is not None:
+        raise CatalogError(f"{name} has no pools: --role applies to a disaggregated model")
+    pool = role if role is not None and spec.disaggregated else spec.role
+    old = spec.pools[pool]
+    bounds = Bounds(old.min if lo is None else lo, old.max if hi is None else hi)
+    if not spec.disaggregated and hi is None and bounds.min > bounds.max:
+        bounds = Bounds(bounds.min, bounds.min)  # raising min alone raises max with it
+    doc = dataclasses.replace(spec, pools={**spec.pools, pool: bounds}).to_json()
+    new = parse_model(doc, name)  # the catalog's checks (max >= min, the pool limits)
     check_catalog({**current, name: new})
     await client.put_json(keys.CATALOG + name, new.to_json())
     return new

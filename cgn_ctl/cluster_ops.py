@@ -64,9 +64,13 @@ async def models(client: EtcdClient) -> list[dict[str, Any]]:
         out.append(
             {
                 "model": name,
-                "min": spec.min_replicas,
-                "max": spec.max_replicas,
-                **({"pools": dict(spec.pools)} if spec.pools else {}),
+                "min": sum(b.min for b in spec.pools.values()),
+                "max": sum(b.max for b in spec.pools.values()),
+                **(
+                    {"pools": {r: b.to_json() for r, b in spec.pools.items()}}
+                    if spec.disaggregated
+                    else {}
+                ),
                 "placed": counts.placed,
                 "ready": counts.ready,
                 # the autoscaler's target (summed over pools); null before any decision
@@ -164,7 +168,7 @@ async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:
         record = snap.scaling.get(pool_record(name, spec, role))  # checked, or left out
         pools.append(
             {
-                "role": role if spec.pools else "",
+                "role": role if spec.disaggregated else "",
                 "min": lo,
                 "max": hi,
                 "decision": _bounded(record.to_json(), lo, hi) if record is not None else None,

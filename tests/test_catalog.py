@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cgn_control.decide.catalog import CatalogError, ModelSpec, check_catalog, parse_model
+from cgn_control.decide.catalog import Bounds, CatalogError, ModelSpec, check_catalog, parse_model
 
 
 def model(**kw: Any) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def test_a_full_spec_parses_and_round_trips() -> None:
         ],
     )  # fmt: skip
     m = parse_model(doc)
-    assert (m.min_replicas, m.max_replicas, m.role) == (2, 4, "decode")
+    assert (m.pools, m.role) == ({"decode": Bounds(2, 4)}, "decode")
     assert (m.scaling.stabilization_s, m.scaling.max_step_up, m.scaling.ttft_p90_ms) == (
         300,
         2,

@@ -464,7 +464,7 @@ def test_a_model_resource_carries_the_autoscalers_policy() -> None:
         "source": "smollm2", "replicas": {"min": 1, "max": 4},
         "scaling": {"stabilization_s": 30}, "slo": {"ttft_p90_ms": 500},
         "profiles": [{"engine": "cgn_infer"}]}))  # fmt: skip
-    assert (spec.max_replicas, spec.scaling.stabilization_s, spec.scaling.ttft_p90_ms) == (
+    assert (spec.pools["both"].max, spec.scaling.stabilization_s, spec.scaling.ttft_p90_ms) == (
         4,
         30,
         500,

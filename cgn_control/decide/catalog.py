@@ -77,34 +77,44 @@ class Profile:
 
 
 @dataclass(frozen=True, slots=True)
+class Bounds:
+    """A pool's replicas: at least `min`, at most `max` (the autoscaler moves between)."""
+
+    min: int
+    max: int
+
+    def to_json(self) -> int | dict[str, int]:
+        """As the catalog writes it: a count when fixed, else {min, max}."""
+        return self.min if self.min == self.max else {"min": self.min, "max": self.max}
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
     source: str
     profiles: tuple[Profile, ...]
     tokenizer: str = ""
     role: str = "both"
-    min_replicas: int = 1
-    max_replicas: int = 1
+    # Each pool's bounds by role: an aggregated model has one pool (its role's); a
+    # disaggregated one (`pools:` in the catalog) a prefill and a decode pool
+    pools: Mapping[str, Bounds] = field(default_factory=lambda: {"both": Bounds(1, 1)})
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
-    pools: Mapping[str, int] = field(default_factory=dict)  # role -> min replicas (disaggregated)
-    pool_max: Mapping[str, int] = field(default_factory=dict)  # role -> max, where above min
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)  # and the `slo:` targets
     migration_limit: int | None = None  # continuations per stream; None: the router's setting
 
+    @property
+    def disaggregated(self) -> bool:
+        return len(self.pools) > 1
+
     def wants(self) -> list[tuple[str, int, int]]:
-        """(role, min, max) replicas of each pool: one for an aggregated model."""
-        if self.pools:
-            return [
-                (role, n, self.pool_max.get(role, n))
-                for role, n in sorted(self.pools.items(), reverse=True)
-            ]
-        return [(self.role, self.min_replicas, self.max_replicas)]
+        """(role, min, max) replicas of each pool (prefill before decode)."""
+        return [(role, b.min, b.max) for role, b in sorted(self.pools.items(), reverse=True)]
 
     def in_pool(self, placement: Placement, role: str) -> bool:
         """Whether a placement counts in this model's pool of `role` (an aggregated model's
         one pool holds all its placements)."""
-        return placement.model == self.name and (not self.pools or placement.role == role)
+        return placement.model == self.name and (not self.disaggregated or placement.role == role)
 
     def for_role(self, role: str) -> ModelSpec:
         """This model with only the profiles that may serve `role`'s pool."""
@@ -120,21 +130,19 @@ class ModelSpec:
             "role": self.role,
             **(
                 {}
-                if self.pools
-                else {"replicas": {"min": self.min_replicas, "max": self.max_replicas}}
+                if self.disaggregated
+                else {"replicas": dataclasses.asdict(self.pools[self.role])}
             ),
             "aliases": list(self.aliases),
             "fallbacks": list(self.fallbacks),
             "profiles": [_profile_json(p) for p in self.profiles],
-            **({"pools": self._pools_json()} if self.pools else {}),
+            **(
+                {"pools": {role: b.to_json() for role, b in self.pools.items()}}
+                if self.disaggregated
+                else {}
+            ),
             **_scaling_json(self.scaling),
             **({} if self.migration_limit is None else {"migration_limit": self.migration_limit}),
-        }
-
-    def _pools_json(self) -> dict[str, Any]:
-        return {
-            role: n if self.pool_max.get(role, n) == n else {"min": n, "max": self.pool_max[role]}
-            for role, n in self.pools.items()
         }
 
 
@@ -195,18 +203,14 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             raise CatalogError(
                 f"{_p(where, f'profiles[{i}]')}: no source (set source: on the model)"
             )
-    pools, pool_max = _pools(doc, where, role, profiles)
     return ModelSpec(
         name=name,
         source=source,
         profiles=profiles,
-        pools=pools,
-        pool_max=pool_max,
+        pools=_pools(doc, where, role, profiles) or {role: Bounds(lo, hi)},
         scaling=_scaling(doc, where),
         tokenizer=_text(doc, "tokenizer", where),
         role=role,
-        min_replicas=lo,
-        max_replicas=hi,
         aliases=_names(doc, "aliases", where),
         fallbacks=_names(doc, "fallbacks", where),
         migration_limit=(
@@ -224,23 +228,23 @@ def pool_record(name: str, spec: ModelSpec, role: str) -> str:
     """The name of the pool's autoscaler record under /cognitora/scaling/: the model's name,
     or "m/prefill" for a disaggregated model's pool ("/" is in no model name; ":" is). A
     reader takes model and role from the record itself (`cgn_core.records.scaling`)."""
-    return f"{name}/{role}" if spec.pools else name
+    return f"{name}/{role}" if spec.disaggregated else name
 
 
 def pool_label(name: str, spec: ModelSpec, role: str) -> str:
     """How the pool of `role` of the catalog's model `name` is shown: "m (prefill)" for a
     disaggregated model, the model's name for an aggregated one."""
-    return f"{name} ({role})" if spec.pools else name
+    return f"{name} ({role})" if spec.disaggregated else name
 
 
 def _pools(
     doc: Mapping[str, Any], where: str, role: str, profiles: tuple[Profile, ...]
-) -> tuple[dict[str, int], dict[str, int]]:
-    """A disaggregated model's `pools: {prefill: N, decode: {min: M, max: K}}` as (min per
-    role, max per role where above min); ({}, {}) when it has none."""
+) -> dict[str, Bounds]:
+    """A disaggregated model's `pools: {prefill: N, decode: {min: M, max: K}}` as bounds per
+    role; {} when it has none."""
     raw = doc.get("pools")
     if raw is None:
-        return {}, {}
+        return {}
     at = _p(where, "pools")
     if not isinstance(raw, Mapping):
         raise CatalogError(f"{at}: expected {{prefill: N, decode: M}}")
@@ -249,27 +253,26 @@ def _pools(
         raise CatalogError(f"{at}: a model has pools or replicas, not both")
     if role != "both":
         raise CatalogError(f"{_p(where, 'role')}: a model with pools has role both, got {role}")
-    pools: dict[str, int] = {}
-    most: dict[str, int] = {}
+    pools: dict[str, Bounds] = {}
     for r in ("prefill", "decode"):
         if isinstance(raw.get(r), Mapping):
             _known(raw[r], {"min", "max"}, _p(at, r))
-            pools[r] = _int(raw[r], "min", _p(at, r), 1, minimum=1, maximum=MAX_COUNT)
-            top = _int(raw[r], "max", _p(at, r), pools[r], minimum=1, maximum=MAX_COUNT)
-            if top < pools[r]:
-                raise CatalogError(f"{_p(at, r)}: min {pools[r]} is above max {top}")
-            if top > pools[r]:
-                most[r] = top
+            lo = _int(raw[r], "min", _p(at, r), 1, minimum=1, maximum=MAX_COUNT)
+            top = _int(raw[r], "max", _p(at, r), lo, minimum=1, maximum=MAX_COUNT)
+            if top < lo:
+                raise CatalogError(f"{_p(at, r)}: min {lo} is above max {top}")
+            pools[r] = Bounds(lo, top)
         else:
-            pools[r] = _int(raw, r, at, 0, minimum=1, maximum=MAX_COUNT)
-    for r, n in pools.items():
-        if n > MAX_POOL:
-            raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {n}")
+            n = _int(raw, r, at, 0, minimum=1, maximum=MAX_COUNT)
+            pools[r] = Bounds(n, n)
+    for r, b in pools.items():
+        if b.min > MAX_POOL:
+            raise CatalogError(f"{_p(at, r)}: at most {MAX_POOL}, got {b.min}")
         if not any(p.role in ("both", r) for p in profiles):
             raise CatalogError(
                 f"{_p(at, r)}: no profile may serve it (a profile's role is both or {r})"
             )
-    return pools, most
+    return pools
 
 
 _SCALING_FLOATS = (

@@ -286,7 +286,7 @@ def scale(
     for name, spec in sorted(snap.models.items()):
         for role, lo, hi in spec.wants():
             label = pool_label(name, spec, role)
-            label_of[(name, role if spec.pools else "*")] = label
+            label_of[(name, role if spec.disaggregated else "*")] = label
             current = sum(spec.in_pool(p, role) for p in heads)
             pools.append(
                 ScalePool(
@@ -309,7 +309,7 @@ def scale(
 
 
 def _pool(spec: ModelSpec, role: str) -> str:
-    return f"{role} " if spec.pools else ""
+    return f"{role} " if spec.disaggregated else ""
 
 
 def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) -> list[Put]:
@@ -331,7 +331,7 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
             profile[k] = getattr(p, k)
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
-    why = f"{why}, {role} pool" if role and spec.pools else why
+    why = f"{why}, {role} pool" if role and spec.disaggregated else why
     head = decision.nodes[0][0]
     n = len(decision.nodes)
     puts = []
