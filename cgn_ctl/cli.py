@@ -410,40 +410,40 @@ def up(
 
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     opts = up_mod.UpOptions(
-        state_dir or settings.state_dir,
-        model,
-        name,
-        port,
-        admin_port,
-        agent_port,
-        etcd,
-        etcd_port,
-        join,
-        threads,
-        timeout,
-        node_id,
-        kv_ram_gib,
-        kv_ssd_gib,
-        metrics_port,
-        tuple(e.strip() for e in engines.split(",") if e.strip()),
+        state_dir=state_dir or settings.state_dir,
+        model=model,
+        name=name,
+        port=port,
+        admin_port=admin_port,
+        agent_port=agent_port,
+        etcd=etcd,
+        etcd_port=etcd_port,
+        join=join,
+        threads=threads,
+        timeout_s=timeout,
+        node_id=node_id,
+        kv_ram_gib=kv_ram_gib,
+        kv_ssd_gib=kv_ssd_gib,
+        metrics_port=metrics_port,
+        engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
     )
     try:
-        doc = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
+        done = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
     except CognitoraError as exc:
         fail(f"{exc.message} (what started is listed by `cgn-ctl status`; `cgn-ctl down` stops it)")
-    if doc.get("joined"):
-        typer.echo(f"node {doc['node']} joined the cluster at {doc['etcd']}")
+    if done.joined:
+        typer.echo(f"node {done.node} joined the cluster at {done.etcd}")
         return
-    typer.echo(f"OpenAI API: {doc['url']}\nAPI key:    {doc['key']}\nmodel:      {doc['model']}")
-    if len(doc.get("engines", ())) > 1:
-        typer.echo(f"engines:    {', '.join(doc['engines'])} (nodes {', '.join(doc['nodes'])})")
-    typer.echo(f"etcd:       {doc['etcd']}")
-    typer.echo(f"router admin: {doc.get('router_admin', '-')} (/metrics, /endpoints)")
-    typer.echo(f"agent admin:  {doc.get('agent_admin', '-')}")
-    typer.echo(f"dashboard:    {doc.get('dashboard', '-')}\n")
+    typer.echo(f"OpenAI API: {done.url}\nAPI key:    {done.key}\nmodel:      {done.model}")
+    if len(done.engines) > 1:
+        typer.echo(f"engines:    {', '.join(done.engines)} (nodes {', '.join(done.nodes)})")
+    typer.echo(f"etcd:       {done.etcd}")
+    typer.echo(f"router admin: {done.router_admin} (/metrics, /endpoints)")
+    typer.echo(f"agent admin:  {done.agent_admin}")
+    typer.echo(f"dashboard:    {done.dashboard}\n")
     typer.echo(
-        f"curl -s {doc['url']}/chat/completions -H 'Authorization: Bearer {doc['key']}' "
-        f'-H \'Content-Type: application/json\' -d \'{{"model": "{doc["model"]}", '
+        f"curl -s {done.url}/chat/completions -H 'Authorization: Bearer {done.key}' "
+        f'-H \'Content-Type: application/json\' -d \'{{"model": "{done.model}", '
         f'"messages": [{{"role": "user", "content": "Say hi"}}]}}\''
     )
 

@@ -25,7 +25,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from cgn_core.readiness import wait_ready_file
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UpOptions:
     state_dir: Path
     model: str = "smollm2"  # a bundled model name or a GGUF path
@@ -179,89 +179,43 @@ class Starter:
         atomic_write_json(record_path(self.state_dir), doc, mode=0o600)
 
 
-def up(opts: UpOptions, say: Any) -> dict[str, Any]:
-    """Start what is missing, wait for a served completion; returns the up record."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpResult:
+    """What `up` brought up (also in the up record, beside its processes)."""
+
+    etcd: str
+    node: str  # this machine's (first) agent's node id
+    joined: bool = False  # --join: only an agent, joining `etcd`'s cluster
+    url: str = ""  # the OpenAI base URL
+    model: str = ""
+    key: str = ""  # the API key `up` created
+    nodes: tuple[str, ...] = ()  # every agent's node id (one per engine)
+    engines: tuple[str, ...] = ()
+    router_admin: str = ""
+    agent_admin: str = ""
+    dashboard: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def up(opts: UpOptions, say: Any) -> UpResult:
+    """Start what is missing, wait for a served completion; what came up."""
     import logging
 
     logging.getLogger("cgn_core.etcd").setLevel(logging.ERROR)  # plaintext on loopback: expected
     state = opts.state_dir
     state.mkdir(parents=True, exist_ok=True)
-    existing = read_record(state)
-    if existing and any(p["alive"] for p in running(existing)):
-        raise CognitoraError(
-            f"already up (see {record_path(state)}); `cgn-ctl down` first, or `cgn-ctl status`"
-        )
-    bad = [e for e in opts.engines if e not in LOCAL_ENGINES]
-    if bad or not opts.engines:
-        raise CognitoraError(
-            f"--engines {','.join(bad)}: up runs {', '.join(LOCAL_ENGINES)} (in profile order)"
-        )
-    if len(set(opts.engines)) != len(opts.engines):
-        raise CognitoraError(f"--engines {','.join(opts.engines)} names an engine twice")
-    if "cgn_infer" in opts.engines:
-        # cgn-infer lives in its own venv: without it the placement would be refused and
-        # `up` would only time out
-        executables.require("cgn-infer")
+    _check(opts)
     starter = Starter(state, say)
     etcd = opts.join or opts.etcd or _start_etcd(starter, opts)
-    ready_dir = state / "run"
-    if opts.join is None:
-        router_cfg = state / "router.yaml"
-        router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
-        router = executables.require("cgn-router")
-        started = starter.start(
-            "router",
-            [
-                router,
-                "serve",
-                "--config",
-                str(router_cfg),
-                "--port",
-                str(_free(opts.port)),
-                "--admin-port",
-                str(_free(opts.admin_port)),
-                "--ready-file",
-                str(ready_dir / "router.ready"),
-            ],
-            ready_dir / "router.ready",
-        )
-        # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
-        port, admin_port = int(started["ports"]["http"]), int(started["ports"]["admin"])
-    spawned: list[tuple[str, subprocess.Popen[bytes]]] = []
-    for i, (engine, node) in enumerate(agent_nodes(opts)):
-        suffix = "" if i == 0 else f"-{engine}"
-        agent_argv = [
-            executables.require("cgn-agent"),
-            "run",
-            "--etcd",
-            etcd,
-            "--state-dir",
-            str(state / f"agent{suffix}"),
-            "--admin-port",
-            str(_free(opts.agent_port + i if opts.agent_port else 0)),
-            "--ready-file",
-            str(ready_dir / f"agent{suffix}.ready"),
-        ]
-        if node:
-            agent_argv += ["--node-id", node]
-        if len(opts.engines) > 1:
-            agent_argv += ["--set", f"engines.offer={engine}"]
-        if opts.join is None:  # one machine: engines on loopback, stopped with the agent
-            agent_argv += [
-                "--set",
-                "engines.bind_host=127.0.0.1",
-                "--set",
-                "engines.stop_on_exit=true",
-            ]
-        if i == 0:  # the node's KV store, once per machine (its ports are the machine's)
-            agent_argv += _store_flags(opts, state)
-        spawned.append((f"agent{suffix}", starter.spawn(f"agent{suffix}", agent_argv)))
-    # the agents start side by side (each takes a second or two to import and register)
-    agents = [starter.wait(name, proc, ready_dir / f"{name}.ready") for name, proc in spawned]
-    agent = agents[0]
     if opts.join is not None:
-        starter.save({"etcd": etcd, "node": agent["node"], "joined": True})
-        return read_record(state) or {}
+        (agent, *_) = _start_agents(starter, opts, etcd)
+        result = UpResult(etcd=etcd, node=agent["node"], joined=True)
+        starter.save(result.to_json())
+        return result
+    port, admin_port = _start_router(starter, opts, etcd)
+    agents = _start_agents(starter, opts, etcd)
     metrics = starter.start(
         "metrics",
         [
@@ -274,28 +228,84 @@ def up(opts: UpOptions, say: Any) -> dict[str, Any]:
             "--port",
             str(_free(opts.metrics_port)),
             "--ready-file",
-            str(ready_dir / "metrics.ready"),
+            str(state / "run" / "metrics.ready"),
         ],
-        ready_dir / "metrics.ready",
+        state / "run" / "metrics.ready",
     )
-    url = f"http://127.0.0.1:{port}/v1"
     model, key = _declare(etcd, opts, say)
-    starter.save(
-        {
-            "etcd": etcd,
-            "url": url,
-            "model": model,
-            "key": key,
-            "node": agent["node"],
-            "nodes": [a["node"] for a in agents],
-            "engines": list(opts.engines),
-            "router_admin": f"http://127.0.0.1:{admin_port}",
-            "agent_admin": f"http://127.0.0.1:{agent['ports']['admin']}",
-            "dashboard": f"http://127.0.0.1:{metrics['ports']['http']}/",
-        }
+    result = UpResult(
+        etcd=etcd,
+        node=agents[0]["node"],
+        url=f"http://127.0.0.1:{port}/v1",
+        model=model,
+        key=key,
+        nodes=tuple(a["node"] for a in agents),
+        engines=opts.engines,
+        router_admin=f"http://127.0.0.1:{admin_port}",
+        agent_admin=f"http://127.0.0.1:{agents[0]['ports']['admin']}",
+        dashboard=f"http://127.0.0.1:{metrics['ports']['http']}/",
     )
-    _wait_served(url, model, key, opts.timeout_s, etcd, say, replicas=len(opts.engines))
-    return read_record(state) or {}
+    starter.save(result.to_json())
+    _wait_served(result.url, model, key, opts.timeout_s, etcd, say, replicas=len(opts.engines))
+    return result
+
+
+def _check(opts: UpOptions) -> None:
+    """Refuse what `up` cannot do before it starts anything."""
+    existing = read_record(opts.state_dir)
+    if existing and any(p["alive"] for p in running(existing)):
+        raise CognitoraError(
+            f"already up (see {record_path(opts.state_dir)}); `cgn-ctl down` first, or "
+            "`cgn-ctl status`"
+        )
+    bad = [e for e in opts.engines if e not in LOCAL_ENGINES]
+    if bad or not opts.engines:
+        raise CognitoraError(
+            f"--engines {','.join(bad)}: up runs {', '.join(LOCAL_ENGINES)} (in profile order)"
+        )
+    if len(set(opts.engines)) != len(opts.engines):
+        raise CognitoraError(f"--engines {','.join(opts.engines)} names an engine twice")
+    if "cgn_infer" in opts.engines:
+        # cgn-infer lives in its own venv: without it the placement would be refused and
+        # `up` would only time out
+        executables.require("cgn-infer")
+
+
+def _start_router(starter: Starter, opts: UpOptions, etcd: str) -> tuple[int, int]:
+    """The router (reconciler and API keys on); its API and admin ports."""
+    router_cfg = opts.state_dir / "router.yaml"
+    router_cfg.write_text(json.dumps({"etcd": {"endpoints": [etcd]}}))
+    ready = opts.state_dir / "run" / "router.ready"
+    argv = [executables.require("cgn-router"), "serve", "--config", str(router_cfg),
+            "--port", str(_free(opts.port)), "--admin-port", str(_free(opts.admin_port)),
+            "--ready-file", str(ready)]  # fmt: skip
+    started = starter.start("router", argv, ready)
+    # NOTE: the ports the router reports, not the ones asked for (--port 0: any free one)
+    return int(started["ports"]["http"]), int(started["ports"]["admin"])
+
+
+def _start_agents(starter: Starter, opts: UpOptions, etcd: str) -> list[Any]:
+    """One agent per engine (each offering only its engine when there are several); their
+    ready documents, once all are up."""
+    ready_dir = opts.state_dir / "run"
+    spawned: list[tuple[str, subprocess.Popen[bytes]]] = []
+    for i, (engine, node) in enumerate(agent_nodes(opts)):
+        name = "agent" if i == 0 else f"agent-{engine}"
+        argv = [executables.require("cgn-agent"), "run", "--etcd", etcd,
+                "--state-dir", str(opts.state_dir / name),
+                "--admin-port", str(_free(opts.agent_port + i if opts.agent_port else 0)),
+                "--ready-file", str(ready_dir / f"{name}.ready")]  # fmt: skip
+        if node:
+            argv += ["--node-id", node]
+        if len(opts.engines) > 1:
+            argv += ["--set", f"engines.offer={engine}"]
+        if opts.join is None:  # one machine: engines on loopback, stopped with the agent
+            argv += ["--set", "engines.bind_host=127.0.0.1", "--set", "engines.stop_on_exit=true"]
+        if i == 0:  # the node's KV store, once per machine (its ports are the machine's)
+            argv += _store_flags(opts, opts.state_dir)
+        spawned.append((name, starter.spawn(name, argv)))
+    # the agents start side by side (each takes a second or two to import and register)
+    return [starter.wait(name, proc, ready_dir / f"{name}.ready") for name, proc in spawned]
 
 
 def _start_etcd(starter: Starter, opts: UpOptions) -> str:
