@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,30 +102,10 @@ def fleet_from_records(
         live.add(node)
         if admin:
             targets.append(Target("agent", admin, node=node))
-    replicas: dict[str, int] = {}
-    named: set[str] = set(placed_nodes)
-    for key, raw in endpoints.items():
-        parts = key.removeprefix(keys.ENDPOINTS).split("/")
-        if len(parts) not in (2, 3) or not all(parts):  # <node>/<model>/<replica> (agents)
-            continue  # or <model>/<replica> (registered by hand)
-        node, model, replica = parts if len(parts) == 3 else ("", *parts)
-        doc = rec.parse(key, revision, raw, _endpoint)
-        if doc is None:
-            continue
-        node = node or doc["node"]
-        named.add(node)
-        replicas[model] = replicas.get(model, 0) + 1
-        targets.append(
-            Target(
-                "engine",
-                doc["url"],
-                node=node,
-                model=model,
-                replica=f"{node}.{replica}" if node else replica,
-                token=doc["token"],
-                engine=doc["engine"],
-            )
-        )
+    engines = _engines(endpoints, rec, revision)
+    targets += engines
+    replicas = Counter(t.model for t in engines)
+    named = set(placed_nodes) | {t.node for t in engines}
     for key, raw in kvcached.items():
         node = key.removeprefix(keys.KVCACHED)
         doc = rec.parse(key, revision, raw, _kvcached)
@@ -142,7 +123,34 @@ def fleet_from_records(
         target = rec.parse(key, revision, raw, records.scaling)
         if target is not None:
             desired[target.model] = desired.get(target.model, 0) + target.desired
-    return Fleet(tuple(targets), states, replicas, desired)
+    return Fleet(tuple(targets), states, dict(replicas), desired)
+
+
+def _engines(endpoints: Mapping[str, bytes], rec: RecordLog, revision: int) -> list[Target]:
+    """The engines the endpoint records name: <node>/<model>/<replica> (written by agents)
+    or <model>/<replica> (registered by hand, the node in the record)."""
+    out = []
+    for key, raw in endpoints.items():
+        parts = key.removeprefix(keys.ENDPOINTS).split("/")
+        if len(parts) not in (2, 3) or not all(parts):
+            continue
+        node, model, replica = parts if len(parts) == 3 else ("", *parts)
+        doc = rec.parse(key, revision, raw, _endpoint)
+        if doc is None:
+            continue
+        node = node or doc["node"]
+        out.append(
+            Target(
+                "engine",
+                doc["url"],
+                node=node,
+                model=model,
+                replica=f"{node}.{replica}" if node else replica,
+                token=doc["token"],
+                engine=doc["engine"],
+            )
+        )
+    return out
 
 
 def _agent(doc: Any) -> str:

@@ -70,59 +70,15 @@ class LlamaCppDriver:
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
         launcher = pick_launcher(p.launcher, tools) or "llama_server"
-        host, port, gpu = ctx.host, str(ctx.port), bool(spec.devices)
-        model = model_file(spec)
+        gpu = bool(spec.devices)
         env = {**(cuda_env(spec) if gpu else {}), **p.env}
         if launcher == "llama_cpp_python":
-            argv = [
-                ctx.python,
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                model,
-                "--host",
-                host,
-                "--port",
-                port,
-                "--model_alias",
-                spec.model,
-            ]
-            argv += optional_flags(("--n_ctx", p.ctx), ("--n_threads", p.threads))
-            argv += ["--n_gpu_layers", "-1"] if gpu else []
-            return Launch(
-                tuple(argv + list(p.extra_args)), env, url_for(ctx), health_path="/v1/models"
-            )
+            argv = _llama_cpp_python(spec, ctx, gpu) + list(p.extra_args)
+            return Launch(tuple(argv), env, url_for(ctx), health_path="/v1/models")
         if launcher == "xllamacpp":
-            argv = [
-                ctx.python,
-                "-m",
-                "cgn_agent.launchers.xllamacpp_server",
-                "--model",
-                model,
-                "--host",
-                host,
-                "--port",
-                port,
-                "--alias",
-                spec.model,
-            ]
-            argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads))
-            argv += ["--n-gpu-layers", "999"] if gpu else []
+            argv = _xllamacpp(spec, ctx, gpu)
         else:
-            argv = [
-                tools.which("llama-server") or "llama-server",
-                "-m",
-                model,
-                "--host",
-                host,
-                "--port",
-                port,
-                "--alias",
-                spec.model,
-                "--metrics",
-            ]
-            argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
-            argv += ["-ngl", "999"] if gpu else []
+            argv = _llama_server(spec, ctx, gpu, tools.which("llama-server") or "llama-server")
         if ctx.token:  # llama-server (and our runner) read --api-key's LLAMA_API_KEY: not in ps
             env["LLAMA_API_KEY"] = ctx.token
         return Launch(
@@ -132,3 +88,30 @@ class LlamaCppDriver:
             metrics_dialect="llamacpp",
             token=ctx.token,
         )
+
+
+def _serving(ctx: LaunchContext) -> list[str]:
+    return ["--host", ctx.host, "--port", str(ctx.port)]
+
+
+def _llama_cpp_python(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool) -> list[str]:
+    p = spec.profile
+    argv = [ctx.python, "-m", "llama_cpp.server", "--model", model_file(spec)]
+    argv += [*_serving(ctx), "--model_alias", spec.model]
+    argv += optional_flags(("--n_ctx", p.ctx), ("--n_threads", p.threads))
+    return argv + (["--n_gpu_layers", "-1"] if gpu else [])
+
+
+def _xllamacpp(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool) -> list[str]:
+    p = spec.profile
+    argv = [ctx.python, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", model_file(spec)]
+    argv += [*_serving(ctx), "--alias", spec.model]
+    argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads))
+    return argv + (["--n-gpu-layers", "999"] if gpu else [])
+
+
+def _llama_server(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool, exe: str) -> list[str]:
+    p = spec.profile
+    argv = [exe, "-m", model_file(spec), *_serving(ctx), "--alias", spec.model, "--metrics"]
+    argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
+    return argv + (["-ngl", "999"] if gpu else [])

@@ -184,14 +184,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
     role = _text(doc, "role", where) or "both"
     if role not in ROLES:
         raise CatalogError(f"{_p(where, 'role')}: must be one of {', '.join(ROLES)}")
-    replicas = doc.get("replicas", {})
-    if not isinstance(replicas, Mapping):
-        raise CatalogError(f"{_p(where, 'replicas')}: expected {{min, max}}")
-    _known(replicas, {"min", "max"}, _p(where, "replicas"))
-    lo = _int(replicas, "min", _p(where, "replicas"), 1, minimum=0, maximum=MAX_COUNT)
-    hi = _int(replicas, "max", _p(where, "replicas"), max(lo, 1), minimum=1, maximum=MAX_COUNT)
-    if lo > hi:
-        raise CatalogError(f"{_p(where, 'replicas')}: min {lo} is above max {hi}")
+    replicas = _replicas(doc, where)
     raw_profiles = doc.get("profiles")
     if not isinstance(raw_profiles, list) or not raw_profiles:
         raise CatalogError(f"{_p(where, 'profiles')}: at least one profile is required")
@@ -207,7 +200,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
         name=name,
         source=source,
         profiles=profiles,
-        pools=_pools(doc, where, role, profiles) or {role: Bounds(lo, hi)},
+        pools=_pools(doc, where, role, profiles) or {role: replicas},
         scaling=_scaling(doc, where),
         tokenizer=_text(doc, "tokenizer", where),
         role=role,
@@ -222,6 +215,19 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
 
 
 MAX_POOL = 1000
+
+
+def _replicas(doc: Mapping[str, Any], where: str) -> Bounds:
+    """An aggregated model's `replicas: {min, max}` (min 0: scaled from zero)."""
+    replicas = doc.get("replicas", {})
+    if not isinstance(replicas, Mapping):
+        raise CatalogError(f"{_p(where, 'replicas')}: expected {{min, max}}")
+    _known(replicas, {"min", "max"}, _p(where, "replicas"))
+    lo = _int(replicas, "min", _p(where, "replicas"), 1, minimum=0, maximum=MAX_COUNT)
+    hi = _int(replicas, "max", _p(where, "replicas"), max(lo, 1), minimum=1, maximum=MAX_COUNT)
+    if lo > hi:
+        raise CatalogError(f"{_p(where, 'replicas')}: min {lo} is above max {hi}")
+    return Bounds(lo, hi)
 
 
 def pool_record(name: str, spec: ModelSpec, role: str) -> str:
@@ -342,40 +348,13 @@ def _parse_profile(raw: Any, where: str) -> Profile:
     engine = _text(raw, "engine", where, required=True)
     if engine not in ENGINES:
         raise CatalogError(f"{_p(where, 'engine')}: must be one of {', '.join(ENGINES)}")
-    accel = _text(raw, "accelerator", where) or "cpu"
-    if not _CLASS.match(accel):
-        raise CatalogError(
-            f"{_p(where, 'accelerator')}: an accelerator class such as h100-80g, or cpu"
-        )
-    devices = _int(raw, "devices", where, 0 if accel == "cpu" else 1, minimum=0, maximum=MAX_COUNT)
-    nodes = _int(raw, "nodes", where, 1, minimum=1, maximum=MAX_COUNT)
-    tp = _int(raw, "tensor_parallel", where, max(devices * nodes, 1), minimum=1, maximum=1 << 24)
-    if accel == "cpu" and devices:
-        raise CatalogError(f"{_p(where, 'devices')}: a cpu profile takes no devices, got {devices}")
-    if accel != "cpu" and devices == 0:
-        raise CatalogError(f"{_p(where, 'devices')}: a {accel} profile needs at least one device")
-    if accel != "cpu" and (devices * nodes) % tp:
-        at, total = _p(where, "tensor_parallel"), devices * nodes
-        raise CatalogError(f"{at}: {tp} does not divide devices × nodes = {total}")
-    if accel == "cpu" and tp != 1:
-        raise CatalogError(f"{_p(where, 'tensor_parallel')}: a cpu profile runs with 1, got {tp}")
+    accel, devices, nodes, tp = _shape(raw, where)
     kv = _text(raw, "kv_connector", where) or "none"
     if kv not in KV_CONNECTORS:
         raise CatalogError(
             f"{_p(where, 'kv_connector')}: must be one of {', '.join(KV_CONNECTORS)}"
         )
-    extra = raw.get("extra_args", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise CatalogError(f"{_p(where, 'extra_args')}: expected a list of strings")
-    env = raw.get("env", {})
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise CatalogError(f"{_p(where, 'env')}: expected a mapping of strings")
-    try:  # the agents refuse these too; saying so at `models apply` saves a placement round
-        engine_args.check(engine, extra, env)
-    except engine_args.ArgsRefused as exc:
-        raise CatalogError(f"{where}: {exc}") from None
+    extra, env = _engine_args(raw, where, engine)
     gmu = raw.get("gpu_memory_utilization")
     if gmu is not None and (
         not isinstance(gmu, int | float) or isinstance(gmu, bool) or not 0 < gmu <= 1
@@ -385,16 +364,7 @@ def _parse_profile(raw: Any, where: str) -> Profile:
     role = _text(raw, "role", where) or "both"
     if role not in ROLES:
         raise CatalogError(f"{_p(where, 'role')}: must be one of {', '.join(ROLES)}")
-    launch_mode = _text(raw, "launch_mode", where) or None
-    if launch_mode is not None and (engine != "vllm" or nodes < 2):
-        raise CatalogError(f"{_p(where, 'launch_mode')}: only a vllm profile across nodes has one")
-    if launch_mode is not None and launch_mode not in multinode.LAUNCH_MODES:
-        modes = ", ".join(multinode.LAUNCH_MODES)
-        raise CatalogError(f"{_p(where, 'launch_mode')}: must be one of {modes}")
-    timeout = raw.get("rendezvous_timeout_s")
-    number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-    if timeout is not None and not (number and 0 < timeout <= 86400):
-        raise CatalogError(f"{_p(where, 'rendezvous_timeout_s')}: seconds in (0, 86400]")
+    launch_mode, timeout = _across_nodes(raw, where, engine, nodes)
     quantization = _text(raw, "quantization", where) or None
     if quantization is not None and engine not in multinode.RANK_ENGINES:
         raise CatalogError(f"{_p(where, 'quantization')}: only vllm and sglang take it")
@@ -412,13 +382,71 @@ def _parse_profile(raw: Any, where: str) -> Profile:
         backend=_text(raw, "backend", where) or None,
         launcher=_text(raw, "launcher", where) or "auto",
         url=_text(raw, "url", where) or None,
-        extra_args=tuple(extra),
-        env=dict(env),
+        extra_args=extra,
+        env=env,
         quantization=quantization,
         launch_mode=launch_mode,
-        rendezvous_timeout_s=None if timeout is None else float(timeout),
+        rendezvous_timeout_s=timeout,
         **optional_ints,
     )
+
+
+def _shape(raw: Mapping[str, Any], where: str) -> tuple[str, int, int, int]:
+    """A profile's accelerator class, devices per node, nodes and tensor parallelism."""
+    accel = _text(raw, "accelerator", where) or "cpu"
+    if not _CLASS.match(accel):
+        raise CatalogError(
+            f"{_p(where, 'accelerator')}: an accelerator class such as h100-80g, or cpu"
+        )
+    devices = _int(raw, "devices", where, 0 if accel == "cpu" else 1, minimum=0, maximum=MAX_COUNT)
+    nodes = _int(raw, "nodes", where, 1, minimum=1, maximum=MAX_COUNT)
+    tp = _int(raw, "tensor_parallel", where, max(devices * nodes, 1), minimum=1, maximum=1 << 24)
+    if accel == "cpu" and devices:
+        raise CatalogError(f"{_p(where, 'devices')}: a cpu profile takes no devices, got {devices}")
+    if accel != "cpu" and devices == 0:
+        raise CatalogError(f"{_p(where, 'devices')}: a {accel} profile needs at least one device")
+    if accel != "cpu" and (devices * nodes) % tp:
+        at, total = _p(where, "tensor_parallel"), devices * nodes
+        raise CatalogError(f"{at}: {tp} does not divide devices × nodes = {total}")
+    if accel == "cpu" and tp != 1:
+        raise CatalogError(f"{_p(where, 'tensor_parallel')}: a cpu profile runs with 1, got {tp}")
+    return accel, devices, nodes, tp
+
+
+def _engine_args(
+    raw: Mapping[str, Any], where: str, engine: str
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """`extra_args` and `env`, refused here as the agents would refuse them."""
+    extra = raw.get("extra_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise CatalogError(f"{_p(where, 'extra_args')}: expected a list of strings")
+    env = raw.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise CatalogError(f"{_p(where, 'env')}: expected a mapping of strings")
+    try:  # the agents refuse these too; saying so at `models apply` saves a placement round
+        engine_args.check(engine, extra, env)
+    except engine_args.ArgsRefused as exc:
+        raise CatalogError(f"{where}: {exc}") from None
+    return tuple(extra), dict(env)
+
+
+def _across_nodes(
+    raw: Mapping[str, Any], where: str, engine: str, nodes: int
+) -> tuple[str | None, float | None]:
+    """A multi-node profile's launch mode and rendezvous timeout (None: the defaults)."""
+    launch_mode = _text(raw, "launch_mode", where) or None
+    if launch_mode is not None and (engine != "vllm" or nodes < 2):
+        raise CatalogError(f"{_p(where, 'launch_mode')}: only a vllm profile across nodes has one")
+    if launch_mode is not None and launch_mode not in multinode.LAUNCH_MODES:
+        modes = ", ".join(multinode.LAUNCH_MODES)
+        raise CatalogError(f"{_p(where, 'launch_mode')}: must be one of {modes}")
+    timeout = raw.get("rendezvous_timeout_s")
+    number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if timeout is not None and not (number and 0 < timeout <= 86400):
+        raise CatalogError(f"{_p(where, 'rendezvous_timeout_s')}: seconds in (0, 86400]")
+    return launch_mode, None if timeout is None else float(timeout)
 
 
 def check_catalog(models: Mapping[str, ModelSpec]) -> None:
