@@ -214,7 +214,10 @@ def now_ns() -> int:
 TRACESTATE_MEMBERS = 32  # W3C trace context: a tracestate holds at most this many
 TRACESTATE_CHARS = 512  # and a propagator keeps at least this many characters of it
 _VALUE_CHAR = r"\x2d-\x3c\x3e-\x7e\x21-\x2b"  # printable, but not ',' or '=' (nor space)
-_MEMBER = re.compile(rf"[a-z0-9][a-z0-9_\-*/@]{{0,255}}=[ {_VALUE_CHAR}]{{0,255}}[{_VALUE_CHAR}]")
+# NOTE: anchored (it is only ever matched whole): a search cannot restart it at every position
+_MEMBER = re.compile(
+    rf"\A[a-z0-9][a-z0-9_\-*/@]{{0,255}}=[ {_VALUE_CHAR}]{{0,255}}[{_VALUE_CHAR}]\Z"
+)
 
 
 def bounded_tracestate(value: str) -> str:

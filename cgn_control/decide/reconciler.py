@@ -174,49 +174,10 @@ def reconcile(
 ) -> list[Action]:
     """The actions of one pass. `targets`: replicas per pool label (default: each pool's
     min); `load`: per replica id, the router's view of it (what a removal would cost)."""
-    targets, load = targets or {}, load or {}
-    states = node_states(snap, mem, now, policy)
-    actions: list[Action] = []
-    gone: set[Key] = set()
-
-    draining = {n for n, c in snap.cordons.items() if c.drain}
-    # NOTE: only its own placements; one written by hand is left alone (its devices still count)
-    owned = {k: p for k, p in snap.placements.items() if p.owner == OWNER}
-    parts = _pipeline_parts(owned)
-
-    def members(key: Key) -> list[Key]:  # every part of its replica (itself if on one node)
-        return list(parts.get(key[1], {}).values()) or [key]
-
-    def delete(key: Key, why: str) -> None:  # a multi-node replica goes whole
-        for k in members(key):
-            if k not in gone:
-                gone.add(k)
-                actions.append(Delete(k[0], k[1], why if k == key else f"{why} (same replica)"))
-
-    def drains(key: Key) -> bool:
-        return any(k[0] in draining for k in members(key))
-
-    for key, p in sorted(owned.items()):
-        model, status = p.model, snap.statuses.get(key)
-        if key in gone:
-            continue
-        if states[key[0]] == "lost":
-            delete(key, f"node {key[0]} lost")
-        elif model not in snap.models:
-            delete(key, f"model {model} is not in the catalog")
-        elif key[1] in parts and len(parts[key[1]]) != p.part.parts:
-            delete(key, f"multi-node replica has {len(parts[key[1]])} of {p.part.parts} parts")
-        elif status is not None and _failed(status, policy, p.engine if key[1] in parts else ""):
-            delete(key, f"replica failed: {status.reason}")
-            mem.rebuilds[model] += 1
-            mem.rebuild_after[model] = now + _backoff(mem.rebuilds[model], policy, rand)
-            if status.reason.startswith(("refused", "invalid")):  # the same again, there
-                profiles = repr(snap.models[model].profiles)
-                until = now + REFUSED_FOR_S
-                mem.refused[(model, key[0], p.engine)] = (status.reason, until, profiles)
-
-    live = {k: d for k, d in owned.items() if k not in gone}
-    actions += _relay_stages(live, parts, snap)
+    run = _Pass(snap, mem, now, policy, node_states(snap, mem, now, policy))
+    run.remove_broken(rand)
+    live = {k: d for k, d in run.owned.items() if k not in run.gone}
+    run.actions += _relay_stages(live, run.parts, snap)
     # a multi-node replica counts once, as its head (part 0)
     heads = {k: p for k, p in live.items() if p.part.part == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
@@ -226,44 +187,135 @@ def reconcile(
         for name, spec in sorted(snap.models.items())
         for role, lo, hi in spec.wants()
     ]
+    targets, load = targets or {}, load or {}
     for name, spec, role, lo, hi in pools:
         cap = min(hi, max(lo, targets.get(pool_label(name, spec, role), lo)))
         mine = {k: d for k, d in heads.items() if spec.in_pool(d, role)}
-        serving = {k for k in mine if not drains(k)}
+        run.trim(spec, role, mine, lo, hi, cap, load)
+    for name, spec, role, lo, hi in pools:
+        want = min(hi, max(lo, targets.get(pool_label(name, spec, role), lo)))
+        placed = [k for k, d in heads.items() if spec.in_pool(d, role)]
+        if run.place_one(name, spec, role, placed, want):
+            break  # one replica per pass, from a fresh snapshot
+    return run.actions
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One pass of `reconcile`: what it has decided so far (actions, the placements they
+    delete) over the snapshot, and the replica arithmetic it needs."""
+
+    snap: Snapshot
+    mem: Memory
+    now: float
+    policy: ReconcilerSettings
+    states: dict[str, NodeState]
+    actions: list[Action] = field(default_factory=list)
+    gone: set[Key] = field(default_factory=set)  # the placements `actions` delete
+    draining: set[str] = field(init=False)
+    owned: dict[Key, Placement] = field(init=False)
+    parts: dict[str, dict[int, Key]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.draining = {n for n, c in self.snap.cordons.items() if c.drain}
+        # NOTE: only its own placements; one written by hand is left alone (its devices
+        # still count)
+        self.owned = {k: p for k, p in self.snap.placements.items() if p.owner == OWNER}
+        self.parts = _pipeline_parts(self.owned)
+
+    def members(self, key: Key) -> list[Key]:
+        """Every part of `key`'s replica (itself if on one node)."""
+        return list(self.parts.get(key[1], {}).values()) or [key]
+
+    def delete(self, key: Key, why: str) -> None:
+        """Delete `key`'s replica, whole (every part of a multi-node one)."""
+        for k in self.members(key):
+            if k not in self.gone:
+                self.gone.add(k)
+                self.actions.append(
+                    Delete(k[0], k[1], why if k == key else f"{why} (same replica)")
+                )
+
+    def drains(self, key: Key) -> bool:
+        return any(k[0] in self.draining for k in self.members(key))
+
+    def remove_broken(self, rand: float) -> None:
+        """Delete replicas on lost nodes, of models gone from the catalog, missing parts, or
+        failed (a failed model's rebuild backs off; a refusal is remembered for that node)."""
+        snap, mem = self.snap, self.mem
+        for key, p in sorted(self.owned.items()):
+            model, status = p.model, snap.statuses.get(key)
+            if key in self.gone:
+                continue
+            if self.states[key[0]] == "lost":
+                self.delete(key, f"node {key[0]} lost")
+            elif model not in snap.models:
+                self.delete(key, f"model {model} is not in the catalog")
+            elif key[1] in self.parts and len(self.parts[key[1]]) != p.part.parts:
+                have = len(self.parts[key[1]])
+                self.delete(key, f"multi-node replica has {have} of {p.part.parts} parts")
+            elif status is not None and _failed(
+                status, self.policy, p.engine if key[1] in self.parts else ""
+            ):
+                self.delete(key, f"replica failed: {status.reason}")
+                mem.rebuilds[model] += 1
+                mem.rebuild_after[model] = self.now + _backoff(
+                    mem.rebuilds[model], self.policy, rand
+                )
+                if status.reason.startswith(("refused", "invalid")):  # the same again, there
+                    profiles = repr(snap.models[model].profiles)
+                    until = self.now + REFUSED_FOR_S
+                    mem.refused[(model, key[0], p.engine)] = (status.reason, until, profiles)
+
+    def trim(
+        self,
+        spec: ModelSpec,
+        role: str,
+        mine: Mapping[Key, Placement],
+        lo: int,
+        hi: int,
+        cap: int,
+        load: Mapping[str, ReplicaLoad],
+    ) -> None:
+        """A pool's replicas on draining nodes go once enough are Ready elsewhere (or their
+        grace is over); one replica above `cap` goes, the cheapest to remove."""
+        snap = self.snap
+        serving = {k for k in mine if not self.drains(k)}
         ready_off_drain = [k for k in serving if _ready(snap.statuses.get(k))]
-        for key in sorted(k for k in mine if drains(k)):
-            node = next(k[0] for k in members(key) if k[0] in draining)
+        for key in sorted(k for k in mine if self.drains(k)):
+            node = next(k[0] for k in self.members(key) if k[0] in self.draining)
             cordon = snap.cordons[node]
-            grace = policy.drain_grace_s if cordon.grace_s is None else cordon.grace_s
+            grace = self.policy.drain_grace_s if cordon.grace_s is None else cordon.grace_s
             since = snap.wall if cordon.since_unix is None else cordon.since_unix
-            expired = snap.wall - since >= grace
             if len(ready_off_drain) >= lo:
-                delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
-            elif expired:
-                delete(key, "drain grace period over")
+                self.delete(key, f"drained: {len(ready_off_drain)} Ready replica(s) elsewhere")
+            elif snap.wall - since >= grace:
+                self.delete(key, "drain grace period over")
         if len(serving) > cap:
             extra = sorted(serving, key=lambda k: removal_cost(k, snap, load))
             why = f"max {hi}" if cap == hi else f"the autoscaler's target {cap}"
-            delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, {why}")
+            self.delete(extra[0], f"{len(serving)} {_pool(spec, role)}replicas, {why}")
 
-    for name, spec, role, lo, hi in pools:
-        pool = pool_label(name, spec, role)
-        want = min(hi, max(lo, targets.get(pool, lo)))
-        placed = [k for k, d in heads.items() if spec.in_pool(d, role)]
-        if sum(k not in gone and not drains(k) for k in placed) >= want:
+    def place_one(
+        self, name: str, spec: ModelSpec, role: str, placed: list[Key], want: int
+    ) -> bool:
+        """Place one replica of a pool short of `want`; whether one was placed."""
+        mem, pool = self.mem, pool_label(name, spec, role)
+        if sum(k not in self.gone and not self.drains(k) for k in placed) >= want:
             mem.unplaced.pop(pool, None)
-            continue
-        if now < mem.rebuild_after.get(name, 0.0):
-            continue
+            return False
+        if self.now < mem.rebuild_after.get(name, 0.0):
+            return False
         sub = spec.for_role(role)
-        decision = place(sub, node_views(snap, states, gone), mem.refusals(spec, now))
+        decision = place(
+            sub, node_views(self.snap, self.states, self.gone), mem.refusals(spec, self.now)
+        )
         if not decision.ok:
             mem.unplaced[pool] = decision
-            continue
+            return False
         mem.unplaced.pop(pool, None)
-        actions += placement_for(sub, decision, role)
-        break  # one replica per pass, from a fresh snapshot
-    return actions
+        self.actions += placement_for(sub, decision, role)
+        return True
 
 
 def scale(
