@@ -177,14 +177,9 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tools = SystemToolbox()
-    engines = installed_engines(tools, settings.engines.offer)
-    if missing := [e for e in settings.engines.offer if e not in engines]:
-        log.warning("engines.offer names %s, not installed here", ", ".join(missing))
     eh = settings.engines
     bind_host, advertise = engine_addresses(eh.bind_host, eh.advertise_host, primary_address)
-    inv = await asyncio.to_thread(
-        collect, node, engines=engines, labels=settings.labels, address=advertise
-    )
+    engines, inv = await _inventory(settings, node, tools, advertise)
     rt = Runtime(inv)
     publisher = Publisher()
     probe_ssl = client_ssl_context(eh.tls) if eh.tls.enabled else None
@@ -193,38 +188,14 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         aiohttp.ClientSession(connector=connector) as session,
         EtcdClient(settings.etcd) as client,
     ):
-        ctx = RunnerContext(
-            node=node,
-            publisher=publisher,
-            store=StateStore(settings.state_dir),
-            prober=HttpProber(session, eh.probe_timeout_s),
-            policy=settings.supervisor,
-            log_dir=settings.state_dir / "logs",
-            advertise_url=lambda port: f"http://{advertise}:{port}",
-            stop_grace_s=eh.stop_grace_s,
-            probe_interval_s=eh.probe_interval_s,
-        )
-        agent = NodeAgent(
-            node,
-            ctx,
-            tools,
-            bind_host,
-            lambda: rt.inventory,
-            free_port,
-            settings.model_dirs,
-            eh.tls if eh.tls.enabled else None,
-        )
+        agent = _node_agent(settings, node, session, publisher, tools, bind_host, advertise, rt)
         store = _store_plan(settings, advertise)
         agent.kv_store, agent.kv_offload_gib = store.address, store.offload_gib
         agent.kv_token = store.client_token
-        agent.advertise_host = advertise
         adopted = await agent.adopt_orphans()
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())
-        collector = AgentCollector(
-            agent, lambda: rt.inventory, lambda: (rt.power, rt.energy_j), lambda: rt.etcd_ok
-        )
-        runner, port = await _start_admin(settings, agent, rt, collector)
+        runner, port = await _start_admin(settings, agent, rt)
         rt.admin_url = f"http://{advertise}:{port}"
         _publish_node(publisher, node, agent, rt)
         log.info(
@@ -252,16 +223,71 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         log.info("shutting down")
         announce_stopping()
         if eh.stop_on_exit:
-            await agent.close()
-            for key in list(publisher.desired):
-                publisher.delete(key)
-            with contextlib.suppress(CognitoraError, TimeoutError):
-                async with asyncio.timeout(5):
-                    await publisher.flush(client, 0)
+            await _stop_engines(agent, publisher, client)
         await runner.cleanup()
     if ready_file is not None:
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(ready_file.unlink)
+
+
+async def _inventory(
+    settings: AgentSettings, node: str, tools: SystemToolbox, advertise: str
+) -> tuple[list[str], Inventory]:
+    """The engines this node offers (those installed of `engines.offer`) and its inventory."""
+    engines = installed_engines(tools, settings.engines.offer)
+    if missing := [e for e in settings.engines.offer if e not in engines]:
+        log.warning("engines.offer names %s, not installed here", ", ".join(missing))
+    inv = await asyncio.to_thread(
+        collect, node, engines=engines, labels=settings.labels, address=advertise
+    )
+    return engines, inv
+
+
+def _node_agent(
+    settings: AgentSettings,
+    node: str,
+    session: aiohttp.ClientSession,
+    publisher: Publisher,
+    tools: SystemToolbox,
+    bind_host: str,
+    advertise: str,
+    rt: Runtime,
+) -> NodeAgent:
+    """The agent of this node's replicas, before it adopts what a previous run left."""
+    eh = settings.engines
+    ctx = RunnerContext(
+        node=node,
+        publisher=publisher,
+        store=StateStore(settings.state_dir),
+        prober=HttpProber(session, eh.probe_timeout_s),
+        policy=settings.supervisor,
+        log_dir=settings.state_dir / "logs",
+        advertise_url=lambda port: f"http://{advertise}:{port}",
+        stop_grace_s=eh.stop_grace_s,
+        probe_interval_s=eh.probe_interval_s,
+    )
+    agent = NodeAgent(
+        node,
+        ctx,
+        tools,
+        bind_host,
+        lambda: rt.inventory,
+        free_port,
+        settings.model_dirs,
+        eh.tls if eh.tls.enabled else None,
+    )
+    agent.advertise_host = advertise
+    return agent
+
+
+async def _stop_engines(agent: NodeAgent, publisher: Publisher, client: EtcdClient) -> None:
+    """engines.stop_on_exit: the engines stop with the agent, their keys deleted (bounded)."""
+    await agent.close()
+    for key in list(publisher.desired):
+        publisher.delete(key)
+    with contextlib.suppress(CognitoraError, TimeoutError):
+        async with asyncio.timeout(5):
+            await publisher.flush(client, 0)
 
 
 def _store_plan(settings: AgentSettings, advertise: str) -> kvcached.StorePlan:
@@ -308,8 +334,11 @@ class _Stop(Exception):
 
 
 async def _start_admin(
-    settings: AgentSettings, agent: NodeAgent, rt: Runtime, collector: AgentCollector
+    settings: AgentSettings, agent: NodeAgent, rt: Runtime
 ) -> tuple[web.AppRunner, int]:
+    collector = AgentCollector(
+        agent, lambda: rt.inventory, lambda: (rt.power, rt.energy_j), lambda: rt.etcd_ok
+    )
     registry = registry_for(collector)
 
     async def metrics(_: web.Request) -> web.Response:

@@ -91,74 +91,12 @@ def load_weights(
     first, end = layers if layers is not None else (0, args.n_layers)
     if not 0 <= first <= end <= args.n_layers:
         raise GGUFError(f"{gguf.path}: layers {first}:{end} are outside 0:{args.n_layers}")
-
-    def info(name: str) -> TensorInfo:
-        if name not in gguf.tensors:
-            raise GGUFError(f"{gguf.path}: tensor {name} is missing")
-        return gguf.tensors[name]
-
-    # A tied embedding, once dequantized, is kept for the LM head, which converts it again.
-    kept: dict[str, np.ndarray] = {}
-
-    def get(name: str) -> np.ndarray:
-        if name in kept:
-            return kept.pop(name)
-        info(name)
-        a = dequantize(gguf, name)
-        if name == "token_embd.weight" and args.tied_embeddings:
-            kept[name] = a
-        return a
-
-    def fused(*names: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """Rows of `names` stacked, with their Q4 groups when every part has them."""
-        groups = [g for n in names if (g := q4_groups(gguf, n)) is not None]
-        joined = np.concatenate(groups) if len(groups) == len(names) else None
-        return np.concatenate([get(n) for n in names]), joined
-
-    def qkv(p: str, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
-        a, groups = fused(*(p + f"attn_{x}.{kind}" for x in "qkv"))
-        if rope_pairs and args.rope_neox:
-            a = _qk_to_pairs(a, args)
-            groups = None if groups is None else _qk_to_pairs(groups, args)
-        return a, groups
-
-    def raw_parts(*names: str) -> list[RawPart]:
-        parts = []
-        for n in names:
-            t = info(n)
-            rows = gguf.raw(n).reshape(int(np.prod(t.shape[:-1])), -1)
-            if rope_pairs and args.rope_neox and n.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = args.n_heads if n.endswith("attn_q.weight") else args.n_kv_heads
-                rows = neox_to_pairs(rows, heads, args.head_dim)  # whole rows: blocks unchanged
-            parts.append(RawPart(n, t.type_name, rows, t.shape[-1]))
-        return parts
-
-    def weight(role: Role, names: tuple[str, ...], dense: Callable[[], T]) -> T:
-        """The backend's raw form of `names` where it takes them, else `dense()`."""
-        if raw is not None:
-            done = raw(role, raw_parts(*names))
-            if done is not None:
-                return done
-        return dense()
-
-    def matrix(*names: str) -> T:
-        def dense() -> T:
-            if names[0].endswith("attn_q.weight"):
-                a, groups = qkv(names[0].removesuffix("attn_q.weight"), "weight")
-            else:
-                a, groups = fused(*names)
-            return convert(a, "matrix", groups)
-
-        return weight("matrix", names, dense)
-
-    def vector(name: str) -> T:
-        return convert(get(name), "vector", None)
-
+    r = _Reader(gguf, args, convert, rope_pairs, raw)
     total = end - first + 2
-    embd = ("token_embd.weight",)
+    embd = "token_embd.weight"
     tok_embd = None
     if ends:
-        tok_embd = weight("embedding", embd, lambda: convert(get(embd[0]), "embedding", None))
+        tok_embd = r.weight("embedding", (embd,), lambda: convert(r.get(embd), "embedding", None))
     if progress:
         progress(1, total)
     loaded: list[LayerWeights[T]] = []
@@ -166,24 +104,105 @@ def load_weights(
         p = f"blk.{i}."
         loaded.append(
             LayerWeights(
-                attn_norm=vector(p + "attn_norm.weight"),
-                wqkv=matrix(*(p + f"attn_{x}.weight" for x in "qkv")),
-                bqkv=convert(qkv(p, "bias")[0], "vector", None) if args.qkv_bias else None,
-                wo=matrix(p + "attn_output.weight"),
-                ffn_norm=vector(p + "ffn_norm.weight"),
-                w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                w_down=matrix(p + "ffn_down.weight"),
+                attn_norm=r.vector(p + "attn_norm.weight"),
+                wqkv=r.matrix(*(p + f"attn_{x}.weight" for x in "qkv")),
+                bqkv=convert(r.qkv(p, "bias")[0], "vector", None) if args.qkv_bias else None,
+                wo=r.matrix(p + "attn_output.weight"),
+                ffn_norm=r.vector(p + "ffn_norm.weight"),
+                w_gate_up=r.matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                w_down=r.matrix(p + "ffn_down.weight"),
             )
         )
         if progress:
             progress(i - first + 2, total)
     out_norm = output = None
     if ends:
-        out_norm = vector("output_norm.weight")
-        output = matrix(embd[0] if args.tied_embeddings else "output.weight")
+        out_norm = r.vector("output_norm.weight")
+        output = r.matrix(embd if args.tied_embeddings else "output.weight")
     if progress:
         progress(total, total)
     return ModelWeights(tok_embd, loaded, out_norm, output, first)
+
+
+class _Reader(Generic[T]):
+    """Reads a GGUF's tensors for `load_weights`: dequantized and fused, or in the backend's
+    raw form where it takes them (`raw`), converted by `convert`."""
+
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        args: Args,
+        convert: Callable[[np.ndarray, Role, np.ndarray | None], T],
+        rope_pairs: bool,
+        raw: RawConvert[T] | None,
+    ):
+        self.gguf, self.args, self.convert = gguf, args, convert
+        self.rope_pairs, self.raw = rope_pairs, raw
+        # A tied embedding, once dequantized, is kept for the LM head, which converts it again.
+        self.kept: dict[str, np.ndarray] = {}
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.gguf.tensors:
+            raise GGUFError(f"{self.gguf.path}: tensor {name} is missing")
+        return self.gguf.tensors[name]
+
+    def get(self, name: str) -> np.ndarray:
+        if name in self.kept:
+            return self.kept.pop(name)
+        self.info(name)
+        a = dequantize(self.gguf, name)
+        if name == "token_embd.weight" and self.args.tied_embeddings:
+            self.kept[name] = a
+        return a
+
+    def fused(self, *names: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of `names` stacked, with their Q4 groups when every part has them."""
+        groups = [g for n in names if (g := q4_groups(self.gguf, n)) is not None]
+        joined = np.concatenate(groups) if len(groups) == len(names) else None
+        return np.concatenate([self.get(n) for n in names]), joined
+
+    def qkv(self, p: str, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
+        a, groups = self.fused(*(p + f"attn_{x}.{kind}" for x in "qkv"))
+        if self.rope_pairs and self.args.rope_neox:
+            a = _qk_to_pairs(a, self.args)
+            groups = None if groups is None else _qk_to_pairs(groups, self.args)
+        return a, groups
+
+    def raw_parts(self, *names: str) -> list[RawPart]:
+        args, parts = self.args, []
+        for n in names:
+            t = self.info(n)
+            rows = self.gguf.raw(n).reshape(int(np.prod(t.shape[:-1])), -1)
+            if (
+                self.rope_pairs
+                and args.rope_neox
+                and n.endswith(("attn_q.weight", "attn_k.weight"))
+            ):
+                heads = args.n_heads if n.endswith("attn_q.weight") else args.n_kv_heads
+                rows = neox_to_pairs(rows, heads, args.head_dim)  # whole rows: blocks unchanged
+            parts.append(RawPart(n, t.type_name, rows, t.shape[-1]))
+        return parts
+
+    def weight(self, role: Role, names: tuple[str, ...], dense: Callable[[], T]) -> T:
+        """The backend's raw form of `names` where it takes them, else `dense()`."""
+        if self.raw is not None:
+            done = self.raw(role, self.raw_parts(*names))
+            if done is not None:
+                return done
+        return dense()
+
+    def matrix(self, *names: str) -> T:
+        def dense() -> T:
+            if names[0].endswith("attn_q.weight"):
+                a, groups = self.qkv(names[0].removesuffix("attn_q.weight"), "weight")
+            else:
+                a, groups = self.fused(*names)
+            return self.convert(a, "matrix", groups)
+
+        return self.weight("matrix", names, dense)
+
+    def vector(self, name: str) -> T:
+        return self.convert(self.get(name), "vector", None)
 
 
 def _qk_to_pairs(a: np.ndarray, args: Args) -> np.ndarray:

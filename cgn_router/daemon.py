@@ -141,89 +141,28 @@ async def serve(
         Upstream(keepalive_s=UPSTREAM_IDLE_S, tls=engine_ssl) as upstream,
     ):
         svc = build_service(settings, upstream, worker)
-        if settings.tracing.enabled:
-            instance = f"worker-{worker.index}" if worker is not None else ""
-            svc.tracer = Tracer(settings.tracing, "cgn-router", instance)
-            svc.metrics.registry.register(SpanCounts(svc.tracer, "cgn_router"))
-        svc.catalog.set_source(
-            "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
-        )
-        await svc.catalog.wait_loaded()  # hash exactly from the first request on
-        front = build_front(svc)
-        drain_s = min(DRAIN_CAP_S, settings.deadlines.total_s)
-        ports: dict[str, int] = {}
-
-        def bind(name: str, where: ListenSettings) -> socket.socket:
-            sock = bind_tcp(where.host, where.port, reuse_port=worker is not None)
-            ports[name] = sock.getsockname()[1]
-            return sock
-
-        async def listen_admin() -> Runner:
-            sock = bind("admin", settings.admin)
-            runner = Runner(
-                build_admin_app(svc, worker),
-                idle_timeout_s=settings.admin.idle_timeout_s,
-                handler_cancellation=True,
-                access_log=None,
-                shutdown_timeout=drain_s,
-            )
-            await runner.setup()
-            # NOTE: a secondary worker's admin listener is loopback, for the primary's /metrics
-            private = worker is not None and not worker.primary
-            ssl_ctx = None if private else _listener_ssl("admin", settings)
-            await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
-            return runner
-
-        async def listen_openai() -> None:
-            await front.start(bind("http", settings.http), _listener_ssl("http", settings))
-
-        admin = await listen_admin()
+        await _prepare(svc, worker)
+        listeners = _Listeners(svc, worker)
+        admin = await listeners.admin()
         if worker is None:
-            await listen_openai()
-        log.info(
-            "OpenAI API on %s:%d, admin on %s:%d",
-            settings.http.host,
-            settings.http.port if worker else ports["http"],
-            settings.admin.host,
-            ports["admin"],
-        )
-        if settings.tls.cert_file is None:
-            warn_if_plaintext(log, "OpenAI API", settings.tls)
-        if not settings.auth.enabled:
-            log.warning(
-                "API authentication is OFF (auth.enabled: false): every client is tenant %r "
-                "in band %r; fine for development only",
-                settings.auth.anonymous_tenant,
-                settings.auth.anonymous_band,
-            )
+            await listeners.openai()
+        _log_start(settings, worker, listeners.ports)
         try:
             async with asyncio.TaskGroup() as tg:
-                follower = KvFollowers(svc, session, tg)
-                if worker is not None:  # the supervisor replaces a worker whose loop stops
-                    tg.create_task(Heartbeat(worker.beat_fd, worker.count).run(worker.index))
-                tg.create_task(_scrape_loop(svc, session))
-                if svc.gate is not None:
-                    tg.create_task(svc.gate.run())
-                if settings.discovery == "etcd":
-                    tg.create_task(_follow_etcd(svc, follower, tg))
-                    if settings.reconciler.enabled:
-                        svc.control = ControlState()
-                        tg.create_task(_control(svc, svc.control))
-                else:
-                    svc.in_sync.set()
-                follower.reconcile()
+                _background(svc, session, tg, worker)
                 if worker is not None:
                     # NOTE: a worker joins the shared port once it knows the keys and the
                     # fleet: before, the kernel would hand it connections it must refuse
                     await svc.in_sync.wait()
-                    await listen_openai()
+                    await listeners.openai()
+                ports = listeners.ports
                 announce_ready(ready_file, f"serving on port {ports['http']}", ports=ports)
                 await stop.wait()
                 log.info("shutting down: draining requests in flight")
                 announce_stopping()
                 # NOTE: the OpenAI listener closes and drains first, the admin one last:
                 # /metrics and /healthz answer through the drain
-                await front.shutdown(drain_s)
+                await listeners.front.shutdown(listeners.drain_s)
                 await admin.cleanup()
                 raise _Stop
         except* _Stop:
@@ -233,6 +172,99 @@ async def serve(
         if ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(ready_file.unlink)
+
+
+async def _prepare(svc: RouterService, worker: WorkerRole | None) -> None:
+    """Tracing, and the catalog's models loaded (requests hash exactly from the first)."""
+    settings = svc.settings
+    if settings.tracing.enabled:
+        instance = f"worker-{worker.index}" if worker is not None else ""
+        svc.tracer = Tracer(settings.tracing, "cgn-router", instance)
+        svc.metrics.registry.register(SpanCounts(svc.tracer, "cgn_router"))
+    svc.catalog.set_source(
+        "settings", {n: entry_from_settings(n, m) for n, m in settings.models.items()}
+    )
+    await svc.catalog.wait_loaded()
+
+
+class _Listeners:
+    """The OpenAI listener (the front) and the admin one, and the ports they got."""
+
+    def __init__(self, svc: RouterService, worker: WorkerRole | None):
+        self.svc, self.worker = svc, worker
+        self.front = build_front(svc)
+        self.drain_s = min(DRAIN_CAP_S, svc.settings.deadlines.total_s)
+        self.ports: dict[str, int] = {}
+
+    def _bind(self, name: str, where: ListenSettings) -> socket.socket:
+        sock = bind_tcp(where.host, where.port, reuse_port=self.worker is not None)
+        self.ports[name] = sock.getsockname()[1]
+        return sock
+
+    async def admin(self) -> Runner:
+        settings, worker = self.svc.settings, self.worker
+        sock = self._bind("admin", settings.admin)
+        runner = Runner(
+            build_admin_app(self.svc, worker),
+            idle_timeout_s=settings.admin.idle_timeout_s,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.drain_s,
+        )
+        await runner.setup()
+        # NOTE: a secondary worker's admin listener is loopback, for the primary's /metrics
+        private = worker is not None and not worker.primary
+        ssl_ctx = None if private else _listener_ssl("admin", settings)
+        await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
+        return runner
+
+    async def openai(self) -> None:
+        settings = self.svc.settings
+        await self.front.start(self._bind("http", settings.http), _listener_ssl("http", settings))
+
+
+def _log_start(settings: RouterSettings, worker: WorkerRole | None, ports: dict[str, int]) -> None:
+    log.info(
+        "OpenAI API on %s:%d, admin on %s:%d",
+        settings.http.host,
+        settings.http.port if worker else ports["http"],
+        settings.admin.host,
+        ports["admin"],
+    )
+    if settings.tls.cert_file is None:
+        warn_if_plaintext(log, "OpenAI API", settings.tls)
+    if not settings.auth.enabled:
+        log.warning(
+            "API authentication is OFF (auth.enabled: false): every client is tenant %r "
+            "in band %r; fine for development only",
+            settings.auth.anonymous_tenant,
+            settings.auth.anonymous_band,
+        )
+
+
+def _background(
+    svc: RouterService,
+    session: aiohttp.ClientSession,
+    tg: asyncio.TaskGroup,
+    worker: WorkerRole | None,
+) -> None:
+    """The router's background tasks, in `tg`: its heartbeat (a worker), the engines'
+    metrics scrapes, admission, etcd's fleet and the reconciler, the KV event streams."""
+    settings = svc.settings
+    follower = KvFollowers(svc, session, tg)
+    if worker is not None:  # the supervisor replaces a worker whose loop stops
+        tg.create_task(Heartbeat(worker.beat_fd, worker.count).run(worker.index))
+    tg.create_task(_scrape_loop(svc, session))
+    if svc.gate is not None:
+        tg.create_task(svc.gate.run())
+    if settings.discovery == "etcd":
+        tg.create_task(_follow_etcd(svc, follower, tg))
+        if settings.reconciler.enabled:
+            svc.control = ControlState()
+            tg.create_task(_control(svc, svc.control))
+    else:
+        svc.in_sync.set()
+    follower.reconcile()
 
 
 class _Stop(Exception):

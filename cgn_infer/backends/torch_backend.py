@@ -151,6 +151,48 @@ def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(device)
 
 
+def _load(
+    gguf: GGUFFile,
+    args: Args,
+    device: torch.device,
+    weights: str,
+    lib: kernels.Kernels | None,
+    progress: Callable[[int, int], None] | None,
+    layers: tuple[int, int] | None,
+    ends: bool,
+) -> ModelWeights[Weight]:
+    """The model's weights on `device`: matrices the kernels `lib` take stay quantized
+    (QuantMatrix), the rest dense (`weights`' format; float32 for a GGUF's)."""
+    dense = "float32" if weights == "gguf" else weights
+    unsupported: Counter[str] = Counter()
+
+    def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> Weight:
+        t = torch.from_numpy(a if a.flags.writeable else a.copy()).to(device)
+        # The embedding is looked up by row, so it stays float32 like the vectors.
+        return Linear(t, dense, groups) if role == "matrix" else t.float()
+
+    def raw(role: Role, parts: list[RawPart]) -> Weight | None:
+        if lib is None:
+            return None
+        if not QuantMatrix.supports(parts):  # the whole fused matrix goes dense
+            unsupported.update(p.type_name for p in parts if p.type_name not in KERNEL_TYPES)
+            return None
+        return QuantMatrix(lib, parts)
+
+    loaded: ModelWeights[Weight] = load_weights(
+        gguf, args, convert, progress, rope_pairs=True, raw=raw, layers=layers, ends=ends
+    )
+    if unsupported:
+        types = ", ".join(f"{t} ({n} parts)" for t, n in sorted(unsupported.items()))
+        log.info(
+            "%s: no quantized kernel for %s; those tensors (and any fused with them) are "
+            "dequantized to float32",
+            gguf.path.name,
+            types,
+        )
+    return loaded
+
+
 class TorchBackend(SingleSequence):
     """A llama-family model on torch."""
 
@@ -197,34 +239,8 @@ class TorchBackend(SingleSequence):
             if lib is None:
                 why = kernels.failure() if self.device.type == "cpu" else f"on {device}"
                 log.warning("no quantized kernels (%s): weights dequantized to float32", why)
-        dense = "float32" if weights == "gguf" else weights
-        unsupported: Counter[str] = Counter()
-
-        def convert(a: np.ndarray, role: Role, groups: np.ndarray | None) -> Weight:
-            t = torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
-            # The embedding is looked up by row, so it stays float32 like the vectors.
-            return Linear(t, dense, groups) if role == "matrix" else t.float()
-
-        def raw(role: Role, parts: list[RawPart]) -> Weight | None:
-            if lib is None:
-                return None
-            if not QuantMatrix.supports(parts):  # the whole fused matrix goes dense
-                unsupported.update(p.type_name for p in parts if p.type_name not in KERNEL_TYPES)
-                return None
-            return QuantMatrix(lib, parts)
-
-        self.w: ModelWeights[Weight] = load_weights(
-            gguf, args, convert, progress, rope_pairs=True, raw=raw, layers=layers, ends=ends
-        )
+        self.w = _load(gguf, args, self.device, weights, lib, progress, layers, ends)
         self.first, self.end = self.w.first, self.w.first + len(self.w.layers)
-        if unsupported:
-            types = ", ".join(f"{t} ({n} parts)" for t, n in sorted(unsupported.items()))
-            log.info(
-                "%s: no quantized kernel for %s; those tensors (and any fused with them) are "
-                "dequantized to float32",
-                gguf.path.name,
-                types,
-            )
         self.weights = weights if lib is not None or weights != "gguf" else "float32"
         # With the kernels, attention reads the pool in place (C); without, it gathers for SDPA.
         self._attend = lib
@@ -400,26 +416,47 @@ class TorchBackend(SingleSequence):
         pool_k.view(flat).index_copy_(0, step.slots, k.to(self.kv_dtype))
         pool_v.view(flat).index_copy_(0, step.slots, v.to(self.kv_dtype))
         if step.paged is not None and self._attend is not None:
-            tables, seq, lengths = step.paged
-            q = q.float().contiguous()
-            att = torch.empty_like(q)
-            self._attend.lib.cgn_attend(
-                address(q),
-                address(pool_k),
-                address(pool_v),
-                KV_TYPES[self.kv_dtype],
-                address(tables),
-                tables.shape[1],
-                address(seq),
-                address(lengths),
-                n,
-                a.n_heads,
-                a.n_kv_heads,
-                a.head_dim,
-                a.head_dim**-0.5,
-                address(att),
-            )
+            att = self._attend_paged(q, pool_k, pool_v, step.paged, self._attend)
             return _l(layer.wo)(att.view(n, a.q_size))  # [T, D]
+        return _l(layer.wo)(self._attend_sdpa(q, pool_k, pool_v, step))  # [T, D]
+
+    def _attend_paged(
+        self,
+        q: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        lib: kernels.Kernels,
+    ) -> torch.Tensor:
+        """Attention in C, reading the pool in place: [T, H, hd] float32."""
+        a, n = self.args, q.shape[0]
+        tables, seq, lengths = paged
+        q = q.float().contiguous()
+        att = torch.empty_like(q)
+        lib.lib.cgn_attend(
+            address(q),
+            address(pool_k),
+            address(pool_v),
+            KV_TYPES[self.kv_dtype],
+            address(tables),
+            tables.shape[1],
+            address(seq),
+            address(lengths),
+            n,
+            a.n_heads,
+            a.n_kv_heads,
+            a.head_dim,
+            a.head_dim**-0.5,
+            address(att),
+        )
+        return att
+
+    def _attend_sdpa(
+        self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, step: StepTensors
+    ) -> torch.Tensor:
+        """Attention with torch's SDPA over the gathered blocks: [T, H * hd] float32."""
+        a, n = self.args, q.shape[0]
+        flat = (-1, a.n_kv_heads, a.head_dim)
         q = q.to(self.kv_dtype)
         out = torch.empty(n, a.n_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for dec_rows, tables, mask in step.decodes:
@@ -434,7 +471,7 @@ class TorchBackend(SingleSequence):
                 enable_gqa=True,
             )  # [B, H, 1, hd]
             if step.only_decode:
-                return _l(layer.wo)(dec.reshape(n, a.q_size).float())  # [T, D]
+                return dec.reshape(n, a.q_size).float()
             out[dec_rows] = dec[:, :, 0]
         for rows, table, mask in step.prefills:
             s = mask.shape[1]
@@ -444,7 +481,7 @@ class TorchBackend(SingleSequence):
                 q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
             )  # [1, H, n, hd]
             out[rows] = pre[0].transpose(0, 1)
-        return _l(layer.wo)(out.reshape(n, a.q_size).float())  # [T, D]
+        return out.reshape(n, a.q_size).float()
 
 
 Weight = torch.Tensor | Linear | QuantMatrix
