@@ -76,6 +76,7 @@ class Outcome:
     output_tokens: int = 0
     error: str = ""
     gaps_s: list[float] = field(default_factory=list)  # between consecutive token chunks
+    predicted_ttft_s: float | None = None  # the router's prediction (the time scorer)
 
 
 async def replay(
@@ -112,6 +113,8 @@ async def replay(
                         out.error = (await resp.text())[:200]
                         return out
                     out.endpoint = resp.headers.get("x-cognitora-endpoint", "")
+                    if (ms := resp.headers.get("x-cognitora-predicted-ttft-ms")) is not None:
+                        out.predicted_ttft_s = int(ms) / 1000
                     async for line in resp.content:
                         if not line.startswith(b"data: {"):
                             if line.startswith(b"data: [DONE]"):

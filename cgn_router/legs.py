@@ -32,6 +32,7 @@ PATHS = {
     "embeddings": "/v1/embeddings",
 }
 PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
+PREDICTED_HEADER = "x-cognitora-predicted-ttft-ms"  # the chosen replica's, a time scorer's
 
 
 def route(
@@ -68,7 +69,7 @@ async def attempt(
         strip_usage=ctx.strip_usage,
         served_model=req.model,
         total_at=ctx.deadline,
-        response_headers={**ctx.response_headers, **headers},
+        response_headers={**ctx.response_headers, **headers, **_predicted(view)},
         priority=ctx.priority,
         request_id=ctx.request_id,
         track=ctx.stream and svc.can_resume(view.endpoint),
@@ -98,7 +99,11 @@ async def attempt(
             (None, False) if relayed is None else (relayed.usage, relayed.broken is not None)
         )
         ended = (number, req.model, "client", held.outcome, cause, since, usage)
-        acct.emit(AttemptEnded(*ended, held.lease.predicted, broken))
+        # NOTE: a whole answer's first byte is its last: only a stream shows its first token
+        timed = held.outcome == "ok" and not broken and ctx.stream
+        sample = held.lease.sample(usage) if timed else None
+        mine = (view.id, view.endpoint.engine, view.predicted_ttft_s, sample)
+        acct.emit(AttemptEnded(*ended, held.lease.predicted, broken, *mine))
 
 
 async def disaggregate(
@@ -176,3 +181,10 @@ async def prefill_leg(
     if not params.do_remote_prefill:
         raise AttemptFailed("bad_answer", f"{view.id}: no KV named in the answer", breaker=False)
     return params.to_json()
+
+
+def _predicted(view: EndpointView) -> dict[str, str]:
+    """The response header with the chain's predicted time to first token, where it made one."""
+    if view.predicted_ttft_s is None:
+        return {}
+    return {PREDICTED_HEADER: str(round(view.predicted_ttft_s * 1000))}

@@ -127,6 +127,8 @@ class _TallyCollector(Collector):
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SCORE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+_ERRORS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ERROR_BUCKETS = (*(-e for e in reversed(_ERRORS)), 0.0, *_ERRORS)  # predicted - actual
 
 
 class RouterMetrics:
@@ -220,6 +222,13 @@ class RouterMetrics:
             "model",
             "method",
         )
+        self.prediction_error = hist(
+            "cgn_router_prediction_error_seconds",
+            "Predicted minus actual time to first byte of answered attempts (the time scorer), "
+            "by engine kind.",
+            ERROR_BUCKETS,
+            "engine",
+        )
         self.scores = hist(
             "cgn_router_scorer_value",
             "Each scorer's value for the chosen endpoint.",
@@ -271,6 +280,7 @@ class RouterMetrics:
                     self.prefix_predicted,
                     self.prefix_reported,
                     self.prompt_tokens_routed,
+                    self.prediction_error,
                     self.scores,
                 ]
             )
@@ -319,6 +329,7 @@ class MetricsObserver:
         self.m = m = metrics
         self._models: dict[str, _ModelSeries] = {}
         self._scores: dict[str, Buckets] = {}
+        self._errors: dict[str, Buckets] = {}
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -367,6 +378,8 @@ class MetricsObserver:
         series = self._model(r.model)
         if r.first_byte_s is not None:
             series.ttft.observe(r.first_byte_s)
+        if r.predicted_ttft_s is not None and r.sample is not None:
+            self._error(r.engine).observe(r.predicted_ttft_s - r.sample.ttft_s)
         if r.cause:
             self.m.errors.labels(r.cause).inc()
         if r.broken or (u := r.usage) is None:
@@ -376,6 +389,12 @@ class MetricsObserver:
         series.completion[0] += u.completion_tokens
         series.predicted[0] += r.predicted
         series.reported[0] += u.cached_tokens
+
+    def _error(self, engine: str) -> Buckets:
+        found = self._errors.get(engine)
+        if found is None:
+            found = self._errors[engine] = self.m.prediction_error.series(engine)
+        return found
 
     def _routed(self, r: Routed) -> None:
         m, decision = self.m, r.decision

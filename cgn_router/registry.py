@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -30,13 +31,17 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.records import Efficiency, fresh_efficiency
 from cgn_router.routing.breaker import Breaker
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
+from cgn_router.routing.speed import Sample, SpeedFit, median_speed
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import (
+    DEFAULT_SPEED,
     Endpoint,
     EndpointId,
     EndpointView,
     EngineLoad,
     RequestInfo,
+    Speed,
+    Usage,
     queue_length,
 )
 from cgn_router.workers.shared import SharedLoad
@@ -53,6 +58,9 @@ class EndpointState:
     scrape_error: str = ""
     since: float = field(default_factory=time.monotonic)  # when it became routable here
     shared: SharedLoad | None = None  # with several workers: where they count together
+    fit: SpeedFit = field(default_factory=SpeedFit)  # its speed, learned (routing/speed.py)
+    speed: Speed | None = None  # the fit as last read (None: never)
+    speed_at: float = -math.inf
 
     def counted(self) -> None:
         """`in_flight` or `pending_prefill` changed: tell the other workers."""
@@ -73,6 +81,7 @@ class EndpointState:
 # broke after the first byte. Both of those last that blame the engine count to its breaker.
 Outcome = Literal["ok", "client_error", "client_disconnected", "upstream_error", "failed", "busy"]
 BLAMES_ENGINE = frozenset({"upstream_error", "failed"})
+SPEED_READ_S = 5.0  # an endpoint's speed is refitted at most this often between samples
 
 
 @dataclass(slots=True)
@@ -85,6 +94,26 @@ class Lease:
     requeue: Callable[[float], None] = lambda now: None  # re-place it in its load order
     first_byte_at: float | None = None
     ended: bool = False
+    # what its speed sample needs (routing/speed.py): when it began and ended, the prefill
+    # tokens routed there ahead of it, the requests in flight there with it
+    began_at: float = 0.0
+    ended_at: float | None = None
+    ahead: int = 0
+    batch: int = 1
+
+    def sample(self, usage: Usage | None) -> Sample | None:
+        """This attempt as an observation of its endpoint's speed (None: it gave none: no
+        first byte, or no end yet). The engine's usage says what it really computed."""
+        if self.first_byte_at is None or self.ended_at is None:
+            return None
+        uncached = self.uncached if usage is None else usage.prompt_tokens - usage.cached_tokens
+        return Sample(
+            work_tokens=self.ahead + max(0, uncached),
+            ttft_s=self.first_byte_at - self.began_at,
+            output_tokens=0 if usage is None else usage.completion_tokens,
+            decode_s=self.ended_at - self.first_byte_at,
+            batch=self.batch,
+        )
 
     def first_byte(self, now: float) -> None:
         if self.first_byte_at is None:
@@ -96,7 +125,7 @@ class Lease:
     def end(self, outcome: Outcome, now: float) -> None:
         if self.ended:
             return
-        self.ended = True
+        self.ended, self.ended_at = True, now
         self.state.in_flight -= 1
         if self.first_byte_at is None:
             self.state.pending_prefill -= self.uncached
@@ -194,6 +223,7 @@ class Registry:
         self.cordoned: set[str] = set()
         self.efficiency: dict[str, Efficiency] = {}  # node -> its efficiency record
         self._prefill: dict[str, int] = {}  # model -> its prefill-role endpoints, counted
+        self._typical: dict[str, tuple[float, Speed | None]] = {}  # model -> (when, median)
 
     def has_prefill_pool(self, model: str) -> bool:
         """Some endpoint of `model` is a prefill replica (disaggregation is possible)."""
@@ -325,6 +355,30 @@ class Registry:
             in_flight = s.router_counts()[0]
             order.place(s.endpoint.id, int(queue_length(in_flight, self.fresh_load(s, now))))
 
+    def learn(self, eid: EndpointId, sample: Sample, now: float) -> bool:
+        """An answered attempt's observation of `eid`'s speed; False when refused (not a
+        possible one) or the endpoint is gone."""
+        state = self.states.get(eid)
+        if state is None or not state.fit.add(sample, now):
+            return False
+        state.speed, state.speed_at = state.fit.speed(now), now
+        return True
+
+    def speed(self, s: EndpointState, now: float) -> Speed:
+        """`s`'s learned speed; a replica not yet warm has its model's typical one (the
+        median of its warm peers) or the default prior. Read at most every SPEED_READ_S."""
+        if s.speed is None or now - s.speed_at > SPEED_READ_S:
+            s.speed, s.speed_at = s.fit.speed(now), now
+        if s.speed.warm:
+            return s.speed
+        model = s.endpoint.model
+        at, typical = self._typical.get(model, (-math.inf, None))
+        if now - at > SPEED_READ_S:
+            peers = self.by_model.get(model, {}).values()
+            typical = median_speed([p.speed for p in peers if p.speed is not None])
+            self._typical[model] = (now, typical)
+        return typical or DEFAULT_SPEED
+
     def _view(
         self, s: EndpointState, matched: int, owner: bool, req: RequestInfo, now: float
     ) -> EndpointView:
@@ -343,6 +397,7 @@ class Registry:
             node_ssd_blocks=ssd,
             session_owner=owner,
             tokens_per_joule=fresh_efficiency(self.efficiency.get(node), time.time()),
+            speed=self.speed(s, now),
         )
 
     def begin(self, view: EndpointView, req: RequestInfo, now: float) -> Lease:
@@ -351,6 +406,7 @@ class Registry:
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
         requeue = functools.partial(self.requeue, state)
         lease = Lease(state, predicted, req.prompt_tokens - predicted, requeue)
+        lease.began_at, lease.ahead, lease.batch = now, view.pending_prefill, view.in_flight + 1
         state.breaker.on_attempt(now)
         state.in_flight += 1
         state.pending_prefill += lease.uncached

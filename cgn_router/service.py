@@ -14,6 +14,7 @@ from cgn_core.tracing import Tracer
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.gate import Gate
+from cgn_router.learning import SpeedObserver
 from cgn_router.load_signals import LoadObserver, LoadSignals
 from cgn_router.metrics import MetricsObserver, RouterMetrics
 from cgn_router.proxy import Proxy
@@ -59,7 +60,12 @@ class RouterService:
 
     def __post_init__(self) -> None:
         self.load = LoadSignals(self.registry)
-        self.observers = (MetricsObserver(self.metrics), LoadObserver(self.load), *self.observers)
+        self.observers = (
+            MetricsObserver(self.metrics),
+            LoadObserver(self.load),
+            SpeedObserver(self.registry),
+            *self.observers,
+        )
 
     def account(self, kind: str, headers: Mapping[str, str]) -> Account:
         """A new request's account (cgn_router/routing/lifecycle.py): the service's observers, and

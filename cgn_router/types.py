@@ -57,6 +57,33 @@ def queue_length(in_flight: int, load: EngineLoad | None) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Speed:
+    """A replica's speed as the router learned it (cgn_router/routing/speed.py), or the
+    prior it starts from."""
+
+    overhead_s: float = 0.02
+    prefill_s: float = 1e-3  # per uncached prompt token
+    decode_s: float = 0.03  # per output token, alone
+    per_batch_s: float = 0.002  # per output token, per other request in its batch
+    samples: float = 0.0  # the decayed weight of the real samples behind it; 0: the prior
+
+    def ttft(self, work_tokens: float) -> float:
+        """Seconds to the first byte behind `work_tokens` of prefill (its own included)."""
+        return self.overhead_s + self.prefill_s * max(0.0, work_tokens)
+
+    def per_token(self, batch: float) -> float:
+        """Seconds per output token in a batch of `batch` requests."""
+        return self.decode_s + self.per_batch_s * max(0.0, batch - 1)
+
+    @property
+    def warm(self) -> bool:
+        return self.samples >= 1.0
+
+
+DEFAULT_SPEED = Speed()  # a replica nothing is known of (routing/speed.py learns the rest)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What routing needs from a request; the body itself is never looked at again."""
 
@@ -85,6 +112,9 @@ class EndpointView:
     session_owner: bool = False  # the request's session last went here
     # its node's measured output tokens per joule (cgn-metrics); None: not measured
     tokens_per_joule: float | None = None
+    speed: Speed = DEFAULT_SPEED  # learned from its answers (cgn_router/routing/speed.py)
+    # the chain's predicted seconds to first token here (a time scorer); None: none
+    predicted_ttft_s: float | None = None
 
     @property
     def id(self) -> EndpointId:

@@ -16,7 +16,7 @@ from cgn_router.routing.plugins.load import LoadScorer
 from cgn_router.routing.plugins.picker import MaxScorePicker, PowerOfTwoPicker
 from cgn_router.routing.plugins.prefix import PrefixScorer
 from cgn_router.settings import RoutingSettings, ScorerSpec
-from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo
+from cgn_router.types import Endpoint, EndpointId, EndpointView, EngineLoad, RequestInfo, Speed
 
 B = tuple(bytes([i]) * 32 for i in range(10))  # ten block hashes
 REQ = RequestInfo("m", blocks=B, prompt_tokens=160)
@@ -161,6 +161,7 @@ def test_p2c_picker_never_takes_the_worst_of_three() -> None:
 def test_registry_names_every_plugin() -> None:
     assert set(FILTERS) == {"model", "role", "ready", "breaker", "cordon"}
     assert set(PICKERS) == {"max", "p2c", "round_robin"}
+    assert "time" in SCORERS
 
 
 # ---- the pipeline ----------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_bad_weights_are_refused(weights: dict[str, object], message: str) -> No
 
 
 BUILD_ERRORS = [
-    (SCORERS, "scorer", "nope", {}, "unknown scorer 'nope' \\(known: affinity, efficiency, kv_usage, load, prefix\\)"),
+    (SCORERS, "scorer", "nope", {}, "unknown scorer 'nope' \\(known: affinity, efficiency, kv_usage, load, prefix, time\\)"),
     (SCORERS, "scorer", "prefix", {"bogus": 1}, "unknown parameter 'bogus' \\(known: saturation_tokens, ram_weight, ssd_weight\\)"),
     (SCORERS, "scorer", "load", {"x": 1}, "unknown parameter 'x' \\(known: none\\)"),
     (SCORERS, "scorer", "prefix", {"saturation_tokens": 1.5}, "must be a whole number"),
@@ -280,3 +281,75 @@ def test_a_pipeline_is_built_from_config_through_the_registries() -> None:
     live = chain_from_policy({"picker": "max", "weights": {"queue": 0}}, Policy.from_settings(s))
     assert live.weights == {"prefix": 2.0, "queue": 0.0} and live.picker.name == "max"
     assert [f.name for f in live.filters] == ["model", "breaker"]
+
+
+# ---- the time scorer (predicted time to first token, #57) -------------------------
+
+FAST = Speed(overhead_s=0.02, prefill_s=1e-3, samples=50)
+SLOW = Speed(overhead_s=0.2, prefill_s=1e-2, samples=50)  # ten times slower
+
+
+def timed() -> RoutingChain:
+    return RoutingChain.build(Policy(("model",), (ScorerSpec("time", 1.0),), "max"))
+
+
+@pytest.mark.parametrize(
+    ("fast_queue", "winner"),
+    [
+        (0, "fast"),  # 0.18 s against 1.8 s
+        (1500, "fast"),  # 1.68 s: still sooner than the slow one's whole 1.8 s
+        (1700, "slow"),  # 1.88 s: the fast one's wait alone exceeds the slow one's time
+    ],
+)
+def test_a_slow_replica_gets_a_request_only_when_waiting_on_the_fast_one_is_longer(
+    fast_queue: int, winner: str
+) -> None:
+    views = [view("fast", speed=FAST, pending_prefill=fast_queue), view("slow", speed=SLOW)]
+    d = timed().route(REQ, views, random.Random(0))
+    assert d.chosen == f"m/{winner}"
+    assert d.predicted_ttft_s == pytest.approx(min(d.predicted_s.values()))
+    assert d.view is not None and d.view.predicted_ttft_s == d.predicted_ttft_s
+
+
+def test_a_cached_prefix_on_a_slow_replica_loses_to_computing_it_on_a_fast_one() -> None:
+    views = [view("fast", speed=FAST), view("slow", speed=SLOW, matched_blocks=10)]
+    d = timed().route(REQ, views, random.Random(0))
+    assert d.chosen == "m/fast"  # 0.18 s computing it, against the slow one's 0.2 s overhead
+    assert ids(d.predicted_s) == {"fast": 0.18, "slow": 0.2}
+    # between equals the prefix wins: a warm replica computes nothing
+    d = timed().route(REQ, [view("a", speed=FAST), view("b", speed=FAST, matched_blocks=10)],
+                      random.Random(0))  # fmt: skip
+    assert d.chosen == "m/b"
+
+
+@pytest.mark.parametrize(
+    ("kw", "uncached"),
+    [
+        ({}, 160.0),
+        ({"matched_blocks": 4}, 96.0),
+        ({"matched_blocks": 4, "node_ram_blocks": 6}, 9.6),  # RAM restores at 0.1
+        ({"node_ssd_blocks": 10}, 32.0),  # SSD at 0.2
+        ({"matched_blocks": 99}, 0.0),  # an index claiming more than the prompt
+    ],
+)
+def test_the_time_scorer_counts_what_the_replica_must_compute(
+    kw: dict[str, int], uncached: float
+) -> None:
+    from cgn_router.routing.plugins.ttft import TimeScorer
+
+    assert TimeScorer().uncached(REQ, view("a", **kw)) == pytest.approx(uncached)
+
+
+def test_predictions_are_never_zero_negative_or_nan() -> None:
+    from cgn_router.routing.plugins.ttft import FLOOR_S, TimeScorer
+
+    instant = Speed(overhead_s=0.0, prefill_s=0.0)
+    got = TimeScorer().score(RequestInfo("m"), [view("a", speed=instant), view("b")])
+    assert min(got.predicted_s.values()) == FLOOR_S and 0 < min(got.values.values()) <= 1
+
+
+def test_equal_predictions_are_broken_as_any_tie() -> None:
+    chosen = {
+        timed().route(REQ, [view("a"), view("b")], random.Random(i)).chosen for i in range(20)
+    }
+    assert chosen == {"m/a", "m/b"}

@@ -350,7 +350,7 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         (
             "routing: {scorers: [{type: cache}]}\n",
             (),
-            "routing: unknown scorer 'cache' (known: affinity, efficiency, kv_usage, load, prefix)",
+            "routing: unknown scorer 'cache' (known: affinity, efficiency, kv_usage, load, prefix, time)",
         ),
         ("routing: {picker: best}\n", (), "routing: unknown picker 'best'"),
         ("routing: {prefix: 3}\n", (), "routing.prefix: unknown key"),

@@ -35,6 +35,13 @@ class Decision:
     scores: dict[str, dict[EndpointId, float]] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # per filter
     saturated: int = 0  # candidates the scorers held credit back from (saturation guard)
+    # the predicted seconds to first token per candidate (a time scorer in the chain)
+    predicted_s: dict[EndpointId, float] = field(default_factory=dict)
+
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        """The chosen endpoint's predicted time to first token (None: nothing predicted)."""
+        return self.predicted_s.get(self.chosen) if self.chosen is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +110,21 @@ class RoutingChain:
         scores: dict[str, dict[EndpointId, float]] = {}
         totals = {v.id: 0.0 for v in candidates}
         saturated = 0
+        predicted: dict[EndpointId, float] = {}
         for s in self.scorers:
             w = self.weights[s.name]
             if w == 0.0:
                 continue
             got = s.score(req, candidates)
             scores[s.name], saturated = got.values, saturated + got.held_back
+            predicted = got.predicted_s or predicted
             for eid, value in got.values.items():
                 totals[eid] += w * value
         chosen = self.picker.pick(totals, rng)
         view = next(v for v in candidates if v.id == chosen)
-        return Decision(chosen, view, totals, scores, dropped, saturated)
+        if chosen in predicted:
+            view = replace(view, predicted_ttft_s=predicted[chosen])
+        return Decision(chosen, view, totals, scores, dropped, saturated, predicted)
 
 
 def check_weight(name: str, value: object) -> float:

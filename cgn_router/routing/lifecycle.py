@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from cgn_router.routing.chain import Decision
+    from cgn_router.routing.speed import Sample
     from cgn_router.types import Usage
 
 
@@ -88,6 +89,10 @@ class AttemptEnded(NamedTuple):
     usage: Usage | None = None
     predicted: int = 0  # cached prompt tokens the router expected on this endpoint
     broken: bool = False
+    endpoint: str = ""  # its id
+    engine: str = ""  # its engine kind (vllm, cgn-infer, ...): the prediction error's class
+    predicted_ttft_s: float | None = None  # its start to its first byte, as the chain predicted
+    sample: Sample | None = None  # an answered attempt's observation of the endpoint's speed
 
 
 class Retried(NamedTuple):

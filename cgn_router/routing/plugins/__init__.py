@@ -1,6 +1,15 @@
 """Routing plugins; importing this package registers every built-in one."""
 
-from cgn_router.routing.plugins import affinity, efficiency, filters, kv_usage, load, picker, prefix
+from cgn_router.routing.plugins import (
+    affinity,
+    efficiency,
+    filters,
+    kv_usage,
+    load,
+    picker,
+    prefix,
+    ttft,
+)
 from cgn_router.routing.plugins.base import FILTERS, PICKERS, SCORERS, Filter, Picker, Scorer
 
 __all__ = [
@@ -17,4 +26,5 @@ __all__ = [
     "load",
     "picker",
     "prefix",
+    "ttft",
 ]

@@ -45,6 +45,8 @@ class Scores:
     # candidates that earned credit the scorer withheld to protect them (the prefix
     # scorer's saturation guard): counted in cgn_router_saturation_guard_total
     held_back: int = 0
+    # seconds to the first token the scorer predicts per candidate (the time scorer)
+    predicted_s: dict[EndpointId, float] = field(default_factory=dict)
 
 
 class Scorer(Protocol):

@@ -1,0 +1,58 @@
+"""Predicted-time scorer: each candidate's time to first token, at its own learned speed (#57).
+
+    predicted(e) = overhead(e) + prefill(e) · (queued(e) + uncached(e))
+
+`queued`: the uncached prompt tokens routed to e and not yet answered (what the request
+waits behind); `uncached`: the prompt tokens e does not hold, where a block its node's
+KV store holds costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing it (restoring is
+faster than recomputing: bench/results/kvcached_ttft.md). `overhead` and `prefill` are
+the endpoint's learned speed (`EndpointView.speed`, cgn_router/routing/speed.py), so a
+replica ten times slower predicts ten times the time for the same work, and a cached
+prefix on a slow replica loses to a cold fast one when computing it there is faster.
+
+score = fastest prediction / predicted(e): 1 for the fastest candidate, 0.1 for one
+predicted ten times slower. The predictions themselves go with the decision
+(`Scores.predicted_s`): the response's `x-cognitora-predicted-ttft-ms` and the
+prediction-error metric read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_router.routing.plugins.base import SCORERS, Scores, register
+from cgn_router.types import EndpointId, EndpointView, RequestInfo
+
+FLOOR_S = 1e-4  # no prediction is below this (a score divides by it)
+
+
+@register(SCORERS, "time")
+@dataclass(frozen=True, slots=True)
+class TimeScorer:
+    ram_cost: float = 0.1  # a block restored from the node's RAM, as a share of computing it
+    ssd_cost: float = 0.2  # and from its SSD
+    name: str = "time"
+
+    def __post_init__(self) -> None:
+        for key in ("ram_cost", "ssd_cost"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} must be between 0 and 1, got {getattr(self, key)}")
+
+    def uncached(self, req: RequestInfo, v: EndpointView) -> float:
+        """The prompt tokens `v` must compute, node-store blocks at their restore cost."""
+        total = float(req.prompt_tokens)
+        pool = min(total, v.matched_blocks * BLOCK_SIZE)
+        ram = min(total - pool, v.node_ram_blocks * BLOCK_SIZE)
+        ssd = min(total - pool - ram, v.node_ssd_blocks * BLOCK_SIZE)
+        return total - pool - ram - ssd + self.ram_cost * ram + self.ssd_cost * ssd
+
+    def predict(self, req: RequestInfo, v: EndpointView) -> float:
+        """Seconds to `req`'s first token on `v`."""
+        return max(FLOOR_S, v.speed.ttft(v.pending_prefill + self.uncached(req, v)))
+
+    def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
+        predicted: dict[EndpointId, float] = {v.id: self.predict(req, v) for v in views}
+        best = min(predicted.values(), default=FLOOR_S)
+        return Scores({e: best / p for e, p in predicted.items()}, predicted_s=predicted)

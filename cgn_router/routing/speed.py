@@ -1,0 +1,202 @@
+"""A replica's speed, learned online from what the router sees of its answers (#57).
+
+Two straight lines, each fitted by recent-weighted least squares:
+
+    time to first byte  =  overhead  +  prefill · work
+    time per output token  =  decode  +  per_batch · (batch - 1)
+
+`work` is the uncached prompt tokens the engine had to compute before this request's
+first token: its own, plus those the router had routed there and not yet seen answered
+(the queue it joined). `batch` is the requests the router had in flight there when it
+sent this one, itself included. Nothing is configured: a replica starts from a prior (the
+median of its model's warm replicas, else `DEFAULT`), which counts as `PRIOR_WEIGHT`
+samples alone and fades as real ones arrive (as 1/their weight); every sample's weight
+halves each `half_life_s`, so a replica that got faster or slower is relearned within
+minutes, and one left idle drifts back towards the prior. A sample that is not a finite,
+possible observation is refused; a fit that comes out of bounds is clamped, and one that
+cannot be solved is the prior. Pure: no clock (`now` is passed in), no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cgn_router.types import DEFAULT_SPEED as DEFAULT
+from cgn_router.types import Speed
+
+__all__ = ["DEFAULT", "Sample", "Speed", "SpeedFit", "median_speed"]
+
+HALF_LIFE_S = 60.0
+PRIOR_WEIGHT = 2.0  # samples' worth
+MAX_TTFT_S = 3600.0  # a first token later than this is not an observation of speed
+MAX_TOKENS = 1 << 24
+PREFILL_BOUNDS = (1e-7, 1.0)  # seconds per token
+OVERHEAD_BOUNDS = (0.0, 60.0)  # seconds
+DECODE_BOUNDS = (1e-5, 10.0)  # seconds per output token
+PER_BATCH_BOUNDS = (0.0, 10.0)  # seconds per output token per other request
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One answered request on one replica."""
+
+    work_tokens: int  # uncached prompt tokens it waited behind, its own included
+    ttft_s: float  # the attempt's start to its first byte
+    output_tokens: int
+    decode_s: float  # first byte to the last
+    batch: int  # requests in flight on the replica when it was sent, itself included
+
+    def valid(self) -> bool:
+        numbers = (self.ttft_s, self.decode_s)
+        return (
+            all(isinstance(x, float | int) and math.isfinite(x) and x >= 0 for x in numbers)
+            and self.ttft_s <= MAX_TTFT_S
+            and self.decode_s <= MAX_TTFT_S
+            and 0 <= self.work_tokens <= MAX_TOKENS
+            and 0 <= self.output_tokens <= MAX_TOKENS
+            and 1 <= self.batch <= MAX_TOKENS
+        )
+
+
+@dataclass(slots=True)
+class _Line:
+    """Decayed sums for a weighted least-squares line y = a + b·x."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def decay(self, factor: float) -> None:
+        self.w, self.x, self.y = self.w * factor, self.x * factor, self.y * factor
+        self.xx, self.xy = self.xx * factor, self.xy * factor
+
+    def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        self.w += weight
+        self.x += weight * x
+        self.y += weight * y
+        self.xx += weight * x * x
+        self.xy += weight * x * y
+
+    def plus_prior(self, a: float, b: float, at: float, weight: float) -> _Line:
+        """These sums with the prior line as two points (x = 0 and x = `at`)."""
+        out = _Line(self.w, self.x, self.y, self.xx, self.xy)
+        out.add(0.0, a, weight / 2)
+        out.add(at, a + b * at, weight / 2)
+        return out
+
+    def solve(self) -> tuple[float, float] | None:
+        det = self.w * self.xx - self.x * self.x
+        if not det > 0 or not math.isfinite(det):
+            return None
+        b = (self.w * self.xy - self.x * self.y) / det
+        a = (self.y - b * self.x) / self.w
+        return (a, b) if math.isfinite(a) and math.isfinite(b) else None
+
+
+def _prior_weight(real: float) -> float:
+    """The prior's weight beside `real` samples' worth: PRIOR_WEIGHT alone, fading as
+    1/real once they outweigh it (a prior far off must not bias a warm fit)."""
+    return PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + real)
+
+
+def _clamp(value: float, bounds: tuple[float, float]) -> float:
+    return min(max(value, bounds[0]), bounds[1])
+
+
+class SpeedFit:
+    """One replica's learner: `add` samples as they come, read `speed(now)`."""
+
+    def __init__(self, half_life_s: float = HALF_LIFE_S):
+        self.half_life_s = half_life_s
+        self._prefill = _Line()
+        self._decode = _Line()
+        self._at = -math.inf  # when the sums were last decayed
+        self.refused = 0  # samples refused as impossible
+        self.diverged = 0  # fits that could not be solved (the prior was used)
+
+    def _decay_to(self, now: float) -> None:
+        if self._at != -math.inf and now > self._at:
+            factor = 0.5 ** ((now - self._at) / self.half_life_s)
+            self._prefill.decay(factor)
+            self._decode.decay(factor)
+        self._at = max(self._at, now)
+
+    def add(self, sample: Sample, now: float) -> bool:
+        """Learn from `sample`; False (and nothing learned) when it is not a possible one."""
+        if not sample.valid():
+            self.refused += 1
+            return False
+        self._decay_to(now)
+        self._prefill.add(float(sample.work_tokens), sample.ttft_s)
+        if sample.output_tokens >= 2:  # the first token's time is the prefill's
+            per_token = sample.decode_s / (sample.output_tokens - 1)
+            self._decode.add(float(sample.batch - 1), per_token)
+        return True
+
+    @property
+    def weight(self) -> float:
+        return self._prefill.w
+
+    def speed(self, now: float, prior: Speed = DEFAULT) -> Speed:
+        """The fitted speed as of `now`, pulled towards `prior` by PRIOR_WEIGHT samples."""
+        self._decay_to(now)
+        at_work = self._prefill.x / self._prefill.w if self._prefill.w > 0 else 512.0
+        pull = _prior_weight(self._prefill.w)
+        prefill = self._prefill.plus_prior(
+            prior.overhead_s, prior.prefill_s, max(at_work, 64.0), pull
+        ).solve()
+        at_batch = self._decode.x / self._decode.w if self._decode.w > 0 else 4.0
+        pull = _prior_weight(self._decode.w)
+        decode = self._decode.plus_prior(
+            prior.decode_s, prior.per_batch_s, max(at_batch, 1.0), pull
+        ).solve()
+        if prefill is None or decode is None:
+            self.diverged += 1
+            return prior
+        overhead, per_prompt_token = prefill
+        alone, per_batch = decode
+        # NOTE: a negative intercept or slope is noise around a small one: clamped, with the
+        # other term refitted through the clamped point (the mean must stay on the line)
+        if overhead < OVERHEAD_BOUNDS[0]:
+            overhead = 0.0
+            per_prompt_token = self._through_origin(self._prefill, prior.prefill_s)
+        if per_batch < PER_BATCH_BOUNDS[0]:
+            per_batch = 0.0
+            alone = self._mean(self._decode, prior.decode_s)
+        return Speed(
+            overhead_s=_clamp(overhead, OVERHEAD_BOUNDS),
+            prefill_s=_clamp(per_prompt_token, PREFILL_BOUNDS),
+            decode_s=_clamp(alone, DECODE_BOUNDS),
+            per_batch_s=_clamp(per_batch, PER_BATCH_BOUNDS),
+            samples=self._prefill.w,
+        )
+
+    @staticmethod
+    def _through_origin(line: _Line, prior: float) -> float:
+        return line.xy / line.xx if line.xx > 0 else prior
+
+    @staticmethod
+    def _mean(line: _Line, prior: float) -> float:
+        return line.y / line.w if line.w > 0 else prior
+
+
+def median_speed(speeds: list[Speed]) -> Speed | None:
+    """The typical warm replica of a model (each figure's median): a cold replica's prior."""
+    warm = [s for s in speeds if s.warm]
+    if not warm:
+        return None
+
+    def mid(values: list[float]) -> float:
+        values = sorted(values)
+        n = len(values)
+        return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+    return Speed(
+        overhead_s=mid([s.overhead_s for s in warm]),
+        prefill_s=mid([s.prefill_s for s in warm]),
+        decode_s=mid([s.decode_s for s in warm]),
+        per_batch_s=mid([s.per_batch_s for s in warm]),
+    )

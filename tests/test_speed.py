@@ -1,0 +1,124 @@
+"""The speed fit (cgn_router/routing/speed.py): tables of what it learns from which samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cgn_router.routing.speed import DEFAULT, HALF_LIFE_S, Sample, Speed, SpeedFit, median_speed
+
+
+def feed(fit: SpeedFit, truth: Speed, n: int, start: float = 0.0, every_s: float = 1.0) -> float:
+    """`n` exact samples of `truth` over a spread of prompt sizes and batches; the last time."""
+    now = start
+    for i in range(n):
+        work = 64 + (i * 397) % 4000
+        batch = 1 + i % 8
+        out = 2 + i % 50
+        ttft = truth.ttft(work)
+        decode = truth.per_token(batch) * (out - 1)
+        now = start + i * every_s
+        assert fit.add(Sample(work, ttft, out, decode, batch), now)
+    return now
+
+
+FAST = Speed(overhead_s=0.05, prefill_s=2e-4, decode_s=0.02, per_batch_s=0.004)
+SLOW = Speed(overhead_s=0.2, prefill_s=2e-3, decode_s=0.2, per_batch_s=0.01)
+
+
+@pytest.mark.parametrize("truth", [FAST, SLOW, Speed(0.0, 5e-5, 0.005, 0.0)])
+def test_it_converges_from_the_prior_to_the_truth(truth: Speed) -> None:
+    fit = SpeedFit()
+    now = feed(fit, truth, 60)
+    got = fit.speed(now)
+    assert got.warm
+    assert got.prefill_s == pytest.approx(truth.prefill_s, rel=0.05)
+    assert got.decode_s == pytest.approx(truth.decode_s, rel=0.1, abs=1e-3)
+    assert got.per_batch_s == pytest.approx(truth.per_batch_s, rel=0.1, abs=5e-4)
+    for work in (100, 1000, 4000):
+        assert got.ttft(work) == pytest.approx(truth.ttft(work), rel=0.1, abs=0.005)
+
+
+def test_cold_it_is_the_prior() -> None:
+    prior = Speed(0.1, 3e-3, 0.05, 0.01)
+    got = SpeedFit().speed(0.0, prior)
+    assert (got.overhead_s, got.prefill_s, got.decode_s, got.per_batch_s) == pytest.approx(
+        (prior.overhead_s, prior.prefill_s, prior.decode_s, prior.per_batch_s)
+    )
+    assert not got.warm
+
+
+def test_a_step_change_is_relearned_within_minutes() -> None:
+    fit = SpeedFit()
+    now = feed(fit, FAST, 300)  # five minutes fast
+    assert fit.speed(now).prefill_s == pytest.approx(FAST.prefill_s, rel=0.05)
+    now = feed(fit, SLOW, 180, start=now + 1)  # three minutes ten times slower
+    got = fit.speed(now)
+    assert got.prefill_s == pytest.approx(SLOW.prefill_s, rel=0.2)
+    assert got.ttft(2000) == pytest.approx(SLOW.ttft(2000), rel=0.2)
+
+
+def test_an_idle_replica_drifts_back_to_the_prior() -> None:
+    fit = SpeedFit()
+    now = feed(fit, SLOW, 100)
+    later = now + 20 * HALF_LIFE_S
+    got = fit.speed(later)
+    assert not got.warm and got.prefill_s == pytest.approx(DEFAULT.prefill_s, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        Sample(100, math.nan, 5, 0.1, 1),
+        Sample(100, -0.5, 5, 0.1, 1),
+        Sample(100, 0.1, 5, math.inf, 1),
+        Sample(100, 1e9, 5, 0.1, 1),
+        Sample(-1, 0.1, 5, 0.1, 1),
+        Sample(100, 0.1, 5, 0.1, 0),
+        Sample(100, 0.1, 5, 0.1, -3),
+        Sample(1 << 30, 0.1, 5, 0.1, 1),
+    ],
+)
+def test_a_poison_sample_is_refused_and_changes_nothing(poison: Sample) -> None:
+    fit = SpeedFit()
+    now = feed(fit, FAST, 40)
+    before = fit.speed(now)
+    assert not fit.add(poison, now)
+    assert fit.refused == 1 and fit.speed(now) == before
+
+
+def test_noise_never_makes_a_negative_or_nan_speed() -> None:
+    fit = SpeedFit()
+    # times that fall as prompts grow (a cache the router does not know about): the slope
+    # fitted is negative, and is clamped, never a negative prediction
+    for i in range(50):
+        fit.add(Sample(100 + 100 * i, max(0.0, 2.0 - 0.03 * i), 1, 0.0, 1), float(i))
+    got = fit.speed(50.0)
+    for value in (got.overhead_s, got.prefill_s, got.decode_s, got.per_batch_s):
+        assert math.isfinite(value) and value >= 0
+    assert got.ttft(0) >= 0 and got.ttft(1e6) >= got.ttft(0)
+
+
+def test_one_prompt_size_is_still_solvable() -> None:
+    fit = SpeedFit()
+    for i in range(30):
+        fit.add(Sample(1000, 0.5, 2, 0.05, 1), float(i))
+    got = fit.speed(30.0)
+    assert got.ttft(1000) == pytest.approx(0.5, rel=0.1)
+
+
+def test_batch_dependence_is_learned() -> None:
+    fit = SpeedFit()
+    truth = Speed(0.05, 2e-4, 0.01, 0.005)
+    now = feed(fit, truth, 80)
+    got = fit.speed(now)
+    assert got.per_token(8) / got.per_token(1) == pytest.approx(truth.per_token(8) / 0.01, rel=0.1)
+
+
+def test_a_cold_replica_takes_its_models_median() -> None:
+    warm = [Speed(0.1, 1e-3, 0.05, 0.0, samples=5), Speed(0.2, 3e-3, 0.07, 0.0, samples=5),
+            Speed(0.3, 2e-3, 0.06, 0.0, samples=5), Speed(9.0, 9.0, 9.0, 9.0)]  # fmt: skip
+    got = median_speed(warm)
+    assert got is not None and (got.overhead_s, got.prefill_s) == (0.2, 2e-3)
+    assert median_speed([Speed()]) is None  # none warm: the default prior

@@ -1,0 +1,54 @@
+"""Routing by predicted time (#57) end to end: a real router with the `time` scorer over real
+cgn-infer sim engines of unequal speed learns each one's speed from its answers, and a
+replica ten times slower than its peers gets a share of the requests near its share of
+the capacity, not a third of them; every answer says what was predicted for it. (Streams:
+a whole answer's first byte is its last, so only a stream shows its time to first token.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from harness.metrics import metric
+from harness.procs import cgn_infer, cgn_infer_fleet, cgn_router
+
+MODEL = "sim"
+SIM = ("--backend", "sim", "--model-name", MODEL, "--max-batch", "4")
+
+
+def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_prediction(
+    tmp_path: Path,
+) -> None:
+    with (
+        cgn_infer_fleet(tmp_path, 1, *SIM, "--speed", "20", "--engines", "2") as fast,
+        cgn_infer(tmp_path, *SIM, "--speed", "2") as slow,
+    ):
+        urls = {"fast0": fast[0], "fast1": fast[1], "slow": slow}
+        config = {
+            "discovery": "static",
+            "endpoints": {name: {"url": url, "model": MODEL} for name, url in urls.items()},
+            "routing": {"scorers": [{"type": "time", "weight": 1.0}], "picker": "max"},
+        }
+        with cgn_router(tmp_path, config) as router:
+
+            def ask(i: int) -> tuple[int, str]:  # (predicted ms, the endpoint that answered)
+                body = {"model": MODEL, "prompt": f"request {i} " + "word " * (20 + i % 40),
+                        "max_tokens": 16, "ignore_eos": True, "stream": True}  # fmt: skip
+                r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200 and "data: [DONE]" in r.text, r.text[:300]
+                predicted = r.headers["x-cognitora-predicted-ttft-ms"]
+                assert predicted.isdigit(), predicted
+                return int(predicted), r.headers.get("x-cognitora-endpoint", "")
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(ask, range(90)))
+            errors = metric(router.admin_url, "cgn_router_prediction_error_seconds_count")
+    assert len(answers) == 90
+    routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
+    # capacity: the slow replica is 1/21 of the fleet; round-robin would give it a third
+    assert routed["slow"] <= 0.15 * 90 and routed["fast0"] + routed["fast1"] >= 75, routed
+    assert errors >= 80  # answered attempts with a prediction are measured against it
