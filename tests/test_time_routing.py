@@ -46,9 +46,12 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
 
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
                 answers = list(pool.map(ask, range(90)))
-            errors = metric(router.admin_url, "cgn_router_prediction_error_seconds_count")
+            # signed buckets: Prometheus exports no _count for them, the +Inf bucket counts
+            errors = metric(router.admin, "cgn_router_prediction_error_seconds_bucket", le="+Inf")
     assert len(answers) == 90
     routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
-    # capacity: the slow replica is 1/21 of the fleet; round-robin would give it a third
-    assert routed["slow"] <= 0.15 * 90 and routed["fast0"] + routed["fast1"] >= 75, routed
+    # capacity: the slow replica is 1/21 of the fleet (4.8 %), and its share tracks that:
+    # round-robin gives it a third, today's queue-based default chain 9 of these 90 (it
+    # looks as good as the others whenever its queue is as short)
+    assert routed["slow"] <= 5, routed
     assert errors >= 80  # answered attempts with a prediction are measured against it
