@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cgn_core.http import Handler, error_middleware, mtls_middleware
 from cgn_router.auth import authorize_admin
 from cgn_router.service import RouterService
+from cgn_router.types import Speed
 from cgn_router.workers.metrics_merge import merge_pages
 from cgn_router.workers.supervisor import WorkerRole, sibling_admin_urls, workers_status
 
@@ -123,6 +124,18 @@ async def _readyz(svc: RouterService) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+def _speed(speed: Speed) -> dict[str, Any]:
+    """An endpoint's learned speed (cgn_router/routing/speed.py), in milliseconds."""
+    return {
+        "warm": speed.warm,  # learned from its answers; else its model's typical or the prior
+        "samples": round(speed.samples, 1),
+        "overhead_ms": round(speed.overhead_s * 1e3, 3),
+        "prefill_ms_per_token": round(speed.prefill_s * 1e3, 5),
+        "decode_ms_per_token": round(speed.decode_s * 1e3, 3),
+        "decode_ms_per_token_per_batch": round(speed.per_batch_s * 1e3, 4),
+    }
+
+
 async def _endpoints(svc: RouterService) -> web.Response:
     """The registry as JSON (for `cgn-ctl` and for people)."""
     now = time.monotonic()
@@ -157,6 +170,7 @@ async def _endpoints(svc: RouterService) -> web.Response:
                     "exact": reg.index.exact_size(eid),
                     "assumed": reg.index.assumed_size(eid),
                 },
+                "speed": _speed(reg.speed(s, now)),
             }
         )
     return web.json_response({"weights": svc.chain.weights, "endpoints": out})

@@ -81,7 +81,7 @@ class EndpointState:
 # broke after the first byte. Both of those last that blame the engine count to its breaker.
 Outcome = Literal["ok", "client_error", "client_disconnected", "upstream_error", "failed", "busy"]
 BLAMES_ENGINE = frozenset({"upstream_error", "failed"})
-SPEED_READ_S = 5.0  # an endpoint's speed is refitted at most this often between samples
+SPEED_READ_S = 1.0  # an endpoint's speed is refitted at most this often
 
 
 @dataclass(slots=True)
@@ -361,12 +361,14 @@ class Registry:
         state = self.states.get(eid)
         if state is None or not state.fit.add(sample, now):
             return False
-        state.speed, state.speed_at = state.fit.speed(now), now
+        if state.speed is None or not state.speed.warm:
+            state.speed = None  # a cold one's first samples count at once
         return True
 
     def speed(self, s: EndpointState, now: float) -> Speed:
         """`s`'s learned speed; a replica not yet warm has its model's typical one (the
-        median of its warm peers) or the default prior. Read at most every SPEED_READ_S."""
+        median of its warm peers) or the default prior. Refitted at most every SPEED_READ_S
+        (not on every sample: a fit is two small solves, on the request path)."""
         if s.speed is None or now - s.speed_at > SPEED_READ_S:
             s.speed, s.speed_at = s.fit.speed(now), now
         if s.speed.warm:

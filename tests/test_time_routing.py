@@ -48,6 +48,8 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
                 answers = list(pool.map(ask, range(90)))
             # signed buckets: Prometheus exports no _count for them, the +Inf bucket counts
             errors = metric(router.admin, "cgn_router_prediction_error_seconds_bucket", le="+Inf")
+            listed = httpx.get(router.admin + "/endpoints", timeout=10).json()["endpoints"]
+            speeds = {e["id"].split("/")[-1]: e["speed"] for e in listed}
     assert len(answers) == 90
     routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
     # capacity: the slow replica is 1/21 of the fleet (4.8 %), and its share tracks that:
@@ -55,3 +57,9 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
     # looks as good as the others whenever its queue is as short)
     assert routed["slow"] <= 5, routed
     assert errors >= 80  # answered attempts with a prediction are measured against it
+    # what was learned, as /endpoints shows it: the fast pair warm, and the slow replica
+    # (warm from its few answers, or its model's typical speed) never predicted faster
+    assert speeds["fast0"]["warm"] and speeds["fast1"]["warm"], speeds
+    fast_ms = max(speeds[f]["prefill_ms_per_token"] for f in ("fast0", "fast1"))
+    if speeds["slow"]["warm"]:
+        assert speeds["slow"]["prefill_ms_per_token"] > 2 * fast_ms, speeds
