@@ -66,10 +66,18 @@ class Speed:
     decode_s: float = 0.03  # per output token, alone
     per_batch_s: float = 0.002  # per output token, per other request in its batch
     samples: float = 0.0  # the decayed weight of the real samples behind it; 0: the prior
+    # added to the first token's time per other request in flight (their decode steps share
+    # the engine's steps with this one's prefill)
+    ttft_per_other_s: float = 0.0
 
-    def ttft(self, work_tokens: float) -> float:
-        """Seconds to the first byte behind `work_tokens` of prefill (its own included)."""
-        return self.overhead_s + self.prefill_s * max(0.0, work_tokens)
+    def ttft(self, work_tokens: float, others: float = 0.0) -> float:
+        """Seconds to the first byte behind `work_tokens` of prefill (its own included), with
+        `others` requests in flight beside it."""
+        return (
+            self.overhead_s
+            + self.prefill_s * max(0.0, work_tokens)
+            + self.ttft_per_other_s * max(0.0, others)
+        )
 
     def per_token(self, batch: float) -> float:
         """Seconds per output token in a batch of `batch` requests."""

@@ -16,7 +16,7 @@ def feed(fit: SpeedFit, truth: Speed, n: int, start: float = 0.0, every_s: float
         work = 64 + (i * 397) % 4000
         batch = 1 + i % 8
         out = 2 + i % 50
-        ttft = truth.ttft(work)
+        ttft = truth.ttft(work, others=batch - 1)
         decode = truth.per_token(batch) * (out - 1)
         now = start + i * every_s
         assert fit.add(Sample(work, ttft, out, decode, batch), now)
@@ -122,3 +122,16 @@ def test_a_cold_replica_takes_its_models_median() -> None:
     got = median_speed(warm)
     assert got is not None and (got.overhead_s, got.prefill_s) == (0.2, 2e-3)
     assert median_speed([Speed()]) is None  # none warm: the default prior
+
+
+def test_the_other_streams_cost_to_a_first_token_is_learned() -> None:
+    truth = Speed(0.03, 2e-4, 0.02, 0.004, ttft_per_other_s=0.05)
+    fit = SpeedFit()
+    now = feed(fit, truth, 120)
+    got = fit.speed(now)
+    assert got.ttft_per_other_s == pytest.approx(0.05, rel=0.1)
+    assert got.ttft(1000, others=6) == pytest.approx(truth.ttft(1000, others=6), rel=0.05)
+    # none: a fit with no such cost learns none (never a negative one)
+    plain = SpeedFit()
+    now = feed(plain, FAST, 120)
+    assert plain.speed(now).ttft_per_other_s == pytest.approx(0.0, abs=1e-3)

@@ -1,20 +1,22 @@
 """A replica's speed, learned online from what the router sees of its answers (#57).
 
-Two straight lines, each fitted by recent-weighted least squares:
+Fitted by recent-weighted least squares:
 
-    time to first byte  =  overhead  +  prefill · work
+    time to first byte  =  overhead  +  prefill · work  +  per_other · (batch - 1)
     time per output token  =  decode  +  per_batch · (batch - 1)
 
 `work` is the uncached prompt tokens the engine had to compute before this request's
 first token: its own, plus those the router had routed there and not yet seen answered
 (the queue it joined). `batch` is the requests the router had in flight there when it
-sent this one, itself included. Nothing is configured: a replica starts from a prior (the
-median of its model's warm replicas, else `DEFAULT`), which counts as `PRIOR_WEIGHT`
-samples alone and fades as real ones arrive (as 1/their weight); every sample's weight
-halves each `half_life_s`, so a replica that got faster or slower is relearned within
-minutes, and one left idle drifts back towards the prior. A sample that is not a finite,
-possible observation is refused; a fit that comes out of bounds is clamped, and one that
-cannot be solved is the prior. Pure: no clock (`now` is passed in), no I/O.
+sent this one, itself included: their decode steps share the engine's steps with this
+one's prefill (a fit whose `per_other` comes out negative falls back to the line
+without it). Nothing is configured: a replica starts from a prior (the median of its
+model's warm replicas, else `DEFAULT`), which counts as `PRIOR_WEIGHT` samples alone
+and fades as real ones arrive (as 1/their weight); every sample's weight halves each
+`half_life_s`, so a replica that got faster or slower is relearned within minutes, and
+one left idle drifts back towards the prior. A sample that is not a finite, possible
+observation is refused; a fit that comes out of bounds is clamped, and one that cannot
+be solved is the prior. Pure: no clock (`now` is passed in), no I/O.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ PREFILL_BOUNDS = (1e-7, 1.0)  # seconds per token
 OVERHEAD_BOUNDS = (0.0, 60.0)  # seconds
 DECODE_BOUNDS = (1e-5, 10.0)  # seconds per output token
 PER_BATCH_BOUNDS = (0.0, 10.0)  # seconds per output token per other request
+PER_OTHER_BOUNDS = (0.0, 60.0)  # seconds to the first token per other request in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,46 @@ class _Line:
         return (a, b) if math.isfinite(a) and math.isfinite(b) else None
 
 
+@dataclass(slots=True)
+class _Plane:
+    """Decayed sums for a weighted least-squares plane y = a + b·u + c·v."""
+
+    sums: list[float]  # w, u, v, uu, uv, vv, y, uy, vy
+
+    @classmethod
+    def empty(cls) -> _Plane:
+        return cls([0.0] * 9)
+
+    def decay(self, factor: float) -> None:
+        self.sums = [x * factor for x in self.sums]
+
+    def add(self, u: float, v: float, y: float, weight: float = 1.0) -> None:
+        for i, x in enumerate((1.0, u, v, u * u, u * v, v * v, y, u * y, v * y)):
+            self.sums[i] += weight * x
+
+    def plus_prior(self, prior: Speed, at_u: float, at_v: float, weight: float) -> _Plane:
+        out = _Plane(list(self.sums))
+        a, b, c = prior.overhead_s, prior.prefill_s, prior.ttft_per_other_s
+        for u, v in ((0.0, 0.0), (at_u, 0.0), (0.0, at_v)):
+            out.add(u, v, a + b * u + c * v, weight / 3)
+        return out
+
+    def solve(self) -> tuple[float, float, float] | None:
+        w, u, v, uu, uv, vv, y, uy, vy = self.sums
+        m = [[w, u, v, y], [u, uu, uv, uy], [v, uv, vv, vy]]
+        for col in range(3):  # Gaussian elimination with partial pivoting
+            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            if not abs(m[pivot][col]) > 1e-12:
+                return None
+            m[col], m[pivot] = m[pivot], m[col]
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [x - f * p for x, p in zip(m[r], m[col], strict=True)]
+        out = (m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2])
+        return out if all(math.isfinite(x) for x in out) else None
+
+
 def _prior_weight(real: float) -> float:
     """The prior's weight beside `real` samples' worth: PRIOR_WEIGHT alone, fading as
     1/real once they outweigh it (a prior far off must not bias a warm fit)."""
@@ -112,6 +155,7 @@ class SpeedFit:
     def __init__(self, half_life_s: float = HALF_LIFE_S):
         self.half_life_s = half_life_s
         self._prefill = _Line()
+        self._ttft = _Plane.empty()
         self._decode = _Line()
         self._at = -math.inf  # when the sums were last decayed
         self.refused = 0  # samples refused as impossible
@@ -121,6 +165,7 @@ class SpeedFit:
         if self._at != -math.inf and now > self._at:
             factor = 0.5 ** ((now - self._at) / self.half_life_s)
             self._prefill.decay(factor)
+            self._ttft.decay(factor)
             self._decode.decay(factor)
         self._at = max(self._at, now)
 
@@ -131,6 +176,7 @@ class SpeedFit:
             return False
         self._decay_to(now)
         self._prefill.add(float(sample.work_tokens), sample.ttft_s)
+        self._ttft.add(float(sample.work_tokens), float(sample.batch - 1), sample.ttft_s)
         if sample.output_tokens >= 2:  # the first token's time is the prefill's
             per_token = sample.decode_s / (sample.output_tokens - 1)
             self._decode.add(float(sample.batch - 1), per_token)
@@ -157,6 +203,13 @@ class SpeedFit:
             self.diverged += 1
             return prior
         overhead, per_prompt_token = prefill
+        per_other = 0.0
+        at_others = self._ttft.sums[2] / self._ttft.sums[0] if self._ttft.sums[0] > 0 else 1.0
+        pull = _prior_weight(self._ttft.sums[0])
+        plane = self._ttft.plus_prior(prior, max(at_work, 64.0), max(at_others, 1.0), pull)
+        fitted = plane.solve()
+        if fitted is not None and fitted[0] >= 0 and fitted[1] > 0 and fitted[2] >= 0:
+            overhead, per_prompt_token, per_other = fitted  # else the line without it
         alone, per_batch = decode
         # NOTE: a negative intercept or slope is noise around a small one: clamped, with the
         # other term refitted through the clamped point (the mean must stay on the line)
@@ -172,6 +225,7 @@ class SpeedFit:
             decode_s=_clamp(alone, DECODE_BOUNDS),
             per_batch_s=_clamp(per_batch, PER_BATCH_BOUNDS),
             samples=self._prefill.w,
+            ttft_per_other_s=_clamp(per_other, PER_OTHER_BOUNDS),
         )
 
     @staticmethod
@@ -199,4 +253,5 @@ def median_speed(speeds: list[Speed]) -> Speed | None:
         prefill_s=mid([s.prefill_s for s in warm]),
         decode_s=mid([s.decode_s for s in warm]),
         per_batch_s=mid([s.per_batch_s for s in warm]),
+        ttft_per_other_s=mid([s.ttft_per_other_s for s in warm]),
     )

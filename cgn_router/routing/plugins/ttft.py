@@ -1,11 +1,13 @@
 """Predicted-time scorer: each candidate's time to first token, at its own learned speed (#57).
 
     predicted(e) = overhead(e) + prefill(e) · (queued(e) + uncached(e))
+                   + per_other(e) · in_flight(e)
 
 `queued`: the uncached prompt tokens routed to e and not yet answered (what the request
-waits behind); `uncached`: the prompt tokens e does not hold, where a block its node's
-KV store holds costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing it (restoring is
-faster than recomputing: bench/results/kvcached_ttft.md). `overhead` and `prefill` are
+waits behind); `in_flight`: the requests there (their decode steps share the engine's
+steps with this one's prefill); `uncached`: the prompt tokens e does not hold, where a
+block its node's KV store holds costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing
+it (restoring is faster than recomputing: bench/results/kvcached_ttft.md). The rest is
 the endpoint's learned speed (`EndpointView.speed`, cgn_router/routing/speed.py), so a
 replica ten times slower predicts ten times the time for the same work, and a cached
 prefix on a slow replica loses to a cold fast one when computing it there is faster.
@@ -50,7 +52,8 @@ class TimeScorer:
 
     def predict(self, req: RequestInfo, v: EndpointView) -> float:
         """Seconds to `req`'s first token on `v`."""
-        return max(FLOOR_S, v.speed.ttft(v.pending_prefill + self.uncached(req, v)))
+        work = v.pending_prefill + self.uncached(req, v)
+        return max(FLOOR_S, v.speed.ttft(work, others=v.in_flight))
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
         predicted: dict[EndpointId, float] = {v.id: self.predict(req, v) for v in views}
