@@ -111,7 +111,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--limit", type=int, default=240, help="the trace's first N requests")
-    p.add_argument("--time-scale", type=float, default=6.0, help="arrivals this many times faster")
+    p.add_argument("--time-scale", type=float, default=2.0, help="arrivals this many times faster")
     p.add_argument("--output-scale", type=float, default=0.125, help="output lengths times this")
     p.add_argument("--blocks-per-id", type=int, default=4, help="16-token blocks per trace id")
     p.add_argument("--speed", type=float, default=10.0, help="the fast engines' sim --speed")
