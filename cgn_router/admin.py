@@ -131,6 +131,7 @@ def _speed(speed: Speed) -> dict[str, Any]:
         "samples": round(speed.samples, 1),
         "overhead_ms": round(speed.overhead_s * 1e3, 3),
         "prefill_ms_per_token": round(speed.prefill_s * 1e3, 5),
+        "first_token_ms_per_other_request": round(speed.ttft_per_other_s * 1e3, 3),
         "decode_ms_per_token": round(speed.decode_s * 1e3, 3),
         "decode_ms_per_token_per_batch": round(speed.per_batch_s * 1e3, 4),
     }
