@@ -322,14 +322,12 @@ class _ModelSeries:
 
 class MetricsObserver:
     """Every request's records (routing/lifecycle.py) as the router's metrics. Per request
-    it makes one lookup per record kind and one per model; the series it adds to are plain
-    numbers (Tally), each found once."""
+    it makes one lookup per record kind, one per model and one per scorer; the series it
+    adds to are plain numbers (Tally), with no lock or check."""
 
     def __init__(self, metrics: RouterMetrics):
         self.m = m = metrics
         self._models: dict[str, _ModelSeries] = {}
-        self._scores: dict[str, Buckets] = {}
-        self._errors: dict[str, Buckets] = {}
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -379,7 +377,7 @@ class MetricsObserver:
         if r.first_byte_s is not None:
             series.ttft.observe(r.first_byte_s)
         if r.predicted_ttft_s is not None and r.sample is not None:
-            self._error(r.engine).observe(r.predicted_ttft_s - r.sample.ttft_s)
+            self.m.prediction_error.series(r.engine).observe(r.predicted_ttft_s - r.sample.ttft_s)
         if r.cause:
             self.m.errors.labels(r.cause).inc()
         if r.broken or (u := r.usage) is None:
@@ -390,22 +388,13 @@ class MetricsObserver:
         series.predicted[0] += r.predicted
         series.reported[0] += u.cached_tokens
 
-    def _error(self, engine: str) -> Buckets:
-        found = self._errors.get(engine)
-        if found is None:
-            found = self._errors[engine] = self.m.prediction_error.series(engine)
-        return found
-
     def _routed(self, r: Routed) -> None:
         m, decision = self.m, r.decision
         for name, n in decision.dropped.items():
             m.filter_drops.labels(name).inc(n)
         if decision.chosen is not None:
             for scorer, values in decision.scores.items():
-                buckets = self._scores.get(scorer)
-                if buckets is None:
-                    buckets = self._scores[scorer] = m.scores.series(scorer)
-                buckets.observe(values[decision.chosen])
+                m.scores.series(scorer).observe(values[decision.chosen])
             if decision.saturated:
                 m.saturated.labels(r.model).inc(decision.saturated)
 

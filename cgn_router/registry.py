@@ -93,11 +93,10 @@ class Lease:
     uncached: int  # the rest: pending prefill until the first byte
     requeue: Callable[[float], None] = lambda now: None  # re-place it in its load order
     first_byte_at: float | None = None
-    ended: bool = False
-    # what its speed sample needs (routing/speed.py): when it began and ended, the prefill
-    # tokens routed there ahead of it, the requests in flight there with it
+    ended_at: float | None = None  # None while it holds the endpoint
+    # what its speed sample needs (routing/speed.py): when it began, the prefill tokens
+    # routed there ahead of it, the requests in flight there with it
     began_at: float = 0.0
-    ended_at: float | None = None
     ahead: int = 0
     batch: int = 1
 
@@ -123,9 +122,9 @@ class Lease:
             self.state.breaker.on_success()
 
     def end(self, outcome: Outcome, now: float) -> None:
-        if self.ended:
+        if self.ended_at is not None:
             return
-        self.ended, self.ended_at = True, now
+        self.ended_at = now
         self.state.in_flight -= 1
         if self.first_byte_at is None:
             self.state.pending_prefill -= self.uncached
@@ -407,8 +406,15 @@ class Registry:
         state = self.states[view.id]
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
         requeue = functools.partial(self.requeue, state)
-        lease = Lease(state, predicted, req.prompt_tokens - predicted, requeue)
-        lease.began_at, lease.ahead, lease.batch = now, view.pending_prefill, view.in_flight + 1
+        lease = Lease(
+            state,
+            predicted,
+            req.prompt_tokens - predicted,
+            requeue,
+            began_at=now,
+            ahead=view.pending_prefill,
+            batch=view.in_flight + 1,
+        )
         state.breaker.on_attempt(now)
         state.in_flight += 1
         state.pending_prefill += lease.uncached

@@ -112,6 +112,11 @@ class _Plane:
     def decay(self, factor: float) -> None:
         self.sums = [x * factor for x in self.sums]
 
+    def line(self) -> _Line:
+        """The sums of y = a + b·u alone (v left out)."""
+        w, u, _, uu, _, _, y, uy, _ = self.sums
+        return _Line(w, u, y, uu, uy)
+
     def add(self, u: float, v: float, y: float, weight: float = 1.0) -> None:
         for i, x in enumerate((1.0, u, v, u * u, u * v, v * v, y, u * y, v * y)):
             self.sums[i] += weight * x
@@ -154,7 +159,6 @@ class SpeedFit:
 
     def __init__(self, half_life_s: float = HALF_LIFE_S):
         self.half_life_s = half_life_s
-        self._prefill = _Line()
         self._ttft = _Plane.empty()
         self._decode = _Line()
         self._at = -math.inf  # when the sums were last decayed
@@ -164,7 +168,6 @@ class SpeedFit:
     def _decay_to(self, now: float) -> None:
         if self._at != -math.inf and now > self._at:
             factor = 0.5 ** ((now - self._at) / self.half_life_s)
-            self._prefill.decay(factor)
             self._ttft.decay(factor)
             self._decode.decay(factor)
         self._at = max(self._at, now)
@@ -175,7 +178,6 @@ class SpeedFit:
             self.refused += 1
             return False
         self._decay_to(now)
-        self._prefill.add(float(sample.work_tokens), sample.ttft_s)
         self._ttft.add(float(sample.work_tokens), float(sample.batch - 1), sample.ttft_s)
         if sample.output_tokens >= 2:  # the first token's time is the prefill's
             per_token = sample.decode_s / (sample.output_tokens - 1)
@@ -184,14 +186,15 @@ class SpeedFit:
 
     @property
     def weight(self) -> float:
-        return self._prefill.w
+        return self._ttft.sums[0]
 
     def speed(self, now: float, prior: Speed = DEFAULT) -> Speed:
         """The fitted speed as of `now`, pulled towards `prior` by PRIOR_WEIGHT samples."""
         self._decay_to(now)
-        at_work = self._prefill.x / self._prefill.w if self._prefill.w > 0 else 512.0
-        pull = _prior_weight(self._prefill.w)
-        prefill = self._prefill.plus_prior(
+        first = self._ttft.line()  # the first token's time against the work alone
+        at_work = first.x / first.w if first.w > 0 else 512.0
+        pull = _prior_weight(first.w)
+        prefill = first.plus_prior(
             prior.overhead_s, prior.prefill_s, max(at_work, 64.0), pull
         ).solve()
         at_batch = self._decode.x / self._decode.w if self._decode.w > 0 else 4.0
@@ -215,7 +218,7 @@ class SpeedFit:
         # other term refitted through the clamped point (the mean must stay on the line)
         if overhead < OVERHEAD_BOUNDS[0]:
             overhead = 0.0
-            per_prompt_token = self._through_origin(self._prefill, prior.prefill_s)
+            per_prompt_token = self._through_origin(first, prior.prefill_s)
         if per_batch < PER_BATCH_BOUNDS[0]:
             per_batch = 0.0
             alone = self._mean(self._decode, prior.decode_s)
@@ -224,7 +227,7 @@ class SpeedFit:
             prefill_s=_clamp(per_prompt_token, PREFILL_BOUNDS),
             decode_s=_clamp(alone, DECODE_BOUNDS),
             per_batch_s=_clamp(per_batch, PER_BATCH_BOUNDS),
-            samples=self._prefill.w,
+            samples=first.w,
             ttft_per_other_s=_clamp(per_other, PER_OTHER_BOUNDS),
         )
 
