@@ -19,8 +19,10 @@ from cgn_router.types import EndpointView, RequestInfo
 
 
 class Attempt:
-    def __init__(self, registry: Registry, view: EndpointView, req: RequestInfo) -> None:
-        self.lease = registry.begin(view, req, time.monotonic())
+    def __init__(
+        self, registry: Registry, view: EndpointView, req: RequestInfo, *, streamed: bool = False
+    ) -> None:
+        self.lease = registry.begin(view, req, time.monotonic(), streamed=streamed)
         self.outcome: Outcome = "client_disconnected"  # until the attempt says otherwise
 
     def __enter__(self) -> Lease:

@@ -76,7 +76,7 @@ async def attempt(
         resume=resume,
         trace_headers=trace_headers or None,
     )
-    held = Attempt(svc.registry, view, req)
+    held = Attempt(svc.registry, view, req, streamed=ctx.stream and resume is None)
     relayed = None
     cause = ""
     try:

@@ -8,8 +8,8 @@ counts, breaker, scraped load. Cordoned nodes come from `/cognitora/cordon/`.
 opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
 
     begin ── in_flight +1, pending_prefill +uncached, optimistic blocks, session,
-      │      breaker.on_attempt
-      ├─ first_byte() ── pending_prefill -uncached, breaker.on_success
+      │      breaker.on_attempt, a streamed one waiting (`EndpointState.lag`)
+      ├─ first_byte() ── pending_prefill -uncached, breaker.on_success, no longer waiting
       └─ end(outcome) ── in_flight -1 (pending_prefill -uncached if no first byte),
                           breaker.on_failure when the outcome blames the engine
 """
@@ -61,6 +61,8 @@ class EndpointState:
     fit: SpeedFit = field(default_factory=SpeedFit)  # its speed, learned (routing/speed.py)
     speed: Speed | None = None  # the fit as last read (None: never)
     speed_at: float = -math.inf
+    # streamed attempts sent here with no first byte yet, oldest first (`lag`)
+    waiting: dict[int, Lease] = field(default_factory=dict)
 
     def counted(self) -> None:
         """`in_flight` or `pending_prefill` changed: tell the other workers."""
@@ -75,6 +77,16 @@ class EndpointState:
         theirs, pending = self.shared.others(self.endpoint.id)
         return self.in_flight + theirs, self.pending_prefill + pending
 
+    def lag(self, now: float) -> float:
+        """How many times longer than its speed predicted the oldest stream waiting here for
+        its first byte has already waited (1 when none is late): the news that a replica
+        is slower than learned (a cold one judged by its peers, one that slowed or hung)
+        before any answer can say so."""
+        oldest = next(iter(self.waiting.values()), None)
+        if oldest is None:
+            return 1.0
+        return max(1.0, (now - oldest.began_at) / max(oldest.expected_s, MIN_EXPECTED_S))
+
 
 # How an attempt ended. `failed`: refused or broken before the first byte (the request may
 # go elsewhere); `busy`: the engine said 429 (not its fault); `upstream_error`: the stream
@@ -82,6 +94,7 @@ class EndpointState:
 Outcome = Literal["ok", "client_error", "client_disconnected", "upstream_error", "failed", "busy"]
 BLAMES_ENGINE = frozenset({"upstream_error", "failed"})
 SPEED_READ_S = 1.0  # an endpoint's speed is refitted at most this often
+MIN_EXPECTED_S = 1e-3  # a lag divides by a prediction no smaller than this
 
 
 @dataclass(slots=True)
@@ -99,6 +112,7 @@ class Lease:
     began_at: float = 0.0
     ahead: int = 0
     batch: int = 1
+    expected_s: float = 0.0  # its first byte's time as its endpoint's speed predicts it
 
     def sample(self, usage: Usage | None) -> Sample | None:
         """This attempt as an observation of its endpoint's speed (None: it gave none: no
@@ -117,6 +131,7 @@ class Lease:
     def first_byte(self, now: float) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = now
+            self.state.waiting.pop(id(self), None)
             self.state.pending_prefill -= self.uncached
             self.state.counted()
             self.state.breaker.on_success()
@@ -127,6 +142,7 @@ class Lease:
         self.ended_at = now
         self.state.in_flight -= 1
         if self.first_byte_at is None:
+            self.state.waiting.pop(id(self), None)
             self.state.pending_prefill -= self.uncached
         self.state.counted()
         self.requeue(now)
@@ -399,22 +415,30 @@ class Registry:
             session_owner=owner,
             tokens_per_joule=fresh_efficiency(self.efficiency.get(node), time.time()),
             speed=self.speed(s, now),
+            lag=s.lag(now),
         )
 
-    def begin(self, view: EndpointView, req: RequestInfo, now: float) -> Lease:
-        """An attempt of `req` on the endpoint `view` was chosen for: account for it."""
+    def begin(
+        self, view: EndpointView, req: RequestInfo, now: float, *, streamed: bool = False
+    ) -> Lease:
+        """An attempt of `req` on the endpoint `view` was chosen for: account for it. A
+        `streamed` one's first byte is its first token: it is watched for `lag` meanwhile."""
         state = self.states[view.id]
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
+        uncached = req.prompt_tokens - predicted
         requeue = functools.partial(self.requeue, state)
         lease = Lease(
             state,
             predicted,
-            req.prompt_tokens - predicted,
+            uncached,
             requeue,
             began_at=now,
             ahead=view.pending_prefill,
             batch=view.in_flight + 1,
+            expected_s=view.speed.ttft(view.pending_prefill + uncached, others=view.in_flight),
         )
+        if streamed:
+            state.waiting[id(lease)] = lease
         state.breaker.on_attempt(now)
         state.in_flight += 1
         state.pending_prefill += lease.uncached

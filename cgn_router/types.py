@@ -65,7 +65,7 @@ class Speed:
     prefill_s: float = 1e-3  # per uncached prompt token
     decode_s: float = 0.03  # per output token, alone
     per_batch_s: float = 0.002  # per output token, per other request in its batch
-    samples: float = 0.0  # the decayed weight of the real samples behind it; 0: the prior
+    samples: float = 0.0  # the real samples behind it; 0: the prior alone
     # added to the first token's time per other request in flight (their decode steps share
     # the engine's steps with this one's prefill)
     ttft_per_other_s: float = 0.0
@@ -121,6 +121,9 @@ class EndpointView:
     # its node's measured output tokens per joule (cgn-metrics); None: not measured
     tokens_per_joule: float | None = None
     speed: Speed = DEFAULT_SPEED  # learned from its answers (cgn_router/routing/speed.py)
+    # its oldest waiting stream's wait over what `speed` predicted for it, at least 1
+    # (`EndpointState.lag`): how much slower than learned it is running now
+    lag: float = 1.0
     # the chain's predicted seconds to first token here (a time scorer); None: none
     predicted_ttft_s: float | None = None
 

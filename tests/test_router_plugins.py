@@ -348,6 +348,23 @@ def test_predictions_are_never_zero_negative_or_nan() -> None:
     assert min(got.predicted_s.values()) == FLOOR_S and 0 < min(got.values.values()) <= 1
 
 
+@pytest.mark.parametrize(
+    ("lag", "winner"),
+    [
+        (1.0, "cold"),  # priced at its peers' speed: 0.18 s against 0.68 s
+        (3.0, "cold"),  # its oldest stream 3x late: 0.54 s, still sooner
+        (4.0, "warm"),  # 0.72 s: the warm one's wait is now the shorter
+    ],
+)
+def test_a_replica_running_late_is_priced_by_its_lag(lag: float, winner: str) -> None:
+    """A cold replica takes its peers' speed until its answers teach its own; its oldest
+    waiting stream's lateness says it is slower before any answer does."""
+    views = [view("cold", speed=FAST, lag=lag), view("warm", speed=FAST, pending_prefill=500)]
+    d = timed().route(REQ, views, random.Random(0))
+    assert d.chosen == f"m/{winner}"
+    assert d.predicted_s["m/cold"] == pytest.approx(0.18 * lag)
+
+
 def test_equal_predictions_are_broken_as_any_tie() -> None:
     chosen = {
         timed().route(REQ, [view("a"), view("b")], random.Random(i)).chosen for i in range(20)

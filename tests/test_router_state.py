@@ -25,7 +25,7 @@ from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex
 from cgn_router.scrape import engine_load, name_map, parse_samples
 from cgn_router.settings import BreakerSettings, RoutingSettings, ScrapeSettings
-from cgn_router.types import Endpoint, EndpointId, EngineLoad, RequestInfo
+from cgn_router.types import DEFAULT_SPEED, Endpoint, EndpointId, EngineLoad, RequestInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[1]
@@ -181,6 +181,26 @@ def test_a_lease_holds_an_attempts_accounting_until_it_ends(
     lease.end(outcome, 2.0)  # type: ignore[arg-type]  # twice: counted once
     assert (state.in_flight, state.pending_prefill) == (0, 0)
     assert state.breaker.blocks(2.0) == (failures == 1)
+
+
+def test_a_late_stream_says_its_replica_is_slower_than_learned() -> None:
+    """`lag`: the oldest stream waiting for its first byte, its wait over what the replica's
+    speed predicted for it; 1 when none is late, and back to 1 once it has its byte."""
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
+    reg.upsert(Endpoint(E, "m", "http://a"), "etcd")
+    req = RequestInfo("m", prompt_tokens=980)  # the default speed: 0.02 + 0.98 = 1 s
+    whole = reg.begin(reg.views(req, now=0)[0], req, now=0)  # not streamed: not watched
+    assert reg.views(req, now=5)[0].lag == 1.0
+    whole.end("ok", 5)
+    first = reg.begin(reg.views(req, now=10)[0], req, now=10, streamed=True)
+    assert first.expected_s == pytest.approx(1.0)
+    second = reg.begin(reg.views(req, now=10.5)[0], req, now=10.5, streamed=True)
+    assert second.expected_s == pytest.approx(1.98 + DEFAULT_SPEED.ttft_per_other_s)
+    assert [reg.views(req, now=t)[0].lag for t in (10.5, 13.0)] == pytest.approx([1.0, 3.0])
+    first.first_byte(13.0)  # the second is the oldest now: 2.5 s waited of 1.98 predicted
+    assert reg.views(req, now=13.0)[0].lag == pytest.approx(2.5 / 1.98)
+    second.end("failed", 13.5)
+    assert reg.views(req, now=20)[0].lag == 1.0 and not reg.states[E].waiting
 
 
 def test_workers_see_each_others_requests_on_an_endpoint() -> None:

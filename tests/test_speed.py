@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cgn_router.routing.speed import DEFAULT, HALF_LIFE_S, Sample, Speed, SpeedFit, median_speed
+from cgn_router.routing.speed import HALF_LIFE_S, Sample, Speed, SpeedFit, median_speed
 
 
 def feed(fit: SpeedFit, truth: Speed, n: int, start: float = 0.0, every_s: float = 1.0) -> float:
@@ -59,12 +59,29 @@ def test_a_step_change_is_relearned_within_minutes() -> None:
     assert got.ttft(2000) == pytest.approx(SLOW.ttft(2000), rel=0.2)
 
 
-def test_an_idle_replica_drifts_back_to_the_prior() -> None:
+def test_an_idle_replica_keeps_what_it_learned() -> None:
+    """A slow replica left idle must not drift back to the (fast) prior and win requests it
+    then holds: decay weighs old samples against new ones, not against the prior."""
     fit = SpeedFit()
-    now = feed(fit, SLOW, 100)
-    later = now + 20 * HALF_LIFE_S
-    got = fit.speed(later)
-    assert not got.warm and got.prefill_s == pytest.approx(DEFAULT.prefill_s, rel=0.05)
+    now = feed(fit, SLOW, 10)
+    before = fit.speed(now, prior=FAST)
+    assert before.prefill_s == pytest.approx(SLOW.prefill_s, rel=0.15)
+    for idle in (HALF_LIFE_S, 100 * HALF_LIFE_S, 1e6 * HALF_LIFE_S):
+        assert fit.speed(now + idle, prior=FAST) == before
+    # and after a day idle, the first new samples are what it is now
+    feed(fit, FAST, 8, start=now + 86400)
+    assert fit.speed(now + 86408, prior=SLOW).prefill_s == pytest.approx(FAST.prefill_s, rel=0.1)
+
+
+def test_the_prior_fades_as_one_over_the_samples() -> None:
+    """Three samples of a replica ten times slower than its peers: predicted within 10 %, not
+    pulled towards the peers (their median is a cold replica's prior)."""
+    fit = SpeedFit()
+    for i, (work, batch) in enumerate([(500, 1), (3000, 1), (1500, 3)]):
+        fit.add(Sample(work, SLOW.ttft(work, batch - 1), 2, SLOW.per_token(batch), batch), i)
+    got = fit.speed(3.0, prior=FAST)
+    for work in (1000, 4000):
+        assert got.ttft(work) == pytest.approx(SLOW.ttft(work), rel=0.1)
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,11 @@ sent this one, itself included: their decode steps share the engine's steps with
 one's prefill (a fit whose `per_other` comes out negative falls back to the line
 without it). Nothing is configured: a replica starts from a prior (the median of its
 model's warm replicas, else `DEFAULT`), which counts as `PRIOR_WEIGHT` samples alone
-and fades as real ones arrive (as 1/their weight); every sample's weight halves each
-`half_life_s`, so a replica that got faster or slower is relearned within minutes, and
-one left idle drifts back towards the prior. A sample that is not a finite, possible
+and fades as real ones arrive (as 1/their number); every sample's weight halves each
+`half_life_s` against the newer ones, so a replica that got faster or slower is relearned
+within minutes. The decay is relative: a replica left idle keeps what it learned (a slow
+one does not drift back to its fast peers' median and win requests it then holds). A
+sample that is not a finite, possible
 observation is refused; a fit that comes out of bounds is clamped, and one that cannot
 be solved is the prior. Pure: no clock (`now` is passed in), no I/O.
 """
@@ -30,7 +32,8 @@ from cgn_router.types import Speed
 __all__ = ["DEFAULT", "Sample", "Speed", "SpeedFit", "median_speed"]
 
 HALF_LIFE_S = 60.0
-PRIOR_WEIGHT = 2.0  # samples' worth
+PRIOR_WEIGHT = 1.0  # samples' worth
+MAX_HALVINGS = 40.0  # older samples weigh at least 2**-40 of a new one at each (no underflow)
 MAX_TTFT_S = 3600.0  # a first token later than this is not an observation of speed
 MAX_TOKENS = 1 << 24
 PREFILL_BOUNDS = (1e-7, 1.0)  # seconds per token
@@ -162,12 +165,17 @@ class SpeedFit:
         self._ttft = _Plane.empty()
         self._decode = _Line()
         self._at = -math.inf  # when the sums were last decayed
+        self.count = 0  # samples learned, undecayed: what the prior's share fades with
+        self._decoded = 0  # those with a decode time (two tokens or more)
         self.refused = 0  # samples refused as impossible
         self.diverged = 0  # fits that could not be solved (the prior was used)
 
     def _decay_to(self, now: float) -> None:
+        """Age the sums to `now` (on a new sample only: a least-squares fit is the same for
+        sums scaled alike, so reading needs none, and idle time cannot underflow them)."""
         if self._at != -math.inf and now > self._at:
-            factor = 0.5 ** ((now - self._at) / self.half_life_s)
+            halvings = min((now - self._at) / self.half_life_s, MAX_HALVINGS)
+            factor = 0.5**halvings
             self._ttft.decay(factor)
             self._decode.decay(factor)
         self._at = max(self._at, now)
@@ -182,23 +190,30 @@ class SpeedFit:
         if sample.output_tokens >= 2:  # the first token's time is the prefill's
             per_token = sample.decode_s / (sample.output_tokens - 1)
             self._decode.add(float(sample.batch - 1), per_token)
+            self._decoded += 1
+        self.count += 1
         return True
 
-    @property
-    def weight(self) -> float:
-        return self._ttft.sums[0]
+    @staticmethod
+    def _pull(weight: float, count: int) -> float:
+        """The prior's weight beside `count` samples whose decayed weight is `weight`:
+        PRIOR_WEIGHT samples' worth with none, fading as 1/`count`, in the decayed sums'
+        units (their mean weight), so idle time alone does not bring the prior back."""
+        if count == 0 or not weight > 0:
+            return PRIOR_WEIGHT
+        return _prior_weight(count) * weight / count
 
     def speed(self, now: float, prior: Speed = DEFAULT) -> Speed:
-        """The fitted speed as of `now`, pulled towards `prior` by PRIOR_WEIGHT samples."""
-        self._decay_to(now)
+        """The fitted speed, pulled towards `prior` by PRIOR_WEIGHT samples' worth fading as
+        1/their number. (`now` is kept for the callers' symmetry with `add`.)"""
         first = self._ttft.line()  # the first token's time against the work alone
         at_work = first.x / first.w if first.w > 0 else 512.0
-        pull = _prior_weight(first.w)
+        pull = self._pull(first.w, self.count)
         prefill = first.plus_prior(
             prior.overhead_s, prior.prefill_s, max(at_work, 64.0), pull
         ).solve()
         at_batch = self._decode.x / self._decode.w if self._decode.w > 0 else 4.0
-        pull = _prior_weight(self._decode.w)
+        pull = self._pull(self._decode.w, self._decoded)
         decode = self._decode.plus_prior(
             prior.decode_s, prior.per_batch_s, max(at_batch, 1.0), pull
         ).solve()
@@ -208,7 +223,7 @@ class SpeedFit:
         overhead, per_prompt_token = prefill
         per_other = 0.0
         at_others = self._ttft.sums[2] / self._ttft.sums[0] if self._ttft.sums[0] > 0 else 1.0
-        pull = _prior_weight(self._ttft.sums[0])
+        pull = self._pull(self._ttft.sums[0], self.count)
         plane = self._ttft.plus_prior(prior, max(at_work, 64.0), max(at_others, 1.0), pull)
         fitted = plane.solve()
         if fitted is not None and fitted[0] >= 0 and fitted[1] > 0 and fitted[2] >= 0:
@@ -227,7 +242,7 @@ class SpeedFit:
             prefill_s=_clamp(per_prompt_token, PREFILL_BOUNDS),
             decode_s=_clamp(alone, DECODE_BOUNDS),
             per_batch_s=_clamp(per_batch, PER_BATCH_BOUNDS),
-            samples=first.w,
+            samples=float(self.count),
             ttft_per_other_s=_clamp(per_other, PER_OTHER_BOUNDS),
         )
 

@@ -1,7 +1,7 @@
 """Predicted-time scorer: each candidate's time to first token, at its own learned speed (#57).
 
-    predicted(e) = overhead(e) + prefill(e) · (queued(e) + uncached(e))
-                   + per_other(e) · in_flight(e)
+    predicted(e) = (overhead(e) + prefill(e) · (queued(e) + uncached(e))
+                    + per_other(e) · in_flight(e)) · lag(e)
 
 `queued`: the uncached prompt tokens routed to e and not yet answered (what the request
 waits behind); `in_flight`: the requests there (their decode steps share the engine's
@@ -11,6 +11,9 @@ it (restoring is faster than recomputing: bench/results/kvcached_ttft.md). The r
 the endpoint's learned speed (`EndpointView.speed`, cgn_router/routing/speed.py), so a
 replica ten times slower predicts ten times the time for the same work, and a cached
 prefix on a slow replica loses to a cold fast one when computing it there is faster.
+`lag`: how many times longer than predicted e's oldest waiting stream has waited (at
+least 1): a replica slower than learned (a cold one priced at its peers' speed, one that
+slowed or hung) is priced by what it is doing before any answer can teach its fit.
 
 score = fastest prediction / predicted(e): 1 for the fastest candidate, 0.1 for one
 predicted ten times slower. The predictions themselves go with the decision
@@ -53,7 +56,7 @@ class TimeScorer:
     def predict(self, req: RequestInfo, v: EndpointView) -> float:
         """Seconds to `req`'s first token on `v`."""
         work = v.pending_prefill + self.uncached(req, v)
-        return max(FLOOR_S, v.speed.ttft(work, others=v.in_flight))
+        return max(FLOOR_S, v.speed.ttft(work, others=v.in_flight) * v.lag)
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
         predicted: dict[EndpointId, float] = {v.id: self.predict(req, v) for v in views}
