@@ -8,10 +8,18 @@ counts, breaker, scraped load. Cordoned nodes come from `/cognitora/cordon/`.
 opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
 
     begin ── in_flight +1, pending_prefill +uncached, optimistic blocks, session,
-      │      breaker.on_attempt, a streamed one waiting (`EndpointState.lag`)
-      ├─ first_byte() ── pending_prefill -uncached, breaker.on_success, no longer waiting
+      │      breaker.on_attempt, its prefill on the drain clock, a streamed one waiting
+      ├─ first_byte() ── pending_prefill -uncached, breaker.on_success, no longer waiting,
+      │                  the drain clock set by it
       └─ end(outcome) ── in_flight -1 (pending_prefill -uncached if no first byte),
                           breaker.on_failure when the outcome blames the engine
+
+The drain clock (`EndpointState.drain_at`): when the prefill queued on an endpoint will be
+done, at its learned speed. Each attempt adds its prefill's time; the queue drains as
+time passes (pending_prefill, in tokens, only falls at first bytes, so a long prompt
+nearly done still counted whole); each first byte resets it to that moment plus what was
+queued behind the answered one (a replica faster or slower than predicted is corrected
+at once). `EndpointView.queued_tokens` is what is left, in tokens at its speed.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class EndpointState:
     speed_at: float = -math.inf
     # streamed attempts sent here with no first byte yet, oldest first (`lag`)
     waiting: dict[int, Lease] = field(default_factory=dict)
+    drain_at: float = 0.0  # when its queued prefill is done, as predicted (module docstring)
 
     def counted(self) -> None:
         """`in_flight` or `pending_prefill` changed: tell the other workers."""
@@ -76,6 +85,17 @@ class EndpointState:
             return self.in_flight, self.pending_prefill
         theirs, pending = self.shared.others(self.endpoint.id)
         return self.in_flight + theirs, self.pending_prefill + pending
+
+    def queued_tokens(self, now: float, speed: Speed) -> float:
+        """The prefill tokens still ahead of a new request here: this worker's on the drain
+        clock, at `speed`, and the other workers' as they count them."""
+        mine = max(0.0, self.drain_at - now) / speed.prefill_s
+        return mine + self.router_counts()[1] - self.pending_prefill
+
+    def drained(self, lease: Lease, now: float) -> None:
+        """`lease`'s first byte: what was queued before it is done; what came after it is
+        still to do, from now."""
+        self.drain_at = now + max(0.0, self.drain_at - lease.done_at)
 
     def lag(self, now: float) -> float:
         """How many times longer than its speed predicted the oldest stream waiting here for
@@ -113,6 +133,8 @@ class Lease:
     ahead: int = 0
     batch: int = 1
     expected_s: float = 0.0  # its first byte's time as its endpoint's speed predicts it
+    prefill_s: float = 0.0  # its own prefill's time at that speed, and when the drain
+    done_at: float = 0.0  # clock had it done
 
     def sample(self, usage: Usage | None) -> Sample | None:
         """This attempt as an observation of its endpoint's speed (None: it gave none: no
@@ -132,6 +154,7 @@ class Lease:
         if self.first_byte_at is None:
             self.first_byte_at = now
             self.state.waiting.pop(id(self), None)
+            self.state.drained(self, now)
             self.state.pending_prefill -= self.uncached
             self.state.counted()
             self.state.breaker.on_success()
@@ -143,6 +166,7 @@ class Lease:
         self.state.in_flight -= 1
         if self.first_byte_at is None:
             self.state.waiting.pop(id(self), None)
+            self.state.drain_at = max(now, self.state.drain_at - self.prefill_s)  # never ran
             self.state.pending_prefill -= self.uncached
         self.state.counted()
         self.requeue(now)
@@ -402,6 +426,7 @@ class Registry:
         node = s.endpoint.node
         ram, ssd = self.tiers.extend(node, req.blocks, matched) if req.blocks and node else (0, 0)
         in_flight, pending = s.router_counts()
+        speed = self.speed(s, now)
         return EndpointView(
             endpoint=s.endpoint,
             cordoned=node in self.cordoned,
@@ -414,7 +439,8 @@ class Registry:
             node_ssd_blocks=ssd,
             session_owner=owner,
             tokens_per_joule=fresh_efficiency(self.efficiency.get(node), time.time()),
-            speed=self.speed(s, now),
+            speed=speed,
+            queued_tokens=s.queued_tokens(now, speed),
             lag=s.lag(now),
         )
 
@@ -427,15 +453,19 @@ class Registry:
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
         uncached = req.prompt_tokens - predicted
         requeue = functools.partial(self.requeue, state)
+        prefill_s = view.speed.prefill_s * uncached
+        state.drain_at = max(state.drain_at, now) + prefill_s
         lease = Lease(
             state,
             predicted,
             uncached,
             requeue,
             began_at=now,
-            ahead=view.pending_prefill,
+            ahead=round(view.queued_tokens),
             batch=view.in_flight + 1,
-            expected_s=view.speed.ttft(view.pending_prefill + uncached, others=view.in_flight),
+            expected_s=view.speed.ttft(view.queued_tokens + uncached, others=view.in_flight),
+            prefill_s=prefill_s,
+            done_at=state.drain_at,
         )
         if streamed:
             state.waiting[id(lease)] = lease

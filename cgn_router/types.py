@@ -112,6 +112,8 @@ class EndpointView:
     breaker_open: bool = False
     in_flight: int = 0  # requests this router has on it now
     pending_prefill: int = 0  # uncached prompt tokens routed here and not yet answered
+    # of those, the ones still to compute, as the registry's drain clock estimates them
+    queued_tokens: float = 0.0
     load: EngineLoad | None = None  # None: never scraped, stale or unreachable
     matched_blocks: int = 0  # leading prompt blocks this endpoint is known to hold
     # the blocks right after those that its node's cgn-kvcached holds: in RAM, on SSD only

@@ -304,7 +304,7 @@ def timed() -> RoutingChain:
 def test_a_slow_replica_gets_a_request_only_when_waiting_on_the_fast_one_is_longer(
     fast_queue: int, winner: str
 ) -> None:
-    views = [view("fast", speed=FAST, pending_prefill=fast_queue), view("slow", speed=SLOW)]
+    views = [view("fast", speed=FAST, queued_tokens=fast_queue), view("slow", speed=SLOW)]
     d = timed().route(REQ, views, random.Random(0))
     assert d.chosen == f"m/{winner}"
     assert d.predicted_ttft_s == pytest.approx(min(d.predicted_s.values()))
@@ -359,7 +359,7 @@ def test_predictions_are_never_zero_negative_or_nan() -> None:
 def test_a_replica_running_late_is_priced_by_its_lag(lag: float, winner: str) -> None:
     """A cold replica takes its peers' speed until its answers teach its own; its oldest
     waiting stream's lateness says it is slower before any answer does."""
-    views = [view("cold", speed=FAST, lag=lag), view("warm", speed=FAST, pending_prefill=500)]
+    views = [view("cold", speed=FAST, lag=lag), view("warm", speed=FAST, queued_tokens=500)]
     d = timed().route(REQ, views, random.Random(0))
     assert d.chosen == f"m/{winner}"
     assert d.predicted_s["m/cold"] == pytest.approx(0.18 * lag)

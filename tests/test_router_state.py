@@ -195,12 +195,31 @@ def test_a_late_stream_says_its_replica_is_slower_than_learned() -> None:
     first = reg.begin(reg.views(req, now=10)[0], req, now=10, streamed=True)
     assert first.expected_s == pytest.approx(1.0)
     second = reg.begin(reg.views(req, now=10.5)[0], req, now=10.5, streamed=True)
-    assert second.expected_s == pytest.approx(1.98 + DEFAULT_SPEED.ttft_per_other_s)
+    # behind what is left of the first's prefill: 0.48 s
+    assert second.expected_s == pytest.approx(1.48 + DEFAULT_SPEED.ttft_per_other_s)
     assert [reg.views(req, now=t)[0].lag for t in (10.5, 13.0)] == pytest.approx([1.0, 3.0])
-    first.first_byte(13.0)  # the second is the oldest now: 2.5 s waited of 1.98 predicted
-    assert reg.views(req, now=13.0)[0].lag == pytest.approx(2.5 / 1.98)
+    first.first_byte(13.0)  # the second is the oldest now: 2.5 s waited of 1.48 predicted
+    assert reg.views(req, now=13.0)[0].lag == pytest.approx(2.5 / 1.48)
     second.end("failed", 13.5)
     assert reg.views(req, now=20)[0].lag == 1.0 and not reg.states[E].waiting
+
+
+def test_the_drain_clock_counts_what_is_left_to_compute() -> None:
+    """Queued prefill drains as time passes at the replica's speed (pending_prefill, in
+    tokens, only falls at first bytes); a first byte resets it to what came after."""
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
+    reg.upsert(Endpoint(E, "m", "http://a"), "etcd")
+    big, small = RequestInfo("m", prompt_tokens=4000), RequestInfo("m", prompt_tokens=1000)
+    a = reg.begin(reg.views(big, now=0)[0], big, now=0, streamed=True)  # 4 s at 1 ms a token
+    b = reg.begin(reg.views(small, now=1)[0], small, now=1, streamed=True)  # done at 5 s
+    assert b.ahead == 3000  # a's 4000 tokens, one second of them computed
+    queued = [reg.views(small, now=t)[0].queued_tokens for t in (1, 3, 4.5, 6)]
+    assert queued == pytest.approx([4000, 2000, 500, 0])
+    assert reg.views(small, now=3)[0].pending_prefill == 5000  # tokens: until first bytes
+    a.first_byte(2.0)  # twice as fast as predicted: b's 1000 tokens are what is left
+    assert reg.views(small, now=2)[0].queued_tokens == pytest.approx(1000)
+    b.end("client_disconnected", 2.5)  # never ran: its prefill leaves the clock
+    assert reg.views(small, now=2.5)[0].queued_tokens == pytest.approx(0)
 
 
 def test_workers_see_each_others_requests_on_an_endpoint() -> None:

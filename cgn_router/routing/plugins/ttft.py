@@ -3,11 +3,11 @@
     predicted(e) = (overhead(e) + prefill(e) · (queued(e) + uncached(e))
                     + per_other(e) · in_flight(e)) · lag(e)
 
-`queued`: the uncached prompt tokens routed to e and not yet answered (what the request
-waits behind); `in_flight`: the requests there (their decode steps share the engine's
-steps with this one's prefill); `uncached`: the prompt tokens e does not hold, where a
-block its node's KV store holds costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing
-it (restoring is faster than recomputing: bench/results/kvcached_ttft.md). The rest is
+`queued`: the uncached prompt tokens routed to e and not yet computed (what the request
+waits behind; `EndpointView.queued_tokens`, the registry's drain clock); `in_flight`: the
+requests there (their decode steps share the engine's steps with this one's prefill);
+`uncached`: the prompt tokens e does not hold, where a block its node's KV store holds
+costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing it (restoring is faster than recomputing: bench/results/kvcached_ttft.md). The rest is
 the endpoint's learned speed (`EndpointView.speed`, cgn_router/routing/speed.py), so a
 replica ten times slower predicts ten times the time for the same work, and a cached
 prefix on a slow replica loses to a cold fast one when computing it there is faster.
@@ -55,7 +55,7 @@ class TimeScorer:
 
     def predict(self, req: RequestInfo, v: EndpointView) -> float:
         """Seconds to `req`'s first token on `v`."""
-        work = v.pending_prefill + self.uncached(req, v)
+        work = v.queued_tokens + self.uncached(req, v)
         return max(FLOOR_S, v.speed.ttft(work, others=v.in_flight) * v.lag)
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
