@@ -14,12 +14,12 @@ opens the `Lease` that owns one attempt's accounting on the chosen endpoint:
       └─ end(outcome) ── in_flight -1 (pending_prefill -uncached if no first byte),
                           breaker.on_failure when the outcome blames the engine
 
-The drain clock (`EndpointState.drain_at`): when the prefill queued on an endpoint will be
-done, at its learned speed. Each attempt adds its prefill's time; the queue drains as
-time passes (pending_prefill, in tokens, only falls at first bytes, so a long prompt
-nearly done still counted whole); each first byte resets it to that moment plus what was
-queued behind the answered one (a replica faster or slower than predicted is corrected
-at once). `EndpointView.queued_tokens` is what is left, in tokens at its speed.
+The drain clock (`EndpointState.queued`): the prefill tokens queued on an endpoint and not
+yet computed. Each attempt adds its uncached tokens; they drain as time passes at the
+endpoint's learned speed (pending_prefill only falls at first bytes, so a long prompt
+nearly done still counted whole); each first byte resets it to the tokens of the attempts
+there still without one (a replica faster or slower than learned is corrected at once).
+`EndpointView.queued_tokens` is what is left.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class EndpointState:
     speed_at: float = -math.inf
     # streamed attempts sent here with no first byte yet, oldest first (`lag`)
     waiting: dict[int, Lease] = field(default_factory=dict)
-    drain_at: float = 0.0  # when its queued prefill is done, as predicted (module docstring)
+    queued: float = 0.0  # prefill tokens still to compute as of `queued_at` (the drain clock)
+    queued_at: float = 0.0
 
     def counted(self) -> None:
         """`in_flight` or `pending_prefill` changed: tell the other workers."""
@@ -86,26 +87,36 @@ class EndpointState:
         theirs, pending = self.shared.others(self.endpoint.id)
         return self.in_flight + theirs, self.pending_prefill + pending
 
-    def queued_tokens(self, now: float, speed: Speed) -> float:
+    def queued_tokens(self, now: float, speed: Speed, lag: float) -> float:
         """The prefill tokens still ahead of a new request here: this worker's on the drain
-        clock, at `speed`, and the other workers' as they count them."""
-        mine = max(0.0, self.drain_at - now) / speed.prefill_s
+        clock (never more than it has pending), and the other workers' as they count them."""
+        mine = min(self._left(now, speed, lag), self.pending_prefill)
         return mine + self.router_counts()[1] - self.pending_prefill
 
-    def drained(self, lease: Lease, now: float) -> None:
-        """`lease`'s first byte: what was queued before it is done; what came after it is
-        still to do, from now."""
-        self.drain_at = now + max(0.0, self.drain_at - lease.done_at)
+    def _left(self, now: float, speed: Speed, lag: float) -> float:
+        """The clock's tokens at `now`, drained at `speed` slowed by `lag` (a replica
+        running late drains late)."""
+        rate = 1.0 / (speed.prefill_s * max(1.0, lag))
+        return max(0.0, self.queued - max(0.0, now - self.queued_at) * rate)
 
-    def lag(self, now: float) -> float:
-        """How many times longer than its speed predicted the oldest stream waiting here for
-        its first byte has already waited (1 when none is late): the news that a replica
-        is slower than learned (a cold one judged by its peers, one that slowed or hung)
+    def queue(self, tokens: int, now: float, speed: Speed, lag: float) -> None:
+        """An attempt's `tokens` of prefill join the clock."""
+        self.queued, self.queued_at = self._left(now, speed, lag) + tokens, now
+
+    def drained(self, now: float) -> None:
+        """A first byte: FIFO, what was queued before it is done; what is still pending
+        (those after it) is left to do, from now."""
+        self.queued, self.queued_at = float(self.pending_prefill), now
+
+    def lag(self, now: float, speed: Speed) -> float:
+        """How many times longer than `speed` predicts the oldest stream waiting here for its
+        first byte has already waited (1 when none is late): the news that a replica is
+        slower than learned (a cold one judged by its peers, one that slowed or hung)
         before any answer can say so."""
         oldest = next(iter(self.waiting.values()), None)
         if oldest is None:
             return 1.0
-        return max(1.0, (now - oldest.began_at) / max(oldest.expected_s, MIN_EXPECTED_S))
+        return max(1.0, (now - oldest.began_at) / max(oldest.expected(speed), MIN_EXPECTED_S))
 
 
 # How an attempt ended. `failed`: refused or broken before the first byte (the request may
@@ -132,9 +143,10 @@ class Lease:
     began_at: float = 0.0
     ahead: int = 0
     batch: int = 1
-    expected_s: float = 0.0  # its first byte's time as its endpoint's speed predicts it
-    prefill_s: float = 0.0  # its own prefill's time at that speed, and when the drain
-    done_at: float = 0.0  # clock had it done
+
+    def expected(self, speed: Speed) -> float:
+        """Its first byte's time, as `speed` predicts it for the queue it joined."""
+        return speed.ttft(self.ahead + self.uncached, others=self.batch - 1)
 
     def sample(self, usage: Usage | None) -> Sample | None:
         """This attempt as an observation of its endpoint's speed (None: it gave none: no
@@ -154,8 +166,8 @@ class Lease:
         if self.first_byte_at is None:
             self.first_byte_at = now
             self.state.waiting.pop(id(self), None)
-            self.state.drained(self, now)
             self.state.pending_prefill -= self.uncached
+            self.state.drained(now)
             self.state.counted()
             self.state.breaker.on_success()
 
@@ -166,7 +178,6 @@ class Lease:
         self.state.in_flight -= 1
         if self.first_byte_at is None:
             self.state.waiting.pop(id(self), None)
-            self.state.drain_at = max(now, self.state.drain_at - self.prefill_s)  # never ran
             self.state.pending_prefill -= self.uncached
         self.state.counted()
         self.requeue(now)
@@ -427,6 +438,7 @@ class Registry:
         ram, ssd = self.tiers.extend(node, req.blocks, matched) if req.blocks and node else (0, 0)
         in_flight, pending = s.router_counts()
         speed = self.speed(s, now)
+        lag = s.lag(now, speed)
         return EndpointView(
             endpoint=s.endpoint,
             cordoned=node in self.cordoned,
@@ -440,8 +452,8 @@ class Registry:
             session_owner=owner,
             tokens_per_joule=fresh_efficiency(self.efficiency.get(node), time.time()),
             speed=speed,
-            queued_tokens=s.queued_tokens(now, speed),
-            lag=s.lag(now),
+            queued_tokens=s.queued_tokens(now, speed, lag),
+            lag=lag,
         )
 
     def begin(
@@ -453,8 +465,6 @@ class Registry:
         predicted = min(view.matched_blocks * BLOCK_SIZE, req.prompt_tokens)
         uncached = req.prompt_tokens - predicted
         requeue = functools.partial(self.requeue, state)
-        prefill_s = view.speed.prefill_s * uncached
-        state.drain_at = max(state.drain_at, now) + prefill_s
         lease = Lease(
             state,
             predicted,
@@ -463,10 +473,8 @@ class Registry:
             began_at=now,
             ahead=round(view.queued_tokens),
             batch=view.in_flight + 1,
-            expected_s=view.speed.ttft(view.queued_tokens + uncached, others=view.in_flight),
-            prefill_s=prefill_s,
-            done_at=state.drain_at,
         )
+        state.queue(uncached, now, view.speed, view.lag)
         if streamed:
             state.waiting[id(lease)] = lease
         state.breaker.on_attempt(now)

@@ -7,10 +7,11 @@
 waits behind; `EndpointView.queued_tokens`, the registry's drain clock); `in_flight`: the
 requests there (their decode steps share the engine's steps with this one's prefill);
 `uncached`: the prompt tokens e does not hold, where a block its node's KV store holds
-costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing it (restoring is faster than recomputing: bench/results/kvcached_ttft.md). The rest is
-the endpoint's learned speed (`EndpointView.speed`, cgn_router/routing/speed.py), so a
-replica ten times slower predicts ten times the time for the same work, and a cached
-prefix on a slow replica loses to a cold fast one when computing it there is faster.
+costs `ram_cost` (RAM) or `ssd_cost` (SSD) of computing it (restoring is faster than
+recomputing: bench/results/kvcached_ttft.md). The rest is the endpoint's learned speed
+(`EndpointView.speed`, cgn_router/routing/speed.py), so a replica ten times slower
+predicts ten times the time for the same work, and a cached prefix on a slow replica
+loses to a cold fast one when computing it there is faster.
 `lag`: how many times longer than predicted e's oldest waiting stream has waited (at
 least 1): a replica slower than learned (a cold one priced at its peers' speed, one that
 slowed or hung) is priced by what it is doing before any answer can teach its fit.
