@@ -171,7 +171,10 @@ async def _endpoints(svc: RouterService) -> web.Response:
                     "exact": reg.index.exact_size(eid),
                     "assumed": reg.index.assumed_size(eid),
                 },
-                "speed": _speed(reg.speed(s, now)),
+                "speed": _speed(speed := reg.speed(s, now)),
+                # the drain clock and the lag (registry.py): what the time scorer adds
+                "queued_tokens": round(s.queued_tokens(now, speed, lag := s.lag(now, speed))),
+                "lag": round(lag, 2),
             }
         )
     return web.json_response({"weights": svc.chain.weights, "endpoints": out})

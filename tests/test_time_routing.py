@@ -50,6 +50,8 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
             errors = metric(router.admin, "cgn_router_prediction_error_seconds_bucket", le="+Inf")
             listed = httpx.get(router.admin + "/endpoints", timeout=10).json()["endpoints"]
             speeds = {e["id"].split("/")[-1]: e["speed"] for e in listed}
+            # every answer is in: nothing left on the drain clock, and none running late
+            assert [(e["queued_tokens"], e["lag"]) for e in listed] == [(0, 1.0)] * 3, listed
     assert len(answers) == 90
     routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
     # capacity: the slow replica is 1/21 of the fleet (4.8 %), and its share tracks that:
