@@ -1,4 +1,4 @@
-"""Routing quality on a real trace: replay Mooncake against sim fleets, three policies, one run.
+"""Routing quality on a real trace: replay Mooncake against sim fleets, four policies, one run.
 
     .venv/bin/python bench/router_trace.py                    # the committed experiment
     .venv/bin/python bench/router_trace.py --router http://my-router:8080 --model NAME
@@ -11,8 +11,9 @@ are compressed by `--time-scale`; outputs are scaled by `--output-scale`.
 
 Self-contained mode starts, per fleet size (4 and 8) and policy, a fresh sim
 fleet with bounded KV pools and a router (static config, no etcd) and
-replays. Policies: round-robin, least-loaded (the load scorer alone), and
-ours (the default weights, with the saturation guard). Reported per run:
+replays. Policies: round-robin, least-loaded (the load scorer alone),
+ours (the default weights, with the saturation guard), and `time` (the
+predicted-time scorer alone, opt-in today: #57). Reported per run:
 engine-reported prefix hit rate (Σ cached_tokens / Σ prompt_tokens), TTFT
 p50/p90/p99, throughput, requests shed (non-200 or broken streams), and the
 busiest engine's uncached-prefill tokens relative to the fleet mean. Beside
@@ -62,6 +63,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "round_robin": {"picker": "round_robin", "scorers": []},
     "least_loaded": {"scorers": [{"type": "load", "weight": 1.0}]},
     "cognitora": {},  # the defaults
+    "time": {"scorers": [{"type": "time", "weight": 1.0}]},  # predicted time alone (#57)
 }
 
 
