@@ -5,10 +5,12 @@ also a migrated stream's continuation), and for a model with a prefill pool the 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from cgn_core.errors import InvalidRequest
@@ -20,6 +22,7 @@ from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_router.attempt import Attempt
 from cgn_router.context import RequestContext
 from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
+from cgn_router.registry import Lease
 from cgn_router.routing.disagg import decide
 from cgn_router.routing.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
 from cgn_router.service import RouterService
@@ -33,6 +36,12 @@ PATHS = {
 }
 PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
 PREDICTED_HEADER = "x-cognitora-predicted-ttft-ms"  # the chosen replica's, a time scorer's
+# A stream routed by predicted time that waits for its first token MOVE_LAG times what its
+# replica's speed predicts for it (and MOVE_MIN_S at least) is moved where a fresh start is
+# predicted sooner than it has waited already (checked every MOVE_CHECK_S)
+MOVE_LAG = 4.0
+MOVE_MIN_S = 1.0
+MOVE_CHECK_S = 0.25
 
 
 def route(
@@ -56,9 +65,12 @@ async def attempt(
     headers: Mapping[str, str],
     acct: Account,
     resume: Progress | None = None,
+    tried: frozenset[EndpointId] | None = None,
 ) -> Relayed:
     """One attempt on the chosen endpoint, its accounting held by a lease; with `resume`,
-    a continuation relayed into that broken stream."""
+    a continuation relayed into that broken stream. `tried` (the endpoints this request
+    tried, this one included; None: it has no attempt left): a stream routed by predicted
+    time may be moved before its first token (`_moved_when_late`)."""
     name = "upstream" if resume is None else "upstream (continuation)"
     number, trace_headers = acct.attempt(name, view.id, view.endpoint.url)
     call = Call(
@@ -81,7 +93,10 @@ async def attempt(
     cause = ""
     try:
         with held as lease:
-            relayed = await svc.proxy.run(request, call, lease)
+            relaying = svc.proxy.run(request, call, lease)
+            if tried is not None and ctx.stream and view.predicted_ttft_s is not None:
+                relaying = _moved_when_late(svc, req, view, lease, relaying, tried)
+            relayed = await relaying
             held.outcome = relayed.ending
         cause = relayed.cause
         note = relayed.response.headers.get(TRANSFER_HEADER, "")
@@ -104,6 +119,45 @@ async def attempt(
         sample = held.lease.sample(usage) if timed else None
         mine = (view.id, view.endpoint.engine, view.predicted_ttft_s, sample)
         acct.emit(AttemptEnded(*ended, held.lease.predicted, broken, *mine))
+
+
+async def _moved_when_late(
+    svc: RouterService,
+    req: RequestInfo,
+    view: EndpointView,
+    lease: Lease,
+    relaying: Awaitable[Relayed],
+    tried: frozenset[EndpointId],
+) -> Relayed:
+    """`relaying`, or AttemptFailed("moved") while it has no first token: once it has waited
+    MOVE_LAG times what its replica's speed (as learned now) predicts for it, and a replica
+    it has not tried is predicted to answer a fresh start sooner than it has waited already.
+    (Nothing has reached the client: the caller tries that replica. Issue #57, part 3.)"""
+    task = asyncio.ensure_future(relaying)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=MOVE_CHECK_S)
+            if done or lease.first_byte_at is not None:
+                return await task
+            now = time.monotonic()
+            waited = now - lease.began_at
+            expected = lease.expected(svc.registry.speed(lease.state, now))
+            if waited < max(MOVE_MIN_S, MOVE_LAG * expected):
+                continue
+            elsewhere = svc.route(req, tried)
+            if elsewhere.predicted_ttft_s is None or elsewhere.predicted_ttft_s >= waited:
+                continue
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, AttemptFailed):
+                await task
+            why = (f"{view.id}: no first token in {waited:.1f} s (predicted {expected:.2f} s); "
+                   f"{elsewhere.chosen} predicts {elsewhere.predicted_ttft_s:.2f} s")  # fmt: skip
+            raise AttemptFailed("moved", why, breaker=False)
+    finally:
+        if not task.done():  # this request was cancelled (its client left)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 async def disaggregate(

@@ -255,7 +255,10 @@ async def _serve(
             if pd:
                 body, headers = await disaggregate(svc, ctx, req, view, payload, acct)
             try:
-                relayed = await attempt(svc, request, ctx, req, view, body, headers, acct)
+                movable = frozenset(tried) if len(tried) < svc.settings.attempts else None
+                relayed = await attempt(
+                    svc, request, ctx, req, view, body, headers, acct, tried=movable
+                )
             except AttemptFailed as exc:
                 log.info("attempt failed: %s", exc.message)
                 last = exc

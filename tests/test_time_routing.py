@@ -7,12 +7,23 @@ a whole answer's first byte is its last, so only a stream shows its time to firs
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import random
+import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 
+from cgn_router import legs
+from cgn_router.proxy import AttemptFailed
+from cgn_router.registry import Registry, Sessions
+from cgn_router.routing.chain import Decision, Policy, RoutingChain
+from cgn_router.routing.kv_index import PrefixIndex
+from cgn_router.settings import BreakerSettings, ScorerSpec
+from cgn_router.types import Endpoint, EndpointId, RequestInfo
 from harness.metrics import metric
 from harness.procs import cgn_infer, cgn_infer_fleet, cgn_router
 
@@ -65,3 +76,61 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
     fast_ms = max(speeds[f]["prefill_ms_per_token"] for f in ("fast0", "fast1"))
     if speeds["slow"]["warm"]:
         assert speeds["slow"]["prefill_ms_per_token"] > 2 * fast_ms, speeds
+
+
+# ---- moving a stream that waits too long for its first token (#57, part 3) ------------
+
+
+class Routes:
+    """What `legs._moved_when_late` asks of the router service: its registry, and the
+    chain's decision over it (a real registry and a real `time` chain, no process)."""
+
+    def __init__(self) -> None:
+        self.registry = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), 5)
+        for name in ("slow", "fast"):
+            self.registry.upsert(Endpoint(EndpointId(f"m/{name}"), "m", f"http://{name}"), "etcd")
+        self.chain = RoutingChain.build(Policy(("model",), (ScorerSpec("time", 1.0),), "max"))
+
+    def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
+        views = self.registry.views(req, time.monotonic(), tried)
+        return self.chain.route(req, views, random.Random(0))
+
+
+@pytest.mark.parametrize(
+    ("fast_busy_tokens", "first_byte", "moved"),
+    [
+        (0, False, True),  # waited 4x its prediction, the fast one idle: moved there
+        (200_000, False, False),  # the fast one predicts longer than it has waited: stays
+        (0, True, False),  # it has its first token: never moved
+    ],
+)
+def test_a_stream_late_for_its_first_token_is_moved_where_it_starts_sooner(
+    monkeypatch: pytest.MonkeyPatch, fast_busy_tokens: int, first_byte: bool, moved: bool
+) -> None:
+    monkeypatch.setattr(legs, "MOVE_MIN_S", 0.05)
+    monkeypatch.setattr(legs, "MOVE_CHECK_S", 0.01)
+    svc = Routes()
+    req = RequestInfo("m", prompt_tokens=20)  # 0.04 s at the default speed
+    reg, now = svc.registry, time.monotonic()
+    if fast_busy_tokens:  # 200 s of prefill queued there
+        busy = RequestInfo("m", prompt_tokens=fast_busy_tokens)
+        reg.begin(reg.views(busy, now, frozenset({EndpointId("m/slow")}))[0], busy, now)
+    slow = reg.views(req, now, frozenset({EndpointId("m/fast")}))[0]
+    lease = reg.begin(slow, req, now, streamed=True)
+    if first_byte:
+        lease.first_byte(now)
+    relaying = asyncio.sleep(0.5, result="answered")  # an engine with no first token for 0.5 s
+
+    async def run() -> object:
+        tried = frozenset({slow.id})
+        return await legs._moved_when_late(svc, req, slow, lease, relaying, tried)  # type: ignore[arg-type]
+
+    started = time.monotonic()
+    if moved:
+        with pytest.raises(AttemptFailed) as got:
+            asyncio.run(run())
+        assert got.value.cause == "moved" and not got.value.breaker
+        assert "m/fast predicts" in got.value.message
+        assert time.monotonic() - started < 0.4  # at 4x 0.04 s, not the engine's 0.5 s
+    else:
+        assert asyncio.run(run()) == "answered"
