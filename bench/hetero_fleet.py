@@ -12,7 +12,8 @@ at about the fast pair's capacity. Per fleet and per policy:
 * `time`: the `time` scorer alone, each replica's speed learned from its answers
   (cgn_router/routing/speed.py), the least predicted time to first token wins.
 
-Reported: TTFT p50/p90/p99, each replica's share of the requests beside its share of the
+Reported: TTFT p50/p90/p99, the streams moved before their first token (the time
+scorer's: cgn_router_errors_total{cause="moved"}), each replica's share of the requests beside its share of the
 fleet's capacity (its sim speed over the sum), and for `time` the prediction error
 |predicted − actual| / actual (p50, p90) from each answer's x-cognitora-predicted-ttft-ms.
 "Warm": the requests after the window's first quarter (before, the router knows nothing
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 from bench.router_trace import TRACE, Outcome, replay, summarize
 from bench.trace import load
+from harness.metrics import metric
 from harness.procs import cgn_infer_engines, cgn_router
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -97,7 +99,9 @@ def run(slow: int, ratio: float, policy: str, args: argparse.Namespace) -> dict[
             outcomes, wall = asyncio.run(
                 replay(router.url, model, reqs, args.blocks_per_id, args.output_scale)
             )
+            moved = metric(router.admin, "cgn_router_errors_total", cause="moved")
     out = summarize(outcomes, wall)
+    out["moved"] = int(moved)
     start = reqs[0].at_s + (reqs[-1].at_s - reqs[0].at_s) / 4
     warm = [o for o, r in zip(outcomes, reqs, strict=True) if r.at_s >= start]
     out["warm"] = {
@@ -150,9 +154,9 @@ def render(r: dict[str, Any]) -> str:
         f"The trace's first {s['limit']} requests, arrivals {s['time_scale']:g}x faster, outputs "
         f"x{s['output_scale']:g}; fast sim engines at --speed {s['speed']:g}.",
         "",
-        "| fleet | policy | TTFT p50 ms | p90 ms | p99 ms | warm p90 / p99 ms | done | "
+        "| fleet | policy | TTFT p50 ms | p90 ms | p99 ms | warm p90 / p99 ms | done | moved | "
         "slow replicas' share: requests / capacity | prediction error p50 / p90: all, warm |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for fleet, runs in r["runs"].items():
         for policy, x in runs.items():
@@ -168,7 +172,7 @@ def render(r: dict[str, Any]) -> str:
             w = x["warm"]["ttft_ms"]
             lines.append(
                 f"| {fleet} | {policy} | {t['p50']} | {t['p90']} | {t['p99']} | "
-                f"{w['p90']} / {w['p99']} | {x['completed']} | {share} | {err} |"
+                f"{w['p90']} / {w['p99']} | {x['completed']} | {x['moved']} | {share} | {err} |"
             )
     return "\n".join(lines) + "\n"
 
