@@ -38,8 +38,11 @@ PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregate
 PREDICTED_HEADER = "x-cognitora-predicted-ttft-ms"  # the chosen replica's, a time scorer's
 # A stream routed by predicted time that waits for its first token MOVE_LAG times what its
 # replica's speed predicts for it (and MOVE_MIN_S at least) is moved where a fresh start is
-# predicted sooner than it has waited already (checked every MOVE_CHECK_S)
+# predicted sooner than it has waited already (checked every MOVE_CHECK_S), while that
+# replica has answered fewer than MOVE_UNLEARNED streams (its speed a guess: once learned,
+# a late stream is queueing that the prediction saw, and moving it wastes its work)
 MOVE_LAG = 4.0
+MOVE_UNLEARNED = 3
 MOVE_MIN_S = 1.0
 MOVE_CHECK_S = 0.25
 
@@ -129,10 +132,13 @@ async def _moved_when_late(
     relaying: Awaitable[Relayed],
     tried: frozenset[EndpointId],
 ) -> Relayed:
-    """`relaying`, or AttemptFailed("moved") while it has no first token: once it has waited
-    MOVE_LAG times what its replica's speed (as learned now) predicts for it, and a replica
-    it has not tried is predicted to answer a fresh start sooner than it has waited already.
+    """`relaying`, or AttemptFailed("moved") while it has no first token, on a replica whose
+    speed is not yet learned: once it has waited MOVE_LAG times what that replica's speed
+    (its peers', as a guess) predicts for it, and a replica it has not tried is predicted
+    to answer a fresh start sooner than it has waited already.
     (Nothing has reached the client: the caller tries that replica. Issue #57, part 3.)"""
+    if lease.state.fit.count >= MOVE_UNLEARNED:
+        return await relaying
     task = asyncio.ensure_future(relaying)
     try:
         while True:

@@ -22,6 +22,7 @@ from cgn_router.proxy import AttemptFailed
 from cgn_router.registry import Registry, Sessions
 from cgn_router.routing.chain import Decision, Policy, RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex
+from cgn_router.routing.speed import Sample
 from cgn_router.settings import BreakerSettings, ScorerSpec
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
 from harness.metrics import metric
@@ -102,6 +103,7 @@ class Routes:
         (0, False, True),  # waited 4x its prediction, the fast one idle: moved there
         (200_000, False, False),  # the fast one predicts longer than it has waited: stays
         (0, True, False),  # it has its first token: never moved
+        (-1, False, False),  # its replica's speed is learned: a late stream is queueing
     ],
 )
 def test_a_stream_late_for_its_first_token_is_moved_where_it_starts_sooner(
@@ -112,13 +114,16 @@ def test_a_stream_late_for_its_first_token_is_moved_where_it_starts_sooner(
     svc = Routes()
     req = RequestInfo("m", prompt_tokens=20)  # 0.04 s at the default speed
     reg, now = svc.registry, time.monotonic()
-    if fast_busy_tokens:  # 200 s of prefill queued there
+    if fast_busy_tokens > 0:  # 200 s of prefill queued there
         busy = RequestInfo("m", prompt_tokens=fast_busy_tokens)
         reg.begin(reg.views(busy, now, frozenset({EndpointId("m/slow")}))[0], busy, now)
     slow = reg.views(req, now, frozenset({EndpointId("m/fast")}))[0]
     lease = reg.begin(slow, req, now, streamed=True)
     if first_byte:
         lease.first_byte(now)
+    if fast_busy_tokens < 0:
+        for _ in range(legs.MOVE_UNLEARNED):
+            reg.learn(slow.id, Sample(20, 0.04, 2, 0.03, 1), now)
     relaying = asyncio.sleep(0.5, result="answered")  # an engine with no first token for 0.5 s
 
     async def run() -> object:
