@@ -1,6 +1,6 @@
 """Routing by predicted time (#57) end to end: a real router with the `time` scorer over real
 cgn-infer sim engines of unequal speed learns each one's speed from its answers, and a
-replica ten times slower than its peers gets a share of the requests near its share of
+replica twenty times slower than its peers gets a share of the requests near its share of
 the capacity, not a third of them; every answer says what was predicted for it. (Streams:
 a whole answer's first byte is its last, so only a stream shows its time to first token.)
 """
@@ -32,12 +32,12 @@ MODEL = "sim"
 SIM = ("--backend", "sim", "--model-name", MODEL, "--max-batch", "4")
 
 
-def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_prediction(
+def test_a_twenty_times_slower_replica_gets_its_share_and_answers_say_their_prediction(
     tmp_path: Path,
 ) -> None:
     with (
         cgn_infer_fleet(tmp_path, 1, *SIM, "--speed", "20", "--engines", "2") as fast,
-        cgn_infer(tmp_path, *SIM, "--speed", "2") as slow,
+        cgn_infer(tmp_path, *SIM, "--speed", "1") as slow,
     ):
         urls = {"fast0": fast[0], "fast1": fast[1], "slow": slow}
         config = {
@@ -66,9 +66,12 @@ def test_a_ten_times_slower_replica_gets_its_share_and_answers_say_their_predict
             assert [(e["queued_tokens"], e["lag"]) for e in listed] == [(0, 1.0)] * 3, listed
     assert len(answers) == 90
     routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
-    # capacity: the slow replica is 1/21 of the fleet (4.8 %), and its share tracks that:
-    # round-robin gives it a third, today's queue-based default chain 9 of these 90 (it
-    # looks as good as the others whenever its queue is as short)
+    # capacity: the slow replica is 1/41 of the fleet (2.4 %), and its share tracks that,
+    # with room for the first requests, sent before anything is learned: round-robin gives
+    # it a third, today's queue-based default chain 8 or 9 of these 90 (it looks as good as the
+    # others whenever its queue is as short). NOTE: 20x, not 10x: the sim engines sleep
+    # their modelled time, and on a loaded machine (CI) the CPU time around it, the same
+    # for every replica, brought a 10x ratio down to a few x, earning the slow one more
     assert routed["slow"] <= 5, routed
     assert errors >= 80  # answered attempts with a prediction are measured against it
     # what was learned, as /endpoints shows it: the fast pair warm, and the slow replica
