@@ -24,6 +24,7 @@ from typing import Any
 
 from cgn_core import records
 from cgn_core.errors import PermanentError
+from cgn_core.kv.blockhash import tenant_salt
 
 _KEY = re.compile(r"^cgn_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
@@ -54,12 +55,23 @@ class KeyRecord:
     expires_unix: float | None = None
     note: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # keys naming one group share cached prompts across their tenants (a customer's public
+    # system prompt); "": the key's tenant shares with its own keys only (#58)
+    kv_share_group: str = ""
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
 
     def expired(self, now_unix: float) -> bool:
         return self.expires_unix is not None and now_unix >= self.expires_unix
+
+    @property
+    def kv_salt(self) -> str:
+        """The salt of every block hash of this key's requests: its share group's, else its
+        tenant's (cgn_core/kv/blockhash.py:tenant_salt)."""
+        if self.kv_share_group:
+            return tenant_salt("group", self.kv_share_group)
+        return tenant_salt("tenant", self.tenant)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +89,7 @@ class KeyRecord:
             "created_unix": self.created_unix,
             "expires_unix": self.expires_unix,
             "note": self.note,
+            "kv_share_group": self.kv_share_group,
         }
 
 
@@ -113,10 +126,13 @@ def create(
     limits: Limits = Limits(),
     expires_in_s: float | None = None,
     note: str = "",
+    kv_share_group: str = "",
 ) -> tuple[str, KeyRecord]:
     """A new key and its record (store the record; show the key once)."""
     if not _TENANT.match(tenant):
         raise ApiKeyError(f"tenant {tenant!r}: use 1-64 of [A-Za-z0-9._-]")
+    if kv_share_group and not _TENANT.match(kv_share_group):
+        raise ApiKeyError(f"kv share group {kv_share_group!r}: use 1-64 of [A-Za-z0-9._-]")
     if not models:
         raise ApiKeyError("a key needs at least one model (or *)")
     for name, value in (
@@ -144,6 +160,7 @@ def create(
         now,
         None if expires_in_s is None else now + expires_in_s,
         note,
+        kv_share_group=kv_share_group,
     )
     return key, record
 
@@ -178,9 +195,16 @@ def parse_record(doc: Any) -> KeyRecord:
             created_unix=records.number(d, "created_unix", 0.0) or 0.0,
             expires_unix=records.number(d, "expires_unix", None),
             note=records.text(d, "note"),
+            kv_share_group=_share_group(records.text(d, "kv_share_group")),
         )
     except records.RecordError as exc:
         raise ApiKeyError(f"key record: {exc}") from None
+
+
+def _share_group(name: str) -> str:
+    if name and not _TENANT.match(name):
+        raise records.RecordError("'kv_share_group' must be 1-64 of [A-Za-z0-9._-]")
+    return name
 
 
 def _positive(value: float | None, name: str) -> Any:

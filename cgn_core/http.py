@@ -35,6 +35,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The router → engine scheduling priority of a request (its key's band; lower runs sooner).
 # cgn-infer queues by it, ahead of the body's `priority`; other engines ignore the header.
 PRIORITY_HEADER = "x-cgn-priority"
+# The router → engine KV salt of a request (cgn_core/kv/blockhash.py:tenant_salt): its
+# tenant's blocks are hashed apart from every other tenant's. Trusted from the router only.
+KV_SALT_HEADER = "x-cgn-kv-salt"
+# vLLM's body field for the same (its prefix cache is salted per request since 0.9): the
+# router sets it for vLLM endpoints, and refuses it from a client.
+CACHE_SALT_FIELD = "cache_salt"
 
 
 def json_error(err: CognitoraError) -> web.Response:

@@ -47,6 +47,14 @@ def create_cmd(
         float | None, typer.Option("--expires-in", help="Seconds until the key expires.")
     ] = None,
     note: Annotated[str, typer.Option("--note", help="Free text kept with the key.")] = "",
+    kv_share_group: Annotated[
+        str,
+        typer.Option(
+            "--kv-share-group",
+            help="Share cached prompts with every key naming this group, whatever its tenant "
+            "(default: with the key's own tenant only).",
+        ),
+    ] = "",
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,
@@ -70,6 +78,7 @@ def create_cmd(
             limits=Limits(rps, tokens_per_min, concurrent),
             expires_in_s=expires_in,
             note=note,
+            kv_share_group=kv_share_group,
         )
     except ApiKeyError as exc:
         fail(str(exc), EXIT_USAGE)
@@ -110,14 +119,17 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    t = Table("id", "tenant", "band", "models", "rps", "tokens/min", "concurrent", "expires")
+    t = Table(
+        "id", "tenant", "band", "models", "rps", "tokens/min", "concurrent", "expires", "kv group"
+    )
     now = time.time()
     for r in for_terminal(rows):
         lim = r["limits"]
         exp = r["expires_unix"]
         expires = "-" if exp is None else ("expired" if exp <= now else f"in {int(exp - now)}s")
         limits = [str(lim[k] or "-") for k in ("rps", "tokens_per_min", "concurrent")]
-        t.add_row(r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires)
+        group = r["kv_share_group"] or "-"
+        t.add_row(r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires, group)
     Console().print(t if rows else "no keys")
 
 
@@ -147,7 +159,8 @@ def rotate_cmd(
     config: Config = None,
     as_json: Json = False,
 ) -> None:
-    """A new key with the old one's tenant, band, models and limits; the old ends after --grace."""
+    """A new key with the old one's tenant, band, models, limits and KV share group; the old
+    ends after --grace."""
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
         raw = await c.get_json(keys.API_KEYS + key_id)
@@ -161,6 +174,7 @@ def rotate_cmd(
             admin=old.admin,
             limits=old.limits,
             note=old.note,
+            kv_share_group=old.kv_share_group,
         )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         if grace > 0:

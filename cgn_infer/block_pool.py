@@ -19,7 +19,9 @@ Algorithm (vLLM/nano-vllm style):
   `drain_events` merges a run of them, or of evictions, into one event);
 * `release` drops references in reverse order, so a sequence's tail is
   evicted before its shared prefix.
-Tunables: `num_blocks` and the namespace (model plus optional salt).
+Tunables: `num_blocks` and the namespace (the model's). A sequence of a salted tenant
+walks and commits under its own namespace (`salted`: the model's plus its salt): its
+blocks share the pool, never an identity with another tenant's (#58).
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NewType
 
-from cgn_core.kv.blockhash import BLOCK_SIZE, ROOT, BlockHash, block_hash, iter_block_hashes
+from cgn_core.kv.blockhash import (
+    BLOCK_SIZE,
+    ROOT,
+    BlockHash,
+    block_hash,
+    iter_block_hashes,
+    salted,
+)
 from cgn_core.kv.events import KvEvent
 
 BlockId = NewType("BlockId", int)
@@ -91,10 +100,15 @@ class BlockPool:
             n += 1
         return n
 
-    def acquire_prefix(self, tokens: Sequence[int]) -> list[BlockId]:
-        """Take references on the longest run of leading full blocks already in the pool."""
+    def salted(self, salt: str | None) -> str:
+        """The namespace a sequence of `salt` hashes its blocks in (the pool's for None)."""
+        return salted(self.namespace, salt)
+
+    def acquire_prefix(self, tokens: Sequence[int], ns: str | None = None) -> list[BlockId]:
+        """Take references on the longest run of leading full blocks already in the pool
+        (hashed in `ns`, a `salted` namespace; the pool's own by default)."""
         taken: list[BlockId] = []
-        for i, h in enumerate(iter_block_hashes(tokens, self.namespace)):
+        for i, h in enumerate(iter_block_hashes(tokens, ns or self.namespace)):
             bid = self._by_hash.get(h)
             block = self.blocks[bid] if bid is not None else None
             if block is None or block.tokens != tuple(
@@ -117,11 +131,13 @@ class BlockPool:
             out.append(h)
         return out
 
-    def admit(self, tokens: Sequence[int], extra_tokens: int = 0) -> tuple[list[BlockId], int]:
+    def admit(
+        self, tokens: Sequence[int], extra_tokens: int = 0, ns: str | None = None
+    ) -> tuple[list[BlockId], int]:
         """A block table for `tokens` plus room for `extra_tokens`: the cached prefix reused,
         the rest allocated. Returns (table, number of reused blocks). All or nothing: on
         PoolExhausted no reference is left behind."""
-        table = self.acquire_prefix(tokens)
+        table = self.acquire_prefix(tokens, ns)
         reused = len(table)
         needed = -(-(len(tokens) + extra_tokens) // BLOCK_SIZE) - reused
         try:
@@ -153,9 +169,12 @@ class BlockPool:
             self._publish("removed", evicted)
         return out
 
-    def commit(self, bid: BlockId, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-        """Register block `bid`, now full with `tokens` after `parent` (None: the first block)."""
-        h = block_hash(parent or ROOT, tokens, self.namespace)
+    def commit(
+        self, bid: BlockId, parent: BlockHash | None, tokens: Sequence[int], ns: str | None = None
+    ) -> BlockHash:
+        """Register block `bid`, now full with `tokens` after `parent` (None: the first block),
+        hashed in `ns` (the pool's namespace by default)."""
+        h = block_hash(parent or ROOT, tokens, ns or self.namespace)
         block = self.blocks[bid]
         if block.hash is None and h not in self._by_hash:
             block.hash, block.tokens = h, tuple(tokens)

@@ -194,7 +194,11 @@ class Engine:
         """Queue `job`; Unavailable once the worker has stopped for good."""
         req = job.request
         seq = Seq(
-            req.prompt + req.resumed, req.max_tokens, priority=req.priority, restored=job.restored
+            req.prompt + req.resumed,
+            req.max_tokens,
+            priority=req.priority,
+            salt=req.salt,
+            restored=job.restored,
         )
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
         with self._gate:

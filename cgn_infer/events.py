@@ -24,6 +24,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     priority: int = 0  # lower runs sooner
+    salt: str | None = None  # the tenant's KV salt (the router's x-cgn-kv-salt): no sharing
     export_kv: bool = False  # a prefill leg: hand back the prompt's full KV blocks at the end
     constraint: Constraint | None = None  # a grammar the output must follow (its own state)
     # a continuation (cgn_core/openai/resume.py): tokens another engine generated, computed

@@ -135,15 +135,19 @@ class KvTiering:
     # ---- restore (on the restore thread) ----------------------------------------------------
 
     def prefetch(
-        self, prompt: Sequence[int], trace: Mapping[str, str] | None = None
+        self,
+        prompt: Sequence[int],
+        trace: Mapping[str, str] | None = None,
+        salt: str | None = None,
     ) -> Restored | None:
         """The prompt's blocks past the pool's hit that are worth fetching, fetched; None when
         nothing is (or anything failed: the prompt is then recomputed). `trace`: the request's
-        trace context, passed to kvcached (its Get span joins the request's trace)."""
+        trace context, passed to kvcached (its Get span joins the request's trace); `salt`:
+        its tenant's, whose blocks alone it may find."""
         full = (len(prompt) - 1) // BLOCK_SIZE  # the last token is always computed
         if full == 0:
             return None
-        hashes = list(iter_block_hashes(prompt[: full * BLOCK_SIZE], self.pool.namespace))
+        hashes = list(iter_block_hashes(prompt[: full * BLOCK_SIZE], self.pool.salted(salt)))
         start = self.pool.cached_prefix_hint(hashes)
         if start >= full:
             return None

@@ -40,6 +40,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int = 0  # lower runs sooner (vLLM's meaning); the router's x-cgn-priority wins
+    kv_salt: str | None = None  # the router's x-cgn-kv-salt: the tenant's block namespace
     kv_transfer: TransferParams | None = None  # a prefill or decode leg (cgn_core.kv.transfer)
     tools: ToolFields = NO_TOOLS  # chat only
     grammar: GrammarSpec | None = None  # structured output or forced tool calls

@@ -75,6 +75,7 @@ class Seq:
     prompt: tuple[int, ...]
     max_tokens: int
     priority: int = 0  # lower runs sooner (vLLM's convention)
+    salt: str | None = None  # its tenant's KV salt (from the router): its blocks' namespace
     id: SeqId = field(default_factory=lambda: SeqId(next(_ids)))
     output: list[int] = field(default_factory=list)
     table: list[BlockId] = field(default_factory=list)
@@ -233,7 +234,7 @@ class Scheduler:
         # NOTE: the last token is always computed (its logits give the next one), so only
         # blocks of tokens[:-1] can be reused; the table covers every known token.
         try:
-            table, reused = self.pool.admit(tokens[:-1], extra_tokens=1)
+            table, reused = self.pool.admit(tokens[:-1], 1, self.pool.salted(seq.salt))
         except PoolExhausted:
             return False
         if self.pool.available < len(self.running):  # keep a block per running decode
@@ -295,4 +296,5 @@ class Scheduler:
             i = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else None
             chunk: Sequence[int] = tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
-            seq.hashes.append(self.pool.commit(seq.table[i], parent, chunk))
+            ns = self.pool.salted(seq.salt)
+            seq.hashes.append(self.pool.commit(seq.table[i], parent, chunk, ns))

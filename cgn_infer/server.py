@@ -30,6 +30,7 @@ from cgn_core.errors import (
     openai_error_body,
 )
 from cgn_core.http import (
+    KV_SALT_HEADER,
     PRIORITY_HEADER,
     bearer_middleware,
     error_middleware,
@@ -38,6 +39,7 @@ from cgn_core.http import (
     read_body,
     serve_sse,
 )
+from cgn_core.kv.blockhash import MAX_SALT, valid_salt
 from cgn_core.kv.events import KvEventHub
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
@@ -150,6 +152,7 @@ class InferenceService:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             priority=req.priority,
+            salt=req.kv_salt,
         )
 
     def check_transfer(self, params: TransferParams | None, trusted: bool) -> None:
@@ -193,14 +196,14 @@ class InferenceService:
         if sink is not None:
             assert params is not None  # a sink is chosen only for a decode leg's params
             fetched = await loop.run_in_executor(
-                engine.restore_executor, sink.fetch, gen.prompt, params
+                engine.restore_executor, sink.fetch, gen.prompt, params, gen.salt
             )
             restored, note = fetched.restored, fetched.note
         else:  # fetch what the node's KV store has, off the loop
             assert engine.tiering is not None
             prefetch = engine.tiering.prefetch
             restored = await loop.run_in_executor(
-                engine.restore_executor, prefetch, gen.prompt, context
+                engine.restore_executor, prefetch, gen.prompt, context, gen.salt
             )
         trace.restored(span, restored, note)
         return restored, note
@@ -285,6 +288,10 @@ async def _complete_traced(
     trusted = request.get("authenticated", True)
     if (header := request.headers.get(PRIORITY_HEADER)) is not None and trusted:
         parsed = dataclasses.replace(parsed, priority=_priority(header))
+    # NOTE: so is the tenant's KV salt; an untrusted caller's is ignored, and its blocks are
+    # the unsalted namespace's, which no router-sent (salted) tenant's ever are
+    if (header := request.headers.get(KV_SALT_HEADER)) is not None and trusted:
+        parsed = dataclasses.replace(parsed, kv_salt=_kv_salt(header))
     svc.check_transfer(parsed.kv_transfer, trusted)
     if parsed.resume is not None and not trusted:
         raise Forbidden(f"'{RESUME_FIELD}' is accepted from the router only", param=RESUME_FIELD)
@@ -396,6 +403,16 @@ def _generation_error(ev: FinishEvent) -> CognitoraError:
     if ev.client_fault:
         return InvalidRequest(str(ev.error), code="constraint_failed")
     return InternalError(f"generation failed: {ev.error}")
+
+
+def _kv_salt(header: str) -> str:
+    """The router's KV salt for this request: a bounded token, else a 400."""
+    salt = header.strip()
+    if not valid_salt(salt):
+        raise InvalidRequest(
+            f"{KV_SALT_HEADER} must be 1-{MAX_SALT} of [A-Za-z0-9._:-], got {header[:40]!r}"
+        )
+    return salt
 
 
 def _priority(header: str) -> int:

@@ -194,13 +194,16 @@ class TransferSink:
                 client.close()
             self._clients.clear()
 
-    def fetch(self, prompt: Sequence[int], params: TransferParams) -> Fetched:
+    def fetch(
+        self, prompt: Sequence[int], params: TransferParams, salt: str | None = None
+    ) -> Fetched:
         """The prompt's full blocks past the pool's prefix hit, from the source named in
-        `params`; what could not be fetched is recomputed (a fallback, counted)."""
+        `params`; what could not be fetched is recomputed (a fallback, counted). `salt`: the
+        request's tenant's (the prefill leg hashed its blocks under it too)."""
         full = (len(prompt) - 1) // BLOCK_SIZE  # the last token is always computed here
         if full == 0:
             return Fetched(None, "nothing to fetch (under one block)")
-        hashes = list(iter_block_hashes(prompt[: full * BLOCK_SIZE], self.pool.namespace))
+        hashes = list(iter_block_hashes(prompt[: full * BLOCK_SIZE], self.pool.salted(salt)))
         start = self.pool.cached_prefix_hint(hashes)
         if start >= full:
             return Fetched(None, f"nothing to fetch ({full} blocks cached here)")

@@ -32,6 +32,9 @@ class Principal:
     tenant: str
     band: str
     record: KeyRecord | None = None
+    # the block-hash salt of its requests (its key's tenant or share group); None: unsalted,
+    # the one anonymous tenant while auth is off (or isolation is switched off)
+    kv_salt: str | None = None
 
 
 class KeyStore:
@@ -66,7 +69,7 @@ class KeyStore:
             raise Unauthorized("invalid or revoked API key", code="invalid_key")
         if record.expired(time.time() if now_unix is None else now_unix):
             raise Unauthorized("this API key has expired", code="expired_key")
-        return Principal(record.id, record.tenant, record.band, record)
+        return Principal(record.id, record.tenant, record.band, record, record.kv_salt)
 
 
 def may_use(p: Principal, model: str) -> bool:

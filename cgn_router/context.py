@@ -30,6 +30,7 @@ class RequestContext:
     prompt: HashedPrompt  # for chain[0]
     response_headers: Mapping[str, str]  # e.g. x-cgn-queue-ms
     request_id: str  # the client's x-request-id, when it is a clean header value
+    kv_salt: str | None = None  # its tenant's block-hash salt (cgn_core/kv/blockhash.py)
 
     @property
     def model(self) -> str:

@@ -86,6 +86,7 @@ async def attempt(
         total_at=ctx.deadline,
         response_headers={**ctx.response_headers, **headers, **_predicted(view)},
         priority=ctx.priority,
+        kv_salt=ctx.kv_salt,
         request_id=ctx.request_id,
         track=ctx.stream and svc.can_resume(view.endpoint),
         resume=resume,
@@ -219,6 +220,7 @@ async def prefill_leg(
         total_at=deadline,
         response_headers={},
         priority=ctx.priority,
+        kv_salt=ctx.kv_salt,
         request_id=ctx.request_id,
         trace_headers=trace_headers or None,
     )

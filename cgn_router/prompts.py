@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
-from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace
+from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace, salted
 from cgn_core.openai.tools import tool_fields
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
 
@@ -44,35 +44,39 @@ class PromptHasher:
         self.codec = codec
         self.chars_per_block = max(BLOCK_SIZE, chars_per_block)
 
-    def hash(self, kind: str, body: Mapping[str, Any]) -> HashedPrompt:
+    def hash(self, kind: str, body: Mapping[str, Any], salt: str | None = None) -> HashedPrompt:
+        """The prompt's block hashes, in the namespace of `salt` (its tenant's) when set: what
+        the engine's pool and the node's store hold under it (cgn_core/kv/blockhash.py)."""
+        ns = salted(self.ns, salt)
         try:
             if kind == "chat":
                 messages = chat_messages(body)
                 if self.codec is not None:
                     tools = tool_fields(body).rendered  # part of the prompt the engine hashes
-                    return self._tokens(self.codec.encode_chat(messages, tools), "tokenizer")
+                    encoded = self.codec.encode_chat(messages, tools)
+                    return self._tokens(encoded, "tokenizer", ns)
                 joined = "".join(f"\x00{m['role']}\x00{m['content']}" for m in messages)
-                return self._chars(joined)
+                return self._chars(joined, ns)
             if kind == "completion":
                 text, ids = completion_prompt(body)
                 if ids is not None:
-                    return self._tokens(list(ids), "token_ids")
+                    return self._tokens(list(ids), "token_ids", ns)
                 assert text is not None
                 if self.codec is not None:
-                    return self._tokens(self.codec.encode_text(text), "tokenizer")
-                return self._chars(text)
+                    return self._tokens(self.codec.encode_text(text), "tokenizer", ns)
+                return self._chars(text, ns)
         except InvalidRequest:
             pass
         return HashedPrompt((), 0, "none")
 
-    def _tokens(self, ids: list[int], method: Method) -> HashedPrompt:
-        return HashedPrompt(tuple(block_hashes(ids, self.ns)), len(ids), method)
+    def _tokens(self, ids: list[int], method: Method, ns: str) -> HashedPrompt:
+        return HashedPrompt(tuple(block_hashes(ids, ns)), len(ids), method)
 
-    def _chars(self, text: str) -> HashedPrompt:
+    def _chars(self, text: str, ns: str) -> HashedPrompt:
         step = self.chars_per_block // BLOCK_SIZE  # characters per pseudo-token
         pseudo = [
             zlib.crc32(text[i : i + step].encode("utf-8", "surrogatepass"))
             for i in range(0, len(text) - len(text) % step, step)
         ]
-        hashes = block_hashes(pseudo, self.ns + "|chars")
+        hashes = block_hashes(pseudo, ns + "|chars")
         return HashedPrompt(tuple(hashes), len(text) // CHARS_PER_TOKEN, "chars")

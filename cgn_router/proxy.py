@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from cgn_core.h1 import Reply, Request, StreamReply
-from cgn_core.http import PRIORITY_HEADER, bearer_header
+from cgn_core.http import CACHE_SALT_FIELD, KV_SALT_HEADER, PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
 from cgn_router.settings import DeadlineSettings
@@ -84,6 +84,7 @@ class Call:
     total_at: float  # monotonic deadline of the whole request
     response_headers: Mapping[str, str]  # added to the client's response (x-cgn-queue-ms)
     priority: int | None = None  # sent to the engine as x-cgn-priority
+    kv_salt: str | None = None  # sent to the engine as x-cgn-kv-salt (in the body: vLLM)
     request_id: str = ""  # the client's x-request-id, passed on
     track: bool = False  # ask for token ids (resume.IDS_HEADER): the stream may migrate
     resume: Progress | None = None  # a continuation: relay into this stream's response
@@ -195,6 +196,18 @@ class Deadline:
             raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
+# Engines that take a request's KV salt in its body (`cache_salt`: vLLM since 0.9, SGLang);
+# cgn-infer takes the header. llama.cpp, MLX and TensorRT-LLM take none: one cache for all.
+BODY_SALT_ENGINES = frozenset({"vllm", "sglang"})
+
+
+def _with_field(payload: bytes, name: str, value: str) -> bytes:
+    """The JSON body `payload` with `name` set (the router parsed it: it is an object)."""
+    body = json.loads(payload)
+    body[name] = value
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
 class Proxy:
     def __init__(
         self, upstream: Upstream, deadlines: DeadlineSettings, max_response_bytes: int = 64 << 20
@@ -215,13 +228,16 @@ class Proxy:
             headers["x-request-id"] = call.request_id
         if call.priority is not None:
             headers[PRIORITY_HEADER] = str(call.priority)
+        payload = call.payload
+        if call.kv_salt is not None:
+            headers[KV_SALT_HEADER] = call.kv_salt
+            if ep.engine in BODY_SALT_ENGINES:
+                payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
         if call.track:
             headers[resume.IDS_HEADER] = "1"
         if call.trace_headers:
             headers.update(call.trace_headers)
-        return self.upstream.post(
-            ep.url, call.path, call.payload, headers, self.deadlines.connect_s
-        )
+        return self.upstream.post(ep.url, call.path, payload, headers, self.deadlines.connect_s)
 
     async def run(self, request: Request, call: Call, lease: FirstByte) -> Relayed:
         """Send `call` upstream and relay the answer to `request`'s client."""

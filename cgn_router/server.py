@@ -45,7 +45,7 @@ from cgn_core.errors import (
     UpstreamTimeout,
 )
 from cgn_core.h1 import Handler, Reply, Request, Server, StreamReply
-from cgn_core.http import parse_json
+from cgn_core.http import CACHE_SALT_FIELD, parse_json
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.openai.request import sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
@@ -140,7 +140,7 @@ async def _handle_accounted(
         raise
     completion = 0
     try:
-        prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct)
+        prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct, who.kv_salt)
         if prompt.tokens:
             try:
                 svc.limiter.settle(who, estimate, prompt.tokens)
@@ -178,6 +178,12 @@ def _parse(
     for field in (TRANSFER_FIELD, RESUME_FIELD):  # an engine dials what the first names, and
         if field in body:  # the second passes someone else's tokens off as the model's
             raise InvalidRequest(f"'{field}' is set by the router only", param=field)
+    if CACHE_SALT_FIELD in body:  # NOTE: a client's salt would let it join another's cache
+        raise InvalidRequest(
+            f"'{CACHE_SALT_FIELD}' is set by the router from your API key's tenant (or its "
+            "kv_share_group): leave it out",
+            param=CACHE_SALT_FIELD,
+        )
     # What cgn-infer would refuse for its generation fields is refused here, before any work.
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
     model = svc.model_for(asked)
@@ -221,6 +227,7 @@ def _context(
         session=session if isinstance(session, str) else None,
         band=who.band,
         priority=svc.engine_priority(who.band),
+        kv_salt=who.kv_salt,
         started=started,
         deadline=started + svc.settings.deadlines.total_s,
         prompt=prompt,
@@ -236,7 +243,11 @@ async def _serve(
     await _cold_start(svc, ctx, acct)
     last: AttemptFailed | None = None
     for served in ctx.chain:
-        prompt = ctx.prompt if served == ctx.model else _hash(svc, ctx.kind, served, ctx.body, acct)
+        prompt = (
+            ctx.prompt
+            if served == ctx.model
+            else _hash(svc, ctx.kind, served, ctx.body, acct, ctx.kv_salt)
+        )
         # a model with a prefill pool: the request goes to a decode (or both) replica, and
         # maybe (_disaggregate) its prompt to a prefill replica first
         pd = ctx.kind != "embeddings" and svc.registry.has_prefill_pool(served)
@@ -316,19 +327,31 @@ def _no_answer(model: str, last: AttemptFailed | None, acct: Account) -> Cognito
 
 
 async def _hash_off_loop(
-    svc: RouterService, kind: str, model: str, body: dict[str, Any], size: int, acct: Account
+    svc: RouterService,
+    kind: str,
+    model: str,
+    body: dict[str, Any],
+    size: int,
+    acct: Account,
+    salt: str | None,
 ) -> HashedPrompt:
     """`_hash`, on a worker thread when the body is big enough to stall other streams (the
     record is emitted back on the loop: observers are not shared with threads)."""
     if size < OFF_LOOP_BYTES:
-        return _hash(svc, kind, model, body, acct)
-    return _noted(await asyncio.to_thread(_prompt, svc, kind, model, body), model, acct)
+        return _hash(svc, kind, model, body, acct, salt)
+    hashed = await asyncio.to_thread(_prompt, svc, kind, model, body, salt)
+    return _noted(hashed, model, acct)
 
 
 def _hash(
-    svc: RouterService, kind: str, model: str, body: Mapping[str, Any], acct: Account
+    svc: RouterService,
+    kind: str,
+    model: str,
+    body: Mapping[str, Any],
+    acct: Account,
+    salt: str | None,
 ) -> HashedPrompt:
-    return _noted(_prompt(svc, kind, model, body), model, acct)
+    return _noted(_prompt(svc, kind, model, body, salt), model, acct)
 
 
 def _noted(hashed: HashedPrompt, model: str, acct: Account) -> HashedPrompt:
@@ -338,10 +361,13 @@ def _noted(hashed: HashedPrompt, model: str, acct: Account) -> HashedPrompt:
     return hashed
 
 
-def _prompt(svc: RouterService, kind: str, model: str, body: Mapping[str, Any]) -> HashedPrompt:
+def _prompt(
+    svc: RouterService, kind: str, model: str, body: Mapping[str, Any], salt: str | None
+) -> HashedPrompt:
+    """The prompt's block hashes, salted by its tenant's `salt` (None: unsalted)."""
     if kind == "embeddings":
         return HashedPrompt((), 0, "none")
-    return svc.catalog.hasher(model).hash(kind, body)
+    return svc.catalog.hasher(model).hash(kind, body, salt)
 
 
 async def _models(svc: RouterService, request: Request) -> Reply:

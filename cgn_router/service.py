@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Mapping
@@ -80,7 +81,8 @@ class RouterService:
         auth = self.settings.auth
         if not auth.enabled:
             return Principal("", auth.anonymous_tenant, auth.anonymous_band)
-        return self.keys.authenticate(authorization)
+        who = self.keys.authenticate(authorization)
+        return who if auth.kv_isolation else dataclasses.replace(who, kv_salt=None)
 
     def known_models(self) -> dict[str, str]:
         """Every name a client may use → the model it means (catalog and registry)."""

@@ -165,6 +165,10 @@ class AuthSettings:
     enabled: bool = True  # switched off only explicitly; the router then says so everywhere
     anonymous_band: str = "gold"  # the band of every request while auth is off
     anonymous_tenant: str = "anonymous"
+    # Each tenant's cached prompts are its own (or its keys' kv_share_group's): the router's
+    # block hashes, the engines' pools and the node's KV store are salted by it, so no tenant
+    # can time another's prompts. Off: every key's requests share one cache (as with auth off).
+    kv_isolation: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ tests/test_blockhash.py recomputes them with an independent reference.
 import json
 from pathlib import Path
 
-from cgn_core.kv.blockhash import block_hashes, namespace
+from cgn_core.kv.blockhash import block_hashes, namespace, tenant_salt
 
+TENANT_ACME, GROUP_ACME = tenant_salt("tenant", "acme"), tenant_salt("group", "acme")
 CASES = [
     ("empty prompt", "SmolLM2-135M-Instruct", None, []),
     ("partial block only", "SmolLM2-135M-Instruct", None, list(range(15))),
@@ -19,7 +20,10 @@ CASES = [
     ("other model", "qwen2.5-coder-0.5b", None, list(range(16))),
     ("max token id", "m", None, [2**32 - 1] * 16 + [0] * 16),
     ("unicode model name", "модель-7b", "adapter:é", [1, 2, 3, 4] * 12),
+    ("tenant acme's derived salt", "SmolLM2-135M-Instruct", TENANT_ACME, list(range(16))),
+    ("group acme's derived salt", "SmolLM2-135M-Instruct", GROUP_ACME, list(range(16))),
 ]
+SALTS = [("tenant", "acme"), ("group", "acme"), ("tenant", "tenant-b"), ("group", "café")]
 
 out = []
 for name, model, salt, tokens in CASES:
@@ -37,7 +41,12 @@ for name, model, salt, tokens in CASES:
 path = Path(__file__).resolve().parent.parent / "cgn_core/kv/testdata/blockhash_vectors.json"
 path.write_text(
     json.dumps(
-        {"scheme": "cognitora.kv.v1", "block_size": 16, "vectors": out},
+        {
+            "scheme": "cognitora.kv.v1",
+            "block_size": 16,
+            "vectors": out,
+            "salts": [{"kind": k, "name": n, "salt": tenant_salt(k, n)} for k, n in SALTS],
+        },
         indent=1,
         ensure_ascii=False,
     )

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from cgn_core.etcd.local import LocalEtcd
+from harness.metrics import metric
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
 
 pytestmark = pytest.mark.etcd
@@ -55,8 +56,14 @@ def ctl(etcd: LocalEtcd, *args: str) -> Any:
     return json.loads(res.stdout) if json_flag else res.stdout
 
 
-def call(router: Router, key: str | None, model: str = "sim") -> tuple[int, dict[str, str], Any]:
-    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 2}).encode()
+def call(
+    router: Router,
+    key: str | None,
+    model: str = "sim",
+    prompt: str | list[int] = "hello",
+    extra: dict[str, Any] | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, **(extra or {})}).encode()
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
@@ -139,6 +146,40 @@ def test_rotate_keeps_the_old_key_for_its_grace_period(cluster: tuple[LocalEtcd,
     assert call(router, old["key"])[0] == 200  # still inside its grace period
     until(lambda: call(router, old["key"])[0] == 401, timeout_s=10)
     assert call(router, old["key"])[2]["error"]["code"] == "expired_key"
+
+
+def test_tenants_never_share_cached_prompts_unless_their_keys_share_a_group(
+    cluster: tuple[LocalEtcd, Router],
+) -> None:
+    """#58: the same prompt from another tenant is computed afresh, and routed as uncached
+    (the router's hashes are salted too); keys naming one kv_share_group share. Paired: a
+    tenant's own repeat is a hit, so a miss is isolation, not caching switched off."""
+    etcd, router = cluster
+    a, b = (ctl(etcd, "create", "--tenant", t)["key"] for t in ("kv-a", "kv-b"))
+    c, d = (ctl(etcd, "create", "--tenant", t, "--kv-share-group", "acme")["key"]
+            for t in ("kv-c", "kv-d"))  # fmt: skip
+    listed = {k["tenant"]: k["kv_share_group"] for k in ctl(etcd, "list")}
+    assert listed["kv-c"] == listed["kv-d"] == "acme" and listed["kv-a"] == ""
+    for key in (a, b, c, d):
+        until(lambda key=key: call(router, key)[0] == 200)
+    prompt = [1000 + i for i in range(640)]  # token ids: the router hashes them exactly
+
+    def ask(key: str) -> tuple[int, float]:  # (cached tokens, tokens the router predicted)
+        before = metric(router.admin, "cgn_router_prefix_tokens_predicted_total", model="sim")
+        status, _, doc = call(router, key, prompt=prompt)
+        assert status == 200, doc
+        after = metric(router.admin, "cgn_router_prefix_tokens_predicted_total", model="sim")
+        return doc["usage"]["prompt_tokens_details"]["cached_tokens"], after - before
+
+    assert ask(a)[0] == 0
+    until(lambda: min(ask(a)) >= 624)  # a's own repeat: cached, and routed as cached
+    assert ask(b) == (0, 0)  # another tenant: neither
+    assert ask(a)[0] >= 624  # a's blocks are still there: b's miss was isolation
+    assert ask(c)[0] == 0
+    until(lambda: min(ask(d)) >= 624)  # d shares c's group: c's blocks serve it
+    # a client's own salt is refused: with it, a client could join another tenant's cache
+    status, _, err = call(router, a, extra={"cache_salt": "kv-c"})
+    assert status == 400 and err["error"]["param"] == "cache_salt"
 
 
 def test_management_paths_need_an_admin_key(cluster: tuple[LocalEtcd, Router]) -> None:

@@ -83,6 +83,27 @@ def test_hash_hit_with_different_tokens_is_not_reused() -> None:
     assert pool.acquire_prefix(toks(0, 1)) == []
 
 
+def test_a_salted_sequence_reuses_only_its_own_namespaces_blocks() -> None:
+    """Tenants share the pool's blocks, never a block's identity (#58): the same prompt under
+    another salt (or none) is a miss, under the same salt a hit; events carry salted hashes."""
+    pool = BlockPool(16, NS)
+    prompt = toks(0, 3)
+    a_ns = pool.salted("tenant-a")
+    table, reused = pool.admit(prompt, 0, a_ns)
+    assert reused == 0
+    parent = None
+    for i in range(3):
+        parent = pool.commit(table[i], parent, prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], a_ns)
+    assert parent == block_hashes(prompt, f"{NS}|tenant-a")[-1]
+    pool.release(table)
+    assert pool.acquire_prefix(prompt) == []  # unsalted: nothing
+    assert pool.acquire_prefix(prompt, pool.salted("tenant-b")) == []
+    again = pool.acquire_prefix(prompt, a_ns)
+    assert again == table
+    stored = [h for ev in pool.drain_events() if ev.kind == "stored" for h in ev.hashes]
+    assert stored == block_hashes(prompt, a_ns) and pool.salted(None) == NS
+
+
 def test_release_more_than_acquired_is_refused() -> None:
     pool = BlockPool(2, NS)
     (bid,) = pool.allocate(1)

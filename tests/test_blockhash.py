@@ -12,7 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cgn_core.kv import blockhash
-from cgn_core.kv.blockhash import BLOCK_SIZE, ROOT, block_hash, block_hashes, namespace
+from cgn_core.kv.blockhash import (
+    BLOCK_SIZE,
+    ROOT,
+    block_hash,
+    block_hashes,
+    namespace,
+    tenant_salt,
+)
 
 VECTORS = json.loads(
     (Path(blockhash.__file__).parent / "testdata" / "blockhash_vectors.json").read_text()
@@ -35,6 +42,20 @@ def test_vector_file_covers_the_edge_cases() -> None:
     assert VECTORS["scheme"] == "cognitora.kv.v1" and VECTORS["block_size"] == BLOCK_SIZE
     names = {v["name"] for v in VECTORS["vectors"]}
     assert {"empty prompt", "partial block only", "tenant salt", "max token id"} <= names
+    assert {"tenant acme's derived salt", "group acme's derived salt"} <= names
+
+
+@pytest.mark.parametrize("vec", VECTORS["salts"], ids=lambda v: f"{v['kind']}-{v['name']}")
+def test_tenant_salt_vectors(vec: dict) -> None:
+    domain = b"cognitora.kv.salt.v1\x00" + vec["kind"].encode() + b"\x00"
+    expected = blake3(domain + vec["name"].encode()).hexdigest()[:32]  # the reference
+    assert tenant_salt(vec["kind"], vec["name"]) == vec["salt"] == expected
+
+
+def test_a_group_and_a_tenant_of_one_name_never_share_a_salt() -> None:
+    assert tenant_salt("tenant", "acme") != tenant_salt("group", "acme")
+    with pytest.raises(ValueError, match="tenant or a group"):
+        tenant_salt("user", "acme")
 
 
 @pytest.mark.parametrize("vec", VECTORS["vectors"], ids=lambda v: v["name"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from cgn_core.etcd.local import free_port
+from cgn_core.http import KV_SALT_HEADER
 from cgn_core.kv.identity import StoreKeys, ensure_secret
 from cgn_infer.backends.sim_backend import SimBackend, SimCost
 from cgn_infer.kv_tiering import RestoreCost
@@ -203,13 +205,21 @@ def test_a_restored_prefix_gives_the_recomputed_tokens_and_logprobs(tmp_path: Pa
 
 def test_the_sim_backend_restores_too_and_charges_the_modelled_time(tmp_path: Path) -> None:
     """Sim engines (the fleet benchmarks' stand-ins) go through the same offer and restore
-    path; their output is a function of every KV slot, so a wrong restore would change it."""
+    path; their output is a function of every KV slot, so a wrong restore would change it.
+    A tenant's salted blocks are restored for that tenant only."""
     sim = ("--backend", "sim", "--model-name", "sim", "--kv-pool-tokens", "1024", "--speed", "50")
     with cgn_kvcached(tmp_path) as kv, cgn_infer(tmp_path, *sim, *kv.engine_args) as url:
 
-        def complete(prompt: list[int]) -> dict[str, Any]:
+        def complete(prompt: list[int], salt: str | None = None) -> dict[str, Any]:
             body = {"model": "sim", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-            return post(url + "/v1/completions", body)
+            headers = {"Content-Type": "application/json"}
+            if salt is not None:  # the router's, for a tenant (#58)
+                headers[KV_SALT_HEADER] = salt
+            req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         headers)  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                doc: dict[str, Any] = json.load(resp)
+            return doc
 
         a, b = _prompt(4, 900), _prompt(5, 900)
         ref = complete(a)
@@ -220,3 +230,26 @@ def test_the_sim_backend_restores_too_and_charges_the_modelled_time(tmp_path: Pa
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 800
         assert metric(url, RESTORED, 'tier="ram"') >= 700
         assert metric(url, "cgn_infer_kv_restore_seconds_sum") > 0
+
+        # A tenant's blocks, in the pool and in the node's store, are its own (#58): the same
+        # prompt under another tenant's salt is recomputed, under its own it is restored
+        c = _prompt(6, 900)
+        offered = metric(url, "cgn_infer_kv_offloaded_blocks_total")
+        assert complete(c, "tenant-a")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        complete(b)  # c's blocks leave the pool
+        wait_for(lambda: metric(url, "cgn_infer_kv_offloaded_blocks_total") >= offered + 56,
+                 "c's blocks stored")  # fmt: skip
+        restored = metric(url, RESTORED)
+        for other in (None, "tenant-b"):  # unsalted (a direct client) and another tenant
+            assert complete(c, other)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert metric(url, RESTORED) == restored
+        complete(b)
+        got = complete(c, "tenant-a")  # its owner: restored from the store
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 800
+        assert metric(url, RESTORED) >= restored + 700
+        body = json.dumps({"model": "sim", "prompt": "x", "max_tokens": 1}).encode()
+        bad = urllib.request.Request(url + "/v1/completions", body, {KV_SALT_HEADER: "a b"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=10)
+        with refused.value as err:
+            assert err.code == 400 and KV_SALT_HEADER in json.load(err)["error"]["message"]

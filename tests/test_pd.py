@@ -21,6 +21,7 @@ import pytest
 
 from cgn_core.errors import InvalidRequest
 from cgn_core.etcd.local import free_port
+from cgn_core.http import KV_SALT_HEADER
 from cgn_core.kv.transfer import TransferParams, parse_transfer_params
 from cgn_core.readiness import wait_ready_file
 from cgn_router.routing.disagg import decide
@@ -110,7 +111,7 @@ SIM = ("--backend", "sim", "--speed", "50", "--model-name", "sim", "--set", "tra
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
     tmp = tmp_path_factory.mktemp("pd-sim")
-    with cgn_infer_engines(tmp, 2, *SIM, "--set", "transfer.lease_s=1") as engines:
+    with cgn_infer_engines(tmp, 2, *SIM, "--set", "transfer.lease_s=3") as engines:
         yield engines
 
 
@@ -128,15 +129,38 @@ def test_sim_engines_transfer_and_the_lease_ends(sims: list[Engine]) -> None:
     first = post(prefill, {**sim_body(2), **PREFILL}).json()["kv_transfer_params"]
     fallbacks0 = metric(decode, "cgn_infer_pd_fallbacks_total", reason="missing")
     assert metric(prefill, "cgn_infer_kv_transfer_holding_blocks") > 0
-    until(  # lease_s 1, swept every second
+    until(  # lease_s 3, swept every second
         "the leases ended",
         lambda: metric(prefill, "cgn_infer_kv_transfer_holding_blocks") == 0,
-        timeout_s=10,
+        timeout_s=12,
     )
     late = post(decode, {**sim_body(2), "kv_transfer_params": first})
     assert late.status_code == 200 and late.headers["x-cgn-kv-transfer"] == "fallback: missing"
     assert late.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert metric(decode, "cgn_infer_pd_fallbacks_total", reason="missing") == fallbacks0 + 1
+
+
+def test_a_tenants_transferred_blocks_continue_its_own_requests_only(sims: list[Engine]) -> None:
+    """P/D under tenant salts (#58): the prefill leg holds the blocks under the tenant's salt,
+    so a decode leg of another salt finds none of them (it recomputes) and its own fetches."""
+    prefill, decode = sims[0].url, sims[1].url
+
+    def leg(url: str, body: dict[str, Any], salt: str) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", json=body, headers={KV_SALT_HEADER: salt},
+                          timeout=60)  # fmt: skip
+
+    body = sim_body(7)
+    first = leg(prefill, {**body, **PREFILL}, "tenant-a")
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    other = leg(decode, {**body, "kv_transfer_params": params}, "tenant-b")
+    assert other.status_code == 200 and other.headers["x-cgn-kv-transfer"] == "fallback: missing"
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    own = leg(decode, {**body, "kv_transfer_params": params}, "tenant-a")
+    assert own.status_code == 200 and own.headers["x-cgn-kv-transfer"].startswith("fetched")
+    assert own.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # the lease outlived both decode legs: the other tenant's miss was not its end
+    assert metric(prefill, "cgn_infer_kv_transfer_holding_blocks") > 0
 
 
 def test_an_unreachable_prefill_engine_means_recompute_not_a_hang(sims: list[Engine]) -> None:

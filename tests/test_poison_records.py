@@ -27,9 +27,10 @@ from cgn_control.decide.cluster import Snapshot, node_views
 from cgn_control.decide.placement import node_view
 from cgn_control.decide.reconciler import Memory, reconcile
 from cgn_core import records
-from cgn_core.apikeys import Limits, create, parse_record
+from cgn_core.apikeys import ApiKeyError, Limits, create, parse_record
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.types import KeyValue, WatchEvent
+from cgn_core.kv.blockhash import tenant_salt
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers, routing_policy
@@ -324,7 +325,19 @@ TYPED: dict[str, Callable[[Any], Any]] = {
     "kvcached": records.kvcached,
     "efficiency": records.efficiency,
     "scaling": records.scaling,
+    "api_key": parse_record,
 }
+
+
+def test_a_keys_share_group_is_checked_where_it_is_written_and_where_it_is_read() -> None:
+    with pytest.raises(ApiKeyError, match="kv share group"):
+        create("acme", "gold", kv_share_group="no spaces")
+    _, record = create("acme", "gold", kv_share_group="acme-public")
+    doc = record.to_json()
+    assert parse_record(doc).kv_salt == tenant_salt("group", "acme-public")
+    assert create("acme", "gold")[1].kv_salt == tenant_salt("tenant", "acme")
+    with pytest.raises(ApiKeyError, match="kv_share_group"):
+        parse_record({**doc, "kv_share_group": "x" * 65})
 
 
 @pytest.mark.parametrize("kind", sorted(TYPED))

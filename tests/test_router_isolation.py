@@ -4,6 +4,7 @@ What it takes back: an answer larger than max_response_bytes is never held whole
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,10 +13,16 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from cgn_core.etcd.local import free_port
+from cgn_core.http import KV_SALT_HEADER
+from cgn_router.proxy import Call, Proxy
+from cgn_router.settings import DeadlineSettings
+from cgn_router.types import Endpoint, EndpointId
+from cgn_router.upstream import Upstream
 from harness.procs import Router, cgn_router, stop, wait_http_ok
 
 # An engine that sets a cookie on every answer and reports the Cookie and x-cgn-priority
@@ -127,3 +134,35 @@ def test_an_answer_in_a_coding_the_router_did_not_accept_is_not_relayed(router: 
     with refused.value as resp:
         assert resp.code == 502
         assert "answered in 'gzip' coding" in json.load(resp)["error"]["message"]
+
+
+class Recorded:
+    """An `Upstream` stand-in that keeps what `Proxy` would have sent (no network)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, dict[str, str]]] = []
+
+    def post(self, url: str, path: str, payload: bytes, headers: dict[str, str], _: float) -> Any:
+        self.sent.append((payload, headers))
+        return None
+
+
+@pytest.mark.parametrize(
+    ("engine", "in_body"), [("cgn-infer", False), ("vllm", True), ("sglang", True)]
+)
+def test_a_tenants_kv_salt_reaches_every_engine_in_the_form_it_takes(
+    engine: str, in_body: bool
+) -> None:
+    """#58: the header to cgn-infer (which trusts it from the router's token only), and
+    vLLM's and SGLang's `cache_salt` in the body; no salt, neither."""
+    upstream = Recorded()
+    proxy = Proxy(cast(Upstream, upstream), DeadlineSettings())
+    endpoint = Endpoint(EndpointId("m/e"), "m", "http://e", engine=engine)
+    payload = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    call = Call(endpoint, "/v1/completions", payload, False, False, "m", 0.0, {}, kv_salt="s1")
+    proxy._post(call)
+    proxy._post(dataclasses.replace(call, kv_salt=None))
+    (salted, headers), (plain, plain_headers) = upstream.sent
+    assert headers[KV_SALT_HEADER] == "s1" and KV_SALT_HEADER not in plain_headers
+    assert json.loads(salted).get("cache_salt") == ("s1" if in_body else None)
+    assert plain == payload

@@ -10,11 +10,18 @@ chain, so a block's identity covers every token before it:
 
 `namespace` is the model name, plus "|" + salt where a tenant or adapter salt
 is configured, so two models (or two tenants) never share a block identity.
+A tenant's salt (`tenant_salt`) is derived from its name, or from the KV share group
+its keys name, by the router from the authenticated key only (never from the client):
+
+    salt = hex(BLAKE3(b"cognitora.kv.salt.v1\0" + kind + b"\0" + name))[:32]
+
+with kind "tenant" or "group", so a group never shares blocks with a tenant of its name.
 Published vectors: cgn_core/kv/testdata/blockhash_vectors.json.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -34,7 +41,32 @@ def namespace(model: str, salt: str | None = None) -> str:
     """The hash namespace for `model`, salted per tenant or adapter when `salt` is set."""
     if not model:
         raise ValueError("block-hash namespace needs a model name")
-    return f"{model}|{salt}" if salt else model
+    return salted(model, salt)
+
+
+SALT_DOMAIN = b"cognitora.kv.salt.v1\0"
+SALT_KINDS = ("tenant", "group")
+MAX_SALT = 128  # characters: an engine refuses a longer salt header
+_SALT = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_SALT}}}")
+
+
+def valid_salt(salt: str) -> bool:
+    """Whether `salt` may travel as a header and join a namespace: 1-MAX_SALT of
+    [A-Za-z0-9._:-] (a derived salt is 32 hex digits)."""
+    return _SALT.fullmatch(salt) is not None
+
+
+def tenant_salt(kind: str, name: str) -> str:
+    """The KV salt of tenant `name` (kind "tenant") or of share group `name` ("group")."""
+    if kind not in SALT_KINDS or not name:
+        raise ValueError(f"a KV salt is derived from a tenant or a group name, got {kind!r}")
+    digest = blake3(SALT_DOMAIN + kind.encode() + b"\0" + name.encode("utf-8")).hexdigest()
+    return digest[:32]
+
+
+def salted(ns: str, salt: str | None) -> str:
+    """Namespace `ns` (a model's) under `salt`; `ns` itself when there is none."""
+    return f"{ns}|{salt}" if salt else ns
 
 
 def block_hash(parent: BlockHash, tokens: Sequence[int], ns: str) -> BlockHash:
