@@ -119,7 +119,7 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
         raise
     finally:
         seconds = time.monotonic() - acct.started
-        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error))
+        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, acct.tenant))
 
 
 async def _handle_accounted(
