@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
                           "reconciler": {"enabled": False}}  # fmt: skip
                 with cgn_router(tmp, config) as router, httpx.Client(timeout=120) as client:
-                    for tenant, key in keys.items():  # known to the router (etcd watch)
+                    for key in keys.values():  # known to the router (etcd watch)
                         deadline = time.monotonic() + 30
                         while True:
                             try:

@@ -58,6 +58,9 @@ class KeyRecord:
     # keys naming one group share cached prompts across their tenants (a customer's public
     # system prompt); "": the key's tenant shares with its own keys only (#58)
     kv_share_group: str = ""
+    # its tenant's share of engine work within a band, against other tenants' (#58): a key
+    # of weight 2 is served twice the tokens of one of weight 1 when both wait
+    weight: float = 1.0
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -90,6 +93,7 @@ class KeyRecord:
             "expires_unix": self.expires_unix,
             "note": self.note,
             "kv_share_group": self.kv_share_group,
+            "weight": self.weight,
         }
 
 
@@ -115,6 +119,7 @@ def matches(record: KeyRecord, key: str) -> bool:
 
 MAX_LIMIT = 1 << 53  # what records.number reads back exactly
 MAX_EXPIRES_IN_S = 10 * 365 * 86400
+MAX_WEIGHT = 1000.0
 
 
 def create(
@@ -127,12 +132,15 @@ def create(
     expires_in_s: float | None = None,
     note: str = "",
     kv_share_group: str = "",
+    weight: float = 1.0,
 ) -> tuple[str, KeyRecord]:
     """A new key and its record (store the record; show the key once)."""
     if not _TENANT.match(tenant):
         raise ApiKeyError(f"tenant {tenant!r}: use 1-64 of [A-Za-z0-9._-]")
     if kv_share_group and not _TENANT.match(kv_share_group):
         raise ApiKeyError(f"kv share group {kv_share_group!r}: use 1-64 of [A-Za-z0-9._-]")
+    if not 0 < weight <= MAX_WEIGHT:  # NOTE: NaN fails this too
+        raise ApiKeyError(f"weight must be positive (at most {MAX_WEIGHT}), got {weight}")
     if not models:
         raise ApiKeyError("a key needs at least one model (or *)")
     for name, value in (
@@ -161,6 +169,7 @@ def create(
         None if expires_in_s is None else now + expires_in_s,
         note,
         kv_share_group=kv_share_group,
+        weight=weight,
     )
     return key, record
 
@@ -196,9 +205,18 @@ def parse_record(doc: Any) -> KeyRecord:
             expires_unix=records.number(d, "expires_unix", None),
             note=records.text(d, "note"),
             kv_share_group=_share_group(records.text(d, "kv_share_group")),
+            weight=_weight(records.number(d, "weight", 1.0)),
         )
     except records.RecordError as exc:
         raise ApiKeyError(f"key record: {exc}") from None
+
+
+def _weight(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    if not 0 < value <= MAX_WEIGHT:
+        raise records.RecordError(f"'weight' must be in (0, {MAX_WEIGHT}], got {value}")
+    return float(value)
 
 
 def _share_group(name: str) -> str:

@@ -55,6 +55,14 @@ def create_cmd(
             "(default: with the key's own tenant only).",
         ),
     ] = "",
+    weight: Annotated[
+        float,
+        typer.Option(
+            "--weight",
+            help="The tenant's share of engine work (tokens) within its band against other "
+            "tenants waiting there: 2 is served twice what 1 is.",
+        ),
+    ] = 1.0,
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,
@@ -79,6 +87,7 @@ def create_cmd(
             expires_in_s=expires_in,
             note=note,
             kv_share_group=kv_share_group,
+            weight=weight,
         )
     except ApiKeyError as exc:
         fail(str(exc), EXIT_USAGE)
@@ -120,7 +129,16 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
         typer.echo(json.dumps(rows, indent=2))
         return
     t = Table(
-        "id", "tenant", "band", "models", "rps", "tokens/min", "concurrent", "expires", "kv group"
+        "id",
+        "tenant",
+        "band",
+        "models",
+        "rps",
+        "tokens/min",
+        "concurrent",
+        "expires",
+        "kv group",
+        "weight",
     )
     now = time.time()
     for r in for_terminal(rows):
@@ -129,7 +147,8 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
         expires = "-" if exp is None else ("expired" if exp <= now else f"in {int(exp - now)}s")
         limits = [str(lim[k] or "-") for k in ("rps", "tokens_per_min", "concurrent")]
         group = r["kv_share_group"] or "-"
-        t.add_row(r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires, group)
+        row = [r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires, group]
+        t.add_row(*row, f"{r['weight']:g}")
     Console().print(t if rows else "no keys")
 
 
@@ -159,8 +178,8 @@ def rotate_cmd(
     config: Config = None,
     as_json: Json = False,
 ) -> None:
-    """A new key with the old one's tenant, band, models, limits and KV share group; the old
-    ends after --grace."""
+    """A new key with the old one's tenant, band, models, limits, KV share group and weight;
+    the old ends after --grace."""
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
         raw = await c.get_json(keys.API_KEYS + key_id)
@@ -175,6 +194,7 @@ def rotate_cmd(
             limits=old.limits,
             note=old.note,
             kv_share_group=old.kv_share_group,
+            weight=old.weight,
         )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         if grace > 0:

@@ -65,10 +65,13 @@ class Gate:
         for pool in caps:
             self.metrics.saturation.labels(pool).set(self.adm.saturation(pool))
 
-    async def enter(self, band: str, tenant: str, pool: str) -> float:
-        """Wait until the request may proceed; returns the seconds it waited."""
+    async def enter(
+        self, band: str, tenant: str, pool: str, cost: float = 1.0, weight: float = 1.0
+    ) -> float:
+        """Wait until the request may proceed; returns the seconds it waited. `cost`: its
+        prompt's tokens, charged to `tenant` (over its `weight`) when it is admitted."""
         started = time.monotonic()
-        ticket = Ticket(band, tenant, pool, started)
+        ticket = Ticket(band, tenant, pool, started, cost=cost, weight=weight)
         verdict = self.adm.offer(ticket)
         if verdict is Verdict.ADMIT:
             return 0.0
@@ -93,7 +96,11 @@ class Gate:
         self.metrics.admission_wait.labels(band).observe(waited)
         return waited
 
-    def leave(self, pool: str) -> None:
+    def leave(self, pool: str, charge: tuple[str, str, float, float] | None = None) -> None:
+        """An admitted request has ended; `charge`: (band, tenant, output tokens, weight),
+        the engine work it consumed past its prompt, counted to its tenant's share."""
+        if charge is not None:
+            self.adm.charge(*charge)
         self.adm.release(pool)
         self._pump()
 

@@ -126,6 +126,7 @@ class _TallyCollector(Collector):
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TENANT_LABELS = 50  # tenants with their own cgn_router_tenant_tokens series, per worker
 SCORE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 _ERRORS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ERROR_BUCKETS = (*(-e for e in reversed(_ERRORS)), 0.0, *_ERRORS)  # predicted - actual
@@ -200,6 +201,13 @@ class RouterMetrics:
         )
         self.tokens = tally(
             "cgn_router_tokens", "Tokens by the engines' usage reports.", "model", "kind"
+        )
+        self.tenant_tokens = tally(
+            "cgn_router_tenant_tokens",
+            f"Tokens by tenant, from the engines' usage reports (the first {TENANT_LABELS} "
+            'tenants a worker sees by name, the rest as "other").',
+            "tenant",
+            "kind",
         )
         self.prefix_predicted = tally(
             "cgn_router_prefix_tokens_predicted",
@@ -277,6 +285,7 @@ class RouterMetrics:
                     self.ttft,
                     self.latency,
                     self.tokens,
+                    self.tenant_tokens,
                     self.prefix_predicted,
                     self.prefix_reported,
                     self.prompt_tokens_routed,
@@ -328,6 +337,7 @@ class MetricsObserver:
     def __init__(self, metrics: RouterMetrics):
         self.m = m = metrics
         self._models: dict[str, _ModelSeries] = {}
+        self._tenants: dict[str, tuple[list[float], list[float]]] = {}  # (prompt, completion)
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -346,6 +356,18 @@ class MetricsObserver:
         if handler is not None:
             handler(record)
 
+    def _tenant(self, tenant: str) -> tuple[list[float], list[float]]:
+        """A tenant's two series; past TENANT_LABELS tenants, the shared "other" ones (a label
+        per tenant would let keys grow the scrape without bound)."""
+        found = self._tenants.get(tenant)
+        if found is None:
+            label = tenant if len(self._tenants) < TENANT_LABELS else "other"
+            tally = self.m.tenant_tokens
+            found = (tally.series(label, "prompt"), tally.series(label, "completion"))
+            if label != "other":
+                self._tenants[tenant] = found
+        return found
+
     def _model(self, model: str) -> _ModelSeries:
         found = self._models.get(model)
         if found is None:
@@ -361,6 +383,10 @@ class MetricsObserver:
             count = series.outcomes[r.outcome] = self.m.requests.series(r.model, r.outcome)
         count[0] += 1
         series.latency.observe(r.seconds)
+        if r.usage is not None and r.tenant:
+            prompt, completion = self._tenant(r.tenant)
+            prompt[0] += r.usage.prompt_tokens
+            completion[0] += r.usage.completion_tokens
         if r.outcome == "no_endpoint":
             self.m.errors.labels("no_endpoint").inc()
 

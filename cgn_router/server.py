@@ -119,7 +119,7 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
         raise
     finally:
         seconds = time.monotonic() - acct.started
-        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error))
+        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, acct.tenant))
 
 
 async def _handle_accounted(
@@ -147,16 +147,20 @@ async def _handle_accounted(
             except RateLimited:
                 acct.emit(Refused(who.band, "rate_limited"))
                 raise
-        waited = await svc.gate.enter(who.band, who.tenant, model) if svc.gate else 0.0
+        weight = who.record.weight if who.record is not None else 1.0
+        cost = float(prompt.tokens or estimate)
+        waited = (
+            await svc.gate.enter(who.band, who.tenant, model, cost, weight) if svc.gate else 0.0
+        )
         acct.emit(Admitted(waited))
         try:
             admitted = (who, acct.started, waited)
             ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
             relayed = await _serve(svc, request, ctx, acct)
+            completion = relayed.usage.completion_tokens if relayed.usage else 0
         finally:
             if svc.gate:
-                svc.gate.leave(model)
-        completion = relayed.usage.completion_tokens if relayed.usage else 0
+                svc.gate.leave(model, (who.band, who.tenant, float(completion), weight))
         return relayed
     finally:
         svc.limiter.release(who, completion)

@@ -1,4 +1,5 @@
-"""The admission state machine: ceilings per band, order, tenant rotation, TTL, cancellation."""
+"""The admission state machine: ceilings per band, order, tenants' token shares, TTL,
+cancellation."""
 
 from __future__ import annotations
 
@@ -63,8 +64,71 @@ def test_tenants_take_turns_and_each_keeps_its_order() -> None:
     for _ in range(6):
         a.release("m")
         served += a.dispatch()
-    assert [x.tenant for x in served] == ["busy", "light", "busy", "light", "busy", "busy"]
+    # busy's first request was admitted at once (and charged): light, which had none, first
+    assert [x.tenant for x in served] == ["light", "busy", "light", "busy", "busy", "busy"]
     assert [x for x in served if x.tenant == "busy"] == heavy[:4]
+
+
+def shares(prompts: dict[str, int], weights: dict[str, float], rounds: int = 400,
+           output: int = 0) -> dict[str, float]:  # fmt: skip
+    """Tokens each tenant was served while all of them kept requests waiting on a pool of
+    one slot, as shares of the total (each request: its prompt, then `output` tokens)."""
+    a = Admission({"gold": BandSettings(priority=1, ceiling=1.0, queue=10_000, ttl_s=60)})
+    a.capacity["m"] = 1
+    got = dict.fromkeys(prompts, 0.0)
+    running: Ticket | None = None
+    for tenant, size in prompts.items():  # a backlog each: more than the rounds can serve
+        for _ in range(rounds):
+            x = Ticket("gold", tenant, "m", 0, cost=size, weight=weights.get(tenant, 1.0))
+            if a.offer(x) is Verdict.ADMIT:
+                running = x  # the first: the slot was free
+    for _ in range(rounds):
+        assert running is not None
+        got[running.tenant] += running.cost + output
+        a.charge("gold", running.tenant, output, running.weight)
+        a.release("m")
+        (running,) = a.dispatch()
+    total = sum(got.values())
+    return {tenant: tokens / total for tenant, tokens in got.items()}
+
+
+@pytest.mark.parametrize(
+    ("prompts", "weights", "output", "want"),
+    [
+        ({"long": 8000, "short": 1000}, {}, 0, {"long": 0.5, "short": 0.5}),  # not 8:1
+        ({"long": 8000, "short": 1000}, {}, 500, {"long": 0.5, "short": 0.5}),  # output counts
+        ({"a": 1000, "b": 1000}, {"a": 2.0}, 0, {"a": 2 / 3, "b": 1 / 3}),  # weights 2:1
+        ({"a": 8000, "b": 1000}, {"b": 2.0}, 100, {"a": 1 / 3, "b": 2 / 3}),
+        ({"a": 500, "b": 500, "c": 4000}, {}, 0, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}),
+    ],
+)
+def test_tenants_share_engine_tokens_by_weight_not_requests(
+    prompts: dict[str, int], weights: dict[str, float], output: int, want: dict[str, float]
+) -> None:
+    got = shares(prompts, weights, output=output)
+    for tenant, share in want.items():
+        assert got[tenant] == pytest.approx(share, rel=0.10), got
+
+
+def test_a_tenant_back_from_idle_starts_at_the_bands_virtual_time() -> None:
+    """No credit saved up: a tenant that sent nothing for a while does not then take the
+    pool for as long as the others were served."""
+    a = Admission({"gold": BandSettings(priority=1, ceiling=1.0, queue=10_000, ttl_s=60)})
+    a.capacity["m"] = 1
+    for _ in range(50):  # only "early" is served for a while
+        a.offer(Ticket("gold", "early", "m", 0, cost=100))
+        a.release("m")
+        a.dispatch()
+    late = [Ticket("gold", "late", "m", 0, cost=100) for _ in range(10)]
+    early = [Ticket("gold", "early", "m", 0, cost=100) for _ in range(10)]
+    for x, y in zip(late, early, strict=True):
+        a.offer(x)
+        a.offer(y)
+    order = []
+    for _ in range(8):
+        a.release("m")
+        order += [x.tenant for x in a.dispatch()]
+    assert order.count("late") <= 5, order  # turns, not 50 requests' worth of catch-up
 
 
 def test_full_queue_ttl_and_cancellation() -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from cgn_core.etcd.local import free_port
 from cgn_router.daemon import build_service
+from cgn_router.metrics import TENANT_LABELS, MetricsObserver, RouterMetrics
 from cgn_router.routing.lifecycle import (
     AttemptEnded,
     AttemptStarted,
@@ -35,6 +36,7 @@ from cgn_router.settings import (
     RoutingSettings,
     StaticEndpoint,
 )
+from cgn_router.types import Usage
 from cgn_router.upstream import Upstream
 from harness.procs import cgn_infer
 
@@ -110,12 +112,15 @@ async def test_a_retried_request_is_one_account_of_records(sim: str) -> None:
     (ended,) = of(log.records, Ended)
     assert (ended.model, ended.outcome, ended.status, ended.error) == (MODEL, "ok", 200, "")
     assert ended.usage is not None and ended.usage.completion_tokens == 2
+    assert ended.tenant == "anonymous"  # auth off: the one anonymous tenant
     # the metrics are one observer of these records
     assert metric(svc, "cgn_router_requests_total", model=MODEL, outcome="ok") == 1
     assert metric(svc, "cgn_router_errors_total", cause="connect") == 1
     assert metric(svc, "cgn_router_retries_total", model=MODEL) == 1
     assert metric(svc, "cgn_router_tokens_total", model=MODEL, kind="completion") == 2
     assert metric(svc, "cgn_router_ttft_seconds_count", model=MODEL) == 1
+    tenant = {"tenant": "anonymous", "kind": "completion"}
+    assert metric(svc, "cgn_router_tenant_tokens_total", **tenant) == 2
 
 
 async def test_a_request_no_engine_answers_ends_once_as_upstream_error() -> None:
@@ -141,3 +146,21 @@ async def test_a_request_refused_before_routing_ends_uncounted(sim: str) -> None
     assert (ended.model, ended.outcome, ended.status) == ("", "", 404)
     assert of(log.records, Routed) == []
     assert metric(svc, "cgn_router_requests_total", model="nope", outcome="ok") == 0
+
+
+def test_tenant_token_series_are_bounded() -> None:
+    """Past TENANT_LABELS tenants, a worker counts the rest as "other" (keys cannot grow
+    the scrape without bound)."""
+    svc_metrics = RouterMetrics()
+    observer = MetricsObserver(svc_metrics)
+    for i in range(TENANT_LABELS + 5):
+        observer.observe(Ended(MODEL, "ok", 200, 0.1, Usage(10, 3, 0), "", f"t{i}"))
+    observer.observe(Ended(MODEL, "ok", 200, 0.1, Usage(10, 3, 0), "", "t0"))
+    reg = svc_metrics.registry
+
+    def tokens(tenant: str) -> float:
+        labels = {"tenant": tenant, "kind": "prompt"}
+        return reg.get_sample_value("cgn_router_tenant_tokens_total", labels) or 0.0
+
+    assert tokens("t0") == 20 and tokens(f"t{TENANT_LABELS - 1}") == 10
+    assert tokens(f"t{TENANT_LABELS}") == 0 and tokens("other") == 50

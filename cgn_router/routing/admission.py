@@ -14,9 +14,17 @@ Each priority band has a ceiling: a request is admitted at once while its
 band has nobody waiting and the pool would stay at or below the ceiling;
 otherwise it waits in its band's queue. Lower ceilings for lower bands make
 the cluster degrade from the bottom up: bronze waits first, platinum last.
-Dispatch serves bands in priority order; within a band, tenants take turns
-(a tenant with a thousand queued requests holds one place in the rotation),
-and each tenant's requests keep their order. A full queue refuses at once
+Dispatch serves bands in priority order; within a band, tenants share by the
+engine work they consume, in tokens (start-time fair queuing, #58): each
+request costs its prompt's tokens when it is admitted and its output's when it
+ends (`charge`), divided by its tenant's weight; each tenant carries the
+virtual time its work so far reaches (`finish`), a request's start is the later
+of that and the band's virtual time (the start of the last one admitted), and
+the waiting head with the earliest start goes next. So a tenant of 8k-token
+prompts gets as many tokens as one of 1k prompts (an eighth of the requests),
+one of weight 2 twice as many, and one that comes back after idling starts at
+the band's virtual time (no credit saved up). Each tenant's requests keep their
+order. A full queue refuses at once
 (503); a request that waits past its band's TTL is refused (504); a cancelled
 request leaves its queue immediately.
 """
@@ -39,6 +47,8 @@ class Ticket:
     pool: str
     enqueued: float
     deadline: float = 0.0
+    cost: float = 1.0  # engine work charged on admission: its prompt's tokens
+    weight: float = 1.0  # its tenant's share weight (a key's `weight`)
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -98,6 +108,8 @@ class Admission:
             b: OrderedDict() for b in self.bands
         }
         self.depth: Counter[str] = Counter()
+        self.vtime = dict.fromkeys(self.bands, 0.0)  # band -> the start of its last admitted one
+        self.finish: dict[str, dict[str, float]] = {b: {} for b in self.bands}  # tenant -> tag
         self.active: Counter[str] = Counter()  # pool -> admitted, not yet finished
         self.capacity: dict[str, float] = {}  # pool -> batch slots
         self.kv_usage: dict[str, float] = {}  # pool -> 0..1
@@ -114,6 +126,7 @@ class Admission:
             return Verdict.UNKNOWN_BAND
         if not self.depth[t.band] and self.saturation(t.pool, 1) <= band.ceiling:
             self.active[t.pool] += 1
+            self._admitted(t)
             return Verdict.ADMIT
         if self.depth[t.band] >= band.queue:
             return Verdict.QUEUE_FULL
@@ -121,6 +134,21 @@ class Admission:
         self.queues[t.band].setdefault(t.tenant, deque()).append(t)
         self.depth[t.band] += 1
         return Verdict.QUEUED
+
+    def _start(self, band: str, tenant: str) -> float:
+        return max(self.vtime[band], self.finish[band].get(tenant, 0.0))
+
+    def _admitted(self, t: Ticket) -> None:
+        """Charge `t`'s prompt to its tenant; the band's virtual time moves to its start."""
+        start = self._start(t.band, t.tenant)
+        self.vtime[t.band] = start
+        self.finish[t.band][t.tenant] = start + t.cost / t.weight
+
+    def charge(self, band: str, tenant: str, tokens: float, weight: float = 1.0) -> None:
+        """Work a request of `tenant` consumed beyond its admission's charge (its output)."""
+        tags = self.finish.get(band)
+        if tags is not None and tokens > 0 and weight > 0:
+            tags[tenant] = self._start(band, tenant) + tokens / weight
 
     def release(self, pool: str) -> None:
         """A request admitted earlier has finished (or was abandoned)."""
@@ -147,26 +175,34 @@ class Admission:
                     self.depth[band] -= 1
                 if not q:
                     del tenants[tenant]
+        for band, tags in self.finish.items():  # a tenant gone idle, caught up: forgotten
+            now_v = self.vtime[band]
+            for tenant in [x for x, tag in tags.items() if tag <= now_v]:
+                if tenant not in self.queues[band]:
+                    del tags[tenant]
         return out
 
     def dispatch(self) -> list[Ticket]:
-        """Admit waiting requests while their pools allow: bands by priority, tenants in turn."""
+        """Admit waiting requests while their pools allow: bands by priority; within one, the
+        head with the earliest start (ties: the tenant that has waited longest)."""
         out: list[Ticket] = []
         for band in self.order:
             tenants, ceiling = self.queues[band], self.bands[band].ceiling
-            progressed = True
-            while tenants and progressed:
-                progressed = False
-                for tenant in list(tenants):
-                    head = tenants[tenant][0]
-                    if self.saturation(head.pool, 1) > ceiling:
-                        continue  # this tenant's next request waits for its pool; try the others
-                    tenants[tenant].popleft()
-                    self.active[head.pool] += 1
-                    out.append(head)
-                    self._drop(band, tenant, rotate=True)
-                    progressed = True
-                    break  # the rotation restarts with the next tenant
+            while tenants:
+                best, best_start = None, 0.0
+                for tenant, q in tenants.items():
+                    start = self._start(band, tenant)
+                    if (best is None or start < best_start) and (
+                        self.saturation(q[0].pool, 1) <= ceiling  # else it waits for its pool
+                    ):
+                        best, best_start = tenant, start
+                if best is None:
+                    break
+                head = tenants[best].popleft()
+                self.active[head.pool] += 1
+                self._admitted(head)
+                out.append(head)
+                self._drop(band, best, rotate=True)
         return out
 
     def _drop(self, band: str, tenant: str, rotate: bool = False) -> None:
@@ -175,4 +211,4 @@ class Admission:
         if not tenants[tenant]:
             del tenants[tenant]
         elif rotate:
-            tenants.move_to_end(tenant)
+            tenants.move_to_end(tenant)  # among equal starts, the others go first

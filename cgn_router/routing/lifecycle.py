@@ -135,6 +135,7 @@ class Ended(NamedTuple):
     seconds: float
     usage: Usage | None = None
     error: str = ""
+    tenant: str = ""  # its key's (once authenticated)
 
 
 Record = (
@@ -168,17 +169,20 @@ class Account:
     whose attempt answered, a fallback too) and the outcome (the last answering attempt's;
     or, when routing gave up, why: no_endpoint, upstream_error)."""
 
-    __slots__ = ("attempts", "model", "observers", "outcome", "started")
+    __slots__ = ("attempts", "model", "observers", "outcome", "started", "tenant")
 
     def __init__(self, observers: Sequence[Observer], started: float | None = None):
         self.observers = observers
         self.started = time.monotonic() if started is None else started
         self.model = ""
+        self.tenant = ""  # once Asked: the key's
         self.outcome = ""
         self.attempts = 0
 
     def emit(self, record: Record) -> None:
-        if (
+        if isinstance(record, Asked):
+            self.tenant = record.tenant
+        elif (
             isinstance(record, AttemptEnded)
             and record.leg == "client"
             and record.outcome not in ("failed", "busy")  # it answered the client
