@@ -93,6 +93,21 @@ def create_cmd(
         fail(str(exc), EXIT_USAGE)
 
     async def work(c: EtcdClient) -> dict[str, Any]:
+        kvs, _ = await c.get_prefix(keys.API_KEYS)
+        for kv in kvs:
+            try:
+                other = parse_record(kv.json())
+            except (ApiKeyError, ValueError):
+                continue  # a bad record is the routers' to skip, not ours to trip on
+            for what, mine, theirs in (
+                ("tenant", record.tenant, other.tenant),
+                ("kv share group", record.kv_share_group, other.kv_share_group),
+            ):
+                if mine and mine != theirs and mine.casefold() == theirs.casefold():
+                    raise ApiKeyError(
+                        f"{what} {mine!r} differs from the existing {theirs!r} only in case: "
+                        f"use {theirs!r}, or a name that differs in more"
+                    )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         return record.to_json()
 

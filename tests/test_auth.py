@@ -158,6 +158,11 @@ def test_tenants_never_share_cached_prompts_unless_their_keys_share_a_group(
     a, b = (ctl(etcd, "create", "--tenant", t)["key"] for t in ("kv-a", "kv-b"))
     c, d = (ctl(etcd, "create", "--tenant", t, "--kv-share-group", "acme")["key"]
             for t in ("kv-c", "kv-d"))  # fmt: skip
+    # a name that differs from an existing one only in case is refused, not a new tenant
+    res = subprocess.run([CTL, "keys", "create", "--tenant", "KV-A", "--etcd", etcd.endpoint],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "'KV-A' differs from the existing 'kv-a'" in res.stderr
+    assert "Traceback" not in res.stderr
     listed = {k["tenant"]: k["kv_share_group"] for k in ctl(etcd, "list")}
     assert listed["kv-c"] == listed["kv-d"] == "acme" and listed["kv-a"] == ""
     for key in (a, b, c, d):
