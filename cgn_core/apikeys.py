@@ -119,7 +119,7 @@ def matches(record: KeyRecord, key: str) -> bool:
 
 MAX_LIMIT = 1 << 53  # what records.number reads back exactly
 MAX_EXPIRES_IN_S = 10 * 365 * 86400
-MAX_WEIGHT = 1000.0
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0  # a tenant's share weight (virtual times stay finite)
 
 
 def create(
@@ -139,8 +139,8 @@ def create(
         raise ApiKeyError(f"tenant {tenant!r}: use 1-64 of [A-Za-z0-9._-]")
     if kv_share_group and not _TENANT.match(kv_share_group):
         raise ApiKeyError(f"kv share group {kv_share_group!r}: use 1-64 of [A-Za-z0-9._-]")
-    if not 0 < weight <= MAX_WEIGHT:  # NOTE: NaN fails this too
-        raise ApiKeyError(f"weight must be positive (at most {MAX_WEIGHT}), got {weight}")
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NOTE: NaN fails this too
+        raise ApiKeyError(f"weight must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight}")
     if not models:
         raise ApiKeyError("a key needs at least one model (or *)")
     for name, value in (
@@ -214,8 +214,8 @@ def parse_record(doc: Any) -> KeyRecord:
 def _weight(value: float | None) -> float:
     if value is None:
         return 1.0
-    if not 0 < value <= MAX_WEIGHT:
-        raise records.RecordError(f"'weight' must be in (0, {MAX_WEIGHT}], got {value}")
+    if not MIN_WEIGHT <= value <= MAX_WEIGHT:
+        raise records.RecordError(f"'weight' must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {value}")
     return float(value)
 
 

@@ -329,7 +329,7 @@ TYPED: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def test_a_keys_share_group_is_checked_where_it_is_written_and_where_it_is_read() -> None:
+def test_a_keys_share_group_and_weight_are_checked_where_written_and_where_read() -> None:
     with pytest.raises(ApiKeyError, match="kv share group"):
         create("acme", "gold", kv_share_group="no spaces")
     _, record = create("acme", "gold", kv_share_group="acme-public")
@@ -338,6 +338,12 @@ def test_a_keys_share_group_is_checked_where_it_is_written_and_where_it_is_read(
     assert create("acme", "gold")[1].kv_salt == tenant_salt("tenant", "acme")
     with pytest.raises(ApiKeyError, match="kv_share_group"):
         parse_record({**doc, "kv_share_group": "x" * 65})
+    for weight in (0.0, -1.0, float("nan"), 1e-9, 1e4):  # NaN fails every comparison
+        with pytest.raises(ApiKeyError, match="weight"):
+            create("acme", "gold", weight=weight)
+    with pytest.raises(ApiKeyError, match="weight"):
+        parse_record({**doc, "weight": 10**400})  # a 400-digit number: refused, not a crash
+    assert parse_record({**doc, "weight": 2}).weight == 2.0
 
 
 @pytest.mark.parametrize("kind", sorted(TYPED))
