@@ -53,8 +53,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cgn_core import keys
-from cgn_core.apikeys import create
+from bench.common import put_key
 from cgn_core.etcd.local import LocalEtcd
 from harness.metrics import metric
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
@@ -76,12 +75,6 @@ class Fleet:
     keys: dict[str, str]  # name -> API key
     twin: Router | None = None  # a second router with admission on, same engines
     engines: tuple[str, ...] = ()  # the engines' base URLs
-
-
-def put_key(etcd: LocalEtcd, tenant: str, band: str) -> str:
-    key, record = create(tenant, band)
-    etcd_put(etcd.endpoint, keys.API_KEYS + record.id, record.to_json())
-    return key
 
 
 @contextmanager

@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 
-from cgn_core.etcd.local import free_port
-from harness.procs import REPO, stop, wait_http_ok
+from cgn_core import keys
+from cgn_core.apikeys import create
+from cgn_core.etcd.local import LocalEtcd, free_port
+from harness.procs import REPO, etcd_put, stop, wait_http_ok
 
 RESULTS = REPO / "bench" / "results"
 
@@ -66,6 +68,40 @@ def engine(
         yield {"url": url, "pid": proc.pid, "load_s": time.monotonic() - start}
     finally:
         stop(proc)
+
+
+@contextmanager
+def private_etcd(tmp: Path) -> Iterator[LocalEtcd]:
+    """An etcd of the benchmark's own under `tmp`, stopped after."""
+    etcd = LocalEtcd(tmp / "etcd")
+    etcd.start()
+    try:
+        yield etcd
+    finally:
+        etcd.stop()
+
+
+def put_key(etcd: LocalEtcd, tenant: str, band: str = "gold", **fields: Any) -> str:
+    """A new API key of `tenant` stored in `etcd` (`fields`: `apikeys.create`'s, such as
+    `kv_share_group` or `weight`); the key itself, for the client."""
+    key, record = create(tenant, band, **fields)
+    etcd_put(etcd.endpoint, keys.API_KEYS + record.id, record.to_json())
+    return key
+
+
+def until_served(url: str, key: str, model: str, timeout_s: float = 30.0) -> None:
+    """Wait until the router at `url` serves `key` a one-token answer of `model` (the key
+    and the endpoint reach it through etcd's watch, each worker on its own)."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 1}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        if r.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not served within {timeout_s:g} s: {r.status_code} {r.text[:200]}")
+        time.sleep(0.2)
 
 
 def model_id(url: str) -> str:

@@ -35,9 +35,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
-from cgn_core.apikeys import create
-from cgn_core.etcd.local import LocalEtcd
+from bench.common import private_etcd, put_key, until_served, write_result
 from harness.procs import cgn_infer, cgn_router, etcd_put
 
 PROMPTS = {"long": 8192, "short": 1024}
@@ -109,14 +107,8 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
 def run_setup(weights: dict[str, float], workers: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        etcd = LocalEtcd(tmp / "etcd")
-        etcd.start()
-        try:
-            keys: dict[str, str] = {}
-            for tenant, weight in weights.items():
-                key, record = create(tenant, "gold", weight=weight)
-                etcd_put(etcd.endpoint, "/cognitora/keys/" + record.id, record.to_json())
-                keys[tenant] = key
+        with private_etcd(tmp) as etcd:
+            keys = {tenant: put_key(etcd, tenant, weight=w) for tenant, w in weights.items()}
             sim = ("--backend", "sim", "--model-name", "sim", "--speed", str(args.speed),
                    "--max-batch", "2", "--ctx", "16384", "--kv-pool-tokens", "65536")  # fmt: skip
             with cgn_infer(tmp, *sim) as engine:
@@ -126,10 +118,10 @@ def run_setup(weights: dict[str, float], workers: int, args: argparse.Namespace)
                           "reconciler": {"enabled": False}, "workers": workers,
                           "admission": {"default_capacity": 2}}  # fmt: skip
                 with cgn_router(tmp, config) as router:
-                    time.sleep(2)  # the keys and the endpoint reach every worker (etcd watch)
+                    for _ in range(4 * workers):  # new connections land on any worker: each asked
+                        for key in keys.values():
+                            until_served(router.url, key, "sim")
                     return asyncio.run(measure(router.url, keys, args))
-        finally:
-            etcd.stop()
 
 
 def render(results: dict[str, Any], args: argparse.Namespace) -> str:

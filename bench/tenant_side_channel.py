@@ -31,9 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_result
-from cgn_core.apikeys import create
-from cgn_core.etcd.local import LocalEtcd
+from bench.common import private_etcd, put_key, until_served, write_result
 from harness.procs import cgn_infer, cgn_router, etcd_put
 
 SETUPS = {"isolated": ("a", "b", ""), "shared": ("c", "d", "acme")}
@@ -93,31 +91,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        etcd = LocalEtcd(tmp / "etcd")
-        etcd.start()
-        try:
-            keys: dict[str, str] = {}
-            for victim, asker, group in SETUPS.values():
-                for tenant in (victim, asker):
-                    key, record = create(tenant, "gold", kv_share_group=group)
-                    etcd_put(etcd.endpoint, "/cognitora/keys/" + record.id, record.to_json())
-                    keys[tenant] = key
+        with private_etcd(tmp) as etcd:
+            keys = {
+                tenant: put_key(etcd, tenant, kv_share_group=group)
+                for victim, asker, group in SETUPS.values()
+                for tenant in (victim, asker)
+            }
             with cgn_infer(tmp, "--model-name", "smollm2") as engine:
                 etcd_put(etcd.endpoint, "/cognitora/endpoints/smollm2/e1",
                          {"url": engine, "engine": "cgn-infer"})  # fmt: skip
                 config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
                           "reconciler": {"enabled": False}}  # fmt: skip
                 with cgn_router(tmp, config) as router, httpx.Client(timeout=120) as client:
-                    for key in keys.values():  # known to the router (etcd watch)
-                        deadline = time.monotonic() + 30
-                        while True:
-                            try:
-                                ttft(client, router.url, key, prompt())
-                                break
-                            except RuntimeError:
-                                if time.monotonic() > deadline:
-                                    raise
-                                time.sleep(0.2)
+                    for key in keys.values():
+                        until_served(router.url, key, "smollm2")
                     times: dict[str, dict[str, list[float]]] = {
                         s: {"victims_prompt": [], "fresh_prompt": []} for s in SETUPS
                     }
@@ -130,8 +117,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 times[setup][name].append(ttft(client, router.url, keys[asker], p))
                         if (i + 1) % 25 == 0:
                             print(f"{i + 1} pairs", file=sys.stderr, flush=True)
-        finally:
-            etcd.stop()
     out: dict[str, Any] = {}
     for setup, t in times.items():
         u, p = mann_whitney(t["victims_prompt"], t["fresh_prompt"])
