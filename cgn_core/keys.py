@@ -16,5 +16,7 @@ POLICY_ROUTING = ROOT + "policy/routing"
 API_KEYS = ROOT + "keys/"  # <key id>: an API key record (hash, tenant, band, limits), by ctl
 KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), leased by the agent
 EFFICIENCY = ROOT + "efficiency/"  # <node>: measured output tokens per joule, by cgn-metrics
+TENANTS = ROOT + "tenants/"  # <tenant>: its budget (cgn_core/budgets.py), by ctl
+USAGE = ROOT + "usage/"  # <writer>: a router worker's count of tenants' usage, by the router
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`
 HASH_SCHEME = "cognitora.kv.v1"  # the block-hash scheme (docs/architecture.md)

@@ -25,7 +25,7 @@ from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.files import read_regular
 from cgn_core.terminal import for_terminal
-from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render
+from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render, tenants_cmd
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
@@ -35,13 +35,14 @@ MAX_CATALOG_FILE_BYTES = 16 << 20  # `models apply -f`: larger is not a catalog
 
 app = make_app(
     "ctl",
-    "Operate a Cognitora cluster: nodes, models, replicas, placement, PKI, keys.",
+    "Operate a Cognitora cluster: nodes, models, replicas, placement, PKI, keys, tenants.",
     CtlSettings,
 )
 models_app = typer.Typer(help="The model catalog: apply, list, get, delete.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(pki_cmd.app, name="pki")
 app.add_typer(keys_cmd.app, name="keys")
+app.add_typer(tenants_cmd.app, name="tenants")
 
 
 def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:

@@ -41,6 +41,7 @@ from cgn_router.catalog import Catalog, entry_from_settings
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
+from cgn_router.ledger import Ledger, publish, writer_name
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
 from cgn_router.registry import (
@@ -86,6 +87,10 @@ def build_service(
     sessions = Sessions(r.session_ttl_s)
     tiers = TierIndex(budget // 4)
     load = SharedLoad(worker.load_fd, worker.count, worker.index) if worker else None
+    ledger = None  # tenants' budgets need etcd: where usage is published and budgets kept
+    if settings.budgets.enabled and settings.discovery == "etcd":
+        me = worker.index if worker else 0
+        ledger = Ledger(writer_name(settings.budgets, settings.http.port, me))
     registry = Registry(settings.breaker, index, sessions, settings.scrape.stale_s, tiers, load)
     metrics = RouterMetrics()
     metrics.watch(registry)
@@ -99,9 +104,12 @@ def build_service(
         limiter=Limiter(shared=SharedUsage(worker.usage_fd, worker.count, worker.index))
         if worker
         else Limiter(),
+        ledger=ledger,
         observers=observers,
     )
     metrics.watch_scaling(lambda: svc.control)
+    if ledger is not None:
+        metrics.watch_budgets(ledger.remaining_rows)
     if settings.admission.enabled:
         svc.gate = Gate(settings.admission, registry, metrics)
     try:
@@ -294,6 +302,8 @@ async def _follow_etcd(svc: RouterService, follower: KvFollowers, tg: asyncio.Ta
     for f in table:
         tg.create_task(list_and_watch(client, f.prefix, f.on_list, f.on_event, listed[f.prefix]))
     tg.create_task(follow_revocations(client, svc.revoked))
+    if svc.ledger is not None:
+        tg.create_task(publish(svc.ledger, svc.settings.etcd, svc.settings.budgets.publish_s))
     try:
         await asyncio.gather(*(e.wait() for e in listed.values()))
         svc.in_sync.set()

@@ -1,8 +1,9 @@
 """What the router mirrors from etcd: one (prefix, on_list, on_event) entry per kind of record.
 
 Endpoints, cordons, the nodes' KV stores (cgn-kvcached), the nodes' measured
-efficiency (cgn-metrics), the catalog, the routing policy and (with auth on) API
-keys. Every record is parsed by its
+efficiency (cgn-metrics), the catalog, the routing policy, (with auth on) API
+keys, and (with budgets on) tenants' budgets and every router worker's count of
+their usage. Every record is parsed by its
 kind's validating function; a bad one is logged once per revision with its
 key (`cgn_core.records.RecordLog`) and skipped, and the rest of the listing
 still applies. The handlers are plain methods over the router's state, so
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 from cgn_core import keys
 from cgn_core.apikeys import parse_record
+from cgn_core.budgets import TenantRecord, UsageRecord, parse_tenant, parse_usage
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
 from cgn_router.catalog import entry_from_etcd
@@ -70,6 +72,9 @@ class EtcdFollowers:
         ]
         if self.svc.settings.auth.enabled:
             out.append(Followed(keys.API_KEYS, self.keys_list, self.keys_event))
+        if self.svc.ledger is not None:
+            out.append(Followed(keys.TENANTS, self.tenants_list, self.tenants_event))
+            out.append(Followed(keys.USAGE, self.usage_list, self.usage_event))
         return out
 
     def _parse(self, kv: KeyValue, parse: Callable[[Any], T]) -> T | None:
@@ -216,6 +221,43 @@ class EtcdFollowers:
             self.svc.keys.put(kid, record)
         else:  # a record that no longer parses must not keep its old permissions
             self.svc.keys.delete(kid)
+
+    # ---- tenants' budgets, and every router worker's count of their usage (ledger.py) ------
+
+    def _tenant(self, kv: KeyValue) -> TenantRecord | None:
+        return self._parse(kv, lambda doc: parse_tenant(doc, kv.key[len(keys.TENANTS) :]))
+
+    def tenants_list(self, kvs: list[KeyValue]) -> None:
+        assert self.svc.ledger is not None
+        self.svc.ledger.set_budgets({r.tenant: r.budget for kv in kvs if (r := self._tenant(kv))})
+
+    def tenants_event(self, ev: WatchEvent) -> None:
+        assert self.svc.ledger is not None
+        record = None if ev.kind == "delete" else self._tenant(ev.kv)
+        # NOTE: a record that no longer parses drops its budget (logged): a typo in a budget
+        # must not refuse a tenant's every request
+        budget = record.budget if record is not None else None
+        self.svc.ledger.set_budget(ev.kv.key[len(keys.TENANTS) :], budget)
+
+    def _usage(self, kv: KeyValue) -> UsageRecord | None:
+        return self._parse(kv, lambda doc: parse_usage(doc, kv.key[len(keys.USAGE) :]))
+
+    def usage_list(self, kvs: list[KeyValue]) -> None:
+        ledger = self.svc.ledger
+        assert ledger is not None
+        parsed = {r.writer: r for kv in kvs if (r := self._usage(kv)) is not None}
+        if (mine := parsed.get(ledger.writer)) is not None:
+            ledger.resume(mine)  # what this writer counted before it restarted
+        ledger.resumed = True
+        ledger.replace_others(parsed)
+
+    def usage_event(self, ev: WatchEvent) -> None:
+        ledger = self.svc.ledger
+        assert ledger is not None
+        if ev.kind == "delete" or (record := self._usage(ev.kv)) is None:
+            ledger.delete_other(ev.kv.key[len(keys.USAGE) :])
+        else:
+            ledger.put_other(record)
 
 
 def routing_policy(doc: Any) -> RoutingChain:

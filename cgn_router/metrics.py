@@ -299,6 +299,11 @@ class RouterMetrics:
         """Export per-endpoint live state at scrape time."""
         self.registry.register(_EndpointCollector(endpoints))
 
+    def watch_budgets(self, rows: Callable[[int], list[tuple[str, str, float]]]) -> None:
+        """Export what is left of tenants' budgets: `rows(n)`, the n tenants nearest to
+        running out (the ledger's remaining_rows)."""
+        self.registry.register(_BudgetCollector(rows))
+
     def watch_scaling(self, control: Callable[[], ControlState | None]) -> None:
         """Export the autoscaler's targets (on the router leading the reconciler)."""
         self.registry.register(_ScalingCollector(control))
@@ -466,6 +471,22 @@ class _EndpointCollector(Collector):
             fams["blocks"].add_metric([*lv, "exact"], self.endpoints.index.exact_size(eid))
             fams["blocks"].add_metric([*lv, "assumed"], self.endpoints.index.assumed_size(eid))
         yield from fams.values()
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, rows: Callable[[int], list[tuple[str, str, float]]]):
+        self.rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        left = GaugeMetricFamily(
+            "cgn_router_tenant_budget_remaining",
+            f"What is left of each tenant's budget in its period (tokens or joules), over "
+            f"every router; the {TENANT_LABELS} tenants nearest to running out.",
+            labels=["tenant", "budget"],
+        )
+        for tenant, budget, value in self.rows(TENANT_LABELS):
+            left.add_metric([tenant, budget], value)
+        yield left
 
 
 class _ScalingCollector(Collector):

@@ -456,6 +456,13 @@ class Registry:
             lag=lag,
         )
 
+    def tokens_per_joule(self, eid: str) -> float | None:
+        """The measured output tokens per joule of endpoint `eid`'s node (None: not known)."""
+        s = self.states.get(EndpointId(eid))
+        if s is None:
+            return None
+        return fresh_efficiency(self.efficiency.get(s.endpoint.node), time.time())
+
     def begin(
         self, view: EndpointView, req: RequestInfo, now: float, *, streamed: bool = False
     ) -> Lease:

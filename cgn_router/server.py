@@ -119,7 +119,8 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
         raise
     finally:
         seconds = time.monotonic() - acct.started
-        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, acct.tenant))
+        who, where = acct.tenant, acct.endpoint
+        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, who, where))
 
 
 async def _handle_accounted(
@@ -130,6 +131,12 @@ async def _handle_accounted(
     except Unauthorized:
         acct.emit(Refused("-", "unauthorized"))
         raise
+    if svc.ledger is not None:
+        try:  # NOTE: before the body is read: a tenant out of budget costs nothing more
+            svc.ledger.admit(who.tenant)
+        except RateLimited:
+            acct.emit(Refused(who.band, "budget_exhausted"))
+            raise
     raw = await request.read(svc.settings.http.body_timeout_s)
     body, model, stream = _parse(svc, kind, raw, who, acct)
     estimate = len(raw) // CHARS_PER_TOKEN

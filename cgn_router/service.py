@@ -16,6 +16,7 @@ from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.gate import Gate
 from cgn_router.learning import SpeedObserver
+from cgn_router.ledger import Ledger, LedgerObserver
 from cgn_router.load_signals import LoadObserver, LoadSignals
 from cgn_router.metrics import MetricsObserver, RouterMetrics
 from cgn_router.proxy import Proxy
@@ -53,6 +54,7 @@ class RouterService:
     limiter: Limiter = field(default_factory=Limiter)
     gate: Gate | None = None  # admission; None when switched off
     tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
+    ledger: Ledger | None = None  # tenants' usage against their budgets; None: no etcd
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused
     created: int = field(default_factory=lambda: int(time.time()))
     # Who observes every request's records besides the metrics and the load signals (tests)
@@ -61,10 +63,12 @@ class RouterService:
 
     def __post_init__(self) -> None:
         self.load = LoadSignals(self.registry)
+        ledger = self.ledger
         self.observers = (
             MetricsObserver(self.metrics),
             LoadObserver(self.load),
             SpeedObserver(self.registry),
+            *((LedgerObserver(ledger, self.registry.tokens_per_joule),) if ledger else ()),
             *self.observers,
         )
 

@@ -5,6 +5,7 @@ builds the tree); `RouterSettings.check` holds the rules across settings. The ro
 pipeline is checked where it is built from `routing` (its plugins own their parameters)."""
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -172,6 +173,18 @@ class AuthSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetSettings:
+    """Tenants' budgets (`cgn-ctl tenants set`): each worker publishes what it served at
+    /cognitora/usage/<instance>.w<worker> and counts every other router's (cgn_router/ledger.py)."""
+
+    enabled: bool = True  # with etcd only (router-only runs have no budgets)
+    # this router's name among the writers, kept across its restarts; "": <host>-<http port>
+    instance: str = ""
+    # the most often a worker writes its count; others see it within this plus a watch delay
+    publish_s: float = ranged(1.0, 0.05, 60)
+
+
+@dataclass(frozen=True, slots=True)
 class BandSettings:
     priority: int = ranged(1, 0, 1000)  # lower is served first
     # admitted while pool saturation stays at or below this (1.0: batch full)
@@ -207,6 +220,7 @@ class AdmissionSettings:
 
 
 MAX_WORKERS = 64
+INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +248,7 @@ class RouterSettings:
     reconciler: ReconcilerSettings = ReconcilerSettings()
     auth: AuthSettings = AuthSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    budgets: BudgetSettings = BudgetSettings()
     # endpoints tried per request before the first byte reaches the client
     attempts: int = ranged(3, 1, 16)
     migration: MigrationSettings = MigrationSettings()  # and after it, for a broken stream
@@ -261,3 +276,6 @@ class RouterSettings:
                 "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
                 "set auth.enabled: false for a router-only run"
             )
+        instance = self.budgets.instance
+        if instance and not INSTANCE.match(instance):
+            raise ConfigError(f"budgets.instance {instance!r}: use 1-100 of [A-Za-z0-9._:-]")

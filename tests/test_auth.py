@@ -16,7 +16,7 @@ import pytest
 
 from cgn_core.etcd.local import LocalEtcd
 from harness.metrics import metric
-from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put
+from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put, etcd_run
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
@@ -185,6 +185,66 @@ def test_tenants_never_share_cached_prompts_unless_their_keys_share_a_group(
     # a client's own salt is refused: with it, a client could join another tenant's cache
     status, _, err = call(router, a, extra={"cache_salt": "kv-c"})
     assert status == 400 and err["error"]["param"] == "cache_salt"
+
+
+def test_a_tenants_budget_holds_across_routers_and_their_restarts(
+    cluster: tuple[LocalEtcd, Router], tmp_path: Path
+) -> None:
+    """#58: each router counts what it serves and publishes it; a budget covers what every
+    router served, a restarted router takes its own count back up, and past the budget
+    every router answers 429 budget_exhausted with the time it resets."""
+    etcd, router = cluster
+    key = ctl(etcd, "create", "--tenant", "metered")["key"]
+    until(lambda: call(router, key)[0] == 200)
+    config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
+              "reconciler": {"enabled": False}, "budgets": {"instance": "second"}}  # fmt: skip
+
+    def mine() -> Any:  # the second router's published count of "metered"
+        doc = etcd_run(etcd.endpoint, lambda c: c.get_json("/cognitora/usage/second.w0"))
+        return (doc or {}).get("tenants", {}).get("metered", [0, 0, 0])[0]
+
+    served = 0
+    with cgn_router(tmp_path, config) as second:
+        until(lambda: call(second, key)[0] == 200)
+        for _ in range(2):
+            status, _, doc = call(second, key)
+            served += doc["usage"]["total_tokens"]
+    assert mine() >= served  # written when it stopped, whatever its publish interval
+    with cgn_router(tmp_path, config) as second:  # restarted: its count is taken up again
+        until(lambda: call(second, key)[0] == 200)
+        until(lambda: mine() > served)
+        assert mine() > served + 2  # what it served before the restart is still counted
+        rows = {r["tenant"]: r for r in tenants(etcd, "list")}
+        used = rows["metered"]["used"]["tokens_today"]
+        tenants(etcd, "set", "metered", "--tokens-per-day", str(int(used) + 1))
+        # the first router: within the budget (by one token), then past it
+        until(lambda: call(router, key)[0] == 429)
+        status, headers, err = call(router, key)
+        assert status == 429 and err["error"]["code"] == "budget_exhausted"
+        assert "tokens per day; the budget resets at" in err["error"]["message"]
+        assert 1 <= int(headers["Retry-After"]) <= 86401
+        took = until(lambda: call(second, key)[0] == 429, timeout_s=5)  # the second: too
+        assert took < 3.0  # its publish interval (1 s) and a watch delay
+        rows = {r["tenant"]: r for r in tenants(etcd, "list")}
+        assert rows["metered"]["exhausted"]["budget"] == "tokens_per_day"
+        # bounded overshoot: what the first served past the budget was its last request
+        assert rows["metered"]["used"]["tokens_today"] <= used + 1 + 2 * served
+        assert metric(second.admin, "cgn_router_tenant_budget_remaining", tenant="metered",
+                      budget="tokens_per_day") == 0  # fmt: skip
+        tenants(etcd, "delete", "metered")
+        until(lambda: call(second, key)[0] == 200)
+    bad = subprocess.run([CTL, "tenants", "set", "metered", "--tokens-per-day", "nan",
+                          "--etcd", etcd.endpoint], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "tokens_per_day must be positive" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def tenants(etcd: LocalEtcd, *args: str) -> Any:
+    json_flag = [] if args[0] == "delete" else ["--json"]
+    res = subprocess.run([CTL, "tenants", *args, "--etcd", etcd.endpoint, *json_flag],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout) if json_flag else res.stdout
 
 
 def test_management_paths_need_an_admin_key(cluster: tuple[LocalEtcd, Router]) -> None:

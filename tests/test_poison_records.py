@@ -28,6 +28,7 @@ from cgn_control.decide.placement import node_view
 from cgn_control.decide.reconciler import Memory, reconcile
 from cgn_core import records
 from cgn_core.apikeys import ApiKeyError, Limits, create, parse_record
+from cgn_core.budgets import parse_tenant, parse_usage
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.kv.blockhash import tenant_salt
@@ -56,6 +57,8 @@ FIELDS = st.sampled_from([
     "labels", "power", "watts", "id", "hash", "tenant", "band", "models", "admin", "limits",
     "rps", "tokens_per_min", "concurrent", "expires_unix", "url", "engine", "role", "node",
     "block_size", "aliases", "fallbacks", "tokenizer", "source", "weights", "prefix", "load",
+    "budget", "tokens_per_day", "tokens_per_month", "joules_per_day", "writer", "day", "month",
+    "tenants", "updated_unix",
 ])  # fmt: skip
 # Objects whose keys are the fields parsers read: arbitrary values where they look.
 RECORDS = st.recursive(
@@ -90,6 +93,9 @@ VALID: dict[str, dict[str, Any]] = {
     "scaling": {"model": "m", "role": "decode", "desired": 3, "current": 2, "direction": "up",
                 "reason": "demand 5", "demand": 5.0, "capacity": 2.0, "at_unix": 1.7e9,
                 "history": [{"desired": 2, "current": 1, "direction": "up", "at_unix": 1.6e9}]},
+    "tenant": {"tenant": "acme", "budget": {"tokens_per_day": 1000, "joules_per_day": 2.5}},
+    "usage": {"writer": "gw.w0", "day": "2026-12-06", "month": "2026-12", "updated_unix": 1.7e9,
+              "tenants": {"acme": [10, 20, 0.5]}},
 }  # fmt: skip
 
 
@@ -122,6 +128,8 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "kvcached": records.kvcached,
     "efficiency": lambda d: records.fresh_efficiency(records.efficiency(d), 1.7e9),
     "scaling": records.scaling,
+    "tenant": parse_tenant,
+    "usage": parse_usage,
 }
 
 
@@ -201,6 +209,33 @@ def test_a_key_whose_limits_is_a_string_is_skipped_and_the_rest_apply(
     assert set(followers.svc.keys.records) == {good.id}
     warned = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
     assert len(warned) == 3 and "limits" in warned[0], warned
+
+
+def test_budgets_and_usage_follow_etcd_and_a_bad_record_is_skipped(
+    followers: EtcdFollowers, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = followers.svc.ledger
+    assert ledger is not None
+    day = ledger.period.day
+    usage = {"day": day, "month": day[:7], "updated_unix": 1.0}
+    mine = {**usage, "writer": ledger.writer, "tenants": {"acme": [5, 5, 0]}}
+    theirs = {**usage, "writer": "b.w0", "tenants": {"acme": [7, 7, 0]}}
+    huge = {**usage, "writer": "c.w0", "tenants": {"acme": [10**400, 0, 0]}}
+    with caplog.at_level(logging.WARNING):
+        followers.usage_list([kv(f"/cognitora/usage/{ledger.writer}", mine),
+                              kv("/cognitora/usage/b.w0", theirs), kv("/cognitora/usage/c.w0", huge),
+                              kv("/cognitora/usage/d.w0", {**theirs})])  # fmt: skip
+    assert ledger.used("acme").tokens_day == 12  # its own (taken up again) and b's
+    warned = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(warned) == 2 and "not a count" in warned[0] and "not this record's" in warned[1]
+    followers.tenants_list([kv("/cognitora/tenants/acme", VALID["tenant"]),
+                            kv("/cognitora/tenants/evil", {"tenant": "acme"})])  # fmt: skip
+    assert set(ledger.budgets) == {"acme"}
+    bad_edit = {"tenant": "acme", "budget": {"tokens_per_day": -1}}
+    followers.tenants_event(WatchEvent("put", kv("/cognitora/tenants/acme", bad_edit, rev=2)))
+    assert ledger.budgets == {}  # a budget edited into garbage limits nothing
+    followers.usage_event(WatchEvent("delete", kv("/cognitora/usage/b.w0", b"")))
+    assert ledger.used("acme").tokens_day == 5
 
 
 def test_a_key_edited_into_garbage_loses_its_access(followers: EtcdFollowers) -> None:
@@ -326,6 +361,8 @@ TYPED: dict[str, Callable[[Any], Any]] = {
     "efficiency": records.efficiency,
     "scaling": records.scaling,
     "api_key": parse_record,
+    "tenant": parse_tenant,
+    "usage": parse_usage,
 }
 
 
@@ -381,7 +418,8 @@ def test_a_snapshot_of_written_records_equals_the_one_read() -> None:
     [("cordon", "grace_s", 10**400), ("cordon", "since_unix", -(10**400)),
      ("efficiency", "tokens_per_joule", 10**400), ("replica_status", "failures", 10**400),
      ("efficiency", "at_unix", float("nan")), ("scaling", "desired", 10**400),
-     ("scaling", "demand", float("inf"))],
+     ("scaling", "demand", float("inf")), ("tenant", "budget", {"tokens_per_day": 10**400}),
+     ("usage", "tenants", {"acme": [10**400, 0, 0]}), ("usage", "updated_unix", float("nan"))],
 )  # fmt: skip
 def test_a_huge_or_non_finite_number_is_a_bad_record_not_a_crash(
     kind: str, field: str, value: Any

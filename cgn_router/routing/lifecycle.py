@@ -136,6 +136,7 @@ class Ended(NamedTuple):
     usage: Usage | None = None
     error: str = ""
     tenant: str = ""  # its key's (once authenticated)
+    endpoint: str = ""  # the id of the endpoint whose attempt answered ("": none did)
 
 
 Record = (
@@ -166,10 +167,10 @@ class Observer(Protocol):
 class Account:
     """One request's records, handed to its observers as they happen. Besides the records it
     holds what `Ended` needs: the model (the one the request means, once known; then the one
-    whose attempt answered, a fallback too) and the outcome (the last answering attempt's;
-    or, when routing gave up, why: no_endpoint, upstream_error)."""
+    whose attempt answered, a fallback too), the outcome (the last answering attempt's;
+    or, when routing gave up, why: no_endpoint, upstream_error) and that attempt's endpoint."""
 
-    __slots__ = ("attempts", "model", "observers", "outcome", "started", "tenant")
+    __slots__ = ("attempts", "endpoint", "model", "observers", "outcome", "started", "tenant")
 
     def __init__(self, observers: Sequence[Observer], started: float | None = None):
         self.observers = observers
@@ -177,6 +178,7 @@ class Account:
         self.model = ""
         self.tenant = ""  # once Asked: the key's
         self.outcome = ""
+        self.endpoint = ""  # the answering attempt's
         self.attempts = 0
 
     def emit(self, record: Record) -> None:
@@ -187,7 +189,7 @@ class Account:
             and record.leg == "client"
             and record.outcome not in ("failed", "busy")  # it answered the client
         ):
-            self.model, self.outcome = record.model, record.outcome
+            self.model, self.outcome, self.endpoint = record.model, record.outcome, record.endpoint
         for observer in self.observers:
             observer.observe(record)
 

@@ -29,6 +29,7 @@ VIEW_GAUGES = frozenset(
         "cgn_router_endpoint_kv_blocks",
         "cgn_autoscaler_desired_replicas",
         "cgn_autoscaler_current_replicas",
+        "cgn_router_tenant_budget_remaining",
     }
 )
 

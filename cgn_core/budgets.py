@@ -1,0 +1,292 @@
+"""Tenants' budgets over days and months, and the usage records every router publishes (#58).
+
+A tenant's record at `/cognitora/tenants/<tenant>` (written by `cgn-ctl tenants
+set`) carries its budget:
+
+    {"tenant": "acme", "budget": {"tokens_per_day": 2000000, "tokens_per_month": null,
+     "joules_per_day": 50000.0}, "note": ""}
+
+Periods are UTC calendar days and months: a day's budget resets at 00:00 UTC, a
+month's on its first day. Each router worker counts what it served (prompt and
+completion tokens from the answers' usage; joules where its node's efficiency is
+measured) and publishes it at `/cognitora/usage/<writer>`, one record per worker,
+kept across its restarts (it resumes from its own record) and counted by every
+other router until its month is over:
+
+    {"writer": "gpu-gw-1-8080.w0", "day": "2026-12-06", "month": "2026-12",
+     "updated_unix": 1796521234.5, "tenants": {"acme": [1200, 54000, 3.5]}}
+
+where each tenant's triple is (tokens today, tokens this month, joules today).
+A tenant's usage is the sum over every writer whose record is of the same
+period. Pure: no I/O; the router's ledger (cgn_router/ledger.py) and `cgn-ctl
+tenants` share it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgn_core import records
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # as API keys' tenants
+WRITER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_BUDGET = float(records.MAX_INT)
+MAX_TENANTS_PER_RECORD = 20_000  # a usage record naming more is refused whole
+_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_MONTH = re.compile(r"^\d{4}-\d{2}$")
+
+
+class BudgetError(ValueError):
+    """A budget, tenant or usage record that cannot be accepted; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What a tenant may consume per period; None: no limit on that."""
+
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+    joules_per_day: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return (
+            self.tokens_per_day is None
+            and self.tokens_per_month is None
+            and (self.joules_per_day is None)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens_per_day": self.tokens_per_day,
+            "tokens_per_month": self.tokens_per_month,
+            "joules_per_day": self.joules_per_day,
+        }
+
+
+def budget(
+    tokens_per_day: float | None, tokens_per_month: float | None, joules_per_day: float | None
+) -> Budget:
+    """A budget from figures a person typed; BudgetError names a figure that is not positive
+    and finite (NaN and infinity included) or not a whole number of tokens."""
+    for name, value, whole in (
+        ("tokens_per_day", tokens_per_day, True),
+        ("tokens_per_month", tokens_per_month, True),
+        ("joules_per_day", joules_per_day, False),
+    ):
+        if value is None:
+            continue
+        if not (math.isfinite(value) and 0 < value <= MAX_BUDGET):  # NOTE: NaN fails too
+            raise BudgetError(f"budget {name} must be positive (at most 2^53), got {value}")
+        if whole and value != int(value):
+            raise BudgetError(f"budget {name} must be a whole number of tokens, got {value}")
+    return Budget(
+        None if tokens_per_day is None else int(tokens_per_day),
+        None if tokens_per_month is None else int(tokens_per_month),
+        None if joules_per_day is None else float(joules_per_day),
+    )
+
+
+def parse_budget(doc: Any) -> Budget:
+    """A stored budget, every figure checked (it comes from etcd)."""
+    d = records.obj(doc if doc is not None else {}, "budget")
+    day = records.integer(d, "tokens_per_day", 0)
+    month = records.integer(d, "tokens_per_month", 0)
+    joules = records.number(d, "joules_per_day", None, 0.0, MAX_BUDGET)
+    return Budget(day or None, month or None, joules or None)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    tenant: str
+    budget: Budget = Budget()
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "budget": self.budget.to_json(), "note": self.note}
+
+
+def parse_tenant(doc: Any, name: str | None = None) -> TenantRecord:
+    """A stored tenant record; `name`: the tenant its key names (the two must agree)."""
+    try:
+        d = records.obj(doc, "tenant record")
+        tenant = records.text(d, "tenant", required=True)
+        if not TENANT_NAME.match(tenant):
+            raise records.RecordError("'tenant' must be 1-64 of [A-Za-z0-9._-]")
+        if name is not None and tenant != name:
+            raise records.RecordError(f"'tenant' is {tenant!r} in the record of {name!r}")
+        return TenantRecord(tenant, parse_budget(d.get("budget")), records.text(d, "note"))
+    except records.RecordError as exc:
+        raise BudgetError(f"tenant record: {exc}") from None
+
+
+# ---- periods -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """The UTC day and month a time falls in, and when each ends."""
+
+    day: str  # 2026-12-06
+    month: str  # 2026-12
+    day_ends_unix: float
+    month_ends_unix: float
+
+
+def period(now_unix: float) -> Period:
+    t = dt.datetime.fromtimestamp(now_unix, dt.UTC)
+    day_start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+    next_day = day_start + dt.timedelta(days=1)
+    first = day_start.replace(day=1)
+    next_month = first.replace(year=first.year + first.month // 12, month=first.month % 12 + 1)
+    return Period(
+        day_start.strftime("%Y-%m-%d"),
+        day_start.strftime("%Y-%m"),
+        next_day.timestamp(),
+        next_month.timestamp(),
+    )
+
+
+# ---- usage ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Used:
+    """A tenant's consumption in the current period."""
+
+    tokens_day: float = 0.0
+    tokens_month: float = 0.0
+    joules_day: float = 0.0
+
+    def add(self, other: Used) -> None:
+        self.tokens_day += other.tokens_day
+        self.tokens_month += other.tokens_month
+        self.joules_day += other.joules_day
+
+    def as_list(self) -> list[float]:
+        return [self.tokens_day, self.tokens_month, self.joules_day]
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    writer: str
+    day: str
+    month: str
+    updated_unix: float
+    tenants: Mapping[str, Used] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "writer": self.writer,
+            "day": self.day,
+            "month": self.month,
+            "updated_unix": self.updated_unix,
+            "tenants": {t: u.as_list() for t, u in self.tenants.items()},
+        }
+
+    def in_period(self, p: Period) -> dict[str, Used]:
+        """Its tenants' usage that counts in period `p`: all of it in the same day; the
+        month's tokens only in another day of the same month; nothing from another month."""
+        if self.month != p.month:
+            return {}
+        if self.day == p.day:
+            return dict(self.tenants)
+        return {t: Used(0.0, u.tokens_month, 0.0) for t, u in self.tenants.items()}
+
+
+def parse_usage(doc: Any, writer: str | None = None) -> UsageRecord:
+    """A usage record from etcd, every number bounded before it is used."""
+    try:
+        d = records.obj(doc, "usage record")
+        name = records.text(d, "writer", required=True)
+        if not WRITER_NAME.match(name) or (writer is not None and name != writer):
+            raise records.RecordError(f"'writer' {name[:40]!r} is not this record's")
+        day, month = records.text(d, "day", required=True), records.text(d, "month", required=True)
+        if not _DAY.match(day) or not _MONTH.match(month) or not day.startswith(month):
+            raise records.RecordError("'day' and 'month' must read YYYY-MM-DD and its YYYY-MM")
+        raw = records.obj(d.get("tenants") or {}, "tenants")
+        if len(raw) > MAX_TENANTS_PER_RECORD:
+            raise records.RecordError(f"more than {MAX_TENANTS_PER_RECORD} tenants")
+        tenants = {}
+        for tenant, triple in raw.items():
+            if not TENANT_NAME.match(tenant):
+                raise records.RecordError(f"tenant {tenant[:40]!r} is not a tenant name")
+            tenants[tenant] = _used(triple, tenant)
+        updated = records.number(d, "updated_unix", 0.0, 0.0) or 0.0
+        return UsageRecord(name, day, month, updated, tenants)
+    except records.RecordError as exc:
+        raise BudgetError(f"usage record: {exc}") from None
+
+
+def _used(triple: Any, tenant: str) -> Used:
+    if not isinstance(triple, list) or len(triple) != 3:
+        raise records.RecordError(f"tenant {tenant!r}: want [tokens today, this month, joules]")
+    for v in triple:  # NOTE: compared before float(): a 400-digit integer overflows it
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_BUDGET:
+            raise records.RecordError(f"tenant {tenant!r}: {v!r:.40} is not a count")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise records.RecordError(f"tenant {tenant!r}: {v!r} is not a count")
+    return Used(float(triple[0]), float(triple[1]), float(triple[2]))
+
+
+def total(usage: Iterable[UsageRecord], p: Period) -> dict[str, Used]:
+    """Each tenant's usage over every writer's record, in period `p`."""
+    out: dict[str, Used] = {}
+    for record in usage:
+        for tenant, used in record.in_period(p).items():
+            out.setdefault(tenant, Used()).add(used)
+    return out
+
+
+# ---- the decision --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted:
+    """A budget that `used` has reached: which, its figure, and when it resets."""
+
+    what: str  # tokens_per_day | tokens_per_month | joules_per_day
+    limit: float
+    used: float
+    resets_unix: float
+
+    def message(self, tenant: str) -> str:
+        unit = "joules" if self.what.startswith("joules") else "tokens"
+        per = self.what.rsplit("_", 1)[1]
+        when = dt.datetime.fromtimestamp(self.resets_unix, dt.UTC).strftime("%Y-%m-%d %H:%M")
+        return (
+            f"tenant {tenant!r} has used {self.used:.0f} of its {self.limit:.0f} {unit} per "
+            f"{per}; the budget resets at {when} UTC"
+        )
+
+
+def exhausted(b: Budget, used: Used, p: Period) -> Exhausted | None:
+    """The budget `used` has reached, the one that resets last first (None: within all)."""
+    hit = [
+        Exhausted(what, float(limit), spent, resets)
+        for what, limit, spent, resets in (
+            ("tokens_per_month", b.tokens_per_month, used.tokens_month, p.month_ends_unix),
+            ("tokens_per_day", b.tokens_per_day, used.tokens_day, p.day_ends_unix),
+            ("joules_per_day", b.joules_per_day, used.joules_day, p.day_ends_unix),
+        )
+        if limit is not None and spent >= limit
+    ]
+    return hit[0] if hit else None
+
+
+def remaining(b: Budget, used: Used) -> dict[str, float]:
+    """What is left of each budget set (never below 0)."""
+    out = {}
+    for what, limit, spent in (
+        ("tokens_per_day", b.tokens_per_day, used.tokens_day),
+        ("tokens_per_month", b.tokens_per_month, used.tokens_month),
+        ("joules_per_day", b.joules_per_day, used.joules_day),
+    ):
+        if limit is not None:
+            out[what] = max(0.0, limit - spent)
+    return out
