@@ -223,8 +223,12 @@ def test_a_tenants_budget_holds_across_routers_and_their_restarts(
         assert status == 429 and err["error"]["code"] == "budget_exhausted"
         assert "tokens per day; the budget resets at" in err["error"]["message"]
         assert 1 <= int(headers["Retry-After"]) <= 86401
-        took = until(lambda: call(second, key)[0] == 429, timeout_s=5)  # the second: too
-        assert took < 3.0  # its publish interval (1 s) and a watch delay
+        # once the first's count is published (within its 1 s interval), the second knows
+        # within a watch delay: it serves that tenant at most one request more
+        until(lambda: {r["tenant"]: r for r in tenants(etcd, "list")}["metered"]["exhausted"])
+        answers: list[int] = []
+        until(lambda: answers.append(call(second, key)[0]) or answers[-1] == 429, timeout_s=5)
+        assert answers.count(200) <= 1, answers
         rows = {r["tenant"]: r for r in tenants(etcd, "list")}
         assert rows["metered"]["exhausted"]["budget"] == "tokens_per_day"
         # bounded overshoot: what the first served past the budget was its last request
