@@ -10,7 +10,8 @@ is its etcd user. Cognitora's certificates carry the node id as CN, so:
   (`/cognitora/revoked/`). Nothing else: a node cannot place work on
   another, publish endpoints for another, or read API keys.
 * a node that runs a router also gets `cgn-router`: read all of
-  `/cognitora/`, write placements (the reconciler) and the leader keys.
+  `/cognitora/`, write placements (the reconciler), the leader keys and the
+  tenants' usage counts (budgets).
 * a node that runs cgn-metrics gets `cgn-metrics`: read all of `/cognitora/`,
   write the measured node efficiencies (`/cognitora/efficiency/`).
 * an operator identity (`cgn-ctl`) gets `root`; etcd requires a user named
@@ -77,6 +78,7 @@ ROUTER_GRANTS = (
     under(keys.PLACEMENTS, "readwrite"),
     under(keys.SCALING, "readwrite"),  # the autoscaler's decisions, for explain-scaling
     under(keys.LEADER, "readwrite"),
+    under(keys.USAGE, "readwrite"),  # each worker's count of tenants' usage (budgets)
 )
 METRICS_GRANTS = (
     under(keys.ROOT, "read"),

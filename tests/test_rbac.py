@@ -112,7 +112,9 @@ async def test_a_router_reads_everything_and_places(secured: LocalEtcd, pkidir: 
         await r1.get_prefix("/cognitora/")
         assert not await refused(r1, "/cognitora/placements/n2/c")
         assert not await refused(r1, "/cognitora/leader/reconciler")
+        assert not await refused(r1, "/cognitora/usage/r1.w0")  # its count of tenants' usage
         assert await refused(r1, "/cognitora/keys/00000000")  # ctl's, not the router's
+        assert await refused(r1, "/cognitora/tenants/acme")  # budgets are ctl's too
         assert await refused(r1, "/cognitora/nodes/n2")
 
 
