@@ -9,36 +9,36 @@ set`) carries its budget:
 Periods are UTC calendar days and months: a day's budget resets at 00:00 UTC, a
 month's on its first day. Each router worker counts what it served (prompt and
 completion tokens from the answers' usage; joules where its node's efficiency is
-measured) and publishes it at `/cognitora/usage/<writer>`, one record per worker,
-kept across its restarts (it resumes from its own record) and counted by every
-other router until its month is over:
+measured) and publishes it per tenant at `/cognitora/usage/<writer>/<tenant>`,
+only the tenants whose count changed since its last write, kept across its
+restarts (it resumes from its own records) and counted by every other router
+until its month is over:
 
-    {"writer": "gpu-gw-1-8080.w0", "day": "2026-12-06", "month": "2026-12",
-     "updated_unix": 1796521234.5, "tenants": {"acme": [1200, 54000, 3.5]}}
+    ["2026-12-06", 1200, 54000, 3.5]
 
-where each tenant's triple is (tokens today, tokens this month, joules today).
-A tenant's usage is the sum over every writer whose record is of the same
-period. Pure: no I/O; the router's ledger (cgn_router/ledger.py) and `cgn-ctl
-tenants` share it.
+(the day, tokens that day, tokens that month, joules that day). A tenant's usage is the sum
+over every writer's record of the same period. One record per writer and
+tenant keeps each update as small as what changed: a router follows the
+others' traffic, not the size of the tenant list. Pure: no I/O; the router's
+ledger (cgn_router/ledger.py) and `cgn-ctl tenants` share it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from cgn_core import records
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # as API keys' tenants
 WRITER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_BUDGET = float(records.MAX_INT)
-MAX_TENANTS_PER_RECORD = 20_000  # a usage record naming more is refused whole
 _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-_MONTH = re.compile(r"^\d{4}-\d{2}$")
 
 
 class BudgetError(ValueError):
@@ -172,74 +172,67 @@ class Used:
         return [self.tokens_day, self.tokens_month, self.joules_day]
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRecord:
+class UsageEntry(NamedTuple):
+    """One writer's count of one tenant, as published at /cognitora/usage/<writer>/<tenant>:
+    `[day, tokens today, tokens this month, joules today]` (a NamedTuple and a JSON list:
+    every router reads every other's, several thousand a second in a busy fleet)."""
+
     writer: str
-    day: str
-    month: str
-    updated_unix: float
-    tenants: Mapping[str, Used] = field(default_factory=dict)
+    tenant: str
+    day: str  # YYYY-MM-DD; its month is the first 7 characters
+    used: Used
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "writer": self.writer,
-            "day": self.day,
-            "month": self.month,
-            "updated_unix": self.updated_unix,
-            "tenants": {t: u.as_list() for t, u in self.tenants.items()},
-        }
+    @property
+    def key(self) -> str:
+        return f"{self.writer}/{self.tenant}"
 
-    def in_period(self, p: Period) -> dict[str, Used]:
-        """Its tenants' usage that counts in period `p`: all of it in the same day; the
-        month's tokens only in another day of the same month; nothing from another month."""
-        if self.month != p.month:
-            return {}
+    @property
+    def month(self) -> str:
+        return self.day[:7]
+
+    def to_json(self) -> list[Any]:
+        return [self.day, *self.used.as_list()]
+
+    def in_period(self, p: Period) -> Used:
+        """What counts of it in period `p`: all of it in the same day; the month's tokens
+        in another day of the same month; nothing from another month."""
         if self.day == p.day:
-            return dict(self.tenants)
-        return {t: Used(0.0, u.tokens_month, 0.0) for t, u in self.tenants.items()}
+            return self.used
+        if self.day[:7] != p.month:
+            return Used()
+        return Used(0.0, self.used.tokens_month, 0.0)
 
 
-def parse_usage(doc: Any, writer: str | None = None) -> UsageRecord:
-    """A usage record from etcd, every number bounded before it is used."""
-    try:
-        d = records.obj(doc, "usage record")
-        name = records.text(d, "writer", required=True)
-        if not WRITER_NAME.match(name) or (writer is not None and name != writer):
-            raise records.RecordError(f"'writer' {name[:40]!r} is not this record's")
-        day, month = records.text(d, "day", required=True), records.text(d, "month", required=True)
-        if not _DAY.match(day) or not _MONTH.match(month) or not day.startswith(month):
-            raise records.RecordError("'day' and 'month' must read YYYY-MM-DD and its YYYY-MM")
-        raw = records.obj(d.get("tenants") or {}, "tenants")
-        if len(raw) > MAX_TENANTS_PER_RECORD:
-            raise records.RecordError(f"more than {MAX_TENANTS_PER_RECORD} tenants")
-        tenants = {}
-        for tenant, triple in raw.items():
-            if not TENANT_NAME.match(tenant):
-                raise records.RecordError(f"tenant {tenant[:40]!r} is not a tenant name")
-            tenants[tenant] = _used(triple, tenant)
-        updated = records.number(d, "updated_unix", 0.0, 0.0) or 0.0
-        return UsageRecord(name, day, month, updated, tenants)
-    except records.RecordError as exc:
-        raise BudgetError(f"usage record: {exc}") from None
+@functools.lru_cache(maxsize=1 << 16)
+def usage_key(key: str) -> tuple[str, str]:
+    """(writer, tenant) of a usage record's key below /cognitora/usage/; BudgetError if it
+    names no writer and tenant (remembered: the same keys come back every second)."""
+    writer, _, tenant = key.partition("/")
+    if not WRITER_NAME.match(writer) or not TENANT_NAME.match(tenant):
+        raise BudgetError(f"usage record key {key[:80]!r}: want <writer>/<tenant>")
+    return writer, tenant
 
 
-def _used(triple: Any, tenant: str) -> Used:
-    if not isinstance(triple, list) or len(triple) != 3:
-        raise records.RecordError(f"tenant {tenant!r}: want [tokens today, this month, joules]")
-    for v in triple:  # NOTE: compared before float(): a 400-digit integer overflows it
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_BUDGET:
-            raise records.RecordError(f"tenant {tenant!r}: {v!r:.40} is not a count")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise records.RecordError(f"tenant {tenant!r}: {v!r} is not a count")
-    return Used(float(triple[0]), float(triple[1]), float(triple[2]))
+def parse_usage(doc: Any, key: str) -> UsageEntry:
+    """A usage record from etcd (its key below /cognitora/usage/ names its writer and
+    tenant), every number bounded before it is used."""
+    writer, tenant = usage_key(key)
+    if type(doc) is not list or len(doc) != 4:
+        raise BudgetError("usage record: want [day, tokens today, this month, joules today]")
+    day, today, month, joules = doc
+    if type(day) is not str or not _DAY.match(day):
+        raise BudgetError(f"usage record: the day {day!r:.40} must read YYYY-MM-DD")
+    for v in (today, month, joules):  # NOTE: bounded before float(): 10**400 overflows it
+        if (type(v) is not int and type(v) is not float) or not 0 <= v <= MAX_BUDGET:
+            raise BudgetError(f"usage record: {v!r:.40} is not a count")  # NaN fails too
+    return UsageEntry(writer, tenant, day, Used(float(today), float(month), float(joules)))
 
 
-def total(usage: Iterable[UsageRecord], p: Period) -> dict[str, Used]:
+def total(usage: Iterable[UsageEntry], p: Period) -> dict[str, Used]:
     """Each tenant's usage over every writer's record, in period `p`."""
     out: dict[str, Used] = {}
-    for record in usage:
-        for tenant, used in record.in_period(p).items():
-            out.setdefault(tenant, Used()).add(used)
+    for entry in usage:
+        out.setdefault(entry.tenant, Used()).add(entry.in_period(p))
     return out
 
 

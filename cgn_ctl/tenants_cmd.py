@@ -21,7 +21,7 @@ from cgn_core.budgets import (
     Budget,
     BudgetError,
     TenantRecord,
-    UsageRecord,
+    UsageEntry,
     Used,
     budget,
     exhausted,
@@ -53,7 +53,7 @@ def _parsed(kvs: list[Any], parse: Any) -> list[Any]:
     return out
 
 
-async def _read(c: EtcdClient) -> tuple[list[KeyRecord], list[TenantRecord], list[UsageRecord]]:
+async def _read(c: EtcdClient) -> tuple[list[KeyRecord], list[TenantRecord], list[UsageEntry]]:
     key_kvs, _ = await c.get_prefix(keys.API_KEYS)
     tenant_kvs, _ = await c.get_prefix(keys.TENANTS)
     usage_kvs, _ = await c.get_prefix(keys.USAGE)
@@ -67,7 +67,7 @@ async def _read(c: EtcdClient) -> tuple[list[KeyRecord], list[TenantRecord], lis
 def tenant_rows(
     key_records: list[KeyRecord],
     tenants: list[TenantRecord],
-    usage: list[UsageRecord],
+    usage: list[UsageEntry],
     now_unix: float,
 ) -> list[dict[str, Any]]:
     """One row per tenant named by a key, a budget or a usage record (pure: for the tests)."""

@@ -111,7 +111,7 @@ def build_service(
     if ledger is not None:
         metrics.watch_budgets(ledger.remaining_rows)
     if settings.admission.enabled:
-        svc.gate = Gate(settings.admission, registry, metrics)
+        svc.gate = Gate(settings.admission, registry, metrics, load)
     try:
         static = [endpoint_from_static(name, e) for name, e in settings.endpoints.items()]
     except ValueError as exc:

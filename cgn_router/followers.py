@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 
 from cgn_core import keys
 from cgn_core.apikeys import parse_record
-from cgn_core.budgets import TenantRecord, UsageRecord, parse_tenant, parse_usage
+from cgn_core.budgets import (
+    BudgetError,
+    TenantRecord,
+    UsageEntry,
+    parse_tenant,
+    parse_usage,
+    usage_key,
+)
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
 from cgn_router.catalog import entry_from_etcd
@@ -239,25 +246,28 @@ class EtcdFollowers:
         budget = record.budget if record is not None else None
         self.svc.ledger.set_budget(ev.kv.key[len(keys.TENANTS) :], budget)
 
-    def _usage(self, kv: KeyValue) -> UsageRecord | None:
+    def _usage(self, kv: KeyValue) -> UsageEntry | None:
         return self._parse(kv, lambda doc: parse_usage(doc, kv.key[len(keys.USAGE) :]))
 
     def usage_list(self, kvs: list[KeyValue]) -> None:
         ledger = self.svc.ledger
         assert ledger is not None
-        parsed = {r.writer: r for kv in kvs if (r := self._usage(kv)) is not None}
-        if (mine := parsed.get(ledger.writer)) is not None:
-            ledger.resume(mine)  # what this writer counted before it restarted
+        parsed = [e for kv in kvs if (e := self._usage(kv)) is not None]
+        ledger.resume(e for e in parsed if e.writer == ledger.writer)  # before a restart
         ledger.resumed = True
         ledger.replace_others(parsed)
 
     def usage_event(self, ev: WatchEvent) -> None:
         ledger = self.svc.ledger
         assert ledger is not None
-        if ev.kind == "delete" or (record := self._usage(ev.kv)) is None:
-            ledger.delete_other(ev.kv.key[len(keys.USAGE) :])
+        if ev.kind == "delete" or (entry := self._usage(ev.kv)) is None:
+            try:
+                writer, tenant = usage_key(ev.kv.key[len(keys.USAGE) :])
+            except BudgetError:  # a key that never parses was never counted
+                return
+            ledger.delete_other(writer, tenant)
         else:
-            ledger.put_other(record)
+            ledger.put_other(entry)
 
 
 def routing_policy(doc: Any) -> RoutingChain:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from cgn_core.errors import Overloaded, UpstreamTimeout
 from cgn_router.metrics import RouterMetrics
@@ -23,16 +24,24 @@ from cgn_router.registry import Registry
 from cgn_router.routing.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.settings import AdmissionSettings
 from cgn_router.types import EndpointId
+from cgn_router.workers.shared import SharedLoad
 
 log = logging.getLogger(__name__)
 REFRESH_S = 0.5
 
 
 class Gate:
-    def __init__(self, settings: AdmissionSettings, registry: Registry, metrics: RouterMetrics):
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        registry: Registry,
+        metrics: RouterMetrics,
+        shared: SharedLoad | None = None,
+    ):
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
+        self.shared = shared  # with several workers: each pool's admitted requests, per worker
         self.adm = Admission(settings.bands)
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.learned: dict[EndpointId, Capacity] = {}
@@ -72,8 +81,10 @@ class Gate:
         prompt's tokens, charged to `tenant` (over its `weight`) when it is admitted."""
         started = time.monotonic()
         ticket = Ticket(band, tenant, pool, started, cost=cost, weight=weight)
+        self._elsewhere((pool,))
         verdict = self.adm.offer(ticket)
         if verdict is Verdict.ADMIT:
+            self._publish(pool)
             return 0.0
         if verdict is not Verdict.QUEUED:
             self.metrics.admission_rejections.labels(band, verdict.value).inc()
@@ -102,16 +113,30 @@ class Gate:
         if charge is not None:
             self.adm.charge(*charge)
         self.adm.release(pool)
+        self._publish(pool)
         self._pump()
 
     def _pump(self) -> None:
+        if self.shared is not None:
+            self._elsewhere([t[0].pool for q in self.adm.queues.values() for t in q.values()])
         for ticket in self.adm.dispatch():
             fut = self.waiting.pop(ticket.id, None)
             if fut is None or fut.done():
                 self.adm.release(ticket.pool)
             else:
                 fut.set_result(None)
+            self._publish(ticket.pool)
             self._depth(ticket.band)
+
+    def _elsewhere(self, pools: Iterable[str]) -> None:
+        """The other workers' admitted requests in `pools`, as they stand now."""
+        if self.shared is not None:
+            for pool in set(pools):
+                self.adm.workers[pool] = self.shared.admitted_elsewhere(pool)
+
+    def _publish(self, pool: str) -> None:
+        if self.shared is not None:
+            self.shared.publish_admitted(pool, self.adm.active[pool])
 
     def _depth(self, band: str) -> None:
         self.metrics.queue_depth.labels(band).set(self.adm.depth[band])

@@ -2,19 +2,20 @@
 
 Each router worker is one writer. It counts what it serves (`LedgerObserver`, from
 each request's `Ended`: prompt and completion tokens; joules where the node that
-answered has a measured efficiency), publishes its count to etcd at most every
-`publish_s` when it changed (`publish`), and follows every other writer's record
-(followers.py). A tenant's usage is its own count plus the others' last records, so
+answered has a measured efficiency), publishes the counts of the tenants it served at
+most every `publish_s` (`publish`: one record per tenant, only those that changed, in
+transactions of up to 100), and follows every other writer's records (followers.py).
+A tenant's usage is its own count plus the others' last records, so
 several routers and workers hold one budget: a worker sees another's usage within
 `publish_s` plus etcd's watch delay (one etcd round trip). A budget can therefore be
 overrun by what the other writers served in that window, plus the requests in
 flight when it was reached (each is charged when it ends).
 
-A worker resumes from its own record when it starts (the usage is kept across a
+A worker resumes from its own records when it starts (the usage is kept across a
 restart); its writer name is `budgets.instance` (default: the host's name and the
-OpenAI port) and its worker index, so a restarted router takes its record back up.
-A record from a past month counts for nothing and is deleted by the next worker to
-publish in the new month.
+OpenAI port) and its worker index, so a restarted router takes its records back up.
+A record from a past month counts for nothing; each worker deletes those it knows of
+when it starts and when a month begins.
 """
 
 from __future__ import annotations
@@ -33,15 +34,14 @@ from cgn_core.budgets import (
     Budget,
     Exhausted,
     Period,
-    UsageRecord,
+    UsageEntry,
     Used,
     exhausted,
     period,
     remaining,
-    total,
 )
 from cgn_core.errors import CognitoraError, RateLimited
-from cgn_core.etcd import EtcdClient
+from cgn_core.etcd import EtcdClient, Op
 from cgn_core.settings import EtcdSettings
 from cgn_router.routing.lifecycle import Ended, Record
 from cgn_router.settings import BudgetSettings
@@ -68,11 +68,15 @@ class Ledger:
         self.writer, self.clock = writer, clock
         self.period: Period = period(clock())
         self.own: dict[str, Used] = {}
-        self.others: dict[str, UsageRecord] = {}  # writer -> its last record
+        self.changed: set[str] = set()  # tenants whose own count is not yet published
+        self.others: dict[str, dict[str, UsageEntry]] = {}  # tenant -> writer -> its record
         self.budgets: dict[str, Budget] = {}  # tenant -> its budget (tenants with one only)
-        self.dirty = False  # own changed since the last publish
         self.resumed = False
-        self._theirs: dict[str, Used] | None = None  # the others' total in this period
+        self._swept = ""  # the month whose past records were last deleted
+        self._own_past: set[str] = set()  # this writer's records of a month that is over
+        # the others' usage of each tenant with a budget in this period, kept as their
+        # records come: a record changes its own tenant's sum, nothing else
+        self._theirs: dict[str, Used] = {}
 
     # ---- counting ------------------------------------------------------------------------
 
@@ -87,8 +91,11 @@ class Ledger:
             if new_month:
                 used.tokens_month = 0.0
         if new_month:
-            self.own = {t: u for t, u in self.own.items() if u.tokens_month}
-        self.period, self._theirs, self.dirty = p, None, True
+            self._own_past.update(f"{self.writer}/{t}" for t in self.own)
+            self.own = {}
+            self.changed.clear()
+        self.period = p
+        self._recount()
 
     def charge(self, tenant: str, tokens: float, joules: float = 0.0) -> None:
         if tokens <= 0 and joules <= 0:
@@ -100,18 +107,27 @@ class Ledger:
         used.tokens_day += tokens
         used.tokens_month += tokens
         used.joules_day += joules
-        self.dirty = True
+        self.changed.add(tenant)
 
     def used(self, tenant: str) -> Used:
         """`tenant`'s usage in this period, over every writer."""
         self._roll(self.clock())
-        if self._theirs is None:
-            self._theirs = total(self.others.values(), self.period)
-        out = Used()
-        for part in (self.own.get(tenant), self._theirs.get(tenant)):
-            if part is not None:
-                out.add(part)
+        theirs = self._theirs.get(tenant)
+        if theirs is None:  # a tenant without a budget: no sum kept, counted now
+            theirs = self._count(tenant)
+        out = Used(*theirs.as_list())
+        if (mine := self.own.get(tenant)) is not None:
+            out.add(mine)
         return out
+
+    def _count(self, tenant: str) -> Used:
+        out = Used()
+        for entry in self.others.get(tenant, {}).values():
+            out.add(entry.in_period(self.period))
+        return out
+
+    def _recount(self) -> None:
+        self._theirs = {tenant: self._count(tenant) for tenant in self.budgets}
 
     def check(self, tenant: str) -> Exhausted | None:
         """The budget `tenant` has used up, if any (a tenant without a budget: None)."""
@@ -142,47 +158,92 @@ class Ledger:
 
     # ---- what etcd says --------------------------------------------------------------------
 
-    def record(self) -> UsageRecord:
-        """This writer's record, to publish."""
+    def pending(self) -> list[UsageEntry]:
+        """This writer's records whose count changed since they were last taken, to publish
+        (`unsent` puts back what could not be written)."""
         self._roll(self.clock())
-        p = self.period
-        return UsageRecord(self.writer, p.day, p.month, self.clock(), dict(self.own))
+        day = self.period.day
+        out = [
+            UsageEntry(self.writer, t, day, Used(*self.own[t].as_list()))
+            for t in sorted(self.changed)
+            if t in self.own
+        ]
+        self.changed.clear()
+        return out
 
-    def resume(self, mine: UsageRecord) -> None:
-        """Take up this writer's own published record (once, when it starts): what it counted
-        before a restart counts on."""
+    def unsent(self, entries: Iterable[UsageEntry]) -> None:
+        self.changed.update(e.tenant for e in entries)
+
+    def resume(self, mine: Iterable[UsageEntry]) -> None:
+        """Take up this writer's own published records (once, when it starts): what it
+        counted before a restart counts on."""
         if self.resumed:
             return
         self.resumed = True
         self._roll(self.clock())
-        for tenant, used in mine.in_period(self.period).items():
-            self.own.setdefault(tenant, Used()).add(used)
+        for entry in mine:
+            if entry.month < self.period.month:
+                self._own_past.add(entry.key)
+            else:
+                self.own.setdefault(entry.tenant, Used()).add(entry.in_period(self.period))
 
-    def replace_others(self, records: Mapping[str, UsageRecord]) -> None:
-        self.others = {w: r for w, r in records.items() if w != self.writer}
-        self._theirs = None
+    def replace_others(self, entries: Iterable[UsageEntry]) -> None:
+        self.others = {}
+        for e in entries:
+            if e.writer != self.writer:
+                self.others.setdefault(e.tenant, {})[e.writer] = e
+        self._recount()
 
-    def put_other(self, record: UsageRecord) -> None:
-        if record.writer != self.writer:
-            self.others[record.writer] = record
-            self._theirs = None
+    def put_other(self, entry: UsageEntry) -> None:
+        if entry.writer != self.writer:
+            writers = self.others.setdefault(entry.tenant, {})
+            self._move(entry.tenant, writers.get(entry.writer), entry)
+            writers[entry.writer] = entry
 
-    def delete_other(self, writer: str) -> None:
-        if self.others.pop(writer, None) is not None:
-            self._theirs = None
+    def delete_other(self, writer: str, tenant: str) -> None:
+        writers = self.others.get(tenant)
+        if writers is not None and (gone := writers.pop(writer, None)) is not None:
+            self._move(tenant, gone, None)
+            if not writers:
+                del self.others[tenant]
+
+    def _move(self, tenant: str, old: UsageEntry | None, new: UsageEntry | None) -> None:
+        """A writer's record of `tenant` went from `old` to `new`: the tenant's kept sum
+        follows (a tenant without a budget has none)."""
+        theirs = self._theirs.get(tenant)
+        if theirs is None:
+            return
+        if old is not None:
+            gone = old.in_period(self.period)
+            theirs.tokens_day = max(0.0, theirs.tokens_day - gone.tokens_day)
+            theirs.tokens_month = max(0.0, theirs.tokens_month - gone.tokens_month)
+            theirs.joules_day = max(0.0, theirs.joules_day - gone.joules_day)
+        if new is not None:
+            theirs.add(new.in_period(self.period))
 
     def set_budgets(self, budgets: Mapping[str, Budget]) -> None:
         self.budgets = {t: b for t, b in budgets.items() if not b.empty}
+        self._recount()
 
     def set_budget(self, tenant: str, b: Budget | None) -> None:
         if b is None or b.empty:
             self.budgets.pop(tenant, None)
+            self._theirs.pop(tenant, None)
         else:
             self.budgets[tenant] = b
+            self._theirs[tenant] = self._count(tenant)
 
-    def past(self) -> Iterable[str]:
-        """The writers whose records are of a month that is over."""
-        return [w for w, r in self.others.items() if r.month < self.period.month]
+    def past(self) -> list[str]:
+        """The keys (<writer>/<tenant>) of records of a month that is over, every writer's:
+        once when this writer starts and once a month (each router sweeps; deleting twice
+        is harmless)."""
+        month = self.period.month
+        if self._swept == month:
+            return []
+        self._swept = month
+        theirs = [e.key for ws in self.others.values() for e in ws.values() if e.month < month]
+        mine, self._own_past = sorted(self._own_past), set()
+        return theirs + mine
 
 
 class LedgerObserver:
@@ -205,7 +266,7 @@ class LedgerObserver:
 
 
 async def publish(ledger: Ledger, etcd: EtcdSettings, publish_s: float) -> None:
-    """Write this writer's record when it changed, at most every `publish_s`, and once more
+    """Write this writer's changed records, at most every `publish_s`, and once more
     when the router stops (after its drain: the last requests count); delete the records
     of months that are over. A failed write is logged and tried again."""
     async with EtcdClient(etcd) as client:
@@ -219,14 +280,19 @@ async def publish(ledger: Ledger, etcd: EtcdSettings, publish_s: float) -> None:
             raise
 
 
+TXN_OPS = 100  # records per etcd transaction (etcd's default limit is 128)
+
+
 async def _write(ledger: Ledger, client: EtcdClient) -> None:
-    if not ledger.dirty:
-        return
-    ledger.dirty = False
+    entries = ledger.pending()
     try:
-        await client.put_json(keys.USAGE + ledger.writer, ledger.record().to_json())
-        for writer in ledger.past():
-            await client.delete(keys.USAGE + writer)
+        for at in range(0, len(entries), TXN_OPS):
+            batch = entries[at : at + TXN_OPS]
+            await client.txn([], [Op.put_json(keys.USAGE + e.key, e.to_json()) for e in batch])
+            del entries[: len(batch)]
+        gone = ledger.past()
+        for at in range(0, len(gone), TXN_OPS):
+            await client.txn([], [Op.delete(keys.USAGE + k) for k in gone[at : at + TXN_OPS]])
     except CognitoraError as exc:  # etcd away (Unavailable) or refusing: the next round
-        ledger.dirty = True
+        ledger.unsent(entries)
         log.warning("usage ledger: could not publish (%s); trying again", exc)

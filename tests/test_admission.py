@@ -3,6 +3,7 @@ cancellation."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -218,3 +219,43 @@ def test_the_gate_reads_other_routers_load_from_the_scrapes() -> None:
     state.load = EngineLoad(running=2, waiting=0, scraped_at=now + 1, own_in_flight=4)
     gate.refresh()
     assert gate.adm.others == {"m": 0.0}  # ours still in transit: never negative
+
+
+async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
+    """Two workers' gates over one shared table: what one admits counts against the other's
+    ceiling at once, not from the next scrape (#58: two workers together had admitted past
+    the engine's batch); a finished request frees its slot for either."""
+    import os
+
+    from cgn_router.gate import Gate
+    from cgn_router.metrics import RouterMetrics
+    from cgn_router.registry import Registry, Sessions
+    from cgn_router.routing.kv_index import PrefixIndex
+    from cgn_router.settings import AdmissionSettings, BreakerSettings
+    from cgn_router.types import Endpoint, EndpointId
+    from cgn_router.workers import shared
+
+    fd = shared.create(shared.LOAD, 2)
+    tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]
+    try:
+        gates = []
+        for table in tables:
+            reg = Registry(BreakerSettings(), PrefixIndex(60, 1000, 5), Sessions(60), stale_s=5.0)
+            reg.upsert(Endpoint(EndpointId("m/a"), "m", "http://127.0.0.1:1"), "static")
+            gate = Gate(AdmissionSettings(default_capacity=2), reg, RouterMetrics(), table)
+            gate.refresh()
+            gates.append(gate)
+        one, two = gates
+        assert await one.enter("gold", "a", "m") == 0.0
+        assert await one.enter("gold", "a", "m") == 0.0  # the batch of 2 is full
+        waiting = asyncio.ensure_future(two.enter("gold", "b", "m"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # the other worker's two count here
+        one.leave("m")
+        two._tick()  # its next tick: the slot the first freed is free for it
+        assert await asyncio.wait_for(waiting, 1.0) >= 0.0
+        assert two.adm.saturation("m") == 1.0  # one here, one there
+    finally:
+        for table in tables:
+            table.close()
+        os.close(fd)

@@ -200,8 +200,8 @@ def test_a_tenants_budget_holds_across_routers_and_their_restarts(
               "reconciler": {"enabled": False}, "budgets": {"instance": "second"}}  # fmt: skip
 
     def mine() -> Any:  # the second router's published count of "metered"
-        doc = etcd_run(etcd.endpoint, lambda c: c.get_json("/cognitora/usage/second.w0"))
-        return (doc or {}).get("tenants", {}).get("metered", [0, 0, 0])[0]
+        doc = etcd_run(etcd.endpoint, lambda c: c.get_json("/cognitora/usage/second.w0/metered"))
+        return doc[1] if doc else 0  # [day, tokens today, this month, joules today]
 
     served = 0
     with cgn_router(tmp_path, config) as second:

@@ -12,11 +12,10 @@ import math
 import pytest
 
 from cgn_core.budgets import (
-    MAX_TENANTS_PER_RECORD,
     Budget,
     BudgetError,
     TenantRecord,
-    UsageRecord,
+    UsageEntry,
     Used,
     budget,
     exhausted,
@@ -80,21 +79,25 @@ def test_records_round_trip_and_a_bad_one_names_its_field() -> None:
     with pytest.raises(BudgetError, match="in the record of 'other'"):
         parse_tenant({"tenant": "acme"}, "other")
 
-    usage = UsageRecord("gw-8080.w0", "2026-12-06", "2026-12", 1.5, {"acme": Used(1, 2, 0.5)})
-    assert parse_usage(json.loads(json.dumps(usage.to_json())), "gw-8080.w0") == usage
+    usage = UsageEntry("gw-8080.w0", "acme", "2026-12-06", Used(1, 2, 0.5))
+    assert usage.key == "gw-8080.w0/acme" and usage.month == "2026-12"
+    assert parse_usage(json.loads(json.dumps(usage.to_json())), usage.key) == usage
     good = usage.to_json()
-    for change, why in [
-        ({"tenants": {"acme": [10**400, 0, 0]}}, "is not a count"),
-        ({"tenants": {"acme": [math.nan, 0, 0]}}, "is not a count"),
-        ({"tenants": {"acme": [-1, 0, 0]}}, "is not a count"),
-        ({"tenants": {"acme": [1, 2]}}, "want \\[tokens today"),
-        ({"tenants": {"a b": [1, 2, 3]}}, "not a tenant name"),
-        ({"day": "2026-11-30"}, "'day' and 'month'"),
-        ({"writer": "other.w0"}, "not this record's"),
-        ({"tenants": {f"t{i}": [0, 0, 0] for i in range(MAX_TENANTS_PER_RECORD + 1)}}, "more"),
+    for bad, why in [
+        (["2026-12-06", 10**400, 0, 0], "is not a count"),
+        (["2026-12-06", math.nan, 0, 0], "is not a count"),
+        (["2026-12-06", math.inf, 0, 0], "is not a count"),
+        (["2026-12-06", -1, 0, 0], "is not a count"),
+        (["2026-12-06", True, 0, 0], "is not a count"),
+        (["2026-12-06", 1, 2], "want \\[day, tokens today"),
+        ({"day": "2026-12-06"}, "want \\[day, tokens today"),
+        (["06/12/2026", 1, 2, 3], "must read YYYY-MM-DD"),
     ]:
         with pytest.raises(BudgetError, match=why):
-            parse_usage({**good, **change}, "gw-8080.w0")
+            parse_usage(bad, usage.key)
+    for key in ("gw-8080.w0", "gw-8080.w0/a b", "/acme", "gw/../x/acme"):
+        with pytest.raises(BudgetError, match="want <writer>/<tenant>"):
+            parse_usage(good, key)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +133,10 @@ def test_the_budget_that_resets_last_is_the_one_reported() -> None:
     }
 
 
+def entry(writer: str, tenant: str, day: str, used: tuple[float, float, float]) -> UsageEntry:
+    return UsageEntry(writer, tenant, day, Used(*used))
+
+
 def test_the_ledger_counts_every_writer_and_refuses_with_the_reset_time() -> None:
     clock = Clock("2026-12-06T22:00:00")
     ledger = Ledger("gw.w0", clock)
@@ -137,11 +144,13 @@ def test_the_ledger_counts_every_writer_and_refuses_with_the_reset_time() -> Non
     assert "free" not in ledger.budgets  # an empty budget limits nothing
     ledger.charge("acme", 600)
     ledger.admit("acme")  # 600 of 1000
-    theirs = UsageRecord("gw.w1", "2026-12-06", "2026-12", clock(), {"acme": Used(400, 400, 0)})
-    stale = UsageRecord("old.w0", "2026-12-05", "2026-12", clock(), {"acme": Used(900, 900, 0)})
-    gone = UsageRecord("older.w0", "2026-11-30", "2026-11", clock(), {"acme": Used(9, 9, 0)})
-    ledger.replace_others({r.writer: r for r in (theirs, stale, gone)})
-    assert ledger.used("acme").as_list() == [1000, 1900, 0]  # yesterday counts in the month
+    ledger.replace_others([
+        entry("gw.w1", "acme", "2026-12-06", (400, 400, 0)),
+        entry("old.w0", "acme", "2026-12-05", (900, 900, 0)),  # yesterday: its month counts
+        entry("older.w0", "acme", "2026-11-30", (9, 9, 0)),  # last month: nothing
+        entry("gw.w0", "acme", "2026-12-06", (5, 5, 0)),  # its own: not another's
+    ])  # fmt: skip
+    assert ledger.used("acme").as_list() == [1000, 1900, 0]
     with pytest.raises(RateLimited) as refused:
         ledger.admit("acme")
     err = refused.value
@@ -149,30 +158,43 @@ def test_the_ledger_counts_every_writer_and_refuses_with_the_reset_time() -> Non
     assert "used 1000 of its 1000 tokens per day" in err.message
     assert "resets at 2026-12-07 00:00 UTC" in err.message
     ledger.admit("other")  # a tenant without a budget is never refused
-    assert ledger.past() == ["older.w0"]
+    assert ledger.past() == ["older.w0/acme"] and ledger.past() == []  # once a month
+    ledger.put_other(entry("gw.w1", "acme", "2026-12-06", (300, 300, 0)))  # replaces its last
+    ledger.put_other(entry("gw.w2", "beta", "2026-12-06", (50, 50, 0)))
+    assert ledger.used("acme").as_list() == [900, 1800, 0]
+    assert ledger.used("beta").as_list() == [50, 50, 0]  # no budget: counted when asked
+    ledger.delete_other("old.w0", "acme")
+    assert ledger.used("acme").as_list() == [900, 900, 0]
+    assert [(e.key, e.used.as_list()) for e in ledger.pending()] == [("gw.w0/acme", [600, 600, 0])]
+    assert ledger.pending() == []  # nothing changed since
     clock.now = utc("2026-12-07T00:00:01")  # the next day: the day's count starts again
-    theirs = UsageRecord("gw.w1", "2026-12-07", "2026-12", clock(), {"acme": Used(0, 400, 0)})
-    ledger.put_other(theirs)
+    ledger.put_other(entry("gw.w1", "acme", "2026-12-07", (0, 300, 0)))
     ledger.admit("acme")
-    assert ledger.used("acme").as_list() == [0, 1900, 0]
-    assert ledger.record().to_json()["tenants"] == {"acme": [0, 600, 0]}
+    assert ledger.used("acme").as_list() == [0, 900, 0]
+    ledger.charge("acme", 10)
+    [mine] = ledger.pending()
+    assert (mine.day, mine.used.as_list()) == ("2026-12-07", [10, 610, 0])
+    ledger.unsent([mine])  # etcd refused it: taken again next time
+    assert [e.key for e in ledger.pending()] == ["gw.w0/acme"]
     clock.now = utc("2027-01-01T00:00:00")  # a new month: nothing of December counts
     assert ledger.used("acme").as_list() == [0, 0, 0] and ledger.own == {}
+    # every record of December (and the November one no watch has removed here)
+    assert set(ledger.past()) == {"gw.w1/acme", "gw.w2/beta", "gw.w0/acme", "older.w0/acme"}
 
 
-def test_a_writer_takes_its_own_record_back_up_once() -> None:
+def test_a_writer_takes_its_own_records_back_up_once() -> None:
     clock = Clock("2026-12-06T10:00:00")
     ledger = Ledger("gw.w0", clock)
     ledger.charge("acme", 5)
-    mine = UsageRecord("gw.w0", "2026-12-06", "2026-12", clock(), {"acme": Used(100, 300, 1.0)})
+    mine = [entry("gw.w0", "acme", "2026-12-06", (100, 300, 1.0)),
+            entry("gw.w0", "beta", "2026-12-01", (7, 8, 9)),
+            entry("gw.w0", "gamma", "2026-11-20", (1, 1, 1))]  # fmt: skip
     ledger.resume(mine)
     ledger.resume(mine)  # a second listing (the watch reconnected) adds nothing
-    ledger.replace_others({"gw.w0": mine})  # its own record is not another writer's
     assert ledger.used("acme").as_list() == [105, 305, 1.0]
-    yesterday = UsageRecord("gw.w0", "2026-12-05", "2026-12", clock(), {"acme": Used(7, 8, 9)})
-    fresh = Ledger("gw.w0", clock)
-    fresh.resume(yesterday)
-    assert fresh.used("acme").as_list() == [0, 8, 0]
+    assert ledger.used("beta").as_list() == [0, 8, 0]  # an earlier day: its month counts
+    assert ledger.used("gamma").as_list() == [0, 0, 0]
+    assert ledger.past() == ["gw.w0/gamma"]  # its own record of a month that is over
 
 
 def test_requests_are_charged_when_they_end_with_joules_where_measured() -> None:
@@ -216,10 +238,8 @@ def test_ctl_lists_each_tenants_usage_against_its_budget() -> None:
     _, k1 = create("acme", "gold", weight=2.0, kv_share_group="acme-public")
     _, k2 = create("acme", "gold")
     tenants = [TenantRecord("acme", Budget(tokens_per_day=100)), TenantRecord("idle")]
-    usage = [
-        UsageRecord("a.w0", "2026-12-06", "2026-12", now, {"acme": Used(60, 60, 0)}),
-        UsageRecord("b.w0", "2026-12-06", "2026-12", now, {"acme": Used(50, 70, 0)}),
-    ]
+    usage = [entry("a.w0", "acme", "2026-12-06", (60, 60, 0)),
+             entry("b.w0", "acme", "2026-12-06", (50, 70, 0))]  # fmt: skip
     rows = {r["tenant"]: r for r in tenant_rows([k1, k2], tenants, usage, now)}
     acme = rows["acme"]
     assert acme["keys"] == 2 and acme["weights"] == [1.0, 2.0]

@@ -58,7 +58,7 @@ FIELDS = st.sampled_from([
     "rps", "tokens_per_min", "concurrent", "expires_unix", "url", "engine", "role", "node",
     "block_size", "aliases", "fallbacks", "tokenizer", "source", "weights", "prefix", "load",
     "budget", "tokens_per_day", "tokens_per_month", "joules_per_day", "writer", "day", "month",
-    "tenants", "updated_unix",
+    "used", "updated_unix",
 ])  # fmt: skip
 # Objects whose keys are the fields parsers read: arbitrary values where they look.
 RECORDS = st.recursive(
@@ -94,8 +94,7 @@ VALID: dict[str, dict[str, Any]] = {
                 "reason": "demand 5", "demand": 5.0, "capacity": 2.0, "at_unix": 1.7e9,
                 "history": [{"desired": 2, "current": 1, "direction": "up", "at_unix": 1.6e9}]},
     "tenant": {"tenant": "acme", "budget": {"tokens_per_day": 1000, "joules_per_day": 2.5}},
-    "usage": {"writer": "gw.w0", "day": "2026-12-06", "month": "2026-12", "updated_unix": 1.7e9,
-              "tenants": {"acme": [10, 20, 0.5]}},
+    "usage": ["2026-12-06", 10, 20, 0.5],
 }  # fmt: skip
 
 
@@ -104,9 +103,12 @@ def corrupted(draw: st.DrawFn, kind: str) -> Any:
     """A valid record of `kind` with one or two fields, top-level or nested, replaced."""
     doc = json.loads(json.dumps(VALID[kind]))
     for _ in range(draw(st.integers(1, 2))):
-        paths = [(doc, k) for k in doc] + [
-            (v, k2) for v in doc.values() if isinstance(v, dict) for k2 in v
-        ]
+        if isinstance(doc, list):  # a record that is a list (a usage count): its items
+            paths: list[tuple[Any, Any]] = [(doc, i) for i in range(len(doc))]
+        else:
+            paths = [(doc, k) for k in doc] + [
+                (v, k2) for v in doc.values() if isinstance(v, dict) for k2 in v
+            ]
         if not paths:
             break
         parent, key = draw(st.sampled_from(paths))
@@ -129,7 +131,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "efficiency": lambda d: records.fresh_efficiency(records.efficiency(d), 1.7e9),
     "scaling": records.scaling,
     "tenant": parse_tenant,
-    "usage": parse_usage,
+    "usage": lambda d: parse_usage(d, "gw.w0/acme"),
 }
 
 
@@ -217,24 +219,25 @@ def test_budgets_and_usage_follow_etcd_and_a_bad_record_is_skipped(
     ledger = followers.svc.ledger
     assert ledger is not None
     day = ledger.period.day
-    usage = {"day": day, "month": day[:7], "updated_unix": 1.0}
-    mine = {**usage, "writer": ledger.writer, "tenants": {"acme": [5, 5, 0]}}
-    theirs = {**usage, "writer": "b.w0", "tenants": {"acme": [7, 7, 0]}}
-    huge = {**usage, "writer": "c.w0", "tenants": {"acme": [10**400, 0, 0]}}
     with caplog.at_level(logging.WARNING):
-        followers.usage_list([kv(f"/cognitora/usage/{ledger.writer}", mine),
-                              kv("/cognitora/usage/b.w0", theirs), kv("/cognitora/usage/c.w0", huge),
-                              kv("/cognitora/usage/d.w0", {**theirs})])  # fmt: skip
+        followers.usage_list([kv(f"/cognitora/usage/{ledger.writer}/acme", [day, 5, 5, 0]),
+                              kv("/cognitora/usage/b.w0/acme", [day, 7, 7, 0]),
+                              kv("/cognitora/usage/c.w0/acme", [day, 10**400, 0, 0]),
+                              kv("/cognitora/usage/d.w0", [day, 7, 7, 0])])  # fmt: skip
     assert ledger.used("acme").tokens_day == 12  # its own (taken up again) and b's
     warned = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
-    assert len(warned) == 2 and "not a count" in warned[0] and "not this record's" in warned[1]
+    assert len(warned) == 2 and "not a count" in warned[0] and "<writer>/<tenant>" in warned[1]
     followers.tenants_list([kv("/cognitora/tenants/acme", VALID["tenant"]),
                             kv("/cognitora/tenants/evil", {"tenant": "acme"})])  # fmt: skip
     assert set(ledger.budgets) == {"acme"}
+    followers.usage_event(WatchEvent("put", kv("/cognitora/usage/b.w0/acme",
+                                               [day, 9, 9, 0], rev=2)))  # fmt: skip
+    assert ledger.used("acme").tokens_day == 14  # b's record replaced, in the kept sum
     bad_edit = {"tenant": "acme", "budget": {"tokens_per_day": -1}}
     followers.tenants_event(WatchEvent("put", kv("/cognitora/tenants/acme", bad_edit, rev=2)))
     assert ledger.budgets == {}  # a budget edited into garbage limits nothing
-    followers.usage_event(WatchEvent("delete", kv("/cognitora/usage/b.w0", b"")))
+    followers.usage_event(WatchEvent("delete", kv("/cognitora/usage/b.w0/acme", b"")))
+    followers.usage_event(WatchEvent("delete", kv("/cognitora/usage/nonsense", b"")))
     assert ledger.used("acme").tokens_day == 5
 
 
@@ -362,7 +365,7 @@ TYPED: dict[str, Callable[[Any], Any]] = {
     "scaling": records.scaling,
     "api_key": parse_record,
     "tenant": parse_tenant,
-    "usage": parse_usage,
+    "usage": lambda d: parse_usage(d, "gw.w0/acme"),
 }
 
 
@@ -419,7 +422,7 @@ def test_a_snapshot_of_written_records_equals_the_one_read() -> None:
      ("efficiency", "tokens_per_joule", 10**400), ("replica_status", "failures", 10**400),
      ("efficiency", "at_unix", float("nan")), ("scaling", "desired", 10**400),
      ("scaling", "demand", float("inf")), ("tenant", "budget", {"tokens_per_day": 10**400}),
-     ("usage", "tenants", {"acme": [10**400, 0, 0]}), ("usage", "updated_unix", float("nan"))],
+     ],
 )  # fmt: skip
 def test_a_huge_or_non_finite_number_is_a_bad_record_not_a_crash(
     kind: str, field: str, value: Any

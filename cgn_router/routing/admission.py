@@ -114,10 +114,16 @@ class Admission:
         self.capacity: dict[str, float] = {}  # pool -> batch slots
         self.kv_usage: dict[str, float] = {}  # pool -> 0..1
         self.others: dict[str, float] = {}  # pool -> requests other routers have there
+        # pool -> requests this router's other workers have admitted there, counted live (the
+        # engines' figures, in `others`, show them only from the next scrape)
+        self.workers: dict[str, float] = {}
 
     def saturation(self, pool: str, extra: int = 0) -> float:
         cap = max(self.capacity.get(pool, 1.0), 1.0)
-        busy = self.active[pool] + self.others.get(pool, 0.0) + extra
+        # NOTE: `others` holds the other workers' requests that were at the engines at the
+        # scrape; the larger of the two counts them once, and the live count at once
+        elsewhere = max(self.others.get(pool, 0.0), self.workers.get(pool, 0.0))
+        busy = self.active[pool] + elsewhere + extra
         return max(busy / cap, self.kv_usage.get(pool, 0.0))
 
     def offer(self, t: Ticket) -> Verdict:

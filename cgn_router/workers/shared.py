@@ -241,9 +241,14 @@ class SharedUsage:
         self.table.close()
 
 
+ADMITTED = "\0admitted:"  # a pool's slot name (no endpoint id starts with a NUL)
+
+
 class SharedLoad:
     """Each endpoint's requests in flight and uncached prompt tokens pending, per worker,
-    so every worker's load scorer sees all of the router's requests (registry.py)."""
+    so every worker's load scorer sees all of the router's requests (registry.py); and each
+    pool's requests admitted and not finished, per worker, so every worker's admission
+    holds the pool's ceiling for the router as a whole (gate.py)."""
 
     def __init__(self, fd: int, workers: int, worker: int):
         self.table = Table(LOAD, fd, workers, worker)
@@ -263,3 +268,10 @@ class SharedLoad:
 
     def close(self) -> None:
         self.table.close()
+
+    def publish_admitted(self, pool: str, admitted: int) -> None:
+        self.publish(ADMITTED + pool, admitted, 0)
+
+    def admitted_elsewhere(self, pool: str) -> int:
+        """The requests the other workers have admitted to `pool` and not finished."""
+        return self.others(ADMITTED + pool)[0]
