@@ -41,7 +41,8 @@ class Gate:
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
-        self.shared = shared  # with several workers: each pool's admitted requests, per worker
+        self.shared = shared  # with several workers: what their admissions share (shared.py)
+        self._heads: set[tuple[str, str]] = set()  # (band, pool)s this worker published heads in
         self.adm = Admission(settings.bands)
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.learned: dict[EndpointId, Capacity] = {}
@@ -82,10 +83,13 @@ class Gate:
         started = time.monotonic()
         ticket = Ticket(band, tenant, pool, started, cost=cost, weight=weight)
         self._elsewhere((pool,))
+        self._tags_in(band, (tenant,))
         verdict = self.adm.offer(ticket)
         if verdict is Verdict.ADMIT:
             self._publish(pool)
+            self._tags_out(band, (tenant,))
             return 0.0
+        self._publish_heads()
         if verdict is not Verdict.QUEUED:
             self.metrics.admission_rejections.labels(band, verdict.value).inc()
             if verdict is Verdict.UNKNOWN_BAND:
@@ -111,15 +115,23 @@ class Gate:
         """An admitted request has ended; `charge`: (band, tenant, output tokens, weight),
         the engine work it consumed past its prompt, counted to its tenant's share."""
         if charge is not None:
+            band, tenant = charge[0], charge[1]
+            self._tags_in(band, (tenant,))
             self.adm.charge(*charge)
+            self._tags_out(band, (tenant,))
         self.adm.release(pool)
         self._publish(pool)
         self._pump()
 
     def _pump(self) -> None:
         if self.shared is not None:
-            self._elsewhere([t[0].pool for q in self.adm.queues.values() for t in q.values()])
-        for ticket in self.adm.dispatch():
+            queues = self.adm.queues
+            self._elsewhere([t[0].pool for q in queues.values() for t in q.values()])
+            for band, tenants in queues.items():
+                if tenants:
+                    self._tags_in(band, tenants)
+        admitted = self.adm.dispatch()
+        for ticket in admitted:
             fut = self.waiting.pop(ticket.id, None)
             if fut is None or fut.done():
                 self.adm.release(ticket.pool)
@@ -127,12 +139,61 @@ class Gate:
                 fut.set_result(None)
             self._publish(ticket.pool)
             self._depth(ticket.band)
+        if self.shared is not None:
+            for band in {t.band for t in admitted}:
+                self._tags_out(band, {t.tenant for t in admitted if t.band == band})
+            self._publish_heads()
+
+    def _tags_in(self, band: str, tenants: Iterable[str]) -> None:
+        """The band's virtual time and `tenants`' tags: the largest this worker or another
+        has reached (tags only grow)."""
+        if self.shared is None or band not in self.adm.vtime:
+            return
+        adm, shared = self.adm, self.shared
+        adm.vtime[band] = max(adm.vtime[band], shared.tag(band))
+        tags = adm.finish[band]
+        for tenant in tenants:
+            theirs = shared.tag(f"{band}\0{tenant}")
+            if theirs > tags.get(tenant, 0.0):
+                tags[tenant] = theirs
+
+    def _tags_out(self, band: str, tenants: Iterable[str]) -> None:
+        if self.shared is None or band not in self.adm.vtime:
+            return
+        self.shared.set_tag(band, self.adm.vtime[band])
+        tags = self.adm.finish[band]
+        for tenant in tenants:
+            if tenant in tags:
+                self.shared.set_tag(f"{band}\0{tenant}", tags[tenant])
+
+    def _publish_heads(self) -> None:
+        """The earliest start this worker has waiting per band and pool, for the others to
+        defer to (and an end to those it no longer has)."""
+        if self.shared is None:
+            return
+        heads = self.adm.heads()
+        for band, pool in self._heads - heads.keys():
+            self.shared.publish_head(f"{band}\0{pool}", None)
+        for (band, pool), start in heads.items():
+            self.shared.publish_head(f"{band}\0{pool}", start)
+        self._heads = set(heads)
 
     def _elsewhere(self, pools: Iterable[str]) -> None:
-        """The other workers' admitted requests in `pools`, as they stand now."""
-        if self.shared is not None:
-            for pool in set(pools):
-                self.adm.workers[pool] = self.shared.admitted_elsewhere(pool)
+        """The other workers' admitted requests in `pools`, and the earliest starts they
+        have waiting there, as they stand now."""
+        if self.shared is None:
+            return
+        adm, shared = self.adm, self.shared
+        pools = set(pools)
+        for pool in pools:
+            adm.workers[pool] = shared.admitted_elsewhere(pool)
+        for band in adm.bands:
+            for pool in pools:
+                start = shared.earliest_head(f"{band}\0{pool}")
+                if start is None:
+                    adm.elsewhere.pop((band, pool), None)
+                else:
+                    adm.elsewhere[band, pool] = start
 
     def _publish(self, pool: str) -> None:
         if self.shared is not None:

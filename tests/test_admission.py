@@ -259,3 +259,51 @@ async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
         for table in tables:
             table.close()
         os.close(fd)
+
+
+async def test_a_freed_slot_goes_to_the_routers_earliest_head_whichever_worker_holds_it() -> None:
+    """#58 across workers: tenant `big` has requests waiting at worker 0 and `small` one at
+    worker 1; when big's running request ends at worker 0, worker 0 leaves the slot to
+    worker 1's head (small has consumed less: an earlier start), which its next tick admits.
+    Without the shared order, the worker that frees a slot refills it from its own queue,
+    and a tenant on a worker with few slots waits behind another's whole burst."""
+    import os
+
+    from cgn_router.gate import Gate
+    from cgn_router.metrics import RouterMetrics
+    from cgn_router.registry import Registry, Sessions
+    from cgn_router.routing.kv_index import PrefixIndex
+    from cgn_router.settings import AdmissionSettings, BreakerSettings
+    from cgn_router.types import Endpoint, EndpointId
+    from cgn_router.workers import shared
+
+    fd = shared.create(shared.LOAD, 2)
+    tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]
+    try:
+        gates = []
+        for table in tables:
+            reg = Registry(BreakerSettings(), PrefixIndex(60, 1000, 5), Sessions(60), stale_s=5.0)
+            reg.upsert(Endpoint(EndpointId("m/a"), "m", "http://127.0.0.1:1"), "static")
+            gate = Gate(AdmissionSettings(default_capacity=1), reg, RouterMetrics(), table)
+            gate.refresh()
+            gates.append(gate)
+        zero, one = gates
+        assert await zero.enter("gold", "big", "m", cost=100) == 0.0  # the one slot
+        bigs = [asyncio.ensure_future(zero.enter("gold", "big", "m", cost=100)) for _ in range(2)]
+        small = asyncio.ensure_future(one.enter("gold", "small", "m", cost=100))
+        await asyncio.sleep(0.01)
+        zero.leave("m", ("gold", "big", 0.0, 1.0))  # big's request ends at worker 0
+        await asyncio.sleep(0.01)
+        assert not any(f.done() for f in bigs)  # worker 0 left the slot to worker 1's head
+        one._tick()
+        assert await asyncio.wait_for(small, 1.0) >= 0.0
+        one.leave("m", ("gold", "small", 0.0, 1.0))
+        zero._tick()  # then big's turn again
+        await asyncio.sleep(0.01)
+        assert sum(f.done() for f in bigs) == 1
+        for f in bigs:
+            f.cancel()
+    finally:
+        for table in tables:
+            table.close()
+        os.close(fd)

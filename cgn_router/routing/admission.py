@@ -24,7 +24,12 @@ the waiting head with the earliest start goes next. So a tenant of 8k-token
 prompts gets as many tokens as one of 1k prompts (an eighth of the requests),
 one of weight 2 twice as many, and one that comes back after idling starts at
 the band's virtual time (no credit saved up). Each tenant's requests keep their
-order. A full queue refuses at once
+order. With several router workers (`--workers`), the virtual times and
+the tags are shared through their table (each worker keeps the largest it
+has seen: tags only grow), and each publishes the earliest start of the heads
+it has waiting per band and pool: a worker admits a head only if no other
+worker waits with an earlier one there, so a freed slot goes to the
+router's earliest head, whichever worker holds it. A full queue refuses at once
 (503); a request that waits past its band's TTL is refused (504); a cancelled
 request leaves its queue immediately.
 """
@@ -32,12 +37,15 @@ request leaves its queue immediately.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from cgn_router.settings import BandSettings
+
+AHEAD = 1e-3  # a start this much later than another worker's head is still its turn
 
 
 @dataclass(eq=False, slots=True)
@@ -117,6 +125,10 @@ class Admission:
         # pool -> requests this router's other workers have admitted there, counted live (the
         # engines' figures, in `others`, show them only from the next scrape)
         self.workers: dict[str, float] = {}
+        # (band, pool) -> the earliest start among the heads this router's other workers have
+        # waiting there: a head that would start later waits for them (one order across the
+        # router's workers, as in one process)
+        self.elsewhere: dict[tuple[str, str], float] = {}
 
     def saturation(self, pool: str, extra: int = 0) -> float:
         cap = max(self.capacity.get(pool, 1.0), 1.0)
@@ -130,7 +142,11 @@ class Admission:
         band = self.bands.get(t.band)
         if band is None:
             return Verdict.UNKNOWN_BAND
-        if not self.depth[t.band] and self.saturation(t.pool, 1) <= band.ceiling:
+        if (
+            not self.depth[t.band]
+            and (t.band, t.pool) not in self.elsewhere
+            and self.saturation(t.pool, 1) <= band.ceiling
+        ):
             self.active[t.pool] += 1
             self._admitted(t)
             return Verdict.ADMIT
@@ -198,8 +214,10 @@ class Admission:
                 best, best_start = None, 0.0
                 for tenant, q in tenants.items():
                     start = self._start(band, tenant)
-                    if (best is None or start < best_start) and (
-                        self.saturation(q[0].pool, 1) <= ceiling  # else it waits for its pool
+                    if (
+                        (best is None or start < best_start)
+                        and self.saturation(q[0].pool, 1) <= ceiling  # else it waits for it
+                        and start <= self.elsewhere.get((band, q[0].pool), start) + AHEAD
                     ):
                         best, best_start = tenant, start
                 if best is None:
@@ -209,6 +227,17 @@ class Admission:
                 self._admitted(head)
                 out.append(head)
                 self._drop(band, best, rotate=True)
+        return out
+
+    def heads(self) -> dict[tuple[str, str], float]:
+        """(band, pool) -> the earliest start among the heads waiting here (what the other
+        workers defer to)."""
+        out: dict[tuple[str, str], float] = {}
+        for band, tenants in self.queues.items():
+            for tenant, q in tenants.items():
+                where, start = (band, q[0].pool), self._start(band, tenant)
+                if start < out.get(where, math.inf):
+                    out[where] = start
         return out
 
     def _drop(self, band: str, tenant: str, rotate: bool = False) -> None:

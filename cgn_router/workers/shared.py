@@ -80,8 +80,8 @@ class Table:
         self.layout, self.fd, self.workers, self.worker = layout, fd, workers, worker
         self.size = layout.slot_size(workers)
         self.mem = mmap.mmap(fd, layout.slots * self.size, mmap.MAP_SHARED)
-        self.columns = 16 + layout.shared.size  # where the workers' columns begin in a slot
-        self._own = self.columns + layout.column.size * worker
+        self.columns_at = 16 + layout.shared.size  # where the workers' columns begin in a slot
+        self._own = self.columns_at + layout.column.size * worker
         self._found: dict[str, int | None] = {}  # name -> its slot's offset
         self._full_warned = False
         self._busy_until = 0.0
@@ -182,13 +182,17 @@ class Table:
     def set_own(self, at: int, *values: int) -> None:
         self.layout.column.pack_into(self.mem, at + self._own, *values)
 
+    def columns(self, at: int) -> list[tuple[int, ...]]:
+        """Every worker's column, this one's too, in worker order."""
+        col, first = self.layout.column, at + self.columns_at
+        return [col.unpack_from(self.mem, first + col.size * w) for w in range(self.workers)]
+
     def others(self, at: int) -> list[int]:
         """The other workers' columns, added field by field."""
-        col = self.layout.column
-        total = [0] * len(col.format.lstrip("="))
-        for w in range(self.workers):
+        total = [0] * len(self.layout.column.format.lstrip("="))
+        for w, column in enumerate(self.columns(at)):
             if w != self.worker:
-                for i, v in enumerate(col.unpack_from(self.mem, at + self.columns + col.size * w)):
+                for i, v in enumerate(column):
                     total[i] += v
         return total
 
@@ -242,6 +246,10 @@ class SharedUsage:
 
 
 ADMITTED = "\0admitted:"  # a pool's slot name (no endpoint id starts with a NUL)
+TAG = "\0tag:"  # an admission band's virtual time, or a tenant's finish tag in one
+HEAD = "\0head:"  # the earliest start of the heads a worker has waiting in a band and pool
+MILLI = 1000.0  # tags are kept in thousandths of a token (int64: 9e15 tokens)
+HEAD_FRESH_S = 1.0  # a head published longer ago is not deferred to (its worker is stuck)
 
 
 class SharedLoad:
@@ -268,6 +276,39 @@ class SharedLoad:
 
     def close(self) -> None:
         self.table.close()
+
+    def tag(self, name: str) -> float:
+        """An admission tag (`name`: band, or band and tenant), the largest any worker has
+        written: tags only grow, so the largest is the latest."""
+        at = self.table.slot(TAG + name)
+        if at is None:
+            return 0.0
+        return max(c[0] for c in self.table.columns(at)) / MILLI
+
+    def set_tag(self, name: str, value: float) -> None:
+        at = self.table.slot(TAG + name)
+        if at is not None:
+            self.table.set_own(at, int(value * MILLI), 0)
+
+    def publish_head(self, where: str, start: float | None) -> None:
+        """This worker's earliest waiting start in `where` (band and pool); None: none."""
+        at = self.table.slot(HEAD + where)
+        if at is not None:
+            now_ms = int(time.monotonic() * 1000) or 1  # 0 means none
+            self.table.set_own(at, *((0, 0) if start is None else (int(start * MILLI), now_ms)))
+
+    def earliest_head(self, where: str) -> float | None:
+        """The earliest start the other workers published for `where` within HEAD_FRESH_S."""
+        at = self.table.slot(HEAD + where)
+        if at is None:
+            return None
+        oldest = int((time.monotonic() - HEAD_FRESH_S) * 1000)
+        starts = [
+            start / MILLI
+            for w, (start, published) in enumerate(self.table.columns(at))
+            if w != self.table.worker and published and published >= oldest
+        ]
+        return min(starts, default=None)
 
     def publish_admitted(self, pool: str, admitted: int) -> None:
         self.publish(ADMITTED + pool, admitted, 0)
