@@ -11,11 +11,10 @@ in one run (the counted window ends at a request's end):
 * equal weights, 1 router worker: each should get half the tokens (requests turn by turn
   would give `long` 8/9 of them);
 * weights 2:1 (`short` 2), 1 worker: `short` should get two thirds;
-* equal weights, 2 router workers: each worker keeps its own shares and its own count of
-  the pool's batch (neither is shared across workers yet). The first run (2026-12-06) gave
-  `long` 0.84 of the tokens, with both tenants' TTFT p50 near 2 s (9.5 s and 1.1 s with one
-  worker): few requests waited at the router, so the two workers together admitted past
-  the engine's batch, and the engine's own queue serves requests first come, first served.
+* equal weights, 2 router workers: the workers share their admission (its ceiling, the
+  virtual times and tags, and which worker's head goes next: cgn_router/gate.py). Before
+  they did (2026-12-06, first run) `long` got 0.84 of the tokens: the two together
+  admitted past the engine's batch, and the engine serves first come, first served.
 
 Target: shares within 10 % of the weights' in every setup.
 """
