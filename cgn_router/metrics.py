@@ -204,7 +204,8 @@ class RouterMetrics:
         )
         self.tenant_tokens = tally(
             "cgn_router_tenant_tokens",
-            f"Tokens by tenant, from the engines' usage reports (the first {TENANT_LABELS} "
+            f"Tokens by tenant and kind (prompt, completion, and cached: the prompt tokens its "
+            f"own cache served), from the engines' usage reports (the first {TENANT_LABELS} "
             'tenants a worker sees by name, the rest as "other").',
             "tenant",
             "kind",
@@ -342,7 +343,8 @@ class MetricsObserver:
     def __init__(self, metrics: RouterMetrics):
         self.m = m = metrics
         self._models: dict[str, _ModelSeries] = {}
-        self._tenants: dict[str, tuple[list[float], list[float]]] = {}  # (prompt, completion)
+        # tenant -> (prompt, completion, cached prompt tokens)
+        self._tenants: dict[str, tuple[list[float], list[float], list[float]]] = {}
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -361,14 +363,16 @@ class MetricsObserver:
         if handler is not None:
             handler(record)
 
-    def _tenant(self, tenant: str) -> tuple[list[float], list[float]]:
-        """A tenant's two series; past TENANT_LABELS tenants, the shared "other" ones (a label
-        per tenant would let keys grow the scrape without bound)."""
+    def _tenant(self, tenant: str) -> tuple[list[float], list[float], list[float]]:
+        """A tenant's three series (prompt, completion, cached prompt tokens: its own hit
+        rate, its cache being its own, #58); past TENANT_LABELS tenants, the shared "other"
+        ones (a label per tenant would let keys grow the scrape without bound)."""
         found = self._tenants.get(tenant)
         if found is None:
             label = tenant if len(self._tenants) < TENANT_LABELS else "other"
             tally = self.m.tenant_tokens
-            found = (tally.series(label, "prompt"), tally.series(label, "completion"))
+            found = (tally.series(label, "prompt"), tally.series(label, "completion"),
+                     tally.series(label, "cached"))  # fmt: skip
             if label != "other":
                 self._tenants[tenant] = found
         return found
@@ -389,9 +393,10 @@ class MetricsObserver:
         count[0] += 1
         series.latency.observe(r.seconds)
         if r.usage is not None and r.tenant:
-            prompt, completion = self._tenant(r.tenant)
+            prompt, completion, cached = self._tenant(r.tenant)
             prompt[0] += r.usage.prompt_tokens
             completion[0] += r.usage.completion_tokens
+            cached[0] += r.usage.cached_tokens
         if r.outcome == "no_endpoint":
             self.m.errors.labels("no_endpoint").inc()
 

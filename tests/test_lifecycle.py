@@ -155,12 +155,13 @@ def test_tenant_token_series_are_bounded() -> None:
     observer = MetricsObserver(svc_metrics)
     for i in range(TENANT_LABELS + 5):
         observer.observe(Ended(MODEL, "ok", 200, 0.1, Usage(10, 3, 0), "", f"t{i}"))
-    observer.observe(Ended(MODEL, "ok", 200, 0.1, Usage(10, 3, 0), "", "t0"))
+    observer.observe(Ended(MODEL, "ok", 200, 0.1, Usage(10, 3, 8), "", "t0"))
     reg = svc_metrics.registry
 
-    def tokens(tenant: str) -> float:
-        labels = {"tenant": tenant, "kind": "prompt"}
+    def tokens(tenant: str, kind: str = "prompt") -> float:
+        labels = {"tenant": tenant, "kind": kind}
         return reg.get_sample_value("cgn_router_tenant_tokens_total", labels) or 0.0
 
     assert tokens("t0") == 20 and tokens(f"t{TENANT_LABELS - 1}") == 10
     assert tokens(f"t{TENANT_LABELS}") == 0 and tokens("other") == 50
+    assert tokens("t0", "cached") == 8  # its own hit rate: 8 of its 20 prompt tokens
