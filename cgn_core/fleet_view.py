@@ -91,6 +91,16 @@ class TargetView:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantView:
+    """One tenant's traffic over every router (cgn_router_tenant_tokens_total)."""
+
+    tenant: str  # "other": the tenants past a router worker's first 50
+    tokens_per_s: float | None  # prompt and completion
+    prompt_tokens_per_s: float | None
+    hit_rate: float | None  # cached prompt tokens over prompt tokens: its own cache's
+
+
+@dataclass(frozen=True, slots=True)
 class Totals:
     requests_per_s: float | None
     tokens_per_s: float | None
@@ -118,6 +128,7 @@ class FleetView:
     replicas: tuple[ReplicaView, ...] = ()
     kvcached: tuple[StoreView, ...] = ()
     targets: tuple[TargetView, ...] = ()
+    tenants: tuple[TenantView, ...] = ()  # the busiest, most tokens first
     etcd_error: str = ""  # etcd did not answer: the fleet shown is the last one read
 
     def to_json(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from cgn_core.fleet_view import (
     ReplicaView,
     StoreView,
     TargetView,
+    TenantView,
     Totals,
 )
 from cgn_metrics.series import Ring, increase, quantile
@@ -42,6 +43,7 @@ KEEP = (
     "cgn_infer_",
     "cgn_router_requests",
     "cgn_router_tokens",
+    "cgn_router_tenant_tokens",
     "cgn_router_ttft_seconds",
     "cgn_router_queue_depth",
     "cgn_router_admission_rejections",
@@ -241,7 +243,32 @@ def summarize(
         replicas=tuple(replicas),
         kvcached=tuple(_store(s, w) for s in by_kind["kvcached"]),
         targets=targets,
+        tenants=_tenants(by_kind["router"], w),
     )
+
+
+TOP_TENANTS = 10  # the dashboard's and the view's busiest tenants
+
+
+def _tenants(routers: list[Scraped], w: _Window) -> tuple[TenantView, ...]:
+    """The busiest tenants over every router's workers, in tokens over the window."""
+    tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for s in routers:
+        for labels, ring in s.series("cgn_router_tenant_tokens_total"):
+            kind = labels.get("kind", "")
+            tokens[labels.get("tenant", "")][kind] += increase(ring.points(w.since)[1])
+    rows = [
+        TenantView(
+            tenant=tenant,
+            tokens_per_s=w.per_s(t["prompt"] + t["completion"]),
+            prompt_tokens_per_s=w.per_s(t["prompt"]),
+            hit_rate=_ratio(t["cached"], t["prompt"]) if t["prompt"] else None,
+        )
+        for tenant, t in tokens.items()
+        if tenant
+    ]
+    rows.sort(key=lambda r: -(r.tokens_per_s or 0.0))
+    return tuple(rows[:TOP_TENANTS])
 
 
 def _replica(s: Scraped, w: _Window) -> ReplicaView:

@@ -189,6 +189,28 @@ def test_energy_per_token_per_node_model_and_fleet() -> None:
     assert t["ttft_s"]["p50"] == pytest.approx(0.1 * 30 / 45)
 
 
+def test_the_busiest_tenants_over_every_router_with_their_own_hit_rates() -> None:
+    def router(host: str, acme: list[float], cached: list[float]) -> Scraped:
+        def t(tenant: str, kind: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+            return "cgn_router_tenant_tokens_total", (("kind", kind), ("tenant", tenant))
+
+        return scraped(
+            Target("router", f"http://{host}:9091"),
+            {t("acme", "prompt"): acme, t("acme", "completion"): [0, 10, 20, 30],
+             t("acme", "cached"): cached, t("beta", "prompt"): [0, 1, 2, 3],
+             t("beta", "completion"): [0, 0, 0, 0]},
+            TIMES,
+        )  # fmt: skip
+
+    tenants = view(router("r1", [0, 100, 200, 300], [0, 50, 100, 150]),
+                   router("r2", [0, 100, 200, 300], [0, 0, 0, 0]))["tenants"]  # fmt: skip
+    assert [x["tenant"] for x in tenants] == ["acme", "beta"]  # busiest first
+    acme = tenants[0]
+    assert acme["tokens_per_s"] == pytest.approx((600 + 60) / 30)
+    assert acme["hit_rate"] == pytest.approx(150 / 600)  # over both routers
+    assert tenants[1]["hit_rate"] == 0.0
+
+
 def test_counter_restarts_do_not_make_negative_energy_or_tokens() -> None:
     v = view(engine("a", [500, 600, 20, 120]), agent("a", [1000, 1300, 100, 400]))
     (node,) = v["nodes"]
