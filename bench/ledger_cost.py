@@ -7,8 +7,8 @@ A request meets the ledger twice (cgn_router/ledger.py): `admit` before its body
 (a dictionary lookup, and for a tenant with a budget its usage over every writer's record)
 and `LedgerObserver.observe` when it ends (its usage charged). Each is timed here in-process
 over `--seconds` of `--rate` requests a second of random tenants (`--tenants`, and 100),
-each with a budget. Every second each of `--writers` other writers, as busy, writes one
-record per tenant it served (cgn_router/ledger.py `publish`), which this worker parses and
+each with a budget. Every `publish_s` (1 s, the default, and 5 s) each of `--writers`
+other writers, as busy, writes one record per tenant it served in that time (cgn_router/ledger.py `publish`), which this worker parses and
 adds up (followers.py); that work and this worker's own writes are timed too and spread
 over its requests. With the ledger off a request pays neither. The router's own CPU per request is
 read from the last bench/results/router_overhead.json (its median requests/s per router core
@@ -58,7 +58,11 @@ def others(
     return len(raws), time.perf_counter_ns() - t0
 
 
-def run(seconds: int, per_second: int, n_tenants: int, writers: int) -> dict[str, float]:
+def run(
+    seconds: int, per_second: int, n_tenants: int, writers: int, publish_s: int = 1
+) -> dict[str, float]:
+    """`seconds` of traffic; every `publish_s` the other writers' records of what they served
+    in that time (a tenant served several times in it is one record)."""
     rng = random.Random(7)
     tenants = [f"tenant-{i}" for i in range(n_tenants)]
     ledger = Ledger("bench.w0")
@@ -66,8 +70,11 @@ def run(seconds: int, per_second: int, n_tenants: int, writers: int) -> dict[str
     observer = LedgerObserver(ledger, lambda eid: 3.0)
     usage = Usage(prompt_tokens=512, completion_tokens=128, cached_tokens=0)
     admit_ns, end_ns, updates, updates_ns, publish_ns = [], [], 0, 0, 0
-    for _ in range(seconds):
-        n, took = others(ledger, tenants, writers, per_second, rng)
+    for second in range(seconds):
+        if second % publish_s:
+            n, took = 0, 0
+        else:
+            n, took = others(ledger, tenants, writers, per_second * publish_s, rng)
         updates, updates_ns = updates + n, updates_ns + took
         for tenant in (rng.choice(tenants) for _ in range(per_second)):
             ended = Ended("m", "ok", 200, 0.1, usage, "", tenant, "m/r1")
@@ -119,18 +126,20 @@ def main() -> None:
     args = p.parse_args()
     router_us, source = router_us_per_request()
     rows = []
-    for tenants in sorted({100, args.tenants}):
-        figures = run(args.seconds, args.rate, tenants, args.writers)
-        figures |= {"tenants": tenants, "share": figures["per_request_us_mean"] / router_us}
+    setups = [(100, 1), (args.tenants, 1), (args.tenants, 5)]
+    for tenants, publish_s in sorted(set(setups)):
+        figures = run(args.seconds, args.rate, tenants, args.writers, publish_s)
+        share = figures["per_request_us_mean"] / router_us
+        figures |= {"tenants": tenants, "publish_s": publish_s, "share": share}
         print(json.dumps(figures))
         rows.append(figures)
     table = [
-        "| tenants | admit p50 µs | charge p50 µs | others' records/s (µs each) "
+        "| tenants | publish_s | admit p50 µs | charge p50 µs | others' records/s (µs each) "
         "| background µs per request | per request: all of it, mean / p99 own µs "
         "| router CPU per request µs | share |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {f['tenants']} | {f['admit_us_p50']:.2f} | {f['end_us_p50']:.2f} "
+            f"| {f['tenants']} | {f['publish_s']} | {f['admit_us_p50']:.2f} | {f['end_us_p50']:.2f} "
             f"| {f['others_records_per_s']:.0f} ({f['others_us_per_record']:.1f}) "
             f"| {f['background_us_per_request']:.2f} "
             f"| {f['per_request_us_mean']:.2f} / {f['per_request_us_p99']:.2f} "
