@@ -4,12 +4,21 @@ cancellation."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
+from cgn_router.gate import Gate
+from cgn_router.metrics import RouterMetrics
+from cgn_router.registry import Registry, Sessions
 from cgn_router.routing.admission import Admission, Capacity, Ticket, Verdict
-from cgn_router.settings import BandSettings
+from cgn_router.routing.kv_index import PrefixIndex
+from cgn_router.settings import AdmissionSettings, BandSettings, BreakerSettings
+from cgn_router.types import Endpoint, EndpointId
+from cgn_router.workers import shared
 
 BANDS = {
     "platinum": BandSettings(priority=0, ceiling=1.5, queue=10, ttl_s=5.0),
@@ -221,20 +230,10 @@ def test_the_gate_reads_other_routers_load_from_the_scrapes() -> None:
     assert gate.adm.others == {"m": 0.0}  # ours still in transit: never negative
 
 
-async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
-    """Two workers' gates over one shared table: what one admits counts against the other's
-    ceiling at once, not from the next scrape (#58: two workers together had admitted past
-    the engine's batch); a finished request frees its slot for either."""
-    import os
-
-    from cgn_router.gate import Gate
-    from cgn_router.metrics import RouterMetrics
-    from cgn_router.registry import Registry, Sessions
-    from cgn_router.routing.kv_index import PrefixIndex
-    from cgn_router.settings import AdmissionSettings, BreakerSettings
-    from cgn_router.types import Endpoint, EndpointId
-    from cgn_router.workers import shared
-
+@contextmanager
+def two_workers(capacity: int) -> Iterator[list[Gate]]:
+    """Two router workers' admission gates over one shared table, one pool "m" of
+    `capacity` slots."""
     fd = shared.create(shared.LOAD, 2)
     tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]
     try:
@@ -242,9 +241,21 @@ async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
         for table in tables:
             reg = Registry(BreakerSettings(), PrefixIndex(60, 1000, 5), Sessions(60), stale_s=5.0)
             reg.upsert(Endpoint(EndpointId("m/a"), "m", "http://127.0.0.1:1"), "static")
-            gate = Gate(AdmissionSettings(default_capacity=2), reg, RouterMetrics(), table)
+            gate = Gate(AdmissionSettings(default_capacity=capacity), reg, RouterMetrics(), table)
             gate.refresh()
             gates.append(gate)
+        yield gates
+    finally:
+        for table in tables:
+            table.close()
+        os.close(fd)
+
+
+async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
+    """Two workers' gates over one shared table: what one admits counts against the other's
+    ceiling at once, not from the next scrape (#58: two workers together had admitted past
+    the engine's batch); a finished request frees its slot for either."""
+    with two_workers(capacity=2) as gates:
         one, two = gates
         assert await one.enter("gold", "a", "m") == 0.0
         assert await one.enter("gold", "a", "m") == 0.0  # the batch of 2 is full
@@ -255,10 +266,6 @@ async def test_a_routers_workers_hold_one_ceiling_between_scrapes() -> None:
         two._tick()  # its next tick: the slot the first freed is free for it
         assert await asyncio.wait_for(waiting, 1.0) >= 0.0
         assert two.adm.saturation("m") == 1.0  # one here, one there
-    finally:
-        for table in tables:
-            table.close()
-        os.close(fd)
 
 
 async def test_a_freed_slot_goes_to_the_routers_earliest_head_whichever_worker_holds_it() -> None:
@@ -267,26 +274,7 @@ async def test_a_freed_slot_goes_to_the_routers_earliest_head_whichever_worker_h
     worker 1's head (small has consumed less: an earlier start), which its next tick admits.
     Without the shared order, the worker that frees a slot refills it from its own queue,
     and a tenant on a worker with few slots waits behind another's whole burst."""
-    import os
-
-    from cgn_router.gate import Gate
-    from cgn_router.metrics import RouterMetrics
-    from cgn_router.registry import Registry, Sessions
-    from cgn_router.routing.kv_index import PrefixIndex
-    from cgn_router.settings import AdmissionSettings, BreakerSettings
-    from cgn_router.types import Endpoint, EndpointId
-    from cgn_router.workers import shared
-
-    fd = shared.create(shared.LOAD, 2)
-    tables = [shared.SharedLoad(fd, 2, w) for w in (0, 1)]
-    try:
-        gates = []
-        for table in tables:
-            reg = Registry(BreakerSettings(), PrefixIndex(60, 1000, 5), Sessions(60), stale_s=5.0)
-            reg.upsert(Endpoint(EndpointId("m/a"), "m", "http://127.0.0.1:1"), "static")
-            gate = Gate(AdmissionSettings(default_capacity=1), reg, RouterMetrics(), table)
-            gate.refresh()
-            gates.append(gate)
+    with two_workers(capacity=1) as gates:
         zero, one = gates
         assert await zero.enter("gold", "big", "m", cost=100) == 0.0  # the one slot
         bigs = [asyncio.ensure_future(zero.enter("gold", "big", "m", cost=100)) for _ in range(2)]
@@ -303,7 +291,3 @@ async def test_a_freed_slot_goes_to_the_routers_earliest_head_whichever_worker_h
         assert sum(f.done() for f in bigs) == 1
         for f in bigs:
             f.cancel()
-    finally:
-        for table in tables:
-            table.close()
-        os.close(fd)
