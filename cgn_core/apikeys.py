@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cgn_core import records
+from cgn_core.budgets import Budget, parse_budget
 from cgn_core.errors import PermanentError
 from cgn_core.kv.blockhash import tenant_salt
 
@@ -61,6 +62,9 @@ class KeyRecord:
     # its tenant's share of engine work within a band, against other tenants' (#58): a key
     # of weight 2 is served twice the tokens of one of weight 1 when both wait
     weight: float = 1.0
+    # the key's own budget, besides its tenant's (cgn_core/budgets.py): counted from when
+    # it is set; a rotated key's starts afresh
+    budget: Budget = Budget()
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -94,6 +98,7 @@ class KeyRecord:
             "note": self.note,
             "kv_share_group": self.kv_share_group,
             "weight": self.weight,
+            "budget": self.budget.to_json(),
         }
 
 
@@ -133,6 +138,7 @@ def create(
     note: str = "",
     kv_share_group: str = "",
     weight: float = 1.0,
+    budget: Budget = Budget(),
 ) -> tuple[str, KeyRecord]:
     """A new key and its record (store the record; show the key once)."""
     if not _TENANT.match(tenant):
@@ -170,6 +176,7 @@ def create(
         note,
         kv_share_group=kv_share_group,
         weight=weight,
+        budget=budget,
     )
     return key, record
 
@@ -206,6 +213,7 @@ def parse_record(doc: Any) -> KeyRecord:
             note=records.text(d, "note"),
             kv_share_group=_share_group(records.text(d, "kv_share_group")),
             weight=_weight(records.number(d, "weight", 1.0)),
+            budget=_budget(d.get("budget")),
         )
     except records.RecordError as exc:
         raise ApiKeyError(f"key record: {exc}") from None
@@ -217,6 +225,13 @@ def _weight(value: float | None) -> float:
     if not MIN_WEIGHT <= value <= MAX_WEIGHT:
         raise records.RecordError(f"'weight' must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {value}")
     return float(value)
+
+
+def _budget(doc: Any) -> Budget:
+    try:
+        return parse_budget(doc)
+    except records.RecordError as exc:
+        raise records.RecordError(f"'budget': {exc}") from None
 
 
 def _share_group(name: str) -> str:

@@ -16,7 +16,9 @@ until its month is over:
 
     ["2026-12-06", 1200, 54000, 3.5]
 
-(the day, tokens that day, tokens that month, joules that day). A tenant's usage is the sum
+(the day, tokens that day, tokens that month, joules that day). An API key
+with a budget of its own (`cgn-ctl keys create --tokens-per-day ...`) is counted
+the same way under `@<key id>` in place of a tenant. A tenant's usage is the sum
 over every writer's record of the same period. One record per writer and
 tenant keeps each update as small as what changed: a router follows the
 others' traffic, not the size of the tenant list. Pure: no I/O; the router's
@@ -36,6 +38,9 @@ from typing import Any, NamedTuple
 from cgn_core import records
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # as API keys' tenants
+# what a budget and a usage record belong to: a tenant, or "@<key id>" for a key with a
+# budget of its own (no tenant name starts with "@")
+SCOPE_NAME = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,63}|@[0-9a-f]{8})$")
 WRITER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_BUDGET = float(records.MAX_INT)
 _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -90,6 +95,11 @@ def budget(
         None if tokens_per_month is None else int(tokens_per_month),
         None if joules_per_day is None else float(joules_per_day),
     )
+
+
+def key_scope(key_id: str) -> str:
+    """The scope of an API key's own budget and usage (its tenant's is the tenant's name)."""
+    return "@" + key_id
 
 
 def parse_budget(doc: Any) -> Budget:
@@ -208,7 +218,7 @@ def usage_key(key: str) -> tuple[str, str]:
     """(writer, tenant) of a usage record's key below /cognitora/usage/; BudgetError if it
     names no writer and tenant (remembered: the same keys come back every second)."""
     writer, _, tenant = key.partition("/")
-    if not WRITER_NAME.match(writer) or not TENANT_NAME.match(tenant):
+    if not WRITER_NAME.match(writer) or not SCOPE_NAME.match(tenant):
         raise BudgetError(f"usage record key {key[:80]!r}: want <writer>/<tenant>")
     return writer, tenant
 
@@ -248,12 +258,13 @@ class Exhausted:
     used: float
     resets_unix: float
 
-    def message(self, tenant: str) -> str:
+    def message(self, who: str) -> str:
+        """Why a request of `who` (tenant 'acme', key 1f2e3d4c) is refused, and until when."""
         unit = "joules" if self.what.startswith("joules") else "tokens"
         per = self.what.rsplit("_", 1)[1]
         when = dt.datetime.fromtimestamp(self.resets_unix, dt.UTC).strftime("%Y-%m-%d %H:%M")
         return (
-            f"tenant {tenant!r} has used {self.used:.0f} of its {self.limit:.0f} {unit} per "
+            f"{who} has used {self.used:.0f} of its {self.limit:.0f} {unit} per "
             f"{per}; the budget resets at {when} UTC"
         )
 

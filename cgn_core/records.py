@@ -265,6 +265,8 @@ def placement(doc: Any) -> Placement:
     profile = d.get("profile", {})
     if not isinstance(profile, dict):
         raise RecordError("'profile' must be an object")
+    if not _finite(profile):  # NaN is not even equal to itself: no engine setting is one
+        raise RecordError("'profile' holds a number that is not finite (NaN or infinity)")
     return Placement(
         model=text(d, "model", required=True),
         engine=text(d, "engine"),
@@ -275,6 +277,18 @@ def placement(doc: Any) -> Placement:
         profile=profile,
         part=_part(d),
     )
+
+
+def _finite(value: Any) -> bool:
+    """Whether every number in a parsed JSON value is finite (its depth is bounded by the
+    parser that made it: cgn_core/safejson.py, json's own recursion limit)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 @dataclass(frozen=True, slots=True)

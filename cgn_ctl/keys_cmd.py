@@ -15,6 +15,7 @@ from rich.table import Table
 
 from cgn_core import keys
 from cgn_core.apikeys import ApiKeyError, Limits, create, parse_record
+from cgn_core.budgets import BudgetError, budget
 from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
@@ -63,11 +64,24 @@ def create_cmd(
             "tenants waiting there: 2 is served twice what 1 is.",
         ),
     ] = 1.0,
+    tokens_per_day: Annotated[
+        float | None,
+        typer.Option("--tokens-per-day", help="The key's own budget: tokens per UTC day."),
+    ] = None,
+    tokens_per_month: Annotated[
+        float | None,
+        typer.Option("--tokens-per-month", help="The key's own budget: tokens per UTC month."),
+    ] = None,
+    joules_per_day: Annotated[
+        float | None,
+        typer.Option("--joules-per-day", help="The key's own budget: joules per UTC day."),
+    ] = None,
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,
 ) -> None:
-    """Create a key and print it (once: only its hash is stored)."""
+    """Create a key and print it (once: only its hash is stored). A budget given here is
+    the key's own, besides its tenant's (`cgn-ctl tenants set`)."""
     names = tuple(m.strip() for m in models.split(",") if m.strip())
     known = ctl_settings(etcd, config).bands
     if band not in known:
@@ -78,6 +92,7 @@ def create_cmd(
         )
 
     try:  # NOTE: checked before etcd is reached: a mistake costs no connection
+        own = budget(tokens_per_day, tokens_per_month, joules_per_day)
         key, record = create(
             tenant,
             band,
@@ -88,8 +103,9 @@ def create_cmd(
             note=note,
             kv_share_group=kv_share_group,
             weight=weight,
+            budget=own,
         )
-    except ApiKeyError as exc:
+    except (ApiKeyError, BudgetError) as exc:
         fail(str(exc), EXIT_USAGE)
 
     async def work(c: EtcdClient) -> dict[str, Any]:
@@ -154,6 +170,7 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
         "expires",
         "kv group",
         "weight",
+        "budget",
     )
     now = time.time()
     for r in for_terminal(rows):
@@ -163,8 +180,22 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
         limits = [str(lim[k] or "-") for k in ("rps", "tokens_per_min", "concurrent")]
         group = r["kv_share_group"] or "-"
         row = [r["id"], r["tenant"], r["band"], ",".join(r["models"]), *limits, expires, group]
-        t.add_row(*row, f"{r['weight']:g}")
+        t.add_row(*row, f"{r['weight']:g}", budget_text(r["budget"]))
     Console().print(t if rows else "no keys")
+
+
+def budget_text(doc: dict[str, Any]) -> str:
+    """A budget's figures, short: "2e+06 tok/day, 50 J/day" ("-": none)."""
+    parts = [
+        f"{doc[k]:g} {label}"
+        for k, label in (
+            ("tokens_per_day", "tok/day"),
+            ("tokens_per_month", "tok/month"),
+            ("joules_per_day", "J/day"),
+        )
+        if doc.get(k) is not None
+    ]
+    return ", ".join(parts) or "-"
 
 
 @app.command("revoke")
@@ -193,8 +224,8 @@ def rotate_cmd(
     config: Config = None,
     as_json: Json = False,
 ) -> None:
-    """A new key with the old one's tenant, band, models, limits, KV share group and weight;
-    the old ends after --grace."""
+    """A new key with the old one's tenant, band, models, limits, KV share group, weight and
+    budget (whose count starts afresh); the old ends after --grace."""
 
     async def work(c: EtcdClient) -> tuple[str, dict[str, Any]]:
         raw = await c.get_json(keys.API_KEYS + key_id)
@@ -210,6 +241,7 @@ def rotate_cmd(
             note=old.note,
             kv_share_group=old.kv_share_group,
             weight=old.weight,
+            budget=old.budget,
         )
         await c.put_json(keys.API_KEYS + record.id, record.to_json())
         if grace > 0:

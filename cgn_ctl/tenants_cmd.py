@@ -35,6 +35,7 @@ from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.terminal import for_terminal
+from cgn_ctl.keys_cmd import budget_text
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 
 app = typer.Typer(
@@ -74,7 +75,8 @@ def tenant_rows(
     p = period(now_unix)
     used = total(usage, p)
     budgets = {t.tenant: t.budget for t in tenants}
-    names = sorted({k.tenant for k in key_records} | set(budgets) | set(used))
+    scopes = {t for t in used if not t.startswith("@")}  # "@<key id>": a key's own count
+    names = sorted({k.tenant for k in key_records} | set(budgets) | scopes)
     rows = []
     for name in names:
         mine = [k for k in key_records if k.tenant == name]
@@ -116,16 +118,7 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
     t = Table("tenant", "keys", "weight", "kv group", "tokens today", "this month",
               "joules today", "budget", "state")  # fmt: skip
     for r in for_terminal(rows):
-        u, b = r["used"], r["budget"]
-        limits = [
-            f"{b[k]:g} {label}"
-            for k, label in (
-                ("tokens_per_day", "tok/day"),
-                ("tokens_per_month", "tok/month"),
-                ("joules_per_day", "J/day"),
-            )
-            if b[k] is not None
-        ]
+        u, limits = r["used"], budget_text(r["budget"])
         state = "ok" if r["exhausted"] is None else f"exhausted ({r['exhausted']['budget']})"
         t.add_row(
             r["tenant"],
@@ -135,8 +128,8 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
             f"{u['tokens_today']:.0f}",
             f"{u['tokens_this_month']:.0f}",
             f"{u['joules_today']:.1f}",
-            ", ".join(limits) or "-",
-            state if limits else "-",
+            limits,
+            state if limits != "-" else "-",
         )
     Console().print(t if rows else "no tenants")
 

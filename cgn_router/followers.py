@@ -25,6 +25,7 @@ from cgn_core.budgets import (
     BudgetError,
     TenantRecord,
     UsageEntry,
+    key_scope,
     parse_tenant,
     parse_usage,
     usage_key,
@@ -219,15 +220,18 @@ class EtcdFollowers:
             kv.key[len(keys.API_KEYS) :]: r for kv in kvs if (r := self._key(kv)) is not None
         }
         self.svc.keys.replace(records)
+        if self.svc.ledger is not None:
+            self.svc.ledger.set_key_budgets({k: r.budget for k, r in records.items()})
 
     def keys_event(self, ev: WatchEvent) -> None:
         kid = ev.kv.key[len(keys.API_KEYS) :]
-        if ev.kind == "delete":
-            self.svc.keys.delete(kid)  # revoked: refused from the next request on
-        elif (record := self._key(ev.kv)) is not None:
+        record = None if ev.kind == "delete" else self._key(ev.kv)
+        if record is not None:
             self.svc.keys.put(kid, record)
-        else:  # a record that no longer parses must not keep its old permissions
+        else:  # revoked, or a record that no longer parses: refused from the next request on
             self.svc.keys.delete(kid)
+        if self.svc.ledger is not None:
+            self.svc.ledger.set_budget(key_scope(kid), record.budget if record else None)
 
     # ---- tenants' budgets, and every router worker's count of their usage (ledger.py) ------
 

@@ -37,6 +37,7 @@ from cgn_core.budgets import (
     UsageEntry,
     Used,
     exhausted,
+    key_scope,
     period,
     remaining,
 )
@@ -136,13 +137,17 @@ class Ledger:
             return None
         return exhausted(b, self.used(tenant), self.period)
 
-    def admit(self, tenant: str) -> None:
-        """RateLimited (429 `budget_exhausted`, Retry-After: until it resets) when `tenant`
-        has used up a budget."""
-        hit = self.check(tenant)
-        if hit is not None:
-            wait = max(1, int(hit.resets_unix - self.clock()) + 1)
-            raise RateLimited(hit.message(tenant), code="budget_exhausted", retry_after_s=wait)
+    def admit(self, tenant: str, key_id: str = "") -> None:
+        """RateLimited (429 `budget_exhausted`, Retry-After: until it resets) when `tenant`,
+        or the API key `key_id` (a budget of its own), has used up a budget."""
+        for scope, who in ((tenant, f"tenant {tenant!r}"), (key_scope(key_id), f"key {key_id}")):
+            if scope == "@":  # no key (auth off)
+                continue
+            hit = self.check(scope)
+            if hit is not None:
+                wait = max(1, int(hit.resets_unix - self.clock()) + 1)
+                why = hit.message(who)
+                raise RateLimited(why, code="budget_exhausted", retry_after_s=wait)
 
     def remaining_rows(self, limit: int) -> list[tuple[str, str, float]]:
         """(tenant, budget, what is left) of the `limit` tenants with the least left of a
@@ -222,8 +227,18 @@ class Ledger:
             theirs.add(new.in_period(self.period))
 
     def set_budgets(self, budgets: Mapping[str, Budget]) -> None:
-        self.budgets = {t: b for t, b in budgets.items() if not b.empty}
+        """Every tenant's budget, replacing those known (keys' own budgets stay)."""
+        keys_own = {s: b for s, b in self.budgets.items() if s.startswith("@")}
+        self.budgets = keys_own | {t: b for t, b in budgets.items() if not b.empty}
         self._recount()
+
+    def set_key_budgets(self, budgets: Mapping[str, Budget]) -> None:
+        """Every API key's own budget (key id -> budget), replacing those known."""
+        for scope in [s for s in self.budgets if s.startswith("@")]:
+            if scope[1:] not in budgets:
+                self.set_budget(scope, None)
+        for kid, b in budgets.items():
+            self.set_budget(key_scope(kid), b)
 
     def set_budget(self, tenant: str, b: Budget | None) -> None:
         if b is None or b.empty:
@@ -261,7 +276,11 @@ class LedgerObserver:
         # NOTE: cgn-metrics measures output tokens per joule of the whole node: the energy of
         # a request's prompt is in it, so its joules are its output tokens over that figure
         joules = u.completion_tokens / efficiency if efficiency else 0.0
-        self.ledger.charge(record.tenant, u.prompt_tokens + u.completion_tokens, joules)
+        tokens = u.prompt_tokens + u.completion_tokens
+        self.ledger.charge(record.tenant, tokens, joules)
+        key = key_scope(record.key_id)
+        if record.key_id and key in self.ledger.budgets:  # a key with a budget of its own
+            self.ledger.charge(key, tokens, joules)
         return None
 
 

@@ -119,8 +119,8 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
         raise
     finally:
         seconds = time.monotonic() - acct.started
-        who, where = acct.tenant, acct.endpoint
-        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, who, where))
+        who = (acct.tenant, acct.endpoint, acct.key_id)
+        acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, *who))
 
 
 async def _handle_accounted(
@@ -133,7 +133,7 @@ async def _handle_accounted(
         raise
     if svc.ledger is not None:
         try:  # NOTE: before the body is read: a tenant out of budget costs nothing more
-            svc.ledger.admit(who.tenant)
+            svc.ledger.admit(who.tenant, who.key_id)
         except RateLimited:
             acct.emit(Refused(who.band, "budget_exhausted"))
             raise

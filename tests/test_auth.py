@@ -243,6 +243,22 @@ def test_a_tenants_budget_holds_across_routers_and_their_restarts(
     assert "Traceback" not in bad.stderr
 
 
+def test_a_key_with_a_budget_of_its_own_is_refused_past_it(
+    cluster: tuple[LocalEtcd, Router],
+) -> None:
+    """`keys create --tokens-per-day`: that key is refused past its own budget, with its id
+    named; its tenant's other keys go on."""
+    etcd, router = cluster
+    capped = ctl(etcd, "create", "--tenant", "split", "--tokens-per-day", "1")
+    other = ctl(etcd, "create", "--tenant", "split")["key"]
+    assert capped["budget"]["tokens_per_day"] == 1
+    until(lambda: call(router, capped["key"])[0] == 200)  # within: 0 of 1 used
+    status, _, err = call(router, capped["key"])
+    assert status == 429 and err["error"]["code"] == "budget_exhausted"
+    assert f"key {capped['id']} has used" in err["error"]["message"]
+    until(lambda: call(router, other)[0] == 200)
+
+
 def tenants(etcd: LocalEtcd, *args: str) -> Any:
     json_flag = [] if args[0] == "delete" else ["--json"]
     res = subprocess.run([CTL, "tenants", *args, "--etcd", etcd.endpoint, *json_flag],

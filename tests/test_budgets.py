@@ -247,3 +247,32 @@ def test_ctl_lists_each_tenants_usage_against_its_budget() -> None:
     assert acme["used"]["tokens_today"] == 110 and acme["remaining"] == {"tokens_per_day": 0}
     assert acme["exhausted"]["budget"] == "tokens_per_day"
     assert rows["idle"]["keys"] == 0 and rows["idle"]["exhausted"] is None
+
+
+def test_a_key_with_a_budget_of_its_own_is_refused_alone() -> None:
+    from cgn_core.apikeys import ApiKeyError, create, parse_record
+
+    ledger = Ledger("gw.w0", Clock("2026-12-06T10:00:00"))
+    _, capped = create("acme", "gold", budget=budget(100, None, None))
+    _, free = create("acme", "gold")
+    assert parse_record(json.loads(json.dumps(capped.to_json()))) == capped
+    with pytest.raises(ApiKeyError, match="'budget'"):
+        parse_record({**capped.to_json(), "budget": {"tokens_per_day": -1}})
+    ledger.set_key_budgets({k.id: k.budget for k in (capped, free)})
+    ledger.set_budgets({"acme": Budget(tokens_per_month=10**6)})  # the tenant's: keys' stay
+    assert set(ledger.budgets) == {"acme", "@" + capped.id}
+    observer = LedgerObserver(ledger, lambda eid: None)
+    usage = Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=0)
+    for key in (capped, free):
+        observer.observe(Ended("m", "ok", 200, 1.0, usage, "", "acme", "m/r", key.id))
+    with pytest.raises(RateLimited, match=f"key {capped.id} has used 100 of its 100 tokens"):
+        ledger.admit("acme", capped.id)
+    ledger.admit("acme", free.id)  # the tenant's other key: within the tenant's budget
+    assert ledger.used("acme").tokens_day == 200  # both keys count to the tenant
+    assert ledger.used("@" + free.id).tokens_day == 0  # a key without a budget: not counted
+    ledger.set_key_budgets({})  # the key revoked: its budget goes
+    ledger.admit("acme", capped.id)
+    entry = UsageEntry("gw.w1", "@" + capped.id, "2026-12-06", Used(1, 1, 0))
+    assert parse_usage(entry.to_json(), entry.key) == entry
+    with pytest.raises(BudgetError, match="want <writer>/<tenant>"):
+        parse_usage(entry.to_json(), "gw.w1/@nothex00")

@@ -137,6 +137,7 @@ class Ended(NamedTuple):
     error: str = ""
     tenant: str = ""  # its key's (once authenticated)
     endpoint: str = ""  # the id of the endpoint whose attempt answered ("": none did)
+    key_id: str = ""  # its API key's id (once authenticated; "": auth off)
 
 
 Record = (
@@ -170,20 +171,30 @@ class Account:
     whose attempt answered, a fallback too), the outcome (the last answering attempt's;
     or, when routing gave up, why: no_endpoint, upstream_error) and that attempt's endpoint."""
 
-    __slots__ = ("attempts", "endpoint", "model", "observers", "outcome", "started", "tenant")
+    __slots__ = (
+        "attempts",
+        "endpoint",
+        "key_id",
+        "model",
+        "observers",
+        "outcome",
+        "started",
+        "tenant",
+    )
 
     def __init__(self, observers: Sequence[Observer], started: float | None = None):
         self.observers = observers
         self.started = time.monotonic() if started is None else started
         self.model = ""
         self.tenant = ""  # once Asked: the key's
+        self.key_id = ""
         self.outcome = ""
         self.endpoint = ""  # the answering attempt's
         self.attempts = 0
 
     def emit(self, record: Record) -> None:
         if isinstance(record, Asked):
-            self.tenant = record.tenant
+            self.tenant, self.key_id = record.tenant, record.key_id
         elif (
             isinstance(record, AttemptEnded)
             and record.leg == "client"
