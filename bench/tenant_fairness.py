@@ -16,6 +16,11 @@ in one run (the counted window ends at a request's end):
   they did (2026-12-06, first run) `long` got 0.84 of the tokens: the two together
   admitted past the engine's batch, and the engine serves first come, first served.
 
+* two routers (one worker each) in front of the engine: `long`'s requests go through both,
+  `short`'s through the first only, with the usage ledger off (`budgets.enabled: false`:
+  each router shares by what it serves itself) and on (each router charges a tenant what
+  the others served it, cgn_router/ledger.py, about a second late).
+
 Target: shares within 10 % of the weights' in every setup.
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -41,10 +47,14 @@ from harness.procs import cgn_infer, cgn_router, etcd_put
 
 PROMPTS = {"long": 8192, "short": 1024}
 OUTPUT = 64
-SETUPS = {  # name: (weights, router workers)
-    "equal weights, 1 worker": ({"long": 1.0, "short": 1.0}, 1),
-    "short weighs 2, 1 worker": ({"long": 1.0, "short": 2.0}, 1),
-    "equal weights, 2 workers": ({"long": 1.0, "short": 1.0}, 2),
+EQUAL = {"long": 1.0, "short": 1.0}
+BOTH, FIRST = {"long": (0, 1), "short": (0,)}, {"long": (0,), "short": (0,)}
+SETUPS = {  # name: (weights, router workers, routers each tenant's requests go through, ledger)
+    "equal weights, 1 worker": (EQUAL, 1, FIRST, True),
+    "short weighs 2, 1 worker": ({"long": 1.0, "short": 2.0}, 1, FIRST, True),
+    "equal weights, 2 workers": (EQUAL, 2, FIRST, True),
+    "two routers, long through both, ledger off": (EQUAL, 1, BOTH, False),
+    "two routers, long through both, ledger on": (EQUAL, 1, BOTH, True),
 }
 
 
@@ -79,7 +89,11 @@ async def tenant_loop(
             ttfts.append(first or 0.0)
 
 
-async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+async def measure(
+    urls: list[str], routes: dict[str, tuple[int, ...]], keys: dict[str, str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """Each tenant's requests in flight spread over the routers `routes` names for it."""
     now = time.monotonic()
     window = (now + args.warmup, now + args.warmup + args.seconds)
     served: dict[str, list[float]] = {t: [] for t in PROMPTS}
@@ -87,8 +101,8 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(
-            tenant_loop(session, url, keys[t], PROMPTS[t], window, served[t], ttfts[t],
-                        random.Random(f"{t}{i}"))
+            tenant_loop(session, urls[routes[t][i % len(routes[t])]], keys[t], PROMPTS[t],
+                        window, served[t], ttfts[t], random.Random(f"{t}{i}"))
             for t in PROMPTS for i in range(args.concurrency)
         ))  # fmt: skip
     total = sum(sum(v) for v in served.values())
@@ -105,7 +119,10 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
     return out
 
 
-def run_setup(weights: dict[str, float], workers: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_setup(
+    weights: dict[str, float], workers: int, routes: dict[str, tuple[int, ...]], ledger: bool,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         with private_etcd(tmp) as etcd:
@@ -117,17 +134,22 @@ def run_setup(weights: dict[str, float], workers: int, args: argparse.Namespace)
                          {"url": engine, "engine": "cgn-infer"})  # fmt: skip
                 config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
                           "reconciler": {"enabled": False}, "workers": workers,
-                          "admission": {"default_capacity": 2}}  # fmt: skip
-                with cgn_router(tmp, config) as router:
-                    for _ in range(4 * workers):  # new connections land on any worker: each asked
-                        for key in keys.values():
-                            until_served(router.url, key, "sim")
-                    return asyncio.run(measure(router.url, keys, args))
+                          "admission": {"default_capacity": 2},
+                          "budgets": {"enabled": ledger}}  # fmt: skip
+                n = 1 + max(max(r) for r in routes.values())
+                with contextlib.ExitStack() as stack:
+                    routers = [stack.enter_context(cgn_router(tmp, config)) for _ in range(n)]
+                    for router in routers:
+                        for _ in range(4 * workers):  # a new connection lands on any worker
+                            for key in keys.values():
+                                until_served(router.url, key, "sim")
+                    urls = [r.url for r in routers]
+                    return asyncio.run(measure(urls, routes, keys, args))
 
 
 def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
-        f"One sim engine (batch 2, --speed {args.speed:g}) behind a router with admission; "
+        f"One sim engine (batch 2, --speed {args.speed:g}) behind routers with admission; "
         f"`long` sends {PROMPTS['long']}-token prompts, `short` {PROMPTS['short']}, each "
         f"{OUTPUT} output tokens, {args.concurrency} of each in flight; {args.seconds:g} s "
         f"counted after {args.warmup:g} s of warm-up.",
@@ -154,11 +176,14 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight per tenant")
     p.add_argument("--speed", type=float, default=40.0, help="the sim engine's --speed")
     p.add_argument("--result", default="tenant_fairness", help="bench/results/ file name")
+    p.add_argument("--only", default="", help="run the setups whose name holds this")
     args = p.parse_args()
     results = {}
-    for setup, (weights, workers) in SETUPS.items():
+    for setup, (weights, workers, routes, ledger) in SETUPS.items():
+        if args.only and args.only not in setup:
+            continue
         print(f"{setup} ...", file=sys.stderr, flush=True)
-        results[setup] = run_setup(weights, workers, args)
+        results[setup] = run_setup(weights, workers, routes, ledger, args)
         print(results[setup], file=sys.stderr, flush=True)
     command = " ".join([".venv/bin/python bench/tenant_fairness.py", *sys.argv[1:]])
     write_result(args.result, command, results, render(results, args))

@@ -112,6 +112,8 @@ def build_service(
         metrics.watch_budgets(ledger.remaining_rows)
     if settings.admission.enabled:
         svc.gate = Gate(settings.admission, registry, metrics, load)
+        if ledger is not None and (worker is None or worker.index == 0):
+            ledger.elsewhere = svc.gate.served_elsewhere  # fairness across routers
     try:
         static = [endpoint_from_static(name, e) for name, e in settings.endpoints.items()]
     except ValueError as exc:

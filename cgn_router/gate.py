@@ -144,6 +144,15 @@ class Gate:
                 self._tags_out(band, {t.tenant for t in admitted if t.band == band})
             self._publish_heads()
 
+    def served_elsewhere(self, tenant: str, tokens: float) -> None:
+        """Another router served `tenant` `tokens` (the usage ledger, ledger.py): counted to
+        its share here. NOTE: told to one worker of a router only (the daemon wires the
+        first): the workers share their tags, and each adding it would count it again."""
+        for band in self.adm.finish:
+            self._tags_in(band, (tenant,))
+        for band in self.adm.served_elsewhere(tenant, tokens):
+            self._tags_out(band, (tenant,))
+
     def _tags_in(self, band: str, tenants: Iterable[str]) -> None:
         """The band's virtual time and `tenants`' tags: the largest this worker or another
         has reached (tags only grow)."""

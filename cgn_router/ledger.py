@@ -65,8 +65,17 @@ def writer_name(settings: BudgetSettings, http_port: int, worker: int) -> str:
 class Ledger:
     """This worker's count of each tenant's usage, the other writers' records, the budgets."""
 
-    def __init__(self, writer: str, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        writer: str,
+        clock: Callable[[], float] = time.time,
+        elsewhere: Callable[[str, float], None] | None = None,
+    ):
         self.writer, self.clock = writer, clock
+        # told (tenant, tokens) as another router's count of a tenant grows: its admission
+        # charges them to the tenant's share here (fairness across routers, gate.py)
+        self.elsewhere = elsewhere
+        self.router = writer.rsplit(".w", 1)[0]  # its workers' writers share this
         self.period: Period = period(clock())
         self.own: dict[str, Used] = {}
         self.changed: set[str] = set()  # tenants whose own count is not yet published
@@ -202,8 +211,24 @@ class Ledger:
     def put_other(self, entry: UsageEntry) -> None:
         if entry.writer != self.writer:
             writers = self.others.setdefault(entry.tenant, {})
-            self._move(entry.tenant, writers.get(entry.writer), entry)
+            old = writers.get(entry.writer)
+            self._move(entry.tenant, old, entry)
             writers[entry.writer] = entry
+            if self.elsewhere is not None and old is not None:
+                self._served_elsewhere(old, entry)
+
+    def _served_elsewhere(self, old: UsageEntry, new: UsageEntry) -> None:
+        """What another router served a tenant since its last record (not this router's
+        other workers: their admission is this one's; not a key's own count)."""
+        if (
+            new.tenant.startswith("@")
+            or new.writer.rsplit(".w", 1)[0] == self.router
+            or new.month != old.month
+        ):
+            return
+        grown = new.used.tokens_month - old.used.tokens_month
+        if grown > 0 and self.elsewhere is not None:
+            self.elsewhere(new.tenant, grown)
 
     def delete_other(self, writer: str, tenant: str) -> None:
         writers = self.others.get(tenant)

@@ -291,3 +291,34 @@ async def test_a_freed_slot_goes_to_the_routers_earliest_head_whichever_worker_h
         assert sum(f.done() for f in bigs) == 1
         for f in bigs:
             f.cancel()
+
+
+def test_what_another_router_served_a_tenant_counts_to_its_share_here() -> None:
+    """Fairness across routers (#58): the usage ledger tells admission what other routers
+    served; a tenant active here is charged it, so the next head is the other tenant's."""
+    a = adm(capacity=1)
+    assert a.offer(Ticket("platinum", "y", "m", 0.0, cost=100)) == Verdict.ADMIT
+    for tenant in ("x", "y"):  # x has had less here: its head would go first
+        assert a.offer(Ticket("platinum", tenant, "m", 0.0, cost=100)) == Verdict.QUEUED
+    a.release("m")
+    assert a.served_elsewhere("x", 1000) == ["platinum"]  # x's traffic on another router
+    assert a.served_elsewhere("idle", 1000) == []  # not active here: nothing to charge
+    assert [x.tenant for x in a.dispatch()] == ["y"]
+
+
+def test_the_ledger_tells_what_other_routers_served_not_this_ones_workers() -> None:
+    from cgn_core.budgets import UsageEntry, Used
+    from cgn_router.ledger import Ledger
+
+    told: list[tuple[str, float]] = []
+    ledger = Ledger("gw-8080.w0", elsewhere=lambda tenant, n: told.append((tenant, n)))
+    day = ledger.period.day
+
+    def record(writer: str, scope: str, month_tokens: float) -> UsageEntry:
+        return UsageEntry(writer, scope, day, Used(month_tokens, month_tokens, 0))
+
+    for month_tokens in (100, 250):
+        ledger.put_other(record("gw-8080.w1", "x", month_tokens))  # its own router's worker
+        ledger.put_other(record("other-8080.w0", "x", month_tokens))  # another router
+        ledger.put_other(record("other-8080.w0", "@1f2e3d4c", month_tokens))  # a key's count
+    assert told == [("x", 150)]  # the first record of a writer is its history, not news

@@ -118,6 +118,7 @@ class Admission:
         self.depth: Counter[str] = Counter()
         self.vtime = dict.fromkeys(self.bands, 0.0)  # band -> the start of its last admitted one
         self.finish: dict[str, dict[str, float]] = {b: {} for b in self.bands}  # tenant -> tag
+        self.weights: dict[str, float] = {}  # tenant -> its weight, as its last request said
         self.active: Counter[str] = Counter()  # pool -> admitted, not yet finished
         self.capacity: dict[str, float] = {}  # pool -> batch slots
         self.kv_usage: dict[str, float] = {}  # pool -> 0..1
@@ -165,6 +166,18 @@ class Admission:
         start = self._start(t.band, t.tenant)
         self.vtime[t.band] = start
         self.finish[t.band][t.tenant] = start + t.cost / t.weight
+        self.weights[t.tenant] = t.weight
+
+    def served_elsewhere(self, tenant: str, tokens: float) -> list[str]:
+        """Another router served `tenant` `tokens`: charged to its share in every band where
+        it is active here (it waits, or it was served and has not gone idle), so its share
+        is the fleet's, not this router's; the bands charged."""
+        charged = []
+        for band, tags in self.finish.items():
+            if tenant in tags or tenant in self.queues[band]:
+                self.charge(band, tenant, tokens, self.weights.get(tenant, 1.0))
+                charged.append(band)
+        return charged
 
     def charge(self, band: str, tenant: str, tokens: float, weight: float = 1.0) -> None:
         """Work a request of `tenant` consumed beyond its admission's charge (its output)."""
@@ -202,6 +215,9 @@ class Admission:
             for tenant in [x for x, tag in tags.items() if tag <= now_v]:
                 if tenant not in self.queues[band]:
                     del tags[tenant]
+        if len(self.weights) > 2 * sum(len(t) for t in self.finish.values()) + 64:
+            active = {t for tags in self.finish.values() for t in tags}
+            self.weights = {t: w for t, w in self.weights.items() if t in active}
         return out
 
     def dispatch(self) -> list[Ticket]:
