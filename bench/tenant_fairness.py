@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -185,7 +186,7 @@ def main() -> None:
         print(f"{setup} ...", file=sys.stderr, flush=True)
         results[setup] = run_setup(weights, workers, routes, ledger, args)
         print(results[setup], file=sys.stderr, flush=True)
-    command = " ".join([".venv/bin/python bench/tenant_fairness.py", *sys.argv[1:]])
+    command = shlex.join([".venv/bin/python", "bench/tenant_fairness.py", *sys.argv[1:]])
     write_result(args.result, command, results, render(results, args))
     print(render(results, args))
 
