@@ -20,7 +20,16 @@ from cgn_core.cli import EXIT_USAGE, fail
 from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.terminal import for_terminal
-from cgn_ctl.options import Config, Etcd, Json, ctl_settings, with_etcd
+from cgn_ctl.options import (
+    Config,
+    Etcd,
+    JoulesPerDay,
+    Json,
+    TokensPerDay,
+    TokensPerMonth,
+    ctl_settings,
+    with_etcd,
+)
 
 app = typer.Typer(help="API keys: create, list, revoke, rotate.", no_args_is_help=True)
 
@@ -64,18 +73,9 @@ def create_cmd(
             "tenants waiting there: 2 is served twice what 1 is.",
         ),
     ] = 1.0,
-    tokens_per_day: Annotated[
-        float | None,
-        typer.Option("--tokens-per-day", help="The key's own budget: tokens per UTC day."),
-    ] = None,
-    tokens_per_month: Annotated[
-        float | None,
-        typer.Option("--tokens-per-month", help="The key's own budget: tokens per UTC month."),
-    ] = None,
-    joules_per_day: Annotated[
-        float | None,
-        typer.Option("--joules-per-day", help="The key's own budget: joules per UTC day."),
-    ] = None,
+    tokens_per_day: TokensPerDay = None,
+    tokens_per_month: TokensPerMonth = None,
+    joules_per_day: JoulesPerDay = None,
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,

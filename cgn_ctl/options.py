@@ -35,6 +35,22 @@ Config = Annotated[
     typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+# A budget's figures (cgn_core/budgets.py), for a tenant (`tenants set`) or a key (`keys create`)
+TokensPerDay = Annotated[
+    float | None,
+    typer.Option("--tokens-per-day", help="Budget: prompt + completion tokens per UTC day."),
+]
+TokensPerMonth = Annotated[
+    float | None,
+    typer.Option("--tokens-per-month", help="Budget: prompt + completion tokens per UTC month."),
+]
+JoulesPerDay = Annotated[
+    float | None,
+    typer.Option(
+        "--joules-per-day",
+        help="Budget: joules per UTC day, where the nodes' energy is measured (cgn-metrics).",
+    ),
+]
 
 
 def ctl_settings(etcd: str | None, config: Path | None) -> CtlSettings:

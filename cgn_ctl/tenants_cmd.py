@@ -36,7 +36,15 @@ from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.terminal import for_terminal
 from cgn_ctl.keys_cmd import budget_text
-from cgn_ctl.options import Config, Etcd, Json, with_etcd
+from cgn_ctl.options import (
+    Config,
+    Etcd,
+    JoulesPerDay,
+    Json,
+    TokensPerDay,
+    TokensPerMonth,
+    with_etcd,
+)
 
 app = typer.Typer(
     help="Tenants: usage against budgets (list), and budgets (set, delete).",
@@ -137,21 +145,9 @@ def list_cmd(etcd: Etcd = None, config: Config = None, as_json: Json = False) ->
 @app.command("set")
 def set_cmd(
     tenant: Annotated[str, typer.Argument(help="The tenant (as its API keys name it).")],
-    tokens_per_day: Annotated[
-        float | None,
-        typer.Option("--tokens-per-day", help="Prompt + completion tokens per UTC day."),
-    ] = None,
-    tokens_per_month: Annotated[
-        float | None,
-        typer.Option("--tokens-per-month", help="Prompt + completion tokens per UTC month."),
-    ] = None,
-    joules_per_day: Annotated[
-        float | None,
-        typer.Option(
-            "--joules-per-day",
-            help="Joules per UTC day, where the serving nodes' energy is measured (cgn-metrics).",
-        ),
-    ] = None,
+    tokens_per_day: TokensPerDay = None,
+    tokens_per_month: TokensPerMonth = None,
+    joules_per_day: JoulesPerDay = None,
     note: Annotated[str, typer.Option("--note", help="Free text kept with the tenant.")] = "",
     etcd: Etcd = None,
     config: Config = None,
