@@ -14,6 +14,7 @@ unencrypted: the daemons read it at start), written atomically.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -247,6 +248,16 @@ def _cn(cert: x509.Certificate) -> str:
     return common_name(cert) or cert.subject.rfc4514_string()
 
 
+def key_hash(cert: x509.Certificate) -> str:
+    """`sha256:<hex>` of the certificate's public key (SubjectPublicKeyInfo, DER): of the CA,
+    what a joining machine pins, as kubeadm's `--discovery-token-ca-cert-hash` (the same
+    for every certificate of that key)."""
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
 def describe(cert: x509.Certificate, ca: x509.Certificate | None = None) -> dict[str, object]:
     """What `cgn-ctl pki inspect` prints: subject, SANs, validity, usages, and the chain check."""
     san = _ext(cert, x509.SubjectAlternativeName)
@@ -275,6 +286,7 @@ def describe(cert: x509.Certificate, ca: x509.Certificate | None = None) -> dict
         "key_usage": usages,
         "extended_key_usage": ekus,
         "key": f"ECDSA {pub.curve.name}" if isinstance(pub, ec.EllipticCurvePublicKey) else "other",
+        "key_hash": key_hash(cert),  # of a CA: what `up --join --ca-hash` pins (#65)
     }
     if ca is not None:
         try:
