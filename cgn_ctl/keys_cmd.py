@@ -28,6 +28,8 @@ from cgn_ctl.options import (
     TokensPerDay,
     TokensPerMonth,
     ctl_settings,
+    delete_one,
+    show_once,
     with_etcd,
 )
 
@@ -132,14 +134,8 @@ def create_cmd(
 
 
 def _show_new(key: str, doc: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        typer.echo(
-            json.dumps({"key": key, **{k: v for k, v in doc.items() if k != "hash"}}, indent=2)
-        )
-    else:
-        typer.echo(f"key {doc['id']} for tenant {doc['tenant']} (band {doc['band']}):")
-        typer.echo(key)
-        typer.echo("store it now: it is not shown again", err=True)
+    headline = f"key {doc['id']} for tenant {doc['tenant']} (band {doc['band']}):"
+    show_once("key", key, doc, headline, as_json)
 
 
 @app.command("list")
@@ -206,11 +202,7 @@ def revoke_cmd(
 ) -> None:
     """Delete a key: routers refuse it within seconds (they watch the keys)."""
 
-    async def work(c: EtcdClient) -> None:
-        if not await c.delete(keys.API_KEYS + key_id):
-            raise NotFound(f"no key {key_id!r}")
-
-    with_etcd(etcd, config, work)
+    delete_one(etcd, config, keys.API_KEYS + key_id, f"key {key_id!r}")
     typer.echo(f"key {key_id} revoked")
 
 

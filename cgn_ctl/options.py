@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from cgn_control.decide.catalog import CatalogError
 from cgn_core.apikeys import ApiKeyError
 from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
-from cgn_core.errors import CognitoraError
+from cgn_core.errors import CognitoraError, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
 from cgn_core.settings import EtcdSettings
@@ -51,6 +52,31 @@ JoulesPerDay = Annotated[
         help="Budget: joules per UTC day, where the nodes' energy is measured (cgn-metrics).",
     ),
 ]
+
+
+def show_once(
+    field: str, secret: str, doc: Mapping[str, Any], headline: str, as_json: bool
+) -> None:
+    """A new secret (an API key, a join token) printed once with its record, never its hash:
+    as JSON under `field`, or `headline` then the secret (the reminder on stderr)."""
+    if as_json:
+        shown = {k: v for k, v in doc.items() if k != "hash"}
+        typer.echo(json.dumps({field: secret, **shown}, indent=2))
+    else:
+        typer.echo(headline)
+        typer.echo(secret)
+        typer.echo("store it now: it is not shown again", err=True)
+
+
+def delete_one(etcd: str | None, config: Path | None, key: str, what: str) -> None:
+    """Delete one record (`keys revoke`, `tokens revoke`, `tenants delete`); NotFound (exit 1)
+    naming `what` when there is none."""
+
+    async def work(c: EtcdClient) -> None:
+        if not await c.delete(key):
+            raise NotFound(f"no {what}")
+
+    with_etcd(etcd, config, work)
 
 
 def ctl_settings(etcd: str | None, config: Path | None) -> CtlSettings:

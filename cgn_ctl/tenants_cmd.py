@@ -32,7 +32,6 @@ from cgn_core.budgets import (
     total,
 )
 from cgn_core.cli import EXIT_USAGE, fail
-from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.terminal import for_terminal
 from cgn_ctl.keys_cmd import budget_text
@@ -43,6 +42,7 @@ from cgn_ctl.options import (
     Json,
     TokensPerDay,
     TokensPerMonth,
+    delete_one,
     with_etcd,
 )
 
@@ -191,9 +191,5 @@ def delete_cmd(
 ) -> None:
     """Remove a tenant's budget (its keys and its usage stay)."""
 
-    async def work(c: EtcdClient) -> None:
-        if not await c.delete(keys.TENANTS + tenant):
-            raise NotFound(f"no tenant record {tenant!r}")
-
-    with_etcd(etcd, config, work)
+    delete_one(etcd, config, keys.TENANTS + tenant, f"tenant record {tenant!r}")
     typer.echo(f"tenant {tenant}: budget removed")

@@ -16,11 +16,10 @@ from rich.table import Table
 
 from cgn_core import keys
 from cgn_core.cli import EXIT_USAGE, fail
-from cgn_core.errors import NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.jointokens import DEFAULT_TTL_S, TokenError, create, parse
 from cgn_core.terminal import for_terminal
-from cgn_ctl.options import Config, Etcd, Json, with_etcd
+from cgn_ctl.options import Config, Etcd, Json, delete_one, show_once, with_etcd
 
 app = typer.Typer(help="Join tokens for new machines: create, list, revoke.", no_args_is_help=True)
 
@@ -49,13 +48,8 @@ def create_cmd(
             raise TokenError("a token with that id exists (1 in 2 billion): run it again")
 
     with_etcd(etcd, config, work)
-    if as_json:
-        shown = {k: v for k, v in record.to_json().items() if k != "hash"}
-        typer.echo(json.dumps({"token": token, **shown}, indent=2))
-    else:
-        typer.echo(f"join token {record.id} ({uses} use{'s' * (uses > 1)}, {ttl:.0f} s):")
-        typer.echo(token)
-        typer.echo("store it now: it is not shown again", err=True)
+    headline = f"join token {record.id} ({uses} use{'s' * (uses > 1)}, {ttl:.0f} s):"
+    show_once("token", token, record.to_json(), headline, as_json)
 
 
 @app.command("list")
@@ -96,9 +90,5 @@ def revoke_cmd(
 ) -> None:
     """Delete a join token: it joins no machine from now on."""
 
-    async def work(c: EtcdClient) -> None:
-        if not await c.delete(keys.TOKENS + token_id):
-            raise NotFound(f"no join token {token_id!r}")
-
-    with_etcd(etcd, config, work)
+    delete_one(etcd, config, keys.TOKENS + token_id, f"join token {token_id!r}")
     typer.echo(f"join token {token_id} revoked")
