@@ -82,6 +82,7 @@ class Ledger:
         self.others: dict[str, dict[str, UsageEntry]] = {}  # tenant -> writer -> its record
         self.budgets: dict[str, Budget] = {}  # tenant -> its budget (tenants with one only)
         self.resumed = False
+        self.failing = False  # its last write failed (logged once until one succeeds)
         self._swept = ""  # the month whose past records were last deleted
         self._own_past: set[str] = set()  # this writer's records of a month that is over
         # the others' usage of each tenant with a budget in this period, kept as their
@@ -339,4 +340,10 @@ async def _write(ledger: Ledger, client: EtcdClient) -> None:
             await client.txn([], [Op.delete(keys.USAGE + k) for k in gone[at : at + TXN_OPS]])
     except CognitoraError as exc:  # etcd away (Unavailable) or refusing: the next round
         ledger.unsent(entries)
-        log.warning("usage ledger: could not publish (%s); trying again", exc)
+        if not ledger.failing:  # NOTE: once per outage, not once a second
+            log.warning("usage ledger: could not publish (%s); trying every round", exc)
+        ledger.failing = True
+        return
+    if ledger.failing:
+        log.info("usage ledger: publishing again")
+        ledger.failing = False

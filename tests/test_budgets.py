@@ -276,3 +276,24 @@ def test_a_key_with_a_budget_of_its_own_is_refused_alone() -> None:
     assert parse_usage(entry.to_json(), entry.key) == entry
     with pytest.raises(BudgetError, match="want <writer>/<tenant>"):
         parse_usage(entry.to_json(), "gw.w1/@nothex00")
+
+
+async def test_a_write_etcd_refuses_is_kept_for_the_next_round_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from cgn_core.etcd import EtcdClient
+    from cgn_core.etcd.local import free_port
+    from cgn_core.settings import EtcdSettings
+    from cgn_router.ledger import _write
+
+    ledger = Ledger("gw.w0", Clock("2026-12-06T10:00:00"))
+    ledger.charge("acme", 10)
+    away = EtcdSettings(endpoints=(f"127.0.0.1:{free_port()}",), timeout_s=0.5)
+    async with EtcdClient(away) as client:  # nothing listens there
+        with caplog.at_level(logging.WARNING):
+            for _ in range(3):
+                await _write(ledger, client)
+    assert ledger.changed == {"acme"} and ledger.failing  # kept: written once etcd is back
+    assert sum("could not publish" in r.getMessage() for r in caplog.records) == 1
