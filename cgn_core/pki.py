@@ -113,13 +113,26 @@ def issue(
     not_before: dt.datetime | None = None,
 ) -> Pair:
     """A leaf for `node` in `role`: CN and first SAN = node id, extra SANs (DNS names or IPs)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return Pair(key, _leaf(ca, key.public_key(), node, role, sans, days, usage, not_before))
+
+
+def _leaf(
+    ca: Pair,
+    public_key: ec.EllipticCurvePublicKey,
+    node: str,
+    role: str,
+    sans: Sequence[str],
+    days: int = LEAF_DAYS,
+    usage: Usage = "both",
+    not_before: dt.datetime | None = None,
+) -> x509.Certificate:
     if not node or "/" in node:
         raise PkiError(f"node id {node!r} is not usable as a certificate name")
     if role not in ROLES:
         raise PkiError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if days < 1:
         raise PkiError("validity must be at least one day")
-    key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(node)]
     for san in sans:
         try:
@@ -128,11 +141,11 @@ def issue(
             names.append(x509.DNSName(san))
     ekus = _EKUS[usage]
     start = not_before or (_now() - _SKEW)
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(_name(node, role))
         .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
@@ -145,7 +158,68 @@ def issue(
         )
         .sign(ca.key, hashes.SHA256())
     )
-    return Pair(key, cert)
+
+
+# ---- certificate requests (a joining machine's key never leaves it, #65) ---------------------
+
+MAX_CSR_BYTES = 16 << 10
+JOIN_ROLES = ("agent",)  # what a join token may be signed for: a node, never a router or ctl
+
+
+def request(
+    key: ec.EllipticCurvePrivateKey, node: str, role: str, ips: Sequence[str] = ()
+) -> bytes:
+    """A PEM certificate request for `node` in `role`, signed by `key` (the joining side)."""
+    names: list[x509.GeneralName] = [x509.DNSName(node)]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(_name(node, role))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def sign_request(ca: Pair, csr_pem: bytes, node: str, days: int = LEAF_DAYS) -> x509.Certificate:
+    """A node certificate for a joining machine's request, or PkiError saying what is wrong:
+    too big or not a request; a forged signature; a key other than ECDSA P-256; a name other
+    than `node` (the id its token was spent for); a role other than a node's; a SAN other
+    than the node id or an IP address."""
+    if len(csr_pem) > MAX_CSR_BYTES:
+        raise PkiError(f"the certificate request is over {MAX_CSR_BYTES} bytes")
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError:
+        raise PkiError("not a PEM certificate request") from None
+    try:  # NOTE: a request that parses may still hold a key or signature that does not
+        valid, key = csr.is_signature_valid, csr.public_key()
+    except ValueError as exc:
+        raise PkiError(f"the certificate request is damaged ({exc})") from None
+    if not valid:
+        raise PkiError("the certificate request's signature does not verify")
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+        raise PkiError("the certificate request's key must be ECDSA P-256")
+    cn = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ou = csr.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if len(cn) != 1 or cn[0].value != node:
+        raise PkiError(f"the certificate request must name node {node!r}, and only it")
+    role = ou[0].value if len(ou) == 1 else ""
+    if role not in JOIN_ROLES:
+        raise PkiError(f"a join signs node certificates only (role agent), not {role!r}")
+    ips: list[str] = []
+    try:
+        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        san = x509.SubjectAlternativeName([])
+    for name in san:
+        if isinstance(name, x509.IPAddress):
+            ips.append(str(name.value))
+        elif not (isinstance(name, x509.DNSName) and name.value == node):
+            raise PkiError(
+                f"the certificate request may name the node id and IPs only, not {name.value!r}"
+            )
+    return _leaf(ca, key, node, str(role), ips, days)
 
 
 # ---- files ----------------------------------------------------------------------------------

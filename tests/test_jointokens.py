@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from cgn_core import pki
 from cgn_core.etcd import EtcdClient
@@ -105,3 +108,38 @@ def test_ctl_creates_lists_and_revokes_tokens(etcd_server: LocalEtcd) -> None:
     assert gone.returncode == 1 and "no join token" in gone.stderr
     bad = ctl("create", "--ttl", "-5")
     assert bad.returncode == 2 and "ttl must be" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_joining_machines_request_is_signed_as_a_node_and_nothing_else() -> None:
+    """The joining side's key never leaves it: the CA signs its request only as the node id
+    its token was spent for, only in a node's role, only for that id and IPs."""
+    ca = pki.create_ca()
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = pki.sign_request(ca, pki.request(key, "gpu-02", "agent", ["10.0.0.2"]), "gpu-02")
+    pki.verify(cert, ca.cert, usage="client", node="gpu-02")
+    assert cert.public_key().public_numbers() == key.public_key().public_numbers()
+    assert pki.describe(cert)["sans"] == ["gpu-02", "10.0.0.2"]
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    der = bytearray(
+        x509.load_pem_x509_csr(pki.request(key, "gpu-02", "agent")).public_bytes(
+            serialization.Encoding.DER
+        )
+    )
+    der[-1] ^= 1  # the signature's last byte: it parses, and does not verify
+    forged = x509.load_der_x509_csr(bytes(der)).public_bytes(serialization.Encoding.PEM)
+    damaged = bytearray(pki.request(key, "gpu-02", "agent"))
+    damaged[120] ^= 1  # inside the key's bytes: it parses, and its key does not
+    for csr, node, why in [
+        (pki.request(key, "gpu-02", "ctl"), "gpu-02", "node certificates only"),
+        (pki.request(key, "gpu-02", "router"), "gpu-02", "node certificates only"),
+        (pki.request(key, "gpu-03", "agent"), "gpu-02", "must name node 'gpu-02'"),
+        (pki.request(rsa_key, "gpu-02", "agent"), "gpu-02", "ECDSA P-256"),  # type: ignore[arg-type]
+        (b"-----BEGIN CERTIFICATE REQUEST-----\nnope\n", "gpu-02", "not a PEM"),
+        (b"x" * (pki.MAX_CSR_BYTES + 1), "gpu-02", "over"),
+    ]:
+        with pytest.raises(pki.PkiError, match=why):
+            pki.sign_request(ca, csr, node)
+    with pytest.raises(pki.PkiError, match="does not verify"):
+        pki.sign_request(ca, forged, "gpu-02")
+    with pytest.raises(pki.PkiError):  # damaged, or not a request: refused either way
+        pki.sign_request(ca, bytes(damaged), "gpu-02")
