@@ -28,15 +28,17 @@ import re
 import secrets
 import string
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cgn_core import keys, records
 from cgn_core.errors import PermanentError
-from cgn_core.etcd import EtcdClient
+from cgn_core.etcd import Compare, EtcdClient, Op
 
 _TOKEN = re.compile(r"^([0-9a-z]{6})\.([0-9a-z]{16})$")
 _ID = re.compile(r"^[0-9a-z]{6}$")
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")  # what a joining machine may be named
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _ALPHABET = string.digits + string.ascii_lowercase
 DEFAULT_TTL_S = 24 * 3600.0
@@ -131,12 +133,27 @@ def parse(doc: Any, tid: str | None = None) -> JoinToken:
         raise TokenError(f"join token record: {exc}") from None
 
 
+class Taken(TokenError):
+    """A key the spending had to find absent exists (a node id already joined)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"{key} exists")
+        self.key = key
+
+
 async def consume(
-    client: EtcdClient, token: str, now_unix: float | None = None, prefix: str = keys.TOKENS
+    client: EtcdClient,
+    token: str,
+    now_unix: float | None = None,
+    prefix: str = keys.TOKENS,
+    *,
+    absent: Sequence[str] = (),
+    then: Sequence[Op] = (),
 ) -> JoinToken:
     """Spend one use of `token`: its record after the use. TokenError when it is malformed,
     unknown or revoked, wrong, expired or used up (one message for unknown and wrong: a
-    caller learns nothing of which ids exist)."""
+    caller learns nothing of which ids exist). In the same transaction, only if every key
+    in `absent` is absent (else Taken, and nothing written), the ops `then` run."""
     tid = token_id(token)
     for _ in range(CAS_TRIES):
         kv = await client.get(prefix + tid)
@@ -154,6 +171,11 @@ async def consume(
             raise TokenError(f"the join token {tid} is {why}")
         spent = dataclasses.replace(record, used=record.used + 1)
         value = json.dumps(spent.to_json()).encode()
-        if await client.compare_and_swap(prefix + tid, value, kv.mod_revision):
+        compares = [Compare.mod_revision(prefix + tid, "==", kv.mod_revision)]
+        compares += [Compare.create_revision(k, "==", 0) for k in absent]
+        if (await client.txn(compares, [Op.put(prefix + tid, value), *then])).succeeded:
             return spent
+        for key in absent:  # NOTE: lost to a key that exists, or to a racing use: told apart
+            if await client.get(key) is not None:
+                raise Taken(key)
     raise TokenError(f"the join token {tid} is being spent by others; try again")

@@ -143,3 +143,71 @@ def test_a_joining_machines_request_is_signed_as_a_node_and_nothing_else() -> No
         pki.sign_request(ca, forged, "gpu-02")
     with pytest.raises(pki.PkiError):  # damaged, or not a request: refused either way
         pki.sign_request(ca, bytes(damaged), "gpu-02")
+
+
+async def test_a_machine_joins_once_with_a_token_and_nothing_else_gets_in(
+    etcd: EtcdClient, prefix: str, tmp_path: Path
+) -> None:
+    """The join service (real HTTPS on loopback, real etcd) and the joiner: a single-use
+    token joins one machine, its record is kept; a reused token, a CA that is not the pinned
+    one, a node id already taken and a request for another role are refused, and the last
+    three spend nothing."""
+    import aiohttp
+    from aiohttp import web
+
+    from cgn_core.etcd.local import free_port
+    from cgn_core.settings import TlsSettings
+    from cgn_core.tls import server_ssl_context
+    from cgn_ctl.join import JoinError, build_join_app, join
+
+    ca = pki.create_ca()
+    pki.write_pair(tmp_path, "join", pki.issue(ca, "first", "ctl", sans=["127.0.0.1"]))
+    tls = TlsSettings(cert_file=tmp_path / "join.pem", key_file=tmp_path / "join.key")
+    runner = web.AppRunner(build_join_app(etcd, ca, root=prefix))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_ssl_context(
+        tls, client_cert="none")).start()  # fmt: skip
+    url, pinned = f"https://127.0.0.1:{port}", pki.key_hash(ca.cert)
+
+    async def token(uses: int = 1) -> tuple[str, str]:
+        secret, record = create(uses=uses)
+        await etcd.put_json(f"{prefix}tokens/{record.id}", record.to_json())
+        return secret, f"{prefix}tokens/{record.id}"
+
+    async def used(where: str) -> int:
+        return int((await etcd.get_json(where))["used"])
+
+    try:
+        first, _ = await token()
+        key, cert, got = await join(url, first, pinned, "gpu-02", ("127.0.0.1",))
+        pki.verify(cert, ca.cert, usage="server", node="gpu-02")
+        assert cert.public_key().public_numbers() == key.public_key().public_numbers()
+        assert got == ca.cert and pki.describe(cert)["sans"] == ["gpu-02", "127.0.0.1"]
+        joined = await etcd.get_json(prefix + "joins/gpu-02")
+        assert joined["token"] == first.split(".")[0]
+        assert joined["serial"] == format(cert.serial_number, "x")
+        with pytest.raises(JoinError, match="used up"):
+            await join(url, first, pinned, "gpu-03")
+        spare, where = await token()
+        with pytest.raises(JoinError, match="not the one pinned"):
+            await join(url, spare, pki.key_hash(pki.create_ca().cert), "gpu-04")
+        await etcd.put_json(prefix + "nodes/gpu-05", {"engines": []})
+        with pytest.raises(JoinError, match="'gpu-05' is taken"):
+            await join(url, spare, pinned, "gpu-05")
+        with pytest.raises(JoinError, match="'gpu-02' is taken"):
+            await join(url, spare, pinned, "gpu-02")
+        csr = pki.request(ec.generate_private_key(ec.SECP256R1()), "gpu-06", "ctl").decode()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                url + "/v1/join", json={"token": spare, "node": "gpu-06", "csr": csr}, ssl=False
+            ) as r,
+        ):
+            assert r.status == 403 and "node certificates only" in (await r.text())
+        assert await used(where) == 0  # none of the three refusals spent the token
+        assert await etcd.get(prefix + "joins/gpu-06") is None
+        with pytest.raises(JoinError, match="cannot reach"):
+            await join(f"https://127.0.0.1:{free_port()}", spare, pinned, "gpu-07")
+    finally:
+        await runner.cleanup()
