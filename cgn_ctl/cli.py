@@ -25,7 +25,7 @@ from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.files import read_regular
 from cgn_core.terminal import for_terminal
-from cgn_ctl import cluster_ops, keys_cmd, pki_cmd, render, tenants_cmd, tokens_cmd
+from cgn_ctl import cluster_ops, join_cmd, keys_cmd, pki_cmd, render, tenants_cmd, tokens_cmd
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
@@ -44,6 +44,8 @@ app.add_typer(pki_cmd.app, name="pki")
 app.add_typer(keys_cmd.app, name="keys")
 app.add_typer(tenants_cmd.app, name="tenants")
 app.add_typer(tokens_cmd.app, name="tokens")
+app.command("join-service")(join_cmd.join_service)
+app.command("join")(join_cmd.join_cmd)
 
 
 def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:

@@ -211,3 +211,58 @@ async def test_a_machine_joins_once_with_a_token_and_nothing_else_gets_in(
             await join(f"https://127.0.0.1:{free_port()}", spare, pinned, "gpu-07")
     finally:
         await runner.cleanup()
+
+
+def test_two_commands_join_a_machine_from_the_command_line(
+    etcd_server: LocalEtcd, tmp_path: Path
+) -> None:
+    """`cgn-ctl join-service` where the CA is, `cgn-ctl join` on the joining side: files
+    written (the key 0600, made there); a spent token and a CA not pinned are one-line
+    errors (exit 1) and write nothing."""
+    import os
+    import time
+
+    from cgn_core.etcd.local import free_port
+
+    pkidir, out = tmp_path / "pki", tmp_path / "joined"
+    pki.write_pair(pkidir, "ca", pki.create_ca())
+    ca_cert = pki.load_cert(pkidir / "ca.pem")
+    endpoint = ["--etcd", etcd_server.endpoint]
+    made = subprocess.run([CTL, "tokens", "create", "--json", *endpoint], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    token = json.loads(made.stdout)["token"]
+    port = free_port()
+    log = (tmp_path / "service.log").open("w")
+    service = subprocess.Popen([CTL, "join-service", "--listen", f"127.0.0.1:{port}", "--dir",
+                                str(pkidir), *endpoint], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "ready https://" not in (tmp_path / "service.log").read_text():
+            assert service.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "service.log"
+            ).read_text()
+            time.sleep(0.1)
+        printed = (tmp_path / "service.log").read_text()
+        assert f"--ca-hash {pki.key_hash(ca_cert)}" in printed
+
+        def join(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([CTL, "join", f"https://127.0.0.1:{port}", "--node", "gpu-09",
+                                   "--out", str(out), *extra], capture_output=True, text=True,
+                                  timeout=60)  # fmt: skip
+
+        done = join("--token", token, "--ca-hash", pki.key_hash(ca_cert), "--ip", "127.0.0.1")
+        assert done.returncode == 0, done.stderr
+        cert = pki.load_cert(out / "gpu-09.pem")
+        pki.verify(cert, pki.load_cert(out / "ca.pem"), usage="client", node="gpu-09")
+        assert os.stat(out / "gpu-09.key").st_mode & 0o777 == 0o600
+        again = join("--token", token, "--ca-hash", pki.key_hash(ca_cert), "--force")
+        assert again.returncode == 1 and "used up" in again.stderr
+        assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 1
+        other = pki.key_hash(pki.create_ca().cert)
+        wrong = join("--token", token, "--ca-hash", other, "--force")
+        assert wrong.returncode == 1 and "not the one pinned" in wrong.stderr
+        assert pki.load_cert(out / "gpu-09.pem") == cert  # nothing rewritten by a refusal
+    finally:
+        service.terminate()
+        service.wait(timeout=10)
+        log.close()
