@@ -78,12 +78,12 @@ def build_join_app(client: EtcdClient, ca: pki.Pair, root: str = keys.ROOT) -> w
         if not NODE_ID.match(node):
             return _refuse(400, "'node' must be 1-63 of [A-Za-z0-9.-], starting alphanumeric")
         try:
-            token_id(token)
+            tid = token_id(token)
             cert = pki.sign_request(ca, csr.encode(), node)  # NOTE: before any write
         except (TokenError, pki.PkiError) as exc:
             return _refuse(400 if isinstance(exc, TokenError) else 403, exc.message)
         serial = format(cert.serial_number, "x")
-        joined = {"node": node, "token": token_id(token), "serial": serial, "at": time.time()}
+        joined = {"node": node, "token": tid, "serial": serial, "at": time.time()}
         where = (root + keys.JOINS.removeprefix(keys.ROOT) + node,
                  root + keys.NODES.removeprefix(keys.ROOT) + node)  # fmt: skip
         try:

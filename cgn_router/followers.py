@@ -258,7 +258,6 @@ class EtcdFollowers:
         assert ledger is not None
         parsed = [e for kv in kvs if (e := self._usage(kv)) is not None]
         ledger.resume(e for e in parsed if e.writer == ledger.writer)  # before a restart
-        ledger.resumed = True
         ledger.replace_others(parsed)
 
     def usage_event(self, ev: WatchEvent) -> None:

@@ -62,6 +62,11 @@ def writer_name(settings: BudgetSettings, http_port: int, worker: int) -> str:
     return f"{base}.w{worker}"
 
 
+def _router(writer: str) -> str:
+    """The router a writer (`<instance>.w<worker>`) belongs to."""
+    return writer.rsplit(".w", 1)[0]
+
+
 class Ledger:
     """This worker's count of each tenant's usage, the other writers' records, the budgets."""
 
@@ -75,7 +80,7 @@ class Ledger:
         # told (tenant, tokens) as another router's count of a tenant grows: its admission
         # charges them to the tenant's share here (fairness across routers, gate.py)
         self.elsewhere = elsewhere
-        self.router = writer.rsplit(".w", 1)[0]  # its workers' writers share this
+        self.router = _router(writer)  # its workers' writers share this
         self.period: Period = period(clock())
         self.own: dict[str, Used] = {}
         self.changed: set[str] = set()  # tenants whose own count is not yet published
@@ -150,14 +155,12 @@ class Ledger:
     def admit(self, tenant: str, key_id: str = "") -> None:
         """RateLimited (429 `budget_exhausted`, Retry-After: until it resets) when `tenant`,
         or the API key `key_id` (a budget of its own), has used up a budget."""
-        for scope, who in ((tenant, f"tenant {tenant!r}"), (key_scope(key_id), f"key {key_id}")):
-            if scope == "@":  # no key (auth off)
-                continue
-            hit = self.check(scope)
+        for scope in (tenant, key_scope(key_id) if key_id else ""):  # no key id: auth off
+            hit = self.check(scope) if scope else None
             if hit is not None:
                 wait = max(1, int(hit.resets_unix - self.clock()) + 1)
-                why = hit.message(who)
-                raise RateLimited(why, code="budget_exhausted", retry_after_s=wait)
+                who = f"key {key_id}" if scope != tenant else f"tenant {tenant!r}"
+                raise RateLimited(hit.message(who), code="budget_exhausted", retry_after_s=wait)
 
     def remaining_rows(self, limit: int) -> list[tuple[str, str, float]]:
         """(tenant, budget, what is left) of the `limit` tenants with the least left of a
@@ -223,7 +226,7 @@ class Ledger:
         other workers: their admission is this one's; not a key's own count)."""
         if (
             new.tenant.startswith("@")
-            or new.writer.rsplit(".w", 1)[0] == self.router
+            or _router(new.writer) == self.router
             or new.month != old.month
         ):
             return
@@ -328,16 +331,16 @@ async def publish(ledger: Ledger, etcd: EtcdSettings, publish_s: float) -> None:
 TXN_OPS = 100  # records per etcd transaction (etcd's default limit is 128)
 
 
-async def _write(ledger: Ledger, client: EtcdClient) -> None:
-    entries = ledger.pending()
+async def _write(ledger: Ledger, client: EtcdClient, prefix: str = keys.USAGE) -> None:
+    entries = ledger.pending()  # NOTE: what is left of it is unsent when a write fails
     try:
-        for at in range(0, len(entries), TXN_OPS):
-            batch = entries[at : at + TXN_OPS]
-            await client.txn([], [Op.put_json(keys.USAGE + e.key, e.to_json()) for e in batch])
-            del entries[: len(batch)]
+        while entries:
+            batch = entries[:TXN_OPS]
+            await client.txn([], [Op.put_json(prefix + e.key, e.to_json()) for e in batch])
+            del entries[:TXN_OPS]
         gone = ledger.past()
         for at in range(0, len(gone), TXN_OPS):
-            await client.txn([], [Op.delete(keys.USAGE + k) for k in gone[at : at + TXN_OPS]])
+            await client.txn([], [Op.delete(prefix + k) for k in gone[at : at + TXN_OPS]])
     except CognitoraError as exc:  # etcd away (Unavailable) or refusing: the next round
         ledger.unsent(entries)
         if not ledger.failing:  # NOTE: once per outage, not once a second

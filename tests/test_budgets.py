@@ -25,6 +25,7 @@ from cgn_core.budgets import (
     remaining,
 )
 from cgn_core.errors import RateLimited
+from cgn_core.etcd import EtcdClient
 from cgn_ctl.tenants_cmd import tenant_rows
 from cgn_router.ledger import Ledger, LedgerObserver, writer_name
 from cgn_router.routing.lifecycle import Ended
@@ -297,3 +298,16 @@ async def test_a_write_etcd_refuses_is_kept_for_the_next_round_and_logged_once(
                 await _write(ledger, client)
     assert ledger.changed == {"acme"} and ledger.failing  # kept: written once etcd is back
     assert sum("could not publish" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_more_changed_tenants_than_one_transaction_holds_are_all_written(
+    etcd: EtcdClient, prefix: str
+) -> None:
+    from cgn_router.ledger import TXN_OPS, _write
+
+    ledger = Ledger("gw.w0", Clock("2026-12-06T10:00:00"))
+    for i in range(2 * TXN_OPS + 50):
+        ledger.charge(f"t{i}", 1)
+    await _write(ledger, etcd, prefix)
+    kvs, _ = await etcd.get_prefix(prefix)
+    assert len(kvs) == 2 * TXN_OPS + 50 and not ledger.changed
