@@ -85,9 +85,9 @@ def inventory(
     installed here. Reads only; starts nothing.
     """
     from cgn_agent.drivers import SystemToolbox, installed_engines
-    from cgn_agent.identity import derive_node_id
     from cgn_agent.inventory.collect import collect
     from cgn_agent.power import rapl_zones
+    from cgn_core.nodeid import derive_node_id
 
     settings = load_service_settings(AgentSettings, "agent", config, parse_overrides(set_))
     node = settings.node_id or _peek_node_id(settings.state_dir) or derive_node_id()

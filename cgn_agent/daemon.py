@@ -32,7 +32,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cgn_agent import kvcached, processes
 from cgn_agent.drivers import Launch, SystemToolbox, installed_engines
-from cgn_agent.identity import node_id, primary_address
 from cgn_agent.inventory import nvidia
 from cgn_agent.inventory.collect import collect, run_command
 from cgn_agent.inventory.types import Inventory
@@ -60,6 +59,7 @@ from cgn_core.http import (
     loopback_middleware,
     mtls_middleware,
 )
+from cgn_core.nodeid import node_id, primary_address
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import RevocationList, follow_revocations
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
@@ -196,7 +196,8 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         if rt.inventory.accelerators:
             await asyncio.to_thread(_stop_stray_engines, agent.own_pids())
         runner, port = await _start_admin(settings, agent, rt)
-        rt.admin_url = f"http://{advertise}:{port}"
+        scheme = "https" if settings.admin_tls.enabled else "http"
+        rt.admin_url = f"{scheme}://{advertise}:{port}"
         _publish_node(publisher, node, agent, rt)
         log.info(
             "node %s: %d engine(s) adopted, engines installed: %s, admin on %s:%d",

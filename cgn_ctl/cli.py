@@ -219,9 +219,8 @@ def status(
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     record = up_mod.read_record(state_dir or settings.state_dir)
     local = up_mod.running(record) if record else []
-    if etcd is None and record is not None:
-        etcd = record.get("etcd")  # the cluster `up` started, wherever its etcd listens
-    data = with_etcd(etcd, config, cluster_ops.status)
+    # with no --etcd: the cluster `up` started, wherever its etcd listens, as its root
+    data = with_etcd(etcd, config, cluster_ops.status, state_dir)
     data["local_processes"] = local
     _emit(data, as_json, render.status)
 
@@ -372,8 +371,42 @@ def up(
         str | None, typer.Option("--etcd", help="Use this etcd instead of starting one.")
     ] = None,
     join: Annotated[
-        str | None, typer.Option("--join", help="Only start an agent joining this etcd.")
+        str | None,
+        typer.Option(
+            "--join",
+            help="Join another machine's cluster: its join service HOST:PORT, as `up --listen` "
+            "printed it there (with --token and --ca-hash). Starts only this machine's agent. "
+            "With --insecure: a plaintext cluster's etcd HOST:PORT.",
+        ),
     ] = None,
+    token: Annotated[
+        str, typer.Option("--token", help="--join: the join token the first machine printed.")
+    ] = "",
+    ca_hash: Annotated[
+        str,
+        typer.Option(
+            "--ca-hash", help="--join: the sha256:... of the cluster's CA, as printed there."
+        ),
+    ] = "",
+    listen: Annotated[
+        str,
+        typer.Option(
+            "--listen",
+            help="An IP address of this machine: bind the cluster's ports there instead of "
+            "127.0.0.1, serve joins, and print the command other machines join with.",
+        ),
+    ] = "",
+    join_port: Annotated[
+        int, typer.Option("--join-port", help="With --listen: the join service's port.")
+    ] = 7443,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Plaintext everywhere (no CA, no client certificates, etcd without auth): "
+            "for development on one machine only.",
+        ),
+    ] = False,
     node_id: Annotated[str, typer.Option("--node-id", help="The agent's node id.")] = "",
     threads: Annotated[int, typer.Option("--threads", help="Engine threads (0: its default).")] = 0,
     timeout: Annotated[
@@ -407,8 +440,10 @@ def up(
     """Start a cluster on this machine (etcd, router, agent, cgn-metrics, a model) and wait
     until it serves.
 
-    Prints the OpenAI base URL, an API key, the dashboard's URL and a curl line. `cgn-ctl
-    down` stops it all.
+    TLS by default: a private CA under the state dir, etcd with client certificates and
+    RBAC, mutual TLS between the processes, HTTPS on the OpenAI port. Prints the OpenAI base
+    URL, an API key, the CA file, the dashboard's URL and a curl line; with --listen, the
+    command another machine joins with. `cgn-ctl down` stops it all.
     """
     from cgn_ctl import up as up_mod
 
@@ -423,6 +458,11 @@ def up(
         etcd=etcd,
         etcd_port=etcd_port,
         join=join,
+        token=token,
+        ca_hash=ca_hash,
+        insecure=insecure,
+        listen=listen,
+        join_port=join_port,
         threads=threads,
         timeout_s=timeout,
         node_id=node_id,
@@ -444,12 +484,23 @@ def up(
     typer.echo(f"etcd:       {done.etcd}")
     typer.echo(f"router admin: {done.router_admin} (/metrics, /endpoints)")
     typer.echo(f"agent admin:  {done.agent_admin}")
-    typer.echo(f"dashboard:    {done.dashboard}\n")
+    typer.echo(f"dashboard:    {done.dashboard}")
+    if done.ca_file:
+        typer.echo(f"CA:           {done.ca_file} ({done.ca_hash})")
+    if done.join_url:
+        typer.echo("\njoin another machine (one use, 24 h; `cgn-ctl tokens create` makes more):")
+        typer.echo(done.join_command())
+    cacert = f"--cacert {done.ca_file} " if done.ca_file else ""
     typer.echo(
-        f"curl -s {done.url}/chat/completions -H 'Authorization: Bearer {done.key}' "
+        f"\ncurl -s {cacert}{done.url}/chat/completions -H 'Authorization: Bearer {done.key}' "
         f'-H \'Content-Type: application/json\' -d \'{{"model": "{done.model}", '
         f'"messages": [{{"role": "user", "content": "Say hi"}}]}}\''
     )
+    if done.ca_file:
+        typer.echo(
+            f'openai.OpenAI(base_url="{done.url}", api_key="{done.key}", '
+            f'http_client=httpx.Client(verify=ssl.create_default_context(cafile="{done.ca_file}")))'
+        )
 
 
 @app.command()

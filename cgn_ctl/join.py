@@ -5,14 +5,16 @@ certificate from that CA:
 
     GET  /v1/join/ca   the CA certificate (PEM): what a joiner checks against its pinned hash
     POST /v1/join      {"token": "<id>.<secret>", "node": "gpu-02", "csr": "<PEM>"}
-                       -> {"node": ..., "cert": "<PEM>", "ca": "<PEM>"}
+                       -> {"node": ..., "cert": "<PEM>", "ca": "<PEM>", "etcd": [endpoints]}
 
 A request is signed (cgn_core/pki.py:sign_request: a node certificate only, for that node
 id and its IPs) only when its token spends a use, in one etcd transaction with the record
 of the join at `/cognitora/joins/<node>` (the token's id, the certificate's serial), and
 only if neither that record nor `/cognitora/nodes/<node>` exists: a node id already taken
-is refused and nothing is written, the token included. Refusals are JSON with a status:
-400 malformed, 403 a token or a request refused, 409 a node id taken, 413 too big.
+is refused and nothing is written, the token included. Then the node gets its etcd user
+and role (`cgn-node-<node>`: its own keys only, cgn_core/rbac.py). Refusals are JSON with a
+status: 400 malformed, 403 a token or a request refused, 409 a node id taken, 413 too big,
+503 the user could not be made (the token is spent: `cgn-ctl pki rbac --node` finishes it).
 
 The joiner (`join`) fetches the CA without trusting the connection, checks its key hash
 against the one it was given (`--ca-hash`, as kubeadm's discovery hash: a machine in the
@@ -20,12 +22,13 @@ middle shows another CA and is refused before the token is sent), then sends its
 over a connection that trusts only that CA. Its key is made on the joining machine and
 never leaves it.
 
-Not built yet: `cgn-ctl up --listen` serving this, and `cgn-ctl up --join` using it.
+`cgn-ctl up --listen ADDR` runs this service; `cgn-ctl up --join ADDR:PORT` is the joiner.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 import time
 from typing import Any
@@ -37,9 +40,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from cgn_core import keys, pki
-from cgn_core.errors import PermanentError
+from cgn_core.errors import CognitoraError, PermanentError
 from cgn_core.etcd import EtcdClient, Op
+from cgn_core.etcd.auth import apply_plan
 from cgn_core.jointokens import NODE_ID, Taken, TokenError, consume, token_id
+from cgn_core.rbac import Plan, node_role
+
+log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 10
 TIMEOUT_S = 10.0
@@ -53,9 +60,11 @@ def _refuse(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def build_join_app(client: EtcdClient, ca: pki.Pair, root: str = keys.ROOT) -> web.Application:
-    """The join service over `client` (with rights to tokens/, joins/ and nodes/ under `root`)
-    and the CA that signs."""
+def build_join_app(
+    client: EtcdClient, ca: pki.Pair, etcd: tuple[str, ...], root: str = keys.ROOT
+) -> web.Application:
+    """The join service over `client` (etcd's root: tokens, joins, nodes and users under
+    `root`) and the CA that signs; a joiner is told to reach etcd at `etcd`."""
     ca_pem = ca.cert.public_bytes(serialization.Encoding.PEM).decode()
 
     async def get_ca(_: web.Request) -> web.Response:
@@ -98,8 +107,14 @@ def build_join_app(client: EtcdClient, ca: pki.Pair, root: str = keys.ROOT) -> w
             return _refuse(409, f"node id {node!r} is taken: join under another id")
         except TokenError as exc:
             return _refuse(403, exc.message)
+        try:
+            role = f"cgn-node-{node}"
+            await apply_plan(client, Plan({role: node_role(node)}, {node: (role,)}), enable=False)
+        except CognitoraError as exc:
+            log.warning("node %s joined, but its etcd user was not made: %s", node, exc)
+            return _refuse(503, f"node {node} joined, but its etcd user was not made ({exc})")
         cert_pem = cert.public_bytes(serialization.Encoding.PEM).decode()
-        return web.json_response({"node": node, "cert": cert_pem, "ca": ca_pem})
+        return web.json_response({"node": node, "cert": cert_pem, "ca": ca_pem, "etcd": etcd})
 
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_get("/v1/join/ca", get_ca)
@@ -134,8 +149,9 @@ async def fetch_ca(base_url: str, ca_hash: str) -> x509.Certificate:
 
 async def join(
     base_url: str, token: str, ca_hash: str, node: str, ips: tuple[str, ...] = ()
-) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, x509.Certificate]:
-    """Join as `node`: (its key, made here; its certificate; the CA). JoinError says why not."""
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, x509.Certificate, tuple[str, ...]]:
+    """Join as `node`: (its key, made here; its certificate; the CA; the cluster's etcd
+    endpoints). JoinError says why not."""
     ca = await fetch_ca(base_url, ca_hash)
     key = ec.generate_private_key(ec.SECP256R1())
     csr = pki.request(key, node, "agent", ips).decode()
@@ -161,4 +177,15 @@ async def join(
         pki.verify(cert, ca, usage="client", node=node)
     except (ValueError, pki.PkiError) as exc:
         raise JoinError(f"the join service answered with an unusable certificate: {exc}") from None
-    return key, cert, ca
+    etcd = answer.get("etcd")
+    if not (isinstance(etcd, list) and 0 < len(etcd) <= 16 and all(map(_endpoint, etcd))):
+        raise JoinError("the join service named no etcd endpoint (HOST:PORT)")
+    return key, cert, ca, tuple(etcd)
+
+
+def _endpoint(value: object) -> bool:
+    """Whether `value` reads HOST:PORT (an etcd endpoint as the service names it)."""
+    if not isinstance(value, str) or len(value) > 256:
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -12,7 +12,7 @@ On the joining machine:
 
 writes `ca.pem`, `gpu-02.pem` and `gpu-02.key` (0600, made on this machine) for its agent's
 `etcd.tls` and `admin_tls`. What the service checks is in cgn_ctl/join.py. `cgn-ctl up` does
-not run these yet: it is the two commands by hand.
+these for you (`up --listen`, `up --join`); these are the two steps by hand.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def join_service(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with EtcdClient(settings.etcd, patient=True) as client:
-            runner = web.AppRunner(build_join_app(client, ca), access_log=None)
+            app = build_join_app(client, ca, settings.etcd.endpoints)
+            runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             try:
                 await web.TCPSite(runner, host, port, ssl_context=tls).start()
@@ -129,7 +130,7 @@ def join_cmd(
     if (out / f"{node}.key").exists() and not force:
         fail(f"{out / (node + '.key')} exists: this machine has joined (--force replaces it)")
     try:
-        key, cert, ca = asyncio.run(join(url.rstrip("/"), token, ca_hash, node, tuple(ip or ())))
+        key, cert, ca, _ = asyncio.run(join(url.rstrip("/"), token, ca_hash, node, tuple(ip or ())))
     except CognitoraError as exc:
         fail(exc.message)
     out.mkdir(parents=True, exist_ok=True)

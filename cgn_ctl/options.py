@@ -17,7 +17,7 @@ from cgn_core.cli import EXIT_USAGE, fail, flag, load_service_settings
 from cgn_core.errors import CognitoraError, NotFound
 from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
-from cgn_core.settings import EtcdSettings
+from cgn_core.settings import EtcdSettings, TlsSettings
 from cgn_ctl.settings import CtlSettings
 from cgn_ctl.up import read_record
 
@@ -79,28 +79,49 @@ def delete_one(etcd: str | None, config: Path | None, key: str, what: str) -> No
     with_etcd(etcd, config, work)
 
 
-def ctl_settings(etcd: str | None, config: Path | None) -> CtlSettings:
-    """cgn-ctl's settings; with no etcd given anywhere, the one `cgn-ctl up` started."""
+def ctl_settings(
+    etcd: str | None, config: Path | None, state_dir: Path | None = None
+) -> CtlSettings:
+    """cgn-ctl's settings; with no etcd given anywhere, the one `cgn-ctl up` started (its
+    record in `state_dir`, else the settings' state_dir), and for that etcd, its TLS files."""
     flags = {"etcd.endpoints": etcd} if etcd else {}
     settings = load_service_settings(CtlSettings, "ctl", config, flags)
-    if etcd or settings.etcd.endpoints != EtcdSettings().endpoints:
-        return settings
     try:
-        record = read_record(settings.state_dir)
+        record = read_record(state_dir or settings.state_dir)
     except CognitoraError:
         return settings  # a damaged record: `status` reports it; the default still applies
     found = record.get("etcd") if record else None
-    if isinstance(found, str) and found:
-        return replace(settings, etcd=replace(settings.etcd, endpoints=(found,)))
+    if not (isinstance(found, str) and found):
+        return settings
+    if not etcd and settings.etcd.endpoints == EtcdSettings().endpoints:
+        settings = replace(settings, etcd=replace(settings.etcd, endpoints=(found,)))
+    if settings.etcd.endpoints == tuple(found.split(",")):
+        settings = _up_tls(settings, record)
     return settings
 
 
+def _up_tls(settings: CtlSettings, record: dict[str, Any] | None) -> CtlSettings:
+    """With the etcd `up` started (TLS) and no TLS settings of its own, cgn-ctl is that
+    cluster's `root` through the certificate `up` recorded."""
+    files = record.get("etcd_tls") if record else None
+    if settings.etcd.tls.enabled or not isinstance(files, dict):
+        return settings
+    try:
+        tls = TlsSettings(**{k: Path(str(files[k])) for k in ("ca_file", "cert_file", "key_file")})
+    except KeyError:
+        return settings
+    return replace(settings, etcd=replace(settings.etcd, tls=tls))
+
+
 def with_etcd(
-    etcd: str | None, config: Path | None, work: Callable[[EtcdClient], Awaitable[T]]
+    etcd: str | None,
+    config: Path | None,
+    work: Callable[[EtcdClient], Awaitable[T]],
+    state_dir: Path | None = None,
 ) -> T:
     """Load settings, open a client, run `work`; errors become one line and an exit code
     (2 for input the catalog or the key store refuses, 1 for everything else)."""
-    settings = ctl_settings(etcd, config)
+    settings = ctl_settings(etcd, config, state_dir)
     setup_logging("ctl", settings.log)
 
     async def main() -> T:

@@ -237,12 +237,17 @@ def revoke(
     etcd: Etcd = None,
     config: Config = None,
 ) -> None:
-    """Revoke every certificate of NODE in the PKI directory: their serials go on the deny-list
+    """Revoke every certificate of NODE in the PKI directory, and the one it joined with
+    (`up --join`): their serials go on the deny-list
     in etcd that every Cognitora TLS listener checks, and NODE's etcd user (RBAC) is deleted so
     etcd refuses it too. Issue the node new certificates to let it back in."""
+    import contextlib
+    import re
     import time
 
     from cgn_core import keys
+    from cgn_core.errors import NotFound
+    from cgn_core.etcd import EtcdError
     from cgn_core.etcd.auth import delete_user
     from cgn_core.revocation import normal_serial
 
@@ -253,16 +258,33 @@ def revoke(
         cert = pki.load_cert(path)
         if _leaf_params(cert)[0] == node:
             serials.append((path, normal_serial(cert.serial_number)))
-    if not serials:
-        fail(f"no certificate of node {node!r} in {directory}", EXIT_USAGE)
     doc = {"node": node, "at_unix": time.time(), "reason": reason}
 
     async def work(c: EtcdClient) -> bool:
-        for _, serial in serials:
-            await c.put_json(keys.REVOKED + serial, doc)
-        return await delete_user(c, node)
+        joined = await c.get_json(keys.JOINS + node)  # a machine that joined (#65): its key
+        serial = joined.get("serial") if isinstance(joined, dict) else None  # is not here
+        if isinstance(serial, str) and re.fullmatch(r"[0-9a-f]{1,40}", serial):
+            serials.append((Path(f"{node} (joined)"), normal_serial(int(serial, 16))))
+        if not serials:
+            raise NotFound(f"no certificate of node {node!r} in {directory}, and it never joined")
+        for _, s in serials:
+            await c.put_json(keys.REVOKED + s, doc)
+        had = await delete_user(c, node)
+        # NOTE: etcd checks no user on a lease's keep-alives: revoking the node's leases
+        # removes its records now, and without its user it cannot write them again
+        owned = [await c.get(keys.NODES + node), await c.get(keys.KVCACHED + node)]
+        for prefix in (keys.REPLICAS, keys.ENDPOINTS):
+            owned += (await c.get_prefix(f"{prefix}{node}/"))[0]
+        for lease in {kv.lease for kv in owned if kv is not None and kv.lease}:
+            with contextlib.suppress(EtcdError):  # expired meanwhile
+                await c.lease_revoke(lease)
+                leases.append(lease)
+        return had
 
+    leases: list[int] = []
     had_user = with_etcd(etcd, config, work)
     for path, serial in serials:
         typer.echo(f"revoked {path.name} (serial {serial})")
+    if leases:
+        typer.echo(f"{len(leases)} lease(s) of {node!r} revoked: its records are gone")
     typer.echo(f"etcd user {node!r} deleted" if had_user else f"no etcd user {node!r} (RBAC off)")

@@ -38,8 +38,10 @@ def mixed_fleet(state: Path, timeout_s: float = 600) -> Iterator[dict[str, Any]]
     model, etcd, nodes, dashboard, ...) with `state`; `cgn-ctl down` after, whatever happened."""
     ports = ["--port", "0", "--admin-port", "0", "--agent-port", "0", "--metrics-port", "0"]
     try:
+        # NOTE: --insecure: tests and the bench read etcd and the engines directly; the TLS
+        # path of `up` is tests/test_install.py's and tests/test_up_join.py's
         up = _ctl("up", "--engines", ",".join(ENGINES), "--state-dir", str(state), *ports,
-                  "--etcd-port", "0", "--kv-ram-gib", "0", "--threads", "1",
+                  "--etcd-port", "0", "--kv-ram-gib", "0", "--threads", "1", "--insecure",
                   timeout_s=timeout_s)  # fmt: skip
         if up.returncode:
             raise RuntimeError(f"cgn-ctl up failed: {up.stderr[-3000:]}")

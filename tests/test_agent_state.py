@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from cgn_agent.drivers import Launch
-from cgn_agent.identity import node_id
 from cgn_agent.inventory.nvidia import GpuProcess
 from cgn_agent.node import stray_engine_pids
 from cgn_agent.processes import EngineProcess, fingerprint, log_tail, matches, spawn
@@ -25,6 +24,7 @@ from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_agent.supervisor import Phase, Policy
 from cgn_core.errors import ConfigError, EtcdUnavailable
+from cgn_core.nodeid import node_id
 from tests.support.disks import small_tmpfs
 
 SPEC = ReplicaSpec(ReplicaId("r1"), "smol", "cgn_infer", "/m/smol.gguf", 8001,

@@ -1,7 +1,7 @@
 """bin/install.sh against this checkout in an isolated HOME: two venvs (control plane without
 torch, engine with it), every executable answering, and the README's first command from that
-layout: `cgn-ctl up` from nothing to a served SmolLM2 behind the router (auth on, the node's
-KV store running, a second node joining), then `cgn-ctl down` leaving nothing. Then the
+layout: `cgn-ctl up` from nothing to a served SmolLM2 behind the router (TLS and auth on, the node's
+KV store running), then `cgn-ctl down` leaving nothing. Then the
 `curl | sh` path (by name from an index) as a dry run, and --uninstall."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -108,15 +109,26 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
         url, key = record["url"], record["key"]
         assert f"OpenAI API: {url}" in up.stdout and key in up.stdout and "curl -s" in up.stdout
         assert re.search(r"replica smollm2-\w+: (Starting|Loading|Ready)", up.stderr)  # progress
-        assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*/v1", url), url
-        assert f"etcd:       {record['etcd']}" in up.stdout and "router admin: http" in up.stdout
-        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
-        out = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
-        )
+        assert re.fullmatch(r"https://127\.0\.0\.1:[1-9]\d*/v1", url), url  # TLS by default
+        assert f"etcd:       {record['etcd']}" in up.stdout and "router admin: https" in up.stdout
+        ca = record["ca_file"]
+        assert f"curl -s --cacert {ca} {url}/chat/completions" in up.stdout
+        assert f'verify=ssl.create_default_context(cafile="{ca}")' in up.stdout
+        assert all((state / "pki" / f).stat().st_mode & 0o777 == 0o600
+                   for f in ("ca.key", "root.key", f"{record['node']}-agent.key"))  # fmt: skip
+        verify = ssl.create_default_context(cafile=ca)
+        with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60,
+                           http_client=httpx.Client(verify=verify)) as client:  # fmt: skip
+            out = client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
+            )
         assert out.choices[0].message.content
-        with pytest.raises(openai.AuthenticationError):  # auth is on
-            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        with (
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0,
+                          http_client=httpx.Client(verify=verify)) as wrong,
+            pytest.raises(openai.AuthenticationError),  # auth is on
+        ):  # fmt: skip
+            wrong.models.list()
         status = ctl("status", "--state-dir", str(state), "--json")
         assert status.returncode == 0, status.stderr
         st = json.loads(status.stdout)
@@ -147,15 +159,7 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
         assert runs(store["pid"], "cgn-kvcached")
         again = ctl("up", "--state-dir", str(state))
         assert again.returncode == 1 and "already up" in again.stderr
-        # a second machine joining: here, a second agent with its own state and node id
-        second = state.parent / "second"
-        joined = ctl("up", "--join", record["etcd"], "--state-dir", str(second),
-                     "--node-id", "second-node", "--agent-port", str(free_ports(1)[0]))  # fmt: skip
-        assert joined.returncode == 0, joined.stderr
-        assert joined.stdout.strip() == f"node second-node joined the cluster at {record['etcd']}"
-        nodes = json.loads(ctl("nodes", "--etcd", record["etcd"], "--json").stdout)
-        assert {n["node"] for n in nodes} >= {"second-node", record["node"]}
-        assert ctl("down", "--state-dir", str(second)).stdout.strip() == "stopped: agent"
+        # (a second machine joining, over TLS: tests/test_up_join.py)
         print(f"\ncgn-ctl up: {took:.1f}s to a served completion")
     finally:
         down = ctl("down", "--state-dir", str(state), timeout=120)

@@ -155,6 +155,7 @@ async def test_a_machine_joins_once_with_a_token_and_nothing_else_gets_in(
     import aiohttp
     from aiohttp import web
 
+    from cgn_core.etcd.auth import delete_user
     from cgn_core.etcd.local import free_port
     from cgn_core.settings import TlsSettings
     from cgn_core.tls import server_ssl_context
@@ -163,7 +164,7 @@ async def test_a_machine_joins_once_with_a_token_and_nothing_else_gets_in(
     ca = pki.create_ca()
     pki.write_pair(tmp_path, "join", pki.issue(ca, "first", "ctl", sans=["127.0.0.1"]))
     tls = TlsSettings(cert_file=tmp_path / "join.pem", key_file=tmp_path / "join.key")
-    runner = web.AppRunner(build_join_app(etcd, ca, root=prefix))
+    runner = web.AppRunner(build_join_app(etcd, ca, ("127.0.0.1:2379",), root=prefix))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_ssl_context(
@@ -180,13 +181,15 @@ async def test_a_machine_joins_once_with_a_token_and_nothing_else_gets_in(
 
     try:
         first, _ = await token()
-        key, cert, got = await join(url, first, pinned, "gpu-02", ("127.0.0.1",))
+        key, cert, got, endpoints = await join(url, first, pinned, "gpu-02", ("127.0.0.1",))
         pki.verify(cert, ca.cert, usage="server", node="gpu-02")
         assert cert.public_key().public_numbers() == key.public_key().public_numbers()
         assert got == ca.cert and pki.describe(cert)["sans"] == ["gpu-02", "127.0.0.1"]
         joined = await etcd.get_json(prefix + "joins/gpu-02")
         assert joined["token"] == first.split(".")[0]
         assert joined["serial"] == format(cert.serial_number, "x")
+        assert endpoints == ("127.0.0.1:2379",)  # where the joiner then reaches etcd
+        assert await delete_user(etcd, "gpu-02")  # its etcd user was made (removed here)
         with pytest.raises(JoinError, match="used up"):
             await join(url, first, pinned, "gpu-03")
         spare, where = await token()
