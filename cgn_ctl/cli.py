@@ -532,6 +532,16 @@ def install_units(
     with_etcd: Annotated[
         bool, typer.Option("--with-etcd", help="Also a unit for the embedded etcd.")
     ] = False,
+    pki: Annotated[
+        Path | None,
+        typer.Option(
+            "--pki",
+            help="A PKI directory (as `cgn-ctl up` keeps in <state>/pki; /etc/cognitora/pki "
+            "under systemd): each service gets its TLS settings from its leaf there, etcd "
+            "serves HTTPS with client certificates. Needs --node.",
+        ),
+    ] = None,
+    node: Annotated[str, typer.Option("--node", help="With --pki: this machine's node id.")] = "",
 ) -> None:
     """Write systemd units for the installed executables (then: systemctl daemon-reload)."""
 
@@ -552,9 +562,22 @@ def install_units(
             etcd = find_etcd_binary()
         except ConfigError as exc:
             fail(exc.message, EXIT_USAGE)
+    identity = None
+    if pki is not None or node:
+        if pki is None or not node:
+            fail("--pki and --node go together", EXIT_USAGE)
+        pki = pki.resolve()
+        if not (pki / "ca.pem").is_file():
+            fail(f"--pki {pki}: no ca.pem there", EXIT_USAGE)
+        missing = units.missing_leaves(pki, node, with_etcd)
+        if with_etcd and not (pki / "etcd.pem").is_file():
+            fail(f"--with-etcd --pki: no etcd.pem in {pki}", EXIT_USAGE)
+        for what in missing:
+            typer.echo(f"no TLS settings for {what}: not in {pki}", err=True)
+        identity = (pki, node)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        for name, text in units.render(paths, etcd, user).items():
+        for name, text in units.render(paths, etcd, user, identity).items():
             (directory / name).write_text(text)
             typer.echo(f"wrote {directory / name}")
     except OSError as exc:

@@ -54,9 +54,10 @@ After=network-online.target
 [Service]
 Type=simple
 ExecStart={etcd} --name=cgn --data-dir=/var/lib/cognitora/etcd \\
-    --listen-client-urls=http://127.0.0.1:2379 --advertise-client-urls=http://127.0.0.1:2379 \\
+    --listen-client-urls={scheme}://127.0.0.1:2379 \\
+    --advertise-client-urls={scheme}://127.0.0.1:2379 \\
     --listen-peer-urls=http://127.0.0.1:2380 --initial-advertise-peer-urls=http://127.0.0.1:2380 \\
-    --initial-cluster=cgn=http://127.0.0.1:2380
+    --initial-cluster=cgn=http://127.0.0.1:2380{etcd_tls}
 Restart=always
 RestartSec=2
 StateDirectory=cognitora/etcd
@@ -80,7 +81,7 @@ RestartSec=2
 TimeoutStopSec=45
 LimitNOFILE=65536
 StateDirectory=cognitora/router
-{hardening}
+{tls}{hardening}
 [Install]
 WantedBy=cognitora.target
 """,
@@ -105,7 +106,7 @@ StateDirectory=cognitora/agent
 # cgn-infer compiles its CPU kernels once per machine; the home directory is hidden here
 CacheDirectory=cognitora/kernels
 Environment=CGN_KERNEL_CACHE=%C/cognitora/kernels
-{hardening}
+{tls}{hardening}
 [Install]
 WantedBy=cognitora.target
 """,
@@ -122,7 +123,7 @@ Restart=always
 RestartSec=2
 TimeoutStopSec=30
 StateDirectory=cognitora/kv
-{hardening}
+{tls}{hardening}
 [Install]
 WantedBy=cognitora.target
 """,
@@ -139,7 +140,7 @@ Restart=always
 RestartSec=2
 TimeoutStopSec=15
 StateDirectory=cognitora/metrics
-{hardening}
+{tls}{hardening}
 [Install]
 WantedBy=cognitora.target
 """,
@@ -171,16 +172,70 @@ WantedBy=cognitora.target
 EXECUTABLES = ("cgn-router", "cgn-agent", "cgn-kvcached", "cgn-metrics", "cgn-infer")
 
 
-def render(paths: Mapping[str, Path], etcd: Path | None, user: str = "cognitora") -> dict[str, str]:
+# With a PKI directory (`install-units --pki DIR --node N`, the layout `cgn-ctl up` makes):
+# each unit's service, the leaf it presents, and the settings that take that leaf (`-`: the
+# certificate without the CA: the OpenAI port, whose clients show none).
+TLS_UNITS = {
+    "cgn-router.service": ("router", "router", ("etcd.tls", "admin_tls", "engine_tls", "tls-")),
+    "cgn-agent.service": ("agent", "agent", ("etcd.tls", "admin_tls", "engines.tls")),
+    "cgn-kvcached.service": ("kvcached", "agent", ("tls",)),
+    "cgn-metrics.service": ("metrics", "metrics", ("etcd.tls", "tls")),
+}
+
+
+def tls_environment(service: str, pki: Path, name: str, settings: tuple[str, ...]) -> str:
+    """`Environment=` lines giving `service` the CA and leaf `name` under each of `settings`
+    (settings' environment variables: CGN_<SERVICE>_<PATH>, nested fields joined by `__`)."""
+    lines = []
+    for setting in settings:
+        files = {"cert_file": pki / f"{name}.pem", "key_file": pki / f"{name}.key"}
+        if not setting.endswith("-"):
+            files = {"ca_file": pki / "ca.pem", **files}
+        path = setting.rstrip("-").replace(".", "__").upper()
+        for key, value in files.items():
+            lines.append(f'Environment="CGN_{service.upper()}_{path}__{key.upper()}={value}"\n')
+    return "".join(lines)
+
+
+def render(
+    paths: Mapping[str, Path],
+    etcd: Path | None,
+    user: str = "cognitora",
+    pki: tuple[Path, str] | None = None,
+) -> dict[str, str]:
     """Unit name -> text, given each executable's path (cgn-infer lives in its own venv, so
-    the paths need not share a directory); etcd's unit only when `etcd` is given."""
+    the paths need not share a directory); etcd's unit only when `etcd` is given. `pki`: (the
+    PKI directory, this node's id): every unit whose leaf is there gets its TLS settings,
+    and etcd serves HTTPS and requires client certificates."""
     hardening = HARDENING.format(user=user)
     exe = {name.replace("-", "_"): paths[name] for name in EXECUTABLES}
     out = {}
     for name, text in UNITS.items():
         if name == "cognitora-etcd.service" and etcd is None:
             continue
-        out[name] = text.format(etcd=etcd, hardening=hardening, **exe)
+        tls, scheme, etcd_tls = "", "http", ""
+        if pki is not None:
+            directory, node = pki
+            if name in TLS_UNITS:
+                service, role, settings = TLS_UNITS[name]
+                if (directory / f"{node}-{role}.pem").exists():
+                    tls = tls_environment(service, directory, f"{node}-{role}", settings)
+            scheme = "https"
+            d = directory
+            etcd_tls = (f" \\\n    --cert-file={d}/etcd.pem --key-file={d}/etcd.key"
+                        f" \\\n    --trusted-ca-file={d}/ca.pem --client-cert-auth")  # fmt: skip
+        out[name] = text.format(etcd=etcd, hardening=hardening, tls=tls, scheme=scheme,
+                                etcd_tls=etcd_tls, **exe)  # fmt: skip
+    return out
+
+
+def missing_leaves(pki: Path, node: str, with_etcd: bool) -> list[str]:
+    """The units that get no TLS settings because their leaf is not in `pki` (a joined
+    machine holds only its agent's)."""
+    out = [f"{unit} ({node}-{role}.pem)" for unit, (_, role, _) in TLS_UNITS.items()
+           if not (pki / f"{node}-{role}.pem").exists()]  # fmt: skip
+    if with_etcd and not (pki / "etcd.pem").exists():
+        out.append("cognitora-etcd.service (etcd.pem)")
     return out
 
 
