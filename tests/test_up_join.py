@@ -129,19 +129,19 @@ def endpoint_url(h: Hosts, node: str) -> str | None:
     return rows[0].get("url") if rows else None
 
 
-def refuses_plaintext(host: str, port: int) -> bool:
+def refuses_plaintext(host: str, port: int, path: str = "/replicas") -> bool:
     """Neither plaintext HTTP nor TLS without a client certificate gets an answer a caller
     could use: plaintext gets no HTTP response; TLS without a certificate, a failed handshake
     or a refusal (401/403) on a management path."""
     try:
-        httpx.get(f"http://{host}:{port}/replicas", timeout=5)
+        httpx.get(f"http://{host}:{port}{path}", timeout=5)
         return False
     except httpx.HTTPError:
         pass
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     try:
-        got = httpx.get(f"https://{host}:{port}/replicas", verify=ctx, timeout=5)
+        got = httpx.get(f"https://{host}:{port}{path}", verify=ctx, timeout=5)
     except httpx.HTTPError:
         return True
     return got.status_code in (401, 403)
@@ -155,6 +155,9 @@ def test_no_listener_answers_plaintext_or_a_caller_without_a_certificate(hosts: 
         assert refuses_plaintext(host, int(port)), (host, port)
     b_admin = json.loads((hosts.b / "run" / "agent.ready").read_text())["ports"]["admin"]
     assert refuses_plaintext(hosts.there, int(b_admin))  # B's agent, across the veth pair
+    engine = until("B's engine", lambda: endpoint_url(hosts, B_NODE), timeout_s=60)
+    host, port = engine.removeprefix("https://").rsplit(":", 1)
+    assert refuses_plaintext(host, int(port), "/v1/models")  # its engine, across the pair
 
 
 def test_a_spent_token_another_ca_or_no_service_is_refused_and_writes_nothing(
