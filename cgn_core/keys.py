@@ -18,6 +18,7 @@ KVCACHED = ROOT + "kvcached/"  # <node>: the node's KV store (cgn-kvcached), lea
 EFFICIENCY = ROOT + "efficiency/"  # <node>: measured output tokens per joule, by cgn-metrics
 TENANTS = ROOT + "tenants/"  # <tenant>: its budget (cgn_core/budgets.py), by ctl
 USAGE = ROOT + "usage/"  # <writer>: a router worker's count of tenants' usage, by the router
+WAITING = ROOT + "waiting/"  # <writer>: the tenants a router worker has waiting (fleetshare)
 JOINS = ROOT + "joins/"  # <node>: which join token joined a node, and its certificate's serial
 TOKENS = ROOT + "tokens/"  # <id>: a join token's record (hash, expiry, uses), by ctl (#65)
 REVOKED = ROOT + "revoked/"  # <certificate serial, hex>: revoked by `cgn-ctl pki revoke`

@@ -10,8 +10,8 @@ is its etcd user. Cognitora's certificates carry the node id as CN, so:
   (`/cognitora/revoked/`). Nothing else: a node cannot place work on
   another, publish endpoints for another, or read API keys.
 * a node that runs a router also gets `cgn-router`: read all of
-  `/cognitora/`, write placements (the reconciler), the leader keys and the
-  tenants' usage counts (budgets).
+  `/cognitora/`, write placements (the reconciler), the leader keys, the
+  tenants' usage counts (budgets) and who waits there (fair shares).
 * a node that runs cgn-metrics gets `cgn-metrics`: read all of `/cognitora/`,
   write the measured node efficiencies (`/cognitora/efficiency/`).
 * an operator identity (`cgn-ctl`) gets `root`; etcd requires a user named
@@ -79,6 +79,7 @@ ROUTER_GRANTS = (
     under(keys.SCALING, "readwrite"),  # the autoscaler's decisions, for explain-scaling
     under(keys.LEADER, "readwrite"),
     under(keys.USAGE, "readwrite"),  # each worker's count of tenants' usage (budgets)
+    under(keys.WAITING, "readwrite"),  # the tenants each worker has waiting (fair shares)
 )
 METRICS_GRANTS = (
     under(keys.ROOT, "read"),

@@ -38,6 +38,7 @@ from cgn_core.tracing import SpanCounts, Tracer
 from cgn_router.admin import build_admin_app
 from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
+from cgn_router.fleetshare import STALE_PERIODS
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
 from cgn_router.kv_follow import KvFollowers
@@ -114,6 +115,8 @@ def build_service(
         svc.gate = Gate(settings.admission, registry, metrics, load)
         if ledger is not None and (worker is None or worker.index == 0):
             ledger.elsewhere = svc.gate.served_elsewhere  # fairness across routers
+        if ledger is not None:  # every worker: who waits at other routers, and their rates
+            svc.gate.share_with(ledger, STALE_PERIODS * settings.budgets.publish_s)
     try:
         static = [endpoint_from_static(name, e) for name, e in settings.endpoints.items()]
     except ValueError as exc:

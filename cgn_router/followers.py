@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from cgn_core import keys
 from cgn_core.apikeys import parse_record
 from cgn_core.budgets import (
+    WRITER_NAME,
     BudgetError,
     TenantRecord,
     UsageEntry,
@@ -32,7 +33,9 @@ from cgn_core.budgets import (
 )
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
+from cgn_router import fleetshare
 from cgn_router.catalog import entry_from_etcd
+from cgn_router.fleetshare import Waiting
 from cgn_router.registry import (
     endpoint_from_doc,
     endpoint_key_parts,
@@ -83,6 +86,7 @@ class EtcdFollowers:
         if self.svc.ledger is not None:
             out.append(Followed(keys.TENANTS, self.tenants_list, self.tenants_event))
             out.append(Followed(keys.USAGE, self.usage_list, self.usage_event))
+            out.append(Followed(keys.WAITING, self.waiting_list, self.waiting_event))
         return out
 
     def _parse(self, kv: KeyValue, parse: Callable[[Any], T]) -> T | None:
@@ -271,6 +275,33 @@ class EtcdFollowers:
             ledger.delete_other(writer, tenant)
         else:
             ledger.put_other(entry)
+
+    # ---- who waits at the other routers (fleetshare.py) ------------------------------------
+
+    def _waiting(self, kv: KeyValue) -> tuple[str, Waiting] | None:
+        def parsed(doc: Any) -> tuple[str, Waiting]:
+            writer = kv.key[len(keys.WAITING) :]
+            if not WRITER_NAME.match(writer):
+                raise ValueError(f"waiting record key {writer[:80]!r}: want <writer>")
+            return writer, fleetshare.parse(doc)
+
+        return self._parse(kv, parsed)
+
+    def waiting_list(self, kvs: list[KeyValue]) -> None:
+        ledger = self.svc.ledger
+        assert ledger is not None
+        ledger.share.theirs.clear()
+        for kv in kvs:
+            if (got := self._waiting(kv)) is not None:
+                ledger.put_waiting(*got)
+
+    def waiting_event(self, ev: WatchEvent) -> None:
+        ledger = self.svc.ledger
+        assert ledger is not None
+        if ev.kind == "delete" or (got := self._waiting(ev.kv)) is None:
+            ledger.delete_waiting(ev.kv.key[len(keys.WAITING) :])
+        else:
+            ledger.put_waiting(*got)
 
 
 def routing_policy(doc: Any) -> RoutingChain:

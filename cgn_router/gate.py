@@ -17,14 +17,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from cgn_core.errors import Overloaded, UpstreamTimeout
+from cgn_router.fleetshare import waiting_of
 from cgn_router.metrics import RouterMetrics
 from cgn_router.registry import Registry
 from cgn_router.routing.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.settings import AdmissionSettings
 from cgn_router.types import EndpointId
 from cgn_router.workers.shared import SharedLoad
+
+if TYPE_CHECKING:
+    from cgn_router.ledger import Ledger
 
 log = logging.getLogger(__name__)
 REFRESH_S = 0.5
@@ -47,6 +52,20 @@ class Gate:
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.learned: dict[EndpointId, Capacity] = {}
         self._refreshed = (-1, 0.0)  # the registry's version and the time of the last refresh
+        self.ledger: Ledger | None = None  # fair shares across routers (share_with)
+
+    def share_with(self, ledger: Ledger, fresh_s: float) -> None:
+        """Fair shares across routers (cgn_router/fleetshare.py): a head here waits while
+        another router has a tenant waiting in its band and pool that has had less of the
+        fleet's tokens, by weight (its record no older than `fresh_s`); what waits here is
+        told to the ledger, which publishes it for the others."""
+        self.ledger = ledger
+        share, clock = ledger.share, ledger.clock
+
+        def defer(band: str, pool: str, tenant: str, weight: float) -> bool:
+            return share.defers(band, pool, tenant, weight, clock(), fresh_s)
+
+        self.adm.defer = defer
 
     def refresh(self) -> None:
         """Each pool's capacity and KV usage from the endpoints that serve it."""
@@ -241,3 +260,5 @@ class Gate:
                     )
                 )
         self._pump()
+        if self.ledger is not None:
+            self.ledger.waiting = waiting_of(self.adm.waiting_heads())

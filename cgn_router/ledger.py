@@ -44,6 +44,7 @@ from cgn_core.budgets import (
 from cgn_core.errors import CognitoraError, RateLimited
 from cgn_core.etcd import EtcdClient, Op
 from cgn_core.settings import EtcdSettings
+from cgn_router.fleetshare import FleetShare, Waiting, to_doc
 from cgn_router.routing.lifecycle import Ended, Record
 from cgn_router.settings import BudgetSettings
 
@@ -93,6 +94,10 @@ class Ledger:
         # the others' usage of each tenant with a budget in this period, kept as their
         # records come: a record changes its own tenant's sum, nothing else
         self._theirs: dict[str, Used] = {}
+        # every tenant's fleet-wide rate, and who waits at other routers (fleetshare.py)
+        self.share = FleetShare()
+        self.waiting: Waiting = {}  # what this worker has waiting, for the others (the gate)
+        self.waiting_published = False  # its record is in etcd
 
     # ---- counting ------------------------------------------------------------------------
 
@@ -124,6 +129,8 @@ class Ledger:
         used.tokens_month += tokens
         used.joules_day += joules
         self.changed.add(tenant)
+        if not tenant.startswith("@"):  # a key's own scope is no tenant's share
+            self.share.served(tenant, tokens, self.clock())
 
     def used(self, tenant: str) -> Used:
         """`tenant`'s usage in this period, over every writer."""
@@ -218,8 +225,28 @@ class Ledger:
             old = writers.get(entry.writer)
             self._move(entry.tenant, old, entry)
             writers[entry.writer] = entry
+            if old is not None and not entry.tenant.startswith("@") and entry.month == old.month:
+                grown = entry.used.tokens_month - old.used.tokens_month
+                self.share.served(entry.tenant, grown, self.clock())  # any writer's, for rates
             if self.elsewhere is not None and old is not None:
                 self._served_elsewhere(old, entry)
+
+    def put_waiting(self, writer: str, waiting: Waiting) -> None:
+        """Another writer's waiting tenants (its own router's workers share theirs otherwise:
+        workers/shared.py)."""
+        if _router(writer) != self.router:
+            self.share.put(writer, waiting, self.clock())
+
+    def delete_waiting(self, writer: str) -> None:
+        self.share.delete(writer)
+
+    def waiting_update(self) -> dict[str, object] | bool | None:
+        """What to write of this worker's waiting tenants now: its record while it has some
+        (every round: a record not renewed goes stale at the others), None (delete it) when
+        its queues emptied since it was written, False when there is nothing to say."""
+        if self.waiting:
+            return to_doc(self.waiting)
+        return None if self.waiting_published else False
 
     def _served_elsewhere(self, old: UsageEntry, new: UsageEntry) -> None:
         """What another router served a tenant since its last record (not this router's
@@ -331,8 +358,12 @@ async def publish(ledger: Ledger, etcd: EtcdSettings, publish_s: float) -> None:
 TXN_OPS = 100  # records per etcd transaction (etcd's default limit is 128)
 
 
-async def _write(ledger: Ledger, client: EtcdClient, prefix: str = keys.USAGE) -> None:
+async def _write(
+    ledger: Ledger, client: EtcdClient, prefix: str = keys.USAGE, waiting: str = keys.WAITING
+) -> None:
     entries = ledger.pending()  # NOTE: what is left of it is unsent when a write fails
+    update = ledger.waiting_update()
+    ledger.share.forget(ledger.clock())
     try:
         while entries:
             batch = entries[:TXN_OPS]
@@ -341,6 +372,11 @@ async def _write(ledger: Ledger, client: EtcdClient, prefix: str = keys.USAGE) -
         gone = ledger.past()
         for at in range(0, len(gone), TXN_OPS):
             await client.txn([], [Op.delete(prefix + k) for k in gone[at : at + TXN_OPS]])
+        if update is None:
+            await client.delete(waiting + ledger.writer)
+        elif update is not False:
+            await client.put_json(waiting + ledger.writer, update)
+        ledger.waiting_published = update not in (None, False)
     except CognitoraError as exc:  # etcd away (Unavailable) or refusing: the next round
         ledger.unsent(entries)
         if not ledger.failing:  # NOTE: once per outage, not once a second

@@ -32,6 +32,7 @@ from cgn_core.budgets import parse_tenant, parse_usage
 from cgn_core.errors import CognitoraError
 from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.kv.blockhash import tenant_salt
+from cgn_router import fleetshare
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
 from cgn_router.followers import EtcdFollowers, routing_policy
@@ -95,6 +96,7 @@ VALID: dict[str, dict[str, Any]] = {
                 "history": [{"desired": 2, "current": 1, "direction": "up", "at_unix": 1.6e9}]},
     "tenant": {"tenant": "acme", "budget": {"tokens_per_day": 1000, "joules_per_day": 2.5}},
     "usage": ["2026-12-06", 10, 20, 0.5],
+    "waiting": {"queues": [["gold", "m", {"acme": 1.0, "beta": 2.0}]]},
 }  # fmt: skip
 
 
@@ -132,6 +134,7 @@ PARSERS: dict[str, Callable[[Any], object]] = {
     "scaling": records.scaling,
     "tenant": parse_tenant,
     "usage": lambda d: parse_usage(d, "gw.w0/acme"),
+    "waiting": fleetshare.parse,
 }
 
 

@@ -29,7 +29,9 @@ the tags are shared through their table (each worker keeps the largest it
 has seen: tags only grow), and each publishes the earliest start of the heads
 it has waiting per band and pool: a worker admits a head only if no other
 worker waits with an earlier one there, so a freed slot goes to the
-router's earliest head, whichever worker holds it. A full queue refuses at once
+router's earliest head, whichever worker holds it. Across routers, a head also waits
+while another router has a tenant waiting in its band and pool that has had less of the
+fleet's tokens, by weight (`defer`, cgn_router/fleetshare.py). A full queue refuses at once
 (503); a request that waits past its band's TTL is refused (504); a cancelled
 request leaves its queue immediately.
 """
@@ -39,7 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -130,6 +132,9 @@ class Admission:
         # waiting there: a head that would start later waits for them (one order across the
         # router's workers, as in one process)
         self.elsewhere: dict[tuple[str, str], float] = {}
+        # (band, pool, tenant, weight) -> whether another router waits with a tenant that has
+        # had less (cgn_router/fleetshare.py): that head waits for it; None: one router
+        self.defer: Callable[[str, str, str, float], bool] | None = None
 
     def saturation(self, pool: str, extra: int = 0) -> float:
         cap = max(self.capacity.get(pool, 1.0), 1.0)
@@ -147,6 +152,7 @@ class Admission:
             not self.depth[t.band]
             and (t.band, t.pool) not in self.elsewhere
             and self.saturation(t.pool, 1) <= band.ceiling
+            and not (self.defer is not None and self.defer(t.band, t.pool, t.tenant, t.weight))
         ):
             self.active[t.pool] += 1
             self._admitted(t)
@@ -230,10 +236,15 @@ class Admission:
                 best, best_start = None, 0.0
                 for tenant, q in tenants.items():
                     start = self._start(band, tenant)
+                    head = q[0]
                     if (
                         (best is None or start < best_start)
-                        and self.saturation(q[0].pool, 1) <= ceiling  # else it waits for it
-                        and start <= self.elsewhere.get((band, q[0].pool), start) + AHEAD
+                        and self.saturation(head.pool, 1) <= ceiling  # else it waits for it
+                        and start <= self.elsewhere.get((band, head.pool), start) + AHEAD
+                        and not (
+                            self.defer is not None
+                            and self.defer(band, head.pool, tenant, head.weight)
+                        )
                     ):
                         best, best_start = tenant, start
                 if best is None:
@@ -244,6 +255,15 @@ class Admission:
                 out.append(head)
                 self._drop(band, best, rotate=True)
         return out
+
+    def waiting_heads(self) -> list[tuple[str, str, str, float]]:
+        """(band, pool, tenant, weight) of every tenant's head waiting here (what other
+        routers defer to, fleetshare.py)."""
+        return [
+            (band, q[0].pool, tenant, q[0].weight)
+            for band, tenants in self.queues.items()
+            for tenant, q in tenants.items()
+        ]
 
     def heads(self) -> dict[tuple[str, str], float]:
         """(band, pool) -> the earliest start among the heads waiting here (what the other
