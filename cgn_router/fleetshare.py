@@ -58,12 +58,18 @@ class FleetShare:
     theirs: dict[str, tuple[float, Waiting]] = field(default_factory=dict)
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
-        """`tokens` of `tenant`'s were served, here or anywhere (a record's growth)."""
-        if not tokens > 0 or not math.isfinite(tokens):
+        """`tokens` of `tenant`'s were served, here or anywhere (a record's growth). NOTE:
+        on every request's end and every other writer's record: kept to one exp."""
+        if not 0 < tokens < math.inf:  # NOTE: NaN fails this too
             return
-        r = self.rates.setdefault(tenant, Rate(0.0, now))
-        r.value = self._decayed(r, now) + tokens / self.tau_s
-        r.at = now
+        r = self.rates.get(tenant)
+        if r is None:
+            self.rates[tenant] = Rate(tokens / self.tau_s, now)
+        elif now > r.at:
+            r.value = r.value * math.exp((r.at - now) / self.tau_s) + tokens / self.tau_s
+            r.at = now
+        else:
+            r.value += tokens / self.tau_s
 
     def rate(self, tenant: str, now: float) -> float:
         r = self.rates.get(tenant)
