@@ -145,7 +145,7 @@ async def _handle_accounted(
     except RateLimited:
         acct.emit(Refused(who.band, "rate_limited"))
         raise
-    completion = 0
+    completion = cached = 0
     try:
         prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct, who.kv_salt)
         if prompt.tokens:
@@ -164,10 +164,13 @@ async def _handle_accounted(
             admitted = (who, acct.started, waited)
             ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
             relayed = await _serve(svc, request, ctx, acct)
-            completion = relayed.usage.completion_tokens if relayed.usage else 0
+            if relayed.usage is not None:
+                completion = relayed.usage.completion_tokens
+                cached = min(relayed.usage.cached_tokens, int(cost))  # work nobody computed
         finally:
             if svc.gate:
-                svc.gate.leave(model, (who.band, who.tenant, float(completion), weight))
+                charge = float(completion - cached)
+                svc.gate.leave(model, (who.band, who.tenant, charge, weight))
         return relayed
     finally:
         svc.limiter.release(who, completion)

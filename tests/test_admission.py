@@ -80,9 +80,11 @@ def test_tenants_take_turns_and_each_keeps_its_order() -> None:
 
 
 def shares(prompts: dict[str, int], weights: dict[str, float], rounds: int = 400,
-           output: int = 0) -> dict[str, float]:  # fmt: skip
+           output: int = 0, cached: dict[str, int] | None = None) -> dict[str, float]:  # fmt: skip
     """Tokens each tenant was served while all of them kept requests waiting on a pool of
-    one slot, as shares of the total (each request: its prompt, then `output` tokens)."""
+    one slot, as shares of the total (each request: its prompt, then `output` tokens; the
+    engine computes only the prompt's uncached ones, `cached` of each tenant's are hits)."""
+    cached = cached or {}
     a = Admission({"gold": BandSettings(priority=1, ceiling=1.0, queue=10_000, ttl_s=60)})
     a.capacity["m"] = 1
     got = dict.fromkeys(prompts, 0.0)
@@ -94,8 +96,9 @@ def shares(prompts: dict[str, int], weights: dict[str, float], rounds: int = 400
                 running = x  # the first: the slot was free
     for _ in range(rounds):
         assert running is not None
-        got[running.tenant] += running.cost + output
-        a.charge("gold", running.tenant, output, running.weight)
+        hit = cached.get(running.tenant, 0)
+        got[running.tenant] += running.cost - hit + output
+        a.charge("gold", running.tenant, output - hit, running.weight)
         a.release("m")
         (running,) = a.dispatch()
     total = sum(got.values())
@@ -118,6 +121,14 @@ def test_tenants_share_engine_tokens_by_weight_not_requests(
     got = shares(prompts, weights, output=output)
     for tenant, share in want.items():
         assert got[tenant] == pytest.approx(share, rel=0.10), got
+
+
+def test_prompt_tokens_the_engine_found_cached_are_credited_back() -> None:
+    """Engine work is the prompt tokens not cached: a tenant whose 8k prompts are 7k cached
+    costs the engine 1k each, as one of fresh 1k prompts, and gets as many requests (without
+    the credit it would get an eighth as many)."""
+    got = shares({"cached": 8000, "fresh": 1000}, {}, output=0, cached={"cached": 7000})
+    assert got["cached"] == pytest.approx(0.5, rel=0.10), got
 
 
 def test_a_tenant_back_from_idle_starts_at_the_bands_virtual_time() -> None:

@@ -14,26 +14,26 @@ Each priority band has a ceiling: a request is admitted at once while its
 band has nobody waiting and the pool would stay at or below the ceiling;
 otherwise it waits in its band's queue. Lower ceilings for lower bands make
 the cluster degrade from the bottom up: bronze waits first, platinum last.
-Dispatch serves bands in priority order; within a band, tenants share by the
-engine work they consume, in tokens (start-time fair queuing, #58): each
-request costs its prompt's tokens when it is admitted and its output's when it
-ends (`charge`), divided by its tenant's weight; each tenant carries the
-virtual time its work so far reaches (`finish`), a request's start is the later
-of that and the band's virtual time (the start of the last one admitted), and
-the waiting head with the earliest start goes next. So a tenant of 8k-token
-prompts gets as many tokens as one of 1k prompts (an eighth of the requests),
-one of weight 2 twice as many, and one that comes back after idling starts at
-the band's virtual time (no credit saved up). Each tenant's requests keep their
-order. With several router workers (`--workers`), the virtual times and
-the tags are shared through their table (each worker keeps the largest it
-has seen: tags only grow), and each publishes the earliest start of the heads
-it has waiting per band and pool: a worker admits a head only if no other
-worker waits with an earlier one there, so a freed slot goes to the
-router's earliest head, whichever worker holds it. Across routers, a head also waits
-while another router has a tenant waiting in its band and pool that has had less of the
-fleet's tokens, by weight (`defer`, cgn_router/fleetshare.py). A full queue refuses at once
-(503); a request that waits past its band's TTL is refused (504); a cancelled
-request leaves its queue immediately.
+Dispatch serves bands in priority order; within a band, tenants share by the engine work
+they consume, in tokens (start-time fair queuing, #58): each request costs its prompt's
+tokens when it is admitted and, when it ends, its output's less the prompt tokens the
+engine found cached (`charge`), divided by its tenant's weight; each tenant carries the
+virtual time its work so far reaches (`finish`), a request's start is the later of that
+and the band's virtual time (the start of the last one admitted), and the waiting head
+with the earliest start goes next. So a tenant of 8k-token prompts gets as many tokens
+as one of 1k prompts (an eighth of the requests), one of weight 2 twice as many, and one
+that comes back after idling starts at the band's virtual time (no credit saved up).
+Each tenant's requests keep their order. With several router workers (`--workers`), the
+virtual times and the tags are shared through their table (each worker keeps the largest
+it has seen: tags only grow there, so a credit for cached prompt tokens stays with the
+worker that served the request), and each publishes the earliest start of the heads it
+has waiting per band and pool: a worker admits a head only if no other worker waits with
+an earlier one there, so a freed slot goes to the router's earliest head, whichever
+worker holds it. Across routers, a head also waits while another router has a tenant
+waiting in its band and pool that has had less of the fleet's tokens, by weight
+(`defer`, cgn_router/fleetshare.py). A full queue refuses at once (503); a request that
+waits past its band's TTL is refused (504); a cancelled request leaves its queue
+immediately.
 """
 
 from __future__ import annotations
@@ -186,10 +186,17 @@ class Admission:
         return charged
 
     def charge(self, band: str, tenant: str, tokens: float, weight: float = 1.0) -> None:
-        """Work a request of `tenant` consumed beyond its admission's charge (its output)."""
+        """Work a request of `tenant` consumed beyond its admission's charge: its output,
+        less the prompt tokens the engine found cached (charged on admission, computed by
+        nobody). A net credit moves the tenant's tag back, never before the band's
+        virtual time (no credit saved up)."""
         tags = self.finish.get(band)
-        if tags is not None and tokens > 0 and weight > 0:
+        if tags is None or not weight > 0 or not math.isfinite(tokens):
+            return
+        if tokens > 0:
             tags[tenant] = self._start(band, tenant) + tokens / weight
+        elif tokens < 0 and tenant in tags:
+            tags[tenant] = max(self.vtime[band], tags[tenant] + tokens / weight)
 
     def release(self, pool: str) -> None:
         """A request admitted earlier has finished (or was abandoned)."""
