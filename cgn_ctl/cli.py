@@ -473,6 +473,8 @@ def up(
     )
     try:
         done = up_mod.up(opts, lambda msg: typer.echo(msg, err=True))
+    except up_mod.Refused as exc:  # nothing was started
+        fail(exc.message, EXIT_USAGE)
     except CognitoraError as exc:
         fail(f"{exc.message} (what started is listed by `cgn-ctl status`; `cgn-ctl down` stops it)")
     if done.joined:

@@ -57,6 +57,10 @@ from cgn_ctl import uptls
 log = logging.getLogger(__name__)
 
 
+class Refused(CognitoraError):
+    """What `up` refuses before it starts anything (a usage error: exit 2)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpOptions:
     state_dir: Path
@@ -303,24 +307,24 @@ def _check(opts: UpOptions) -> None:
     """Refuse what `up` cannot do before it starts anything."""
     existing = read_record(opts.state_dir)
     if existing and any(p["alive"] for p in running(existing)):
-        raise CognitoraError(
+        raise Refused(
             f"already up (see {record_path(opts.state_dir)}); `cgn-ctl down` first, or "
             "`cgn-ctl status`"
         )
     bad = [e for e in opts.engines if e not in LOCAL_ENGINES]
     if bad or not opts.engines:
-        raise CognitoraError(
+        raise Refused(
             f"--engines {','.join(bad)}: up runs {', '.join(LOCAL_ENGINES)} (in profile order)"
         )
     if len(set(opts.engines)) != len(opts.engines):
-        raise CognitoraError(f"--engines {','.join(opts.engines)} names an engine twice")
+        raise Refused(f"--engines {','.join(opts.engines)} names an engine twice")
     if opts.etcd is not None and not opts.insecure:
-        raise CognitoraError(
+        raise Refused(
             "--etcd: up secures the etcd it starts; an existing one is used as it is, in "
             "plaintext (add --insecure)"
         )
     if opts.join is not None and not opts.insecure and not (opts.token and opts.ca_hash):
-        raise CognitoraError(
+        raise Refused(
             "--join HOST:PORT needs the --token and --ca-hash the first machine printed "
             "(or --insecure to join a plaintext cluster's etcd)"
         )
@@ -328,13 +332,13 @@ def _check(opts: UpOptions) -> None:
         try:
             address = ipaddress.ip_address(opts.listen)
         except ValueError:
-            raise CognitoraError(
+            raise Refused(
                 f"--listen {opts.listen!r}: an IP address of this machine"
             ) from None
         if address.is_unspecified:
-            raise CognitoraError("--listen: the one address other machines reach, not 0.0.0.0")
+            raise Refused("--listen: the one address other machines reach, not 0.0.0.0")
         if opts.insecure:
-            raise CognitoraError("--listen serves other machines: it runs with TLS only")
+            raise Refused("--listen serves other machines: it runs with TLS only")
     if "cgn_infer" in opts.engines:
         # cgn-infer lives in its own venv: without it the placement would be refused and
         # `up` would only time out

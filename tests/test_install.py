@@ -167,7 +167,7 @@ def serve_from_install(bin_dir: Path, state: Path, env: dict[str, str]) -> None:
         store = json.loads((state / "agent" / "kvcached.ready").read_text())  # the node's store
         assert runs(store["pid"], "cgn-kvcached")
         again = ctl("up", "--state-dir", str(state))
-        assert again.returncode == 1 and "already up" in again.stderr
+        assert again.returncode == 2 and "already up" in again.stderr
         # (a second machine joining, over TLS: tests/test_up_join.py)
         print(f"\ncgn-ctl up: {took:.1f}s to a served completion")
     finally:

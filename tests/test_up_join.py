@@ -177,7 +177,7 @@ def test_a_spent_token_another_ca_or_no_service_is_refused_and_writes_nothing(
     assert not any((tmp_path / d / "pki").exists() for d in "cde")
     assert {"host-c", "host-d", "host-e"}.isdisjoint(nodes(hosts))
     bare = ctl(tmp_path / "f", "up", "--join", args[2])
-    assert bare.returncode == 1 and "needs the --token and --ca-hash" in bare.stderr
+    assert bare.returncode == 2 and "needs the --token and --ca-hash" in bare.stderr
 
 
 def free_closed_port(host: str) -> int:
