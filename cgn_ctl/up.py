@@ -332,9 +332,7 @@ def _check(opts: UpOptions) -> None:
         try:
             address = ipaddress.ip_address(opts.listen)
         except ValueError:
-            raise Refused(
-                f"--listen {opts.listen!r}: an IP address of this machine"
-            ) from None
+            raise Refused(f"--listen {opts.listen!r}: an IP address of this machine") from None
         if address.is_unspecified:
             raise Refused("--listen: the one address other machines reach, not 0.0.0.0")
         if opts.insecure:

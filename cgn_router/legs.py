@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from cgn_core.errors import InvalidRequest
@@ -69,16 +69,19 @@ async def attempt(
     acct: Account,
     resume: Progress | None = None,
     tried: frozenset[EndpointId] | None = None,
+    path: str | None = None,
+    translate: Callable[[bytes], list[bytes]] | None = None,
 ) -> Relayed:
     """One attempt on the chosen endpoint, its accounting held by a lease; with `resume`,
     a continuation relayed into that broken stream. `tried` (the endpoints this request
     tried, this one included; None: it has no attempt left): a stream routed by predicted
-    time may be moved before its first token (`_moved_when_late`)."""
+    time may be moved before its first token (`_moved_when_late`). `path` and `translate`:
+    a continuation in another API than the client's (cgn_core/openai/continuation.py)."""
     name = "upstream" if resume is None else "upstream (continuation)"
     number, trace_headers = acct.attempt(name, view.id, view.endpoint.url)
     call = Call(
         endpoint=view.endpoint,
-        path=PATHS[ctx.kind],
+        path=path or PATHS[ctx.kind],
         payload=payload,
         stream=ctx.stream,
         strip_usage=ctx.strip_usage,
@@ -88,9 +91,11 @@ async def attempt(
         priority=ctx.priority,
         kv_salt=ctx.kv_salt,
         request_id=ctx.request_id,
-        track=ctx.stream and svc.can_resume(view.endpoint),
+        track=(track := ctx.stream and svc.can_resume(view.endpoint)),
         resume=resume,
         trace_headers=trace_headers or None,
+        keep_events=track and svc.text_resumed(view.endpoint),
+        translate=translate,
     )
     held = Attempt(svc.registry, view, req, streamed=ctx.stream and resume is None)
     relayed = None

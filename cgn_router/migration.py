@@ -1,16 +1,22 @@
 """Request migration: a stream that broke mid-answer continues on another replica of the same
-model, from the token ids the client has the text of (cgn_core/openai/resume.py), at most
-the model's migration limit in all; or it ends, saying why not."""
+model and engine kind, from the token ids the client has the text of, at most the model's
+migration limit in all; or it ends, saying why not. cgn-infer names the ids it streams and
+takes them back (cgn_core/openai/resume.py); llama.cpp streams text only: its text is
+re-tokenized and continued as a `/v1/completions` of token ids, rewritten as the client's
+stream (cgn_core/openai/continuation.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 from cgn_core.h1 import Request
+from cgn_core.openai import continuation
+from cgn_core.openai.continuation import Rewriter
 from cgn_router.context import RequestContext
 from cgn_router.legs import attempt, route
-from cgn_router.proxy import AttemptFailed, Relayed
+from cgn_router.proxy import AttemptFailed, Progress, Relayed
 from cgn_router.routing.lifecycle import Account, Migrated
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, RequestInfo
@@ -33,14 +39,22 @@ async def migrate(
     limit = svc.migration_limit(req.model)
     tries = 0
     while (broken := relayed.broken) is not None:
+        path, translate, payload = None, None, b""
         try:
-            resume = broken.resume_field()
-            generated = len(resume["token_ids"])
-            why = _no_migration(svc, ctx, req.prompt_tokens + generated, tries, limit)
+            if broken.events is not None:  # an engine that streams text only
+                payload, translate, generated, tokens = _from_text(svc, ctx, req, broken)
+                path = "/v1/completions"
+            else:
+                resume = broken.resume_field()
+                generated = len(resume["token_ids"])
+                tokens = req.prompt_tokens + generated
+            why = _no_migration(svc, ctx, tokens, tries, limit)
         except ValueError as exc:
             resume, generated = {}, 0
-            why = f"the stream cannot be continued from what it sent ({exc})"
-        others = frozenset(tried | svc.cannot_resume(req.model))
+            why = str(exc) if broken.events is not None else (
+                f"the stream cannot be continued from what it sent ({exc})"
+            )  # fmt: skip
+        others = frozenset(tried | svc.cannot_resume(req.model, broken.engine))
         view = None if why else route(svc, req, others, acct)
         if not why and view is None:
             why = f"no other replica of {req.model} can continue it"
@@ -57,9 +71,13 @@ async def migrate(
             generated,
             broken.why,
         )
-        payload = ctx.resume_payload(req.model, resume)
+        if path is None:
+            payload = ctx.resume_payload(req.model, resume)
         try:
-            after = await attempt(svc, request, ctx, req, view, payload, {}, acct, broken)
+            after = await attempt(
+                svc, request, ctx, req, view, payload, {}, acct, broken,
+                path=path, translate=translate,
+            )  # fmt: skip
         except AttemptFailed as exc:  # the continuation did not start: another may
             log.info("continuation failed: %s", exc.message)
             acct.emit(Migrated(req.model, relayed.cause, "failed"))
@@ -67,6 +85,29 @@ async def migrate(
         acct.emit(Migrated(req.model, relayed.cause, "continued"))
         relayed = after
     return relayed
+
+
+def _from_text(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, broken: Progress
+) -> tuple[bytes, Rewriter, int, int]:
+    """A continuation of a text-only stream (cgn_core/openai/continuation.py): its
+    `/v1/completions` body, the rewriter of its events, the answer's tokens so far and the
+    prompt's and answer's together; ValueError saying why it cannot be continued."""
+    if why := continuation.refusal(ctx.body):
+        raise ValueError(why)
+    if broken.overflowed or broken.events is None:
+        raise ValueError("the answer is too long to continue from its text")
+    codec = svc.catalog.hasher(req.model).codec
+    if codec is None:
+        raise ValueError("the router has no tokenizer for this model")
+    so_far = continuation.answer_so_far(broken.events, ctx.kind)
+    ids, prompt = continuation.continuation_ids(
+        codec, codec.tokenizer, ctx.kind, ctx.body, so_far.text
+    )
+    generated = len(ids) - prompt
+    body = continuation.continuation_body(ctx.body, req.model, ids, generated)
+    rewriter = Rewriter(ctx.kind, so_far, req.model, prompt, generated)
+    return json.dumps(body).encode(), rewriter, generated, len(ids)
 
 
 def _no_migration(

@@ -43,7 +43,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -51,6 +51,7 @@ from cgn_core.h1 import Reply, Request, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, KV_SALT_HEADER, PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
+from cgn_core.openai.continuation import MAX_EVENTS
 from cgn_router.settings import DeadlineSettings
 from cgn_router.types import Endpoint, Usage
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -89,6 +90,11 @@ class Call:
     track: bool = False  # ask for token ids (resume.IDS_HEADER): the stream may migrate
     resume: Progress | None = None  # a continuation: relay into this stream's response
     trace_headers: Mapping[str, str] | None = None  # traceparent (tracing on)
+    # a tracked stream from an engine that names no token ids: keep its events (their text
+    # is re-tokenized if it breaks, cgn_core/openai/continuation.py)
+    keep_events: bool = False
+    # a continuation from another API: each event rewritten as the client's (continuation.py)
+    translate: Callable[[bytes], list[bytes]] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +109,11 @@ class Progress:
     first: bytes = b""  # the first data event
     finished: bool = False
     why: str = ""  # how its last leg broke
+    engine: str = ""  # the engine its first leg streamed from
+    # its data events as relayed, where the engine names no ids (Call.keep_events); None
+    # when it does
+    events: list[bytes] | None = None
+    overflowed: bool = False  # more events than continuation.MAX_EVENTS: not continued
 
     def token_ids(self) -> list[int]:
         """ValueError for a malformed line (nothing from the network is trusted)."""
@@ -336,7 +347,11 @@ class Proxy:
             out = progress.out
         else:
             out = request.stream(200, _headers(call, None, sse=True))
-            progress = Progress(out) if call.track else None
+            progress = None
+            if call.track:
+                kept: list[bytes] | None = [] if call.keep_events else None
+                progress = Progress(out, engine=call.endpoint.engine, events=kept)
+        translate = call.translate
         lease.first_byte(time.monotonic())
         idle, usage = self.deadlines.idle_s, None
         pending: bytes | None = event
@@ -344,14 +359,17 @@ class Proxy:
             batch = []  # the events already here go out in one write (one syscall, not one each)
             failed = ""
             while pending is not None:
-                if progress is not None:
-                    pending, failed = _track(progress, pending)
-                    if failed:
-                        break
-                got = _usage_chunk(pending)
-                usage = got or usage
-                if got is None or not call.strip_usage:
-                    batch.append(pending)
+                for event in (pending,) if translate is None else translate(pending):
+                    if progress is not None:
+                        event, failed = _track(progress, event)
+                        if failed:
+                            break
+                    got = _usage_chunk(event)
+                    usage = got or usage
+                    if got is None or not call.strip_usage:
+                        batch.append(event)
+                if failed:
+                    break
                 pending = await _next_event(resp) if resp.event_buffered() else None
             try:
                 if batch:  # NOTE: never an empty write: in a chunked body it would end the stream
@@ -424,10 +442,17 @@ def _track(progress: Progress, event: bytes) -> tuple[bytes, str]:
             error = {}
         if isinstance(error, dict) and error.get("type") != "invalid_request_error":
             return b"", str(error.get("message") or "an error event")[:300]
-    if b'"finish_reason": "' in event:  # cgn-infer's JSON: a non-null finish reason
+    # a non-null finish reason, in cgn-infer's JSON (and Python's) or llama.cpp's
+    if b'"finish_reason": "' in event or b'"finish_reason":"' in event:
         progress.finished = True
-    if not progress.first and event.startswith(b"data: {"):
-        progress.first = event
+    if event.startswith(b"data: {"):
+        if not progress.first:
+            progress.first = event
+        if progress.events is not None:  # NOTE: kept as bytes, parsed only if it breaks
+            if len(progress.events) < MAX_EVENTS:
+                progress.events.append(event)
+            else:
+                progress.overflowed = True
     return event, ""
 
 

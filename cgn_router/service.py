@@ -30,7 +30,10 @@ from cgn_router.types import Endpoint, EndpointId, RequestInfo
 # Engines that continue another engine's stream from token ids (cgn_core/openai/resume.py).
 # vLLM, SGLang and llama.cpp take token-id prompts, but not the rest of a continuation (the
 # response id, the detokenizer's, parser's and grammar's state): their streams are not moved.
-RESUMABLE_ENGINES = frozenset({"cgn-infer"})
+RESUMABLE_ENGINES = frozenset({"cgn-infer"})  # name the ids they stream, take cgn_resume
+# stream text only, take a prompt of token ids: continued from their text, re-tokenized with
+# the model's tokenizer where the router has it (cgn_core/openai/continuation.py)
+TEXT_RESUMABLE_ENGINES = frozenset({"llamacpp"})
 
 # A model with more endpoints than SHORT_LIST is scored over a short list of them: the
 # SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
@@ -117,12 +120,24 @@ class RouterService:
 
     def can_resume(self, endpoint: Endpoint) -> bool:
         """Whether a stream to `endpoint` is tracked so that another engine may continue it."""
-        return endpoint.engine in RESUMABLE_ENGINES and self.migration_limit(endpoint.model) > 0
+        if self.migration_limit(endpoint.model) <= 0:
+            return False
+        if endpoint.engine in RESUMABLE_ENGINES:
+            return True
+        return (
+            endpoint.engine in TEXT_RESUMABLE_ENGINES
+            and self.catalog.hasher(endpoint.model).codec is not None
+        )
 
-    def cannot_resume(self, model: str) -> set[EndpointId]:
-        """The endpoints of `model` that cannot take a continuation."""
+    def text_resumed(self, endpoint: Endpoint) -> bool:
+        """Whether a tracked stream to `endpoint` is continued from its text (it names no ids)."""
+        return endpoint.engine in TEXT_RESUMABLE_ENGINES
+
+    def cannot_resume(self, model: str, engine: str = "cgn-infer") -> set[EndpointId]:
+        """The endpoints of `model` that cannot take a continuation of a stream from `engine`:
+        those of another engine kind (its continuation is in that kind's API)."""
         peers = self.registry.by_model.get(model, {})
-        return {eid for eid, st in peers.items() if st.endpoint.engine not in RESUMABLE_ENGINES}
+        return {eid for eid, st in peers.items() if st.endpoint.engine != engine}
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:
         """The chain's decision over the live registry (the request path emits it: Routed).

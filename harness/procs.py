@@ -160,7 +160,24 @@ def llamacpp(
     model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2, flash_attn: str = "auto"
 ) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
-    port = free_port()
+    with llamacpp_server(
+        model, parallel=parallel, ctx=ctx, threads=threads, flash_attn=flash_attn
+    ) as (url, _):
+        yield url
+
+
+@contextmanager
+def llamacpp_server(
+    model: Path,
+    *,
+    parallel: int = 1,
+    ctx: int = 4096,
+    threads: int = 2,
+    flash_attn: str = "auto",
+    port: int = 0,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`llamacpp`, on `port` (0: a free one), with its process (a test may kill it)."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", str(model),
             "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
             "--ctx", str(ctx), "--flash-attn", flash_attn]  # fmt: skip
@@ -169,7 +186,7 @@ def llamacpp(
     )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=180)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         stop(proc)
 

@@ -1,0 +1,272 @@
+"""Migration for an engine that streams text only (#59, cgn_core/openai/continuation.py):
+llama.cpp's server (xllamacpp, real) behind the router.
+
+Two llama.cpp servers on SmolLM2; one SIGKILLed while it streams a greedy answer: the
+client's stream is the undisturbed answer (the same text from another run of it, one
+response id, one usage counting the prompt once), continued on the other server as a
+`/v1/completions` of the prompt's and the answer's token ids, rewritten as the client's
+chat or completion stream. What cannot be continued from text is cut, saying why. The
+pure parts (the answer so far, the refusals, the rewrite, the round trip through the
+bundled tokenizers over a held text) are tables.
+
+Every comparison is between two runs on this machine (never a fixed answer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from cgn_core.bundled_models import smollm2
+from cgn_core.etcd.local import free_port
+from cgn_core.openai import continuation as cont
+from harness.metrics import metric
+from harness.procs import Router, cgn_router, llamacpp_server
+
+MODEL = "smol"
+NAMES = ("a", "b")
+STORY = " ".join(f"Day {i}: the keeper lit the lamp and counted the ships." for i in range(6))
+CHAT = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+        "messages": [{"role": "user", "content": STORY + "\nRetell it."}]}  # fmt: skip
+COMPLETION = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+              "prompt": STORY + "\nThe keeper"}  # fmt: skip
+
+
+# ---- the pure parts -----------------------------------------------------------------------
+
+
+def chunk(rid: str = "chatcmpl-1", **choice: Any) -> bytes:
+    doc = {"id": rid, "created": 7, "object": "chat.completion.chunk", "choices": [choice]}
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+def test_the_answer_so_far_is_read_from_the_events_and_refused_where_it_cannot_be() -> None:
+    events = [chunk(delta={"role": "assistant", "content": None}), chunk(delta={"content": "Hi"}),
+              b": keep-alive\n\n", chunk(delta={"content": " there"})]  # fmt: skip
+    assert cont.answer_so_far(events, "chat") == cont.SoFar("Hi there", "chatcmpl-1", 7)
+    completion = [chunk(text="Once", index=0), chunk(text=" upon")]
+    assert cont.answer_so_far(completion, "completion").text == "Once upon"
+    bad = {
+        "several choices": [chunk(delta={"content": "x"}, index=1)],
+        "a tool call": [chunk(delta={"tool_calls": [{"index": 0}]})],
+        "named no response id": [b'data: {"choices": []}\n\n'],
+        "not a string": [chunk(delta={"content": 5})],
+    }
+    for why, evs in bad.items():
+        with pytest.raises(ValueError, match=why):
+            cont.answer_so_far(evs, "chat")
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"temperature": 0}, ""),
+        ({"temperature": 0.7}, ""),  # unseeded: another draw, as a retry would be
+        ({"temperature": 0, "seed": 3}, ""),  # greedy: the seed draws nothing
+        ({"temperature": 0.7, "seed": 3}, "seeded sampled"),
+        ({"seed": 3}, "seeded sampled"),  # the default temperature samples
+        ({"n": 2}, "several choices"),
+        ({"logprobs": True}, "log probabilities"),
+        ({"response_format": {"type": "json_object"}}, "grammar"),
+        ({"tools": [{"type": "function"}]}, "grammar"),
+        ({"echo": True}, "echo and suffix"),
+    ],
+)
+def test_what_cannot_be_continued_from_text_says_why(body: dict[str, Any], why: str) -> None:
+    got = cont.refusal(body)
+    assert (why in got) if why else got == "", got
+
+
+def test_a_continuation_is_rewritten_as_the_clients_stream_with_one_usage() -> None:
+    so_far = cont.SoFar("Hi", "chatcmpl-9", 1700)
+    rewrite = cont.Rewriter("chat", so_far, "smol", prompt=30, generated=4)
+    text = b'data: {"choices":[{"text":" there","index":0,"finish_reason":null}],"id":"cmpl-x"}\n\n'
+    (event,) = rewrite(text)
+    doc = json.loads(event[6:])
+    assert (doc["id"], doc["created"], doc["object"]) == (
+        "chatcmpl-9",
+        1700,
+        "chat.completion.chunk",
+    )
+    assert doc["choices"] == [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]
+    last = (b'data: {"choices":[{"text":"","index":0,"finish_reason":"length"}],'
+            b'"usage":{"completion_tokens":6,"prompt_tokens":34,"total_tokens":40}}\n\n')  # fmt: skip
+    finish, usage = (json.loads(e[6:]) for e in rewrite(last))
+    assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 30, "completion_tokens": 10, "total_tokens": 40}  # fmt: skip
+    assert rewrite(b"data: [DONE]\n\n") == [b"data: [DONE]\n\n"]
+    body = cont.continuation_body({**CHAT, "seed": 1, "stop": ["x"]}, "smol", [1, 2, 3], 15)
+    assert body == {"temperature": 0, "stop": ["x"], "ignore_eos": True, "model": "smol",
+                    "prompt": [1, 2, 3], "stream": True, "max_tokens": 25,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+HELD = ("The keeper's lamp burned until dawn; ships (twelve of them) passed — “safely”, "
+        "he wrote. Numbers: 3.14159, 2026-12-06. Code: `x = f(y) ** 2`\n\tIndented.")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])
+def test_text_round_trips_through_the_bundled_tokenizers(name: str) -> None:
+    """The check a continuation makes (`continuation_ids`): the answer's text re-tokenized
+    decodes to itself, over a held text of punctuation, digits, Unicode and whitespace; and
+    a text that does not (an id the text cannot come back from) is refused."""
+    from cgn_core import bundled_models
+    from cgn_core.text.gguf_file import GGUFFile
+    from cgn_core.text.prompt import PromptCodec
+
+    path = bundled_models.smollm2() if name == "smollm2" else bundled_models.qwen_coder_05b()
+    with GGUFFile(path) as gguf:
+        codec = PromptCodec.from_gguf(gguf)
+    body = {"messages": [{"role": "user", "content": "Tell me."}]}
+    for cut in range(0, len(HELD) + 1, 7):
+        ids, prompt = cont.continuation_ids(codec, codec.tokenizer, "chat", body, HELD[:cut])
+        assert codec.tokenizer.decode(ids[prompt:]) == HELD[:cut]
+        assert ids[:prompt] == codec.encode_chat(body["messages"])
+
+    class Lossy:  # a tokenizer that loses a character: refused, not continued wrongly
+        def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+            return codec.tokenizer.encode(text.replace("—", "-"), add_bos=add_bos)
+
+        def decode(self, ids: Any) -> str:
+            return codec.tokenizer.decode(ids)
+
+    with pytest.raises(ValueError, match="round-trip"):
+        cont.continuation_ids(codec, Lossy(), "chat", body, HELD)
+
+
+# ---- two real llama.cpp servers behind the router ----------------------------------------
+
+
+@dataclass
+class Fleet:
+    ports: dict[str, int]
+    router: Router
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    stacks: dict[str, ExitStack] = field(default_factory=dict)
+
+    def start(self, name: str) -> None:
+        stack = ExitStack()
+        _, proc = stack.enter_context(
+            llamacpp_server(smollm2(), threads=1, ctx=2048, port=self.ports[name])
+        )
+        self.procs[name], self.stacks[name] = proc, stack
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.stacks.pop(name).close()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("migration-llamacpp")
+    ports = {n: free_port() for n in NAMES}
+    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": "llamacpp"}
+                 for n, p in ports.items()}  # fmt: skip
+    config = {"discovery": "static", "endpoints": endpoints,
+              "models": {MODEL: {"tokenizer": str(smollm2())}},
+              "deadlines": {"idle_s": 10.0}, "breaker": {"failures": 100}}  # fmt: skip
+    with cgn_router(tmp, config) as router:
+        f = Fleet(ports, router)
+        try:
+            for name in NAMES:
+                f.start(name)
+            yield f
+        finally:
+            for stack in f.stacks.values():
+                stack.close()
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    errors: list[Any] = field(default_factory=list)
+    endpoint: str = ""
+
+
+def stream(url: str, body: dict[str, Any], on_text: Callable[[Answer], None] = lambda a: None,
+           path: str = "/v1/chat/completions") -> Answer:  # fmt: skip
+    out = Answer()
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        out.endpoint = resp.headers.get("x-cognitora-endpoint", "")
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                out.errors.append(doc["error"])
+                continue
+            out.ids.add(doc["id"])
+            out.usage = doc.get("usage") or out.usage
+            for choice in doc["choices"]:
+                piece = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                out.finish = choice.get("finish_reason") or out.finish
+                out.text += piece
+                if piece:
+                    on_text(out)
+    return out
+
+
+def killing(fleet: Fleet, body: dict[str, Any], path: str, at: float, whole: Answer) -> tuple[Answer, list[str]]:  # fmt: skip
+    killed: list[str] = []
+
+    def kill(answer: Answer) -> None:
+        if not killed and len(answer.text) >= at * len(whole.text):
+            killed.append(answer.endpoint.rsplit("/", 1)[-1])
+            fleet.kill(killed[0])
+
+    try:
+        return stream(fleet.router.url, body, kill, path), killed
+    finally:
+        for name in killed:
+            fleet.start(name)
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [(CHAT, "/v1/chat/completions"), (COMPLETION, "/v1/completions")],
+    ids=["chat", "completion"],
+)
+def test_a_stream_survives_its_llamacpp_server_killed_mid_answer(
+    fleet: Fleet, body: dict[str, Any], path: str
+) -> None:
+    whole = stream(fleet.url("a"), body, path=path)  # undisturbed, straight from a server
+    assert not whole.errors and whole.usage is not None and len(whole.text) > 20
+    continued = metric(fleet.router.admin, "cgn_router_migrations_total", result="continued")
+    cut, killed = killing(fleet, body, path, 0.4, whole)
+    assert killed, "the answer ended before the kill point"
+    assert not cut.errors, cut.errors
+    assert cut.text == whole.text and cut.finish == whole.finish
+    assert len(cut.ids) == 1, "one answer, one id"
+    assert cut.usage is not None
+    got = (cut.usage["prompt_tokens"], cut.usage["completion_tokens"])
+    assert got == (whole.usage["prompt_tokens"], whole.usage["completion_tokens"])
+    assert metric(fleet.router.admin, "cgn_router_migrations_total", result="continued") > continued
+
+
+def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fleet) -> None:
+    body = {**CHAT, "temperature": 0.8, "seed": 5}
+    whole = stream(fleet.url("a"), body)
+    cut, killed = killing(fleet, body, "/v1/chat/completions", 0.3, whole)
+    assert killed and cut.errors and cut.finish is None
+    assert (
+        "(not continued: a seeded sampled answer cannot take up its random stream"
+        in (cut.errors[0]["message"])
+    )
