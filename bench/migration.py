@@ -1,6 +1,14 @@
 """Request migration under failure: streams that outlive their engine. One run, side by side.
 
     .venv/bin/python -m bench.migration [--streams 64] [--speed 20] [--seconds 6]
+    .venv/bin/python -m bench.migration --engine llamacpp [--streams 32] [--prompt 200]
+                                        [--output 64]
+
+`--engine llamacpp` (#59): three real llama.cpp servers (xllamacpp, SmolLM2, one thread
+each, `--parallel 16`) in place of the sim engines, continued from their text
+(cgn_core/openai/continuation.py); no kvcached (llama.cpp has none), so its scenarios
+are kill -9, SIGTERM and kill -9 with migration off. Results: bench/results/
+migration_llamacpp.{json,md}.
 
 Three sim engines (each its own process, so one can be killed) behind a router,
 with and without a shared cgn-kvcached; `--streams` concurrent streams, each a
@@ -48,6 +56,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -55,12 +64,20 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
+from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
 from harness.metrics import metric
-from harness.procs import Engine, Router, cgn_infer_engines, cgn_kvcached, cgn_router
+from harness.procs import (
+    Engine,
+    Router,
+    cgn_infer_engines,
+    cgn_kvcached,
+    cgn_router,
+    llamacpp_server,
+)
 
 MODEL = "sim"
-PROMPT, OUTPUT, KILL_AT = 1000, 500, 30
+KILL_AT = 30
 VOCAB = 40000
 
 
@@ -83,32 +100,45 @@ class Fleet:
 
 
 @contextmanager
-def fleet(tmp: Path, speed: float, kvcached: bool, migration: int = 3) -> Iterator[Fleet]:
+def fleet(
+    tmp: Path, speed: float, kvcached: bool, migration: int = 3, engine: str = "sim"
+) -> Iterator[Fleet]:
     tmp.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         extra: tuple[str, ...] = ()
         if kvcached:
             extra = stack.enter_context(cgn_kvcached(tmp, ram_bytes=8 << 30)).engine_args
         ports = {f"e{i}": free_port() for i in range(3)}
-        engines = {}
+        engines: dict[str, Any] = {}
         for name, port in ports.items():
+            if engine == "llamacpp":  # NOTE: .proc is all the scenarios use of an engine
+                _, proc = stack.enter_context(llamacpp_server(
+                    smollm2(), threads=1, parallel=16, ctx=16 * 1024, port=port))  # fmt: skip
+                engines[name] = SimpleNamespace(proc=proc)
+                continue
             (engines[name],) = stack.enter_context(cgn_infer_engines(
                 tmp, 1, "--backend", "sim", "--speed", str(speed), "--model-name", MODEL,
                 "--max-batch", "64", "--kv-pool-tokens", "131072", "--ctx", "4096",
                 "--port", str(port), *extra))  # fmt: skip
-        endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL} for n, p in ports.items()}
+        kind = {"engine": engine} if engine == "llamacpp" else {}
+        endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, **kind}
+                     for n, p in ports.items()}  # fmt: skip
         config = {"discovery": "static", "endpoints": endpoints, "log": {"level": "warning"},
-                  "migration": {"limit": migration}, "breaker": {"failures": 1000}}  # fmt: skip
+                  "migration": {"limit": migration}, "breaker": {"failures": 1000},
+                  "models": {MODEL: {"tokenizer": str(smollm2())}} if kind else {}}  # fmt: skip
         yield Fleet(engines, stack.enter_context(cgn_router(tmp, config)), ports)
 
 
-def prompt(i: int) -> list[int]:
+def prompt(i: int, length: int) -> list[int]:
     rng = random.Random(i)
-    return [rng.randrange(100, VOCAB) for _ in range(PROMPT)]
+    return [rng.randrange(100, VOCAB) for _ in range(length)]
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, i: int, out: Stream) -> None:
-    body = {"model": MODEL, "prompt": prompt(i), "max_tokens": OUTPUT, "stream": True,
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, i: int, out: Stream, shape: tuple[int, int]
+) -> None:
+    length, output = shape
+    body = {"model": MODEL, "prompt": prompt(i, length), "max_tokens": output, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     started = time.monotonic()
     try:
@@ -138,17 +168,17 @@ async def one_stream(session: aiohttp.ClientSession, url: str, i: int, out: Stre
     finally:
         out.progress.set()
         out.seconds = time.monotonic() - started
-    if not out.failed and out.tokens < OUTPUT:
+    if not out.failed and out.tokens < output:
         out.failed = f"short: {out.tokens} tokens"
 
 
-async def run_streams(f: Fleet, n: int, end: str | None) -> list[Stream]:
+async def run_streams(f: Fleet, n: int, end: str | None, shape: tuple[int, int]) -> list[Stream]:
     """`n` streams through the router; with `end` ("kill" or "term"), one engine is ended once
     half of them have KILL_AT tokens."""
     streams = [Stream() for _ in range(n)]  # NOTE: made in the loop their events belong to
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
-        tasks = [asyncio.create_task(one_stream(s, f.router.url, i, st))
+        tasks = [asyncio.create_task(one_stream(s, f.router.url, i, st, shape))
                  for i, st in enumerate(streams)]  # fmt: skip
         if end is not None:
             # half the streams under way: the rest are still in their prefill queue, as in a
@@ -162,13 +192,13 @@ async def run_streams(f: Fleet, n: int, end: str | None) -> list[Stream]:
             for st in streams:  # (a stream still waiting for its first byte names none yet)
                 name = st.endpoint.rsplit("/", 1)[-1]
                 if name:
-                    counts[name] = counts.get(name, 0) + (not st.failed and st.tokens < OUTPUT)
+                    counts[name] = counts.get(name, 0) + (not st.failed and st.tokens < shape[1])
             victim = max(counts, key=lambda k: counts[k])
             os.killpg(
                 f.engines[victim].proc.pid, signal.SIGKILL if end == "kill" else signal.SIGTERM
             )
             for st in streams:  # the streams the end cut (not those that had finished)
-                cut = st.endpoint.endswith("/" + victim) and st.tokens < OUTPUT and not st.failed
+                cut = st.endpoint.endswith("/" + victim) and st.tokens < shape[1] and not st.failed
                 st.endpoint = "ended" if cut else st.endpoint
         await asyncio.gather(*tasks)
     return streams
@@ -181,8 +211,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def scenario(tmp: Path, name: str, args: argparse.Namespace, reference: list[Stream], *,
              kvcached: bool, end: str, migration: int = 3) -> dict[str, Any]:  # fmt: skip
-    with fleet(tmp / name, args.speed, kvcached, migration) as f:
-        streams = asyncio.run(run_streams(f, args.streams, end))
+    with fleet(tmp / name, args.speed, kvcached, migration, args.engine) as f:
+        streams = asyncio.run(run_streams(f, args.streams, end, (args.prompt, args.output)))
         moved = metric(f.router.admin, "cgn_router_migrations_total", result="continued")
     ended = [s for s in streams if s.endpoint == "ended"]
     gaps = [s.max_gap_s for s in ended]
@@ -233,7 +263,7 @@ def overhead(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"req_s_migration_on": on, "req_s_migration_off": off_rate, "ratio": on / off_rate}
 
 
-def table(rows: list[dict[str, Any]], cost: dict[str, Any]) -> str:
+def table(rows: list[dict[str, Any]], cost: dict[str, Any] | None) -> str:
     out = ["| scenario | streams the end cut | failed | continued | identical to undisturbed "
            "| longest gap p50 / p99 (ended engine's streams) | p99 (all) |",
            "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -242,6 +272,8 @@ def table(rows: list[dict[str, Any]], cost: dict[str, Any]) -> str:
                    f"| {r['continued']} | {r['identical']} of {r['streams']} "
                    f"| {r['gap_ended_p50_s'] * 1000:.0f} / {r['gap_ended_p99_s'] * 1000:.0f} ms "
                    f"| {r['gap_all_p99_s'] * 1000:.0f} ms |")  # fmt: skip
+    if cost is None:
+        return "\n".join(out)
     out += ["", f"Cost when nothing fails (short streams, c={cost['streams']}): "
             f"{cost['req_s_migration_on']:.0f} req/s with migration on, "
             f"{cost['req_s_migration_off']:.0f} off: ratio {cost['ratio']:.3f}."]  # fmt: skip
@@ -254,16 +286,35 @@ def main() -> None:
     ap.add_argument("--speed", type=float, default=20.0, help="sim speed (x the modelled engine)")
     ap.add_argument("--seconds", type=float, default=6.0, help="per round of the cost check")
     ap.add_argument("--cost-only", action="store_true", help="only the cost check (printed)")
+    ap.add_argument("--engine", choices=("sim", "llamacpp"), default="sim")
+    ap.add_argument("--prompt", type=int, default=0, help="prompt tokens (sim 1000, llamacpp 200)")
+    ap.add_argument("--output", type=int, default=0, help="output tokens (sim 500, llamacpp 64)")
     args = ap.parse_args()
+    llama = args.engine == "llamacpp"
+    args.prompt = args.prompt or (200 if llama else 1000)
+    args.output = args.output or (64 if llama else 500)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.cost_only:
             print(overhead(tmp, args))
             return
-        with fleet(tmp / "reference", args.speed, kvcached=False) as f:
-            reference = asyncio.run(run_streams(f, args.streams, None))
+        with fleet(tmp / "reference", args.speed, kvcached=False, engine=args.engine) as f:
+            reference = asyncio.run(run_streams(f, args.streams, None, (args.prompt, args.output)))
         assert not any(s.failed for s in reference), [s.failed for s in reference]
         took = pct([s.seconds for s in reference], 0.5)
+        if llama:
+            rows = [
+                scenario(tmp, "kill -9", args, reference, kvcached=False, end="kill"),
+                scenario(tmp, "SIGTERM", args, reference, kvcached=False, end="term"),
+                scenario(tmp, "kill -9, migration off", args, reference, kvcached=False,
+                         end="kill", migration=0),
+            ]  # fmt: skip
+            command = "python -m bench.migration " + " ".join(sys.argv[1:])
+            text = table(rows, None) + f"\n\nAn undisturbed stream took {took:.1f} s (median)."
+            data = {"scenarios": rows, "stream_s_p50": took}
+            write_result("migration_llamacpp", command.strip(), data, text)
+            print(text)
+            return
         rows = [
             scenario(tmp, "kill -9, restored from kvcached", args, reference, kvcached=True,
                      end="kill"),

@@ -27,10 +27,10 @@ from cgn_router.settings import RouterSettings
 from cgn_router.trace import RequestTrace
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
 
-# Engines that continue another engine's stream from token ids (cgn_core/openai/resume.py).
-# vLLM, SGLang and llama.cpp take token-id prompts, but not the rest of a continuation (the
-# response id, the detokenizer's, parser's and grammar's state): their streams are not moved.
-RESUMABLE_ENGINES = frozenset({"cgn-infer"})  # name the ids they stream, take cgn_resume
+# Engines that continue another engine's stream from token ids (cgn_core/openai/resume.py):
+# they name the ids they stream and take `cgn_resume` (the response id, the detokenizer's,
+# parsers' and grammar's state advanced too).
+RESUMABLE_ENGINES = frozenset({"cgn-infer"})
 # stream text only, take a prompt of token ids: continued from their text, re-tokenized with
 # the model's tokenizer where the router has it (cgn_core/openai/continuation.py)
 TEXT_RESUMABLE_ENGINES = frozenset({"llamacpp"})
