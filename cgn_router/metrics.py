@@ -181,9 +181,11 @@ class RouterMetrics:
         )
         self.migrations = counter(
             "cgn_router_migrations",
-            "Streams broken mid-answer, by cause and what became of them: continued on another "
-            "replica, a continuation that failed to start, or not continued (ended).",
+            "Streams broken mid-answer, by the engine they came from, cause and what became of "
+            "them: continued on another replica, a continuation that failed to start, or not "
+            "continued (ended).",
             "model",
+            "engine",
             "cause",
             "result",
         )
@@ -353,7 +355,7 @@ class MetricsObserver:
             Hashed: lambda r: m.hashed.labels(r.model, r.method).inc(),
             Retried: lambda r: m.retries.labels(r.model).inc(),
             Fallback: lambda r: m.fallbacks.labels(r.model, r.served).inc(),
-            Migrated: lambda r: m.migrations.labels(r.model, r.cause, r.result).inc(),
+            Migrated: lambda r: m.migrations.labels(r.model, r.engine, r.cause, r.result).inc(),
             PdDecided: lambda r: m.pd_decisions.labels(r.model, r.reason).inc(),
             PdFallback: lambda r: m.pd_fallbacks.labels(r.reason).inc(),
         }

@@ -59,7 +59,7 @@ async def migrate(
         if not why and view is None:
             why = f"no other replica of {req.model} can continue it"
         if why or view is None:
-            acct.emit(Migrated(req.model, relayed.cause, "not_continued"))
+            acct.emit(Migrated(req.model, relayed.cause, "not_continued", broken.engine))
             log.warning("a stream of %s broke (%s), not continued: %s", req.model, broken.why, why)
             return await svc.proxy.end(relayed, why)
         tries += 1
@@ -80,9 +80,9 @@ async def migrate(
             )  # fmt: skip
         except AttemptFailed as exc:  # the continuation did not start: another may
             log.info("continuation failed: %s", exc.message)
-            acct.emit(Migrated(req.model, relayed.cause, "failed"))
+            acct.emit(Migrated(req.model, relayed.cause, "failed", broken.engine))
             continue
-        acct.emit(Migrated(req.model, relayed.cause, "continued"))
+        acct.emit(Migrated(req.model, relayed.cause, "continued", broken.engine))
         relayed = after
     return relayed
 

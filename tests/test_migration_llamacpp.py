@@ -249,7 +249,8 @@ def test_a_stream_survives_its_llamacpp_server_killed_mid_answer(
 ) -> None:
     whole = stream(fleet.url("a"), body, path=path)  # undisturbed, straight from a server
     assert not whole.errors and whole.usage is not None and len(whole.text) > 20
-    continued = metric(fleet.router.admin, "cgn_router_migrations_total", result="continued")
+    counted = {"result": "continued", "engine": "llamacpp"}
+    continued = metric(fleet.router.admin, "cgn_router_migrations_total", **counted)
     cut, killed = killing(fleet, body, path, 0.4, whole)
     assert killed, "the answer ended before the kill point"
     assert not cut.errors, cut.errors
@@ -258,7 +259,7 @@ def test_a_stream_survives_its_llamacpp_server_killed_mid_answer(
     assert cut.usage is not None
     got = (cut.usage["prompt_tokens"], cut.usage["completion_tokens"])
     assert got == (whole.usage["prompt_tokens"], whole.usage["completion_tokens"])
-    assert metric(fleet.router.admin, "cgn_router_migrations_total", result="continued") > continued
+    assert metric(fleet.router.admin, "cgn_router_migrations_total", **counted) > continued
 
 
 def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fleet) -> None:

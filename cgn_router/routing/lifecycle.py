@@ -108,6 +108,7 @@ class Migrated(NamedTuple):
     model: str
     cause: str
     result: str  # continued | failed | not_continued
+    engine: str = ""  # the engine the broken stream came from (cgn-infer, llamacpp, ...)
 
 
 class Unrouted(NamedTuple):
