@@ -1,9 +1,9 @@
 """Request migration: a stream that broke mid-answer continues on another replica of the same
 model and engine kind, from the token ids the client has the text of, at most the model's
 migration limit in all; or it ends, saying why not. cgn-infer names the ids it streams and
-takes them back (cgn_core/openai/resume.py); llama.cpp streams text only: its text is
-re-tokenized and continued as a `/v1/completions` of token ids, rewritten as the client's
-stream (cgn_core/openai/continuation.py)."""
+takes them back (cgn_core/openai/resume.py); vLLM names them when asked and llama.cpp
+streams text only (re-tokenized): both are continued as a `/v1/completions` of token ids,
+rewritten as the client's stream (cgn_core/openai/continuation.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cgn_core.openai import continuation
 from cgn_core.openai.continuation import Rewriter
 from cgn_router.context import RequestContext
 from cgn_router.legs import attempt, route
-from cgn_router.proxy import AttemptFailed, Progress, Relayed
+from cgn_router.proxy import RETURN_IDS_ENGINES, AttemptFailed, Progress, Relayed
 from cgn_router.routing.lifecycle import Account, Migrated
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, RequestInfo
@@ -98,14 +98,18 @@ def _from_text(
     if broken.overflowed or broken.events is None:
         raise ValueError("the answer is too long to continue from its text")
     codec = svc.catalog.hasher(req.model).codec
-    if codec is None:
-        raise ValueError("the router has no tokenizer for this model")
     so_far = continuation.answer_so_far(broken.events, ctx.kind)
-    ids, prompt = continuation.continuation_ids(
-        codec, codec.tokenizer, ctx.kind, ctx.body, so_far.text
-    )
+    if so_far.ids is not None:  # the engine named them (vLLM): checked where it can be
+        ids, prompt = continuation.streamed_ids(so_far, codec.tokenizer if codec else None)
+    elif codec is None:
+        raise ValueError("the router has no tokenizer for this model")
+    else:
+        ids, prompt = continuation.continuation_ids(
+            codec, codec.tokenizer, ctx.kind, ctx.body, so_far.text
+        )
     generated = len(ids) - prompt
-    body = continuation.continuation_body(ctx.body, req.model, ids, generated)
+    named = broken.engine in RETURN_IDS_ENGINES
+    body = continuation.continuation_body(ctx.body, req.model, ids, generated, named)
     rewriter = Rewriter(ctx.kind, so_far, req.model, prompt, generated)
     return json.dumps(body).encode(), rewriter, generated, len(ids)
 

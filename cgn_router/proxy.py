@@ -210,9 +210,13 @@ class Deadline:
 # Engines that take a request's KV salt in its body (`cache_salt`: vLLM since 0.9, SGLang);
 # cgn-infer takes the header. llama.cpp, MLX and TensorRT-LLM take none: one cache for all.
 BODY_SALT_ENGINES = frozenset({"vllm", "sglang"})
+# Engines asked to name a tracked stream's token ids in its chunks (vLLM's
+# `return_token_ids`): a break continues from them (cgn_core/openai/continuation.py)
+RETURN_IDS_ENGINES = frozenset({"vllm"})
+RETURN_IDS_FIELD = "return_token_ids"
 
 
-def _with_field(payload: bytes, name: str, value: str) -> bytes:
+def _with_field(payload: bytes, name: str, value: Any) -> bytes:
     """The JSON body `payload` with `name` set (the router parsed it: it is an object)."""
     body = json.loads(payload)
     body[name] = value
@@ -246,6 +250,8 @@ class Proxy:
                 payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
         if call.track:
             headers[resume.IDS_HEADER] = "1"
+            if ep.engine in RETURN_IDS_ENGINES:
+                payload = _with_field(payload, RETURN_IDS_FIELD, True)
         if call.trace_headers:
             headers.update(call.trace_headers)
         return self.upstream.post(ep.url, call.path, payload, headers, self.deadlines.connect_s)

@@ -34,6 +34,9 @@ RESUMABLE_ENGINES = frozenset({"cgn-infer"})
 # stream text only, take a prompt of token ids: continued from their text, re-tokenized with
 # the model's tokenizer where the router has it (cgn_core/openai/continuation.py)
 TEXT_RESUMABLE_ENGINES = frozenset({"llamacpp"})
+# name their ids when asked (vLLM's return_token_ids, proxy.RETURN_IDS_ENGINES), take a
+# prompt of token ids: continued from those ids, no tokenizer needed
+IDS_RESUMABLE_ENGINES = frozenset({"vllm"})
 
 # A model with more endpoints than SHORT_LIST is scored over a short list of them: the
 # SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
@@ -122,7 +125,7 @@ class RouterService:
         """Whether a stream to `endpoint` is tracked so that another engine may continue it."""
         if self.migration_limit(endpoint.model) <= 0:
             return False
-        if endpoint.engine in RESUMABLE_ENGINES:
+        if endpoint.engine in RESUMABLE_ENGINES or endpoint.engine in IDS_RESUMABLE_ENGINES:
             return True
         return (
             endpoint.engine in TEXT_RESUMABLE_ENGINES
@@ -130,8 +133,9 @@ class RouterService:
         )
 
     def text_resumed(self, endpoint: Endpoint) -> bool:
-        """Whether a tracked stream to `endpoint` is continued from its text (it names no ids)."""
-        return endpoint.engine in TEXT_RESUMABLE_ENGINES
+        """Whether a tracked stream to `endpoint` is continued as a `/v1/completions` of its
+        ids (read from its events, or its text re-tokenized), not by `cgn_resume`."""
+        return endpoint.engine in TEXT_RESUMABLE_ENGINES or endpoint.engine in IDS_RESUMABLE_ENGINES
 
     def cannot_resume(self, model: str, engine: str = "cgn-infer") -> set[EndpointId]:
         """The endpoints of `model` that cannot take a continuation of a stream from `engine`:

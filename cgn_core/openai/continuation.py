@@ -71,11 +71,17 @@ class SoFar:
     text: str
     response_id: str
     created: int
+    # what an engine that streams ids (vLLM's `return_token_ids`) named: the prompt's and
+    # the answer's; None where any text came without them
+    prompt_ids: tuple[int, ...] | None = None
+    ids: tuple[int, ...] | None = None
 
 
 def answer_so_far(events: Sequence[bytes], kind: str) -> SoFar:
     """What a stream sent (its `data:` events, as relayed); ValueError when it cannot say."""
     text, rid, created = [], None, None
+    prompt_ids: tuple[int, ...] | None = None
+    ids: list[int] | None = []
     for event in events:
         if not event.startswith(b"data: {"):
             continue
@@ -84,9 +90,16 @@ def answer_so_far(events: Sequence[bytes], kind: str) -> SoFar:
             raise ValueError("an event is not a JSON object")
         if rid is None:
             rid, created = chunk.get("id"), chunk.get("created")
+        if prompt_ids is None and "prompt_token_ids" in chunk:  # vLLM's chat: top level
+            prompt_ids = _ids(chunk["prompt_token_ids"])
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 raise ValueError("several choices")
+            if prompt_ids is None and "prompt_token_ids" in choice:  # its completions
+                prompt_ids = _ids(choice["prompt_token_ids"])
+            named = choice.get("token_ids")
+            if named is not None and ids is not None:
+                ids += _ids(named)
             if kind == "chat":
                 delta = choice.get("delta") or {}
                 if not isinstance(delta, dict) or delta.get("tool_calls"):
@@ -96,10 +109,33 @@ def answer_so_far(events: Sequence[bytes], kind: str) -> SoFar:
                 piece = choice.get("text")
             if piece is not None and not isinstance(piece, str):
                 raise ValueError("a chunk's text is not a string")
+            if piece and named is None:
+                ids = None  # text without its ids: they are not all known
             text.append(piece or "")
     if not isinstance(rid, str) or type(created) is not int:
         raise ValueError("the stream named no response id")
-    return SoFar("".join(text), rid, created)
+    named_all = tuple(ids) if ids is not None and prompt_ids is not None else None
+    return SoFar("".join(text), rid, created, prompt_ids if named_all is not None else None,
+                 named_all)  # fmt: skip
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 1 << 20:
+        raise ValueError("token ids are not a list")
+    if not all(type(t) is int and 0 <= t < 1 << 31 for t in value):
+        raise ValueError("a token id is not one")
+    return tuple(value)
+
+
+def streamed_ids(so_far: SoFar, tokenizer: Tokenizer | None) -> tuple[list[int], int]:
+    """(the prompt's ids followed by the answer's, the prompt's length) as the engine named
+    them; ValueError when they are not all named, or when the tokenizer (where the router
+    has one) decodes the answer's to other text than the stream sent."""
+    if so_far.prompt_ids is None or so_far.ids is None:
+        raise ValueError("the stream did not name every token id")
+    if tokenizer is not None and tokenizer.decode(so_far.ids) != so_far.text:
+        raise ValueError("the engine's token ids do not match the text it streamed")
+    return [*so_far.prompt_ids, *so_far.ids], len(so_far.prompt_ids)
 
 
 def continuation_ids(
@@ -122,12 +158,16 @@ def continuation_ids(
 
 
 def continuation_body(
-    body: Mapping[str, Any], served: str, ids: Sequence[int], generated: int
-) -> dict[str, Any]:
-    """The `/v1/completions` request that continues an answer of `generated` tokens."""
+    body: Mapping[str, Any], served: str, ids: Sequence[int], generated: int,
+    return_ids: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The `/v1/completions` request that continues an answer of `generated` tokens
+    (`return_ids`: asking the engine to name its ids, vLLM's `return_token_ids`)."""
     out: dict[str, Any] = {k: body[k] for k in CARRIED if k in body}
     out |= {"model": served, "prompt": list(ids), "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    if return_ids:
+        out["return_token_ids"] = True
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if type(limit) is int:
         out["max_tokens"] = max(1, limit - generated)
@@ -177,8 +217,12 @@ class Rewriter:
         finish = choice.get("finish_reason")
         finish = finish if isinstance(finish, str) else None
         if self.kind == "chat":
-            return {"index": 0, "delta": {"content": text}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        else:
+            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if isinstance(named := choice.get("token_ids"), list):  # kept: it may break again
+            out["token_ids"] = named
+        return out
 
 
 def _event(chunk: Mapping[str, Any]) -> bytes:

@@ -1,5 +1,6 @@
-"""Migration for an engine that streams text only (#59, cgn_core/openai/continuation.py):
-llama.cpp's server (xllamacpp, real) behind the router.
+"""Migration from engines other than cgn-infer (#59, cgn_core/openai/continuation.py):
+llama.cpp's server (xllamacpp, real), which streams text only, and vLLM's token-id fields
+(a stand-in that speaks them, harness/vllm_stub.py), behind the router.
 
 Two llama.cpp servers on SmolLM2; one SIGKILLed while it streams a greedy answer: the
 client's stream is the undisturbed answer (the same text from another run of it, one
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -29,8 +31,9 @@ import pytest
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
 from cgn_core.openai import continuation as cont
+from harness import vllm_stub
 from harness.metrics import metric
-from harness.procs import Router, cgn_router, llamacpp_server
+from harness.procs import Router, cgn_router, llamacpp_server, stop, wait_http_ok
 
 MODEL = "smol"
 NAMES = ("a", "b")
@@ -64,6 +67,37 @@ def test_the_answer_so_far_is_read_from_the_events_and_refused_where_it_cannot_b
     for why, evs in bad.items():
         with pytest.raises(ValueError, match=why):
             cont.answer_so_far(evs, "chat")
+
+
+def test_ids_an_engine_named_are_used_and_checked_against_its_text() -> None:
+    """vLLM's `return_token_ids`: the prompt's ids on the first chunk (top level for chat,
+    on the choice for a completion) and each chunk's own; any text without them, and the
+    stream is not continued from ids; ids that decode to other text are refused."""
+    first = chunk(delta={"role": "assistant", "content": ""})
+    first = first.replace(b'"choices"', b'"prompt_token_ids": [1, 2, 3], "choices"')
+    events = [first, chunk(delta={"content": "Hi"}, token_ids=[7]),
+              chunk(delta={"content": " there"}, token_ids=[8, 9])]  # fmt: skip
+    got = cont.answer_so_far(events, "chat")
+    assert (got.prompt_ids, got.ids) == ((1, 2, 3), (7, 8, 9))
+    assert cont.streamed_ids(got, None) == ([1, 2, 3, 7, 8, 9], 3)
+    unnamed = cont.answer_so_far([*events, chunk(delta={"content": "!"})], "chat")
+    assert unnamed.ids is None and unnamed.text == "Hi there!"
+    completion = [chunk(text="Once", token_ids=[5], prompt_token_ids=[4])]
+    assert cont.answer_so_far(completion, "completion").prompt_ids == (4,)
+
+    class Words:
+        def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+            return []
+
+        def decode(self, ids: Any) -> str:
+            return "Hi there" if list(ids) == [7, 8, 9] else "something else"
+
+    assert cont.streamed_ids(got, Words())[1] == 3
+    lying = cont.SoFar("Hi there", "x", 1, (1,), (7, 8, 10))
+    with pytest.raises(ValueError, match="do not match the text"):
+        cont.streamed_ids(lying, Words())
+    with pytest.raises(ValueError, match="not a list"):
+        cont.answer_so_far([chunk(delta={"content": "x"}, token_ids="7")], "chat")
 
 
 @pytest.mark.parametrize(
@@ -271,3 +305,89 @@ def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fl
         "(not continued: a seeded sampled answer cannot take up its random stream"
         in (cut.errors[0]["message"])
     )
+
+
+# ---- vLLM: its token-id fields, against a stand-in that speaks them (harness/vllm_stub.py) ----
+
+
+@dataclass
+class Stubs:
+    ports: dict[str, int]
+    router: Router
+    stacks: dict[str, ExitStack] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str) -> None:
+        stack = ExitStack()
+        argv = [sys.executable, "-m", "harness.vllm_stub", "--port", str(self.ports[name])]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+        stack.callback(stop, proc)
+        wait_http_ok(f"http://127.0.0.1:{self.ports[name]}/health", proc, timeout_s=60)
+        self.procs[name], self.stacks[name] = proc, stack
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.stacks.pop(name).close()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stubs]:
+    tmp = tmp_path_factory.mktemp("migration-vllm")
+    ports = {n: free_port() for n in NAMES}
+    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": "vllm"}
+                 for n, p in ports.items()}  # fmt: skip
+    config = {"discovery": "static", "endpoints": endpoints, "deadlines": {"idle_s": 10.0},
+              "breaker": {"failures": 100}}  # no tokenizer: vLLM names its ids  # fmt: skip
+    with cgn_router(tmp, config) as router:
+        s = Stubs(ports, router)
+        try:
+            for name in NAMES:
+                s.start(name)
+            yield s
+        finally:
+            for stack in s.stacks.values():
+                stack.close()
+
+
+def test_a_vllm_stream_continues_from_the_ids_it_named(stubs: Stubs) -> None:
+    """The router asks vLLM to name its ids (`return_token_ids`); when the server dies, the
+    other one gets exactly the continuation vLLM's API takes: a `/v1/completions` of the
+    prompt's ids and the answer's, the rest of `max_tokens`, the same sampling, streamed
+    with usage and ids; the client sees the undisturbed answer."""
+    body = {**CHAT, "max_tokens": 30}
+    whole = stream(stubs.url("a"), body)
+    assert not whole.errors and len(whole.text) > 20
+    killed: list[str] = []
+    counted = {"result": "continued", "engine": "vllm"}
+    before = metric(stubs.router.admin, "cgn_router_migrations_total", **counted)
+
+    def kill(answer: Answer) -> None:
+        if not killed and len(answer.text) >= 0.4 * len(whole.text):
+            killed.append(answer.endpoint.rsplit("/", 1)[-1])
+            stubs.kill(killed[0])
+
+    try:
+        cut = stream(stubs.router.url, body, kill)
+    finally:
+        for name in killed:
+            stubs.start(name)
+    assert killed and not cut.errors, cut.errors
+    assert cut.text == whole.text and cut.finish == "length" and len(cut.ids) == 1
+    assert cut.usage is not None and cut.usage["completion_tokens"] == 30
+    assert metric(stubs.router.admin, "cgn_router_migrations_total", **counted) > before
+    other = next(n for n in NAMES if n != killed[0])
+    sent = httpx.get(stubs.url(other) + "/requests", timeout=10).json()[-1]
+    prompt = vllm_stub.template(body["messages"])
+    generated = len(cut.text.split())  # one word per id
+    done_before = 30 - sent["max_tokens"]
+    assert sent == {
+        "temperature": 0, "ignore_eos": True, "model": MODEL, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "prompt": sent["prompt"], "max_tokens": sent["max_tokens"],
+    }  # fmt: skip
+    assert sent["prompt"][: len(prompt)] == prompt and 0 < done_before < generated
+    assert len(sent["prompt"]) == len(prompt) + done_before
