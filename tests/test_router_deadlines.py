@@ -113,8 +113,10 @@ def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
             threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
-            for e in engines:  # each engine runs one stream and queues the others
-                until(f"{e.url} busy", lambda e=e: metric(e.url, "vllm:num_requests_running"))
+            # each engine runs a stream (and queues others): both at once, not one after the
+            # other (a short stream on the less loaded one may end before it is looked at)
+            until("both engines busy", lambda: all(
+                metric(e.url, "vllm:num_requests_running") for e in engines))  # fmt: skip
             os.kill(engines[0].proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:
