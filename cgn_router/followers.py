@@ -99,7 +99,8 @@ class EtcdFollowers:
 
     def endpoints_list(self, kvs: list[KeyValue]) -> None:
         parsed = [ep for kv in kvs if (ep := self._endpoint(kv)) is not None]
-        self.svc.registry.replace_source("etcd", parsed)
+        for gone in self.svc.registry.replace_source("etcd", parsed):
+            self.svc.proxy.withdraw(gone)
         self.on_endpoints(None)
 
     def endpoints_event(self, ev: WatchEvent) -> None:
@@ -110,6 +111,9 @@ class EtcdFollowers:
         if ev.kind == "delete":
             if eid is not None:
                 self.svc.registry.remove(eid)
+                # NOTE: its engine is being drained or stopped: a tracked stream still on it
+                # moves once it goes quiet (Proxy.withdraw), not after deadlines.idle_s
+                self.svc.proxy.withdraw(eid)
         elif (ep := self._endpoint(ev.kv)) is not None:
             self.svc.registry.upsert(ep, "etcd")
         if eid is not None:

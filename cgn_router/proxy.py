@@ -114,6 +114,7 @@ class Progress:
     # when it does
     events: list[bytes] | None = None
     overflowed: bool = False  # more events than continuation.MAX_EVENTS: not continued
+    watch: Watch | None = None  # its current leg's, while it streams (Proxy.withdraw)
 
     def token_ids(self) -> list[int]:
         """ValueError for a malformed line (nothing from the network is trusted)."""
@@ -127,6 +128,15 @@ class Progress:
         if not isinstance(rid, str) or type(created) is not int:
             raise ValueError("the stream named no response id")
         return resume.Resume(tuple(self.token_ids()), rid, created).to_json()
+
+
+@dataclass(slots=True, eq=False)
+class Watch:
+    """A tracked stream's wait for its next event on one endpoint."""
+
+    eid: str
+    withdrawn: bool = False  # its endpoint is gone: a short silence moves it
+    timeout: asyncio.Timeout | None = None  # the wait now, if it is waiting
 
 
 Ending = Literal["ok", "client_error", "client_disconnected", "upstream_error"]
@@ -207,6 +217,10 @@ class Deadline:
             raise AttemptFailed(cause, f"{eid}: {_describe(exc)}") from None
 
 
+# A tracked stream on a withdrawn endpoint that writes nothing for this long moves (Proxy.
+# withdraw): an engine being stopped after its drain may hold its connections silently.
+WITHDRAWN_IDLE_S = 2.0
+
 # Engines that take a request's KV salt in its body (`cache_salt`: vLLM since 0.9, SGLang);
 # cgn-infer takes the header. llama.cpp, MLX and TensorRT-LLM take none: one cache for all.
 BODY_SALT_ENGINES = frozenset({"vllm", "sglang"})
@@ -231,6 +245,7 @@ class Proxy:
         self.upstream = upstream
         self.deadlines = deadlines
         self.waits = FirstWaits()
+        self.watches: dict[str, set[Watch]] = {}  # endpoint -> its tracked streams (withdraw)
 
     def _post(self, call: Call) -> Awaitable[Response]:
         ep = call.endpoint
@@ -359,45 +374,94 @@ class Proxy:
                 progress = Progress(out, engine=call.endpoint.engine, events=kept)
         translate = call.translate
         lease.first_byte(time.monotonic())
-        idle, usage = self.deadlines.idle_s, None
-        pending: bytes | None = event
-        while pending is not None:
-            batch = []  # the events already here go out in one write (one syscall, not one each)
-            failed = ""
+        try:
+            idle, usage = self.deadlines.idle_s, None
+            pending: bytes | None = event
             while pending is not None:
-                for event in (pending,) if translate is None else translate(pending):
-                    if progress is not None:
-                        event, failed = _track(progress, event)
-                        if failed:
-                            break
-                    got = _usage_chunk(event)
-                    usage = got or usage
-                    if got is None or not call.strip_usage:
-                        batch.append(event)
-                if failed:
-                    break
-                pending = await _next_event(resp) if resp.event_buffered() else None
-            try:
-                if batch:  # NOTE: never an empty write: in a chunked body it would end the stream
-                    await out.write(b"".join(batch))
-            except ConnectionResetError:  # the client left: closing upstream stops the engine
-                return Relayed(out, "client_disconnected", usage)
-            if failed:  # an error event from the engine, in place of the rest of the answer
-                return await self._broken(out, progress, usage, "engine_error", f"{eid}: {failed}")
-            try:
-                async with asyncio.timeout_at(min(total_at, loop.time() + idle)):
-                    pending = await _next_event(resp)
-            except TimeoutError:
-                cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
-                if cause == "idle_timeout" and (moved := self.waits.stall(eid)):
-                    log.warning("%s stalled: %d request(s) waiting on it move", eid, moved)
-                msg = f"{eid}: the stream stalled ({cause})"
-                return await self._broken(out, progress, usage, cause, msg)
-            except UpstreamError as exc:
-                msg = f"{eid}: the engine disconnected mid-stream ({_describe(exc)})"
-                return await self._broken(out, progress, usage, "disconnect_mid_stream", msg)
-        await out.write_eof()
-        return Relayed(out, "ok", usage)
+                batch = []  # the events already here go out in one write (one syscall each)
+                failed = ""
+                while pending is not None:
+                    for event in (pending,) if translate is None else translate(pending):
+                        if progress is not None:
+                            event, failed = _track(progress, event)
+                            if failed:
+                                break
+                        got = _usage_chunk(event)
+                        usage = got or usage
+                        if got is None or not call.strip_usage:
+                            batch.append(event)
+                    if failed:
+                        break
+                    pending = await _next_event(resp) if resp.event_buffered() else None
+                try:
+                    # NOTE: never an empty write: in a chunked body it would end the stream
+                    if batch:
+                        await out.write(b"".join(batch))
+                except ConnectionResetError:  # the client left: closing upstream stops the engine
+                    return Relayed(out, "client_disconnected", usage)
+                if failed:  # an error event from the engine, in place of the rest of the answer
+                    return await self._broken(
+                        out, progress, usage, "engine_error", f"{eid}: {failed}"
+                    )
+                try:
+                    watch = self._watch(eid, progress)
+                    quiet = WITHDRAWN_IDLE_S if watch is not None and watch.withdrawn else idle
+                    async with asyncio.timeout_at(min(total_at, loop.time() + quiet)) as timeout:
+                        if watch is not None:
+                            watch.timeout = timeout
+                        pending = await _next_event(resp)
+                except TimeoutError:
+                    cause = "total_timeout" if loop.time() >= total_at else "idle_timeout"
+                    if cause == "idle_timeout" and watch is not None and watch.withdrawn:
+                        cause = "withdrawn"
+                        msg = f"{eid}: its endpoint was withdrawn and the stream went quiet"
+                        return await self._broken(out, progress, usage, cause, msg)
+                    if cause == "idle_timeout" and (moved := self.waits.stall(eid)):
+                        log.warning("%s stalled: %d request(s) waiting on it move", eid, moved)
+                    msg = f"{eid}: the stream stalled ({cause})"
+                    return await self._broken(out, progress, usage, cause, msg)
+                except UpstreamError as exc:
+                    msg = f"{eid}: the engine disconnected mid-stream ({_describe(exc)})"
+                    return await self._broken(out, progress, usage, "disconnect_mid_stream", msg)
+                finally:
+                    if watch is not None:
+                        watch.timeout = None
+            await out.write_eof()
+            return Relayed(out, "ok", usage)
+        finally:
+            self._unwatch(progress)
+
+    def _watch(self, eid: str, progress: Progress | None) -> Watch | None:
+        """A tracked stream's watch on `eid` (made on its first wait): `withdraw` finds it."""
+        if progress is None:
+            return None
+        if progress.watch is None or progress.watch.eid != eid:
+            progress.watch = Watch(eid)
+            self.watches.setdefault(eid, set()).add(progress.watch)
+        return progress.watch
+
+    def _unwatch(self, progress: Progress | None) -> None:
+        """A tracked stream's leg ended: its watch goes."""
+        watch = progress.watch if progress is not None else None
+        if watch is not None:
+            progress.watch = None  # type: ignore[union-attr]
+            left = self.watches.get(watch.eid)
+            if left is not None:
+                left.discard(watch)
+                if not left:
+                    del self.watches[watch.eid]
+
+    def withdraw(self, eid: str) -> int:
+        """`eid`'s endpoint is gone (drained, its engine stopping): its tracked streams move
+        once they go quiet for WITHDRAWN_IDLE_S, not `deadlines.idle_s` (an engine told to
+        stop may keep its connections open and write nothing); how many it has."""
+        watches = self.watches.pop(eid, set())
+        now = asyncio.get_running_loop().time()
+        for watch in watches:
+            watch.withdrawn = True
+            if watch.timeout is not None and watch.timeout.when() is not None:
+                watch.timeout.reschedule(min(watch.timeout.when() or now, now + WITHDRAWN_IDLE_S))
+        return len(watches)
 
     async def _broken(
         self,

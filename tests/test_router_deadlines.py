@@ -128,3 +128,74 @@ def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
             assert len(done) == 6 and max(done) <= still_stopped
             assert max(done) - stopped < 30  # the stall itself would never end
             assert metric(router.admin, "cgn_router_errors_total", cause="stalled") >= 1
+
+
+@pytest.mark.etcd
+def test_a_stream_on_a_withdrawn_endpoint_moves_once_it_goes_quiet(etcd_server: Any) -> None:
+    """#59: an engine being stopped after its drain may keep its connections open and write
+    nothing (llama.cpp's server on SIGTERM). Once its endpoint record is gone, a tracked
+    stream on it that goes quiet moves after WITHDRAWN_IDLE_S, not after `deadlines.idle_s`
+    (60 s here), and its client gets the undisturbed answer."""
+    import os
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from cgn_router.proxy import WITHDRAWN_IDLE_S
+    from harness.metrics import metric
+    from harness.poll import until
+    from harness.procs import cgn_infer_engines, etcd_put, etcd_run
+
+    tmp = Path(tempfile.mkdtemp(prefix="withdrawn-"))
+    model = f"sim{os.getpid()}"
+    sim = ("--backend", "sim", "--speed", "2", "--model-name", model)
+    body = {"model": model, "prompt": "story", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+
+    def text_of(url: str, on_text: Any = None) -> tuple[str, list[Any]]:
+        text, errors = "", []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            where = resp.headers.get("x-cognitora-endpoint", "")
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    errors += [chunk["error"]] if "error" in chunk else []
+                    text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                    if on_text is not None and text:
+                        on_text(where, text)
+        return text, errors
+
+    with cgn_infer_engines(tmp, 2, *sim) as engines:
+        keys = {f"/cognitora/endpoints/{model}/e{i}": e for i, e in enumerate(engines)}
+        for key, e in keys.items():
+            etcd_put(etcd_server.endpoint, key, {"url": e.url, "engine": "cgn-infer"})
+        config = {"etcd": {"endpoints": [etcd_server.endpoint]}, "reconciler": {"enabled": False},
+                  "deadlines": {"idle_s": 60.0}, "breaker": {"failures": 100}}  # fmt: skip
+        with cgn_router(tmp, config) as router:
+            until("both endpoints", lambda: len(json.loads(urllib.request.urlopen(
+                router.admin + "/endpoints", timeout=5).read())) >= 2)  # fmt: skip
+            whole, _ = text_of(engines[0].url)
+            stopped: list[Any] = []
+
+            def stop_and_withdraw(where: str, text: str) -> None:
+                if not stopped and len(text) >= len(whole) // 3:
+                    i = int(where.rsplit("/e", 1)[-1])
+                    os.kill(engines[i].proc.pid, signal.SIGSTOP)  # silent, connections open
+                    stopped.append((engines[i], time.monotonic()))
+                    etcd_run(etcd_server.endpoint, lambda c: c.delete(
+                        f"/cognitora/endpoints/{model}/e{i}"))  # fmt: skip
+
+            try:
+                cut, errors = text_of(router.url, stop_and_withdraw)
+                took = time.monotonic() - stopped[0][1]
+            finally:
+                for engine, _ in stopped:
+                    os.kill(engine.proc.pid, signal.SIGCONT)
+            assert stopped and not errors, errors
+            assert cut == whole
+            assert WITHDRAWN_IDLE_S <= took < 30, took  # not the 60 s idle deadline
+            assert metric(router.admin, "cgn_router_migrations_total", cause="withdrawn",
+                          result="continued") == 1  # fmt: skip
