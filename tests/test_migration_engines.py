@@ -21,8 +21,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -183,17 +185,19 @@ def test_text_round_trips_through_the_bundled_tokenizers(name: str) -> None:
 
 @dataclass
 class Fleet:
+    """Two servers of one engine kind behind a static router; each can be killed and
+    started again on its port (`launch`: a server on a port, as a context of its process)."""
+
     ports: dict[str, int]
     router: Router
+    launch: Callable[[int], ContextManager[subprocess.Popen[bytes]]]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     stacks: dict[str, ExitStack] = field(default_factory=dict)
 
     def start(self, name: str) -> None:
         stack = ExitStack()
-        _, proc = stack.enter_context(
-            llamacpp_server(smollm2(), threads=1, ctx=2048, port=self.ports[name])
-        )
-        self.procs[name], self.stacks[name] = proc, stack
+        self.procs[name] = stack.enter_context(self.launch(self.ports[name]))
+        self.stacks[name] = stack
 
     def kill(self, name: str) -> None:
         os.killpg(self.procs[name].pid, signal.SIGKILL)
@@ -203,17 +207,18 @@ class Fleet:
         return f"http://127.0.0.1:{self.ports[name]}"
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("migration-llamacpp")
+@contextmanager
+def fleet_of(
+    tmp: Path, engine: str, launch: Callable[[int], ContextManager[subprocess.Popen[bytes]]],
+    **config: Any,
+) -> Iterator[Fleet]:  # fmt: skip
     ports = {n: free_port() for n in NAMES}
-    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": "llamacpp"}
+    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": engine}
                  for n, p in ports.items()}  # fmt: skip
-    config = {"discovery": "static", "endpoints": endpoints,
-              "models": {MODEL: {"tokenizer": str(smollm2())}},
-              "deadlines": {"idle_s": 10.0}, "breaker": {"failures": 100}}  # fmt: skip
+    config = {"discovery": "static", "endpoints": endpoints, "deadlines": {"idle_s": 10.0},
+              "breaker": {"failures": 100}, **config}  # fmt: skip
     with cgn_router(tmp, config) as router:
-        f = Fleet(ports, router)
+        f = Fleet(ports, router, launch)
         try:
             for name in NAMES:
                 f.start(name)
@@ -221,6 +226,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         finally:
             for stack in f.stacks.values():
                 stack.close()
+
+
+@contextmanager
+def llama_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    with llamacpp_server(smollm2(), threads=1, ctx=2048, port=port) as (_, proc):
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    models = {MODEL: {"tokenizer": str(smollm2())}}  # the router re-tokenizes llama.cpp's text
+    with fleet_of(tmp_path_factory.mktemp("migration-llamacpp"), "llamacpp", llama_on,
+                  models=models) as f:  # fmt: skip
+        yield f
 
 
 @dataclass
@@ -310,50 +329,26 @@ def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fl
 # ---- vLLM: its token-id fields, against a stand-in that speaks them (harness/vllm_stub.py) ----
 
 
-@dataclass
-class Stubs:
-    ports: dict[str, int]
-    router: Router
-    stacks: dict[str, ExitStack] = field(default_factory=dict)
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str) -> None:
-        stack = ExitStack()
-        argv = [sys.executable, "-m", "harness.vllm_stub", "--port", str(self.ports[name])]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
-        stack.callback(stop, proc)
-        wait_http_ok(f"http://127.0.0.1:{self.ports[name]}/health", proc, timeout_s=60)
-        self.procs[name], self.stacks[name] = proc, stack
-
-    def kill(self, name: str) -> None:
-        os.killpg(self.procs[name].pid, signal.SIGKILL)
-        self.stacks.pop(name).close()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
+@contextmanager
+def vllm_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    argv = [sys.executable, "-m", "harness.vllm_stub", "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=60)
+        yield proc
+    finally:
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
-def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stubs]:
-    tmp = tmp_path_factory.mktemp("migration-vllm")
-    ports = {n: free_port() for n in NAMES}
-    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": "vllm"}
-                 for n, p in ports.items()}  # fmt: skip
-    config = {"discovery": "static", "endpoints": endpoints, "deadlines": {"idle_s": 10.0},
-              "breaker": {"failures": 100}}  # no tokenizer: vLLM names its ids  # fmt: skip
-    with cgn_router(tmp, config) as router:
-        s = Stubs(ports, router)
-        try:
-            for name in NAMES:
-                s.start(name)
-            yield s
-        finally:
-            for stack in s.stacks.values():
-                stack.close()
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    # no tokenizer: vLLM names its ids
+    with fleet_of(tmp_path_factory.mktemp("migration-vllm"), "vllm", vllm_on) as f:
+        yield f
 
 
-def test_a_vllm_stream_continues_from_the_ids_it_named(stubs: Stubs) -> None:
+def test_a_vllm_stream_continues_from_the_ids_it_named(stubs: Fleet) -> None:
     """The router asks vLLM to name its ids (`return_token_ids`); when the server dies, the
     other one gets exactly the continuation vLLM's API takes: a `/v1/completions` of the
     prompt's ids and the answer's, the rest of `max_tokens`, the same sampling, streamed
