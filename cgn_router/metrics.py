@@ -468,9 +468,30 @@ class _EndpointCollector(Collector):
                 "KV blocks known on the endpoint, by tracking kind.",
                 labels=[*labels, "tracking"],
             ),
+            # the speed the `time` scorer predicts with (routing/speed.py, #57)
+            "prefill": GaugeMetricFamily(
+                "cgn_router_endpoint_prefill_seconds_per_token",
+                "Learned seconds per uncached prompt token (its model's typical, or the "
+                "prior, until it has answered enough: cgn_router_endpoint_speed_learned).",
+                labels=labels,
+            ),
+            "decode": GaugeMetricFamily(
+                "cgn_router_endpoint_decode_seconds_per_token",
+                "Learned seconds per output token of one stream alone.",
+                labels=labels,
+            ),
+            "learned": GaugeMetricFamily(
+                "cgn_router_endpoint_speed_learned",
+                "1 once the endpoint's speed is learned from its own answers.",
+                labels=labels,
+            ),
         }
         for eid, s in self.endpoints.states.items():
             lv = [eid, s.endpoint.model]
+            speed = self.endpoints.speed(s, now)
+            fams["prefill"].add_metric(lv, speed.prefill_s)
+            fams["decode"].add_metric(lv, speed.decode_s)
+            fams["learned"].add_metric(lv, 1.0 if speed.warm else 0.0)
             fams["in_flight"].add_metric(lv, s.in_flight)
             fams["pending"].add_metric(lv, s.pending_prefill)
             fams["breaker"].add_metric(lv, 1.0 if s.breaker.blocks(now) else 0.0)

@@ -62,6 +62,14 @@ def test_a_twenty_times_slower_replica_gets_its_share_and_answers_say_their_pred
             errors = metric(router.admin, "cgn_router_prediction_error_seconds_bucket", le="+Inf")
             listed = httpx.get(router.admin + "/endpoints", timeout=10).json()["endpoints"]
             speeds = {e["id"].split("/")[-1]: e["speed"] for e in listed}
+            # and as metrics a scraper reads: the same fits (one fit per SPEED_READ_S)
+            for name, speed in speeds.items():
+                endpoint = f"{MODEL}/{name}"
+                learned = metric(router.admin, "cgn_router_endpoint_speed_learned",
+                                 endpoint=endpoint)  # fmt: skip
+                decode = metric(router.admin, "cgn_router_endpoint_decode_seconds_per_token",
+                                endpoint=endpoint)  # fmt: skip
+                assert learned == float(speed["warm"]) and decode > 0, (name, speed)
             # every answer is in: nothing left on the drain clock, and none running late
             assert [(e["queued_tokens"], e["lag"]) for e in listed] == [(0, 1.0)] * 3, listed
     assert len(answers) == 90
