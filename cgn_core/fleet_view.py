@@ -37,6 +37,9 @@ class ReplicaView:
     kv_usage: float | None  # 0-1
     prefix_hit_rate: float | None
     tokens_per_s: float | None  # output tokens
+    # its speed as the routers learned it from its answers (#57), once learned
+    prefill_ms_per_token: float | None = None
+    decode_ms_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,9 @@ KEEP = (
     "cgn_router_ttft_seconds",
     "cgn_router_queue_depth",
     "cgn_router_admission_rejections",
+    "cgn_router_endpoint_prefill_seconds_per_token",  # the routers' learned speeds (#57)
+    "cgn_router_endpoint_decode_seconds_per_token",
+    "cgn_router_endpoint_speed_learned",
     "cgn_agent_power_watts",
     "cgn_agent_energy_joules",
     "cgn_kvcached_bytes",
@@ -223,7 +226,8 @@ def summarize(
     by_kind: dict[str, list[Scraped]] = defaultdict(list)
     for s in scraped.values():
         by_kind[s.target.kind].append(s)
-    replicas = [_replica(s, w) for s in by_kind["engine"]]
+    speeds = _learned_speeds(by_kind["router"])
+    replicas = [_replica(s, w, speeds) for s in by_kind["engine"]]
     agents = {s.target.node: s for s in by_kind["agent"] if s.target.node}
     names = sorted(set(fleet.nodes) | set(agents) | {r.node for r in replicas if r.node})
     joules: dict[str, float] = {}  # by node, where measured
@@ -271,7 +275,23 @@ def _tenants(routers: list[Scraped], w: _Window) -> tuple[TenantView, ...]:
     return tuple(rows[:TOP_TENANTS])
 
 
-def _replica(s: Scraped, w: _Window) -> ReplicaView:
+def _learned_speeds(routers: list[Scraped]) -> dict[str, tuple[float, float]]:
+    """Router endpoint id (`<model>/<node>.<replica>`) -> (prefill, decode) ms per token,
+    where a router has learned them from the endpoint's answers (the first that has)."""
+    out: dict[str, tuple[float, float]] = {}
+    for s in routers:
+        for labels, ring in s.series("cgn_router_endpoint_speed_learned"):
+            eid, last = labels.get("endpoint", ""), ring.last()
+            if not eid or eid in out or last is None or last[1] != 1.0:
+                continue
+            prefill = s.gauge("cgn_router_endpoint_prefill_seconds_per_token", endpoint=eid)
+            decode = s.gauge("cgn_router_endpoint_decode_seconds_per_token", endpoint=eid)
+            if prefill is not None and decode is not None:
+                out[eid] = (prefill * 1e3, decode * 1e3)
+    return out
+
+
+def _replica(s: Scraped, w: _Window, speeds: Mapping[str, tuple[float, float]]) -> ReplicaView:
     """An engine's row; its tokens counted to its node and model."""
     t = s.target
     if not t.model:  # listed by hand: the engine's metrics name its model
@@ -283,6 +303,8 @@ def _replica(s: Scraped, w: _Window) -> ReplicaView:
     model["output"] += out_tokens
     model["total"] += out_tokens + prompt_tokens
     model[f"node:{t.node}"] += out_tokens + prompt_tokens
+    # NOTE: the routers name an agent's endpoint <model>/<node>.<replica>, its replica here
+    speed = speeds.get(f"{t.model}/{t.replica}", (None, None))
     return ReplicaView(
         model=t.model,
         replica=t.replica,
@@ -295,6 +317,8 @@ def _replica(s: Scraped, w: _Window) -> ReplicaView:
         kv_usage=s.signal_gauge("kv_usage"),
         prefix_hit_rate=hit_rate,
         tokens_per_s=w.per_s(out_tokens) if s.signal("generation_tokens") else None,
+        prefill_ms_per_token=speed[0],
+        decode_ms_per_token=speed[1],
     )
 
 

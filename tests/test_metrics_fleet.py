@@ -211,6 +211,27 @@ def test_the_busiest_tenants_over_every_router_with_their_own_hit_rates() -> Non
     assert tenants[1]["hit_rate"] == 0.0
 
 
+def test_each_replica_shows_the_speed_a_router_learned_of_it() -> None:
+    """#57: the routers' learned speeds per endpoint (`<model>/<node>.<replica>`), in ms per
+    token on the replica's row; a replica no router has learned yet shows no figure."""
+
+    def router(host: str, learned: dict[str, float]) -> Scraped:
+        series = {}
+        for eid, flag in learned.items():
+            lv = (("endpoint", eid), ("model", "m"))
+            series[("cgn_router_endpoint_speed_learned", lv)] = [flag] * 4
+            series[("cgn_router_endpoint_prefill_seconds_per_token", lv)] = [0.002] * 4
+            series[("cgn_router_endpoint_decode_seconds_per_token", lv)] = [0.04] * 4
+        return scraped(Target("router", f"http://{host}:9091"), series, TIMES)
+
+    v = view(engine("a", [0, 1, 2, 3]), engine("b", [0, 1, 2, 3]),
+             router("r1", {"m/a.r": 1.0, "m/b.r": 0.0}), router("r2", {"m/b.r": 0.0}))  # fmt: skip
+    rows = {r["node"]: r for r in v["replicas"]}
+    assert (rows["a"]["prefill_ms_per_token"], rows["a"]["decode_ms_per_token"]) == (
+        pytest.approx(2.0), pytest.approx(40.0))  # fmt: skip
+    assert rows["b"]["prefill_ms_per_token"] is None and rows["b"]["decode_ms_per_token"] is None
+
+
 def test_counter_restarts_do_not_make_negative_energy_or_tokens() -> None:
     v = view(engine("a", [500, 600, 20, 120]), agent("a", [1000, 1300, 100, 400]))
     (node,) = v["nodes"]
