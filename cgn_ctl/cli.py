@@ -214,11 +214,11 @@ def status(
     ] = None,
 ) -> None:
     """The cluster at a glance: what `cgn-ctl up` started, the reconciler leader, nodes, models."""
-    from cgn_ctl import up as up_mod
+    from cgn_ctl import upstate
 
     settings = load_service_settings(CtlSettings, "ctl", config, {})
-    record = up_mod.read_record(state_dir or settings.state_dir)
-    local = up_mod.running(record) if record else []
+    record = upstate.read_record(state_dir or settings.state_dir)
+    local = upstate.running(record) if record else []
     # with no --etcd: the cluster `up` started, wherever its etcd listens, as its root
     data = with_etcd(etcd, config, cluster_ops.status, state_dir)
     data["local_processes"] = local
@@ -250,14 +250,14 @@ def top(
     tokens/s, KV use, watts and joules per token, refreshed until Ctrl-C (from cgn-metrics).
     `--json` prints one frame as JSON; "—" is a figure no engine publishes."""
     from cgn_ctl import top as top_mod
-    from cgn_ctl import up as up_mod
+    from cgn_ctl import upstate
 
     flags = {"metrics_url": metrics} if metrics else {}
     settings = load_service_settings(CtlSettings, "ctl", config, flags)
     url = settings.metrics_url
     if not url:
         try:
-            record = up_mod.read_record(state_dir or settings.state_dir)
+            record = upstate.read_record(state_dir or settings.state_dir)
         except CognitoraError:  # a damaged record: `status` reports it; the default applies
             record = None
         dashboard = record.get("dashboard") if record else None
@@ -511,11 +511,11 @@ def down(
     config: Config = None,
 ) -> None:
     """Stop everything `cgn-ctl up` started (and the engines its agent ran), by recorded pid."""
-    from cgn_ctl import up as up_mod
+    from cgn_ctl import upstate
 
     settings = load_service_settings(CtlSettings, "ctl", config, {})
     try:
-        stopped = up_mod.down(
+        stopped = upstate.down(
             state_dir or settings.state_dir, lambda msg: typer.echo(msg, err=True)
         )
     except CognitoraError as exc:

@@ -19,7 +19,7 @@ from cgn_core.etcd import EtcdClient
 from cgn_core.logs import setup_logging
 from cgn_core.settings import EtcdSettings, TlsSettings
 from cgn_ctl.settings import CtlSettings
-from cgn_ctl.up import read_record
+from cgn_ctl.upstate import read_record
 
 T = TypeVar("T")
 
