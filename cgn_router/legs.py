@@ -21,11 +21,12 @@ from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_router.attempt import Attempt
 from cgn_router.context import RequestContext
-from cgn_router.proxy import AttemptFailed, Call, Progress, Relayed
+from cgn_router.proxy import AttemptFailed, Call, Relayed
 from cgn_router.registry import Lease
 from cgn_router.routing.disagg import decide
 from cgn_router.routing.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
 from cgn_router.service import RouterService
+from cgn_router.tracked import Progress
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
 
 log = logging.getLogger(__name__)

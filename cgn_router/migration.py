@@ -16,9 +16,10 @@ from cgn_core.openai import continuation
 from cgn_core.openai.continuation import Rewriter
 from cgn_router.context import RequestContext
 from cgn_router.legs import attempt, route
-from cgn_router.proxy import RETURN_IDS_ENGINES, AttemptFailed, Progress, Relayed
+from cgn_router.proxy import RETURN_IDS_ENGINES, AttemptFailed, Relayed
 from cgn_router.routing.lifecycle import Account, Migrated
 from cgn_router.service import RouterService
+from cgn_router.tracked import Progress
 from cgn_router.types import EndpointId, RequestInfo
 
 log = logging.getLogger(__name__)

@@ -44,15 +44,15 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from cgn_core.h1 import Reply, Request, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, KV_SALT_HEADER, PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
-from cgn_core.openai.continuation import MAX_EVENTS
 from cgn_router.settings import DeadlineSettings
+from cgn_router.tracked import Progress, Watch, track
 from cgn_router.types import Endpoint, Usage
 from cgn_router.upstream import ConnectFailed, Response, Upstream, UpstreamError
 
@@ -95,48 +95,6 @@ class Call:
     keep_events: bool = False
     # a continuation from another API: each event rewritten as the client's (continuation.py)
     translate: Callable[[bytes], list[bytes]] | None = None
-
-
-@dataclass(slots=True, eq=False)
-class Progress:
-    """A tracked stream so far: its client response, the token ids the client has the text
-    of, its first chunk (the answer's id and creation time), and whether its finish chunk
-    went out. NOTE: ids and chunk are kept as bytes and parsed only for a continuation: a
-    stream that never breaks (nearly all) pays a slice per event, not a parse."""
-
-    out: StreamReply
-    ids: list[bytes] = field(default_factory=list)  # "791,13,2" per ids line
-    first: bytes = b""  # the first data event
-    finished: bool = False
-    why: str = ""  # how its last leg broke
-    engine: str = ""  # the engine its first leg streamed from
-    # its data events as relayed, where the engine names no ids (Call.keep_events); None
-    # when it does
-    events: list[bytes] | None = None
-    overflowed: bool = False  # more events than continuation.MAX_EVENTS: not continued
-    watch: Watch | None = None  # its current leg's, while it streams (Proxy.withdraw)
-
-    def token_ids(self) -> list[int]:
-        """ValueError for a malformed line (nothing from the network is trusted)."""
-        return [int(t) for line in self.ids if line for t in line.split(b",")]
-
-    def resume_field(self) -> dict[str, Any]:
-        """The continuation's `cgn_resume`; ValueError when the stream does not say enough."""
-        chunk = json.loads(self.first[6:]) if self.first else None
-        rid = chunk.get("id") if isinstance(chunk, dict) else None
-        created = chunk.get("created") if isinstance(chunk, dict) else None
-        if not isinstance(rid, str) or type(created) is not int:
-            raise ValueError("the stream named no response id")
-        return resume.Resume(tuple(self.token_ids()), rid, created).to_json()
-
-
-@dataclass(slots=True, eq=False)
-class Watch:
-    """A tracked stream's wait for its next event on one endpoint."""
-
-    eid: str
-    withdrawn: bool = False  # its endpoint is gone: a short silence moves it
-    timeout: asyncio.Timeout | None = None  # the wait now, if it is waiting
 
 
 Ending = Literal["ok", "client_error", "client_disconnected", "upstream_error"]
@@ -374,6 +332,7 @@ class Proxy:
                 progress = Progress(out, engine=call.endpoint.engine, events=kept)
         translate = call.translate
         lease.first_byte(time.monotonic())
+        watch = self._watch(eid, progress)
         try:
             idle, usage = self.deadlines.idle_s, None
             pending: bytes | None = event
@@ -383,7 +342,7 @@ class Proxy:
                 while pending is not None:
                     for event in (pending,) if translate is None else translate(pending):
                         if progress is not None:
-                            event, failed = _track(progress, event)
+                            event, failed = track(progress, event)
                             if failed:
                                 break
                         got = _usage_chunk(event)
@@ -404,7 +363,6 @@ class Proxy:
                         out, progress, usage, "engine_error", f"{eid}: {failed}"
                     )
                 try:
-                    watch = self._watch(eid, progress)
                     quiet = WITHDRAWN_IDLE_S if watch is not None and watch.withdrawn else idle
                     async with asyncio.timeout_at(min(total_at, loop.time() + quiet)) as timeout:
                         if watch is not None:
@@ -432,12 +390,11 @@ class Proxy:
             self._unwatch(progress)
 
     def _watch(self, eid: str, progress: Progress | None) -> Watch | None:
-        """A tracked stream's watch on `eid` (made on its first wait): `withdraw` finds it."""
+        """A tracked stream's watch for this leg, on `eid`: `withdraw` finds it."""
         if progress is None:
             return None
-        if progress.watch is None or progress.watch.eid != eid:
-            progress.watch = Watch(eid)
-            self.watches.setdefault(eid, set()).add(progress.watch)
+        progress.watch = Watch(eid)
+        self.watches.setdefault(eid, set()).add(progress.watch)
         return progress.watch
 
     def _unwatch(self, progress: Progress | None) -> None:
@@ -493,37 +450,6 @@ class Proxy:
         assert isinstance(relayed.response, StreamReply)  # only a stream breaks mid-answer
         await _break(relayed.response, relayed.cause, message)
         return dataclasses.replace(relayed, broken=None)
-
-
-def _track(progress: Progress, event: bytes) -> tuple[bytes, str]:
-    """Note what a tracked stream's event tells (its token ids, the answer's id, a finish)
-    and return it without its ids line; or, for an engine's error event that another
-    engine may do better than (not the request's own fault), (b"", its message)."""
-    if event.startswith(resume.IDS_PREFIX):
-        end = event.find(b"\n")
-        if end < 0:
-            return b"", "a malformed token id line"
-        progress.ids.append(event[len(resume.IDS_PREFIX) : end])
-        event = event[end + 1 :]
-    elif event.startswith(b'data: {"error"'):
-        try:
-            error = json.loads(event[6:])["error"]
-        except (ValueError, KeyError, TypeError):
-            error = {}
-        if isinstance(error, dict) and error.get("type") != "invalid_request_error":
-            return b"", str(error.get("message") or "an error event")[:300]
-    # a non-null finish reason, in cgn-infer's JSON (and Python's) or llama.cpp's
-    if b'"finish_reason": "' in event or b'"finish_reason":"' in event:
-        progress.finished = True
-    if event.startswith(b"data: {"):
-        if not progress.first:
-            progress.first = event
-        if progress.events is not None:  # NOTE: kept as bytes, parsed only if it breaks
-            if len(progress.events) < MAX_EVENTS:
-                progress.events.append(event)
-            else:
-                progress.overflowed = True
-    return event, ""
 
 
 def _usage_chunk(event: bytes) -> Usage | None:

@@ -289,26 +289,26 @@ def test_with_migration_off_a_broken_stream_ends_as_it_did(fleet: Fleet) -> None
 
 
 def test_the_router_reads_a_tracked_stream_without_parsing_it() -> None:
-    """What the proxy keeps of each event (cgn_router/proxy.py `_track`): the ids line is
+    """What the proxy keeps of each event (cgn_router/tracked.py `track`): the ids line is
     cut off and kept as bytes, the first chunk kept, a finish noticed; an engine's error
     event ends the leg unless it is the request's own fault."""
-    from cgn_router.proxy import Progress, _track
+    from cgn_router.tracked import Progress, track
 
     p = Progress(out=None)  # type: ignore[arg-type]
     role = b'data: {"id": "chatcmpl-1", "created": 7, "choices": [{"delta": {"role": "a"}}]}\n\n'
-    assert _track(p, role) == (role, "")
+    assert track(p, role) == (role, "")
     tok = b'data: {"id": "chatcmpl-1", "choices": [{"finish_reason": null}]}\n\n'
-    assert _track(p, b": ids 5,6\n" + tok) == (tok, "")
-    assert _track(p, b": ids 7\n" + tok) == (tok, "")
+    assert track(p, b": ids 5,6\n" + tok) == (tok, "")
+    assert track(p, b": ids 7\n" + tok) == (tok, "")
     assert not p.finished and p.first == role
     assert p.resume_field() == {"token_ids": [5, 6, 7], "id": "chatcmpl-1", "created": 7}
-    assert _track(p, b'data: {"choices": [{"finish_reason": "stop"}]}\n\n')[1] == ""
+    assert track(p, b'data: {"choices": [{"finish_reason": "stop"}]}\n\n')[1] == ""
     assert p.finished
     server = b'data: {"error": {"message": "the engine stopped", "type": "server_error"}}\n\n'
-    assert _track(Progress(out=None), server) == (b"", "the engine stopped")  # type: ignore[arg-type]
+    assert track(Progress(out=None), server) == (b"", "the engine stopped")  # type: ignore[arg-type]
     theirs = b'data: {"error": {"message": "bad", "type": "invalid_request_error"}}\n\n'
-    assert _track(Progress(out=None), theirs) == (theirs, "")  # type: ignore[arg-type]
-    assert _track(Progress(out=None), b": ids 1,2")[1] == "a malformed token id line"  # type: ignore[arg-type]
+    assert track(Progress(out=None), theirs) == (theirs, "")  # type: ignore[arg-type]
+    assert track(Progress(out=None), b": ids 1,2")[1] == "a malformed token id line"  # type: ignore[arg-type]
     bad = Progress(out=None, ids=[b"1,x"], first=role)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         bad.resume_field()
