@@ -52,20 +52,19 @@ class Gate:
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.learned: dict[EndpointId, Capacity] = {}
         self._refreshed = (-1, 0.0)  # the registry's version and the time of the last refresh
-        self.ledger: Ledger | None = None  # fair shares across routers (share_with)
 
     def share_with(self, ledger: Ledger, fresh_s: float) -> None:
         """Fair shares across routers (cgn_router/fleetshare.py): a head here waits while
         another router has a tenant waiting in its band and pool that has had less of the
-        fleet's tokens, by weight (its record no older than `fresh_s`); what waits here is
-        told to the ledger, which publishes it for the others."""
-        self.ledger = ledger
+        fleet's tokens, by weight (its record no older than `fresh_s`); the ledger asks what
+        waits here each time it publishes, for the others."""
         share, clock = ledger.share, ledger.clock
 
         def defer(band: str, pool: str, tenant: str, weight: float) -> bool:
             return share.defers(band, pool, tenant, weight, clock(), fresh_s)
 
         self.adm.defer = defer
+        ledger.waiting = lambda: waiting_of(self.adm.waiting_heads())  # at each publish
 
     def refresh(self) -> None:
         """Each pool's capacity and KV usage from the endpoints that serve it."""
@@ -260,5 +259,3 @@ class Gate:
                     )
                 )
         self._pump()
-        if self.ledger is not None:
-            self.ledger.waiting = waiting_of(self.adm.waiting_heads())

@@ -96,7 +96,9 @@ class Ledger:
         self._theirs: dict[str, Used] = {}
         # every tenant's fleet-wide rate, and who waits at other routers (fleetshare.py)
         self.share = FleetShare()
-        self.waiting: Waiting = {}  # what this worker has waiting, for the others (the gate)
+        # what this worker has waiting, for the others: asked when its record is written
+        # (the gate's queues, Gate.share_with)
+        self.waiting: Callable[[], Waiting] = dict
         self.waiting_published = False  # its record is in etcd
 
     # ---- counting ------------------------------------------------------------------------
@@ -244,8 +246,8 @@ class Ledger:
         """What to write of this worker's waiting tenants now: its record while it has some
         (every round: a record not renewed goes stale at the others), None (delete it) when
         its queues emptied since it was written, False when there is nothing to say."""
-        if self.waiting:
-            return to_doc(self.waiting)
+        if waiting := self.waiting():
+            return to_doc(waiting)
         return None if self.waiting_published else False
 
     def _served_elsewhere(self, old: UsageEntry, new: UsageEntry) -> None:

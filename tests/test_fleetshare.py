@@ -122,19 +122,20 @@ async def test_a_worker_publishes_its_waiting_tenants_while_it_has_some_then_del
     etcd: EtcdClient, prefix: str
 ) -> None:
     ledger = Ledger("r1.w0", Clock())
-    usage, waiting = prefix + "usage/", prefix + "waiting/"
-    await _write(ledger, etcd, usage, waiting)
-    assert await etcd.get(waiting + "r1.w0") is None  # nothing waits: nothing written
-    ledger.waiting = waiting_of([("gold", "m", "a", 1.0)])
+    usage, records = prefix + "usage/", prefix + "waiting/"
+    await _write(ledger, etcd, usage, records)
+    assert await etcd.get(records + "r1.w0") is None  # nothing waits: nothing written
+    waiting = waiting_of([("gold", "m", "a", 1.0)])
+    ledger.waiting = lambda: waiting  # the gate's queues, asked at each write
     for _ in range(2):  # renewed every round while it waits (else it goes stale elsewhere)
-        before = await etcd.get(waiting + "r1.w0")
-        await _write(ledger, etcd, usage, waiting)
-        kv = await etcd.get(waiting + "r1.w0")
-        assert kv is not None and parse(kv.json()) == ledger.waiting
+        before = await etcd.get(records + "r1.w0")
+        await _write(ledger, etcd, usage, records)
+        kv = await etcd.get(records + "r1.w0")
+        assert kv is not None and parse(kv.json()) == waiting
         assert before is None or kv.mod_revision > before.mod_revision
-    ledger.waiting = {}
-    await _write(ledger, etcd, usage, waiting)
-    assert await etcd.get(waiting + "r1.w0") is None and not ledger.waiting_published
+    ledger.waiting = dict  # its queues emptied
+    await _write(ledger, etcd, usage, records)
+    assert await etcd.get(records + "r1.w0") is None and not ledger.waiting_published
 
 
 def test_admission_holds_a_head_while_told_to_and_admits_it_once_not() -> None:
