@@ -35,10 +35,14 @@ class ModelEntry:
     tokenizer: Path | None = None
     scales_to_zero: bool = False  # replicas.min is 0: a request may wait for a cold start
     migration_limit: int | None = None  # continuations per stream; None: the router's setting
+    # a stream may continue on a replica of another engine kind (cgn-ctl checked one source)
+    across_engines: bool = False
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
-    return ModelEntry(name, s.aliases, s.fallbacks, s.tokenizer)
+    return ModelEntry(
+        name, s.aliases, s.fallbacks, s.tokenizer, across_engines=s.migrate_across_engines
+    )
 
 
 def entry_from_etcd(name: str, data: Any) -> ModelEntry:
@@ -65,6 +69,9 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
     limit = data.get("migration_limit")
     if limit is not None and (type(limit) is not int or not 0 <= limit <= 16):
         raise ValueError(f"catalog entry {name}: 'migration_limit' must be an integer in [0, 16]")
+    across = data.get("migrate_across_engines", False)
+    if not isinstance(across, bool):
+        raise ValueError(f"catalog entry {name}: 'migrate_across_engines' must be true or false")
     return ModelEntry(
         name,
         names("aliases"),
@@ -72,6 +79,7 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         Path(tokenizer) if tokenizer else None,
         scales_to_zero=zero,
         migration_limit=limit,
+        across_engines=across,
     )
 
 

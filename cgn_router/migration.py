@@ -1,9 +1,12 @@
 """Request migration: a stream that broke mid-answer continues on another replica of the same
 model and engine kind, from the token ids the client has the text of, at most the model's
 migration limit in all; or it ends, saying why not. cgn-infer names the ids it streams and
-takes them back (cgn_core/openai/resume.py); vLLM names them when asked and llama.cpp
-streams text only (re-tokenized): both are continued as a `/v1/completions` of token ids,
-rewritten as the client's stream (cgn_core/openai/continuation.py)."""
+takes them back (cgn_core/openai/resume.py); vLLM names them when asked, and llama.cpp,
+SGLang and TensorRT-LLM stream text only (re-tokenized): these are continued as a
+`/v1/completions` of token ids, rewritten as the client's stream
+(cgn_core/openai/continuation.py). A model with `migrate_across_engines` may continue on
+any engine kind that takes such a prompt (cgn-infer's streams too, from their text, when no
+cgn-infer replica can take them)."""
 
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from cgn_core.openai import continuation
 from cgn_core.openai.continuation import Rewriter
 from cgn_router.context import RequestContext
 from cgn_router.legs import attempt, route
-from cgn_router.proxy import RETURN_IDS_ENGINES, AttemptFailed, Relayed
+from cgn_router.proxy import AttemptFailed, Relayed
 from cgn_router.routing.lifecycle import Account, Migrated
-from cgn_router.service import RouterService
+from cgn_router.service import RESUMABLE_ENGINES, RouterService
 from cgn_router.tracked import Progress
 from cgn_router.types import EndpointId, RequestInfo
 
@@ -38,25 +41,33 @@ async def migrate(
     resume), each continuation from the token ids the client has the text of, at most the
     model's migration limit in all; or end it, saying why not."""
     limit = svc.migration_limit(req.model)
+    across = svc.across_engines(req.model)
     tries = 0
     while (broken := relayed.broken) is not None:
-        path, translate, payload = None, None, b""
+        path, translate, payload, resume, generated = None, None, b"", {}, 0
+        view, why = None, ""
         try:
-            if broken.events is not None:  # an engine that streams text only
-                payload, translate, generated, tokens = _from_text(svc, ctx, req, broken)
-                path = "/v1/completions"
-            else:
+            if broken.events is None or broken.engine in RESUMABLE_ENGINES:
+                # cgn-infer on cgn-infer: its own ids and state (`cgn_resume`)
                 resume = broken.resume_field()
                 generated = len(resume["token_ids"])
-                tokens = req.prompt_tokens + generated
-            why = _no_migration(svc, ctx, tokens, tries, limit)
+                why = _no_migration(svc, ctx, req.prompt_tokens + generated, tries, limit)
+                if not why:
+                    others = tried | svc.cannot_resume(req.model, broken.engine)
+                    view = route(svc, req, frozenset(others), acct)
+            if view is None and not why and broken.events is not None:
+                # another engine's stream, or (`across`, its events kept) cgn-infer's with no
+                # cgn-infer to take it: a `/v1/completions` of its ids
+                payload, translate, generated, tokens = _from_text(svc, ctx, req, broken)
+                path = "/v1/completions"
+                why = _no_migration(svc, ctx, tokens, tries, limit)
+                if not why:
+                    others = tried | svc.cannot_resume(req.model, broken.engine, across)
+                    view = route(svc, req, frozenset(others), acct)
         except ValueError as exc:
-            resume, generated = {}, 0
             why = str(exc) if broken.events is not None else (
                 f"the stream cannot be continued from what it sent ({exc})"
             )  # fmt: skip
-        others = frozenset(tried | svc.cannot_resume(req.model, broken.engine))
-        view = None if why else route(svc, req, others, acct)
         if not why and view is None:
             why = f"no other replica of {req.model} can continue it"
         if why or view is None:
@@ -109,8 +120,9 @@ def _from_text(
             codec, codec.tokenizer, ctx.kind, ctx.body, so_far.text
         )
     generated = len(ids) - prompt
-    named = broken.engine in RETURN_IDS_ENGINES
-    body = continuation.continuation_body(ctx.body, req.model, ids, generated, named)
+    # NOTE: the proxy asks a vLLM replica to name its ids (RETURN_IDS_ENGINES) whichever
+    # engine the stream came from
+    body = continuation.continuation_body(ctx.body, req.model, ids, generated)
     rewriter = Rewriter(ctx.kind, so_far, req.model, prompt, generated)
     return json.dumps(body).encode(), rewriter, generated, len(ids)
 

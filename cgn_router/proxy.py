@@ -222,7 +222,10 @@ class Proxy:
             if ep.engine in BODY_SALT_ENGINES:
                 payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
         if call.track:
-            headers[resume.IDS_HEADER] = "1"
+            # NOTE: a continuation rewritten from /v1/completions (`translate`) is read from
+            # its events, kept: a cgn-infer taking one writes no ids lines to rewrite
+            if call.translate is None:
+                headers[resume.IDS_HEADER] = "1"
             if ep.engine in RETURN_IDS_ENGINES:
                 payload = _with_field(payload, RETURN_IDS_FIELD, True)
         if call.trace_headers:

@@ -31,12 +31,16 @@ from cgn_router.types import Endpoint, EndpointId, RequestInfo
 # they name the ids they stream and take `cgn_resume` (the response id, the detokenizer's,
 # parsers' and grammar's state advanced too).
 RESUMABLE_ENGINES = frozenset({"cgn-infer"})
-# stream text only, take a prompt of token ids: continued from their text, re-tokenized with
-# the model's tokenizer where the router has it (cgn_core/openai/continuation.py)
-TEXT_RESUMABLE_ENGINES = frozenset({"llamacpp"})
+# stream text only, take a prompt of token ids on `/v1/completions` (SGLang's and
+# trtllm-serve's make it the engine's input_ids): continued from their text, re-tokenized
+# with the model's tokenizer where the router has it (cgn_core/openai/continuation.py)
+TEXT_RESUMABLE_ENGINES = frozenset({"llamacpp", "sglang", "trtllm"})
 # name their ids when asked (vLLM's return_token_ids, proxy.RETURN_IDS_ENGINES), take a
 # prompt of token ids: continued from those ids, no tokenizer needed
 IDS_RESUMABLE_ENGINES = frozenset({"vllm"})
+# take a `/v1/completions` prompt of token ids: where a model allows it
+# (`migrate_across_engines`), a stream of any of them may continue on any other
+IDS_PROMPT_ENGINES = RESUMABLE_ENGINES | TEXT_RESUMABLE_ENGINES | IDS_RESUMABLE_ENGINES
 
 # A model with more endpoints than SHORT_LIST is scored over a short list of them: the
 # SHORT_PICKS holding most of the prompt, the SHORT_PICKS least loaded, ... (Registry.views),
@@ -132,15 +136,30 @@ class RouterService:
             and self.catalog.hasher(endpoint.model).codec is not None
         )
 
-    def text_resumed(self, endpoint: Endpoint) -> bool:
-        """Whether a tracked stream to `endpoint` is continued as a `/v1/completions` of its
-        ids (read from its events, or its text re-tokenized), not by `cgn_resume`."""
-        return endpoint.engine in TEXT_RESUMABLE_ENGINES or endpoint.engine in IDS_RESUMABLE_ENGINES
+    def across_engines(self, model: str) -> bool:
+        """Whether a stream of `model` may continue on another engine kind (its catalog
+        entry's `migrate_across_engines`: one source, so one tokenizer)."""
+        entry = self.catalog.entry(model)
+        return entry is not None and entry.across_engines
 
-    def cannot_resume(self, model: str, engine: str = "cgn-infer") -> set[EndpointId]:
+    def text_resumed(self, endpoint: Endpoint) -> bool:
+        """Whether a tracked stream to `endpoint` keeps its events, to be continued as a
+        `/v1/completions` of its ids (read from its events, or its text re-tokenized): every
+        engine but cgn-infer, and cgn-infer too where another kind may continue it."""
+        engine = endpoint.engine
+        if engine in TEXT_RESUMABLE_ENGINES or engine in IDS_RESUMABLE_ENGINES:
+            return True
+        return engine in RESUMABLE_ENGINES and self.across_engines(endpoint.model)
+
+    def cannot_resume(
+        self, model: str, engine: str = "cgn-infer", across: bool = False
+    ) -> set[EndpointId]:
         """The endpoints of `model` that cannot take a continuation of a stream from `engine`:
-        those of another engine kind (its continuation is in that kind's API)."""
+        those of another engine kind (its continuation is in that kind's API); `across`
+        (a continuation of token ids): those that take no prompt of token ids."""
         peers = self.registry.by_model.get(model, {})
+        if across:
+            return {e for e, st in peers.items() if st.endpoint.engine not in IDS_PROMPT_ENGINES}
         return {eid for eid, st in peers.items() if st.endpoint.engine != engine}
 
     def route(self, req: RequestInfo, tried: frozenset[EndpointId]) -> Decision:

@@ -34,6 +34,9 @@ class ModelSettings:
     # template the router uses, so its block hashes equal the engine's. Unset: hashes
     # over character blocks (approximate; `cgn_router_prompts_hashed_total{method="chars"}`).
     tokenizer: Path | None = None
+    # a broken stream may continue on an endpoint of another engine kind (cgn-infer,
+    # llamacpp, vllm, sglang, trtllm) serving the same weights: one tokenizer (`tokenizer`)
+    migrate_across_engines: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,20 @@ def test_a_full_spec_parses_and_round_trips() -> None:
     assert parse_model(m.to_json()) == m
 
 
+def test_migration_across_engines_needs_one_source_and_round_trips() -> None:
+    """A cgn-infer and a llama.cpp profile of one GGUF: one tokenizer, so a stream of one
+    may continue on the other; the router's catalog entry reads the flag back."""
+    from cgn_router.catalog import entry_from_etcd
+
+    m = parse_model(model(migrate_across_engines=True,
+                          profiles=[{"engine": "cgn_infer"}, {"engine": "llama_cpp"}]))  # fmt: skip
+    assert m.migrate_across_engines and parse_model(m.to_json()) == m
+    assert entry_from_etcd("m", m.to_json()).across_engines
+    assert not entry_from_etcd("m", parse_model(model()).to_json()).across_engines
+    with pytest.raises(ValueError, match="'migrate_across_engines' must be true or false"):
+        entry_from_etcd("m", {**m.to_json(), "migrate_across_engines": 1})
+
+
 def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
     m = parse_model(model(pools={"prefill": 1, "decode": 2}, profiles=[
         {"engine": "vllm", "accelerator": "h100-80g", "devices": 1, "role": "prefill"},
@@ -108,6 +122,12 @@ def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
         (model(profiles=[{"engine": "cgn_infer", "role": "mixed"}]),
          "profiles[0].role: must be one of both, prefill, decode"),
         ("just a string", "model: expected a mapping"),
+        (model(migrate_across_engines="yes"), "migrate_across_engines: expected true or false"),
+        (model(migrate_across_engines=True, profiles=[{"engine": "cgn_infer"}, {"engine": "mlx_lm"}]),
+         "migrate_across_engines: profiles[1] (mlx_lm) cannot take a prompt of token ids"),
+        (model(migrate_across_engines=True, profiles=[{"engine": "cgn_infer"},
+                                                      {"engine": "llama_cpp", "source": "/models/other.gguf"}]),
+         "migrate_across_engines: the profiles serve different sources (/models/m.gguf, /models/other.gguf)"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_refused_with_their_path(doc: Any, message: str) -> None:

@@ -1,6 +1,6 @@
 """Migration from engines other than cgn-infer (#59, cgn_core/openai/continuation.py):
 llama.cpp's server (xllamacpp, real), which streams text only, and vLLM's token-id fields
-(a stand-in that speaks them, harness/vllm_stub.py), behind the router.
+(a stand-in that speaks them, harness/ids_engine_stub.py), behind the router.
 
 Two llama.cpp servers on SmolLM2; one SIGKILLed while it streams a greedy answer: the
 client's stream is the undisturbed answer (the same text from another run of it, one
@@ -20,7 +20,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -33,16 +34,17 @@ import pytest
 from cgn_core.bundled_models import smollm2
 from cgn_core.etcd.local import free_port
 from cgn_core.openai import continuation as cont
-from harness import vllm_stub
+from harness import ids_engine_stub
 from harness.metrics import metric
-from harness.procs import Router, cgn_router, llamacpp_server, stop, wait_http_ok
+from harness.procs import Router, cgn_infer_engines, cgn_router, llamacpp_server, stop, wait_http_ok
 
 MODEL = "smol"
+Launch = Callable[[int], ContextManager[subprocess.Popen[bytes]]]
 NAMES = ("a", "b")
 STORY = " ".join(f"Day {i}: the keeper lit the lamp and counted the ships." for i in range(6))
-CHAT = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+CHAT: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
         "messages": [{"role": "user", "content": STORY + "\nRetell it."}]}  # fmt: skip
-COMPLETION = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+COMPLETION: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
               "prompt": STORY + "\nThe keeper"}  # fmt: skip
 
 
@@ -185,18 +187,18 @@ def test_text_round_trips_through_the_bundled_tokenizers(name: str) -> None:
 
 @dataclass
 class Fleet:
-    """Two servers of one engine kind behind a static router; each can be killed and
-    started again on its port (`launch`: a server on a port, as a context of its process)."""
+    """Two servers behind a static router; each can be killed and started again on its port
+    (`launch`: each one's server on a port, as a context of its process)."""
 
     ports: dict[str, int]
     router: Router
-    launch: Callable[[int], ContextManager[subprocess.Popen[bytes]]]
+    launch: dict[str, Launch]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     stacks: dict[str, ExitStack] = field(default_factory=dict)
 
     def start(self, name: str) -> None:
         stack = ExitStack()
-        self.procs[name] = stack.enter_context(self.launch(self.ports[name]))
+        self.procs[name] = stack.enter_context(self.launch[name](self.ports[name]))
         self.stacks[name] = stack
 
     def kill(self, name: str) -> None:
@@ -209,18 +211,18 @@ class Fleet:
 
 @contextmanager
 def fleet_of(
-    tmp: Path, engine: str, launch: Callable[[int], ContextManager[subprocess.Popen[bytes]]],
-    **config: Any,
-) -> Iterator[Fleet]:  # fmt: skip
-    ports = {n: free_port() for n in NAMES}
-    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": engine}
+    tmp: Path, engines: Mapping[str, tuple[str, Launch]], **config: Any
+) -> Iterator[Fleet]:
+    """`engines`: each server's name → its engine kind and launch."""
+    ports = {n: free_port() for n in engines}
+    endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, "engine": engines[n][0]}
                  for n, p in ports.items()}  # fmt: skip
     config = {"discovery": "static", "endpoints": endpoints, "deadlines": {"idle_s": 10.0},
               "breaker": {"failures": 100}, **config}  # fmt: skip
     with cgn_router(tmp, config) as router:
-        f = Fleet(ports, router, launch)
+        f = Fleet(ports, router, {n: launch for n, (_, launch) in engines.items()})
         try:
-            for name in NAMES:
+            for name in engines:
                 f.start(name)
             yield f
         finally:
@@ -230,6 +232,7 @@ def fleet_of(
 
 @contextmanager
 def llama_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    # NOTE: one slot: llama.cpp's greedy answer is the same run to run only in a batch of one
     with llamacpp_server(smollm2(), threads=1, ctx=2048, port=port) as (_, proc):
         yield proc
 
@@ -237,8 +240,8 @@ def llama_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     models = {MODEL: {"tokenizer": str(smollm2())}}  # the router re-tokenizes llama.cpp's text
-    with fleet_of(tmp_path_factory.mktemp("migration-llamacpp"), "llamacpp", llama_on,
-                  models=models) as f:  # fmt: skip
+    engines = {n: ("llamacpp", llama_on) for n in NAMES}
+    with fleet_of(tmp_path_factory.mktemp("migration-llamacpp"), engines, models=models) as f:
         yield f
 
 
@@ -277,19 +280,26 @@ def stream(url: str, body: dict[str, Any], on_text: Callable[[Answer], None] = l
     return out
 
 
-def killing(fleet: Fleet, body: dict[str, Any], path: str, at: float, whole: Answer) -> tuple[Answer, list[str]]:  # fmt: skip
+def cut_after(
+    fleet: Fleet, body: dict[str, Any], chars: float, path: str = "/v1/chat/completions"
+) -> tuple[Answer, str, str]:
+    """A stream through the router whose server is killed once it has `chars` characters:
+    (the answer, the server killed or "", the text at the kill); the server is restarted."""
     killed: list[str] = []
+    at_kill: list[str] = [""]
 
     def kill(answer: Answer) -> None:
-        if not killed and len(answer.text) >= at * len(whole.text):
+        if not killed and len(answer.text) >= chars:
             killed.append(answer.endpoint.rsplit("/", 1)[-1])
+            at_kill[0] = answer.text
             fleet.kill(killed[0])
 
     try:
-        return stream(fleet.router.url, body, kill, path), killed
+        cut = stream(fleet.router.url, body, kill, path)
     finally:
         for name in killed:
             fleet.start(name)
+    return cut, (killed or [""])[0], at_kill[0]
 
 
 @pytest.mark.parametrize(
@@ -304,7 +314,7 @@ def test_a_stream_survives_its_llamacpp_server_killed_mid_answer(
     assert not whole.errors and whole.usage is not None and len(whole.text) > 20
     counted = {"result": "continued", "engine": "llamacpp"}
     continued = metric(fleet.router.admin, "cgn_router_migrations_total", **counted)
-    cut, killed = killing(fleet, body, path, 0.4, whole)
+    cut, killed, _ = cut_after(fleet, body, 0.4 * len(whole.text), path)
     assert killed, "the answer ended before the kill point"
     assert not cut.errors, cut.errors
     assert cut.text == whole.text and cut.finish == whole.finish
@@ -318,7 +328,7 @@ def test_a_stream_survives_its_llamacpp_server_killed_mid_answer(
 def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fleet) -> None:
     body = {**CHAT, "temperature": 0.8, "seed": 5}
     whole = stream(fleet.url("a"), body)
-    cut, killed = killing(fleet, body, "/v1/chat/completions", 0.3, whole)
+    cut, killed, _ = cut_after(fleet, body, 0.3 * len(whole.text))
     assert killed and cut.errors and cut.finish is None
     assert (
         "(not continued: a seeded sampled answer cannot take up its random stream"
@@ -326,25 +336,81 @@ def test_a_stream_that_cannot_continue_from_its_text_is_cut_saying_why(fleet: Fl
     )
 
 
-# ---- vLLM: its token-id fields, against a stand-in that speaks them (harness/vllm_stub.py) ----
+def test_a_drain_past_its_grace_cuts_none_of_16_streams(fleet: Fleet) -> None:
+    """A drain that outlasts its grace ends with the agent's SIGTERM of the engine
+    (supervisor.drain_timeout_s); llama.cpp's server then closes its connections at once.
+    Under 16 streams (each server answers one at a time and queues the rest), a server is
+    sent SIGTERM mid-answer: every stream completes, the one it was writing continued on
+    the other server, those it held queued sent there afresh."""
+    body = {**CHAT, "max_tokens": 24}
+    counted = {"result": "continued", "engine": "llamacpp"}
+    before = metric(fleet.router.admin, "cgn_router_migrations_total", **counted)
+    answers: list[Answer] = [Answer() for _ in range(16)]
+    lock = threading.Lock()
+    started = threading.Event()
+    ended: list[str] = []
 
+    def client(i: int) -> None:
+        def on_text(a: Answer) -> None:
+            with lock:
+                answers[i] = a
+                if sum(1 for x in answers if x.text) >= 4 and a.finish is None:
+                    started.set()
 
-@contextmanager
-def vllm_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
-    argv = [sys.executable, "-m", "harness.vllm_stub", "--port", str(port)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+        mine = {**body, "messages": [{"role": "user", "content": f"Story {i}: the lamp."}]}
+        answers[i] = stream(fleet.router.url, mine, on_text)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=60)
-        yield proc
+        assert started.wait(120), "the streams did not begin"
+        with lock:  # a server writing an answer now
+            writing = [a.endpoint.rsplit("/", 1)[-1] for a in answers if a.text and not a.finish]
+            ended.append(writing[0])
+            server = fleet.procs[ended[0]]
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)  # at once, not after its teardown waited on the open stream (30 s)
+        fleet.stacks.pop(ended[0]).close()
+        for t in threads:
+            t.join(180)
     finally:
-        stop(proc)
+        for name in ended:
+            fleet.start(name)
+    assert [a.errors for a in answers if a.errors] == []
+    assert all(a.finish == "length" and a.usage and a.usage["completion_tokens"] == 24
+               for a in answers), [(a.finish, a.usage) for a in answers]  # fmt: skip
+    assert all(len(a.ids) == 1 for a in answers)
+    moved = metric(fleet.router.admin, "cgn_router_migrations_total", **counted) - before
+    assert 0 < moved <= len(writing)
+
+
+# ---- GPU engines' token-id APIs, against stand-ins that speak them (harness/ids_engine_stub.py) --
+
+
+def stub_on(*args: str) -> Launch:
+    @contextmanager
+    def launch(port: int) -> Iterator[subprocess.Popen[bytes]]:
+        argv = [sys.executable, "-m", "harness.ids_engine_stub", "--port", str(port), *args]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+        try:
+            wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout_s=60)
+            yield proc
+        finally:
+            stop(proc)
+
+    return launch
+
+
+vllm_on = stub_on()
 
 
 @pytest.fixture(scope="module")
 def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # no tokenizer: vLLM names its ids
-    with fleet_of(tmp_path_factory.mktemp("migration-vllm"), "vllm", vllm_on) as f:
+    engines = {n: ("vllm", vllm_on) for n in NAMES}
+    with fleet_of(tmp_path_factory.mktemp("migration-vllm"), engines) as f:
         yield f
 
 
@@ -356,27 +422,16 @@ def test_a_vllm_stream_continues_from_the_ids_it_named(stubs: Fleet) -> None:
     body = {**CHAT, "max_tokens": 30}
     whole = stream(stubs.url("a"), body)
     assert not whole.errors and len(whole.text) > 20
-    killed: list[str] = []
     counted = {"result": "continued", "engine": "vllm"}
     before = metric(stubs.router.admin, "cgn_router_migrations_total", **counted)
-
-    def kill(answer: Answer) -> None:
-        if not killed and len(answer.text) >= 0.4 * len(whole.text):
-            killed.append(answer.endpoint.rsplit("/", 1)[-1])
-            stubs.kill(killed[0])
-
-    try:
-        cut = stream(stubs.router.url, body, kill)
-    finally:
-        for name in killed:
-            stubs.start(name)
+    cut, killed, _ = cut_after(stubs, body, 0.4 * len(whole.text))
     assert killed and not cut.errors, cut.errors
     assert cut.text == whole.text and cut.finish == "length" and len(cut.ids) == 1
     assert cut.usage is not None and cut.usage["completion_tokens"] == 30
     assert metric(stubs.router.admin, "cgn_router_migrations_total", **counted) > before
-    other = next(n for n in NAMES if n != killed[0])
+    other = next(n for n in NAMES if n != killed)
     sent = httpx.get(stubs.url(other) + "/requests", timeout=10).json()[-1]
-    prompt = vllm_stub.template(body["messages"])
+    prompt = ids_engine_stub.template(body["messages"])
     generated = len(cut.text.split())  # one word per id
     done_before = 30 - sent["max_tokens"]
     assert sent == {
@@ -386,3 +441,91 @@ def test_a_vllm_stream_continues_from_the_ids_it_named(stubs: Fleet) -> None:
     }  # fmt: skip
     assert sent["prompt"][: len(prompt)] == prompt and 0 < done_before < generated
     assert len(sent["prompt"]) == len(prompt) + done_before
+
+
+@pytest.fixture(scope="module")
+def sglang_stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    launch = stub_on("--dialect", "sglang", "--tokenizer", str(smollm2()))
+    engines = {n: ("sglang", launch) for n in NAMES}
+    models = {MODEL: {"tokenizer": str(smollm2())}}  # SGLang streams text: re-tokenized
+    with fleet_of(tmp_path_factory.mktemp("migration-sglang"), engines, models=models) as f:
+        yield f
+
+
+def test_an_sglang_stream_continues_from_its_text_as_a_prompt_of_ids(sglang_stubs: Fleet) -> None:
+    """SGLang streams text only and takes a prompt of ids (its input_ids) on
+    `/v1/completions`: the router re-tokenizes the text sent with the model's tokenizer,
+    and the other server gets exactly that continuation (no vLLM field in it)."""
+    from cgn_core.text.gguf_file import GGUFFile
+    from cgn_core.text.prompt import PromptCodec
+
+    stubs = sglang_stubs
+    body = {**CHAT, "max_tokens": 30}
+    whole = stream(stubs.url("a"), body)
+    assert not whole.errors and len(whole.text) > 20
+    cut, killed, _ = cut_after(stubs, body, 0.4 * len(whole.text))
+    assert killed and not cut.errors, cut.errors
+    assert cut.text == whole.text and cut.finish == "length" and len(cut.ids) == 1
+    assert cut.usage is not None and cut.usage["completion_tokens"] == 30
+    other = next(n for n in NAMES if n != killed)
+    sent = httpx.get(stubs.url(other) + "/requests", timeout=10).json()[-1]
+    with GGUFFile(smollm2()) as gguf:
+        codec = PromptCodec.from_gguf(gguf)
+    prompt = codec.encode_chat(body["messages"])
+    assert sent == {
+        "temperature": 0, "ignore_eos": True, "model": MODEL, "stream": True,
+        "stream_options": {"include_usage": True}, "prompt": sent["prompt"],
+        "max_tokens": sent["max_tokens"],
+    }  # fmt: skip
+    done_before = 30 - sent["max_tokens"]
+    assert (
+        sent["prompt"][: len(prompt)] == prompt and len(sent["prompt"]) == len(prompt) + done_before
+    )
+    assert whole.text.startswith(codec.tokenizer.decode(sent["prompt"][len(prompt) :]))
+
+
+# ---- across engine kinds: cgn-infer and llama.cpp on one GGUF (`migrate_across_engines`) ----
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("migration-across")
+
+    @contextmanager
+    def infer_on(port: int) -> Iterator[subprocess.Popen[bytes]]:
+        args = ("--port", str(port), "--threads", "1", "--model-name", MODEL)
+        with cgn_infer_engines(tmp, 1, *args) as (engine,):
+            yield engine.proc
+
+    engines = {"a": ("llamacpp", llama_on), "b": ("cgn-infer", infer_on)}
+    models = {MODEL: {"tokenizer": str(smollm2()), "migrate_across_engines": True}}
+    with fleet_of(tmp, engines, models=models) as f:
+        yield f
+
+
+def test_a_stream_continues_on_another_engine_kind_where_its_model_allows(mixed: Fleet) -> None:
+    """`migrate_across_engines`: a cgn-infer and a llama.cpp replica of one GGUF. Whichever
+    serves a stream is killed; the other kind continues it as a `/v1/completions` of its
+    ids: one answer, one id, the text already sent kept, the usage counting both engines'
+    tokens. (The two engines' greedy answers may differ after the cut: their arithmetic
+    differs, so only the text before it is compared.)"""
+    kinds = {"a": "llamacpp", "b": "cgn-infer"}
+    moved: set[str] = set()
+    for i in range(4):  # until both directions ran: the router picks where each goes
+        body = {**CHAT, "messages": [{"role": "user", "content": f"{i}. {STORY}"}]}
+        before = {k: metric(mixed.router.admin, "cgn_router_migrations_total",
+                            result="continued", engine=k) for k in kinds.values()}  # fmt: skip
+        cut, killed, at_kill = cut_after(mixed, body, 40)
+        assert killed, "the answer ended before the kill point"
+        assert not cut.errors, cut.errors
+        assert cut.text.startswith(at_kill) and len(cut.text) > len(at_kill)
+        assert len(cut.ids) == 1 and cut.finish == "length"
+        assert cut.usage is not None and cut.usage["completion_tokens"] == 40
+        kind = kinds[killed]
+        after = metric(mixed.router.admin, "cgn_router_migrations_total",
+                       result="continued", engine=kind)  # fmt: skip
+        assert after == before[kind] + 1
+        moved.add(kind)
+        if len(moved) == 2:
+            break
+    assert moved == {"llamacpp", "cgn-infer"}

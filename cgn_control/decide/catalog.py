@@ -17,6 +17,8 @@ apply -f model.yaml` writes it after `parse_model` (one model's fields) and
     slo: {ttft_p90_ms: 800}                    # optional: scale up while the router sees worse
     aliases: [llama]
     fallbacks: [smollm2]
+    migration_limit: 3                         # optional: continuations per stream
+    migrate_across_engines: false              # optional: one source, engines that take ids
     profiles:                                  # in priority order: the first that fits is used
       - {engine: vllm, accelerator: h100-80g, devices: 1, tensor_parallel: 1, ctx: 8192}
       - {engine: llama_cpp, accelerator: cpu, source: /models/llama-8b.Q4_K_M.gguf, threads: 8}
@@ -102,6 +104,8 @@ class ModelSpec:
     fallbacks: tuple[str, ...] = ()
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)  # and the `slo:` targets
     migration_limit: int | None = None  # continuations per stream; None: the router's setting
+    # a stream may continue on a replica of another engine kind (one source: one tokenizer)
+    migrate_across_engines: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -143,6 +147,7 @@ class ModelSpec:
             ),
             **_scaling_json(self.scaling),
             **({} if self.migration_limit is None else {"migration_limit": self.migration_limit}),
+            **({"migrate_across_engines": True} if self.migrate_across_engines else {}),
         }
 
 
@@ -174,6 +179,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             "scaling",
             "slo",
             "migration_limit",
+            "migrate_across_engines",
         },
         where,
     )
@@ -196,6 +202,11 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             raise CatalogError(
                 f"{_p(where, f'profiles[{i}]')}: no source (set source: on the model)"
             )
+    across = doc.get("migrate_across_engines", False)
+    if not isinstance(across, bool):
+        raise CatalogError(f"{_p(where, 'migrate_across_engines')}: expected true or false")
+    if across:
+        _one_tokenizer(profiles, source, where)
     return ModelSpec(
         name=name,
         source=source,
@@ -211,7 +222,32 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             if doc.get("migration_limit") is None
             else _int(doc, "migration_limit", where, 0, minimum=0, maximum=16)
         ),
+        migrate_across_engines=across,
     )
+
+
+# Engines whose OpenAI `/v1/completions` takes a prompt of token ids: a stream of one may
+# continue on another (cgn_core/openai/continuation.py)
+IDS_PROMPT_ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "trtllm")
+
+
+def _one_tokenizer(profiles: tuple[Profile, ...], source: str, where: str) -> None:
+    """`migrate_across_engines` continues one engine's answer on another from its token
+    ids: every profile must take ids and serve one source (the same weights, so one
+    tokenizer; two sources may tokenize differently and are refused)."""
+    at = _p(where, "migrate_across_engines")
+    for i, p in enumerate(profiles):
+        if p.engine not in IDS_PROMPT_ENGINES:
+            raise CatalogError(
+                f"{at}: profiles[{i}] ({p.engine}) cannot take a prompt of token ids; "
+                f"engines that can: {', '.join(IDS_PROMPT_ENGINES)}"
+            )
+    sources = sorted({p.source or source for p in profiles})
+    if len(sources) > 1:
+        raise CatalogError(
+            f"{at}: the profiles serve different sources ({', '.join(sources)}), whose "
+            "tokenizers may differ; one source for all profiles, or leave it off"
+        )
 
 
 MAX_POOL = 1000

@@ -158,16 +158,12 @@ def continuation_ids(
 
 
 def continuation_body(
-    body: Mapping[str, Any], served: str, ids: Sequence[int], generated: int,
-    return_ids: bool = False,
-) -> dict[str, Any]:  # fmt: skip
-    """The `/v1/completions` request that continues an answer of `generated` tokens
-    (`return_ids`: asking the engine to name its ids, vLLM's `return_token_ids`)."""
+    body: Mapping[str, Any], served: str, ids: Sequence[int], generated: int
+) -> dict[str, Any]:
+    """The `/v1/completions` request that continues an answer of `generated` tokens."""
     out: dict[str, Any] = {k: body[k] for k in CARRIED if k in body}
     out |= {"model": served, "prompt": list(ids), "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    if return_ids:
-        out["return_token_ids"] = True
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if type(limit) is int:
         out["max_tokens"] = max(1, limit - generated)
