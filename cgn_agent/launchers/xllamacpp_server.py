@@ -3,7 +3,11 @@
     python -m cgn_agent.launchers.xllamacpp_server --model M.gguf --port 8002 --alias smollm2
 
 Serves /health, /v1/models (listing --alias), the OpenAI endpoints and
-Prometheus /metrics (as `llama-server --metrics`) until SIGTERM.
+Prometheus /metrics (as `llama-server --metrics`) until SIGTERM, then exits at
+once: the agent sends SIGTERM when a drain has outlasted its grace, and a
+stream still open is the router's to continue elsewhere. (The wheel's server
+teardown waits up to 30 s for each open stream's handler, holding the GIL: a
+router saw those streams stall for 30 s before they broke.)
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 
 
@@ -59,9 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    server = xllamacpp.Server(params)
+    _server = xllamacpp.Server(params)  # held until the exit: dropped, it would stop
     done.wait()
-    del server
+    # NOTE: no teardown: the kernel closes every connection and frees the model; nothing
+    # here is kept across a restart (a slot saved to disk is saved by request)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
