@@ -59,7 +59,7 @@ from cgn_router.service import RouterService
 from cgn_router.settings import RouterSettings, ScrapeSettings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream
-from cgn_router.workers.shared import SharedLoad, SharedUsage
+from cgn_router.workers.shared import SharedLoad, SharedSpeed, SharedUsage
 from cgn_router.workers.supervisor import Heartbeat, Supervisor, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,10 @@ def build_service(
     if settings.budgets.enabled and settings.discovery == "etcd":
         me = worker.index if worker else 0
         ledger = Ledger(writer_name(settings.budgets, settings.http.port, me))
-    registry = Registry(settings.breaker, index, sessions, settings.scrape.stale_s, tiers, load)
+    speeds = SharedSpeed(worker.speed_fd, worker.count, worker.index) if worker else None
+    registry = Registry(
+        settings.breaker, index, sessions, settings.scrape.stale_s, tiers, load, speeds
+    )
     metrics = RouterMetrics()
     metrics.watch(registry)
     svc = RouterService(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -52,7 +53,9 @@ from cgn_router.types import (
     Usage,
     queue_length,
 )
-from cgn_router.workers.shared import SharedLoad
+from cgn_router.workers.shared import SharedLoad, SharedSpeed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -257,8 +260,10 @@ class Registry:
         stale_s: float,
         tiers: TierIndex | None = None,
         shared: SharedLoad | None = None,
+        speeds: SharedSpeed | None = None,
     ):
         self.shared = shared  # with several workers: their counts per endpoint
+        self.speeds = speeds  # with several workers: what each learned of each endpoint
         self.breaker = breaker
         self.stale_s = stale_s
         self.index = index
@@ -274,6 +279,7 @@ class Registry:
         self.efficiency: dict[str, Efficiency] = {}  # node -> its efficiency record
         self._prefill: dict[str, int] = {}  # model -> its prefill-role endpoints, counted
         self._typical: dict[str, tuple[float, Speed | None]] = {}  # model -> (when, median)
+        self._diverged: set[EndpointId] = set()  # endpoints whose fit failed, logged
 
     def has_prefill_pool(self, model: str) -> bool:
         """Some endpoint of `model` is a prefill replica (disaggregation is possible)."""
@@ -313,6 +319,8 @@ class Registry:
         state = self.states.pop(eid, None)
         if state is not None:
             self.index.forget(eid)
+            if self.speeds is not None:
+                self.speeds.forget(eid)
             self.version += 1
             self._count_role(state.endpoint, -1)
             model = state.endpoint.model
@@ -411,6 +419,8 @@ class Registry:
         state = self.states.get(eid)
         if state is None or not state.fit.add(sample, now):
             return False
+        if self.speeds is not None:
+            self.speeds.publish(eid, state.fit.state())
         if state.speed is None or not state.speed.warm:
             state.speed = None  # a cold one's first samples count at once
         return True
@@ -418,9 +428,18 @@ class Registry:
     def speed(self, s: EndpointState, now: float) -> Speed:
         """`s`'s learned speed; a replica not yet warm has its model's typical one (the
         median of its warm peers) or the default prior. Refitted at most every SPEED_READ_S
-        (not on every sample: a fit is two small solves, on the request path)."""
+        (not on every sample: a fit is two small solves, on the request path), from every
+        worker's samples where there are several."""
         if s.speed is None or now - s.speed_at > SPEED_READ_S:
-            s.speed, s.speed_at = s.fit.speed(now), now
+            fit = s.fit
+            if self.speeds is not None:
+                fit = fit.combined(self.speeds.others(s.endpoint.id))
+            diverged = fit.diverged
+            s.speed, s.speed_at = fit.speed(now), now
+            if fit.diverged > diverged and s.endpoint.id not in self._diverged:
+                self._diverged.add(s.endpoint.id)
+                log.warning("endpoint %s: its speed fit cannot be solved: the prior stands in "
+                            "(logged once)", s.endpoint.id)  # fmt: skip
         if s.speed.warm:
             return s.speed
         model = s.endpoint.model

@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -59,9 +60,11 @@ def key(etcd: LocalEtcd, limits: Limits = Limits()) -> str:
     return secret
 
 
-def call(router: Router, secret: str) -> int:
-    """One request on a connection of its own (the kernel picks the worker per connection)."""
-    body = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 2}).encode()
+def call(router: Router, secret: str, stream: bool = False) -> int:
+    """One request on a connection of its own (the kernel picks the worker per connection);
+    `stream`: streamed, with its usage (only a stream shows its first token's time)."""
+    body = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 2, "stream": stream,
+                       **({"stream_options": {"include_usage": True}} if stream else {})}).encode()  # fmt: skip
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {secret}"}
     req = urllib.request.Request(router.url + "/v1/completions", data=body, headers=headers)
     try:
@@ -130,6 +133,34 @@ def test_one_page_of_metrics_adds_the_workers_up(router: tuple[LocalEtcd, Router
     assert both.count("# TYPE cgn_router_requests_total counter") == 1
     primary, other = per_worker(r)
     assert primary > 0 and other > 0 and handled(both) == primary + other
+
+
+def samples(router: Router, admin: str) -> float:
+    """The answers behind the primary's learned speed of the one engine (/endpoints, with
+    `admin`, a key of the admin scope)."""
+    headers = {"Authorization": f"Bearer {admin}"}
+    req = urllib.request.Request(router.admin + "/endpoints", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        (row,) = json.load(resp)["endpoints"]
+    return float(row["speed"]["samples"])
+
+
+def test_every_workers_answers_teach_each_worker_the_speed(
+    router: tuple[LocalEtcd, Router],
+) -> None:
+    """An endpoint's speed is fitted from the answers both workers saw: the primary's count
+    of samples grows by every streamed answer, not by its share of them."""
+    etcd, r = router
+    secret, record = create("ops", "gold", admin=True)
+    etcd_put(etcd.endpoint, keys.API_KEYS + record.id, record.to_json())
+    until("both workers to know the key",
+          lambda: all(call(r, secret) == 200 for _ in range(4)), timeout_s=30)  # fmt: skip
+    time.sleep(1.1)  # SPEED_READ_S: the primary refits on its next read
+    before, served = samples(r, secret), per_worker(r)
+    assert all(call(r, secret, stream=True) == 200 for _ in range(10))
+    after = per_worker(r)
+    assert after[1] > served[1], "the other worker served none of them"
+    until("the primary to fit all ten", lambda: samples(r, secret) == before + 10, timeout_s=10)
 
 
 def test_merge_pages_sums_work_and_shows_the_largest_view() -> None:
@@ -372,4 +403,33 @@ def test_a_table_whose_lock_another_process_holds_is_busy_within_its_bound(
     with usage.use("key") as slot:
         assert slot is not None and slot.in_flight == 0
     usage.close()
+    os.close(fd)
+
+
+def test_each_workers_speed_fit_is_read_whole_by_the_others() -> None:
+    """A worker's fit is read by the others as it wrote it; a column caught mid-write is
+    left out of that read, not read torn; an endpoint gone is forgotten."""
+    from cgn_router.routing.speed import STATE_FIELDS
+    from cgn_router.workers import shared
+
+    assert shared.SPEED_FIELDS == STATE_FIELDS
+    fd = shared.create(shared.SPEED, 3)
+    views = [shared.SharedSpeed(fd, 3, w) for w in range(3)]
+    fit = tuple(float(i + 1) for i in range(STATE_FIELDS))
+    views[1].publish("e1", fit)
+    views[2].publish("e1", (0.0,) * STATE_FIELDS)  # nothing learned: not a fit to read
+    assert views[0].others("e1") == [fit] and views[1].others("e1") == []
+    assert views[0].others("e2") == []
+    table = views[0].table
+    at = table.slot("e1")
+    assert at is not None
+    column = table.column_at(at, 1)
+    (seq,) = struct.unpack_from("=q", table.mem, column)
+    struct.pack_into("=q", table.mem, column, seq + 1)  # worker 1 is writing
+    assert views[0].others("e1") == []
+    struct.pack_into("=q", table.mem, column, seq)
+    views[1].forget("e1")
+    assert views[0].others("e1") == []
+    for view in views:
+        view.close()
     os.close(fd)

@@ -152,3 +152,49 @@ def test_the_other_streams_cost_to_a_first_token_is_learned() -> None:
     plain = SpeedFit()
     now = feed(plain, FAST, 120)
     assert plain.speed(now).ttft_per_other_s == pytest.approx(0.0, abs=1e-3)
+
+
+def split_feed(parts: int, n: int) -> tuple[SpeedFit, list[SpeedFit]]:
+    """`n` noisy samples of FAST, into one fit and dealt in turn among `parts` fits."""
+    one, dealt = SpeedFit(), [SpeedFit() for _ in range(parts)]
+    for i in range(n):
+        work, batch, out = 64 + (i * 397) % 4000, 1 + i % 8, 2 + i % 50
+        noise = 1.0 + 0.3 * math.sin(i * 1.7)
+        s = Sample(work, FAST.ttft(work, batch - 1) * noise, out,
+                   FAST.per_token(batch) * (out - 1) / noise, batch)  # fmt: skip
+        now = i * 7.0  # over several half-lives: the decay matters
+        assert one.add(s, now) and dealt[i % parts].add(s, now)
+    return one, dealt
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_workers_fits_combined_are_the_fit_of_all_their_samples(parts: int) -> None:
+    """Each router worker learns from the answers it saw; combined (the workers' shared
+    table), their fits are the one fit of every sample: same speed, same count."""
+    one, dealt = split_feed(parts, 90)
+    both = dealt[0].combined([f.state() for f in dealt[1:]])
+    alone, together = one.speed(630.0), both.speed(630.0)
+    assert together.samples == alone.samples == 90
+    for name in ("overhead_s", "prefill_s", "decode_s", "per_batch_s", "ttft_per_other_s"):
+        assert getattr(together, name) == pytest.approx(getattr(alone, name), rel=1e-9, abs=1e-12)
+    assert dealt[0].speed(630.0) != alone  # a third of the samples alone fit otherwise
+
+
+@pytest.mark.parametrize(
+    "state",
+    [(), (math.nan,) * 17, (1.0, -5.0, 0.0, *([1.0] * 14)), (1.0, 2.0, 3.0, *([1.0] * 14)),
+     (1.0, 2.0, 1.0, -1.0, *([1.0] * 13)), (1.0, 2.0, 1.0, *([math.inf] * 14))],
+    ids=["short", "nan", "negative-count", "more-decoded-than-count", "negative-weight", "inf"],
+)  # fmt: skip
+def test_a_state_that_no_fit_could_have_is_left_out(state: tuple[float, ...]) -> None:
+    one, _ = split_feed(1, 30)
+    before = one.speed(210.0)
+    assert one.combined([state]).speed(210.0) == before
+
+
+def test_a_worker_with_nothing_learned_combines_the_others() -> None:
+    _, (a, b) = split_feed(2, 40)
+    empty = SpeedFit()
+    got = empty.combined([a.state(), b.state(), SpeedFit().state()])
+    assert got.speed(280.0) == a.combined([b.state()]).speed(280.0)
+    assert empty.combined([SpeedFit().state()]).speed(0.0) == empty.speed(0.0)

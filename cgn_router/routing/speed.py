@@ -18,7 +18,9 @@ within minutes. The decay is relative: a replica left idle keeps what it learned
 one does not drift back to its fast peers' median and win requests it then holds). A
 sample that is not a finite, possible
 observation is refused; a fit that comes out of bounds is clamped, and one that cannot
-be solved is the prior. Pure: no clock (`now` is passed in), no I/O.
+be solved is the prior. The router's workers each learn from the answers they see and
+fit their sums together (`state`, `combined`: the same fit as one learner of them all).
+Pure: no clock (`now` is passed in), no I/O.
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ class _Plane:
         return out if all(math.isfinite(x) for x in out) else None
 
 
+STATE_FIELDS = 17  # a fit's sums as SpeedFit.state() gives them (the workers' table)
+
+
 def _prior_weight(real: float) -> float:
     """The prior's weight beside `real` samples' worth: PRIOR_WEIGHT alone, fading as
     1/real once they outweigh it (a prior far off must not bias a warm fit)."""
@@ -193,6 +198,38 @@ class SpeedFit:
             self._decoded += 1
         self.count += 1
         return True
+
+    def state(self) -> tuple[float, ...]:
+        """What this fit learned, as STATE_FIELDS numbers: when its sums were last decayed,
+        its samples, those with a decode time, and the sums (for the other router workers,
+        who fit their samples and these together: `combined`)."""
+        at = self._at if math.isfinite(self._at) else 0.0
+        line = self._decode
+        return (at, float(self.count), float(self._decoded), *self._ttft.sums,
+                line.w, line.x, line.y, line.xx, line.xy)  # fmt: skip
+
+    def combined(self, others: list[tuple[float, ...]]) -> SpeedFit:
+        """A fit of this one's samples and those behind `others` (states of fits of the same
+        replica, each learned once): every sum decayed to the latest of their times, then
+        added, as if one fit had learned them all. A state no fit could have (not
+        STATE_FIELDS finite numbers; a negative time, count or weight) is left out."""
+        parts = [p for p in (self.state(), *others) if _possible(p) and p[1] > 0]  # learned
+        if not parts or parts == [self.state()]:
+            return self
+        latest = max(p[0] for p in parts)
+        out = SpeedFit(self.half_life_s)
+        out._at = latest
+        sums = [0.0] * (STATE_FIELDS - 3)
+        for p in parts:
+            factor = 0.5 ** min((latest - p[0]) / self.half_life_s, MAX_HALVINGS)
+            for i, x in enumerate(p[3:]):
+                sums[i] += x * factor
+            out.count += int(p[1])
+            out._decoded += int(p[2])
+        out._ttft = _Plane(sums[:9])
+        out._decode = _Line(*sums[9:])
+        out.refused, out.diverged = self.refused, self.diverged
+        return out
 
     @staticmethod
     def _pull(weight: float, count: int) -> float:
@@ -253,6 +290,15 @@ class SpeedFit:
     @staticmethod
     def _mean(line: _Line, prior: float) -> float:
         return line.y / line.w if line.w > 0 else prior
+
+
+def _possible(state: tuple[float, ...]) -> bool:
+    """Whether `state` could be a SpeedFit's (it comes from another process's memory)."""
+    if len(state) != STATE_FIELDS or not all(math.isfinite(x) for x in state):
+        return False
+    at, count, decoded, w, _, _, uu, _, vv, _, _, _, lw, _, _, lxx, _ = state
+    counts_ok = 0 <= decoded <= count <= MAX_TOKENS
+    return at >= 0 and counts_ok and min(w, uu, vv, lw, lxx) >= 0
 
 
 def median_speed(speeds: list[Speed]) -> Speed | None:

@@ -1,5 +1,6 @@
 """What the router's worker processes count together (`--workers`, workers.py): a key's
-usage against its limits, and the requests each worker has in flight on each endpoint.
+usage against its limits, the requests each worker has in flight on each endpoint, and
+what each learned of each endpoint's speed.
 
 Each is a table in one anonymous shared-memory file (memfd) that the supervisor
 creates and every worker inherits: fixed-size slots found by open addressing on
@@ -17,7 +18,8 @@ own view of the key, as when the table is full), the holder is logged by pid,
 and for `BUSY_S` no one here tries again (the supervisor replaces a worker
 whose loop stops within its heartbeat bound, workers.py, which frees the lock).
 Each worker writes only its own column (8-byte aligned: read whole by others
-without a lock), zeroed when it starts, so a killed worker's requests in flight
+without a lock; a wider one, a speed fit's, under a sequence number: SharedSpeed),
+zeroed when it starts, so a killed worker's requests in flight
 are not counted forever. Times are CLOCK_MONOTONIC, the same in every process.
 """
 
@@ -61,6 +63,8 @@ class Layout:
 
 USAGE = Layout("usage", 16384, struct.Struct("=4d"), struct.Struct("=q"))
 LOAD = Layout("load", 65536, struct.Struct(""), struct.Struct("=qq"))
+SPEED_FIELDS = 17  # routing/speed.py's STATE_FIELDS: a fit's decay time, counts and sums
+SPEED = Layout("speed", 16384, struct.Struct(""), struct.Struct(f"=q{SPEED_FIELDS}d"))
 
 
 def create(layout: Layout, workers: int) -> int:
@@ -181,6 +185,10 @@ class Table:
 
     def set_own(self, at: int, *values: int) -> None:
         self.layout.column.pack_into(self.mem, at + self._own, *values)
+
+    def column_at(self, at: int, worker: int) -> int:
+        """The offset of `worker`'s column in the slot at `at`."""
+        return at + self.columns_at + self.layout.column.size * worker
 
     def columns(self, at: int) -> list[tuple[int, ...]]:
         """Every worker's column, this one's too, in worker order."""
@@ -316,3 +324,59 @@ class SharedLoad:
     def admitted_elsewhere(self, pool: str) -> int:
         """The requests the other workers have admitted to `pool` and not finished."""
         return self.others(ADMITTED + pool)[0]
+
+
+_SEQ = struct.Struct("=q")
+_FIT = struct.Struct(f"={SPEED_FIELDS}d")
+READ_TRIES = 4  # a column found mid-write this many times is left out of this read
+
+
+class SharedSpeed:
+    """Each endpoint's speed fit (routing/speed.py) as each worker learned it from the
+    answers it saw, so that every worker fits every worker's samples and predicts alike
+    (registry.py). A worker writes its column under a sequence number, odd while it
+    writes; a reader that finds it odd, or changed when it has read, reads again, and past
+    READ_TRIES leaves that worker's samples out until its next read."""
+
+    def __init__(self, fd: int, workers: int, worker: int):
+        self.table = Table(SPEED, fd, workers, worker)
+        self._seq: dict[int, int] = {}  # slot -> the sequence number this worker wrote
+
+    def publish(self, eid: str, state: tuple[float, ...]) -> None:
+        """This worker's fit of `eid` (zeros: it has none, as when the endpoint went)."""
+        at = self.table.slot(eid)
+        if at is None or len(state) != SPEED_FIELDS:
+            return
+        mine = self.table.column_at(at, self.table.worker)
+        seq = self._seq.get(at, 0) + 1
+        _SEQ.pack_into(self.table.mem, mine, seq)
+        _FIT.pack_into(self.table.mem, mine + _SEQ.size, *state)
+        self._seq[at] = seq + 1
+        _SEQ.pack_into(self.table.mem, mine, seq + 1)
+
+    def forget(self, eid: str) -> None:
+        self.publish(eid, (0.0,) * SPEED_FIELDS)
+
+    def others(self, eid: str) -> list[tuple[float, ...]]:
+        """The other workers' fits of `eid` (those that have learned something)."""
+        at = self.table.slot(eid)
+        if at is None:
+            return []
+        out = []
+        for w in range(self.table.workers):
+            if w == self.table.worker:
+                continue
+            column = self.table.column_at(at, w)
+            for _ in range(READ_TRIES):
+                (before,) = _SEQ.unpack_from(self.table.mem, column)
+                if before % 2:
+                    continue
+                fit = _FIT.unpack_from(self.table.mem, column + _SEQ.size)
+                if _SEQ.unpack_from(self.table.mem, column)[0] == before:
+                    if fit[1] > 0:  # its count of samples
+                        out.append(fit)
+                    break
+        return out
+
+    def close(self) -> None:
+        self.table.close()

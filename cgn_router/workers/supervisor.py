@@ -12,6 +12,8 @@ that serves it. What they share, and how:
   sees the whole router's requests, not a worker's share);
 * admission: each worker counts the others' requests on an engine as another
   router's (the engine's running + waiting beyond its own), as two routers do;
+* each endpoint's learned speed: each worker writes the fit of the answers it saw, and
+  fits its own and the others' together, so every worker predicts the same times;
 * the KV index: each worker follows every engine's KV events itself; its own
   optimistic guesses stay its own until the events confirm them;
 * the admin port: worker 0, the primary, serves it (and runs the reconciler);
@@ -83,6 +85,7 @@ class WorkerRole:
     admin_port: int
     usage_fd: int  # shared.USAGE
     load_fd: int  # shared.LOAD
+    speed_fd: int  # shared.SPEED
     beat_fd: int  # the heartbeats (Heartbeat)
     supervisor: int  # its pid
 
@@ -212,15 +215,17 @@ class Supervisor:
             fds = [
                 shared.create(shared.USAGE, self.count),
                 shared.create(shared.LOAD, self.count),
+                shared.create(shared.SPEED, self.count),
                 Heartbeat.create(self.count),
             ]
-            self.beats = Heartbeat(fds[2], self.count)
+            self.beats = Heartbeat(fds[3], self.count)
             self.role = dict(
                 count=self.count,
                 run_dir=str(self.run_dir),
                 usage_fd=fds[0],
                 load_fd=fds[1],
-                beat_fd=fds[2],
+                speed_fd=fds[2],
+                beat_fd=fds[3],
                 supervisor=os.getpid(),
                 http_port=ports["http"],
                 admin_port=ports["admin"],
@@ -273,7 +278,7 @@ class Supervisor:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cgn_router.cli", "worker"],
             env=env,
-            pass_fds=(self.role["usage_fd"], self.role["load_fd"], self.role["beat_fd"]),
+            pass_fds=tuple(self.role[k] for k in ("usage_fd", "load_fd", "speed_fd", "beat_fd")),
         )
         return _Worker(index, proc, time.monotonic())
 
