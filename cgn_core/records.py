@@ -527,9 +527,10 @@ class Scaling:
     direction: str  # up | down | hold
     reason: str
     demand: float
-    capacity: float | None
+    capacity: float | None  # per replica
     at_unix: float
     history: tuple[Scaling, ...] = ()
+    unit: str = "requests"  # of demand and capacity: requests | tokens/s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -541,6 +542,7 @@ class Scaling:
             "reason": self.reason,
             "demand": self.demand,
             "capacity": self.capacity,
+            "unit": self.unit,
             "at_unix": self.at_unix,
             "history": [h.to_json() for h in self.history],
         }
@@ -551,6 +553,9 @@ def scaling(doc: Any, nested: bool = False) -> Scaling:
     direction = text(d, "direction", "hold")
     if direction not in ("up", "down", "hold"):
         raise RecordError(f"'direction' must be up, down or hold, got {direction!r:.40}")
+    unit = text(d, "unit", "requests")
+    if unit not in SCALING_UNITS:
+        raise RecordError(f"'unit' must be requests or tokens/s, got {unit!r:.40}")
     history: tuple[Scaling, ...] = ()
     if not nested:  # one level: a history entry carries none of its own
         raw = d.get("history") or []
@@ -568,7 +573,11 @@ def scaling(doc: Any, nested: bool = False) -> Scaling:
         capacity=number(d, "capacity", None, lo=0.0),
         at_unix=number(d, "at_unix", 0.0, lo=0.0) or 0.0,
         history=history,
+        unit=unit,
     )
+
+
+SCALING_UNITS = ("requests", "tokens/s")
 
 
 class RecordLog:

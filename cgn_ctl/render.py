@@ -113,13 +113,14 @@ def explain_scaling(d: dict[str, Any]) -> None:
             )
             continue
         when = time.strftime("%H:%M:%S", time.localtime(got["at_unix"]))
-        capacity = "not learned" if got["capacity"] is None else f"{got['capacity']:g}"
+        unit = got.get("unit", "requests")
+        capacity = "not learned" if got["capacity"] is None else f"{got['capacity']:g} {unit}"
         console.print(
             f"[bold]{name}[/bold] ({bounds}): target {got['desired']}{_forged(got)}, "
             f"{got['current']} placed — {got['reason']}"
         )
         console.print(
-            f"  demand {got['demand']:g} requests, capacity per replica {capacity}, decided {when}"
+            f"  demand {got['demand']:g} {unit}, capacity per replica {capacity}, decided {when}"
         )
         t = Table("at", "", "target", "reason")
         for h in reversed(got["history"]):

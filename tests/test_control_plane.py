@@ -349,9 +349,10 @@ def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """min 1, max 3, engines that run two requests at a time: eight streaming clients make
-    requests wait, the leader learns a replica's capacity (2) and scales to 3; when the load
-    falls to one client, it returns to 1 after its 8 s window, draining what it removes.
-    With min 0 it then goes to zero, and a request holds until a replica serves it."""
+    requests wait, the leader learns a replica's batch (2) and speed, and scales to 3 in
+    tokens per second; when the load falls to one client, it returns to 1 after its 8 s
+    window, draining what it removes. With min 0 it then goes to zero, and a request holds
+    until a replica serves it."""
     model = tmp_path / "elastic.yaml"
     model.write_text(ELASTIC_YAML)
     cluster.ctl("models", "apply", "-f", str(model))
@@ -371,9 +372,11 @@ def test_replicas_follow_the_load_and_a_scale_down_cuts_no_stream(
     steps = [(h["direction"], h["current"], h["desired"]) for h in decision["history"]]
     assert ("up", 1, 3) in steps or ("up", 2, 3) in steps, steps
     assert steps[-1][0] == "down" and steps[-1][2] == 1, steps
-    assert decision["capacity"] == 2
+    # the router learned the replicas' speeds and the answers' shape: tokens per second,
+    # each replica at its learned batch of 2
+    assert decision["unit"] == "tokens/s" and decision["capacity"] > 0, decision
     reasons = [h["reason"] for h in decision["history"]]
-    assert any("demand" in r and "capacity 2 per replica" in r for r in reasons), reasons
+    assert any("demand" in r and "tokens/s" in r for r in reasons), reasons
     # min 0: idle, it goes to zero; the next request is held at the router while the
     # autoscaler starts a replica for it, then served
     cluster.ctl("models", "scale", "elastic", "--min", "0")

@@ -92,7 +92,7 @@ VALID: dict[str, dict[str, Any]] = {
     "efficiency": {"tokens_per_joule": 2.5, "source": "rapl", "window_s": 60.0,
                    "at_unix": 1.7e9},
     "scaling": {"model": "m", "role": "decode", "desired": 3, "current": 2, "direction": "up",
-                "reason": "demand 5", "demand": 5.0, "capacity": 2.0, "at_unix": 1.7e9,
+                "reason": "demand 5", "demand": 5.0, "capacity": 2.0, "unit": "tokens/s", "at_unix": 1.7e9,
                 "history": [{"desired": 2, "current": 1, "direction": "up", "at_unix": 1.6e9}]},
     "tenant": {"tenant": "acme", "budget": {"tokens_per_day": 1000, "joules_per_day": 2.5}},
     "usage": ["2026-12-06", 10, 20, 0.5],
@@ -426,6 +426,7 @@ def test_a_snapshot_of_written_records_equals_the_one_read() -> None:
      ("efficiency", "at_unix", float("nan")), ("scaling", "desired", 10**400),
      ("scaling", "demand", float("inf")), ("tenant", "budget", {"tokens_per_day": 10**400}),
      ("placement", "profile", {"": float("nan")}),  # found by the round-trip property
+     ("scaling", "unit", "furlongs"),  # not a number, but one of two units
      ],
 )  # fmt: skip
 def test_a_huge_or_non_finite_number_is_a_bad_record_not_a_crash(

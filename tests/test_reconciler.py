@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from cgn_control.decide.catalog import ModelSpec, parse_model
 from cgn_control.decide.reconciler import Delete, Memory, Put, Snapshot, explain, reconcile
-from cgn_control.decide.scaling import ReplicaLoad
+from cgn_control.decide.scaling import ReplicaLoad, ReplicaSpeed
 from cgn_core.records import placement
 from cgn_router.settings import ReconcilerSettings
 
@@ -356,10 +357,37 @@ def test_the_autoscalers_target_is_placed_toward_and_the_least_loaded_replica_go
     assert floor == []  # never below min
 
 
-def seen(cached: dict[str, int] | None = None, **work: float) -> dict[str, ReplicaLoad]:
-    """The router's view of replicas: `work` requests on each, `cached` KV blocks."""
-    return {r: ReplicaLoad("m", "both", r, w, 0, 0, 600, (cached or {}).get(r, 0))
+def seen(
+    cached: dict[str, int] | None = None, decode: dict[str, float] | None = None, **work: float
+) -> dict[str, ReplicaLoad]:
+    """The router's view of replicas: `work` requests on each, `cached` KV blocks, the
+    `decode` seconds per token it learned (none: not learned)."""
+    speeds = {r: ReplicaSpeed(0.05, 1e-4, d, 0.0) for r, d in (decode or {}).items()}
+    return {r: ReplicaLoad("m", "both", r, w, 0, 0, 600, (cached or {}).get(r, 0), speeds.get(r))
             for r, w in work.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("work", "cached", "tpj", "goes", "decode"),
+    [
+        ({"r1": 3, "r2": 1, "r3": 2}, {}, {}, "r1", {"r1": 0.2, "r2": 0.02, "r3": 0.02}),  # slowest
+        (
+            {"r1": 3, "r2": 1, "r3": 2},
+            {},
+            {},
+            "r2",
+            {"r1": 0.015, "r2": 0.02, "r3": 0.021},
+        ),  # alike
+        ({"r1": 0, "r2": 0, "r3": 0}, {}, {}, "r3", {"r1": 0.02, "r3": 0.05}),  # r2: not learned
+    ],
+)
+def test_the_slowest_replica_goes_first(
+    work: dict[str, float], cached: dict[str, int], tpj: dict[str, float], goes: str,
+    decode: dict[str, float],
+) -> None:  # fmt: skip
+    """Its loss costs the fleet least: speeds learned by the routers, within a factor 1.5
+    alike (then the least to drain), one not learned as the fastest."""
+    assert removed(work, cached, tpj, decode) == [goes]
 
 
 @pytest.mark.parametrize(
@@ -377,6 +405,15 @@ def test_the_replica_that_goes_is_the_one_whose_loss_costs_least(
 ) -> None:
     """Requests to drain first, then the prefix the router routes to it, then tokens per
     joule of its node (measured by cgn-metrics, fresh)."""
+    assert removed(work, cached, tpj) == [goes]
+
+
+def removed(
+    work: dict[str, float], cached: dict[str, int], tpj: dict[str, float],
+    decode: dict[str, float] | None = None,
+) -> list[str]:  # fmt: skip
+    """The replica a scale-down from three to two deletes, each replica with `work` to
+    drain, `cached` blocks, its node's tokens per joule `tpj`, its learned `decode` speed."""
     m = model("m", lo=1, hi=4)
     three = {("a", "r1"): "m", ("b", "r2"): "m", ("c", "r3"): "m"}
     s = snap(models=[m], placed=three, status=ready(*three))
@@ -384,8 +421,8 @@ def test_the_replica_that_goes_is_the_one_whose_loss_costs_least(
     s = Snapshot.of(s.models, {n: CPU_NODE for n in "abc"},
                     {k: {"model": "m", "devices": [], "owner": "reconciler"} for k in three},
                     ready(*three), {}, s.wall, eff)  # fmt: skip
-    down = reconcile(s, Memory(), 0.0, S, targets={"m": 2}, load=seen(cached, **work))
-    assert [a.replica for a in down] == [goes]
+    down = reconcile(s, Memory(), 0.0, S, targets={"m": 2}, load=seen(cached, decode, **work))
+    return [a.replica for a in down]
 
 
 def test_scale_reads_the_routers_signals_per_pool() -> None:
@@ -402,3 +439,12 @@ def test_scale_reads_the_routers_signals_per_pool() -> None:
     got = scale(snap(models=[m], placed=placed), mem, busy, 0.0)
     assert set(got) == {"m"} and (got["m"].current, got["m"].desired) == (2, 6)
     assert got["m"].demand == 40  # the unknown model's replica is not counted
+    # the replicas' learned speeds and the answers' shape: the same pool in tokens per second
+    fast = ReplicaSpeed(0.05, 1e-4, 0.02, 0.0)
+    timed = Signals(replicas=tuple(replace(r, speed=fast) for r in busy.replicas),
+                    shape={"m": (1000.0, 200.0)})  # fmt: skip
+    mem = Memory()
+    scale(snap(models=[m], placed=placed), mem, timed, -0.5)
+    got = scale(snap(models=[m], placed=placed), mem, timed, 0.0)
+    assert (got["m"].unit, got["m"].desired) == ("tokens/s", 6), got["m"].reason
+    assert got["m"].demand == pytest.approx(40 * 1200 / fast.request_s(1000, 200, 8))

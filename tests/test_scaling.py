@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgn_control.decide.scaling import Pool, Sample, Scaler, ScalingPolicy
+from cgn_control.decide.scaling import Pool, ReplicaSpeed, Sample, Scaler, ScalingPolicy
 
 # demand as sampled (window_s 0): the tables below are about the rules, not the averaging
 POLICY = ScalingPolicy(
@@ -194,3 +194,103 @@ def test_targets_stay_in_bounds_and_change_at_most_once_a_cooldown(
     for (t0, _), (t1, kind) in itertools.pairwise(changes):
         gap = POLICY.up_cooldown_s if kind == "up" else POLICY.down_cooldown_s
         assert t1 - t0 >= gap - 1e-9, changes
+
+
+# ---- in tokens per second: each replica at the speed the routers learned of it ----
+
+FAST = ReplicaSpeed(overhead_s=0.05, prefill_s=1e-4, decode_s=0.02, per_batch_s=0.0)
+SLOW = ReplicaSpeed(overhead_s=0.5, prefill_s=1e-3, decode_s=0.2, per_batch_s=0.0)  # 1/10
+SHAPE = (1000.0, 200.0)  # the answers' mean uncached prompt and output tokens
+
+
+def timed(pool: str, loads: list[tuple[float, float, ReplicaSpeed | None]]) -> list[Sample]:
+    """One sample per replica: (running, waiting, its learned speed)."""
+    return [Sample(pool, f"r{i}", r, w, 600, speed) for i, (r, w, speed) in enumerate(loads)]
+
+
+@pytest.mark.parametrize("loads", [[(8, 12)] * 2, [(8, 1)] * 3, [(6, 1)] * 4, [(8, 30)]], ids=str)
+def test_on_an_equal_fleet_tokens_and_requests_agree(loads: list[tuple[float, float]]) -> None:
+    by_requests, by_tokens = Scaler(), Scaler()
+    n = len(loads)
+    got = twice(by_requests, [pool(n)], samples("m", loads), now=0)["m"]
+    timed_loads = [(r, w, FAST) for r, w in loads]
+    other = twice(by_tokens, [pool(n, shape=SHAPE)], timed("m", timed_loads), now=0)["m"]
+    assert (other.unit, got.unit) == ("tokens/s", "requests")
+    assert other.desired == got.desired, (got.reason, other.reason)
+
+
+def test_a_slow_replica_counts_as_what_it_does_not_as_its_queue() -> None:
+    """Requests counted alike: a slow replica's pile looks like demand for more replicas,
+    and a busy fast one beside an idle slow one like a pool half used. In tokens per
+    second it is the other way round."""
+    piled = [(4, 0, FAST), (8, 6, SLOW)]  # the fast one has room: requests are not tokens
+    busy = [(8, 4, FAST), (1, 0, SLOW)]  # the slow one adds a tenth of a replica
+    counted = {
+        name: (
+            twice(Scaler(), [pool(2)], samples("m", [(r, w) for r, w, _ in loads]), now=0)["m"],
+            twice(Scaler(), [pool(2, shape=SHAPE)], timed("m", loads), now=0)["m"],
+        )
+        for name, loads in (("piled", piled), ("busy", busy))
+    }
+    by_requests, by_tokens = counted["piled"]
+    assert (by_requests.desired, by_tokens.desired) == (3, 2), by_tokens.reason
+    by_requests, by_tokens = counted["busy"]
+    assert (by_requests.desired, by_tokens.desired) == (3, 4), by_tokens.reason
+    assert "tokens/s" in by_tokens.reason and by_tokens.capacity is not None
+
+
+def test_the_slowest_replicas_are_the_ones_a_step_down_does_without() -> None:
+    """Three replicas, two fast and one at a tenth of their speed, lightly loaded: the step
+    down keeps the capacity the demand needs, counting the slowest off first."""
+    policy = replace(POLICY, stabilization_s=0, down_cooldown_s=0)
+    s = Scaler()
+    twice(s, [Pool("m", 1, 8, 3, policy, shape=SHAPE)], timed("m", [(8, 1, FAST)] * 3), now=0)
+    light = timed("m", [(3, 0, FAST), (3, 0, FAST), (1, 0, SLOW)])
+    d = s.decide([Pool("m", 1, 8, 3, policy, shape=SHAPE)], light, now=100)["m"]
+    # demand 6.1 fast-request's worth against 8 + 8 + 0.8: without the slow one and one fast
+    # one, 8 < 6.1 / (0.8 x 0.75) = 10.2, so one goes: by requests it would be 2 as well, but
+    # which goes is the reconciler's (removal_cost: the slowest first)
+    assert (d.direction, d.desired) == ("down", 2), d.reason
+
+
+def test_an_itl_slo_caps_the_batch_a_replica_is_counted_at() -> None:
+    """Throughput at the SLO: a replica that slows by 10 ms per output token per request in
+    its batch runs at most 3 under a 45 ms ITL SLO, not the 8 it was seen running."""
+    batchy = replace(FAST, per_batch_s=0.01)
+    loads = [(8, 8, batchy)] * 2
+    free = twice(Scaler(), [pool(2, shape=SHAPE)], timed("m", loads), now=0)["m"]
+    capped_policy = replace(POLICY, itl_p90_ms=45)
+    capped = twice(Scaler(), [Pool("m", 1, 8, 2, capped_policy, shape=SHAPE)],
+                   timed("m", loads), now=0)["m"]  # fmt: skip
+    assert capped.capacity is not None and free.capacity is not None
+    t = batchy.request_s(*SHAPE, 3)
+    assert capped.capacity == pytest.approx(3 * sum(SHAPE) / t, rel=1e-3)
+    assert capped.desired > free.desired
+
+
+@pytest.mark.parametrize(
+    "speed", [None, ReplicaSpeed(math.nan, 1e-4, 0.02, 0), ReplicaSpeed(0.1, -1, 0.02, 0),
+              ReplicaSpeed(0.1, 1e-4, 0.0, 0)], ids=["none", "nan", "negative", "zero-decode"],
+)  # fmt: skip
+def test_a_replica_with_no_usable_speed_counts_at_the_typical_one(
+    speed: ReplicaSpeed | None,
+) -> None:
+    known = twice(Scaler(), [pool(2, shape=SHAPE)], timed("m", [(8, 4, FAST)] * 2), now=0)["m"]
+    loads = [(8, 4, FAST), (8, 4, speed)]
+    got = twice(Scaler(), [pool(2, shape=SHAPE)], timed("m", loads), now=0)["m"]
+    assert (got.unit, got.desired, got.demand) == ("tokens/s", known.desired, known.demand)
+
+
+def test_without_a_shape_or_any_learned_speed_it_counts_requests() -> None:
+    loads = [(8, 4, FAST)] * 2
+    assert twice(Scaler(), [pool(2)], timed("m", loads), now=0)["m"].unit == "requests"
+    cold = [(8, 4, None)] * 2
+    assert twice(Scaler(), [pool(2, shape=SHAPE)], timed("m", cold), now=0)["m"].unit == (
+        "requests"
+    )
+    for poison in ((math.nan, 10.0), (-1.0, 10.0), (0.0, 0.0)):
+        got = twice(Scaler(), [pool(2, shape=poison)], timed("m", loads), now=0)["m"]
+        assert got.unit == "requests", poison
+    instant = [(8, 4, ReplicaSpeed(0.0, 0.0, 0.02, 0.0))] * 2  # prompts only, costing nothing
+    got = twice(Scaler(), [pool(2, shape=(100.0, 0.0))], timed("m", instant), now=0)["m"]
+    assert got.unit == "requests" and got.desired == 4  # 24 requests at 8 a replica

@@ -26,7 +26,8 @@ Per pass, in order:
    cgn_control/decide/scaling.py decided from the load (`scale`); below the target
    (off draining and lost nodes) one placement is made with placement.place();
    above it (or above `max`), one replica is deleted, the one whose loss costs
-   least (`removal_cost`): not-Ready ones first, then the least load to drain,
+   least (`removal_cost`): not-Ready ones first, then the slowest (decode speeds
+   as the routers learned them, alike within a factor 1.5), then the least load to drain,
    then the least cached prefix the router routes to it, then the node with the
    lowest measured tokens per joule (the agent lets its requests in flight
    finish before it stops the engine).
@@ -350,10 +351,11 @@ def scale(
                     ttft_p90_s=signals.ttft_p90_s.get(name),
                     itl_p90_s=signals.itl_p90_s.get(name),
                     waiting_at_router=signals.waiting_at_router.get(name, 0),
+                    shape=signals.shape.get(name),
                 )
             )
     samples = [
-        Sample(pool, r.replica, r.running, r.waiting, r.ready_for_s)
+        Sample(pool, r.replica, r.running, r.waiting, r.ready_for_s, r.speed)
         for r in signals.replicas
         if (pool := label_of.get((r.model, r.role), label_of.get((r.model, "*")))) is not None
     ]
@@ -473,20 +475,30 @@ def _relay_rendezvous(
     return out
 
 
+SPEED_CLASS = 1.5  # replicas whose decode speeds are within this factor are alike to remove
+
+
 def removal_cost(
     key: Key, snap: Snapshot, load: Mapping[str, ReplicaLoad]
-) -> tuple[bool, float, int, float, Key]:
+) -> tuple[bool, int, float, int, float, Key]:
     """What removing the replica at `key` would cost, least first: Ready (a replica still
-    loading serves nothing), the requests it would have to drain (this router's in flight
-    plus the engine's running and waiting), the KV blocks the router routes to it (prefix
-    hits lost), its node's tokens per joule (the less efficient goes; unmeasured last),
-    then the key (a stable order)."""
+    loading serves nothing), its speed (the slowest goes first: its loss costs the fleet
+    least; speeds within SPEED_CLASS of each other alike, one not learned as the fastest),
+    the requests it would have to drain (this router's in flight plus the engine's running
+    and waiting), the KV blocks the router routes to it (prefix hits lost), its node's
+    tokens per joule (the less efficient goes; unmeasured last), then the key (a stable
+    order)."""
     seen = load.get(key[1])
     work = seen.in_flight + seen.running + seen.waiting if seen is not None else 0.0
     cached = seen.cached_blocks if seen is not None else 0
+    speed = seen.speed if seen is not None else None
+    fastness = 1 << 30  # not learned: as the fastest
+    if speed is not None and speed.usable:
+        fastness = -round(math.log(speed.decode_s) / math.log(SPEED_CLASS))
     eff = snap.efficiency.get(key[0])
     tpj = eff.fresh(snap.wall) if eff is not None else None
-    return _ready(snap.statuses.get(key)), work, cached, math.inf if tpj is None else tpj, key
+    per_joule = math.inf if tpj is None else tpj
+    return _ready(snap.statuses.get(key)), fastness, work, cached, per_joule, key
 
 
 def _ready(status: ReplicaStatus | None) -> bool:

@@ -22,6 +22,22 @@ non-finite or negative figure skipped:
                 (an SLO breach, ttft p90 above `slo.ttft_p90_ms`: at least current + 1;
                  no demand: `min`; nothing learned yet and nothing waiting: current)
 
+Where the routers learned the replicas' speeds (cgn_router/routing/speed.py) and the
+pool's answers' shape (P uncached prompt tokens and O output tokens, their means), the
+same rules run in tokens per second, so that unequal replicas count as what they do:
+
+    T_i(b)      = overhead_i + prefill_i·P + O·(decode_i + per_batch_i·(b - 1))
+                  seconds for one request on replica i in a batch of b
+    demand      = Σ_i (running_i + waiting_i)·(P + O) / T_i(max(1, running_i))
+    capacity_i  = b_i·(P + O) / T_i(b_i), b_i its own learned batch (else the pool's),
+                  fewer where `slo.itl_p90_ms` allows no more (the throughput at its SLO)
+    up          = current + ceil((demand / utilization - Σ capacity_i) / typical)
+    down        = current - the most replicas, the slowest first, whose removal leaves
+                  Σ capacity_i ≥ demand / (utilization × (1 - hysteresis))
+
+A replica whose speed is not learned counts at the median of those learned (`typical`,
+also what a new replica is expected to add). On an equal fleet the two agree.
+
 then clamped to [min, max], and acted on: up at once (at most `max_step_up`
 replicas a step, `up_cooldown_s` apart), down only to the largest
 recommendation of the last `stabilization_s` and `down_cooldown_s` after
@@ -39,12 +55,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from cgn_core.errors import ConfigError
 
 Direction = Literal["up", "down", "hold"]
+Unit = Literal["requests", "tokens/s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +98,27 @@ class ScalingPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSpeed:
+    """A replica's speed as the routers learned it from its answers, in seconds."""
+
+    overhead_s: float
+    prefill_s: float  # per uncached prompt token
+    decode_s: float  # per output token, alone
+    per_batch_s: float  # per output token, per other request in its batch
+
+    def request_s(self, prompt: float, output: float, batch: float) -> float:
+        """One request's seconds, `prompt` uncached tokens and `output` tokens, in a batch
+        of `batch` (T in the module's formulas)."""
+        per_token = self.decode_s + self.per_batch_s * max(0.0, batch - 1)
+        return self.overhead_s + self.prefill_s * prompt + output * per_token
+
+    @property
+    def usable(self) -> bool:
+        figures = (self.overhead_s, self.prefill_s, self.decode_s, self.per_batch_s)
+        return all(math.isfinite(x) and 0 <= x <= 3600 for x in figures) and self.decode_s > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One replica's load as the router last saw it (the leader is a router)."""
 
@@ -89,6 +127,7 @@ class Sample:
     running: float
     waiting: float
     ready_for_s: float  # how long it has been routable; samples under warmup_s are ignored
+    speed: ReplicaSpeed | None = None  # learned from its answers; None: not yet
 
     @property
     def usable(self) -> bool:
@@ -108,6 +147,7 @@ class ReplicaLoad:
     in_flight: int  # this router's requests on it now (what a removal would have to drain)
     ready_for_s: float
     cached_blocks: int = 0  # KV blocks the router knows it holds (prefix hits a removal loses)
+    speed: ReplicaSpeed | None = None  # as the router learned it; None: not yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +158,8 @@ class Signals:
     ttft_p90_s: Mapping[str, float] = field(default_factory=dict)  # per model, over a window
     itl_p90_s: Mapping[str, float] = field(default_factory=dict)
     waiting_at_router: Mapping[str, int] = field(default_factory=dict)  # per model, no replica
+    # per model: its answers' mean (uncached prompt tokens, output tokens) over a window
+    shape: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +174,7 @@ class Pool:
     ttft_p90_s: float | None = None  # the router's own measure over the window; None: none
     itl_p90_s: float | None = None
     waiting_at_router: int = 0  # requests held for a pool that has no replica (min 0)
+    shape: tuple[float, float] | None = None  # its answers' mean (prompt, output) tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +185,9 @@ class Decision:
     direction: Direction
     reason: str
     demand: float
-    capacity: float | None
+    capacity: float | None  # per replica (the typical one's, in tokens/s)
     next_step_unix: float | None = None  # when a step the other way may happen, if waiting
+    unit: Unit = "requests"  # of demand and capacity
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,7 +197,8 @@ class Decision:
             "direction": self.direction,
             "reason": self.reason,
             "demand": round(self.demand, 3),
-            "capacity": self.capacity,
+            "capacity": None if self.capacity is None else round(self.capacity, 3),
+            "unit": self.unit,
         }
 
 
@@ -169,7 +214,9 @@ class PoolMemory:
     last_down: float = -math.inf
     recommendations: deque[tuple[float, int]] = field(default_factory=deque)
     demands: deque[tuple[float, float]] = field(default_factory=deque)  # (time, demand)
+    token_demands: deque[tuple[float, float]] = field(default_factory=deque)  # tokens/s
     queued: set[str] = field(default_factory=set)  # replicas with requests waiting, last pass
+    batch: dict[str, float] = field(default_factory=dict)  # replica -> its own capacity
 
 
 @dataclass
@@ -225,8 +272,13 @@ class Scaler:
         current = pool.current if mem.desired is None else mem.desired
         lo, hi = pool.min, pool.max
 
+        by_tokens: tuple[float, list[float]] | None = None  # (demand, each one's capacity)
+
         def decided(target: int, why: str, demand: float = 0.0) -> Decision:
-            return _decision(pool, current, target, why, demand, mem.capacity)
+            if by_tokens is None:
+                return _decision(pool, current, target, why, demand, mem.capacity)
+            d = _decision(pool, current, target, why, by_tokens[0], _median(by_tokens[1]))
+            return replace(d, unit="tokens/s")
 
         if not p.enabled:
             return decided(lo, "scaling off: min replicas")
@@ -239,13 +291,20 @@ class Scaler:
         for s in usable:  # requests waiting on two passes running: all it can run, its capacity
             if s.replica in queued and s.replica in mem.queued:
                 mem.capacity = max(mem.capacity or 0.0, s.running)
+                mem.batch[s.replica] = max(mem.batch.get(s.replica, 0.0), s.running)
         mem.queued = queued  # NOTE: one pass's queue is often a prompt's prefill step, not a limit
+        for gone in set(mem.batch) - {s.replica for s in samples}:
+            del mem.batch[gone]
         now_demand = sum(s.running + s.waiting for s in usable) + pool.waiting_at_router
-        mem.demands.append((now, now_demand))
-        while mem.demands[0][0] < now - p.window_s:
-            mem.demands.popleft()
-        demand = sum(d for _, d in mem.demands) / len(mem.demands)  # the window's mean
-        rec, why = self._recommend(pool, demand, current, mem.capacity)
+        demand = _window_mean(mem.demands, now, now_demand, p.window_s)
+        tokens = _in_tokens(pool, usable, mem)
+        if tokens is not None:
+            by_tokens = (_window_mean(mem.token_demands, now, tokens[0], p.window_s), tokens[1])
+            rec, why = self._by_tokens(pool, by_tokens[0], current, by_tokens[1])
+            demand = by_tokens[0]
+        else:
+            mem.token_demands.clear()
+            rec, why = self._recommend(pool, demand, current, mem.capacity)
         rec = min(max(rec, lo), hi)
         mem.recommendations.append((now, rec))
         while mem.recommendations[0][0] < now - p.stabilization_s:
@@ -294,6 +353,97 @@ class Scaler:
         if down < current:
             return down, f"{fig}: {down} replicas carry it with {p.hysteresis:.0%} headroom"
         return current, f"{fig}: within the band"
+
+    @staticmethod
+    def _by_tokens(
+        pool: Pool, demand: float, current: int, capacities: list[float]
+    ) -> tuple[int, str]:
+        """`_recommend` in tokens per second, each replica at its own learned capacity."""
+        p = pool.policy
+        if demand <= 0 and pool.waiting_at_router == 0:
+            return pool.min, "no requests: min replicas"
+        typical = _median(capacities)
+        have = [*capacities, *[typical] * max(0, current - len(capacities))]
+        total = sum(have)
+        fig = f"demand {demand:.0f} tokens/s, {len(have)} replicas carry {total:.0f} at capacity"
+        up = current + math.ceil((demand / p.utilization - total) / typical)
+        slo = _slo_breach(pool)
+        if slo:
+            return max(up, current + 1), f"{slo}; {fig}"
+        if up > current:
+            return up, f"{fig}: {up} replicas at {p.utilization:.0%}"
+        keep = demand / (p.utilization * (1 - p.hysteresis))
+        gone = 0
+        for c in sorted(have)[: max(0, current - 1)]:  # the slowest first
+            if total - c < keep:
+                break
+            total, gone = total - c, gone + 1
+        if gone:
+            return (
+                current - gone,
+                f"{fig}: {current - gone} carry it with {p.hysteresis:.0%} headroom",
+            )
+        return current, f"{fig}: within the band"
+
+
+def _window_mean(
+    ring: deque[tuple[float, float]], now: float, value: float, window_s: float
+) -> float:
+    """`value` taken at `now` into `ring`, and the mean of the last `window_s` of it."""
+    ring.append((now, value))
+    while ring[0][0] < now - window_s:
+        ring.popleft()
+    return sum(v for _, v in ring) / len(ring)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _in_tokens(
+    pool: Pool, usable: Sequence[Sample], mem: PoolMemory
+) -> tuple[float, list[float]] | None:
+    """The pool's demand in tokens per second and each usable replica's capacity (the
+    module's formulas); None where they cannot be told (no shape, no speed learned, no
+    batch learned): the rules then run in requests."""
+    if pool.shape is None or mem.capacity is None:
+        return None
+    prompt, output = pool.shape
+    tokens = prompt + output
+    if not (math.isfinite(tokens) and 0 < tokens <= 1 << 24 and min(prompt, output) >= 0):
+        return None
+    learned = [s.speed for s in usable if s.speed is not None and s.speed.usable]
+    if not learned:
+        return None
+    typical = ReplicaSpeed(*(_median([getattr(x, f) for x in learned]) for f in _SPEED_FIELDS))
+    itl = pool.policy.itl_p90_ms
+    demand, capacities = 0.0, []
+    if not typical.request_s(prompt, output, 1.0) > 0:  # nothing takes time: no rate
+        return None
+    for s in usable:
+        speed = s.speed if s.speed is not None and s.speed.usable else typical
+        if not speed.request_s(prompt, output, 1.0) > 0:
+            speed = typical
+        load = s.running + s.waiting
+        if load:
+            demand += load * tokens / speed.request_s(prompt, output, max(1.0, s.running))
+        batch = max(1.0, mem.batch.get(s.replica, mem.capacity))
+        if itl is not None and speed.per_batch_s > 0:  # no more than its SLO allows
+            allowed = 1 + (itl / 1e3 - speed.decode_s) / speed.per_batch_s
+            batch = max(1.0, min(batch, math.floor(allowed)))
+        capacities.append(batch * tokens / speed.request_s(prompt, output, batch))
+    if pool.waiting_at_router:
+        demand += pool.waiting_at_router * tokens / typical.request_s(prompt, output, 1.0)
+    if not capacities or not all(math.isfinite(c) and c > 0 for c in capacities):
+        return None
+    if not (math.isfinite(demand) and demand >= 0):
+        return None
+    return demand, capacities
+
+
+_SPEED_FIELDS = ("overhead_s", "prefill_s", "decode_s", "per_batch_s")
 
 
 def _slo_breach(pool: Pool) -> str:
