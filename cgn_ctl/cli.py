@@ -247,7 +247,8 @@ def top(
     config: Config = None,
 ) -> None:
     """Live load per node and per model: replicas Ready, running and waiting requests, output
-    tokens/s, KV use, watts and joules per token, refreshed until Ctrl-C (from cgn-metrics).
+    tokens/s, KV use, watts and joules per token; per replica, the slowest first, the prefill
+    and decode ms per token the routers learned; refreshed until Ctrl-C (from cgn-metrics).
     `--json` prints one frame as JSON; "—" is a figure no engine publishes."""
     from cgn_ctl import top as top_mod
     from cgn_ctl import upstate

@@ -1,7 +1,8 @@
 """`cgn-ctl top`: the fleet's load now, per node and per model, refreshed in the terminal.
 
 The figures are cgn-metrics' fleet view (`GET /api/v1/fleet`, docs/cgn-metrics.md): its
-replicas (running, waiting, KV usage, output tokens/s), nodes (state, watts, joules per
+replicas (running, waiting, KV usage, output tokens/s, and the speed the routers learned
+of each: ms per uncached prompt token and per output token), nodes (state, watts, joules per
 output token) and totals. The view is read back with `FleetView.from_json`, which does not
 trust it (a row of the wrong shape is left out, a number that is not a finite one is "no
 figure"); `frame` is pure and sums each node's and each model's replicas. A figure no
@@ -30,6 +31,7 @@ from cgn_core.terminal import plain
 
 DASH = "—"
 MAX_VIEW_BYTES = 16 << 20  # a fleet view larger than this is not read
+REPLICA_ROWS = 40  # the replicas table shows this many (the slowest decode first); --json all
 
 
 class MetricsUnreachable(CognitoraError):
@@ -53,6 +55,21 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaRow:
+    """One replica: its load and the speed the routers learned of it (None: not learned)."""
+
+    name: str
+    model: str
+    node: str
+    state: str
+    running: float | None
+    waiting: float | None
+    tokens_per_s: float | None
+    prefill_ms_per_token: float | None
+    decode_ms_per_token: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Frame:
     url: str
     at_unix: float
@@ -66,6 +83,7 @@ class Frame:
     energy_source: str
     nodes: tuple[Row, ...]
     models: tuple[Row, ...]
+    replicas: tuple[ReplicaRow, ...]  # the slowest decode first; not learned last
     down: tuple[str, ...]  # "target: error" for every target that did not answer
 
     def to_json(self) -> dict[str, Any]:
@@ -116,6 +134,10 @@ def frame(view: FleetView, url: str) -> Frame:
             mine = [r for r in view.replicas if r.model == m.model]
             row = _row(m.model, "", mine, j_per_output_token=m.j_per_output_token)
             models.append(_with_placed(row, m.replicas))
+    replicas = sorted(
+        (_replica_row(r) for r in view.replicas),
+        key=lambda r: (r.decode_ms_per_token is None, -(r.decode_ms_per_token or 0.0), r.name),
+    )
     t = view.totals
     down = tuple(f"{x.id or '?'}: {x.error or 'down'}" for x in view.targets if x.state == "down")
     return Frame(
@@ -131,8 +153,15 @@ def frame(view: FleetView, url: str) -> Frame:
         energy_source=t.energy_source or "unavailable",
         nodes=tuple(nodes),
         models=tuple(models),
+        replicas=tuple(replicas),
         down=down,
     )
+
+
+def _replica_row(r: ReplicaView) -> ReplicaRow:
+    name = r.replica or r.url or "?"
+    return ReplicaRow(name, r.model, r.node, r.state, r.running, r.waiting, r.tokens_per_s,
+                      r.prefill_ms_per_token, r.decode_ms_per_token)  # fmt: skip
 
 
 def _with_placed(row: Row, placed: int) -> Row:
@@ -192,6 +221,27 @@ def _table(title: str, rows: Iterable[Row], *, per_node: bool) -> Table:
     return table
 
 
+def _replicas(rows: tuple[ReplicaRow, ...]) -> Table:
+    """Each replica's load and learned speed, the slowest first (at most REPLICA_ROWS)."""
+    columns: list[tuple[str, Callable[[ReplicaRow], str]]] = [
+        ("replica", lambda r: r.name),
+        ("model", lambda r: r.model),
+        ("node", lambda r: r.node),
+        ("state", lambda r: r.state),
+        ("running", lambda r: _f(r.running, 0)),
+        ("waiting", lambda r: _f(r.waiting, 0)),
+        ("tokens/s", lambda r: _f(r.tokens_per_s)),
+        ("prefill ms/token", lambda r: _f(r.prefill_ms_per_token, 3)),
+        ("decode ms/token", lambda r: _f(r.decode_ms_per_token, 1)),
+    ]
+    more = len(rows) - REPLICA_ROWS
+    title = "replicas" + (f" (the {REPLICA_ROWS} slowest of {len(rows)})" if more > 0 else "")
+    table = Table(*(name for name, _ in columns), title=title, title_justify="left")
+    for row in rows[:REPLICA_ROWS]:
+        table.add_row(*(Text(plain(cell(row))) for _, cell in columns))
+    return table
+
+
 def render(f: Frame, error: str = "") -> Group:
     """The frame as rich renderables: a line of totals, the nodes, the models, what is down."""
     head = Text.assemble(
@@ -205,6 +255,8 @@ def render(f: Frame, error: str = "") -> Group:
     nodes = _table("nodes", f.nodes, per_node=True)
     models = _table("models", f.models, per_node=False)
     parts: list[Any] = [head, nodes if f.nodes else Text("no nodes"), models]
+    if f.replicas:
+        parts.append(_replicas(f.replicas))
     if f.down:
         parts.append(Text("down: " + "; ".join(map(plain, f.down)), style="yellow"))
     if error:

@@ -32,10 +32,12 @@ VIEW: dict[str, Any] = {
     "models": [{"model": "smollm2", "replicas": 3, "ready": 2, "j_per_output_token": 0.29},
                {"model": "llama", "replicas": 1, "ready": 0, "j_per_output_token": None}],
     "replicas": [
-        {"model": "smollm2", "node": "n1", "state": "up", "running": 3, "waiting": 2,
-         "kv_usage": 0.4, "tokens_per_s": 80.0},
-        {"model": "smollm2", "node": "n1", "state": "up", "running": 2, "waiting": 0,
-         "kv_usage": 0.7, "tokens_per_s": 40.0},
+        {"model": "smollm2", "replica": "r1", "node": "n1", "state": "up", "running": 3,
+         "waiting": 2, "kv_usage": 0.4, "tokens_per_s": 80.0, "prefill_ms_per_token": 0.21,
+         "decode_ms_per_token": 18.5},
+        {"model": "smollm2", "replica": "r2", "node": "n1", "state": "up", "running": 2,
+         "waiting": 0, "kv_usage": 0.7, "tokens_per_s": 40.0, "prefill_ms_per_token": 2.4,
+         "decode_ms_per_token": 190.0},
         # a llama.cpp replica: no KV figure published
         {"model": "llama", "node": "n2", "state": "down", "running": None, "waiting": None,
          "kv_usage": None, "tokens_per_s": None},
@@ -57,6 +59,19 @@ def test_nodes_and_models_sum_their_replicas() -> None:
     assert (llama.ready, llama.replicas, llama.tokens_per_s) == (0, 1, None)
     assert (f.tokens_per_s, f.ttft_p95_s, f.energy_source) == (120.0, 0.25, "rapl")
     assert f.down == ("engine:n2.r3: ConnectError: refused",)
+
+
+def test_each_replicas_learned_speed_is_shown_the_slowest_first() -> None:
+    f = frame(VIEW, "http://m:9092")
+    assert [(r.name, r.prefill_ms_per_token, r.decode_ms_per_token) for r in f.replicas] == [
+        ("r2", 2.4, 190.0), ("r1", 0.21, 18.5), ("?", None, None)]  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(render(f))
+    lines = console.export_text().splitlines()
+    r2 = next(line for line in lines if line.lstrip("│ ").startswith("r2 "))
+    assert "0.210" not in r2 and "2.400" in r2 and "190.0" in r2
+    unlearned = next(line for line in lines if line.lstrip("│ ").startswith("? "))
+    assert unlearned.count(DASH) >= 5  # running, waiting, tokens/s, prefill, decode
 
 
 def test_a_figure_nobody_publishes_is_a_dash_not_zero() -> None:
