@@ -7,8 +7,9 @@
 `--engine llamacpp` (#59): three real llama.cpp servers (xllamacpp, SmolLM2, one thread
 each, `--parallel 16`) in place of the sim engines, continued from their text
 (cgn_core/openai/continuation.py); no kvcached (llama.cpp has none), so its scenarios
-are kill -9, SIGTERM and kill -9 with migration off. Results: bench/results/
-migration_llamacpp.{json,md}.
+are kill -9, SIGTERM (what the agent sends when a drain outlasts its grace) and kill -9
+with migration off; its cost check declares the sim engines as llama.cpp servers.
+Results: bench/results/migration_llamacpp.{json,md} (`_N` for `--streams N` other than 32).
 
 Three sim engines (each its own process, so one can be killed) behind a router,
 with and without a shared cgn-kvcached; `--streams` concurrent streams, each a
@@ -253,21 +254,32 @@ async def short_load(url: str, n: int, seconds: float) -> int:
     return done
 
 
-def overhead(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+def overhead(tmp: Path, args: argparse.Namespace, kind: str = "") -> dict[str, Any]:
+    """Requests/s through a router with migration on and one with it off, alternating.
+    `kind` "llamacpp": the sim engines declared as llama.cpp servers, so the router keeps
+    every stream's events to re-tokenize them (the cost of tracking a text-only stream)."""
     with fleet(tmp / "overhead", 200.0, kvcached=False) as f:
-        endpoints = {
-            n: {"url": f"http://127.0.0.1:{p}", "model": MODEL} for n, p in f.ports.items()
-        }
+        declared = {"engine": kind} if kind else {}
+        endpoints = {n: {"url": f"http://127.0.0.1:{p}", "model": MODEL, **declared}
+                     for n, p in f.ports.items()}  # fmt: skip
+        models = {MODEL: {"tokenizer": str(smollm2())}} if kind else {}
         config = {"discovery": "static", "endpoints": endpoints, "log": {"level": "warning"},
-                  "migration": {"limit": 0}}  # fmt: skip
-        with cgn_router(tmp / "overhead", config) as off:
+                  "models": models, "breaker": {"failures": 1000}}  # fmt: skip
+        for side in ("on", "off"):
+            (tmp / f"overhead-{side}").mkdir(exist_ok=True)
+        with ExitStack() as routers:
+            on = routers.enter_context(cgn_router(tmp / "overhead-on", {**config,
+                                       "migration": {"limit": 3}}))  # fmt: skip
+            off = routers.enter_context(cgn_router(tmp / "overhead-off", {**config,
+                                        "migration": {"limit": 0}}))  # fmt: skip
             totals = {"on": 0, "off": 0}
             for _ in range(4):
-                for key, r in (("on", f.router), ("off", off)):
+                for key, r in (("on", on), ("off", off)):
                     totals[key] += asyncio.run(short_load(r.url, args.streams, args.seconds))
     spent = 4 * args.seconds
-    on, off_rate = totals["on"] / spent, totals["off"] / spent
-    return {"req_s_migration_on": on, "req_s_migration_off": off_rate, "ratio": on / off_rate}
+    on_rate, off_rate = totals["on"] / spent, totals["off"] / spent
+    return {"req_s_migration_on": on_rate, "req_s_migration_off": off_rate,
+            "ratio": on_rate / off_rate}  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]], cost: dict[str, Any] | None) -> str:
@@ -313,7 +325,9 @@ def main() -> None:
             reference = asyncio.run(run_streams(f, args.streams, None, (args.prompt, args.output)))
         assert not any(s.failed for s in reference), [s.failed for s in reference]
         took = pct([s.seconds for s in reference], 0.5)
+        quiet = [s.max_gap_s for s in reference]  # the machine's own gaps, nothing ended
         if llama:
+            cost = {**overhead(tmp, args, "llamacpp"), "streams": args.streams}
             rows = [
                 scenario(tmp, "kill -9", args, reference, kvcached=False, end="kill"),
                 scenario(tmp, "SIGTERM", args, reference, kvcached=False, end="term"),
@@ -321,14 +335,22 @@ def main() -> None:
                          end="kill", migration=0),
             ]  # fmt: skip
             command = "python -m bench.migration " + " ".join(sys.argv[1:])
-            text = table(rows, None) + (
-                f"\n\nAn undisturbed stream took {took:.1f} s (median). llama.cpp's greedy output "
-                "depends on what else is in its batch (so a stream nobody cut may differ from the "
-                "reference run too: compare the migration-off row); a continuation starts with "
-                "its prompt and answer recomputed in a batch of its own."
+            text = table(rows, cost) + (
+                f"\n\nAn undisturbed stream took {took:.1f} s (median); its longest gap between "
+                f"two chunks, with nothing ended, was {pct(quiet, 0.5) * 1000:.0f} / "
+                f"{pct(quiet, 0.99) * 1000:.0f} ms (p50 / p99): the servers' own pauses "
+                "(a prefill of a queued stream stops every stream's decode). llama.cpp's greedy "
+                "output depends on what else is in its batch (so a stream nobody cut may differ "
+                "from the reference run too: compare the migration-off row); a continuation "
+                "starts with its prompt and answer recomputed in a batch of its own. The cost "
+                "check runs sim engines declared as llama.cpp servers (the router keeps and "
+                "re-tokenizes their events exactly as for llama.cpp; a real server would hide "
+                "the router's cost behind its own)."
             )
-            data = {"scenarios": rows, "stream_s_p50": took}
-            write_result("migration_llamacpp", command.strip(), data, text)
+            data = {"scenarios": rows, "stream_s_p50": took, "cost": cost,
+                    "quiet_gap_p50_s": pct(quiet, 0.5), "quiet_gap_p99_s": pct(quiet, 0.99)}  # fmt: skip
+            name = "migration_llamacpp" + ("" if args.streams == 32 else f"_{args.streams}")
+            write_result(name, command.strip(), data, text)
             print(text)
             return
         rows = [
