@@ -1,4 +1,5 @@
-"""cgn-router's admin listener: /metrics, /healthz, /readyz, /endpoints, /reconciler.
+"""cgn-router's admin listener: /metrics, /healthz, /readyz, /endpoints, /reconciler, and
+POST /debug/route (where a request would go now, and why: explain.py).
 
 /metrics, /healthz and /readyz answer anyone; the management paths need a
 client certificate when the listener is HTTPS, else an admin-scoped API key
@@ -17,8 +18,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cgn_core.http import Handler, error_middleware, mtls_middleware
+from cgn_core.http import Handler, error_middleware, mtls_middleware, parse_json
 from cgn_router.auth import authorize_admin
+from cgn_router.explain import explain
 from cgn_router.service import RouterService
 from cgn_router.types import Speed
 from cgn_router.workers.metrics_merge import merge_pages
@@ -47,7 +49,13 @@ def build_admin_app(svc: RouterService, worker: WorkerRole | None = None) -> web
     app.router.add_get("/readyz", lambda r: _readyz(svc))
     app.router.add_get("/endpoints", lambda r: _endpoints(svc))
     app.router.add_get("/reconciler", lambda r: _reconciler(svc))
+    app.router.add_post("/debug/route", lambda r: _explain_route(svc, r))
     return app
+
+
+async def _explain_route(svc: RouterService, request: web.Request) -> web.Response:
+    """Where a request would go now and why (explain.py); the body is JSON, at most 1 MiB."""
+    return web.json_response(explain(svc, parse_json(await request.read())))
 
 
 def _admin_key_middleware(svc: RouterService) -> Any:

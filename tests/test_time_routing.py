@@ -72,6 +72,8 @@ def test_a_twenty_times_slower_replica_gets_its_share_and_answers_say_their_pred
                 assert learned == float(speed["warm"]) and decode > 0, (name, speed)
             # every answer is in: nothing left on the drain clock, and none running late
             assert [(e["queued_tokens"], e["lag"]) for e in listed] == [(0, 1.0)] * 3, listed
+            explained = explain_route(router.admin)
+    assert explained["chosen"] != f"{MODEL}/slow"
     assert len(answers) == 90
     routed = Counter(endpoint.split("/")[-1] for _, endpoint in answers)
     # capacity: the slow replica is 1/41 of the fleet (2.4 %), and its share tracks that,
@@ -94,6 +96,35 @@ def test_a_twenty_times_slower_replica_gets_its_share_and_answers_say_their_pred
     if speeds["slow"]["samples"] >= 3:
         fast_ms = min(ttft_ms(speeds[f]) for f in ("fast0", "fast1"))
         assert ttft_ms(speeds["slow"]) > 2 * fast_ms, speeds
+
+
+def explain_route(admin: str) -> dict[str, object]:
+    """POST /debug/route: every candidate's predicted time, term by term, and the winner;
+    a body that is not a request's is a 400 naming what is wrong, a model nothing serves
+    a 404. Returns the explanation of a typical prompt."""
+    url = admin + "/debug/route"
+    body = {"model": MODEL, "prompt": "request 7 " + "word " * 40}
+    got = httpx.post(url, json=body, timeout=10).json()
+    rows = {row["id"]: row for row in got["candidates"]}
+    assert set(rows) == {f"{MODEL}/{n}" for n in ("fast0", "fast1", "slow")}, rows
+    assert got["prompt_tokens"] > 40 and rows[got["chosen"]]["chosen"]
+    for row in rows.values():
+        terms = row["terms_ms"]
+        assert sum(terms.values()) == pytest.approx(row["predicted_ttft_ms"], abs=0.5), row
+        assert row["scores"]["time"] > 0 and row["dropped_by"] is None
+    best = min(rows.values(), key=lambda r: r["predicted_ttft_ms"])
+    assert rows[got["chosen"]]["predicted_ttft_ms"] == best["predicted_ttft_ms"]  # picker max
+    for bad, status, said in (
+        ({**body, "max_tokens": 3}, 400, "max_tokens"),
+        ({"model": MODEL}, 400, "one of 'prompt'"),
+        ({**body, "model": "nothing"}, 404, "nothing"),
+        ("[" * 5000, 400, "nests deeper"),
+        ("{model", 400, "JSON"),
+    ):
+        r = httpx.post(url, content=bad if isinstance(bad, str) else None,
+                       json=None if isinstance(bad, str) else bad, timeout=10)  # fmt: skip
+        assert r.status_code == status and said in r.json()["error"]["message"], r.text[:300]
+    return got
 
 
 # ---- moving a stream that waits too long for its first token (#57, part 3) ------------
