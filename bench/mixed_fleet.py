@@ -22,6 +22,10 @@ tokens beside its share of that capacity. Hit rate is what the engines
 report (cached_tokens / prompt_tokens); mlx_lm counts tokens from its
 prompt cache, llama.cpp from its slot's cache.
 
+`NAME@fast` runs policy NAME with mlx_lm's node cordoned (the router routes
+nothing there): the two fast engines alone, #57's yardstick for what adding a
+slow replica may cost.
+
 Results: bench/results/mixed_fleet.{json,md}.
 """
 
@@ -32,6 +36,7 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +54,7 @@ from bench.trace import TraceRequest, load
 from cgn_core import bundled_models
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
-from harness.mixed_fleet import ENGINES, endpoint_records, engine_of_node, mixed_fleet
+from harness.mixed_fleet import BIN, ENGINES, endpoint_records, engine_of_node, mixed_fleet
 from harness.poll import router_endpoints, until
 from harness.procs import cgn_router
 
@@ -113,7 +118,12 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=0.2, help="arrivals this many times faster")
     p.add_argument("--output-scale", type=float, default=0.05)
     p.add_argument("--words", type=int, default=4, help="words per 512-token trace block")
-    p.add_argument("--policies", default="round_robin,cognitora")
+    p.add_argument(
+        "--policies",
+        default="round_robin,cognitora",
+        help="routing policies (bench/router_trace.py's), comma-separated; NAME@fast: NAME "
+        "with mlx_lm's node cordoned, the two fast engines alone",
+    )
     args = p.parse_args()
     window = load(args.trace, args.start + args.limit, args.time_scale)[args.start :]
     reqs = [replace(r, at_s=r.at_s - window[0].at_s) for r in window]
@@ -141,7 +151,12 @@ def main() -> None:
                 for e in ENGINES:
                     cap[e]["share"] = round(cap[e]["req_s"] / total, 3)
                 results["capacity"] = cap
-            config = {"etcd": {"endpoints": [etcd]}, "routing": POLICIES[policy]}
+            name, _, only = policy.partition("@")
+            if only == "fast":  # the router routes nothing to a cordoned node's engine
+                subprocess.run([str(BIN / "cgn-ctl"), "cordon", recs["mlx_lm"]["node"],
+                                "--etcd", etcd, "--reason", "bench: the fast pair alone"],
+                               check=True, capture_output=True, timeout=60)  # fmt: skip
+            config = {"etcd": {"endpoints": [etcd]}, "routing": POLICIES[name]}
             print(f"{policy} ...", file=sys.stderr, flush=True)
             with cgn_router(Path(d), config) as router:
                 until("the router sees the three engines",
