@@ -57,7 +57,11 @@ def obj(doc: Any, what: str = "record") -> dict[str, Any]:
     return doc
 
 
-def text(doc: Mapping[str, Any], name: str, default: str = "", *, required: bool = False) -> str:
+def text(
+    doc: Mapping[str, Any], name: str, default: str = "", *, required: bool = False,
+    one_of: frozenset[str] = frozenset(),
+) -> str:  # fmt: skip
+    """`doc[name]`, a string (cut at MAX_TEXT); with `one_of`, one of those."""
     value = doc.get(name)
     if value is None:
         if required:
@@ -65,6 +69,8 @@ def text(doc: Mapping[str, Any], name: str, default: str = "", *, required: bool
         return default
     if not isinstance(value, str):
         raise RecordError(f"'{name}' must be a string, got {type(value).__name__}")
+    if one_of and value not in one_of:
+        raise RecordError(f"'{name}' must be one of {', '.join(sorted(one_of))}, got {value!r:.40}")
     return value[:MAX_TEXT]
 
 
@@ -210,11 +216,8 @@ class ReplicaStatus:
 
 def replica_status(doc: Any) -> ReplicaStatus:
     d = obj(doc, "replica status")
-    phase = text(d, "phase", required=True)
-    if phase not in PHASES:
-        raise RecordError(f"'phase' must be one of {', '.join(sorted(PHASES))}, got {phase!r:.40}")
     return ReplicaStatus(
-        cast(Phase, phase),
+        cast(Phase, text(d, "phase", required=True, one_of=PHASES)),
         model=text(d, "model"),
         reason=text(d, "reason"),
         failures=integer(d, "failures", 0),
@@ -550,12 +553,6 @@ class Scaling:
 
 def scaling(doc: Any, nested: bool = False) -> Scaling:
     d = obj(doc, "scaling")
-    direction = text(d, "direction", "hold")
-    if direction not in ("up", "down", "hold"):
-        raise RecordError(f"'direction' must be up, down or hold, got {direction!r:.40}")
-    unit = text(d, "unit", "requests")
-    if unit not in SCALING_UNITS:
-        raise RecordError(f"'unit' must be requests or tokens/s, got {unit!r:.40}")
     history: tuple[Scaling, ...] = ()
     if not nested:  # one level: a history entry carries none of its own
         raw = d.get("history") or []
@@ -567,17 +564,14 @@ def scaling(doc: Any, nested: bool = False) -> Scaling:
         role=text(d, "role"),
         desired=integer(d, "desired", 0, 0, 1 << 20),
         current=integer(d, "current", 0, 0, 1 << 20),
-        direction=direction,
+        direction=text(d, "direction", "hold", one_of=frozenset({"up", "down", "hold"})),
         reason=text(d, "reason"),
         demand=number(d, "demand", 0.0, lo=0.0) or 0.0,
         capacity=number(d, "capacity", None, lo=0.0),
         at_unix=number(d, "at_unix", 0.0, lo=0.0) or 0.0,
         history=history,
-        unit=unit,
+        unit=text(d, "unit", "requests", one_of=frozenset({"requests", "tokens/s"})),
     )
-
-
-SCALING_UNITS = ("requests", "tokens/s")
 
 
 class RecordLog:
