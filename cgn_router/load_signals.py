@@ -23,6 +23,7 @@ from cgn_router.registry import Registry
 from cgn_router.routing.lifecycle import AttemptEnded, Record, Unrouted
 
 WINDOW_S = 60.0  # latencies and unrouted requests count for this long
+LEARNED_SAMPLES = 3  # a speed fitted from fewer answers is too noisy to size a pool by
 MAX_SAMPLES = 4096  # per model: the most recent ones
 
 
@@ -87,7 +88,7 @@ class LoadSignals:
         for eid, state in list(self.registry.states.items()):
             speed = self.registry.speed(state, now)
             learned = None
-            if speed.warm:
+            if speed.samples >= LEARNED_SAMPLES:
                 learned = ReplicaSpeed(speed.overhead_s, speed.prefill_s, speed.decode_s,
                                        speed.per_batch_s)  # fmt: skip
             load = self.registry.fresh_load(state, now)

@@ -294,3 +294,34 @@ def test_without_a_shape_or_any_learned_speed_it_counts_requests() -> None:
     instant = [(8, 4, ReplicaSpeed(0.0, 0.0, 0.02, 0.0))] * 2  # prompts only, costing nothing
     got = twice(Scaler(), [pool(2, shape=(100.0, 0.0))], timed("m", instant), now=0)["m"]
     assert got.unit == "requests" and got.desired == 4  # 24 requests at 8 a replica
+
+
+def test_the_router_signals_a_speed_once_learned_and_its_answers_shape() -> None:
+    """What the leader's router hands the scaler (cgn_router/load_signals.py): a replica's
+    speed once fitted from 3 answers (fewer are noise to size a pool by), and the mean
+    uncached prompt and output tokens of the model's answers."""
+    from cgn_router.load_signals import LEARNED_SAMPLES, LoadObserver, LoadSignals
+    from cgn_router.registry import Registry, Sessions
+    from cgn_router.routing.kv_index import PrefixIndex
+    from cgn_router.routing.lifecycle import AttemptEnded
+    from cgn_router.routing.speed import Sample as Answer
+    from cgn_router.settings import BreakerSettings
+    from cgn_router.types import Endpoint, EndpointId, Usage
+
+    registry = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), 5)
+    eid = EndpointId("m/r1")
+    registry.upsert(Endpoint(eid, "m", "http://r1"), "etcd")
+    load = LoadSignals(registry)
+    seen = LoadObserver(load)
+    for i in range(LEARNED_SAMPLES):
+        (replica,) = load.signals().replicas
+        assert replica.speed is None, i
+        registry.learn(eid, Answer(200 + 100 * i, 0.1 + 0.05 * i, 20, 0.4, 1), float(i))
+        registry.states[eid].speed = None  # read the fit again now, not after SPEED_READ_S
+    (replica,) = load.signals().replicas
+    assert replica.speed is not None and replica.speed.usable
+    for prompt, cached, output in ((1000, 200, 50), (600, 0, 150)):
+        usage = Usage(prompt, output, cached)
+        seen.observe(AttemptEnded(1, "m", "client", "ok", usage=usage, endpoint=eid))
+    seen.observe(AttemptEnded(2, "m", "client", "upstream_error", usage=Usage(9999, 9, 0)))
+    assert load.signals().shape == {"m": (700.0, 100.0)}
