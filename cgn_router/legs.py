@@ -41,7 +41,8 @@ PREDICTED_HEADER = "x-cognitora-predicted-ttft-ms"  # the chosen replica's, a ti
 # replica's speed predicts for it (and MOVE_MIN_S at least) is moved where a fresh start is
 # predicted sooner than it has waited already (checked every MOVE_CHECK_S), while that
 # replica has answered fewer than MOVE_UNLEARNED streams (its speed a guess: once learned,
-# a late stream is queueing that the prediction saw, and moving it wastes its work)
+# a late stream is queueing that the prediction saw, and moving it wastes its work); the
+# time a moved stream waited is learned as its first token's (a lower bound: Lease.late)
 MOVE_LAG = 4.0
 MOVE_UNLEARNED = 3
 MOVE_MIN_S = 1.0
@@ -127,6 +128,8 @@ async def attempt(
         # NOTE: a whole answer's first byte is its last: only a stream shows its first token
         timed = held.outcome == "ok" and not broken and ctx.stream
         sample = held.lease.sample(usage) if timed else None
+        if cause == "moved":  # no first token in all that time: at least that slow
+            sample = held.lease.late()
         mine = (view.id, view.endpoint.engine, view.predicted_ttft_s, sample)
         acct.emit(AttemptEnded(*ended, held.lease.predicted, broken, *mine))
 

@@ -165,6 +165,14 @@ class Lease:
             batch=self.batch,
         )
 
+    def late(self) -> Sample | None:
+        """A stream moved before its first byte (legs.py) as a sample: the time it waited, a
+        lower bound of its first token's, so its replica is not guessed at its peers' speed."""
+        if self.ended_at is None or self.first_byte_at is not None:
+            return None
+        waited = self.ended_at - self.began_at
+        return Sample(self.ahead + self.uncached, waited, 0, 0.0, self.batch)
+
     def first_byte(self, now: float) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = now

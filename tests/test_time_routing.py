@@ -187,3 +187,26 @@ def test_a_stream_late_for_its_first_token_is_moved_where_it_starts_sooner(
         assert time.monotonic() - started < 0.4  # at 4x 0.04 s, not the engine's 0.5 s
     else:
         assert asyncio.run(run()) == "answered"
+
+
+def test_a_moved_stream_teaches_its_replica_the_wait_as_a_lower_bound() -> None:
+    """A cold replica is guessed at its peers' speed; a stream moved off it for lateness
+    (no first token in 3 s where 0.05 s was predicted) teaches it that time, so the next
+    request does not take it for as fast as its peers (it had nothing else to learn from:
+    none of its streams reached a first token)."""
+    svc = Routes()
+    reg, now = svc.registry, time.monotonic()
+    fast = EndpointId("m/fast")
+    for i in range(5):  # the fast peer learned: the slow one is guessed at its speed
+        reg.learn(fast, Sample(20 + 40 * i, 0.01 + 0.002 * i, 8, 0.08, 1), now + i)
+    req = RequestInfo("m", prompt_tokens=40)
+    slow = reg.views(req, now + 5, frozenset({fast}))[0]
+    guessed = slow.speed.ttft(40)
+    lease = reg.begin(slow, req, now + 5, streamed=True)
+    assert lease.late() is None  # still holding the endpoint
+    lease.end("failed", now + 8)  # moved after 3 s without a first token
+    late = lease.late()
+    assert late is not None and late.ttft_s == pytest.approx(3.0) and late.output_tokens == 0
+    assert reg.learn(slow.id, late, now + 8)
+    learned = reg.speed(reg.states[slow.id], now + 10)
+    assert learned.warm and learned.ttft(40) > 20 * guessed, (guessed, learned)
