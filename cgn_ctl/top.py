@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from rich.console import Console, Group
@@ -31,6 +31,7 @@ from cgn_core.terminal import plain
 
 DASH = "—"
 MAX_VIEW_BYTES = 16 << 20  # a fleet view larger than this is not read
+R = TypeVar("R")  # a table's row
 REPLICA_ROWS = 40  # the replicas table shows this many (the slowest decode first); --json all
 
 
@@ -215,6 +216,13 @@ def _table(title: str, rows: Iterable[Row], *, per_node: bool) -> Table:
         *([("watts", lambda r: _f(r.watts, 0))] if per_node else []),
         ("J/output token", lambda r: _f(r.j_per_output_token, 3)),
     ]
+    return _as_table(title, columns, rows)
+
+
+def _as_table(
+    title: str, columns: Sequence[tuple[str, Callable[[R], str]]], rows: Iterable[R]
+) -> Table:
+    """`rows` as a table of `columns` (a heading and how a row's cell reads)."""
     table = Table(*(name for name, _ in columns), title=title, title_justify="left")
     for row in rows:
         table.add_row(*(Text(plain(cell(row))) for _, cell in columns))  # Text: no markup
@@ -236,10 +244,7 @@ def _replicas(rows: tuple[ReplicaRow, ...]) -> Table:
     ]
     more = len(rows) - REPLICA_ROWS
     title = "replicas" + (f" (the {REPLICA_ROWS} slowest of {len(rows)})" if more > 0 else "")
-    table = Table(*(name for name, _ in columns), title=title, title_justify="left")
-    for row in rows[:REPLICA_ROWS]:
-        table.add_row(*(Text(plain(cell(row))) for _, cell in columns))
-    return table
+    return _as_table(title, columns, rows[:REPLICA_ROWS])
 
 
 def render(f: Frame, error: str = "") -> Group:

@@ -213,8 +213,9 @@ class SpeedFit:
         replica, each learned once): every sum decayed to the latest of their times, then
         added, as if one fit had learned them all. A state no fit could have (not
         STATE_FIELDS finite numbers; a negative time, count or weight) is left out."""
-        parts = [p for p in (self.state(), *others) if _possible(p) and p[1] > 0]  # learned
-        if not parts or parts == [self.state()]:
+        mine = self.state()
+        parts = [p for p in (mine, *others) if _possible(p) and p[1] > 0]  # learned
+        if not parts or parts == [mine]:
             return self
         latest = max(p[0] for p in parts)
         out = SpeedFit(self.half_life_s)
