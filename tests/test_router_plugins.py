@@ -365,6 +365,40 @@ def test_a_replica_running_late_is_priced_by_its_lag(lag: float, winner: str) ->
     assert d.predicted_s["m/cold"] == pytest.approx(0.18 * lag)
 
 
+UNTRIED = Speed(overhead_s=0.02, prefill_s=1e-3)  # its peers' median, no sample of its own
+
+
+@pytest.mark.parametrize(
+    ("untried_in_flight", "warm_queue", "winner"),
+    [
+        (0, 500, "untried"),  # idle: priced at its peers' speed, 0.18 s against 0.68 s
+        (1, 500, "warm"),  # busy and untried: held back, however long the warm one's wait
+        (1, 50_000, "warm"),
+    ],
+)
+def test_an_untried_replica_beside_learned_ones_takes_one_request_at_a_time(
+    untried_in_flight: int, warm_queue: int, winner: str
+) -> None:
+    views = [
+        view("untried", speed=UNTRIED, in_flight=untried_in_flight),
+        view("warm", speed=FAST, queued_tokens=warm_queue),
+    ]
+    d = timed().route(REQ, views, random.Random(0))
+    assert d.chosen == f"m/{winner}"
+    assert d.predicted_s["m/untried"] == pytest.approx(0.18)  # its prediction stays honest
+
+
+def test_untried_replicas_are_not_held_back_when_none_has_learned() -> None:
+    """A fleet starting: every replica untried and busy; the predictions decide as ever."""
+    views = [
+        view("a", speed=UNTRIED, in_flight=2, queued_tokens=800),
+        view("b", speed=UNTRIED, in_flight=2),
+    ]
+    d = timed().route(REQ, views, random.Random(0))
+    assert d.chosen == "m/b"
+    assert ids(d.scores["time"]) == {"a": pytest.approx(0.18 / 0.98, abs=1e-6), "b": 1.0}
+
+
 def test_equal_predictions_are_broken_as_any_tie() -> None:
     chosen = {
         timed().route(REQ, [view("a"), view("b")], random.Random(i)).chosen for i in range(20)

@@ -17,7 +17,14 @@ least 1): a replica slower than learned (a cold one priced at its peers' speed, 
 slowed or hung) is priced by what it is doing before any answer can teach its fit.
 
 score = fastest prediction / predicted(e): 1 for the fastest candidate, 0.1 for one
-predicted ten times slower. The predictions themselves go with the decision
+predicted ten times slower, and 0 for an untried replica that is busy: one whose speed
+nothing has taught yet (`Speed.warm` false: it is priced at its peers' median) and that
+already has a request in flight, while a candidate beside it has learned its own. An
+untried replica takes one request at a time until an answer (or a stream moved off it for
+lateness) teaches its speed: a replica ten times slower than the median it is priced at
+would otherwise take request after request before its first answer says so
+(bench/results/hetero_fleet.md). When no candidate has learned yet (a fleet starting),
+none is held back. The predictions themselves go with the decision
 (`Scores.predicted_s`): the response's `x-cognitora-predicted-ttft-ms` and the
 prediction-error metric read them.
 """
@@ -61,5 +68,15 @@ class TimeScorer:
 
     def score(self, req: RequestInfo, views: Sequence[EndpointView]) -> Scores:
         predicted: dict[EndpointId, float] = {v.id: self.predict(req, v) for v in views}
-        best = min(predicted.values(), default=FLOOR_S)
-        return Scores({e: best / p for e, p in predicted.items()}, predicted_s=predicted)
+        learned = any(v.speed.warm for v in views)
+        held = {v.id for v in views if learned and untried_and_busy(v)}
+        best = min((p for e, p in predicted.items() if e not in held), default=FLOOR_S)
+        return Scores(
+            {e: 0.0 if e in held else best / p for e, p in predicted.items()},
+            predicted_s=predicted,
+        )
+
+
+def untried_and_busy(v: EndpointView) -> bool:
+    """`v` has a request in flight and no speed of its own yet (see the module docstring)."""
+    return not v.speed.warm and v.in_flight > 0
