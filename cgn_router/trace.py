@@ -3,7 +3,7 @@
     chat SmolLM2                      SERVER, the request: model, served model, band,
     ├ admission                       tenant, key id, TTFT, usage, status
     ├ route                           candidates, chosen endpoint, matched blocks by tier,
-    │                                 the scorer that decided
+    │                                 the scorer that decided, predicted TTFTs (time scorer)
     ├ prefill leg (P/D)               CLIENT, to the prefill replica
     ├ upstream                        CLIENT, one per attempt: endpoint, outcome; its
     │                                 `traceparent` goes to the engine, whose spans follow
@@ -37,6 +37,7 @@ from cgn_router.routing.lifecycle import (
     Routed,
 )
 
+PREDICTED_CANDIDATES = 8  # candidates whose predictions a route span carries, soonest first
 OPERATIONS = {"chat": "chat", "completion": "text_completion", "embeddings": "embeddings"}
 
 
@@ -184,6 +185,8 @@ class _Sampled(RequestTrace):
             )
         else:
             span.set_attribute("cognitora.route.endpoint", "")
+        if decision.predicted_s:
+            span.set_attributes(predictions(decision))
         span.end()
 
     def upstream(self, name: str, endpoint: str, url: str) -> tuple[Any, dict[str, str] | None]:
@@ -231,6 +234,19 @@ class _Unsampled(RequestTrace):
 
     def _note(self, attributes: Mapping[str, Any]) -> None:
         self.attributes.update(attributes)
+
+
+def predictions(decision: Decision) -> dict[str, Any]:
+    """A time scorer's predictions as route-span attributes: the chosen endpoint's, and the
+    `PREDICTED_CANDIDATES` soonest candidates' (endpoints and seconds, soonest first)."""
+    soonest = sorted(decision.predicted_s.items(), key=lambda kv: kv[1])[:PREDICTED_CANDIDATES]
+    attributes: dict[str, Any] = {
+        "cognitora.route.candidates.endpoint": [e for e, _ in soonest],
+        "cognitora.route.candidates.predicted_ttft_s": [round(p, 6) for _, p in soonest],
+    }
+    if decision.predicted_ttft_s is not None:
+        attributes["cognitora.route.predicted_ttft_s"] = round(decision.predicted_ttft_s, 6)
+    return attributes
 
 
 def end_upstream(span: Any, outcome: str, error: str = "") -> None:

@@ -23,6 +23,9 @@ import httpx
 import pytest
 
 from cgn_core.etcd.local import free_port
+from cgn_router.routing.chain import Decision
+from cgn_router.trace import PREDICTED_CANDIDATES, predictions
+from cgn_router.types import EndpointId
 from harness.metrics import metric
 from harness.otlp import Receiver, Span, receiver
 from harness.poll import until
@@ -132,6 +135,7 @@ def test_a_request_is_one_trace_from_the_router_to_the_engines_last_token(
         decode["cognitora.route.endpoint"] == "sim/d" and decode["cognitora.route.candidates"] == 1
     )
     assert routes["prefill"].attributes["cognitora.route.endpoint"] == "sim/p"
+    assert "cognitora.route.predicted_ttft_s" not in decode  # no time scorer in the chain
     assert resp.headers["x-cognitora-pd"].startswith("aggregated")
     upstream = one(spans, "cgn-router", "upstream")
     assert upstream.kind == "client" and upstream.attributes["cognitora.outcome"] == "ok"
@@ -164,6 +168,16 @@ def test_a_clients_traceparent_is_continued(fleet: Fleet) -> None:
     assert resp.status_code == 200, resp.text
     spans = rx.wait("the continued trace", lambda _: trace_of(rx)(rx.trace(trace_id)))
     assert one(spans, "cgn-router", f"chat {MODEL}").parent_id == parent
+
+
+def test_a_route_span_carries_the_time_scorers_predictions_soonest_first() -> None:
+    chosen = EndpointId("m/e3")
+    predicted = {EndpointId(f"m/e{i}"): 0.5 + abs(i - 3) / 10 for i in range(12)}
+    got = predictions(Decision(chosen, predicted_s=predicted))
+    assert got["cognitora.route.predicted_ttft_s"] == 0.5
+    assert got["cognitora.route.candidates.endpoint"][:3] == ["m/e3", "m/e2", "m/e4"]
+    assert len(got["cognitora.route.candidates.predicted_ttft_s"]) == PREDICTED_CANDIDATES
+    assert got["cognitora.route.candidates.predicted_ttft_s"][:2] == [0.5, 0.6]
 
 
 def test_a_disaggregated_request_shows_both_legs_under_one_trace(
