@@ -8,7 +8,10 @@ same hardware, one after the other:
 
 * aggregated: both engines `--role both`; the router places every request;
 * disaggregated: one `--role prefill` engine and one `--role decode` engine;
-  the router splits long prompts (`pd.min_uncached_tokens` 512).
+  the router splits long prompts (`pd.min_uncached_tokens` 512) while the
+  prefill engine is not busy (`pd.max_prefill_queue`);
+* predicted: the same engines, the split decided by predicted time (a `time`
+  scorer in the chain; cgn_router/routing/disagg.py, `Costs`).
 
 Load: `--streams` ongoing chat streams (short prompts, 160-token answers,
 restarted as they end) and, once they run, `--bursts` long prompts
@@ -179,18 +182,22 @@ def hist_mean_ms(url: str, name: str) -> float:
     return round(metric(url, name + "_sum") / n * 1000, 1) if n else float("nan")
 
 
-def layout(tmp: Path, name: str, roles: tuple[str, str], args: Any) -> dict[str, Any]:
+def layout(
+    tmp: Path, name: str, roles: tuple[str, str], args: Any, routing: dict[str, Any] | None = None
+) -> dict[str, Any]:
     with engines(tmp, roles) as urls:
         endpoints = {f"e{i}": {"url": u, "model": MODEL, "role": r}
                      for i, (u, r) in enumerate(zip(urls, roles, strict=True))}  # fmt: skip
         config = {"discovery": "static", "models": {MODEL: {"tokenizer": "smollm2"}},
                   "endpoints": endpoints, "log": {"level": "warning"},
                   "deadlines": {"first_token_s": 300, "total_s": 900}}  # fmt: skip
+        if routing:
+            config["routing"] = routing
         with cgn_router(tmp, config) as router:
             out = asyncio.run(run_load(router.url, args))
             out["router_pd"] = {
                 r: metric(router.admin, "cgn_router_pd_decisions_total", reason=r)
-                for r in ("split", "short_prompt", "prefill_busy")
+                for r in ("split", "short_prompt", "prefill_busy", "predicted_slower")
             }
             out["pd_fallbacks"] = metric(router.admin, "cgn_router_pd_fallbacks_total")
         if roles[0] == "prefill":
@@ -225,6 +232,8 @@ def main() -> None:
         tmp = Path(d)
         results["aggregated"] = layout(tmp, "aggregated", ("both", "both"), args)
         results["disaggregated"] = layout(tmp, "disaggregated", ("prefill", "decode"), args)
+        results["predicted"] = layout(tmp, "predicted", ("prefill", "decode"), args,
+                                      {"scorers": [{"type": "time"}]})  # fmt: skip
     results["itl_p99_ratio"] = round(
         results["aggregated"]["itl_ms"]["p99"] / results["disaggregated"]["itl_ms"]["p99"], 2
     )
@@ -234,12 +243,14 @@ def main() -> None:
 
 def table(r: dict[str, Any], args: Any) -> str:
     rows = ["| layout | ITL p50 ms | ITL p99 ms | ITL p99 during bursts | burst TTFT p50 ms | "
-            "p90 ms | splits | fallbacks |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name in ("aggregated", "disaggregated"):
+            "p90 ms | splits | predicted slower | fallbacks |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name in ("aggregated", "disaggregated", "predicted"):
         x = r[name]
         rows.append(f"| {name} | {x['itl_ms']['p50']} | {x['itl_ms']['p99']} | "
                     f"{x['itl_during_bursts_ms']['p99']} | {x['burst_ttft_ms']['p50']} | "
                     f"{x['burst_ttft_ms']['p90']} | {x['router_pd']['split']:.0f} | "
+                    f"{x['router_pd']['predicted_slower']:.0f} | "
                     f"{x['pd_fallbacks']:.0f} |")  # fmt: skip
     d = r["disaggregated"]
     rows += ["", f"Ongoing streams' ITL p99, aggregated / disaggregated: {r['itl_p99_ratio']}x.",

@@ -27,6 +27,9 @@ from cgn_router.settings import ModelSettings
 log = logging.getLogger(__name__)
 
 
+MAX_SLO_MS = 3_600_000
+
+
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
     name: str
@@ -37,11 +40,18 @@ class ModelEntry:
     migration_limit: int | None = None  # continuations per stream; None: the router's setting
     # a stream may continue on a replica of another engine kind (cgn-ctl checked one source)
     across_engines: bool = False
+    # the time to first token a request is held at the router for (hold.py); None: none
+    ttft_slo_s: float | None = None
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
     return ModelEntry(
-        name, s.aliases, s.fallbacks, s.tokenizer, across_engines=s.migrate_across_engines
+        name,
+        s.aliases,
+        s.fallbacks,
+        s.tokenizer,
+        across_engines=s.migrate_across_engines,
+        ttft_slo_s=s.ttft_slo_ms / 1000 if s.ttft_slo_ms else None,
     )
 
 
@@ -80,7 +90,22 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         scales_to_zero=zero,
         migration_limit=limit,
         across_engines=across,
+        ttft_slo_s=_ttft_slo_s(name, data.get("slo")),
     )
+
+
+def _ttft_slo_s(name: str, slo: Any) -> float | None:
+    """The `slo.ttft_p90_ms` cgn-ctl wrote (it checked it; the router checks again)."""
+    if slo is None:
+        return None
+    if not isinstance(slo, dict):
+        raise ValueError(f"catalog entry {name}: 'slo' must be an object")
+    ms = slo.get("ttft_p90_ms")
+    if ms is None:
+        return None
+    if type(ms) not in (int, float) or not 0 < ms <= MAX_SLO_MS:
+        raise ValueError(f"catalog entry {name}: 'slo.ttft_p90_ms' must be in (0, {MAX_SLO_MS}]")
+    return float(ms) / 1000
 
 
 def _is_gguf(source: str) -> bool:

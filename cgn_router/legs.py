@@ -21,10 +21,18 @@ from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
 from cgn_core.kv.transfer import fallback_reason, parse_transfer_params
 from cgn_router.attempt import Attempt
 from cgn_router.context import RequestContext
+from cgn_router.hold import HOLD_MAX_S
 from cgn_router.proxy import AttemptFailed, Call, Relayed
 from cgn_router.registry import Lease
-from cgn_router.routing.disagg import decide
-from cgn_router.routing.lifecycle import Account, AttemptEnded, PdDecided, PdFallback, Routed
+from cgn_router.routing.disagg import costs, decide
+from cgn_router.routing.lifecycle import (
+    Account,
+    AttemptEnded,
+    Held,
+    PdDecided,
+    PdFallback,
+    Routed,
+)
 from cgn_router.service import RouterService
 from cgn_router.tracked import Progress
 from cgn_router.types import EndpointId, EndpointView, RequestInfo
@@ -37,6 +45,7 @@ PATHS = {
 }
 PD_HEADER = "x-cognitora-pd"  # disaggregated (prefill <endpoint>), or aggregated: why
 PREDICTED_HEADER = "x-cognitora-predicted-ttft-ms"  # the chosen replica's, a time scorer's
+HELD_HEADER = "x-cognitora-held-ms"  # waited at the router for a replica to meet the TTFT SLO
 # A stream routed by predicted time that waits for its first token MOVE_LAG times what its
 # replica's speed predicts for it (and MOVE_MIN_S at least) is moved where a fresh start is
 # predicted sooner than it has waited already (checked every MOVE_CHECK_S), while that
@@ -47,6 +56,32 @@ MOVE_LAG = 4.0
 MOVE_UNLEARNED = 3
 MOVE_MIN_S = 1.0
 MOVE_CHECK_S = 0.25
+
+
+async def held(
+    svc: RouterService, ctx: RequestContext, req: RequestInfo, view: EndpointView, acct: Account
+) -> tuple[EndpointView | None, dict[str, str]]:
+    """`view`, or the replica that meets the model's TTFT SLO soonest after `req` waited for
+    one (cgn_router/hold.py; None: none is left), and the response header saying so."""
+    entry = svc.catalog.entry(req.model)
+    if entry is None or entry.ttft_slo_s is None or view.predicted_ttft_s is None:
+        return view, {}
+    band = svc.settings.admission.bands.get(ctx.band)
+    until = min(ctx.deadline, time.monotonic() + (band.ttl_s if band else HOLD_MAX_S))
+    started = time.monotonic()
+    try:
+        got = await svc.holds.hold(
+            req, view, entry.ttft_slo_s, until, lambda: svc.route(req, frozenset()).view
+        )
+    except asyncio.CancelledError:
+        acct.emit(Held(req.model, time.monotonic() - started, "gone"))
+        raise
+    if got is None:
+        return view, {}
+    _, waited, result = got
+    acct.emit(Held(req.model, waited, result))
+    # the decision it goes with, on the record
+    return route(svc, req, frozenset(), acct), {HELD_HEADER: str(round(waited * 1000))}
 
 
 def route(
@@ -190,8 +225,15 @@ async def disaggregate(
     uncached = max(0, req.prompt_tokens - view.matched_blocks * BLOCK_SIZE)
     pre = route(svc, dataclasses.replace(req, role="prefill"), frozenset({view.id}), acct)
     queue = None if pre is None else _queue(pre)
+    predicted = None
+    if pre is not None:
+        predicted = costs(view, pre, uncached, svc.settings.pd.transfer_s_per_token)
     split = decide(
-        svc.settings.pd, prefill_pool=True, uncached_tokens=uncached, prefill_queue=queue
+        svc.settings.pd,
+        prefill_pool=True,
+        uncached_tokens=uncached,
+        prefill_queue=queue,
+        predicted=predicted,
     )
     acct.emit(PdDecided(req.model, split.reason))
     if not split.split or pre is None:

@@ -18,6 +18,7 @@ from cgn_router.routing.lifecycle import (
     Ended,
     Fallback,
     Hashed,
+    Held,
     Migrated,
     PdDecided,
     PdFallback,
@@ -274,6 +275,14 @@ class RouterMetrics:
             "model",
             "reason",
         )
+        self.held = histogram(
+            "cgn_router_held_seconds",
+            "Requests held at the router until a replica could meet their model's TTFT SLO "
+            "(hold.py), by how they went: released, expired (sent to the best anyway), gone.",
+            LATENCY_BUCKETS,
+            "model",
+            "result",
+        )
         self.pd_fallbacks = counter(
             "cgn_router_pd_fallbacks",
             "Split requests whose decode replica recomputed the prompt, by cause (prefill leg "
@@ -358,6 +367,7 @@ class MetricsObserver:
             Migrated: lambda r: m.migrations.labels(r.model, r.engine, r.cause, r.result).inc(),
             PdDecided: lambda r: m.pd_decisions.labels(r.model, r.reason).inc(),
             PdFallback: lambda r: m.pd_fallbacks.labels(r.reason).inc(),
+            Held: lambda r: m.held.labels(r.model, r.result).observe(r.held_s),
         }
 
     def observe(self, record: Record) -> None:

@@ -51,7 +51,7 @@ from cgn_core.openai.request import sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
-from cgn_router.legs import PATHS, attempt, disaggregate, route
+from cgn_router.legs import PATHS, attempt, disaggregate, held, route
 from cgn_router.load_signals import WINDOW_S
 from cgn_router.migration import migrate
 from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
@@ -271,14 +271,18 @@ async def _serve(
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
             view = route(svc, req, frozenset(tried), acct)
+            headers = dict[str, str]()
+            if view is not None and not tried and served == ctx.model:
+                view, headers = await held(svc, ctx, req, view, acct)
             if view is None:
                 break
             if tried:
                 acct.emit(Retried(ctx.model))
             tried.add(view.id)
-            body, headers = payload, dict[str, str]()
+            body = payload
             if pd:
-                body, headers = await disaggregate(svc, ctx, req, view, payload, acct)
+                body, split = await disaggregate(svc, ctx, req, view, payload, acct)
+                headers.update(split)
             try:
                 movable = frozenset(tried) if len(tried) < svc.settings.attempts else None
                 relayed = await attempt(

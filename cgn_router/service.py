@@ -15,6 +15,7 @@ from cgn_core.tracing import Tracer
 from cgn_router.auth import KeyStore, Limiter, Principal
 from cgn_router.catalog import Catalog
 from cgn_router.gate import Gate
+from cgn_router.hold import Holds
 from cgn_router.learning import SpeedObserver
 from cgn_router.ledger import Ledger, LedgerObserver
 from cgn_router.load_signals import LoadObserver, LoadSignals
@@ -63,6 +64,7 @@ class RouterService:
     keys: KeyStore = field(default_factory=KeyStore)
     limiter: Limiter = field(default_factory=Limiter)
     gate: Gate | None = None  # admission; None when switched off
+    holds: Holds = field(default_factory=Holds)  # requests waiting for a TTFT SLO (hold.py)
     tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
     ledger: Ledger | None = None  # tenants' usage against their budgets; None: no etcd
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused

@@ -37,6 +37,10 @@ class ModelSettings:
     # a broken stream may continue on an endpoint of another engine kind (cgn-infer,
     # llamacpp, vllm, sglang, trtllm) serving the same weights: one tokenizer (`tokenizer`)
     migrate_across_engines: bool = False
+    # with a `time` scorer: a request whose best predicted time to first token is longer
+    # waits at the router until a replica can meet it (cgn_router/hold.py); 0: never
+    # (etcd's catalog says it as `slo.ttft_p90_ms`)
+    ttft_slo_ms: float = ranged(0.0, 0, 3_600_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,10 @@ class PdSettings:
     max_prefill_queue: int = ranged(4, 0, 65536)  # a prefill replica busier than this is not used
     # the prefill leg's answer, at most (then recompute)
     prefill_timeout_s: float = ranged(60.0, 0.01, 3600)
+    # moving a prompt token's KV from the prefill replica to the decode one, in seconds,
+    # where the chain predicts time (disagg.py): 5e-5 is SmolLM2's 46 KB of float32 KV per
+    # token over loopback (bench/results/pd_mixed.md: 92 ms for ~2,000 tokens)
+    transfer_s_per_token: float = ranged(5e-5, 0, 1)
 
 
 @dataclass(frozen=True, slots=True)

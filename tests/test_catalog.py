@@ -61,6 +61,18 @@ def test_migration_across_engines_needs_one_source_and_round_trips() -> None:
         entry_from_etcd("m", {**m.to_json(), "migrate_across_engines": 1})
 
 
+def test_the_routers_entry_reads_the_ttft_slo_it_holds_requests_for() -> None:
+    """cgn-ctl's `slo.ttft_p90_ms`, as the router reads it back (cgn_router/hold.py)."""
+    from cgn_router.catalog import entry_from_etcd
+
+    m = parse_model(model(slo={"ttft_p90_ms": 800}))
+    assert entry_from_etcd("m", m.to_json()).ttft_slo_s == 0.8
+    assert entry_from_etcd("m", parse_model(model()).to_json()).ttft_slo_s is None
+    for bad in ({"ttft_p90_ms": -1}, {"ttft_p90_ms": "800"}, {"ttft_p90_ms": float("nan")}, 5):
+        with pytest.raises(ValueError, match="'slo"):
+            entry_from_etcd("m", {**m.to_json(), "slo": bad})
+
+
 def test_a_disaggregated_model_has_two_pools_and_profiles_per_pool() -> None:
     m = parse_model(model(pools={"prefill": 1, "decode": 2}, profiles=[
         {"engine": "vllm", "accelerator": "h100-80g", "devices": 1, "role": "prefill"},

@@ -10,6 +10,7 @@ killed one, blocks whose lease ran out.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ from cgn_core.etcd.local import free_port
 from cgn_core.http import KV_SALT_HEADER
 from cgn_core.kv.transfer import TransferParams, parse_transfer_params
 from cgn_core.readiness import wait_ready_file
-from cgn_router.routing.disagg import decide
+from cgn_router.routing.disagg import Costs, costs, decide
 from cgn_router.settings import PdSettings
+from cgn_router.types import Endpoint, EndpointId, EndpointView, Speed
 from harness import netns
 from harness.metrics import metric
 from harness.poll import until
@@ -231,6 +233,61 @@ def test_the_decision_rule() -> None:
     off = decide(PdSettings(enabled=False), prefill_pool=True, uncached_tokens=9999,
                  prefill_queue=0)  # fmt: skip
     assert off.reason == "disabled"
+
+
+SPEED = Speed(overhead_s=0.1, prefill_s=1e-3, samples=20)  # 2 s for a 2,000-token prompt
+
+
+def replica(role: str, predicted: float, in_flight: int = 0, **kw: Any) -> EndpointView:
+    ep = Endpoint(EndpointId(f"m/{role}"), "m", f"http://{role}", role=role)
+    kw.setdefault("speed", SPEED)
+    return EndpointView(endpoint=ep, in_flight=in_flight, predicted_ttft_s=predicted, **kw)
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill", "split"),
+    [
+        # an idle decode replica computes it as soon as the prefill one would, and keeps it
+        (replica("decode", 2.1), replica("prefill", 2.1), False),
+        # 8 streams on the decode replica would each stall 2 s: 2.1 + 16 against 2.2
+        (replica("decode", 2.1, 8), replica("prefill", 2.1), True),
+        # ... unless the prefill replica's wait outweighs every stall it saves
+        (replica("decode", 2.1, 8), replica("prefill", 19.0), False),
+        # a prefill replica twice as fast: splitting is sooner even beside an idle decoder
+        (replica("decode", 2.1), replica("prefill", 1.1, speed=Speed(prefill_s=5e-4)), True),
+        # a decode replica whose learned prefill is faster (from short prompts) computes no
+        # faster than the prefill replica: 0.1 + 2 x 2 against 2.3 (at its own: 1.1 + 1)
+        (
+            replica("decode", 1.1, 1, speed=Speed(0.1, 5e-4, samples=9)),
+            replica("prefill", 2.1),
+            True,
+        ),
+        # a "both" replica taking the prefill stalls its own streams instead
+        (replica("decode", 2.1, 2), replica("both", 2.1, 4), False),
+    ],
+)
+def test_the_split_is_decided_by_predicted_time(
+    decode: EndpointView, prefill: EndpointView, split: bool
+) -> None:
+    got = costs(decode, prefill, 2000, transfer_s_per_token=5e-5)
+    assert got is not None
+    # the transfer is 0.1 s; the decode replica starts in its prediction less its compute
+    assert got.split_s == pytest.approx(
+        prefill.predicted_ttft_s + 0.1 + 0.1
+        + prefill.speed.prefill_s * 2000 * (prefill.in_flight if prefill.endpoint.role != "prefill" else 0)
+    )  # fmt: skip
+    d = decide(PdSettings(), prefill_pool=True, uncached_tokens=2000, prefill_queue=99,
+               predicted=got)  # fmt: skip
+    assert (d.split, d.reason) == (split, "split" if split else "predicted_slower")
+
+
+def test_without_predictions_the_rule_decides() -> None:
+    unpredicted = dataclasses.replace(replica("prefill", 1.0), predicted_ttft_s=None)
+    assert costs(replica("decode", 1.0), unpredicted, 2000, 0) is None
+    # the operator's floor holds either way
+    short = decide(PdSettings(), prefill_pool=True, uncached_tokens=100, prefill_queue=0,
+                   predicted=Costs(aggregated_s=9.0, split_s=1.0))  # fmt: skip
+    assert short.reason == "short_prompt"
 
 
 @pytest.fixture(scope="module")

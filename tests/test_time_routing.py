@@ -210,3 +210,41 @@ def test_a_moved_stream_teaches_its_replica_the_wait_as_a_lower_bound() -> None:
     assert reg.learn(slow.id, late, now + 8)
     learned = reg.speed(reg.states[slow.id], now + 10)
     assert learned.warm and learned.ttft(40) > 20 * guessed, (guessed, learned)
+
+
+def test_requests_whose_predicted_ttft_misses_the_slo_wait_at_the_router(tmp_path: Path) -> None:
+    """One engine that runs one request at a time, its model's TTFT SLO shorter than two
+    requests' time: once its speed is learned, a burst is held at the router and sent one
+    by one as the engine frees (cgn_router/hold.py), not queued on the engine; all answer."""
+    with cgn_infer(tmp_path, "--backend", "sim", "--model-name", MODEL, "--max-batch", "1",
+                   "--speed", "2") as url:  # fmt: skip
+        config = {
+            "discovery": "static",
+            "endpoints": {"only": {"url": url, "model": MODEL}},
+            "models": {MODEL: {"ttft_slo_ms": 300}},
+            "routing": {"scorers": [{"type": "time", "weight": 1.0}], "picker": "max"},
+        }
+        with cgn_router(tmp_path, config) as router:
+
+            def ask(i: int) -> httpx.Response:
+                body = {"model": MODEL, "prompt": f"request {i} " + "word " * 30,
+                        "max_tokens": 8, "ignore_eos": True, "stream": True}  # fmt: skip
+                r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200 and "data: [DONE]" in r.text, r.text[:300]
+                return r
+
+            for i in range(4):  # one at a time: its speed learned, nothing held
+                assert "x-cognitora-held-ms" not in ask(i).headers
+            # bursts: the first teaches what a request waits behind others there, the next
+            # are held (a request is never held where nothing is in flight)
+            burst: list[httpx.Response] = []
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                for start in (10, 20, 30):
+                    burst += pool.map(ask, range(start, start + 6))
+            held = [int(r.headers["x-cognitora-held-ms"]) for r in burst
+                    if "x-cognitora-held-ms" in r.headers]  # fmt: skip
+            released = metric(router.admin, "cgn_router_held_seconds_count", model=MODEL,
+                              result="released")  # fmt: skip
+    predicted = [r.headers.get("x-cognitora-predicted-ttft-ms") for r in burst]
+    assert held and max(held) > 0, predicted
+    assert released == len(held)

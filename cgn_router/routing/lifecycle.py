@@ -7,7 +7,7 @@ loggers):
 
     Asked ─ Hashed ─ Admitted ─┬─ Routed ─ AttemptStarted ─ AttemptEnded ─┐  per attempt
                                │  Retried · Fallback · Migrated · Unrouted │
-                               │  PdDecided · PdFallback                   │
+                               │  PdDecided · PdFallback · Held            │
     Refused (a key's limit)    └─────────────────── Ended (exactly once) ──┘
 
 Observers, built in daemon.py and handed to the service: the Prometheus
@@ -117,6 +117,14 @@ class Unrouted(NamedTuple):
     model: str
 
 
+class Held(NamedTuple):
+    """The request waited at the router for a replica to meet its TTFT SLO (hold.py)."""
+
+    model: str
+    held_s: float
+    result: str  # released | expired | gone
+
+
 class PdDecided(NamedTuple):
     model: str
     reason: str
@@ -143,6 +151,7 @@ class Ended(NamedTuple):
 
 Record = (
     Asked
+    | Held
     | Refused
     | Hashed
     | Admitted
