@@ -25,7 +25,16 @@ from cgn_core.errors import CognitoraError
 from cgn_core.etcd import EtcdClient
 from cgn_core.files import read_regular
 from cgn_core.terminal import for_terminal
-from cgn_ctl import cluster_ops, join_cmd, keys_cmd, pki_cmd, render, tenants_cmd, tokens_cmd
+from cgn_ctl import (
+    cluster_ops,
+    join_cmd,
+    keys_cmd,
+    pki_cmd,
+    render,
+    route_cmd,
+    tenants_cmd,
+    tokens_cmd,
+)
 from cgn_ctl.options import Config, Etcd, Json, with_etcd
 from cgn_ctl.settings import CtlSettings
 
@@ -46,6 +55,7 @@ app.add_typer(tenants_cmd.app, name="tenants")
 app.add_typer(tokens_cmd.app, name="tokens")
 app.command("join-service")(join_cmd.join_service)
 app.command("join")(join_cmd.join_cmd)
+app.command("explain-route")(route_cmd.explain_route)
 
 
 def _emit(data: Any, as_json: bool, table: Callable[[Any], None]) -> None:

@@ -233,3 +233,23 @@ def etcd_get(etcd: LocalEtcd, key: str) -> Any:
     from harness.procs import etcd_run
 
     return etcd_run(etcd.endpoint, lambda c: c.get(key))
+
+
+def test_explain_route_renders_any_answer_and_refuses_what_is_not_one() -> None:
+    """The router's answer is a stranger's JSON: a figure that is not a number shows as "-",
+    never a traceback; no router there is one line that says so."""
+    from rich.console import Console
+
+    from cgn_ctl.route_cmd import RouteUnexplained, ask, table
+
+    odd = {"model": "m", "chosen": "m/a", "candidates": [
+        {"id": "m/a", "chosen": True, "total": "NaN", "predicted_ttft_ms": None,
+         "terms_ms": [1], "lag": True, "hit_tokens": 32, "speed": "fast"},
+        "not a row",
+    ]}  # fmt: skip
+    out = Console(width=200, record=True)
+    out.print(table(odd))
+    text = out.export_text()
+    assert "m/a" in text and "32" in text and "prior" in text
+    with pytest.raises(RouteUnexplained, match="cannot ask the router at "):
+        ask("http://127.0.0.1:9", {"model": "m", "prompt": "hi"}, None, None)

@@ -123,6 +123,23 @@ def test_a_second_host_joins_and_serves_a_placed_replica_over_mutual_tls(hosts: 
     assert engine.startswith(f"https://{hosts.there}:")  # the router reached it over HTTPS
 
 
+def test_explain_route_asks_the_https_router_as_root(hosts: Hosts) -> None:
+    """`cgn-ctl explain-route` reaches `up`'s admin listener (mutual TLS) with the root
+    certificate `up` made; without a router, one line and exit 1."""
+    r = hosts.record
+    res = ctl(hosts.a, "explain-route", r["model"], "Say hi", "--chat", "--json", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    answer = json.loads(res.stdout)
+    [chosen] = [c for c in answer["candidates"] if c["chosen"]]
+    assert chosen["id"] == answer["chosen"] and chosen["predicted_ttft_ms"] > 0
+    shown = ctl(hosts.a, "explain-route", r["model"], "Say hi", timeout=60)
+    assert shown.returncode == 0 and answer["chosen"] in shown.stdout, shown.stderr
+    gone = ctl(hosts.a, "explain-route", r["model"], "hi", "--router-admin",
+               "http://127.0.0.1:9", timeout=60)  # fmt: skip
+    assert gone.returncode == 1 and gone.stderr.startswith("error: cannot ask the router")
+    assert len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+
+
 def endpoint_url(h: Hosts, node: str) -> str | None:
     res = ctl(h.a, "replicas", "--json")
     rows = [x for x in json.loads(res.stdout) if x["node"] == node and x["phase"] == "Ready"]
