@@ -10,7 +10,10 @@ at about the fast pair's capacity. Per fleet and per policy:
 * `queue` (today's default chain: prefix, load, KV usage, affinity): scores a replica by its
   queue relative to the others', so a slow replica with a short queue looks as good;
 * `time`: the `time` scorer alone, each replica's speed learned from its answers
-  (cgn_router/routing/speed.py), the least predicted time to first token wins.
+  (cgn_router/routing/speed.py), the least predicted time to first token wins;
+* `time_held`: the same, the model with a TTFT SLO of `--slo-ms`: a request whose best
+  prediction misses it waits at the router for a replica that meets it (cgn_router/hold.py;
+  its prediction error then counts the wait, which the prediction after it does not).
 
 Reported: TTFT p50/p90/p99, the streams moved before their first token (the time
 scorer's: cgn_router_errors_total{cause="moved"}), each replica's share of the requests beside its share of the
@@ -47,6 +50,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "round_robin": {"picker": "round_robin", "scorers": []},
     "queue": {},  # the default chain
     "time": {"scorers": [{"type": "time", "weight": 1.0}]},
+    "time_held": {"scorers": [{"type": "time", "weight": 1.0}]},  # and the model's SLO
 }
 
 
@@ -95,13 +99,16 @@ def run(slow: int, ratio: float, policy: str, args: argparse.Namespace) -> dict[
             "endpoints": {n: {"url": u, "model": model} for n, u in urls.items()},
             "routing": POLICIES[policy],
         }
+        if policy == "time_held":
+            config["models"] = {model: {"ttft_slo_ms": args.slo_ms}}
         with cgn_router(tmp, config) as router:
             outcomes, wall = asyncio.run(
                 replay(router.url, model, reqs, args.blocks_per_id, args.output_scale)
             )
             moved = metric(router.admin, "cgn_router_errors_total", cause="moved")
+            held = metric(router.admin, "cgn_router_held_seconds_count")
     out = summarize(outcomes, wall)
-    out["moved"] = int(moved)
+    out["moved"], out["held"] = int(moved), int(held)
     start = reqs[0].at_s + (reqs[-1].at_s - reqs[0].at_s) / 4
     warm = [o for o, r in zip(outcomes, reqs, strict=True) if r.at_s >= start]
     out["warm"] = {
@@ -132,6 +139,7 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--pool-tokens", type=int, default=262144)
+    p.add_argument("--slo-ms", type=float, default=1000.0, help="time_held's TTFT SLO")
     args = p.parse_args()
     results: dict[str, Any] = {"runs": {}}
     counts = [int(x) for x in args.slow.split(",")]
@@ -154,9 +162,9 @@ def render(r: dict[str, Any]) -> str:
         f"The trace's first {s['limit']} requests, arrivals {s['time_scale']:g}x faster, outputs "
         f"x{s['output_scale']:g}; fast sim engines at --speed {s['speed']:g}.",
         "",
-        "| fleet | policy | TTFT p50 ms | p90 ms | p99 ms | warm p90 / p99 ms | done | moved | "
+        "| fleet | policy | TTFT p50 ms | p90 ms | p99 ms | warm p90 / p99 ms | done | moved | held | "
         "slow replicas' share: requests / capacity | prediction error p50 / p90: all, warm |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for fleet, runs in r["runs"].items():
         for policy, x in runs.items():
@@ -172,7 +180,8 @@ def render(r: dict[str, Any]) -> str:
             w = x["warm"]["ttft_ms"]
             lines.append(
                 f"| {fleet} | {policy} | {t['p50']} | {t['p90']} | {t['p99']} | "
-                f"{w['p90']} / {w['p99']} | {x['completed']} | {x['moved']} | {share} | {err} |"
+                f"{w['p90']} / {w['p99']} | {x['completed']} | {x['moved']} | {x.get('held', 0)} | "
+                f"{share} | {err} |"
             )
     return "\n".join(lines) + "\n"
 
