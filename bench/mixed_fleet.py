@@ -24,7 +24,9 @@ prompt cache, llama.cpp from its slot's cache.
 
 `NAME@fast` runs policy NAME with mlx_lm's node cordoned (the router routes
 nothing there): the two fast engines alone, #57's yardstick for what adding a
-slow replica may cost.
+slow replica may cost. `time_held` is `time` with the model's TTFT SLO at
+`--slo-ms`: a request whose best prediction misses it waits at the router for a
+replica that meets it (cgn_router/hold.py).
 
 Results: bench/results/mixed_fleet.{json,md}.
 """
@@ -121,9 +123,11 @@ def main() -> None:
     p.add_argument(
         "--policies",
         default="round_robin,cognitora",
-        help="routing policies (bench/router_trace.py's), comma-separated; NAME@fast: NAME "
+        help="routing policies (bench/router_trace.py's; time_held: time with --slo-ms), "
+        "comma-separated; NAME@fast: NAME "
         "with mlx_lm's node cordoned, the two fast engines alone",
     )
+    p.add_argument("--slo-ms", type=float, default=2000.0, help="time_held's TTFT SLO")
     args = p.parse_args()
     window = load(args.trace, args.start + args.limit, args.time_scale)[args.start :]
     reqs = [replace(r, at_s=r.at_s - window[0].at_s) for r in window]
@@ -156,7 +160,10 @@ def main() -> None:
                 subprocess.run([str(BIN / "cgn-ctl"), "cordon", recs["mlx_lm"]["node"],
                                 "--etcd", etcd, "--reason", "bench: the fast pair alone"],
                                check=True, capture_output=True, timeout=60)  # fmt: skip
-            config = {"etcd": {"endpoints": [etcd]}, "routing": POLICIES[name]}
+            config: dict[str, Any] = {"etcd": {"endpoints": [etcd]},
+                                      "routing": POLICIES[name.removesuffix("_held")]}  # fmt: skip
+            if name.endswith("_held"):
+                config["models"] = {"smollm2": {"ttft_slo_ms": args.slo_ms}}
             print(f"{policy} ...", file=sys.stderr, flush=True)
             with cgn_router(Path(d), config) as router:
                 until("the router sees the three engines",
