@@ -35,7 +35,7 @@ from cgn_ctl import (
     tenants_cmd,
     tokens_cmd,
 )
-from cgn_ctl.options import Config, Etcd, Json, with_etcd
+from cgn_ctl.options import Config, Etcd, Json, StateDir, up_record, with_etcd
 from cgn_ctl.settings import CtlSettings
 
 T = TypeVar("T")
@@ -219,9 +219,7 @@ def status(
     etcd: Etcd = None,
     config: Config = None,
     as_json: Json = False,
-    state_dir: Annotated[
-        Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")
-    ] = None,
+    state_dir: StateDir = None,
 ) -> None:
     """The cluster at a glance: what `cgn-ctl up` started, the reconciler leader, nodes, models."""
     from cgn_ctl import upstate
@@ -251,9 +249,7 @@ def top(
     ] = 2.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
     as_json: Json = False,
-    state_dir: Annotated[
-        Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")
-    ] = None,
+    state_dir: StateDir = None,
     config: Config = None,
 ) -> None:
     """Live load per node and per model: replicas Ready, running and waiting requests, output
@@ -261,16 +257,12 @@ def top(
     and decode ms per token the routers learned; refreshed until Ctrl-C (from cgn-metrics).
     `--json` prints one frame as JSON; "—" is a figure no engine publishes."""
     from cgn_ctl import top as top_mod
-    from cgn_ctl import upstate
 
     flags = {"metrics_url": metrics} if metrics else {}
     settings = load_service_settings(CtlSettings, "ctl", config, flags)
     url = settings.metrics_url
     if not url:
-        try:
-            record = upstate.read_record(state_dir or settings.state_dir)
-        except CognitoraError:  # a damaged record: `status` reports it; the default applies
-            record = None
+        record = up_record(state_dir, settings)
         dashboard = record.get("dashboard") if record else None
         url = dashboard if isinstance(dashboard, str) and dashboard else "http://127.0.0.1:9092"
     if as_json or once or not render.console.is_terminal:

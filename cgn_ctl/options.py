@@ -36,6 +36,7 @@ Config = Annotated[
     typer.Option("--config", "-c", help="YAML settings file.", envvar="CGN_CTL_CONFIG"),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+StateDir = Annotated[Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")]
 # A budget's figures (cgn_core/budgets.py), for a tenant (`tenants set`) or a key (`keys create`)
 TokensPerDay = Annotated[
     float | None,
@@ -98,6 +99,15 @@ def ctl_settings(
     if settings.etcd.endpoints == tuple(found.split(",")):
         settings = _up_tls(settings, record)
     return settings
+
+
+def up_record(state_dir: Path | None, settings: CtlSettings) -> dict[str, Any] | None:
+    """What `cgn-ctl up` recorded (None: nothing, or a damaged record, which `status`
+    reports; the defaults apply)."""
+    try:
+        return read_record(state_dir or settings.state_dir)
+    except CognitoraError:
+        return None
 
 
 def _up_tls(settings: CtlSettings, record: dict[str, Any] | None) -> CtlSettings:

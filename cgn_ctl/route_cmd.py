@@ -24,8 +24,8 @@ from cgn_core.errors import CognitoraError
 from cgn_core.settings import TlsSettings
 from cgn_core.terminal import for_terminal
 from cgn_core.tls import client_ssl_context
-from cgn_ctl import render, upstate
-from cgn_ctl.options import Config, Json
+from cgn_ctl import render
+from cgn_ctl.options import Config, Json, StateDir, up_record
 from cgn_ctl.settings import CtlSettings
 
 DEFAULT_ADMIN = "http://127.0.0.1:9091"
@@ -65,9 +65,7 @@ def explain_route(
         ),
     ] = None,
     as_json: Json = False,
-    state_dir: Annotated[
-        Path | None, flag("--state-dir", "Where `cgn-ctl up` kept its record.")
-    ] = None,
+    state_dir: StateDir = None,
     config: Config = None,
 ) -> None:
     """Where a request would go now, and why: per endpoint of the model, the filter that
@@ -76,12 +74,7 @@ def explain_route(
     share, overhead, times its lag), its hit and whether its speed is learned. Sends
     nothing to any engine."""
     settings = load_service_settings(CtlSettings, "ctl", config, {})
-    record: dict[str, Any] | None
-    try:
-        record = upstate.read_record(state_dir or settings.state_dir)
-    except CognitoraError:  # a damaged record: `status` reports it; the defaults apply
-        record = None
-    url, tls = _target(router, record)
+    url, tls = _target(router, up_record(state_dir, settings))
     body: dict[str, Any] = {"model": model}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
