@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cgn_control.cluster_reader import read_snapshot
+from cgn_control.decide.adapters import AdapterError, check_files
 from cgn_control.decide.catalog import (
     Bounds,
     CatalogError,
@@ -61,6 +62,11 @@ async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> 
     """Validate every model in `docs` against the whole catalog, then write them; returns names.
     A model a CognitoraModel owns is refused (NotYours): the operator would write it back."""
     new = parse_models(docs, source)
+    for spec in new.values():
+        try:  # the adapter files this machine has, read against their base (cgn-ctl's)
+            check_files(spec)
+        except AdapterError as exc:
+            raise CatalogError(f"{source}: {exc}") from None
     await _not_owned(client, new)
     current = (await read_snapshot(client)).models
     check_catalog({**current, **new})

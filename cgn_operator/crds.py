@@ -18,8 +18,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from cgn_control.decide.adapters import MAX_LOADED
 from cgn_control.decide.catalog import ENGINES, KV_CONNECTORS, ROLES, Profile
 from cgn_control.decide.scaling import ScalingPolicy
+from cgn_core.lora import MAX_RANK
 from cgn_core.multinode import LAUNCH_MODES
 
 GROUP = "cognitora.io"
@@ -134,6 +136,24 @@ def model_spec_schema() -> dict[str, Any]:
                 "continuations of a stream whose engine fails (default: the router's; 0: off)",
                 minimum=0,
                 maximum=16,
+            ),
+            "migrate_across_engines": _s(
+                "boolean", "a stream may continue on a replica of another engine kind"
+            ),
+            "adapters": _s(
+                "object",
+                "LoRA adapters by the name a request uses in model",
+                additionalProperties=_obj(
+                    {
+                        "source": _s("string", "an absolute path to a GGUF LoRA file"),
+                        "rank": _s("integer", minimum=1, maximum=MAX_RANK),
+                        "pin": _s("boolean", "loaded on every replica"),
+                    },
+                    required=["source"],
+                ),
+            ),
+            "max_adapters": _s(
+                "integer", "adapters loaded at once per replica", minimum=1, maximum=MAX_LOADED
             ),
             "aliases": _s("array", items=_MODEL_NAME),
             "fallbacks": _s("array", items=_MODEL_NAME),

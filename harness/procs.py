@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,11 +157,17 @@ def cgn_infer_stages(
 
 @contextmanager
 def llamacpp(
-    model: Path, *, parallel: int = 1, ctx: int = 4096, threads: int = 2, flash_attn: str = "auto"
+    model: Path,
+    *,
+    parallel: int = 1,
+    ctx: int = 4096,
+    threads: int = 2,
+    flash_attn: str = "auto",
+    lora: Sequence[Path] = (),
 ) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
     with llamacpp_server(
-        model, parallel=parallel, ctx=ctx, threads=threads, flash_attn=flash_attn
+        model, parallel=parallel, ctx=ctx, threads=threads, flash_attn=flash_attn, lora=lora
     ) as (url, _):
         yield url
 
@@ -175,12 +181,15 @@ def llamacpp_server(
     threads: int = 2,
     flash_attn: str = "auto",
     port: int = 0,
+    lora: Sequence[Path] = (),
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`llamacpp`, on `port` (0: a free one), with its process (a test may kill it)."""
+    """`llamacpp`, on `port` (0: a free one), with its process (a test may kill it);
+    `lora`: GGUF adapters applied at scale 1."""
     port = port or free_port()
     argv = [sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", str(model),
             "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
-            "--ctx", str(ctx), "--flash-attn", flash_attn]  # fmt: skip
+            "--ctx", str(ctx), "--flash-attn", flash_attn,
+            *(a for path in lora for a in ("--lora", str(path)))]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

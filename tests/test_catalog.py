@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,3 +168,74 @@ def test_names_across_the_catalog(models: dict[str, ModelSpec], message: str) ->
 
 def test_a_consistent_catalog_passes() -> None:
     check_catalog(cat(model(name="a", aliases=["x"], fallbacks=["b"]), model(name="b")))
+
+
+# ---- LoRA adapters (#60) ------------------------------------------------------------------
+
+
+def test_adapters_parse_and_round_trip() -> None:
+    m = parse_model(model(max_adapters=2, adapters={
+        "sql": {"source": "/models/sql.gguf", "rank": 8},
+        "support-fr": {"source": "/models/fr.gguf", "pin": True}}))  # fmt: skip
+    assert m.max_adapters == 2 and m.adapters["support-fr"].pin and m.adapters["sql"].rank == 8
+    assert parse_model(m.to_json()) == m
+    assert "adapters" not in parse_model(model()).to_json()  # none: the entry is as before
+
+
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [
+        ({"adapters": ["sql"]}, "adapters: expected a mapping"),
+        ({"adapters": {"bad name": {"source": "/a.gguf"}}}, "adapters.bad name: a name is"),
+        ({"adapters": {"m": {"source": "/a.gguf"}}}, "adapters.m: the model's own name"),
+        ({"adapters": {"a": {}}}, "adapters.a.source: required"),
+        ({"adapters": {"a": {"source": "a.gguf"}}}, "adapters.a.source: an absolute path"),
+        ({"adapters": {"a": {"source": "/peft/dir"}}}, "PEFT directories are not converted"),
+        ({"adapters": {"a": {"source": "/a.gguf", "rank": 0}}}, "adapters.a.rank: expected"),
+        ({"adapters": {"a": {"source": "/a.gguf", "pin": "yes"}}}, "adapters.a.pin: expected"),
+        ({"adapters": {"a": {"source": "/a.gguf", "alpha": 1}}}, "adapters.a.alpha: unknown"),
+        ({"max_adapters": 0}, "max_adapters: expected an integer in [1, 64]"),
+        ({"max_adapters": 1, "adapters": {"a": {"source": "/a.gguf", "pin": True},
+                                          "b": {"source": "/b.gguf", "pin": True}}},
+         "2 pinned (a, b), more than max_adapters 1"),
+    ],
+)  # fmt: skip
+def test_a_bad_adapter_entry_is_refused_with_its_field(kw: dict[str, Any], error: str) -> None:
+    with pytest.raises(CatalogError) as err:
+        parse_model(model(**kw))
+    assert error in str(err.value)
+
+
+def test_an_adapter_name_is_no_other_models_name_alias_or_adapter() -> None:
+    a = parse_model(model(name="a", aliases=["alpha"],
+                          adapters={"sql": {"source": "/s.gguf"}}))  # fmt: skip
+    for other, error in [
+        ({"adapters": {"alpha": {"source": "/x.gguf"}}}, "already an alias of a"),
+        ({"adapters": {"a": {"source": "/x.gguf"}}}, "already model a"),
+        ({"adapters": {"sql": {"source": "/x.gguf"}}}, "already an adapter of a"),
+    ]:
+        b = parse_model(model(name="b", **other))
+        with pytest.raises(CatalogError, match=error):
+            check_catalog({"a": a, "b": b})
+
+
+def test_apply_reads_the_adapter_files_it_has_against_their_base(tmp_path: Path) -> None:
+    """`cgn-ctl models apply`'s check: an adapter of another base is refused, naming both;
+    files this machine does not have are left to the engine that loads them."""
+    from cgn_control.decide.adapters import AdapterError, check_files
+    from cgn_core.bundled_models import smollm2
+    from harness.lora import write_adapter
+
+    good = write_adapter(smollm2(), tmp_path / "good.gguf", layers=(0,))
+    foreign = write_adapter(smollm2(), tmp_path / "qwen.gguf", layers=(0,), arch="qwen2")
+    base = str(smollm2())
+    check_files(parse_model(model(source=base, adapters={"a": {"source": str(good)}})))
+    check_files(parse_model(model(source=base, adapters={"a": {"source": "/elsewhere.gguf"}})))
+    with pytest.raises(AdapterError) as err:
+        check_files(parse_model(model(source=base, adapters={"b": {"source": str(foreign)}})))
+    assert f"adapters.b: adapter {foreign} is for architecture 'qwen2'" in str(err.value)
+    assert base in str(err.value)  # both named
+    ranked = parse_model(model(source=base, adapters={"a": {"source": str(good), "rank": 4}}))
+    with pytest.raises(AdapterError) as err:
+        check_files(ranked)
+    assert "adapters.a.rank: 4, the file's is 8" in str(err.value)

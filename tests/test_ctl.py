@@ -132,6 +132,29 @@ def test_bad_models_are_refused_with_the_field_path_and_nothing_written(
     assert "x" not in {r["model"] for r in ok_json(etcd, "models", "list")}
 
 
+def test_an_adapter_of_another_base_is_refused_at_apply_naming_both(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    from cgn_core.bundled_models import smollm2
+    from harness.lora import write_adapter
+
+    base = smollm2()
+    good = write_adapter(base, tmp_path / "sql.gguf", layers=(0,))
+    foreign = write_adapter(base, tmp_path / "qwen.gguf", layers=(0,), arch="qwen2")
+    text = f"name: lora-m\nsource: {base}\nprofiles: [{{engine: cgn_infer}}]\nadapters:\n"
+    res = ctl(
+        etcd, "models", "apply", "-f", write(tmp_path, text + f"  q: {{source: {foreign}}}\n")
+    )
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert f"adapters.q: adapter {foreign} is for architecture 'qwen2'" in res.stderr
+    assert str(base) in res.stderr
+    res = ctl(etcd, "models", "apply", "-f", write(tmp_path, text + f"  sql: {{source: {good}}}\n"))
+    assert res.returncode == 0, res.stderr
+    stored = ok_json(etcd, "models", "get", "lora-m")
+    assert stored["adapters"] == {"sql": {"source": str(good)}} and stored["max_adapters"] == 4
+    assert ctl(etcd, "models", "delete", "lora-m").returncode == 0
+
+
 @pytest.mark.slow
 def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Path) -> None:
     etcd_put(etcd.endpoint, "/cognitora/nodes/g1", GPU_NODE)

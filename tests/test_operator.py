@@ -449,6 +449,17 @@ async def test_kubectl_accepts_every_manifest(tmp_path: Path) -> None:
     assert out.decode().count("(dry run)") == len(_every_manifest())
 
 
+def test_a_model_resource_has_every_field_of_the_catalogs_model() -> None:
+    from cgn_control.decide.catalog import MODEL_FIELDS
+    from cgn_operator import crds
+
+    assert set(crds.model_spec_schema()["properties"]) == MODEL_FIELDS
+    spec = parse_model(crds.model_doc({"name": "m"}, {
+        "source": "smollm2", "profiles": [{"engine": "cgn_infer"}], "max_adapters": 2,
+        "adapters": {"sql": {"source": "/models/sql.gguf", "rank": 8, "pin": True}}}))  # fmt: skip
+    assert spec.adapters["sql"].pin and spec.max_adapters == 2
+
+
 def test_a_model_resource_carries_the_autoscalers_policy() -> None:
     """CognitoraModel's spec has the catalog's scaling: and slo: blocks, field for field, and
     they reach the catalog entry through the same parser."""

@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="llama.cpp's flash-attention kernel (auto: where supported)",
     )
+    ap.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a GGUF LoRA adapter applied at scale 1 (repeatable), as llama-server's --lora",
+    )
     args = ap.parse_args(argv)
 
     import xllamacpp  # type: ignore[import-untyped]
@@ -59,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
         "off": fa.LLAMA_FLASH_ATTN_TYPE_DISABLED,
     }[args.flash_attn]
     params.endpoint_metrics = True
+    adapters = []
+    for path in args.lora:
+        info = xllamacpp.CommonAdapterLoraInfo()
+        info.path, info.scale = path, 1.0
+        adapters.append(info)
+    params.lora_adapters = adapters
     if key := os.environ.get("LLAMA_API_KEY"):  # as llama-server reads it: never on argv
         params.api_keys = [key]
     done = threading.Event()

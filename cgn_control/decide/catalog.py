@@ -19,6 +19,8 @@ apply -f model.yaml` writes it after `parse_model` (one model's fields) and
     fallbacks: [smollm2]
     migration_limit: 3                         # optional: continuations per stream
     migrate_across_engines: false              # optional: one source, engines that take ids
+    adapters: {sql: {source: /models/sql.gguf}}  # optional: LoRA adapters (adapters.py)
+    max_adapters: 4                            # optional: adapters loaded at once per replica
     profiles:                                  # in priority order: the first that fits is used
       - {engine: vllm, accelerator: h100-80g, devices: 1, tensor_parallel: 1, ctx: 8192}
       - {engine: llama_cpp, accelerator: cpu, source: /models/llama-8b.Q4_K_M.gguf, threads: 8}
@@ -33,6 +35,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cgn_control.decide.adapters import (
+    DEFAULT_LOADED,
+    AdapterError,
+    AdapterSpec,
+    check_names,
+    parse_adapters,
+)
 from cgn_control.decide.scaling import ScalingPolicy
 from cgn_core import engine_args, multinode
 from cgn_core.errors import ConfigError
@@ -106,6 +115,8 @@ class ModelSpec:
     migration_limit: int | None = None  # continuations per stream; None: the router's setting
     # a stream may continue on a replica of another engine kind (one source: one tokenizer)
     migrate_across_engines: bool = False
+    adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)  # LoRA, by name
+    max_adapters: int = DEFAULT_LOADED  # loaded at once per replica
 
     @property
     def disaggregated(self) -> bool:
@@ -148,6 +159,14 @@ class ModelSpec:
             **_scaling_json(self.scaling),
             **({} if self.migration_limit is None else {"migration_limit": self.migration_limit}),
             **({"migrate_across_engines": True} if self.migrate_across_engines else {}),
+            **(
+                {
+                    "adapters": {n: a.to_json() for n, a in sorted(self.adapters.items())},
+                    "max_adapters": self.max_adapters,
+                }
+                if self.adapters
+                else {}
+            ),
         }
 
 
@@ -160,29 +179,18 @@ def _profile_json(p: Profile) -> dict[str, Any]:
     }
 
 
+MODEL_FIELDS = frozenset({
+    "name", "source", "tokenizer", "role", "replicas", "aliases", "fallbacks", "profiles",
+    "pools", "scaling", "slo", "migration_limit", "migrate_across_engines", "adapters",
+    "max_adapters",
+})  # fmt: skip
+
+
 def parse_model(doc: Any, where: str = "") -> ModelSpec:
     """One model's spec; CatalogError names the first bad field."""
     if not isinstance(doc, Mapping):
         raise CatalogError(f"{where or 'model'}: expected a mapping")
-    _known(
-        doc,
-        {
-            "name",
-            "source",
-            "tokenizer",
-            "role",
-            "replicas",
-            "aliases",
-            "fallbacks",
-            "profiles",
-            "pools",
-            "scaling",
-            "slo",
-            "migration_limit",
-            "migrate_across_engines",
-        },
-        where,
-    )
+    _known(doc, MODEL_FIELDS, where)
     name = _text(doc, "name", where, required=True)
     if not _NAME.match(name):
         raise CatalogError(f"{_p(where, 'name')}: use 1-128 of [A-Za-z0-9._:-]")
@@ -207,6 +215,10 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
         raise CatalogError(f"{_p(where, 'migrate_across_engines')}: expected true or false")
     if across:
         _one_tokenizer(profiles, source, where)
+    try:
+        adapters, max_adapters = parse_adapters(doc, f"{where}." if where else "")
+    except AdapterError as exc:
+        raise CatalogError(str(exc)) from None
     return ModelSpec(
         name=name,
         source=source,
@@ -223,6 +235,8 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
             else _int(doc, "migration_limit", where, 0, minimum=0, maximum=16)
         ),
         migrate_across_engines=across,
+        adapters=adapters,
+        max_adapters=max_adapters,
     )
 
 
@@ -503,6 +517,10 @@ def check_catalog(models: Mapping[str, ModelSpec]) -> None:
                 raise CatalogError(f"{name}: fallbacks[{i}]: a model cannot fall back to itself")
             if fb not in models:
                 raise CatalogError(f"{name}: fallbacks[{i}]: {fb!r} names no model in the catalog")
+    try:
+        check_names(models)
+    except AdapterError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 # ---- field readers ------------------------------------------------------------------------
@@ -512,7 +530,7 @@ def _p(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _known(doc: Mapping[str, Any], known: set[str], where: str) -> None:
+def _known(doc: Mapping[str, Any], known: set[str] | frozenset[str], where: str) -> None:
     unknown = sorted(set(doc) - known)
     if unknown:
         raise CatalogError(f"{_p(where, unknown[0])}: unknown field")

@@ -1,0 +1,86 @@
+"""LoRA adapters as llama.cpp's GGUF files (#60, part 1): what cgn_core/lora.py accepts and
+refuses against a base, and that real llama.cpp loads the adapters the tests write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cgn_core.bundled_models import smollm2
+from cgn_core.lora import LoraError, check, load
+from harness.lora import write_adapter
+from harness.procs import llamacpp
+
+RANK = 8
+
+
+def test_an_adapter_of_the_base_is_read_with_its_pairs_and_scale(tmp_path: Path) -> None:
+    path = write_adapter(smollm2(), tmp_path / "a.gguf", rank=RANK, layers=(0, 3))
+    adapter = check(path, smollm2())
+    assert adapter.architecture == "llama" and adapter.rank == RANK
+    assert [p.tensor for p in adapter.pairs] == [
+        "blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.3.attn_q.weight",
+        "blk.3.attn_v.weight",
+    ]  # fmt: skip
+    q = adapter.pairs[0]
+    assert (q.out, q.inputs) == (576, 576) and adapter.pairs[1].out == 192  # 3 KV heads x 64
+    assert adapter.scale(RANK) == 2.0 and adapter.scale(RANK, 0.5) == 1.0  # alpha 16 / rank 8
+    _, weights = load(path, smollm2())
+    a, b = weights["blk.3.attn_v.weight"]
+    assert a.shape == (RANK, 576) and b.shape == (192, RANK) and a.dtype.name == "float32"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"arch": "qwen2"}, "is for architecture 'qwen2', its base"),
+        ({"transpose_a": True}, "which do not fit its base"),
+        ({"drop_b": True}, "has lora_a without its pair"),
+        ({"rank": 600}, "has rank 600"),
+        ({"std": float("nan")}, "holds a NaN or an infinity"),
+    ],
+)
+def test_an_adapter_that_is_not_one_of_the_base_is_refused_naming_both(
+    tmp_path: Path, kw: dict[str, Any], message: str
+) -> None:
+    path = write_adapter(smollm2(), tmp_path / "bad.gguf", layers=(0,), **kw)
+    with pytest.raises(LoraError, match=message) as err:
+        load(path, smollm2())
+    assert str(path) in err.value.message
+
+
+def test_a_model_file_or_no_file_is_not_an_adapter(tmp_path: Path) -> None:
+    with pytest.raises(LoraError, match="is not a LoRA adapter"):
+        check(smollm2(), smollm2())
+    with pytest.raises(LoraError, match="cannot open"):
+        check(tmp_path / "missing.gguf", smollm2())
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(LoraError, match="truncated or corrupt"):
+        check(tmp_path / "junk.gguf", smollm2())
+
+
+def complete(url: str, prompt: str) -> str:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "seed": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+@pytest.mark.slow
+def test_real_llama_cpp_loads_the_adapters_the_tests_write(tmp_path: Path) -> None:
+    """The files are llama.cpp's format: its server lists the adapter and its answers
+    change (large random pairs on every matrix cgn-infer adapts)."""
+    targets = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_adapter(smollm2(), tmp_path / "loud.gguf", targets=targets, std=0.2)
+    check(path, smollm2())
+    prompt = "The capital of France is"
+    with llamacpp(smollm2(), threads=1, ctx=512) as base:
+        plain = complete(base, prompt)
+    with llamacpp(smollm2(), threads=1, ctx=512, lora=[path]) as adapted:
+        listed = httpx.get(adapted + "/lora-adapters", timeout=30).json()
+        changed = complete(adapted, prompt)
+    assert [a["path"] for a in listed] == [str(path)] and listed[0]["scale"] == 1.0
+    assert changed != plain
