@@ -110,7 +110,8 @@ ROUTE_PROBE = """
 import json, random, sys, time
 from cgn_router.routing.kv_index import PrefixIndex
 from cgn_router.routing.chain import RoutingChain
-from cgn_router.registry import Registry, Sessions
+from cgn_router.registry import Registry
+from cgn_router.sessions import Sessions
 from cgn_router.settings import BreakerSettings, RoutingSettings
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
 try:  # this tree: past SHORT_LIST endpoints a short list of SHORT_PICKS each

@@ -45,17 +45,14 @@ from cgn_router.kv_follow import KvFollowers
 from cgn_router.ledger import Ledger, publish, writer_name
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
-from cgn_router.registry import (
-    Registry,
-    Sessions,
-    endpoint_from_static,
-)
+from cgn_router.registry import Registry, endpoint_from_static
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.routing.lifecycle import Observer
 from cgn_router.scrape import engine_load, name_map
 from cgn_router.server import build_front
 from cgn_router.service import RouterService
+from cgn_router.sessions import Sessions
 from cgn_router.settings import RouterSettings, ScrapeSettings
 from cgn_router.types import EndpointId
 from cgn_router.upstream import Upstream

@@ -16,8 +16,8 @@ whatever happens elsewhere. It waits here instead, in a queue per model:
 * it is held at most until `until` (its band's admission `ttl_s`, within its deadline):
   then it goes to the best replica as it is. A client that leaves, leaves the queue.
 
-`cgn_router_held_total{model,result}` counts holds (released, expired, gone) and
-`cgn_router_held_seconds` their lengths; the response says `x-cognitora-held-ms`.
+`cgn_router_held_seconds{model,result}` is a histogram of holds by how they ended
+(released, expired, gone); the response says `x-cognitora-held-ms`.
 """
 
 from __future__ import annotations

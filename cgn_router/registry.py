@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -41,6 +40,7 @@ from cgn_core.records import Efficiency, fresh_efficiency
 from cgn_router.routing.breaker import Breaker
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.routing.speed import Sample, SpeedFit, median_speed
+from cgn_router.sessions import Sessions
 from cgn_router.settings import BreakerSettings, StaticEndpoint
 from cgn_router.types import (
     DEFAULT_SPEED,
@@ -194,29 +194,6 @@ class Lease:
         self.requeue(now)
         if outcome in BLAMES_ENGINE:
             self.state.breaker.on_failure(now)
-
-
-@dataclass(slots=True)
-class Sessions:
-    """session id → the endpoint it last went to (LRU, with a TTL)."""
-
-    ttl_s: float
-    capacity: int = 100_000
-    _last: OrderedDict[str, tuple[EndpointId, float]] = field(default_factory=OrderedDict)
-
-    def owner(self, session: str | None, now: float) -> EndpointId | None:
-        if session is None:
-            return None
-        got = self._last.get(session)
-        return got[0] if got is not None and now - got[1] < self.ttl_s else None
-
-    def record(self, session: str | None, eid: EndpointId, now: float) -> None:
-        if session is None:
-            return
-        self._last[session] = (eid, now)
-        self._last.move_to_end(session)
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
 
 
 class LoadOrder:

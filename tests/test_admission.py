@@ -13,9 +13,10 @@ import pytest
 
 from cgn_router.gate import Gate
 from cgn_router.metrics import RouterMetrics
-from cgn_router.registry import Registry, Sessions
+from cgn_router.registry import Registry
 from cgn_router.routing.admission import Admission, Capacity, Ticket, Verdict
 from cgn_router.routing.kv_index import PrefixIndex
+from cgn_router.sessions import Sessions
 from cgn_router.settings import AdmissionSettings, BandSettings, BreakerSettings
 from cgn_router.types import Endpoint, EndpointId
 from cgn_router.workers import shared
@@ -223,8 +224,9 @@ def test_other_routers_requests_at_the_engines_count_against_the_ceilings() -> N
 def test_the_gate_reads_other_routers_load_from_the_scrapes() -> None:
     from cgn_router.gate import Gate
     from cgn_router.metrics import RouterMetrics
-    from cgn_router.registry import Registry, Sessions
+    from cgn_router.registry import Registry
     from cgn_router.routing.kv_index import PrefixIndex
+    from cgn_router.sessions import Sessions
     from cgn_router.settings import AdmissionSettings, BreakerSettings
     from cgn_router.types import Endpoint, EndpointId, EngineLoad
 

@@ -19,11 +19,12 @@ from cgn_core.text.prompt import PromptCodec
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import scrape_plan
 from cgn_router.prompts import PromptHasher
-from cgn_router.registry import LoadOrder, Registry, Sessions, endpoint_from_etcd
+from cgn_router.registry import LoadOrder, Registry, endpoint_from_etcd
 from cgn_router.routing.breaker import Breaker
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex
 from cgn_router.scrape import engine_load, name_map, parse_samples
+from cgn_router.sessions import Sessions
 from cgn_router.settings import BreakerSettings, RoutingSettings, ScrapeSettings
 from cgn_router.types import DEFAULT_SPEED, Endpoint, EndpointId, EngineLoad, RequestInfo
 

@@ -301,10 +301,11 @@ def test_the_router_signals_a_speed_once_learned_and_its_answers_shape() -> None
     speed once fitted from 3 answers (fewer are noise to size a pool by), and the mean
     uncached prompt and output tokens of the model's answers."""
     from cgn_router.load_signals import LEARNED_SAMPLES, LoadObserver, LoadSignals
-    from cgn_router.registry import Registry, Sessions
+    from cgn_router.registry import Registry
     from cgn_router.routing.kv_index import PrefixIndex
     from cgn_router.routing.lifecycle import AttemptEnded
     from cgn_router.routing.speed import Sample as Answer
+    from cgn_router.sessions import Sessions
     from cgn_router.settings import BreakerSettings
     from cgn_router.types import Endpoint, EndpointId, Usage
 

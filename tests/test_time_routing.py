@@ -19,10 +19,11 @@ import pytest
 
 from cgn_router import legs
 from cgn_router.proxy import AttemptFailed
-from cgn_router.registry import Registry, Sessions
+from cgn_router.registry import Registry
 from cgn_router.routing.chain import Decision, Policy, RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex
 from cgn_router.routing.speed import Sample
+from cgn_router.sessions import Sessions
 from cgn_router.settings import BreakerSettings, ScorerSpec
 from cgn_router.types import Endpoint, EndpointId, RequestInfo
 from harness.metrics import metric
