@@ -101,6 +101,7 @@ def run(slow: int, ratio: float, policy: str, args: argparse.Namespace) -> dict[
         }
         if policy == "time_held":
             config["models"] = {model: {"ttft_slo_ms": args.slo_ms}}
+            config["routing"] = {**POLICIES[policy], "hold_for_slo": True}
         with cgn_router(tmp, config) as router:
             outcomes, wall = asyncio.run(
                 replay(router.url, model, reqs, args.blocks_per_id, args.output_scale)

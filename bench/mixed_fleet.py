@@ -164,6 +164,7 @@ def main() -> None:
                                       "routing": POLICIES[name.removesuffix("_held")]}  # fmt: skip
             if name.endswith("_held"):
                 config["models"] = {"smollm2": {"ttft_slo_ms": args.slo_ms}}
+                config["routing"] = {**config["routing"], "hold_for_slo": True}
             print(f"{policy} ...", file=sys.stderr, flush=True)
             with cgn_router(Path(d), config) as router:
                 until("the router sees the three engines",

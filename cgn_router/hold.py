@@ -4,7 +4,9 @@ With a `time` scorer in the chain, each decision predicts the chosen replica's t
 the request's first token. When even the best prediction misses the model's SLO
 (`slo.ttft_p90_ms` in its catalog entry; `models.<name>.ttft_slo_ms` for a router
 without etcd), sending the request now binds it to one replica's queue, where it waits
-whatever happens elsewhere. It waits here instead, in a queue per model:
+whatever happens elsewhere. With `routing.hold_for_slo` (off by default: measured worse
+on a real fleet under load, bench/results/mixed_fleet_held.md) it waits here instead, in
+a queue per model:
 
 * the queue is FIFO: a request that comes while others are held joins behind them;
 * its head re-routes every `RECHECK_S`, and goes as soon as a replica's prediction meets

@@ -64,7 +64,9 @@ async def held(
     """`view`, or the replica that meets the model's TTFT SLO soonest after `req` waited for
     one (cgn_router/hold.py; None: none is left), and the response header saying so."""
     entry = svc.catalog.entry(req.model)
-    if entry is None or entry.ttft_slo_s is None or view.predicted_ttft_s is None:
+    if not svc.settings.routing.hold_for_slo or entry is None or entry.ttft_slo_s is None:
+        return view, {}
+    if view.predicted_ttft_s is None:
         return view, {}
     band = svc.settings.admission.bands.get(ctx.band)
     until = min(ctx.deadline, time.monotonic() + (band.ttl_s if band else HOLD_MAX_S))

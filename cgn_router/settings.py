@@ -37,9 +37,8 @@ class ModelSettings:
     # a broken stream may continue on an endpoint of another engine kind (cgn-infer,
     # llamacpp, vllm, sglang, trtllm) serving the same weights: one tokenizer (`tokenizer`)
     migrate_across_engines: bool = False
-    # with a `time` scorer: a request whose best predicted time to first token is longer
-    # waits at the router until a replica can meet it (cgn_router/hold.py); 0: never
-    # (etcd's catalog says it as `slo.ttft_p90_ms`)
+    # the TTFT SLO a request waits at the router for, with `routing.hold_for_slo` and a
+    # `time` scorer (cgn_router/hold.py); 0: none (etcd's catalog: `slo.ttft_p90_ms`)
     ttft_slo_ms: float = ranged(0.0, 0, 3_600_000)
 
 
@@ -108,6 +107,11 @@ class RoutingSettings:
     index_budget_mb: int = ranged(0, 0, 1 << 20)
     session_ttl_s: float = ranged(600.0, 0, 604800)
     session_header: str = "x-session-id"  # or the body's `user` field
+    # With a `time` scorer: a request whose best predicted time to first token misses its
+    # model's TTFT SLO waits at the router for a replica that meets it (cgn_router/hold.py).
+    # Off by default: on the real mixed fleet, under load, it made TTFT p90 worse
+    # (bench/results/mixed_fleet_held.md); the SLO alone also drives the autoscaler.
+    hold_for_slo: bool = False
 
     def index_budget_bytes(self) -> int:
         if self.index_budget_mb:

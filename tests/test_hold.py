@@ -98,3 +98,20 @@ def test_a_hold_expires_to_the_best_replica_and_a_client_that_leaves_leaves_the_
         assert got is not None and got[2] == "released" and holds.held("m") == 0
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_holds_are_off_unless_the_router_is_told() -> None:
+    """`routing.hold_for_slo` is off by default: a model's SLO (which also drives the
+    autoscaler) holds nothing by itself."""
+    from types import SimpleNamespace
+
+    from cgn_router import legs
+    from cgn_router.catalog import ModelEntry
+    from cgn_router.settings import RouterSettings
+
+    entry = ModelEntry("m", ttft_slo_s=0.1)
+    svc = SimpleNamespace(settings=RouterSettings(), catalog=SimpleNamespace(entry=lambda m: entry),
+                          holds=Holds())  # fmt: skip
+    v = view(9.0)  # far past the SLO, with requests in flight
+    got = asyncio.run(legs.held(svc, SimpleNamespace(band="gold"), REQ, v, None))  # type: ignore[arg-type]
+    assert got == (v, {}) and svc.settings.routing.hold_for_slo is False

@@ -223,7 +223,11 @@ def test_requests_whose_predicted_ttft_misses_the_slo_wait_at_the_router(tmp_pat
             "discovery": "static",
             "endpoints": {"only": {"url": url, "model": MODEL}},
             "models": {MODEL: {"ttft_slo_ms": 300}},
-            "routing": {"scorers": [{"type": "time", "weight": 1.0}], "picker": "max"},
+            "routing": {
+                "scorers": [{"type": "time", "weight": 1.0}],
+                "picker": "max",
+                "hold_for_slo": True,
+            },
         }
         with cgn_router(tmp_path, config) as router:
 
