@@ -39,6 +39,7 @@ ReplicaId = NewType("ReplicaId", str)
 Role = Literal["both", "prefill", "decode"]
 KvConnector = Literal["none", "lmcache", "nixl", "hicache", "kvbm"]
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
+MAX_LORA = 256  # adapters a replica may load (the catalog names at most this many)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -61,6 +62,9 @@ class EngineProfile:
     rendezvous_timeout_s: float | None = None
     extra_args: tuple[str, ...] = ()  # appended verbatim to the engine's argv
     env: Mapping[str, str] = field(default_factory=dict)
+    # llama_cpp: the model's GGUF LoRA adapters, by adapter name order (a request's `lora`
+    # id is its index), loaded at start and applied only where a request asks
+    lora: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +225,14 @@ def _profile(raw: Any, where: str) -> EngineProfile:
     ):
         raise ValueError(f"{where}: 'env' must map names to strings")
     out["env"] = dict(env)
+    lora = raw.get("lora", [])
+    if (
+        not isinstance(lora, list)
+        or len(lora) > MAX_LORA
+        or not all(isinstance(a, str) and a.startswith("/") and a.endswith(".gguf") for a in lora)
+    ):
+        raise ValueError(f"{where}: 'lora' must list at most {MAX_LORA} absolute .gguf paths")
+    out["lora"] = tuple(lora)
     return EngineProfile(**out)
 
 
@@ -231,6 +243,7 @@ def spec_to_json(spec: ReplicaSpec) -> dict[str, Any]:
     doc["devices"] = list(spec.devices)
     doc["profile"]["extra_args"] = list(spec.profile.extra_args)
     doc["profile"]["env"] = dict(spec.profile.env)
+    doc["profile"]["lora"] = list(spec.profile.lora)
     if spec.pipeline is None:
         del doc["pipeline"]
     out: dict[str, Any] = json.loads(json.dumps(doc))  # plain JSON types only

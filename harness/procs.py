@@ -164,11 +164,19 @@ def llamacpp(
     threads: int = 2,
     flash_attn: str = "auto",
     lora: Sequence[Path] = (),
+    lora_unapplied: bool = False,
 ) -> Iterator[str]:
     """llama.cpp's server (xllamacpp) on a free port; yields its base URL once /health is 200."""
-    with llamacpp_server(
-        model, parallel=parallel, ctx=ctx, threads=threads, flash_attn=flash_attn, lora=lora
-    ) as (url, _):
+    served = llamacpp_server(
+        model,
+        parallel=parallel,
+        ctx=ctx,
+        threads=threads,
+        flash_attn=flash_attn,
+        lora=lora,
+        lora_unapplied=lora_unapplied,
+    )
+    with served as (url, _):
         yield url
 
 
@@ -182,14 +190,17 @@ def llamacpp_server(
     flash_attn: str = "auto",
     port: int = 0,
     lora: Sequence[Path] = (),
+    lora_unapplied: bool = False,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`llamacpp`, on `port` (0: a free one), with its process (a test may kill it);
-    `lora`: GGUF adapters applied at scale 1."""
+    `lora`: GGUF adapters applied at scale 1, or with `lora_unapplied` at 0 (a request's
+    `lora` field applies them)."""
     port = port or free_port()
     argv = [sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", str(model),
             "--port", str(port), "--threads", str(threads), "--parallel", str(parallel),
             "--ctx", str(ctx), "--flash-attn", flash_attn,
-            *(a for path in lora for a in ("--lora", str(path)))]  # fmt: skip
+            *(a for path in lora for a in ("--lora", str(path))),
+            *(["--lora-init-without-apply"] if lora_unapplied else [])]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -42,7 +42,8 @@ DOCUMENTED = {
                "--disaggregation-transfer-backend", "--hicache-size"},
     "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
     "mlx_lm": {"--source", "--name", "--host", "--port"},  # cgn_agent/launchers/mlx_lm_server.py
-    "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl"},
+    "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl",
+                     "--lora", "--lora-init-without-apply"},
     "llama_cpp_python": {"--model", "--host", "--port", "--model_alias", "--n_ctx",
                          "--n_threads", "--n_gpu_layers"},
 }  # fmt: skip
@@ -183,6 +184,31 @@ def test_llama_cpp_launchers(launcher: str, documented: str, program: int, healt
     assert "smol" in launch.argv and "/m/smol.gguf" in launch.argv
 
 
+def test_llama_cpp_loads_the_models_adapters_at_start_and_applies_none() -> None:
+    """A model's LoRA adapters (the reconciler lists them in name order: a request's `lora`
+    id is the index) load at start at scale 0; a launcher that cannot load them, or a
+    missing file, is a refusal before anything starts."""
+    lora = ("/m/fr.gguf", "/m/sql.gguf")
+    s = replace(spec("llama_cpp", source="/m/smol.gguf",
+                     profile=EngineProfile(launcher="llama_server", lora=lora)), model="smol")  # fmt: skip
+    tools = replace(ALL_TOOLS, files={"/m/smol.gguf", *lora})
+    DRIVERS["llama_cpp"].validate(s, CPU_NODE, tools)
+    argv = DRIVERS["llama_cpp"].launch(s, CTX, tools).argv
+    assert argv[-5:] == (
+        "--lora",
+        "/m/fr.gguf",
+        "--lora",
+        "/m/sql.gguf",
+        "--lora-init-without-apply",
+    )
+    assert flags(argv[1:]) <= DOCUMENTED["llama_server"]
+    with pytest.raises(PlacementRefused, match=r"LoRA adapter /m/sql\.gguf does not exist"):
+        DRIVERS["llama_cpp"].validate(s, CPU_NODE, replace(tools, files={"/m/smol.gguf", lora[0]}))
+    python = replace(s, profile=replace(s.profile, launcher="llama_cpp_python"))
+    with pytest.raises(PlacementRefused, match="llama_cpp_python launcher loads no LoRA"):
+        DRIVERS["llama_cpp"].validate(python, CPU_NODE, tools)
+
+
 def _help_flags(argv: list[str]) -> set[str]:
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -203,9 +229,11 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
     assert launch.metrics_dialect == "cgn-infer"
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
-                     profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp")), model="smol", devices=())  # fmt: skip
+                     profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp",
+                                           lora=("/m/sql.gguf",))), model="smol", devices=())  # fmt: skip
     launch = DRIVERS["llama_cpp"].launch(x, CTX, tools)
     assert launch.argv[1:3] == ("-m", "cgn_agent.launchers.xllamacpp_server")
+    assert launch.argv[-3:] == ("--lora", "/m/sql.gguf", "--lora-init-without-apply")
     helped = _help_flags([sys.executable, "-m", "cgn_agent.launchers.xllamacpp_server", "--help"])
     assert flags(launch.argv[3:]) <= helped
 

@@ -62,8 +62,8 @@ def test_a_model_file_or_no_file_is_not_an_adapter(tmp_path: Path) -> None:
         check(tmp_path / "junk.gguf", smollm2())
 
 
-def complete(url: str, prompt: str) -> str:
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "seed": 0}
+def complete(url: str, prompt: str, **extra: Any) -> str:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "seed": 0, **extra}
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["text"])
@@ -72,7 +72,9 @@ def complete(url: str, prompt: str) -> str:
 @pytest.mark.slow
 def test_real_llama_cpp_loads_the_adapters_the_tests_write(tmp_path: Path) -> None:
     """The files are llama.cpp's format: its server lists the adapter and its answers
-    change (large random pairs on every matrix cgn-infer adapts)."""
+    change (large random pairs on every matrix cgn-infer adapts). Loaded unapplied (as the
+    agent starts llama.cpp for a model's adapters), it answers as the base until a
+    request's `lora` field applies it."""
     targets = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     path = write_adapter(smollm2(), tmp_path / "loud.gguf", targets=targets, std=0.2)
     check(path, smollm2())
@@ -84,3 +86,6 @@ def test_real_llama_cpp_loads_the_adapters_the_tests_write(tmp_path: Path) -> No
         changed = complete(adapted, prompt)
     assert [a["path"] for a in listed] == [str(path)] and listed[0]["scale"] == 1.0
     assert changed != plain
+    with llamacpp(smollm2(), threads=1, ctx=512, lora=[path], lora_unapplied=True) as lazy:
+        assert complete(lazy, prompt) == plain
+        assert complete(lazy, prompt, lora=[{"id": 0, "scale": 1.0}]) == changed

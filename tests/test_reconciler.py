@@ -72,6 +72,20 @@ def test_places_one_replica_per_pass_with_the_agents_placement_document() -> Non
     )
 
 
+def test_a_llama_cpp_placement_lists_the_models_adapters_in_name_order() -> None:
+    """llama.cpp loads a model's LoRA adapters at start (a request's `lora` id is the
+    adapter's index in name order); the engines that cannot load them yet get none."""
+    adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf"}}
+    for engine, lora in (("llama_cpp", ["/m/fr.gguf", "/m/sql.gguf"]), ("cgn_infer", None)):
+        spec = parse_model({"name": "m", "source": "/m/smol.gguf", "adapters": adapters,
+                            "profiles": [{"engine": engine}]})  # fmt: skip
+        nodes = {n: {"accelerators": [], "engines": [engine]} for n in ("a",)}
+        state = Snapshot.of(models={"m": spec}, nodes=nodes, placements={}, statuses={},
+                            cordons={}, wall=1000.0)  # fmt: skip
+        (put,) = reconcile(state, Memory(), 0.0, S)
+        assert isinstance(put, Put) and put.doc["profile"].get("lora") == lora, engine
+
+
 def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() -> None:
     mem = Memory()
     placed = {("a", "r1"): "m"}

@@ -64,6 +64,14 @@ class LlamaCppDriver:
             )
         if not tools.is_file(model_file(spec)):
             raise PlacementRefused(f"llama_cpp: model file {spec.source} does not exist")
+        if spec.profile.lora and pick_launcher(wanted, tools) == "llama_cpp_python":
+            raise PlacementRefused(
+                "llama_cpp: the llama_cpp_python launcher loads no LoRA adapters "
+                "(launcher: xllamacpp or llama_server)"
+            )
+        for path in spec.profile.lora:
+            if not tools.is_file(path):
+                raise PlacementRefused(f"llama_cpp: LoRA adapter {path} does not exist")
         if spec.devices:
             require_gpus(spec, node, self.name, len(spec.devices))
 
@@ -94,6 +102,13 @@ def _serving(ctx: LaunchContext) -> list[str]:
     return ["--host", ctx.host, "--port", str(ctx.port)]
 
 
+def _adapters(spec: ReplicaSpec) -> list[str]:
+    """Each adapter loaded at start and applied to no request but those that ask (llama.cpp's
+    per-request `lora: [{id, scale}]`), for llama-server and our xllamacpp launcher alike."""
+    paths = [a for path in spec.profile.lora for a in ("--lora", path)]
+    return [*paths, "--lora-init-without-apply"] if paths else []
+
+
 def _llama_cpp_python(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool) -> list[str]:
     p = spec.profile
     argv = [ctx.python, "-m", "llama_cpp.server", "--model", model_file(spec)]
@@ -107,11 +122,11 @@ def _xllamacpp(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool) -> list[str]:
     argv = [ctx.python, "-m", "cgn_agent.launchers.xllamacpp_server", "--model", model_file(spec)]
     argv += [*_serving(ctx), "--alias", spec.model]
     argv += optional_flags(("--ctx", p.ctx), ("--threads", p.threads))
-    return argv + (["--n-gpu-layers", "999"] if gpu else [])
+    return argv + (["--n-gpu-layers", "999"] if gpu else []) + _adapters(spec)
 
 
 def _llama_server(spec: ReplicaSpec, ctx: LaunchContext, gpu: bool, exe: str) -> list[str]:
     p = spec.profile
     argv = [exe, "-m", model_file(spec), *_serving(ctx), "--alias", spec.model, "--metrics"]
     argv += optional_flags(("-c", p.ctx), ("-t", p.threads))
-    return argv + (["-ngl", "999"] if gpu else [])
+    return argv + (["-ngl", "999"] if gpu else []) + _adapters(spec)

@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PATH",
         help="a GGUF LoRA adapter applied at scale 1 (repeatable), as llama-server's --lora",
     )
+    ap.add_argument(
+        "--lora-init-without-apply",
+        action="store_true",
+        help="load the adapters at scale 0: a request applies them with its `lora` field",
+    )
     args = ap.parse_args(argv)
 
     import xllamacpp  # type: ignore[import-untyped]
@@ -69,9 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     adapters = []
     for path in args.lora:
         info = xllamacpp.CommonAdapterLoraInfo()
-        info.path, info.scale = path, 1.0
+        # NOTE: the wheel's server reads each adapter's scale as the requests' default;
+        # the flag alone left them applied (a test saw the base answer change)
+        info.path, info.scale = path, 0.0 if args.lora_init_without_apply else 1.0
         adapters.append(info)
     params.lora_adapters = adapters
+    params.lora_init_without_apply = args.lora_init_without_apply
     if key := os.environ.get("LLAMA_API_KEY"):  # as llama-server reads it: never on argv
         params.api_keys = [key]
     done = threading.Event()
