@@ -22,7 +22,7 @@ from typing import Any
 
 from cgn_agent import supervisor as sv
 from cgn_agent.drivers import DRIVERS, Launch, LaunchContext, PlacementRefused, Toolbox
-from cgn_agent.drivers.base import check_source
+from cgn_agent.drivers.base import check_adapters, check_source
 from cgn_agent.inventory.nvidia import GpuProcess
 from cgn_agent.inventory.types import Inventory
 from cgn_agent.processes import EngineProcess, matches
@@ -202,6 +202,7 @@ class NodeAgent:
             # NOTE: least privilege first: what a placement may run, then whether it can run
             engine_args.check(spec.engine, spec.profile.extra_args, spec.profile.env)
             check_source(spec, self.model_dirs)
+            check_adapters(spec, self.model_dirs)
             node = self.inventory()
             driver.validate(spec, node, self.tools)  # what the engine needs, then whether offered
             if spec.engine not in node.engines and spec.engine != "openai_compat":

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cgn_agent.drivers import PlacementRefused
-from cgn_agent.drivers.base import check_source
+from cgn_agent.drivers.base import check_adapters, check_source
 from cgn_agent.spec import ReplicaId, ReplicaSpec
 from cgn_control.decide.catalog import CatalogError, parse_model
 from cgn_core import engine_args
@@ -121,3 +121,22 @@ def test_a_symlink_out_of_a_model_dir_is_refused(tmp_path: Path) -> None:
     (models / "escape.gguf").symlink_to("/etc/passwd")
     with pytest.raises(PlacementRefused, match="not under a model directory"):
         check_source(spec("llama_cpp", str(models / "escape.gguf")), (models,))
+
+
+def test_adapter_files_are_held_to_the_model_dirs_too(tmp_path: Path) -> None:
+    """A placement's `profile.lora` files, as its source: under a model dir, symlinks
+    resolved, never an arbitrary path."""
+    from dataclasses import replace
+
+    from cgn_agent.spec import EngineProfile
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "sql.gguf").write_bytes(b"GGUF")
+    (models / "escape.gguf").symlink_to("/etc/passwd")
+    base = spec("llama_cpp", str(smollm2()))
+    check_adapters(replace(base, profile=EngineProfile(lora=(str(models / "sql.gguf"),))),
+                   (models,))  # fmt: skip
+    for bad in ("/etc/passwd", str(models / "escape.gguf"), "sql.gguf"):
+        with pytest.raises(PlacementRefused, match="not under a model directory"):
+            check_adapters(replace(base, profile=EngineProfile(lora=(bad,))), (models,))

@@ -209,12 +209,28 @@ def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
             + (", a bundled model" if engine in GGUF_ENGINES else "")
             + (" or a Hugging Face repo id (org/name)" if engine in HUB_ENGINES else "")
         )
+    if not _under(path, model_dirs):
+        where = _dirs(model_dirs)
+        raise PlacementRefused(f"{engine}: source {src} is not under a model directory ({where})")
+
+
+def check_adapters(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
+    """A placement's LoRA adapter files (`profile.lora`), as its source: under one of the
+    agent's `model_dirs` (symlinks resolved first), never an arbitrary path."""
+    for src in spec.profile.lora:
+        if not Path(src).is_absolute() or not _under(Path(src), model_dirs):
+            raise PlacementRefused(f"{spec.engine}: LoRA adapter {src} is not under a model "
+                                   f"directory ({_dirs(model_dirs)})")  # fmt: skip
+
+
+def _under(path: Path, model_dirs: tuple[Path, ...]) -> bool:
     real = Path(os.path.realpath(path))
     allowed = [Path(os.path.realpath(d)) for d in model_dirs]
-    if any(real == d or d in real.parents for d in allowed) or real in _bundled_files():
-        return
-    where = ", ".join(str(d) for d in model_dirs) or "none configured (agent setting model_dirs)"
-    raise PlacementRefused(f"{engine}: source {src} is not under a model directory ({where})")
+    return any(real == d or d in real.parents for d in allowed) or real in _bundled_files()
+
+
+def _dirs(model_dirs: tuple[Path, ...]) -> str:
+    return ", ".join(str(d) for d in model_dirs) or "none configured (agent setting model_dirs)"
 
 
 def model_file(spec: ReplicaSpec) -> str:
