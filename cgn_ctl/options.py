@@ -7,7 +7,7 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -20,6 +20,9 @@ from cgn_core.logs import setup_logging
 from cgn_core.settings import EtcdSettings, TlsSettings
 from cgn_ctl.settings import CtlSettings
 from cgn_ctl.upstate import read_record
+
+if TYPE_CHECKING:
+    import httpx
 
 T = TypeVar("T")
 
@@ -87,10 +90,7 @@ def ctl_settings(
     record in `state_dir`, else the settings' state_dir), and for that etcd, its TLS files."""
     flags = {"etcd.endpoints": etcd} if etcd else {}
     settings = load_service_settings(CtlSettings, "ctl", config, flags)
-    try:
-        record = read_record(state_dir or settings.state_dir)
-    except CognitoraError:
-        return settings  # a damaged record: `status` reports it; the default still applies
+    record = up_record(state_dir, settings)
     found = record.get("etcd") if record else None
     if not (isinstance(found, str) and found):
         return settings
@@ -110,15 +110,32 @@ def up_record(state_dir: Path | None, settings: CtlSettings) -> dict[str, Any] |
         return None
 
 
+def root_tls(record: dict[str, Any] | None) -> TlsSettings | None:
+    """The `root` client certificate `up` recorded for its TLS cluster (None: none)."""
+    files = record.get("etcd_tls") if record else None
+    if not isinstance(files, dict):
+        return None
+    try:
+        return TlsSettings(**{k: Path(str(files[k])) for k in ("ca_file", "cert_file", "key_file")})
+    except KeyError:
+        return None
+
+
+def read_capped(resp: httpx.Response, limit: int) -> bytes | None:
+    """A streamed answer's body, or None as soon as it passes `limit` bytes."""
+    body = bytearray()
+    for chunk in resp.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def _up_tls(settings: CtlSettings, record: dict[str, Any] | None) -> CtlSettings:
     """With the etcd `up` started (TLS) and no TLS settings of its own, cgn-ctl is that
     cluster's `root` through the certificate `up` recorded."""
-    files = record.get("etcd_tls") if record else None
-    if settings.etcd.tls.enabled or not isinstance(files, dict):
-        return settings
-    try:
-        tls = TlsSettings(**{k: Path(str(files[k])) for k in ("ca_file", "cert_file", "key_file")})
-    except KeyError:
+    tls = root_tls(record)
+    if settings.etcd.tls.enabled or tls is None:
         return settings
     return replace(settings, etcd=replace(settings.etcd, tls=tls))
 

@@ -12,7 +12,6 @@ CGN_ADMIN_KEY).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
@@ -25,7 +24,7 @@ from cgn_core.settings import TlsSettings
 from cgn_core.terminal import for_terminal
 from cgn_core.tls import client_ssl_context
 from cgn_ctl import render
-from cgn_ctl.options import Config, Json, StateDir, up_record
+from cgn_ctl.options import Config, Json, StateDir, read_capped, root_tls, up_record
 from cgn_ctl.settings import CtlSettings
 
 DEFAULT_ADMIN = "http://127.0.0.1:9091"
@@ -97,14 +96,7 @@ def _target(router: str | None, record: dict[str, Any] | None) -> tuple[str, Tls
     """The admin URL to ask and, for `up`'s HTTPS router, the root certificate to show."""
     recorded = record.get("router_admin") if record else None
     url = router or (recorded if isinstance(recorded, str) and recorded else DEFAULT_ADMIN)
-    files = record.get("etcd_tls") if record else None
-    if not url.startswith("https://") or not isinstance(files, dict):
-        return url, None
-    try:
-        keys = ("ca_file", "cert_file", "key_file")
-        return url, TlsSettings(**{k: Path(str(files[k])) for k in keys})
-    except KeyError:
-        return url, None
+    return url, root_tls(record) if url.startswith("https://") else None
 
 
 def ask(
@@ -119,11 +111,9 @@ def ask(
             httpx.Client(verify=verify, timeout=10) as client,
             client.stream("POST", api, json=body, headers=headers) as resp,
         ):
-            raw = bytearray()
-            for chunk in resp.iter_bytes():
-                raw += chunk
-                if len(raw) > MAX_ANSWER_BYTES:
-                    raise RouteUnexplained(f"{api} answered more than {MAX_ANSWER_BYTES} bytes")
+            raw = read_capped(resp, MAX_ANSWER_BYTES)
+            if raw is None:
+                raise RouteUnexplained(f"{api} answered more than {MAX_ANSWER_BYTES} bytes")
             status = resp.status_code
         answer = json.loads(raw)
     except (httpx.HTTPError, ValueError, OSError) as exc:

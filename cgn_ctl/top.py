@@ -28,6 +28,7 @@ from rich.text import Text
 from cgn_core.errors import CognitoraError
 from cgn_core.fleet_view import FleetView, ReplicaView
 from cgn_core.terminal import plain
+from cgn_ctl.options import read_capped
 
 DASH = "—"
 MAX_VIEW_BYTES = 16 << 20  # a fleet view larger than this is not read
@@ -176,11 +177,9 @@ def fetch(url: str, timeout_s: float = 5.0) -> Frame:
     try:
         with httpx.stream("GET", api, timeout=timeout_s) as resp:
             resp.raise_for_status()
-            body = bytearray()
-            for chunk in resp.iter_bytes():
-                body += chunk
-                if len(body) > MAX_VIEW_BYTES:
-                    raise MetricsUnreachable(f"{api} answered more than {MAX_VIEW_BYTES} bytes")
+            body = read_capped(resp, MAX_VIEW_BYTES)
+            if body is None:
+                raise MetricsUnreachable(f"{api} answered more than {MAX_VIEW_BYTES} bytes")
         view = json.loads(body)
     except (httpx.HTTPError, ValueError) as exc:
         raise MetricsUnreachable(
