@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cgn_control.cluster_reader import read_snapshot
-from cgn_control.decide.adapters import AdapterError, check_files
+from cgn_control.decide.adapters import check_files
 from cgn_control.decide.catalog import (
     Bounds,
     CatalogError,
@@ -65,7 +65,7 @@ async def apply_models(client: EtcdClient, docs: Sequence[Any], source: str) -> 
     for spec in new.values():
         try:  # the adapter files this machine has, read against their base (cgn-ctl's)
             check_files(spec)
-        except AdapterError as exc:
+        except CatalogError as exc:
             raise CatalogError(f"{source}: {exc}") from None
     await _not_owned(client, new)
     current = (await read_snapshot(client)).models

@@ -222,7 +222,7 @@ def test_an_adapter_name_is_no_other_models_name_alias_or_adapter() -> None:
 def test_apply_reads_the_adapter_files_it_has_against_their_base(tmp_path: Path) -> None:
     """`cgn-ctl models apply`'s check: an adapter of another base is refused, naming both;
     files this machine does not have are left to the engine that loads them."""
-    from cgn_control.decide.adapters import AdapterError, check_files
+    from cgn_control.decide.adapters import check_files
     from cgn_core.bundled_models import smollm2
     from harness.lora import write_adapter
 
@@ -231,11 +231,11 @@ def test_apply_reads_the_adapter_files_it_has_against_their_base(tmp_path: Path)
     base = str(smollm2())
     check_files(parse_model(model(source=base, adapters={"a": {"source": str(good)}})))
     check_files(parse_model(model(source=base, adapters={"a": {"source": "/elsewhere.gguf"}})))
-    with pytest.raises(AdapterError) as err:
+    with pytest.raises(CatalogError) as err:
         check_files(parse_model(model(source=base, adapters={"b": {"source": str(foreign)}})))
     assert f"adapters.b: adapter {foreign} is for architecture 'qwen2'" in str(err.value)
     assert base in str(err.value)  # both named
     ranked = parse_model(model(source=base, adapters={"a": {"source": str(good), "rank": 4}}))
-    with pytest.raises(AdapterError) as err:
+    with pytest.raises(CatalogError) as err:
         check_files(ranked)
     assert "adapters.a.rank: 4, the file's is 8" in str(err.value)

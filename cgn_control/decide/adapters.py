@@ -17,12 +17,12 @@ given, is checked against the file's. The pinned adapters must fit in `max_adapt
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cgn_control.decide.names import NAME, CatalogError
 from cgn_core.lora import MAX_RANK, LoraError, check
 
 if TYPE_CHECKING:
@@ -31,11 +31,6 @@ if TYPE_CHECKING:
 MAX_ADAPTERS = 256  # named per model
 MAX_LOADED = 64  # max_adapters, at most
 DEFAULT_LOADED = 4
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-
-
-class AdapterError(ValueError):
-    """An `adapters:` entry that cannot be stored; the message starts with its field path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,51 +49,51 @@ class AdapterSpec:
 
 def parse_adapters(doc: Mapping[str, Any], at: str) -> tuple[dict[str, AdapterSpec], int]:
     """The model document's `adapters` and `max_adapters` ({} and the default without);
-    AdapterError names the field. `at`: the model's path prefix ("" or "model 2.")."""
+    CatalogError names the field. `at`: the model's path prefix ("" or "model 2.")."""
     raw = doc.get("adapters", {}) or {}
     if not isinstance(raw, Mapping):
-        raise AdapterError(f"{at}adapters: expected a mapping of name to {{source, rank?, pin?}}")
+        raise CatalogError(f"{at}adapters: expected a mapping of name to {{source, rank?, pin?}}")
     if len(raw) > MAX_ADAPTERS:
-        raise AdapterError(f"{at}adapters: at most {MAX_ADAPTERS}, got {len(raw)}")
+        raise CatalogError(f"{at}adapters: at most {MAX_ADAPTERS}, got {len(raw)}")
     adapters = {}
     for name, entry in raw.items():
         where = f"{at}adapters.{str(name)[:40]}"
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise AdapterError(f"{where}: a name is 1-128 of [A-Za-z0-9._:-]")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise CatalogError(f"{where}: a name is 1-128 of [A-Za-z0-9._:-]")
         if name == doc.get("name") or name in (doc.get("aliases") or []):
-            raise AdapterError(f"{where}: the model's own name or alias")
+            raise CatalogError(f"{where}: the model's own name or alias")
         adapters[name] = _entry(entry, where)
     loaded = doc.get("max_adapters", DEFAULT_LOADED)
     if isinstance(loaded, bool) or not isinstance(loaded, int) or not 1 <= loaded <= MAX_LOADED:
-        raise AdapterError(f"{at}max_adapters: expected an integer in [1, {MAX_LOADED}]")
+        raise CatalogError(f"{at}max_adapters: expected an integer in [1, {MAX_LOADED}]")
     pinned = sorted(n for n, a in adapters.items() if a.pin)
     if len(pinned) > loaded:
-        raise AdapterError(f"{at}adapters: {len(pinned)} pinned ({', '.join(pinned)}), "
+        raise CatalogError(f"{at}adapters: {len(pinned)} pinned ({', '.join(pinned)}), "
                            f"more than max_adapters {loaded}")  # fmt: skip
     return adapters, loaded
 
 
 def _entry(entry: Any, where: str) -> AdapterSpec:
     if not isinstance(entry, Mapping):
-        raise AdapterError(f"{where}: expected {{source, rank?, pin?}}")
+        raise CatalogError(f"{where}: expected {{source, rank?, pin?}}")
     unknown = sorted(set(entry) - {"source", "rank", "pin"})
     if unknown:
-        raise AdapterError(f"{where}.{unknown[0]}: unknown field")
+        raise CatalogError(f"{where}.{unknown[0]}: unknown field")
     source = entry.get("source")
     if not isinstance(source, str) or not source:
-        raise AdapterError(f"{where}.source: required, a path to a GGUF LoRA file")
+        raise CatalogError(f"{where}.source: required, a path to a GGUF LoRA file")
     if not source.startswith("/") or not source.endswith(".gguf"):
-        raise AdapterError(
+        raise CatalogError(
             f"{where}.source: an absolute path to a GGUF LoRA file, got {source[:80]!r} "
             "(PEFT directories are not converted yet: llama.cpp's convert_lora_to_gguf.py does)"
         )
     rank = entry.get("rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                              or not 1 <= rank <= MAX_RANK):  # fmt: skip
-        raise AdapterError(f"{where}.rank: expected an integer in [1, {MAX_RANK}]")
+        raise CatalogError(f"{where}.rank: expected an integer in [1, {MAX_RANK}]")
     pin = entry.get("pin", False)
     if not isinstance(pin, bool):
-        raise AdapterError(f"{where}.pin: expected true or false")
+        raise CatalogError(f"{where}.pin: expected true or false")
     return AdapterSpec(source, rank, pin)
 
 
@@ -110,7 +105,7 @@ def check_names(models: Mapping[str, ModelSpec]) -> None:
     for name, m in sorted(models.items()):
         for adapter in sorted(m.adapters):
             if adapter in taken:
-                raise AdapterError(f"{name}: adapters.{adapter}: already {taken[adapter]}")
+                raise CatalogError(f"{name}: adapters.{adapter}: already {taken[adapter]}")
             taken[adapter] = f"an adapter of {name}"
 
 
@@ -127,7 +122,7 @@ def check_files(spec: ModelSpec) -> None:
             try:
                 got = check(Path(adapter.source), Path(base))
             except LoraError as exc:
-                raise AdapterError(f"{spec.name}: adapters.{name}: {exc.message}") from None
+                raise CatalogError(f"{spec.name}: adapters.{name}: {exc.message}") from None
             if adapter.rank is not None and got.rank != adapter.rank:
-                raise AdapterError(f"{spec.name}: adapters.{name}.rank: {adapter.rank}, the "
+                raise CatalogError(f"{spec.name}: adapters.{name}.rank: {adapter.rank}, the "
                                    f"file's is {got.rank}")  # fmt: skip

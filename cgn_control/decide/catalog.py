@@ -35,13 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgn_control.decide.adapters import (
-    DEFAULT_LOADED,
-    AdapterError,
-    AdapterSpec,
-    check_names,
-    parse_adapters,
-)
+from cgn_control.decide.adapters import DEFAULT_LOADED, AdapterSpec, check_names, parse_adapters
+from cgn_control.decide.names import NAME as _NAME
+from cgn_control.decide.names import CatalogError as CatalogError
 from cgn_control.decide.scaling import ScalingPolicy
 from cgn_core import engine_args, multinode
 from cgn_core.errors import ConfigError
@@ -50,12 +46,7 @@ from cgn_core.records import Placement
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
 ROLES = ("both", "prefill", "decode")
 KV_CONNECTORS = ("none", "lmcache", "nixl", "hicache", "kvbm")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-
-
-class CatalogError(ValueError):
-    """A model spec that cannot be stored; the message starts with the field path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +206,7 @@ def parse_model(doc: Any, where: str = "") -> ModelSpec:
         raise CatalogError(f"{_p(where, 'migrate_across_engines')}: expected true or false")
     if across:
         _one_tokenizer(profiles, source, where)
-    try:
-        adapters, max_adapters = parse_adapters(doc, f"{where}." if where else "")
-    except AdapterError as exc:
-        raise CatalogError(str(exc)) from None
+    adapters, max_adapters = parse_adapters(doc, f"{where}." if where else "")
     return ModelSpec(
         name=name,
         source=source,
@@ -517,10 +505,7 @@ def check_catalog(models: Mapping[str, ModelSpec]) -> None:
                 raise CatalogError(f"{name}: fallbacks[{i}]: a model cannot fall back to itself")
             if fb not in models:
                 raise CatalogError(f"{name}: fallbacks[{i}]: {fb!r} names no model in the catalog")
-    try:
-        check_names(models)
-    except AdapterError as exc:
-        raise CatalogError(str(exc)) from None
+    check_names(models)
 
 
 # ---- field readers ------------------------------------------------------------------------
