@@ -106,6 +106,8 @@ class ReplicaRunner:
         }
         if self.launch.token:
             doc["api_token"] = self.launch.token
+        if self.spec.profile.lora:  # loaded at start; a request's `lora` id is the index
+            doc["adapters"] = [f.name for f in self.spec.profile.lora]
         if self.spec.engine == "cgn_infer":  # it streams KV events with our hash scheme
             doc |= {
                 "block_size": BLOCK_SIZE,

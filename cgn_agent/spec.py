@@ -33,13 +33,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NewType, get_args
 
+from cgn_core.keys import NAME
+from cgn_core.lora import MAX_PER_REPLICA
 from cgn_core.multinode import LAUNCH_MODES, RANK_ENGINES
 
 ReplicaId = NewType("ReplicaId", str)
 Role = Literal["both", "prefill", "decode"]
 KvConnector = Literal["none", "lmcache", "nixl", "hicache", "kvbm"]
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
-MAX_LORA = 256  # adapters a replica may load (the catalog names at most this many)
+MAX_LORA = MAX_PER_REPLICA
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -64,7 +66,15 @@ class EngineProfile:
     env: Mapping[str, str] = field(default_factory=dict)
     # llama_cpp: the model's GGUF LoRA adapters, by adapter name order (a request's `lora`
     # id is its index), loaded at start and applied only where a request asks
-    lora: tuple[str, ...] = ()
+    lora: tuple[LoraFile, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoraFile:
+    """One LoRA adapter a replica loads: the catalog's name for it and its GGUF file."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,15 +235,29 @@ def _profile(raw: Any, where: str) -> EngineProfile:
     ):
         raise ValueError(f"{where}: 'env' must map names to strings")
     out["env"] = dict(env)
-    lora = raw.get("lora", [])
-    if (
-        not isinstance(lora, list)
-        or len(lora) > MAX_LORA
-        or not all(isinstance(a, str) and a.startswith("/") and a.endswith(".gguf") for a in lora)
-    ):
-        raise ValueError(f"{where}: 'lora' must list at most {MAX_LORA} absolute .gguf paths")
-    out["lora"] = tuple(lora)
+    out["lora"] = _lora(raw.get("lora", []), where)
     return EngineProfile(**out)
+
+
+def _lora(raw: Any, where: str) -> tuple[LoraFile, ...]:
+    """`profile.lora`: [{name, path}], distinct names, absolute .gguf paths."""
+    bad = ValueError(f"{where}: 'lora' must list at most {MAX_LORA} {{name, path}} with "
+                     "distinct names and absolute .gguf paths")  # fmt: skip
+    if not isinstance(raw, list) or len(raw) > MAX_LORA:
+        raise bad
+    files = []
+    for item in raw:
+        if not isinstance(item, Mapping) or set(item) != {"name", "path"}:
+            raise bad
+        name, path = item["name"], item["path"]
+        if not isinstance(name, str) or not NAME.match(name):
+            raise bad
+        if not isinstance(path, str) or not path.startswith("/") or not path.endswith(".gguf"):
+            raise bad
+        files.append(LoraFile(name, path))
+    if len({f.name for f in files}) != len(files):
+        raise bad
+    return tuple(files)
 
 
 def spec_to_json(spec: ReplicaSpec) -> dict[str, Any]:
@@ -243,7 +267,7 @@ def spec_to_json(spec: ReplicaSpec) -> dict[str, Any]:
     doc["devices"] = list(spec.devices)
     doc["profile"]["extra_args"] = list(spec.profile.extra_args)
     doc["profile"]["env"] = dict(spec.profile.env)
-    doc["profile"]["lora"] = list(spec.profile.lora)
+    doc["profile"]["lora"] = [{"name": f.name, "path": f.path} for f in spec.profile.lora]
     if spec.pipeline is None:
         del doc["pipeline"]
     out: dict[str, Any] = json.loads(json.dumps(doc))  # plain JSON types only

@@ -1,5 +1,10 @@
 """The etcd key layout every service agrees on (docs/architecture.md); values are JSON."""
 
+import re
+
+# a model's, alias's or LoRA adapter's name: what clients put in `model` and keys hold
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
 ROOT = "/cognitora/"
 NODES = ROOT + "nodes/"  # <node>: inventory, leased by the agent
 CATALOG = ROOT + "catalog/models/"  # <model>: model spec, written by ctl

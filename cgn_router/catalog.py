@@ -3,7 +3,8 @@
 Entries come from settings (`models:`) and from etcd's
 `/cognitora/catalog/models/<model>` (JSON: `aliases`, `fallbacks`, and
 `tokenizer`, `source.gguf`, or a `source` that is a GGUF path or bundled
-model name: the GGUF whose tokenizer the router loads).
+model name: the GGUF whose tokenizer the router loads; `adapters`: the names of
+its LoRA adapters, which clients use in `model` as they use the model's).
 Tokenizers load in a worker thread; until one is ready the model's prompts
 are hashed by characters.
 """
@@ -19,6 +20,8 @@ from typing import Any
 
 from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError
+from cgn_core.keys import NAME
+from cgn_core.lora import MAX_PER_REPLICA
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_router.prompts import PromptHasher
@@ -42,6 +45,7 @@ class ModelEntry:
     across_engines: bool = False
     # the time to first token a request is held at the router for (hold.py); None: none
     ttft_slo_s: float | None = None
+    adapters: tuple[str, ...] = ()  # its LoRA adapters' names
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
@@ -52,6 +56,7 @@ def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
         s.tokenizer,
         across_engines=s.migrate_across_engines,
         ttft_slo_s=s.ttft_slo_ms / 1000 if s.ttft_slo_ms else None,
+        adapters=_adapter_names(name, list(s.adapters)),
     )
 
 
@@ -91,7 +96,21 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         migration_limit=limit,
         across_engines=across,
         ttft_slo_s=_ttft_slo_s(name, data.get("slo")),
+        adapters=_adapter_names(name, data.get("adapters", {})),
     )
+
+
+def _adapter_names(name: str, adapters: Any) -> tuple[str, ...]:
+    """The names of a model's adapters (cgn-ctl's mapping of name to file, or a settings
+    list), checked as cgn-ctl checks them; sorted."""
+    if not isinstance(adapters, (dict, list)) or len(adapters) > MAX_PER_REPLICA:
+        raise ValueError(f"catalog entry {name}: 'adapters' must name at most "
+                         f"{MAX_PER_REPLICA} adapters")  # fmt: skip
+    for adapter in adapters:
+        if not isinstance(adapter, str) or not NAME.match(adapter) or adapter == name:
+            raise ValueError(f"catalog entry {name}: adapter {str(adapter)[:40]!r} is not "
+                             "a name (1-128 of [A-Za-z0-9._:-]) or is the model's own")  # fmt: skip
+    return tuple(sorted(set(adapters)))
 
 
 def _ttft_slo_s(name: str, slo: Any) -> float | None:
@@ -121,12 +140,14 @@ class Catalog:
         self._loading: set[asyncio.Task[None]] = set()
         self._merged: dict[str, ModelEntry] = {}
         self._names: dict[str, str] = {}
+        self._adapters: dict[str, str] = {}
 
     def set_source(self, source: str, entries: Mapping[str, ModelEntry]) -> None:
         self.entries[source] = dict(entries)
         self._hashers.clear()
         self._merged = self._merge()
         self._names = self._name_map()
+        self._adapters = self._adapter_map()
         for entry in self._all().values():
             if entry.tokenizer is not None and entry.tokenizer not in self._codecs:
                 self._codecs[entry.tokenizer] = None
@@ -164,6 +185,19 @@ class Catalog:
             out[entry.name] = entry.name
             for alias in entry.aliases:
                 out.setdefault(alias, entry.name)
+        return out
+
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter a client may name → its base model (do not modify). A name
+        that is also a model's or an alias means that model (cgn-ctl refuses the clash)."""
+        return self._adapters
+
+    def _adapter_map(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for entry in self._all().values():
+            for adapter in entry.adapters:
+                if adapter not in self._names:
+                    out.setdefault(adapter, entry.name)
         return out
 
     def hasher(self, model: str) -> PromptHasher:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cgn_core.openai.request import LORA_SCALE_FIELD
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.prompts import HashedPrompt
 
@@ -30,7 +31,9 @@ class RequestContext:
     prompt: HashedPrompt  # for chain[0]
     response_headers: Mapping[str, str]  # e.g. x-cgn-queue-ms
     request_id: str  # the client's x-request-id, when it is a clean header value
-    kv_salt: str | None = None  # its tenant's block-hash salt (cgn_core/kv/blockhash.py)
+    # its tenant's block-hash salt (cgn_core/kv/blockhash.py), with its adapter's
+    kv_salt: str | None = None
+    adapter: tuple[str, float] | None = None  # the LoRA adapter it names, and its scale
 
     @property
     def model(self) -> str:
@@ -44,6 +47,7 @@ class RequestContext:
 
     def _upstream_body(self, served: str) -> dict[str, Any]:
         changed = dict(self.body, model=served)
+        changed.pop(LORA_SCALE_FIELD, None)  # an adapter's: the router writes the engine's
         if self.strip_usage:
             options = self.body.get("stream_options")
             changed["stream_options"] = {

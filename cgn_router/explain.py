@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from cgn_core.errors import InvalidRequest, NotFound
-from cgn_core.kv.blockhash import BLOCK_SIZE, tenant_salt
+from cgn_core.kv.blockhash import BLOCK_SIZE, adapter_salt, tenant_salt
 from cgn_router.routing.plugins.ttft import TimeScorer
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointView, RequestInfo
@@ -46,7 +46,8 @@ def explain(svc: RouterService, body: Any) -> dict[str, Any]:
         raise InvalidRequest("'tenant' must be a tenant's name")
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("give one of 'prompt' (a completion's) or 'messages' (a chat's)")
-    model = svc.catalog.names().get(name, name)
+    adapter = name if name in svc.catalog.adapters() else None
+    model = svc.catalog.adapters()[name] if adapter else svc.catalog.names().get(name, name)
     if model not in svc.registry.by_model:
         raise NotFound(f"no endpoint serves {name!r}", code="model_not_found", param="model")
     kind = "chat" if "messages" in body else "completion"
@@ -54,11 +55,12 @@ def explain(svc: RouterService, body: Any) -> dict[str, Any]:
     salt = None
     if tenant is not None and auth.enabled and auth.kv_isolation:
         salt = tenant_salt("tenant", tenant)
+    salt = adapter_salt(salt, adapter)
     prompt = svc.catalog.hasher(model).hash(kind, {"model": model, **body}, salt)
     if prompt.method == "none":
         raise InvalidRequest(f"the {kind} prompt is not one a client could send")
     role = "decode" if svc.registry.has_prefill_pool(model) else "both"
-    req = RequestInfo(model, role, prompt.blocks, prompt.tokens, None)
+    req = RequestInfo(model, role, prompt.blocks, prompt.tokens, None, adapter)
     now = time.monotonic()
     views = svc.registry.views(req, now, frozenset())
     decision = svc.chain.route(req, views, svc.rng)

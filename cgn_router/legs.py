@@ -129,6 +129,7 @@ async def attempt(
         response_headers={**ctx.response_headers, **headers, **_predicted(view)},
         priority=ctx.priority,
         kv_salt=ctx.kv_salt,
+        adapter=ctx.adapter,
         request_id=ctx.request_id,
         track=(track := ctx.stream and svc.can_resume(view.endpoint)),
         resume=resume,
@@ -274,6 +275,7 @@ async def prefill_leg(
         response_headers={},
         priority=ctx.priority,
         kv_salt=ctx.kv_salt,
+        adapter=ctx.adapter,
         request_id=ctx.request_id,
         trace_headers=trace_headers or None,
     )

@@ -51,6 +51,7 @@ from cgn_core.h1 import Reply, Request, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, KV_SALT_HEADER, PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
+from cgn_core.openai.request import LORA_FIELD
 from cgn_router.settings import DeadlineSettings
 from cgn_router.tracked import Progress, Watch, track
 from cgn_router.types import Endpoint, Usage
@@ -86,6 +87,9 @@ class Call:
     response_headers: Mapping[str, str]  # added to the client's response (x-cgn-queue-ms)
     priority: int | None = None  # sent to the engine as x-cgn-priority
     kv_salt: str | None = None  # sent to the engine as x-cgn-kv-salt (in the body: vLLM)
+    # the LoRA adapter asked for and its scale: llama.cpp's `lora` id and scale, else the
+    # adapter's name as the `model` (the endpoint lists it loaded: the registry chose it)
+    adapter: tuple[str, float] | None = None
     request_id: str = ""  # the client's x-request-id, passed on
     track: bool = False  # ask for token ids (resume.IDS_HEADER): the stream may migrate
     resume: Progress | None = None  # a continuation: relay into this stream's response
@@ -185,6 +189,7 @@ BODY_SALT_ENGINES = frozenset({"vllm", "sglang"})
 # Engines asked to name a tracked stream's token ids in its chunks (vLLM's
 # `return_token_ids`): a break continues from them (cgn_core/openai/continuation.py)
 RETURN_IDS_ENGINES = frozenset({"vllm"})
+LORA_ID_ENGINES = frozenset({"llamacpp"})  # a request names a loaded adapter by its index
 RETURN_IDS_FIELD = "return_token_ids"
 
 
@@ -192,6 +197,27 @@ def _with_field(payload: bytes, name: str, value: Any) -> bytes:
     """The JSON body `payload` with `name` set (the router parsed it: it is an object)."""
     body = json.loads(payload)
     body[name] = value
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _with_adapter(payload: bytes, ep: Endpoint, adapter: tuple[str, float] | None) -> bytes:
+    """The body for LoRA `adapter` (name, scale; None: the base) on `ep`: llama.cpp applies
+    one of those it loaded (unapplied, at start) by its index; the other engines serve it
+    as a model.
+
+    NOTE: llama.cpp reuses a slot's cached prompt across requests of different adapters
+    (ggml-org/llama.cpp#26207, open): the KV of one adapter's prompt answers another's, or
+    the base's, wrongly and silently. A llama.cpp replica with adapters loaded gets every
+    request without its prompt cache, base ones too: correct, and slower where prompts
+    repeat (our own tests saw the base answer garbage after an adapter's request)."""
+    body = json.loads(payload)
+    if ep.engine in LORA_ID_ENGINES:
+        body[LORA_FIELD] = [] if adapter is None else [
+            {"id": ep.adapters.index(adapter[0]), "scale": adapter[1]}
+        ]  # fmt: skip
+        body["cache_prompt"] = False
+    elif adapter is not None:
+        body["model"] = adapter[0]
     return json.dumps(body, ensure_ascii=False).encode()
 
 
@@ -221,6 +247,8 @@ class Proxy:
             headers[KV_SALT_HEADER] = call.kv_salt
             if ep.engine in BODY_SALT_ENGINES:
                 payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
+        if call.adapter is not None or (ep.adapters and ep.engine in LORA_ID_ENGINES):
+            payload = _with_adapter(payload, ep, call.adapter)
         if call.track:
             # NOTE: a continuation rewritten from /v1/completions (`translate`) is read from
             # its events, kept: a cgn-infer taking one writes no ids lines to rewrite

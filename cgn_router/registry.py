@@ -35,7 +35,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from cgn_core import keys
+from cgn_core.keys import NAME
 from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_core.lora import MAX_PER_REPLICA
 from cgn_core.records import Efficiency, fresh_efficiency
 from cgn_router.routing.breaker import Breaker
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
@@ -344,7 +346,8 @@ class Registry:
         exclude: frozenset[EndpointId] = frozenset(),
         picks: int | None = None,
     ) -> list[EndpointView]:
-        """Snapshots of the endpoints serving `req.model`, minus `exclude`.
+        """Snapshots of the endpoints serving `req.model` (with `req.adapter` loaded, where
+        it names one), minus `exclude`.
 
         With `picks`, a short list instead of all of them: the `picks` endpoints holding
         most of the prompt, the `picks` least loaded, the session's owner, and those whose
@@ -361,10 +364,11 @@ class Registry:
             rest = index.mask(e for e in picked if e not in matched)
             if blocks and rest:
                 matched |= index.match_all(blocks, now, rest)
+        adapter = req.adapter  # NOTE: here, not in a filter a policy could leave out
         return [
             self._view(peers[eid], matched.get(eid, 0), owner == eid, req, now)
             for eid in picked
-            if eid not in exclude
+            if eid not in exclude and (adapter is None or adapter in peers[eid].endpoint.adapters)
         ]
 
     def _short_list(
@@ -539,7 +543,8 @@ def endpoint_from_doc(key: str, data: Any) -> Endpoint:
 def endpoint_from_static(name: str, s: StaticEndpoint) -> Endpoint:
     if not s.model:
         raise ValueError(f"endpoints.{name}.model is required")
-    data = {"url": s.url, "engine": s.engine, "role": s.role, "node": s.node}
+    data: dict[str, Any] = {"url": s.url, "engine": s.engine, "role": s.role, "node": s.node}
+    data["adapters"] = list(s.adapters)
     if s.kv_events_url is not None:
         data["kv_events_url"] = s.kv_events_url
     return _endpoint(EndpointId(f"{s.model}/{name}"), s.model, data, f"endpoints.{name}")
@@ -563,6 +568,7 @@ def _endpoint(eid: EndpointId, model: str, data: Mapping[str, Any], where: str) 
     token = data.get("api_token", "")
     if not isinstance(token, str):
         raise ValueError(f"{where}: 'api_token' must be a string")
+    fields["adapters"] = _adapters(data.get("adapters", []), where)
     endpoint = Endpoint(eid, model, url.rstrip("/"), block_size=block_size, token=token, **fields)
     if "kv_events_url" not in fields and endpoint.engine == "cgn-infer":
         endpoint = replace(endpoint, kv_events_url=endpoint.url + "/v1/kv/events")
@@ -571,6 +577,19 @@ def _endpoint(eid: EndpointId, model: str, data: Mapping[str, Any], where: str) 
     ):  # its hashes cannot equal ours: track it approximately instead
         endpoint = replace(endpoint, kv_events_url="")
     return endpoint
+
+
+def _adapters(raw: Any, where: str) -> tuple[str, ...]:
+    """An endpoint's loaded LoRA adapters: at most MAX_PER_REPLICA distinct names."""
+    if (
+        not isinstance(raw, list)
+        or len(raw) > MAX_PER_REPLICA
+        or not all(isinstance(a, str) and NAME.match(a) for a in raw)
+        or len(set(raw)) != len(raw)
+    ):
+        raise ValueError(f"{where}: 'adapters' must list at most {MAX_PER_REPLICA} "
+                         "distinct adapter names")  # fmt: skip
+    return tuple(raw)
 
 
 def cordon_node(key: str) -> str:

@@ -26,6 +26,7 @@ place, `_handle`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -46,8 +47,9 @@ from cgn_core.errors import (
 )
 from cgn_core.h1 import Handler, Reply, Request, Server, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, parse_json
+from cgn_core.kv.blockhash import adapter_salt
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
-from cgn_core.openai.request import sampling_fields
+from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD, sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
@@ -138,7 +140,8 @@ async def _handle_accounted(
             acct.emit(Refused(who.band, "budget_exhausted"))
             raise
     raw = await request.read(svc.settings.http.body_timeout_s)
-    body, model, stream = _parse(svc, kind, raw, who, acct)
+    body, model, adapter, stream = _parse(svc, kind, raw, who, acct)
+    salt = adapter_salt(who.kv_salt, adapter)  # an adapter's KV is never its base's
     estimate = len(raw) // CHARS_PER_TOKEN
     try:
         svc.limiter.acquire(who, estimate)
@@ -147,7 +150,7 @@ async def _handle_accounted(
         raise
     completion = cached = 0
     try:
-        prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct, who.kv_salt)
+        prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct, salt)
         if prompt.tokens:
             try:
                 svc.limiter.settle(who, estimate, prompt.tokens)
@@ -163,6 +166,10 @@ async def _handle_accounted(
         try:
             admitted = (who, acct.started, waited)
             ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
+            if adapter is not None:
+                ctx = dataclasses.replace(
+                    ctx, chain=(model,), kv_salt=salt, adapter=(adapter, _lora_scale(body))
+                )  # NOTE: no fallback: another model has not this adapter
             relayed = await _serve(svc, request, ctx, acct)
             if relayed.usage is not None:
                 completion = relayed.usage.completion_tokens
@@ -178,10 +185,12 @@ async def _handle_accounted(
 
 def _parse(
     svc: RouterService, kind: str, raw: bytes, who: Principal, acct: Account
-) -> tuple[dict[str, Any], str, bool]:
-    """(body, the model it means, stream?) of a request body; 400 or 404 when it is wrong.
-    A model outside `who`'s scope is a 404 worded as for one that does not exist, and the
-    404 names only the models `who` may use: a key learns nothing of the others."""
+) -> tuple[dict[str, Any], str, str | None, bool]:
+    """(body, the model it means, the LoRA adapter it names, stream?) of a request body;
+    400 or 404 when it is wrong. A model (or adapter) outside `who`'s scope is a 404 worded
+    as for one that does not exist, and the 404 names only the models and adapters `who`
+    may use: a key learns nothing of the others. A key's scope reaches an adapter where it
+    names the adapter (or is "*"): naming its base is not enough."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -200,9 +209,13 @@ def _parse(
         )
     # What cgn-infer would refuse for its generation fields is refused here, before any work.
     stream = kind != "embeddings" and sampling_fields(kind, body).stream
-    model = svc.model_for(asked)
-    if model is None or not may_use(who, model):
-        known = ", ".join(sorted(visible(who, svc.known_models()))) or "none"
+    model, adapter = svc.model_for(asked), None
+    if model is None and (base := svc.catalog.adapters().get(asked)) is not None:
+        model, adapter = base, asked
+    _check_lora_fields(body, adapter)
+    if model is None or not may_use(who, adapter or model):
+        names = {**svc.known_models(), **_own(svc.catalog.adapters())}
+        known = ", ".join(sorted(visible(who, names))) or "none"
         scoped = "" if who.record is None else " or this key may not use it"
         raise NotFound(
             f"model '{asked}' does not exist{scoped} (known: {known})",
@@ -210,7 +223,37 @@ def _parse(
             param="model",
         )
     acct.model = model
-    return body, model, stream
+    return body, model, adapter, stream
+
+
+MAX_LORA_SCALE = 4.0
+
+
+def _check_lora_fields(body: Mapping[str, Any], adapter: str | None) -> None:
+    """A request names its adapter in `model` and may scale it (`lora_scale`, what
+    llama.cpp's `lora` field's scale means: 1 the adapter as trained, 0 the base); the
+    router writes the engine's own fields (an engine's adapter ids are its own)."""
+    if LORA_FIELD in body:
+        why = f"'{LORA_FIELD}' is set by the router: name the LoRA adapter in 'model'"
+        raise InvalidRequest(f"{why} (and scale it with '{LORA_SCALE_FIELD}')", param=LORA_FIELD)
+    if LORA_SCALE_FIELD in body:
+        if adapter is None:
+            raise InvalidRequest(f"'{LORA_SCALE_FIELD}' scales a LoRA adapter: name one in "
+                                 "'model'", param=LORA_SCALE_FIELD)  # fmt: skip
+        _lora_scale(body)
+
+
+def _lora_scale(body: Mapping[str, Any]) -> float:
+    scale = body.get(LORA_SCALE_FIELD, 1.0)
+    if type(scale) not in (int, float) or not 0 <= scale <= MAX_LORA_SCALE:
+        raise InvalidRequest(f"'{LORA_SCALE_FIELD}' must be a number in [0, {MAX_LORA_SCALE:g}]",
+                             param=LORA_SCALE_FIELD)  # fmt: skip
+    return float(scale)
+
+
+def _own(adapters: Mapping[str, str]) -> dict[str, str]:
+    """Adapter → itself: `visible` checks a key's scope against an adapter's own name."""
+    return {a: a for a in adapters}
 
 
 def _context(
@@ -266,7 +309,8 @@ async def _serve(
         # maybe (_disaggregate) its prompt to a prefill replica first
         pd = ctx.kind != "embeddings" and svc.registry.has_prefill_pool(served)
         role = "decode" if pd else "both"
-        req = RequestInfo(served, role, prompt.blocks, prompt.tokens, ctx.session)
+        adapter = ctx.adapter[0] if ctx.adapter else None
+        req = RequestInfo(served, role, prompt.blocks, prompt.tokens, ctx.session, adapter)
         payload = ctx.payload(served)
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
@@ -297,7 +341,7 @@ async def _serve(
             if served != ctx.model:
                 acct.emit(Fallback(ctx.model, served))
             return relayed
-    raise _no_answer(ctx.model, last, acct)
+    raise _no_answer(ctx.model, last, acct, ctx.adapter[0] if ctx.adapter else None)
 
 
 COLD_POLL_S = 0.25
@@ -332,12 +376,15 @@ async def _cold_start(svc: RouterService, ctx: RequestContext, acct: Account) ->
         await asyncio.sleep(COLD_POLL_S)
 
 
-def _no_answer(model: str, last: AttemptFailed | None, acct: Account) -> CognitoraError:
+def _no_answer(
+    model: str, last: AttemptFailed | None, acct: Account, adapter: str | None = None
+) -> CognitoraError:
     """The error for a request no endpoint answered: none to try, or every attempt failed."""
     if last is None:
         acct.emit(Unrouted(model))  # demand for a pool with no replica (min 0)
         acct.outcome = "no_endpoint"
-        return Unavailable(f"no ready endpoint serves model '{model}'", code="no_endpoint")
+        what = f"model '{model}'" + (f" with LoRA adapter '{adapter}' loaded" if adapter else "")
+        return Unavailable(f"no ready endpoint serves {what}", code="no_endpoint")
     acct.outcome = "upstream_error"
     if last.timeout:
         return UpstreamTimeout(f"no engine answered in time: {last.message}", code=last.cause)
@@ -404,4 +451,9 @@ async def _models(svc: RouterService, request: Request) -> Reply:
         }
         for name, model in sorted(visible(who, svc.known_models()).items())
     ]
+    adapters = svc.catalog.adapters()
+    for a in sorted(visible(who, _own(adapters))):  # as vLLM lists one: its base as parent
+        base = adapters[a]
+        data.append({"id": a, "object": "model", "created": svc.created,
+                     "owned_by": "cognitora", "root": base, "parent": base})  # fmt: skip
     return Reply.json({"object": "list", "data": data})

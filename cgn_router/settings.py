@@ -40,6 +40,9 @@ class ModelSettings:
     # the TTFT SLO a request waits at the router for, with `routing.hold_for_slo` and a
     # `time` scorer (cgn_router/hold.py); 0: none (etcd's catalog: `slo.ttft_p90_ms`)
     ttft_slo_ms: float = ranged(0.0, 0, 3_600_000)
+    # LoRA adapters of this model a client may name in `model` (etcd's catalog: `adapters`);
+    # a request for one goes to the endpoints that list it loaded (`endpoints.<e>.adapters`)
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,8 @@ class StaticEndpoint:
     # Where the engine streams KV events ("" = none; cgn-infer's default is
     # <url>/v1/kv/events). Without events the router tracks KV approximately.
     kv_events_url: str | None = None
+    # the LoRA adapters it has loaded, in its own order (llama.cpp: its `--lora` order)
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,9 @@ class Endpoint:
     block_size: int = BLOCK_SIZE
     hash_scheme: str = keys.HASH_SCHEME
     kv_events_url: str = ""  # "" when the engine publishes no KV events
+    # the LoRA adapters it has loaded, by catalog name, in its own order (llama.cpp: a
+    # request's `lora` id is the index)
+    adapters: tuple[str, ...] = ()
     # The engine's API secret from its endpoint record (sent as Authorization: Bearer);
     # "" for engines that take none. Never shown by /endpoints.
     token: str = field(default="", repr=False)
@@ -100,6 +103,7 @@ class RequestInfo:
     blocks: tuple[BlockHash, ...] = ()  # the prompt's full-block hashes, in order
     prompt_tokens: int = 0  # estimated where the router has no tokenizer
     session: str | None = None
+    adapter: str | None = None  # the LoRA adapter it names; None: the base model
 
 
 @dataclass(frozen=True, slots=True)

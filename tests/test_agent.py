@@ -28,6 +28,7 @@ from cgn_core.etcd import EtcdClient
 from cgn_core.etcd.local import LocalEtcd, free_port
 from cgn_core.kv.identity import StoreKeys, bearer, read_secret
 from cgn_core.settings import EtcdSettings
+from harness.lora import write_adapter
 from harness.procs import Agent, cgn_agent, cgn_router, runs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -47,7 +48,10 @@ class Fleet:
 
     def start_agent(self) -> Agent:
         # stop_on_exit: the module's last agent stops its engines at teardown
-        cm = cgn_agent(self.state, self.etcd.endpoint, "--set", "engines.stop_on_exit=true")
+        self.models = self.tmp / "models"  # what placements may load (LoRA adapters here)
+        self.models.mkdir(exist_ok=True)
+        sets = ("--set", "engines.stop_on_exit=true", "--set", f"model_dirs={self.models}")
+        cm = cgn_agent(self.state, self.etcd.endpoint, *sets)
         self.agent = self.stack.enter_context(cm)
         return self.agent
 
@@ -132,9 +136,11 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
             "model": "smol-infer", "engine": "cgn_infer", "source": str(smollm2_path),
             "profile": {"threads": 1, "ctx": 1024, "extra_args": ["--kv-pool-tokens", "4096"]},
         })  # fmt: skip
+        adapter = write_adapter(smollm2_path, fleet.models / "sql.gguf")
         await c.put_json(PLACE + LLAMA, {
             "model": "smol-llama", "engine": "llama_cpp", "source": str(smollm2_path),
-            "profile": {"threads": 1, "ctx": 1024, "launcher": "xllamacpp"},
+            "profile": {"threads": 1, "ctx": 1024, "launcher": "xllamacpp",
+                        "lora": [{"name": "smol-sql", "path": str(adapter)}]},
         })  # fmt: skip
         infer = await ready(c, "smol-infer", INFER)
         llama = await ready(c, "smol-llama", LLAMA)
@@ -144,6 +150,7 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
         assert (
             llama["endpoint"]["engine"] == "llamacpp" and "kv_events_url" not in llama["endpoint"]
         )
+        assert llama["endpoint"]["adapters"] == ["smol-sql"] and "adapters" not in ep  # #60
         assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
         # The engine answers its router only: the secret is in its endpoint record.
         assert len(ep["api_token"]) > 30 and len(llama["endpoint"]["api_token"]) > 30
@@ -222,7 +229,7 @@ async def test_bad_placements_are_reported_not_started(fleet: Fleet) -> None:
             "(allowed: --decode-threads, --kv-dtype, --kv-pool-tokens, --max-batch, "
             "--prefill-chunk, --sim-load-s, --speed)",
             "r-passwd": "refused: cgn_infer: source /etc/passwd is not under a model directory "
-            "(none configured (agent setting model_dirs))",
+            f"({fleet.models})",
         }
         for replica in ("r-bad", "r-vllm", *poison):
             await c.delete(PLACE + replica)

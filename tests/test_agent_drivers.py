@@ -16,6 +16,7 @@ from cgn_agent.inventory.types import Accelerator, Cpu, Inventory
 from cgn_agent.launchers import mlx_lm_server
 from cgn_agent.spec import (
     EngineProfile,
+    LoraFile,
     PipelinePart,
     ReplicaId,
     ReplicaSpec,
@@ -188,10 +189,10 @@ def test_llama_cpp_loads_the_models_adapters_at_start_and_applies_none() -> None
     """A model's LoRA adapters (the reconciler lists them in name order: a request's `lora`
     id is the index) load at start at scale 0; a launcher that cannot load them, or a
     missing file, is a refusal before anything starts."""
-    lora = ("/m/fr.gguf", "/m/sql.gguf")
+    lora = (LoraFile("fr", "/m/fr.gguf"), LoraFile("sql", "/m/sql.gguf"))
     s = replace(spec("llama_cpp", source="/m/smol.gguf",
                      profile=EngineProfile(launcher="llama_server", lora=lora)), model="smol")  # fmt: skip
-    tools = replace(ALL_TOOLS, files={"/m/smol.gguf", *lora})
+    tools = replace(ALL_TOOLS, files={"/m/smol.gguf", *(f.path for f in lora)})
     DRIVERS["llama_cpp"].validate(s, CPU_NODE, tools)
     argv = DRIVERS["llama_cpp"].launch(s, CTX, tools).argv
     assert argv[-5:] == (
@@ -202,8 +203,10 @@ def test_llama_cpp_loads_the_models_adapters_at_start_and_applies_none() -> None
         "--lora-init-without-apply",
     )
     assert flags(argv[1:]) <= DOCUMENTED["llama_server"]
-    with pytest.raises(PlacementRefused, match=r"LoRA adapter /m/sql\.gguf does not exist"):
-        DRIVERS["llama_cpp"].validate(s, CPU_NODE, replace(tools, files={"/m/smol.gguf", lora[0]}))
+    with pytest.raises(PlacementRefused, match=r"LoRA adapter sql \(/m/sql\.gguf\) does not exist"):
+        DRIVERS["llama_cpp"].validate(
+            s, CPU_NODE, replace(tools, files={"/m/smol.gguf", lora[0].path})
+        )
     python = replace(s, profile=replace(s.profile, launcher="llama_cpp_python"))
     with pytest.raises(PlacementRefused, match="llama_cpp_python launcher loads no LoRA"):
         DRIVERS["llama_cpp"].validate(python, CPU_NODE, tools)
@@ -230,7 +233,7 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     assert launch.metrics_dialect == "cgn-infer"
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
                      profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp",
-                                           lora=("/m/sql.gguf",))), model="smol", devices=())  # fmt: skip
+                                           lora=(LoraFile("sql", "/m/sql.gguf"),))), model="smol", devices=())  # fmt: skip
     launch = DRIVERS["llama_cpp"].launch(x, CTX, tools)
     assert launch.argv[1:3] == ("-m", "cgn_agent.launchers.xllamacpp_server")
     assert launch.argv[-3:] == ("--lora", "/m/sql.gguf", "--lora-init-without-apply")
@@ -394,6 +397,11 @@ def test_placement_parsing_round_trips_and_names_bad_fields() -> None:
     s = parse_placement("r7", doc)
     assert s.devices == (0, 1) and s.profile.env == {"A": "1"} and s.profile.extra_args == ("--x",)
     assert parse_placement("r7", spec_to_json(s)) == s
+    lora = [{"name": "fr", "path": "/m/fr.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
+    s = parse_placement("r7", {"model": "m", "engine": "llama_cpp", "source": "/m/smol.gguf",
+                               "profile": {"lora": lora}})  # fmt: skip
+    assert s.profile.lora == (LoraFile("fr", "/m/fr.gguf"), LoraFile("sql", "/m/sql.gguf"))
+    assert parse_placement("r7", spec_to_json(s)) == s
     for bad, message in [
         ({"engine": "vllm"}, "'model' must be a non-empty string"),
         ({"model": "m", "engine": "tgi"}, "engine must be one of"),
@@ -410,6 +418,15 @@ def test_placement_parsing_round_trips_and_names_bad_fields() -> None:
         ),
         ({"model": "m", "engine": "vllm", "profile": {"gpu_memory_utilization": 2}}, "in (0, 1]"),
         ([1, 2], "expected a JSON object"),
+        *(
+            ({"model": "m", "engine": "llama_cpp", "profile": {"lora": lora}}, "{name, path}")
+            for lora in (
+                ["/m/a.gguf"],
+                [{"name": "a", "path": "m/a.gguf"}],
+                [{"name": "../a", "path": "/m/a.gguf"}],
+                [{"name": "a", "path": "/m/a.gguf"}, {"name": "a", "path": "/m/b.gguf"}],
+            )
+        ),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_placement("r7", bad)

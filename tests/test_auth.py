@@ -124,6 +124,34 @@ def test_keys_scopes_and_revocation(cluster: tuple[LocalEtcd, Router]) -> None:
     assert readyz["auth"] == "enabled"
 
 
+def test_a_keys_scope_reaches_an_adapter_only_where_it_names_it(
+    cluster: tuple[LocalEtcd, Router],
+) -> None:
+    """#60: a key scoped to a base does not reach its adapters, nor one scoped to an
+    adapter its base; each learns of the other's name nothing (404s, /v1/models)."""
+    etcd, router = cluster
+    etcd_put(etcd.endpoint, "/cognitora/catalog/models/other",
+             {"adapters": {"other-sql": {"source": "/m/sql.gguf"}}})  # fmt: skip
+    base = ctl(etcd, "create", "--tenant", "acme", "--models", "other")["key"]
+    tuned = ctl(etcd, "create", "--tenant", "acme", "--models", "other-sql")["key"]
+    # routed (the sim engine answers for its own model only), so in the key's scope
+    until(lambda: "x-cognitora-endpoint" in call(router, base, model="other")[1])
+    # in its scope, and no replica has it loaded (the endpoint lists no adapters): a 503
+    until(lambda: call(router, tuned, model="other-sql")[0] == 503)
+    status, _, err = call(router, tuned, model="other-sql")
+    assert err["error"]["message"] == (
+        "no ready endpoint serves model 'other' with LoRA adapter 'other-sql' loaded"
+    )
+    for key, model, known in ((base, "other-sql", "other"), (tuned, "other", "other-sql")):
+        status, _, err = call(router, key, model=model)
+        assert status == 404 and err["error"]["message"].endswith(f"(known: {known})"), err
+        req = urllib.request.Request(
+            router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert [m["id"] for m in json.load(resp)["data"]] == [known]
+
+
 def test_limits_answer_429_with_retry_after(cluster: tuple[LocalEtcd, Router]) -> None:
     etcd, router = cluster
     key = ctl(etcd, "create", "--tenant", "slow", "--rps", "1")["key"]

@@ -15,10 +15,12 @@ from cgn_core.kv import blockhash
 from cgn_core.kv.blockhash import (
     BLOCK_SIZE,
     ROOT,
+    adapter_salt,
     block_hash,
     block_hashes,
     namespace,
     tenant_salt,
+    valid_salt,
 )
 
 VECTORS = json.loads(
@@ -50,6 +52,16 @@ def test_tenant_salt_vectors(vec: dict) -> None:
     domain = b"cognitora.kv.salt.v1\x00" + vec["kind"].encode() + b"\x00"
     expected = blake3(domain + vec["name"].encode()).hexdigest()[:32]  # the reference
     assert tenant_salt(vec["kind"], vec["name"]) == vec["salt"] == expected
+
+
+@pytest.mark.parametrize("vec", VECTORS["adapter_salts"], ids=lambda v: v["adapter"])
+def test_adapter_salt_vectors(vec: dict) -> None:
+    """A LoRA adapter's requests hash in a namespace of their own, per tenant (#60)."""
+    inner = (vec["salt"] or "").encode() + b"\x00" + vec["adapter"].encode()
+    expected = blake3(b"cognitora.kv.salt.v1\x00adapter\x00" + inner).hexdigest()[:32]
+    assert adapter_salt(vec["salt"], vec["adapter"]) == vec["expected"] == expected
+    assert valid_salt(vec["expected"]) and vec["expected"] != vec["salt"]
+    assert adapter_salt(vec["salt"], None) == vec["salt"]  # the base: the tenant's own
 
 
 def test_a_group_and_a_tenant_of_one_name_never_share_a_salt() -> None:

@@ -128,15 +128,17 @@ def test_adapter_files_are_held_to_the_model_dirs_too(tmp_path: Path) -> None:
     resolved, never an arbitrary path."""
     from dataclasses import replace
 
-    from cgn_agent.spec import EngineProfile
+    from cgn_agent.spec import EngineProfile, LoraFile
 
     models = tmp_path / "models"
     models.mkdir()
     (models / "sql.gguf").write_bytes(b"GGUF")
     (models / "escape.gguf").symlink_to("/etc/passwd")
     base = spec("llama_cpp", str(smollm2()))
-    check_adapters(replace(base, profile=EngineProfile(lora=(str(models / "sql.gguf"),))),
+    check_adapters(replace(base, profile=EngineProfile(lora=(LoraFile("sql", str(models / "sql.gguf")),))),
                    (models,))  # fmt: skip
     for bad in ("/etc/passwd", str(models / "escape.gguf"), "sql.gguf"):
         with pytest.raises(PlacementRefused, match="not under a model directory"):
-            check_adapters(replace(base, profile=EngineProfile(lora=(bad,))), (models,))
+            check_adapters(
+                replace(base, profile=EngineProfile(lora=(LoraFile("x", bad),))), (models,)
+            )

@@ -12,7 +12,7 @@ import pytest
 from cgn_core.bundled_models import smollm2
 from cgn_core.lora import LoraError, check, load
 from harness.lora import write_adapter
-from harness.procs import llamacpp
+from harness.procs import cgn_router, llamacpp
 
 RANK = 8
 
@@ -86,6 +86,40 @@ def test_real_llama_cpp_loads_the_adapters_the_tests_write(tmp_path: Path) -> No
         changed = complete(adapted, prompt)
     assert [a["path"] for a in listed] == [str(path)] and listed[0]["scale"] == 1.0
     assert changed != plain
-    with llamacpp(smollm2(), threads=1, ctx=512, lora=[path], lora_unapplied=True) as lazy:
-        assert complete(lazy, prompt) == plain
-        assert complete(lazy, prompt, lora=[{"id": 0, "scale": 1.0}]) == changed
+    quiet = write_adapter(smollm2(), tmp_path / "quiet.gguf", seed=1)  # id 0, loud is 1
+    with llamacpp(smollm2(), threads=1, ctx=512, lora=[quiet, path], lora_unapplied=True) as lazy:
+        assert complete(lazy, prompt, cache_prompt=False) == plain
+        assert complete(lazy, prompt, lora=[{"id": 1, "scale": 1.0}]) == changed
+        # Through the router: the adapter is a model name; llama.cpp gets its index (and no
+        # prompt cache: it reuses one adapter's KV for another's prompt, llama.cpp#26207)
+        endpoint = {"url": lazy, "model": "smol", "engine": "llamacpp"}
+        config = {
+            "models": {"smol": {"adapters": ["loud", "quiet"], "tokenizer": str(smollm2())}},
+            "endpoints": {"l": {**endpoint, "adapters": ["quiet", "loud"]}},
+        }
+        with cgn_router(tmp_path, config) as router:
+            _routes_adapters(router.url, prompt, plain, changed)
+            for model, candidates in (("loud", ["smol/l"]), ("nope", None)):
+                body = {"model": model, "prompt": prompt}
+                r = httpx.post(router.admin + "/debug/route", json=body, timeout=30)
+                got = [c["id"] for c in r.json()["candidates"]] if candidates else None
+                assert (r.status_code, got) == (200 if candidates else 404, candidates)
+
+
+def _routes_adapters(url: str, prompt: str, plain: str, changed: str) -> None:
+    assert complete(url, prompt, model="smol") == plain
+    assert complete(url, prompt, model="loud") == changed  # id 1 on this endpoint
+    assert complete(url, prompt, model="loud", lora_scale=0) == plain
+    listed = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    parents = {m["id"]: m.get("parent") for m in listed}
+    assert parents == {"smol": None, "loud": "smol", "quiet": "smol"}
+    for extra, status, param in (
+        ({"model": "loud", "lora": [{"id": 0, "scale": 1}]}, 400, "lora"),
+        ({"model": "smol", "lora_scale": 0.5}, 400, "lora_scale"),
+        ({"model": "loud", "lora_scale": 9}, 400, "lora_scale"),
+        ({"model": "loud", "lora_scale": True}, 400, "lora_scale"),
+        ({"model": "nope"}, 404, "model"),
+    ):
+        body = {"prompt": prompt, "max_tokens": 2, **extra}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), (extra, r.text)

@@ -76,7 +76,8 @@ def test_a_llama_cpp_placement_lists_the_models_adapters_in_name_order() -> None
     """llama.cpp loads a model's LoRA adapters at start (a request's `lora` id is the
     adapter's index in name order); the engines that cannot load them yet get none."""
     adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf"}}
-    for engine, lora in (("llama_cpp", ["/m/fr.gguf", "/m/sql.gguf"]), ("cgn_infer", None)):
+    named = [{"name": "fr", "path": "/m/fr.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
+    for engine, lora in (("llama_cpp", named), ("cgn_infer", None)):
         spec = parse_model({"name": "m", "source": "/m/smol.gguf", "adapters": adapters,
                             "profiles": [{"engine": engine}]})  # fmt: skip
         nodes = {n: {"accelerators": [], "engines": [engine]} for n in ("a",)}

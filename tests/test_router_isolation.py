@@ -166,3 +166,31 @@ def test_a_tenants_kv_salt_reaches_every_engine_in_the_form_it_takes(
     assert headers[KV_SALT_HEADER] == "s1" and KV_SALT_HEADER not in plain_headers
     assert json.loads(salted).get("cache_salt") == ("s1" if in_body else None)
     assert plain == payload
+
+
+def test_an_adapters_request_reaches_each_engine_in_the_form_it_takes() -> None:
+    """#60: llama.cpp applies one of the adapters it loaded by its index there (its own
+    order), with no prompt cache (it reuses one adapter's KV for another's prompt,
+    ggml-org/llama.cpp#26207): base requests to it too; other engines take the name as
+    the model; the base elsewhere goes byte for byte."""
+    upstream = Recorded()
+    proxy = Proxy(cast(Upstream, upstream), DeadlineSettings())
+    llama = Endpoint(EndpointId("m/l"), "m", "http://l", engine="llamacpp",
+                     adapters=("quiet", "loud"))  # fmt: skip
+    vllm = dataclasses.replace(llama, engine="vllm")
+    payload = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    call = Call(llama, "/v1/completions", payload, False, False, "m", 0.0, {})
+    for c in (
+        dataclasses.replace(call, adapter=("loud", 0.5)),
+        call,
+        dataclasses.replace(call, endpoint=vllm, adapter=("loud", 1.0)),
+        dataclasses.replace(call, endpoint=vllm),
+        dataclasses.replace(call, endpoint=dataclasses.replace(llama, adapters=())),
+    ):
+        proxy._post(c)
+    sent = [json.loads(body) for body, _ in upstream.sent]
+    assert sent[0] == {"model": "m", "prompt": "hi", "cache_prompt": False,
+                       "lora": [{"id": 1, "scale": 0.5}]}  # fmt: skip
+    assert sent[1] == {"model": "m", "prompt": "hi", "cache_prompt": False, "lora": []}
+    assert sent[2] == {"model": "loud", "prompt": "hi"}
+    assert [body for body, _ in upstream.sent[3:]] == [payload, payload]

@@ -269,6 +269,47 @@ def test_registry_groups_endpoints_by_model() -> None:
     assert reg.models() == {"m"} and not reg.serves("n") and reg.views(RequestInfo("n"), 0) == []
 
 
+def test_a_request_for_an_adapter_sees_only_the_endpoints_that_loaded_it() -> None:
+    """#60: in the registry's views, not in a filter a routing policy could leave out; an
+    endpoint record lists its adapters (bounded, distinct names) or is refused."""
+    reg = Registry(BreakerSettings(), PrefixIndex(60, 100, 1), Sessions(60), stale_s=5)
+    key = "/cognitora/endpoints/n1/m/"
+    both = endpoint_from_etcd(key + "a", b'{"url": "http://a", "adapters": ["sql", "fr"]}')
+    one = endpoint_from_etcd(key + "b", b'{"url": "http://b", "adapters": ["sql"]}')
+    none = endpoint_from_etcd(key + "c", b'{"url": "http://c"}')
+    reg.replace_source("etcd", [both, one, none])
+    for adapter, seen in ((None, {both, one, none}), ("sql", {both, one}), ("fr", {both}),
+                          ("de", set())):  # fmt: skip
+        views = reg.views(RequestInfo("m", adapter=adapter), now=0)
+        assert {v.endpoint for v in views} == seen, adapter
+        assert len(reg.views(RequestInfo("m", adapter=adapter), now=0, picks=1)) <= len(seen)
+    assert both.adapters == ("sql", "fr")  # its own order: llama.cpp's ids
+    for bad in ('"sql"', '["sql", "sql"]', '["../x"]', "[1]", json.dumps(["a"] * 300)):
+        with pytest.raises(ValueError, match="'adapters' must list"):
+            endpoint_from_etcd(key + "d", b'{"url": "http://d", "adapters": %s}' % bad.encode())
+
+
+def test_the_catalogs_adapters_are_names_clients_use_for_their_base() -> None:
+    """cgn-ctl's `adapters` mapping as the router reads it back: names, checked; a name
+    that is a model's or an alias means that model."""
+    import asyncio
+
+    from cgn_router.catalog import Catalog
+
+    entry = entry_from_etcd("m", {"adapters": {"sql": {"source": "/a.gguf"}, "fr": {}}})
+    assert entry.adapters == ("fr", "sql")
+    for bad in ({"../x": {}}, {"m": {}}, ["a"] * 300, "sql"):
+        with pytest.raises(ValueError, match="adapter"):
+            entry_from_etcd("m", {"adapters": bad})
+
+    async def mapped() -> dict[str, str]:
+        cat = Catalog(64)
+        cat.set_source("etcd", {"m": entry, "n": entry_from_etcd("n", {"aliases": ["fr"]})})
+        return dict(cat.adapters())
+
+    assert asyncio.run(mapped()) == {"sql": "m"}
+
+
 def test_a_large_model_is_scored_over_a_short_list() -> None:
     """Past `limit` endpoints a request sees the ones holding most of its prompt, the least
     loaded and its session's owner; the pipeline's pick is the one full scoring makes."""

@@ -217,7 +217,7 @@ def check_source(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
 def check_adapters(spec: ReplicaSpec, model_dirs: tuple[Path, ...]) -> None:
     """A placement's LoRA adapter files (`profile.lora`), as its source: under one of the
     agent's `model_dirs` (symlinks resolved first), never an arbitrary path."""
-    for src in spec.profile.lora:
+    for src in (f.path for f in spec.profile.lora):
         if not Path(src).is_absolute() or not _under(Path(src), model_dirs):
             raise PlacementRefused(f"{spec.engine}: LoRA adapter {src} is not under a model "
                                    f"directory ({_dirs(model_dirs)})")  # fmt: skip

@@ -69,9 +69,10 @@ class LlamaCppDriver:
                 "llama_cpp: the llama_cpp_python launcher loads no LoRA adapters "
                 "(launcher: xllamacpp or llama_server)"
             )
-        for path in spec.profile.lora:
-            if not tools.is_file(path):
-                raise PlacementRefused(f"llama_cpp: LoRA adapter {path} does not exist")
+        for f in spec.profile.lora:
+            if not tools.is_file(f.path):
+                why = f"llama_cpp: LoRA adapter {f.name} ({f.path}) does not exist"
+                raise PlacementRefused(why)
         if spec.devices:
             require_gpus(spec, node, self.name, len(spec.devices))
 
@@ -105,7 +106,7 @@ def _serving(ctx: LaunchContext) -> list[str]:
 def _adapters(spec: ReplicaSpec) -> list[str]:
     """Each adapter loaded at start and applied to no request but those that ask (llama.cpp's
     per-request `lora: [{id, scale}]`), for llama-server and our xllamacpp launcher alike."""
-    paths = [a for path in spec.profile.lora for a in ("--lora", path)]
+    paths = [a for f in spec.profile.lora for a in ("--lora", f.path)]
     return [*paths, "--lora-init-without-apply"] if paths else []
 
 

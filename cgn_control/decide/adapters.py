@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgn_control.decide.names import NAME, CatalogError
-from cgn_core.lora import MAX_RANK, LoraError, check
+from cgn_core.lora import MAX_PER_REPLICA, MAX_RANK, LoraError, check
 
 if TYPE_CHECKING:
     from cgn_control.decide.catalog import ModelSpec
 
-MAX_ADAPTERS = 256  # named per model
+MAX_ADAPTERS = MAX_PER_REPLICA  # named per model (a llama.cpp replica loads them all)
 MAX_LOADED = 64  # max_adapters, at most
 DEFAULT_LOADED = 4
 

@@ -3,9 +3,9 @@ raises, its message starting with the field path, and the rule for the names cli
 
 from __future__ import annotations
 
-import re
+from cgn_core.keys import NAME
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # a model, alias or adapter
+__all__ = ["NAME", "CatalogError"]
 
 
 class CatalogError(ValueError):

@@ -384,7 +384,9 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     if p.engine == "llama_cpp" and spec.adapters:  # the only engine that loads them yet
-        profile["lora"] = [spec.adapters[name].source for name in sorted(spec.adapters)]
+        profile["lora"] = [
+            {"name": name, "path": spec.adapters[name].source} for name in sorted(spec.adapters)
+        ]
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
     why = f"{why}, {role} pool" if role and spec.disaggregated else why

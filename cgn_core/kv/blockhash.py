@@ -16,6 +16,8 @@ its keys name, by the router from the authenticated key only (never from the cli
     salt = hex(BLAKE3(b"cognitora.kv.salt.v1\0" + kind + b"\0" + name))[:32]
 
 with kind "tenant" or "group", so a group never shares blocks with a tenant of its name.
+A request for a LoRA adapter hashes under `adapter_salt`: its tenant's salt and the
+adapter's name.
 Published vectors: cgn_core/kv/testdata/blockhash_vectors.json.
 """
 
@@ -62,6 +64,19 @@ def tenant_salt(kind: str, name: str) -> str:
         raise ValueError(f"a KV salt is derived from a tenant or a group name, got {kind!r}")
     digest = blake3(SALT_DOMAIN + kind.encode() + b"\0" + name.encode("utf-8")).hexdigest()
     return digest[:32]
+
+
+def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
+    """The salt of a request for LoRA `adapter` (None: the base model) from a tenant of
+    `salt` (None: unsalted): a namespace of its own, so an adapter's blocks are never the
+    base's or another adapter's (the same tokens through other weights hold other KV)
+
+        hex(BLAKE3(b"cognitora.kv.salt.v1\0adapter\0" + salt + b"\0" + adapter))[:32]
+    """
+    if adapter is None:
+        return salt
+    inner = (salt or "").encode() + b"\0" + adapter.encode("utf-8")
+    return blake3(SALT_DOMAIN + b"adapter\0" + inner).hexdigest()[:32]
 
 
 def salted(ns: str, salt: str | None) -> str:

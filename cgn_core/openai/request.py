@@ -62,6 +62,11 @@ _COMMON = frozenset(
         "structured_outputs",
     }
 )
+# A LoRA adapter's request: clients name the adapter in `model` and may scale it with
+# LORA_SCALE_FIELD; LORA_FIELD is llama.cpp's per-request adapter list, which the router
+# writes (an engine's adapter ids are its own) and refuses from a client.
+LORA_FIELD = "lora"
+LORA_SCALE_FIELD = "lora_scale"
 KNOWN_FIELDS = {
     "chat": _COMMON
     | {
