@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Annotated
 
-from cgn_core.cli import flag, load_service_settings, make_app, parse_overrides, run
+from cgn_core.cli import fail, flag, load_service_settings, make_app, parse_overrides, run
 from cgn_core.errors import ConfigError
 from cgn_core.logs import setup_logging
 from cgn_infer.settings import InferSettings
@@ -116,6 +116,14 @@ def serve(
         int | None,
         flag("--micro-batches", "With --stages: groups a step's rows go in (0: one per part)."),
     ] = None,
+    lora: Annotated[
+        list[str] | None,
+        flag(
+            "--lora",
+            "A LoRA adapter to serve, NAME=PATH (a GGUF LoRA file, llama.cpp's format), "
+            "repeatable: a request names it in `model` and may scale it with `lora_scale`.",
+        ),
+    ] = None,
     config: Annotated[
         Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
@@ -153,6 +161,10 @@ def serve(
     }.items():
         if value is not None:
             flags[key] = str(value)
+    if lora:
+        if any("," in v for v in lora):
+            fail("--lora: a path with a comma is not supported (settings split lists on it)")
+        flags["lora"] = ",".join(lora)
     settings = load_service_settings(InferSettings, "infer", config, flags)
     settings.check_serve()
     setup_logging("infer", settings.log)
@@ -191,6 +203,14 @@ def stage(
     weights: Annotated[
         str | None, flag("--dtype", "Weight storage, as for serve (default gguf).")
     ] = None,
+    lora: Annotated[
+        list[str] | None,
+        flag(
+            "--lora",
+            "A LoRA adapter to serve, NAME=PATH (a GGUF LoRA file, llama.cpp's format), "
+            "repeatable: a request names it in `model` and may scale it with `lora_scale`.",
+        ),
+    ] = None,
     config: Annotated[
         Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
@@ -215,6 +235,10 @@ def stage(
     }.items():
         if value is not None:
             flags[key] = str(value)
+    if lora:
+        if any("," in v for v in lora):
+            fail("--lora: a path with a comma is not supported (settings split lists on it)")
+        flags["lora"] = ",".join(lora)
     settings = load_service_settings(InferSettings, "infer", config, flags)
     setup_logging("infer", settings.log)
     _pin_cpu_path()

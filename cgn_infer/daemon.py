@@ -259,6 +259,7 @@ def _serving(
         engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
         transfer_source=source,
         transfer_sink=sink,
+        adapters=loaded.adapters,
     )
 
 

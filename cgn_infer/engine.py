@@ -198,6 +198,7 @@ class Engine:
             req.max_tokens,
             priority=req.priority,
             salt=req.salt,
+            lora=req.lora,
             restored=job.restored,
         )
         self.scheduler.require_fit(seq)  # the server checks first; this is the backstop
@@ -306,7 +307,7 @@ class Engine:
                 self._finish(active, "cancelled")
 
     def _step(self, plan: Plan) -> None:
-        items = [BatchItem(w.tokens, w.start, w.seq.table) for w in plan.work]
+        items = [BatchItem(w.tokens, w.start, w.seq.table, w.seq.lora) for w in plan.work]
         prefill = sum(len(w.tokens) for w in plan.work if len(w.tokens) > 1)
         started = time.monotonic()
         masks = self._masks(plan)

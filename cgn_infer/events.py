@@ -30,6 +30,7 @@ class GenerationRequest:
     # a continuation (cgn_core/openai/resume.py): tokens another engine generated, computed
     # after the prompt and counted as output; max_tokens is what is left to generate
     resumed: tuple[int, ...] = ()
+    lora: tuple[int, float] | None = None  # its LoRA adapter's slot and scale (adapters.py)
 
 
 @dataclass(frozen=True, slots=True)

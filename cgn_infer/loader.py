@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgn_core import bundled_models
-from cgn_core.errors import ConfigError
+from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
+from cgn_infer.adapters import Adapters, parse_lora_flag
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.build import build_part, build_sim
 from cgn_infer.grammar import Grammars
 from cgn_infer.models import args_from_gguf
+from cgn_infer.models.args import Args
 from cgn_infer.pipeline.head import connect
 from cgn_infer.settings import InferSettings
 
@@ -24,6 +26,7 @@ class LoadedModel:
     codec: PromptCodec
     grammars: Grammars  # structured outputs over this model's vocabulary
     gguf: GGUFFile  # open while the backend serves (its weights are views of the mmap)
+    adapters: Adapters | None = None  # the LoRA adapters it serves (--lora)
 
 
 def load_model(
@@ -48,7 +51,27 @@ def load_model(
                 backend = part((0, args.n_layers))
         else:
             backend = build_sim(args, settings, codec.tokenizer.pieces)
+        adapters = _adapters(settings, gguf, args, backend) if settings.lora else None
     except BaseException:  # a failed load leaves no file open
         gguf.close()
         raise
-    return LoadedModel(backend, codec, Grammars(codec.tokenizer, args.vocab_size), gguf)
+    grammars = Grammars(codec.tokenizer, args.vocab_size)
+    return LoadedModel(backend, codec, grammars, gguf, adapters)
+
+
+def _adapters(settings: InferSettings, gguf: GGUFFile, args: Args, backend: Backend) -> Adapters:
+    """The --lora adapters, each checked against the model, in the layers' tables; a bad
+    file is a ConfigError naming it."""
+    name = settings.model_name or gguf.path.stem
+    adapters = Adapters(name, gguf.path, args, args.n_layers)
+    for value in settings.lora:
+        adapter, path = parse_lora_flag(value)
+        try:
+            adapters.load(adapter, path)
+        except CognitoraError as exc:
+            raise ConfigError(f"--lora {value}: {exc.message}") from None
+    set_lora = getattr(backend, "set_lora", None)
+    if set_lora is None:
+        raise ConfigError("LoRA adapters run on the torch backend only")
+    set_lora(adapters.tables)
+    return adapters

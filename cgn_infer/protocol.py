@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 from cgn_core.errors import InvalidRequest
 from cgn_core.kv.transfer import FIELD, TransferParams, parse_transfer_params
-from cgn_core.openai.request import refuse_unsupported, sampling_fields, unsupported_fields
+from cgn_core.openai.request import (
+    lora_scale,
+    refuse_unsupported,
+    sampling_fields,
+    unsupported_fields,
+)
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.resume import Resume, parse_resume
 from cgn_core.openai.tools import NO_TOOLS, ToolFields, tool_fields
@@ -45,6 +50,7 @@ class ParsedRequest:
     tools: ToolFields = NO_TOOLS  # chat only
     grammar: GrammarSpec | None = None  # structured output or forced tool calls
     resume: Resume | None = None  # continue another engine's answer (router only)
+    lora_scale: float = 1.0  # a LoRA adapter's scale, where `model` names one
 
 
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:
@@ -83,6 +89,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         tools=tools,
         grammar=request_grammar(body, tools),
         resume=_resume(body, f.stream),
+        lora_scale=lora_scale(body),
     )
 
 

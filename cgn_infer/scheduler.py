@@ -76,6 +76,7 @@ class Seq:
     max_tokens: int
     priority: int = 0  # lower runs sooner (vLLM's convention)
     salt: str | None = None  # its tenant's KV salt (from the router): its blocks' namespace
+    lora: tuple[int, float] | None = None  # its LoRA adapter's slot and scale (adapters.py)
     id: SeqId = field(default_factory=lambda: SeqId(next(_ids)))
     output: list[int] = field(default_factory=list)
     table: list[BlockId] = field(default_factory=list)

@@ -39,7 +39,7 @@ from cgn_core.http import (
     read_body,
     serve_sse,
 )
-from cgn_core.kv.blockhash import MAX_SALT, valid_salt
+from cgn_core.kv.blockhash import MAX_SALT, adapter_salt, valid_salt
 from cgn_core.kv.events import KvEventHub
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
@@ -48,6 +48,7 @@ from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.resume import IDS_HEADER, ids_line
 from cgn_core.text.prompt import PromptCodec
 from cgn_core.tracing import Tracer
+from cgn_infer.adapters import Adapters
 from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.engine import Engine, Job
 from cgn_infer.events import Event, FinishEvent, GenerationRequest, TokenEvent
@@ -83,6 +84,7 @@ class Serving:
     engine_id: str = ""  # this engine's name in a prefill leg's answer
     transfer_source: TransferSource | None = None  # holds prefill legs' KV (role != decode)
     transfer_sink: TransferSink | None = None  # fetches decode legs' KV (role != prefill)
+    adapters: Adapters | None = None  # the LoRA adapters it serves (--lora)
 
 
 @dataclass(slots=True)
@@ -111,13 +113,8 @@ class InferenceService:
 
     def prepare(self, req: ParsedRequest) -> GenerationRequest:
         """Template, tokenize and bound a validated request."""
-        if req.model != self.model_name:
-            raise NotFound(
-                f"model '{req.model}' is not served here (this engine serves '{self.model_name}')",
-                code="model_not_found",
-                param="model",
-            )
         serving = self.ready()
+        lora = self._adapter(req, serving)
         if req.kind == "chat":
             prompt = serving.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
@@ -152,8 +149,26 @@ class InferenceService:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             priority=req.priority,
-            salt=req.kv_salt,
+            # an adapter's blocks in a namespace of their own (the router hashes alike)
+            salt=adapter_salt(req.kv_salt, req.model if lora else None),
+            lora=lora,
         )
+
+    def _adapter(self, req: ParsedRequest, serving: Serving) -> tuple[int, float] | None:
+        """The slot and scale of the LoRA adapter `req` names (None: the model itself);
+        NotFound for a name neither is."""
+        if req.model == self.model_name:
+            if req.lora_scale != 1.0:
+                raise InvalidRequest(f"'lora_scale' scales a LoRA adapter: '{req.model}' is "
+                                     "the model", param="lora_scale")  # fmt: skip
+            return None
+        if serving.adapters is None:
+            raise NotFound(
+                f"model '{req.model}' is not served here (this engine serves '{self.model_name}')",
+                code="model_not_found",
+                param="model",
+            )
+        return serving.adapters.resolve(req.model, req.lora_scale)
 
     def check_transfer(self, params: TransferParams | None, trusted: bool) -> None:
         """Refuse a leg this engine's role cannot run, or one from an untrusted caller (a
@@ -301,7 +316,7 @@ async def _complete_traced(
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
         kind,
-        svc.model_name,
+        parsed.model,  # the model's name, or its adapter's
         serving.codec.tokenizer.token_text,
         parsed.params.logprobs is not None,
         tools=parsed.tools,
@@ -463,7 +478,12 @@ async def _models(svc: InferenceService) -> web.Response:
         "owned_by": "cognitora",
         "max_model_len": serving.ctx,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    loaded = serving.adapters.listing() if serving.adapters else {}
+    cards = [  # as vLLM lists its adapters: the base as root and parent
+        {**card, "id": name, "root": svc.model_name, "parent": svc.model_name}
+        for name in sorted(loaded)
+    ]
+    return web.json_response({"object": "list", "data": [card, *cards]})
 
 
 async def _health(svc: InferenceService) -> web.Response:

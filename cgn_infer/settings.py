@@ -147,6 +147,9 @@ class InferSettings:
     kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"  # bytes: KV_DTYPE_BYTES
     # steps the head of the queue may be passed by smaller requests
     aging_steps: int = ranged(8, 0, 1 << 20)
+    # LoRA adapters loaded at start, as NAME=PATH (a GGUF LoRA file): a request names one in
+    # `model` (cgn_infer/adapters.py); torch backend with GGUF weights, whole model
+    lora: tuple[str, ...] = ()
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()
     transfer: TransferSettings = TransferSettings()
@@ -171,6 +174,26 @@ class InferSettings:
         if self.http.port and self.http.port + engines - 1 > 65535:
             raise ConfigError(f"sim.engines={engines} from port {self.http.port} runs past 65535")
         self._check_pipeline_head()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        from cgn_infer.adapters import MAX_SLOTS, parse_lora_flag
+
+        if not self.lora:
+            return
+        if self.backend != "torch" or self.pipeline.stages or self.weights != "gguf":
+            raise ConfigError("LoRA adapters run on the torch backend with gguf weights and "
+                              "every layer in one process (no --stages)")  # fmt: skip
+        if len(self.lora) > MAX_SLOTS:
+            raise ConfigError(f"at most {MAX_SLOTS} LoRA adapters (--lora), got {len(self.lora)}")
+        names = []
+        for value in self.lora:
+            try:
+                names.append(parse_lora_flag(value)[0])
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora names an adapter twice: {sorted(names)}")
 
     def check_serve(self) -> None:
         """What only `cgn-infer serve` refuses (a stage is these same settings with layers)."""

@@ -51,7 +51,7 @@ from cgn_core.h1 import Reply, Request, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, KV_SALT_HEADER, PRIORITY_HEADER, bearer_header
 from cgn_core.kv import transfer as kv_transfer
 from cgn_core.openai import resume
-from cgn_core.openai.request import LORA_FIELD
+from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD
 from cgn_router.settings import DeadlineSettings
 from cgn_router.tracked import Progress, Watch, track
 from cgn_router.types import Endpoint, Usage
@@ -190,6 +190,7 @@ BODY_SALT_ENGINES = frozenset({"vllm", "sglang"})
 # `return_token_ids`): a break continues from them (cgn_core/openai/continuation.py)
 RETURN_IDS_ENGINES = frozenset({"vllm"})
 LORA_ID_ENGINES = frozenset({"llamacpp"})  # a request names a loaded adapter by its index
+LORA_SCALE_ENGINES = frozenset({"cgn-infer"})  # take `lora_scale` (vLLM and SGLang: none)
 RETURN_IDS_FIELD = "return_token_ids"
 
 
@@ -218,6 +219,8 @@ def _with_adapter(payload: bytes, ep: Endpoint, adapter: tuple[str, float] | Non
         body["cache_prompt"] = False
     elif adapter is not None:
         body["model"] = adapter[0]
+        if ep.engine in LORA_SCALE_ENGINES and adapter[1] != 1.0:
+            body[LORA_SCALE_FIELD] = adapter[1]
     return json.dumps(body, ensure_ascii=False).encode()
 
 

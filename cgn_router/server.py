@@ -49,7 +49,7 @@ from cgn_core.h1 import Handler, Reply, Request, Server, StreamReply
 from cgn_core.http import CACHE_SALT_FIELD, parse_json
 from cgn_core.kv.blockhash import adapter_salt
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
-from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD, sampling_fields
+from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD, lora_scale, sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
@@ -167,9 +167,9 @@ async def _handle_accounted(
             admitted = (who, acct.started, waited)
             ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
             if adapter is not None:
-                ctx = dataclasses.replace(
-                    ctx, chain=(model,), kv_salt=salt, adapter=(adapter, _lora_scale(body))
-                )  # NOTE: no fallback: another model has not this adapter
+                # NOTE: no fallback (another model has not this adapter); engines get the
+                # tenant's salt and salt an adapter's blocks themselves, as `salt` did here
+                ctx = dataclasses.replace(ctx, chain=(model,), adapter=(adapter, lora_scale(body)))
             relayed = await _serve(svc, request, ctx, acct)
             if relayed.usage is not None:
                 completion = relayed.usage.completion_tokens
@@ -226,9 +226,6 @@ def _parse(
     return body, model, adapter, stream
 
 
-MAX_LORA_SCALE = 4.0
-
-
 def _check_lora_fields(body: Mapping[str, Any], adapter: str | None) -> None:
     """A request names its adapter in `model` and may scale it (`lora_scale`, what
     llama.cpp's `lora` field's scale means: 1 the adapter as trained, 0 the base); the
@@ -240,15 +237,7 @@ def _check_lora_fields(body: Mapping[str, Any], adapter: str | None) -> None:
         if adapter is None:
             raise InvalidRequest(f"'{LORA_SCALE_FIELD}' scales a LoRA adapter: name one in "
                                  "'model'", param=LORA_SCALE_FIELD)  # fmt: skip
-        _lora_scale(body)
-
-
-def _lora_scale(body: Mapping[str, Any]) -> float:
-    scale = body.get(LORA_SCALE_FIELD, 1.0)
-    if type(scale) not in (int, float) or not 0 <= scale <= MAX_LORA_SCALE:
-        raise InvalidRequest(f"'{LORA_SCALE_FIELD}' must be a number in [0, {MAX_LORA_SCALE:g}]",
-                             param=LORA_SCALE_FIELD)  # fmt: skip
-    return float(scale)
+        lora_scale(body)
 
 
 def _own(adapters: Mapping[str, str]) -> dict[str, str]:

@@ -231,6 +231,20 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
     assert launch.env["CGN_INFER_KVCACHED__TOKEN"] == "kvtok" and "kvtok" not in launch.argv
     assert flags(launch.argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
     assert launch.metrics_dialect == "cgn-infer"
+    sql = (LoraFile("sql", "/m/sql.gguf"),)
+    adapted = replace(s, profile=EngineProfile(lora=sql))
+    DRIVERS["cgn_infer"].validate(
+        adapted, CPU_NODE, replace(tools, files={"/m/smol.gguf", "/m/sql.gguf"})
+    )
+    argv = DRIVERS["cgn_infer"].launch(adapted, ctx, tools).argv
+    assert argv[argv.index("--lora") + 1] == "sql=/m/sql.gguf"
+    assert flags(argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
+    for bad, why in (
+        (adapted, "does not exist"),
+        (replace(adapted, profile=EngineProfile(lora=sql, backend="sim")), "torch backend"),
+    ):
+        with pytest.raises(PlacementRefused, match=why):
+            DRIVERS["cgn_infer"].validate(bad, CPU_NODE, tools)
     x = replace(spec("llama_cpp", source="/m/smol.gguf",
                      profile=EngineProfile(ctx=2048, threads=2, launcher="xllamacpp",
                                            lora=(LoraFile("sql", "/m/sql.gguf"),))), model="smol", devices=())  # fmt: skip

@@ -33,7 +33,8 @@ class CgnInferDriver:
         require_connector_none(spec, self.name)
         if spec.source not in BUNDLED and not tools.is_file(spec.source):
             raise PlacementRefused(f"cgn_infer: model file {spec.source} does not exist")
-        backend = spec.profile.backend or "torch"
+        p = spec.profile
+        backend = p.backend or "torch"
         if backend not in BACKENDS:
             raise PlacementRefused(f"cgn_infer: backend must be one of {', '.join(BACKENDS)}")
         if spec.devices:
@@ -47,6 +48,16 @@ class CgnInferDriver:
                 raise PlacementRefused("cgn_infer: a layer pipeline serves role both")
             if spec.pipeline.part == 0 and len(spec.pipeline.stages) != spec.pipeline.parts - 1:
                 raise PlacementRefused("cgn_infer: the head of a pipeline needs its stages")
+        if p.lora and (
+            backend != "torch" or spec.pipeline is not None or p.dtype not in (None, "gguf")
+        ):
+            raise PlacementRefused("cgn_infer: LoRA adapters run on the torch backend with "
+                                   "gguf weights, every layer in one process")  # fmt: skip
+        for f in p.lora:
+            if not tools.is_file(f.path):
+                raise PlacementRefused(
+                    f"cgn_infer: LoRA adapter {f.name} ({f.path}) does not exist"
+                )
 
     def launch(self, spec: ReplicaSpec, ctx: LaunchContext, tools: Toolbox) -> Launch:
         p = spec.profile
@@ -72,6 +83,7 @@ class CgnInferDriver:
         argv += optional_flags(("--dtype", p.dtype))
         argv += ["--kvcached", ctx.kvcached] if ctx.kvcached else []
         argv += ["--role", spec.role] if spec.role != "both" else []
+        argv += [a for f in p.lora for a in ("--lora", f"{f.name}={f.path}")]
         if spec.role != "decode":  # it holds prefill legs' KV for decode engines on any node
             argv += ["--set", f"transfer.host={ctx.host}"]
             argv += (

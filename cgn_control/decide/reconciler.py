@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_control.decide.catalog import ModelSpec, pool_label
+from cgn_control.decide.catalog import ModelSpec, Profile, pool_label
 from cgn_control.decide.cluster import Key, Snapshot, node_views
 from cgn_control.decide.placement import Decision, NodeState, place
 from cgn_control.decide.scaling import Decision as ScaleDecision
@@ -93,6 +93,14 @@ class ReconcilerSettings:
 
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
+
+
+def _loads_adapters(p: Profile) -> bool:
+    """Whether replicas of profile `p` load the model's LoRA adapters (at start, all of
+    them): llama.cpp, and cgn-infer's torch backend on the GGUF weights."""
+    if p.engine == "cgn_infer":
+        return p.backend in (None, "torch") and p.dtype in (None, "gguf")
+    return p.engine == "llama_cpp"
 
 
 REFUSED_FOR_S = 600.0  # a node's agent refused a model's engine: not placed there again for
@@ -383,7 +391,7 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
     for k in (*optional, "quantization", "launch_mode", "rendezvous_timeout_s"):
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
-    if p.engine == "llama_cpp" and spec.adapters:  # the only engine that loads them yet
+    if spec.adapters and _loads_adapters(p):
         profile["lora"] = [
             {"name": name, "path": spec.adapters[name].source} for name in sorted(spec.adapters)
         ]

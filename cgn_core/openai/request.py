@@ -60,6 +60,7 @@ _COMMON = frozenset(
         "logit_bias",
         "response_format",
         "structured_outputs",
+        "lora_scale",
     }
 )
 # A LoRA adapter's request: clients name the adapter in `model` and may scale it with
@@ -67,6 +68,19 @@ _COMMON = frozenset(
 # writes (an engine's adapter ids are its own) and refuses from a client.
 LORA_FIELD = "lora"
 LORA_SCALE_FIELD = "lora_scale"
+MAX_LORA_SCALE = 4.0
+
+
+def lora_scale(body: Mapping[str, Any]) -> float:
+    """A request's `lora_scale` (default 1: the adapter as trained; 0: the base); a 400
+    outside [0, MAX_LORA_SCALE]."""
+    scale = body.get(LORA_SCALE_FIELD, 1.0)
+    if type(scale) not in (int, float) or not 0 <= scale <= MAX_LORA_SCALE:
+        raise InvalidRequest(f"'{LORA_SCALE_FIELD}' must be a number in [0, {MAX_LORA_SCALE:g}]",
+                             param=LORA_SCALE_FIELD)  # fmt: skip
+    return float(scale)
+
+
 KNOWN_FIELDS = {
     "chat": _COMMON
     | {

@@ -47,6 +47,8 @@ class _Layer(ctypes.Structure):
         ("wo", CMatrix),
         ("w_gate_up", CMatrix),
         ("w_down", CMatrix),
+        ("lora", _ptr),
+        ("lora_slots", _i64),
     )
 
 
@@ -61,6 +63,8 @@ class _Step(ctypes.Structure):
         ("seq", _ptr),
         ("lengths", _ptr),
         ("rope", _ptr),
+        ("lora_slot", _ptr),
+        ("lora_scale", _ptr),
     )
 
 
@@ -106,6 +110,14 @@ class FusedLayers:
                 )
             )
 
+    def set_lora(self, tables: Sequence[ctypes.Array[Any]]) -> None:
+        """Each layer's table of the loaded adapters' pairs by slot (cgn_infer/adapters.py);
+        the caller keeps them alive. Only between steps (the worker thread reads them)."""
+        assert len(tables) == len(self.layers)
+        for desc, table in zip(self.layers, tables, strict=True):
+            desc.lora = ctypes.cast(table, _ptr) if len(table) else None
+            desc.lora_slots = len(table)
+
     @staticmethod
     def applies(layers: Sequence[LayerWeights[Any]]) -> bool:
         """Whether every layer's matrices have kernels (then the layers run in C)."""
@@ -123,9 +135,11 @@ class FusedLayers:
         paged: tuple[np.ndarray, np.ndarray, np.ndarray],
         pool_k: torch.Tensor,
         pool_v: torch.Tensor,
+        lora: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """x [T, D] after every layer; pool_k/pool_v [layers, blocks, 16, KVH, hd], float32,
-        float16 or bfloat16 (both alike)."""
+        float16 or bfloat16 (both alike); `lora`: each row's adapter slot (-1: none) and
+        scale, None where no row has one."""
         tables, seq, lengths = paged
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         slot = np.ascontiguousarray(slots, dtype=np.int64)
@@ -136,6 +150,11 @@ class FusedLayers:
             raise ValueError(f"KV slots must lie in 0..{capacity - 1}")
         assert pool_k.is_contiguous() and pool_v.is_contiguous() and pool_k.dtype == pool_v.dtype
         x = x.float().contiguous().clone()  # updated in place: never the caller's buffer
+        slots_of = scales = None
+        if lora is not None:
+            slots_of = np.ascontiguousarray(lora[0], dtype=np.int64)
+            scales = np.ascontiguousarray(lora[1], dtype=np.float32)
+            assert len(slots_of) == len(scales) == x.shape[0]
         step = _Step(
             rows=x.shape[0],
             table_width=tables.shape[1],
@@ -146,6 +165,8 @@ class FusedLayers:
             seq=address(seq),
             lengths=address(lengths),
             rope=address(self.rope),
+            lora_slot=None if slots_of is None else address(slots_of),
+            lora_scale=None if scales is None else address(scales),
         )
         per_layer = pool_k.stride(0) * pool_k.element_size()
         k0, v0 = pool_k.data_ptr(), pool_v.data_ptr()

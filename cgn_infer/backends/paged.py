@@ -34,6 +34,7 @@ class BatchItem:
     tokens: Sequence[int]
     start: int
     table: Sequence[int]
+    lora: tuple[int, float] | None = None  # its LoRA adapter's slot and scale (adapters.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class BatchLayout:
     last_rows: np.ndarray  # [N] the row of each item's last token
     decodes: tuple[DecodeGroup, ...]  # rows of similar width, each group in row order
     prefills: tuple[PrefillGroup, ...]
+    # each row's adapter slot (-1: the base) and scale; None where no item has one
+    lora: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def layout(items: Sequence[BatchItem]) -> BatchLayout:
@@ -93,7 +96,19 @@ def layout(items: Sequence[BatchItem]) -> BatchLayout:
         np.asarray(last_rows, dtype=np.int64),
         decodes,
         tuple(prefills),
+        _lora_rows(items),
     )
+
+
+def _lora_rows(items: Sequence[BatchItem]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each row's adapter slot and scale, every token of an item alike (None: no item has
+    an adapter, and the layers run as they always did)."""
+    if all(item.lora is None for item in items):
+        return None
+    counts = [len(item.tokens) for item in items]
+    slots = np.repeat([-1 if i.lora is None else i.lora[0] for i in items], counts)
+    scales = np.repeat([0.0 if i.lora is None else i.lora[1] for i in items], counts)
+    return slots.astype(np.int64), scales.astype(np.float32)
 
 
 def _decode_groups(

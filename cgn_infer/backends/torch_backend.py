@@ -29,11 +29,13 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cgn_core.errors import ConfigError
 from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
@@ -253,6 +255,16 @@ class TorchBackend(SingleSequence):
         if self._fused is None and self._attend is not None and self.w.layers:
             log.info("layers run op by op in torch (a matrix without a kernel, or fused=False)")
 
+    def set_lora(self, tables: Sequence[Any]) -> None:
+        """The loaded LoRA adapters' tables, per layer (cgn_infer/adapters.py); ConfigError
+        where the layers do not run in C (adapters run there only)."""
+        if self._fused is None or len(tables) != len(self.w.layers):
+            raise ConfigError(
+                "LoRA adapters need the one-call C layers: GGUF weights with a kernel for "
+                "every matrix (--dtype gguf) and every layer in this process"
+            )
+        self._fused.set_lora(tables)
+
     def weight_bytes(self) -> int:
         """Bytes held by the weight matrices (what a decode step streams from memory)."""
         total = 0
@@ -338,7 +350,9 @@ class TorchBackend(SingleSequence):
             return x
         if self._fused is not None:
             paged = _paged_rows(lay, kv.k.shape[1])
-            return self._fused.run(x, lay.positions, lay.slots, paged, kv.k, kv.v)
+            return self._fused.run(x, lay.positions, lay.slots, paged, kv.k, kv.v, lay.lora)
+        if lay.lora is not None:  # Adapters refuses to load where the layers are not fused
+            raise RuntimeError("LoRA adapters run on the fused C layers only")
         step = self._step_tensors(lay, kv.k.shape[1])
         rot = self.rope[torch.from_numpy(lay.positions).to(self.device)][:, None, :]  # [T, 1, hd/2]
         for i, layer in enumerate(self.w.layers):

@@ -7,6 +7,9 @@
  *     x += a @ Wo.T;   h = rms_norm(x) * ffn_norm;   [g | u] = h @ Wgu.T
  *     x += (silu(g) * u) @ Wd.T
  *
+ * and, for a row whose request names a LoRA adapter, each product plus that adapter's
+ * scale * B (A h) (lora_add; the base rows of the same step pay one test per matrix).
+ *
  * with every matrix in its GGUF blocks (cgn_qmatmul, qmatmul.c). Python made ~15 torch
  * ops and ~10 ctypes calls per layer for this, a third of a decode step
  * (bench/results/infer_profile.md); here it is one call.
@@ -35,12 +38,31 @@ typedef struct {
     const uint8_t *data[MAX_PARTS];
 } cgn_matrix;
 
-/* One layer's weights and shape. bqkv is NULL for a model without QKV biases. */
+/* One LoRA pair of one layer for one loaded adapter: y += row scale * factor * B (A x),
+ * A [rank, in] and B [out, rank] float32 (rank 0: this matrix is not adapted). */
+typedef struct {
+    int64_t rank, out;
+    const float *a, *b;
+    float factor; /* alpha / rank (the adapter's own scale) */
+} cgn_lora_pair;
+
+/* The matrices an adapter may adapt (cgn_core/lora.py's TARGETS, in that order). */
+enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN, L_TARGETS };
+#define MAX_LORA_RANK 512
+
+typedef struct {
+    cgn_lora_pair p[L_TARGETS];
+} cgn_lora_layer;
+
+/* One layer's weights and shape. bqkv is NULL for a model without QKV biases. lora: the
+ * loaded adapters' pairs for this layer by adapter slot (NULL: none loaded). */
 typedef struct {
     int64_t dim, heads, kv_heads, head_dim, ffn;
     float eps, scale;
     const float *attn_norm, *ffn_norm, *bqkv;
     cgn_matrix wqkv, wo, w_gate_up, w_down;
+    const cgn_lora_layer *lora;
+    int64_t lora_slots;
 } cgn_layer_weights;
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* the pool's element type */
@@ -51,6 +73,10 @@ typedef struct {
     int64_t rows, table_width, kv_type;
     const int64_t *positions, *slots, *tables, *seq, *lengths;
     const float *rope;
+    /* each row's adapter slot (-1: the base) and the request's scale of it; NULL: no row
+     * has an adapter */
+    const int64_t *lora_slot;
+    const float *lora_scale;
 } cgn_step;
 
 void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
@@ -90,6 +116,36 @@ void cgn_matrix_product(const cgn_matrix *m, const float *x, int64_t T, int64_t 
         cgn_qmatmul((int)m->type[p], m->data[p], m->row_bytes[p], m->rows[p], K, qa, da, sa, T,
                     y + col, m->out);
         col += m->rows[p];
+    }
+}
+
+/* The adapters' share of one product: for every row t whose adapter adapts `target`,
+ * y[t, col : col + out] += scale_t * factor * B (A x_t), x [T, K], y's rows ldy apart. Rows
+ * without an adapter cost one test each; every row's sum is its own (batch-invariant). */
+static void lora_add(const cgn_layer_weights *w, const cgn_step *s, int target, const float *x,
+                     int64_t K, float *y, int64_t ldy, int64_t col) {
+    if (s->lora_slot == NULL || w->lora == NULL) return;
+    #pragma omp parallel for schedule(static) if (s->rows > 4)
+    for (int64_t t = 0; t < s->rows; t++) {
+        int64_t slot = s->lora_slot[t];
+        if (slot < 0 || slot >= w->lora_slots) continue;
+        const cgn_lora_pair *p = &w->lora[slot].p[target];
+        if (p->rank <= 0 || p->rank > MAX_LORA_RANK) continue;
+        float ax[MAX_LORA_RANK];
+        const float *xt = x + t * K, f = s->lora_scale[t] * p->factor;
+        for (int64_t r = 0; r < p->rank; r++) {
+            const float *ar = p->a + r * K;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < K; i++) acc += ar[i] * xt[i];
+            ax[r] = acc * f;
+        }
+        float *yt = y + t * ldy + col;
+        for (int64_t o = 0; o < p->out; o++) {
+            const float *br = p->b + o * p->rank;
+            float acc = 0.0f;
+            for (int64_t r = 0; r < p->rank; r++) acc += br[r] * ax[r];
+            yt[o] += acc;
+        }
     }
 }
 
@@ -161,6 +217,9 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
 
     rms_norm(x, w->attn_norm, T, D, w->eps, h);
     cgn_matrix_product(&w->wqkv, h, T, D, qa, da, sa, qkv);
+    lora_add(w, s, L_Q, h, D, qkv, qkvn, 0);
+    lora_add(w, s, L_K, h, D, qkv, qkvn, qn);
+    lora_add(w, s, L_V, h, D, qkv, qkvn, qn + kvn);
     for (int64_t t = 0; t < T; t++) {
         float *r = qkv + t * qkvn;
         if (w->bqkv)
@@ -174,16 +233,20 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
     cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq,
                s->lengths, T, w->heads, w->kv_heads, hd, w->scale, att);
     cgn_matrix_product(&w->wo, att, T, qn, qa, da, sa, y);
+    lora_add(w, s, L_O, att, qn, y, D, 0);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
 
     rms_norm(x, w->ffn_norm, T, D, w->eps, h);
     cgn_matrix_product(&w->w_gate_up, h, T, D, qa, da, sa, gu);
+    lora_add(w, s, L_GATE, h, D, gu, 2 * F, 0);
+    lora_add(w, s, L_UP, h, D, gu, 2 * F, F);
     #pragma omp parallel for schedule(static) if (T > 4)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * 2 * F, *u = g + F;
         for (int64_t i = 0; i < F; i++) act[t * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     cgn_matrix_product(&w->w_down, act, T, F, qa, da, sa, y);
+    lora_add(w, s, L_DOWN, act, F, y, D, 0);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
     return 0;
 }
