@@ -150,7 +150,7 @@ class InferenceService:
             ignore_eos=req.ignore_eos,
             priority=req.priority,
             # an adapter's blocks in a namespace of their own (the router hashes alike)
-            salt=adapter_salt(req.kv_salt, req.model if lora else None),
+            salt=adapter_salt(req.kv_salt, req.model if lora else None, req.lora_scale),
             lora=lora,
         )
 

@@ -55,7 +55,7 @@ def explain(svc: RouterService, body: Any) -> dict[str, Any]:
     salt = None
     if tenant is not None and auth.enabled and auth.kv_isolation:
         salt = tenant_salt("tenant", tenant)
-    salt = adapter_salt(salt, adapter)
+    salt = adapter_salt(salt, adapter)  # at scale 1 (explain takes no lora_scale)
     prompt = svc.catalog.hasher(model).hash(kind, {"model": model, **body}, salt)
     if prompt.method == "none":
         raise InvalidRequest(f"the {kind} prompt is not one a client could send")

@@ -141,7 +141,8 @@ async def _handle_accounted(
             raise
     raw = await request.read(svc.settings.http.body_timeout_s)
     body, model, adapter, stream = _parse(svc, kind, raw, who, acct)
-    salt = adapter_salt(who.kv_salt, adapter)  # an adapter's KV is never its base's
+    scale = lora_scale(body) if adapter else 1.0
+    salt = adapter_salt(who.kv_salt, adapter, scale)  # an adapter's KV is never its base's
     estimate = len(raw) // CHARS_PER_TOKEN
     try:
         svc.limiter.acquire(who, estimate)
@@ -169,7 +170,7 @@ async def _handle_accounted(
             if adapter is not None:
                 # NOTE: no fallback (another model has not this adapter); engines get the
                 # tenant's salt and salt an adapter's blocks themselves, as `salt` did here
-                ctx = dataclasses.replace(ctx, chain=(model,), adapter=(adapter, lora_scale(body)))
+                ctx = dataclasses.replace(ctx, chain=(model,), adapter=(adapter, scale))
             relayed = await _serve(svc, request, ctx, acct)
             if relayed.usage is not None:
                 completion = relayed.usage.completion_tokens

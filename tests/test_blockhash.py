@@ -62,6 +62,8 @@ def test_adapter_salt_vectors(vec: dict) -> None:
     assert adapter_salt(vec["salt"], vec["adapter"]) == vec["expected"] == expected
     assert valid_salt(vec["expected"]) and vec["expected"] != vec["salt"]
     assert adapter_salt(vec["salt"], None) == vec["salt"]  # the base: the tenant's own
+    half = adapter_salt(vec["salt"], vec["adapter"], 0.5)  # another scale, other KV
+    assert half == blake3(b"cognitora.kv.salt.v1\x00adapter\x00" + inner + b"@0.5").hexdigest()[:32]
 
 
 def test_a_group_and_a_tenant_of_one_name_never_share_a_salt() -> None:

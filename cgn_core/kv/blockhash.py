@@ -66,16 +66,20 @@ def tenant_salt(kind: str, name: str) -> str:
     return digest[:32]
 
 
-def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
-    """The salt of a request for LoRA `adapter` (None: the base model) from a tenant of
-    `salt` (None: unsalted): a namespace of its own, so an adapter's blocks are never the
-    base's or another adapter's (the same tokens through other weights hold other KV)
+def adapter_salt(salt: str | None, adapter: str | None, scale: float = 1.0) -> str | None:
+    """The salt of a request for LoRA `adapter` at `scale` (None: the base model) from a
+    tenant of `salt` (None: unsalted): a namespace of its own, so an adapter's blocks are
+    never the base's, another adapter's or its own at another scale (the same tokens
+    through other weights hold other KV)
 
-        hex(BLAKE3(b"cognitora.kv.salt.v1\0adapter\0" + salt + b"\0" + adapter))[:32]
+        hex(BLAKE3(b"cognitora.kv.salt.v1\0adapter\0" + salt + b"\0" + adapter
+                   [+ b"@" + repr(scale) where scale != 1]))[:32]
     """
     if adapter is None:
         return salt
     inner = (salt or "").encode() + b"\0" + adapter.encode("utf-8")
+    if scale != 1.0:
+        inner += b"@" + repr(float(scale)).encode()
     return blake3(SALT_DOMAIN + b"adapter\0" + inner).hexdigest()[:32]
 
 

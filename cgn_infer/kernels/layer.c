@@ -119,6 +119,19 @@ void cgn_matrix_product(const cgn_matrix *m, const float *x, int64_t T, int64_t 
     }
 }
 
+/* x . y in 8 independent partial sums (the compiler keeps them in one vector register:
+ * a single running sum cannot be vectorized without reordering it), then added in a
+ * fixed order: the same value for a row whatever else runs beside it. */
+static inline float dot_lanes(const float *x, const float *y, int64_t n) {
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += x[i + j] * y[i + j];
+    float acc = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; i < n; i++) acc += x[i] * y[i];
+    return acc;
+}
+
 /* The adapters' share of one product: for every row t whose adapter adapts `target`,
  * y[t, col : col + out] += scale_t * factor * B (A x_t), x [T, K], y's rows ldy apart. Rows
  * without an adapter cost one test each; every row's sum is its own (batch-invariant). */
@@ -133,12 +146,8 @@ static void lora_add(const cgn_layer_weights *w, const cgn_step *s, int target, 
         if (p->rank <= 0 || p->rank > MAX_LORA_RANK) continue;
         float ax[MAX_LORA_RANK];
         const float *xt = x + t * K, f = s->lora_scale[t] * p->factor;
-        for (int64_t r = 0; r < p->rank; r++) {
-            const float *ar = p->a + r * K;
-            float acc = 0.0f;
-            for (int64_t i = 0; i < K; i++) acc += ar[i] * xt[i];
-            ax[r] = acc * f;
-        }
+        for (int64_t r = 0; r < p->rank; r++)
+            ax[r] = dot_lanes(p->a + r * K, xt, K) * f;
         float *yt = y + t * ldy + col;
         for (int64_t o = 0; o < p->out; o++) {
             const float *br = p->b + o * p->rank;
