@@ -71,7 +71,7 @@ def main() -> None:
     kv = backend.new_kv(per * STREAMS)
     tables = [list(range(s * per, (s + 1) * per)) for s in range(STREAMS)]
     prompt = list(range(100, 100 + a.ctx))
-    for name, lora in configs.items():  # every configuration's prompts, once (warm-up too)
+    for lora in configs.values():  # every configuration's prompts, once (warm-up too)
         backend.forward_batch(
             [BatchItem(prompt, 0, t, lr) for t, lr in zip(tables, lora, strict=True)], kv
         )

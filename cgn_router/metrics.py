@@ -213,6 +213,15 @@ class RouterMetrics:
             "tenant",
             "kind",
         )
+        self.adapter_tokens = tally(
+            "cgn_router_adapter_tokens",
+            "Tokens of requests for a LoRA adapter, by model, adapter, tenant (as in "
+            "cgn_router_tenant_tokens) and kind (prompt, completion, cached).",
+            "model",
+            "adapter",
+            "tenant",
+            "kind",
+        )
         self.prefix_predicted = tally(
             "cgn_router_prefix_tokens_predicted",
             "Prompt tokens the router expected the chosen engine to have cached.",
@@ -298,6 +307,7 @@ class RouterMetrics:
                     self.latency,
                     self.tokens,
                     self.tenant_tokens,
+                    self.adapter_tokens,
                     self.prefix_predicted,
                     self.prefix_reported,
                     self.prompt_tokens_routed,
@@ -356,6 +366,9 @@ class MetricsObserver:
         self._models: dict[str, _ModelSeries] = {}
         # tenant -> (prompt, completion, cached prompt tokens)
         self._tenants: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        self._adapters: dict[
+            tuple[str, str, str], tuple[list[float], list[float], list[float]]
+        ] = {}
         self._on: dict[type, Callable[[Any], None]] = {
             AttemptEnded: self._attempt,
             Ended: self._ended,
@@ -389,6 +402,23 @@ class MetricsObserver:
                 self._tenants[tenant] = found
         return found
 
+    def _adapter(
+        self, model: str, adapter: str, tenant: str
+    ) -> tuple[list[float], list[float], list[float]]:
+        """A tenant's three series for one adapter (the catalog's names only reach here:
+        bounded by it; tenants past TENANT_LABELS as "other", as `_tenant`)."""
+        label = tenant if tenant in self._tenants else "other"
+        key = (model, adapter, label)
+        found = self._adapters.get(key)
+        if found is None:
+            tally = self.m.adapter_tokens
+            found = self._adapters[key] = (
+                tally.series(model, adapter, label, "prompt"),
+                tally.series(model, adapter, label, "completion"),
+                tally.series(model, adapter, label, "cached"),
+            )
+        return found
+
     def _model(self, model: str) -> _ModelSeries:
         found = self._models.get(model)
         if found is None:
@@ -405,10 +435,12 @@ class MetricsObserver:
         count[0] += 1
         series.latency.observe(r.seconds)
         if r.usage is not None and r.tenant:
-            prompt, completion, cached = self._tenant(r.tenant)
-            prompt[0] += r.usage.prompt_tokens
-            completion[0] += r.usage.completion_tokens
-            cached[0] += r.usage.cached_tokens
+            for prompt, completion, cached in (self._tenant(r.tenant),) + (
+                (self._adapter(r.model, r.adapter, r.tenant),) if r.adapter else ()
+            ):
+                prompt[0] += r.usage.prompt_tokens
+                completion[0] += r.usage.completion_tokens
+                cached[0] += r.usage.cached_tokens
         if r.outcome == "no_endpoint":
             self.m.errors.labels("no_endpoint").inc()
 

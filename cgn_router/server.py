@@ -121,7 +121,7 @@ async def _handle(svc: RouterService, request: Request, *, kind: str) -> Reply |
         raise
     finally:
         seconds = time.monotonic() - acct.started
-        who = (acct.tenant, acct.endpoint, acct.key_id)
+        who = (acct.tenant, acct.endpoint, acct.key_id, acct.adapter)
         acct.emit(Ended(acct.model, acct.outcome, status, seconds, usage, error, *who))
 
 
@@ -223,7 +223,7 @@ def _parse(
             code="model_not_found",
             param="model",
         )
-    acct.model = model
+    acct.model, acct.adapter = model, adapter or ""
     return body, model, adapter, stream
 
 

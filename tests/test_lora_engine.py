@@ -19,6 +19,7 @@ from cgn_infer.adapters import Adapters
 from cgn_infer.backends.paged import BatchItem, blocks_for
 from cgn_infer.models import args_from_gguf
 from harness.lora import write_adapter
+from harness.metrics import metric
 from harness.parity import PROMPTS, reference_top2
 from harness.procs import cgn_infer, cgn_router, llamacpp
 
@@ -172,3 +173,8 @@ def test_the_engine_serves_adapters_by_name_each_in_its_own_kv(engine: str, tmp_
         assert routed["choices"] == one["choices"]
         scaled = complete(router.url, "a1", prompt, lora_scale=0)
         assert scaled["choices"][0]["text"] == base["choices"][0]["text"]
+        # usage per adapter (and tenant): both requests' completions
+        labels = {"model": "smol", "adapter": "a1", "tenant": "anonymous"}
+        done = routed["usage"]["completion_tokens"] + scaled["usage"]["completion_tokens"]
+        got = metric(router.admin, "cgn_router_adapter_tokens_total", **labels, kind="completion")
+        assert got == done

@@ -147,6 +147,7 @@ class Ended(NamedTuple):
     tenant: str = ""  # its key's (once authenticated)
     endpoint: str = ""  # the id of the endpoint whose attempt answered ("": none did)
     key_id: str = ""  # its API key's id (once authenticated; "": auth off)
+    adapter: str = ""  # the LoRA adapter it named ("": the model itself)
 
 
 Record = (
@@ -182,6 +183,7 @@ class Account:
     or, when routing gave up, why: no_endpoint, upstream_error) and that attempt's endpoint."""
 
     __slots__ = (
+        "adapter",
         "attempts",
         "endpoint",
         "key_id",
@@ -196,6 +198,7 @@ class Account:
         self.observers = observers
         self.started = time.monotonic() if started is None else started
         self.model = ""
+        self.adapter = ""  # the LoRA adapter the request names, once known
         self.tenant = ""  # once Asked: the key's
         self.key_id = ""
         self.outcome = ""
