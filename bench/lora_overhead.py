@@ -49,7 +49,7 @@ def main() -> None:
     gguf = GGUFFile(path)
     args = args_from_gguf(gguf)
     backend = TorchBackend(gguf, args, threads=a.threads)
-    adapters = Adapters("base", path, args, args.n_layers)
+    adapters = Adapters("base", path, args, args.n_layers, 8)
     with tempfile.TemporaryDirectory() as tmp:
         for targets, tag in ((ALL, "all"), (QV, "qv")):
             for i in range(4):

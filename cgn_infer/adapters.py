@@ -1,44 +1,52 @@
-"""The LoRA adapters a cgn-infer engine serves (#60): loaded at start, applied per row.
+"""The LoRA adapters a cgn-infer engine serves (#60): loaded at start or at run time,
+applied per row, evicted least recently used.
 
-`cgn-infer serve --lora sql=/models/sql.gguf` (repeatable) loads each adapter
-into a slot. A request names one in `model` (and may scale it with
-`lora_scale`); its rows carry the slot and scale into every layer, where
-layer.c adds `scale · alpha/rank · B (A x)` to each product the adapter adapts
-(`lora_add`), row by row: requests of different adapters and of the base run in
-one batch, each row with its own (no batch per adapter), and a base row pays
-one test per matrix.
+`cgn-infer serve --lora sql=/models/sql.gguf` (repeatable) loads each adapter at
+start, pinned; `POST /v1/load_lora_adapter` (vLLM's body, `lora_api.py`) loads
+one at run time from under `lora_dirs`. A request names one in `model` (and may
+scale it with `lora_scale`); its rows carry the adapter's slot and scale into
+every layer, where layer.c adds `scale · alpha/rank · B (A x)` to each product
+the adapter adapts (`lora_add`), row by row: requests of different adapters and
+of the base run in one batch, each row with its own, and a base row pays one test
+per matrix.
+
+Slots: each layer has one table of `slots` entries (`max_loras`), allocated once
+and handed to the C layers at start, so their pointers never change. A load
+reads and checks the file off the worker thread, then writes its pairs into a
+free slot, which no row reads (a slot is free only while no request holds it);
+when every slot is taken it first evicts the least recently used adapter that no
+request holds and is not pinned, or refuses (503). A request holds its adapter
+from when it is prepared until it ends (`acquire`/`release`), so a slot never
+changes under a running row.
 
 A file is checked against the base (`cgn_core/lora.py`: llama.cpp's format,
-architecture, every pair's shape, rank, finite values) before anything is
-kept. The q/k rows of a NEOX-layout model (qwen2) are reordered as the base's
-are at load (`weights.neox_to_pairs`), so that an adapter's product lands on
-the rows the base's does. Adapters run on the one-call C layers only (GGUF
-weights with a kernel for every matrix, all of a model's layers in this
-process): elsewhere `Adapters` refuses them at start.
-
-NOTE: the set is fixed at start: a slot's arrays are read by the worker thread
-at every step, and a request holds its slot from when it is parsed. Loading
-and unloading at run time (vLLM's /v1/load_lora_adapter) is not built yet.
+architecture, every pair's shape, rank, finite values) before anything is kept.
+The q/k rows of a NEOX-layout model (qwen2) are reordered as the base's are at
+load (`weights.neox_to_pairs`). The torch backend runs adapters on its one-call
+C layers only (GGUF weights, every layer in one process); the sim backend holds
+them (its load time modelled, `sim.lora_load_s`) and computes nothing with them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from cgn_core.errors import InvalidRequest, NotFound
-from cgn_core.keys import NAME
+from cgn_core.errors import InvalidRequest, NotFound, Unavailable
 from cgn_core.lora import TARGETS, load
 from cgn_infer.models.args import Args
+from cgn_infer.settings import MAX_LORAS
 from cgn_infer.weights import neox_to_pairs
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-MAX_SLOTS = 64  # adapters one engine holds (the catalog's max_adapters, at most)
+MAX_SLOTS = MAX_LORAS
 _PAIR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 
 
@@ -61,42 +69,53 @@ class LoraLayer(ctypes.Structure):
 
 
 @dataclass(frozen=True, slots=True)
+class Read:
+    """An adapter file read and checked, not yet in a slot: (layer, target, rank, A, B,
+    factor) per pair."""
+
+    path: Path
+    rank: int
+    pairs: tuple[tuple[int, int, int, np.ndarray, np.ndarray, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Adapter:
     name: str
     path: Path
     slot: int
     rank: int
-    arrays: tuple[np.ndarray, ...]  # what the layers' pointers point into (kept alive)
-
-
-def parse_lora_flag(value: str) -> tuple[str, Path]:
-    """`NAME=PATH` of `--lora`; ValueError says what is wrong."""
-    name, sep, path = value.partition("=")
-    if not sep or not NAME.match(name) or not path:
-        raise ValueError(f"--lora expects NAME=PATH (a name of [A-Za-z0-9._:-]), got {value!r}")
-    return name, Path(path)
+    pinned: bool
+    read: Read  # what the slot's pointers point into (kept alive while it is loaded)
 
 
 class Adapters:
-    """An engine's loaded adapters by name, and each layer's table of their pairs by slot
-    (`tables`, what FusedLayers hands layer.c)."""
+    """An engine's loaded adapters by name, each layer's table of their pairs by slot
+    (`tables`, what the C layers read), who holds them, and which to evict."""
 
-    def __init__(self, model: str, base: Path, args: Args, layers: int):
+    def __init__(
+        self, model: str, base: Path, args: Args, layers: int, slots: int = 4,
+        load_s: float = 0.0,
+    ):  # fmt: skip
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"adapter slots must be 1-{MAX_SLOTS}, got {slots}")
         self.model, self.base, self.args, self.layers = model, base, args, layers
+        self.load_s = load_s  # added to each read: the sim backend's modelled load time
+        self.tables = [(LoraLayer * slots)() for _ in range(layers)]
         self.by_name: dict[str, Adapter] = {}
-        self.tables: list[ctypes.Array[LoraLayer]] = []
+        self.free = list(range(slots))
+        self.holds: Counter[str] = Counter()  # requests holding each adapter
+        self.used: dict[str, float] = {}  # when each was last acquired (monotonic)
+        self.evictions = 0
+        self._lock = threading.Lock()  # the event loop and the start's thread both call in
 
-    def load(self, name: str, path: Path) -> Adapter:
-        """Read, check and hold `path` as adapter `name` in the next slot; LoraError (a 400
-        InvalidRequest) names what is wrong with the file."""
-        if name == self.model or name in self.by_name:
-            raise InvalidRequest(f"adapter name {name!r} is taken (the model's or loaded)")
-        if len(self.by_name) >= MAX_SLOTS:
-            raise InvalidRequest(f"at most {MAX_SLOTS} adapters per engine")
+    # ---- loading --------------------------------------------------------------------
+
+    def read(self, path: Path) -> Read:
+        """Read and check `path` against the base (slow: off the event loop and off the
+        worker); LoraError (a 400) says what is wrong with the file."""
+        started = time.monotonic()
         checked, weights = load(path, self.base)
-        slot = len(self.by_name)
-        layers = [LoraLayer() for _ in range(self.layers)]
-        kept: list[np.ndarray] = []
+        pairs = []
         for tensor, (a, b) in weights.items():
             m = _PAIR.match(tensor)
             assert m is not None  # lora.load checked every name
@@ -105,15 +124,70 @@ class Adapters:
                 raise InvalidRequest(f"adapter {path}: {tensor} is past the model's "
                                      f"{self.layers} layers")  # fmt: skip
             a, b = np.ascontiguousarray(a), np.ascontiguousarray(self._rows(m.group(2), b))
-            rank = a.shape[0]
-            factor = checked.scale(rank)
-            layers[layer].p[target] = LoraPair(rank, b.shape[0], a.ctypes.data, b.ctypes.data,
-                                               factor)  # fmt: skip
-            kept += [a, b]
-        adapter = Adapter(name, path, slot, checked.rank, tuple(kept))
-        self.by_name[name] = adapter
-        self._rebuild(layers)
-        return adapter
+            pairs.append((layer, target, a.shape[0], a, b, checked.scale(a.shape[0])))
+        if (left := self.load_s - (time.monotonic() - started)) > 0:
+            time.sleep(left)
+        return Read(path, checked.rank, tuple(pairs))
+
+    def check_free(self, name: str) -> None:
+        """400 unless `name` may be loaded: not the model's, not loaded already."""
+        if name == self.model:
+            raise InvalidRequest(f"'{name}' is the model's own name", param="lora_name")
+        if name in self.by_name:
+            raise InvalidRequest(f"the LoRA adapter '{name}' has already been loaded",
+                                 param="lora_name")  # fmt: skip
+
+    def install(self, name: str, read: Read, *, pin: bool = False) -> tuple[Adapter, str | None]:
+        """Put `read` in a slot as adapter `name`: a free one, else the least recently used
+        one no request holds (returned: the adapter evicted). 400 for a name taken, 503
+        when every slot is held or pinned."""
+        with self._lock:
+            self.check_free(name)
+            evicted = None
+            if not self.free:
+                idle = [n for n, a in self.by_name.items() if not a.pinned and not self.holds[n]]
+                if not idle:
+                    raise Unavailable(
+                        f"every one of the {len(self.by_name)} adapter slots is pinned or "
+                        "serving a request",
+                        code="adapter_slots_full",
+                        retry_after_s=1,
+                    )
+                evicted = min(idle, key=lambda n: self.used.get(n, 0.0))
+                self._drop(evicted)
+                self.evictions += 1
+            slot = self.free.pop(0)
+            for layer, target, rank, a, b, factor in read.pairs:
+                self.tables[layer][slot].p[target] = LoraPair(
+                    rank, b.shape[0], a.ctypes.data, b.ctypes.data, factor
+                )
+            adapter = Adapter(name, read.path, slot, read.rank, pin, read)
+            self.by_name[name] = adapter
+            self.used[name] = time.monotonic()
+            return adapter, evicted
+
+    def load(self, name: str, path: Path, *, pin: bool = False) -> Adapter:
+        """`read` then `install` (at start: nothing runs yet)."""
+        return self.install(name, self.read(path), pin=pin)[0]
+
+    def unload(self, name: str) -> None:
+        """NotFound for an adapter not loaded; 400 while a request holds it."""
+        with self._lock:
+            if name not in self.by_name:
+                raise NotFound(f"the LoRA adapter '{name}' is not loaded", param="lora_name")
+            if self.holds[name]:
+                held = f"the LoRA adapter '{name}' is serving {self.holds[name]} request(s)"
+                raise InvalidRequest(held, param="lora_name")
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """Empty `name`'s slot (no row reads it: nothing holds it) and free it."""
+        adapter = self.by_name.pop(name)
+        for layer in self.tables:
+            layer[adapter.slot] = LoraLayer()
+        self.free.append(adapter.slot)
+        self.used.pop(name, None)
+        self.holds.pop(name, None)
 
     def _rows(self, target: str, b: np.ndarray) -> np.ndarray:
         """B's rows in the order the base's rows of `target` were loaded in."""
@@ -122,22 +196,11 @@ class Adapters:
             return b
         return neox_to_pairs(b, a.n_heads if target == "attn_q" else a.n_kv_heads, a.head_dim)
 
-    def _rebuild(self, added: Sequence[LoraLayer]) -> None:
-        """Each layer's table with the new slot's pairs appended (slots never move)."""
-        slots = len(self.by_name)
-        tables = []
-        for i in range(self.layers):
-            table = (LoraLayer * slots)()
-            for s in range(slots - 1):
-                table[s] = self.tables[i][s]
-            table[slots - 1] = added[i]
-            tables.append(table)
-        self.tables = tables
+    # ---- requests -------------------------------------------------------------------
 
-    def resolve(self, name: str, scale: float) -> tuple[int, float]:
-        """(slot, scale) of the adapter a request names; NotFound names the loaded ones."""
-        adapter = self.by_name.get(name)
-        if adapter is None:
+    def check(self, name: str) -> None:
+        """NotFound, naming the loaded adapters, unless `name` is one."""
+        if name not in self.by_name:
             loaded = ", ".join(sorted(self.by_name)) or "none"
             raise NotFound(
                 f"model '{name}' is not served here (this engine serves '{self.model}' and "
@@ -145,7 +208,26 @@ class Adapters:
                 code="model_not_found",
                 param="model",
             )
-        return adapter.slot, scale
 
-    def listing(self) -> Mapping[str, Adapter]:
-        return dict(self.by_name)
+    def acquire(self, name: str, scale: float) -> tuple[int, float]:
+        """Hold `name` for one request: its (slot, scale), the slot fixed until `release`."""
+        with self._lock:
+            self.check(name)
+            self.holds[name] += 1
+            self.used[name] = time.monotonic()
+            return self.by_name[name].slot, scale
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            if self.holds[name] > 0:
+                self.holds[name] -= 1
+
+    def resolve(self, name: str, scale: float) -> tuple[int, float]:
+        """(slot, scale) of a loaded adapter, held by no request (callers that run batches
+        themselves: tests and benchmarks, with nothing evicting)."""
+        self.check(name)
+        return self.by_name[name].slot, scale
+
+    def listing(self) -> dict[str, Adapter]:
+        with self._lock:
+            return dict(self.by_name)

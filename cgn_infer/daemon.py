@@ -38,11 +38,13 @@ from cgn_core.kv.layout import Layout
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.tls import server_ssl_context, warn_if_plaintext
 from cgn_core.tracing import SpanCounts, Tracer
+from cgn_infer.adapters import Adapters
 from cgn_infer.backends.base import Backend
 from cgn_infer.engine import Engine, EngineConfig
 from cgn_infer.kv_tiering import RestoreCost
-from cgn_infer.loader import LoadedModel, load_model
+from cgn_infer.loader import LoadedModel, load_model, make_adapters
 from cgn_infer.metrics import EngineMetrics
+from cgn_infer.models import args_from_gguf
 from cgn_infer.server import InferenceService, Serving, build_app
 from cgn_infer.settings import InferSettings
 from cgn_infer.transfer import TransferSink, TransferSource
@@ -259,8 +261,16 @@ def _serving(
         engine_id=f"{listener.svc.model_name}@{settings.http.host}:{listener.port}",
         transfer_source=source,
         transfer_sink=sink,
-        adapters=loaded.adapters,
+        adapters=loaded.adapters or _sim_adapters(settings, loaded),
+        lora_dirs=settings.lora_dirs,
     )
+
+
+def _sim_adapters(settings: InferSettings, loaded: LoadedModel) -> Adapters | None:
+    """A sim engine's own adapter slots (each virtual engine holds its own set)."""
+    if settings.backend != "sim" or not (settings.lora or settings.lora_dirs):
+        return None
+    return make_adapters(settings, loaded.gguf, args_from_gguf(loaded.gguf))
 
 
 def _announce(

@@ -10,14 +10,14 @@ from cgn_core import bundled_models
 from cgn_core.errors import CognitoraError, ConfigError
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
-from cgn_infer.adapters import Adapters, parse_lora_flag
+from cgn_infer.adapters import Adapters
 from cgn_infer.backends.base import Backend
 from cgn_infer.backends.build import build_part, build_sim
 from cgn_infer.grammar import Grammars
 from cgn_infer.models import args_from_gguf
 from cgn_infer.models.args import Args
 from cgn_infer.pipeline.head import connect
-from cgn_infer.settings import InferSettings
+from cgn_infer.settings import InferSettings, parse_lora_flag
 
 
 @dataclass(slots=True)
@@ -51,7 +51,13 @@ def load_model(
                 backend = part((0, args.n_layers))
         else:
             backend = build_sim(args, settings, codec.tokenizer.pieces)
-        adapters = _adapters(settings, gguf, args, backend) if settings.lora else None
+        adapters = None
+        if settings.backend == "torch" and (settings.lora or settings.lora_dirs):
+            adapters = make_adapters(settings, gguf, args)
+            set_lora = getattr(backend, "set_lora", None)
+            if set_lora is None:  # a pipeline head's layers are not all here
+                raise ConfigError("LoRA adapters run with every layer in one process")
+            set_lora(adapters.tables)
     except BaseException:  # a failed load leaves no file open
         gguf.close()
         raise
@@ -59,19 +65,17 @@ def load_model(
     return LoadedModel(backend, codec, grammars, gguf, adapters)
 
 
-def _adapters(settings: InferSettings, gguf: GGUFFile, args: Args, backend: Backend) -> Adapters:
-    """The --lora adapters, each checked against the model, in the layers' tables; a bad
-    file is a ConfigError naming it."""
+def make_adapters(settings: InferSettings, gguf: GGUFFile, args: Args) -> Adapters:
+    """An engine's adapter slots (`max_loras`) with the --lora adapters loaded, pinned, each
+    checked against the model; a bad file is a ConfigError naming it. The torch backend's
+    one engine gets one (its tables are the layers'); each sim engine its own."""
     name = settings.model_name or gguf.path.stem
-    adapters = Adapters(name, gguf.path, args, args.n_layers)
+    load_s = settings.sim.lora_load_s if settings.backend == "sim" else 0.0
+    adapters = Adapters(name, gguf.path, args, args.n_layers, settings.max_loras, load_s)
     for value in settings.lora:
         adapter, path = parse_lora_flag(value)
         try:
-            adapters.load(adapter, path)
+            adapters.install(adapter, adapters.read(path), pin=True)
         except CognitoraError as exc:
             raise ConfigError(f"--lora {value}: {exc.message}") from None
-    set_lora = getattr(backend, "set_lora", None)
-    if set_lora is None:
-        raise ConfigError("LoRA adapters run on the torch backend only")
-    set_lora(adapters.tables)
     return adapters

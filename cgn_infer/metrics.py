@@ -9,6 +9,7 @@ additions start with `cgn_infer_`. One registry per engine (no globals).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +35,20 @@ _LATENCY = (
     30.0,
 )
 _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class PerAdapter:
+    """A gauge with one series per loaded adapter (the set is bounded by `max_loras`)."""
+
+    def __init__(self, gauge: Gauge, model: str):
+        self.gauge, self.model = gauge, model
+
+    def set(self, adapter: str) -> None:
+        self.gauge.labels(self.model, adapter).set(1)
+
+    def remove(self, adapter: str) -> None:
+        with contextlib.suppress(KeyError):  # never set
+            self.gauge.remove(self.model, adapter)
 
 
 class EngineMetrics:
@@ -70,6 +85,16 @@ class EngineMetrics:
         )
         self._model = model
         self.load_seconds = gauge("cgn_infer_model_load_seconds", "Time to load the weights.")
+        doc = "1 for each LoRA adapter loaded (its slot held)."
+        loaded = Gauge("cgn_infer_lora_loaded", doc, [*labels, "adapter"], registry=r)
+        self.lora_loaded = PerAdapter(loaded, model)
+        self.lora_load_seconds = hist(
+            "cgn_infer_lora_load_seconds", "Time to load a LoRA adapter at run time.",
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )  # fmt: skip
+        self.lora_evictions = counter(
+            "cgn_infer_lora_evictions", "LoRA adapters evicted to load another."
+        )
         self.step_sequences = hist(
             "cgn_infer_step_sequences", "Sequences run in one model step.", (1, 2, 4, 8, 16, 32, 64)
         )

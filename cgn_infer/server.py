@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
@@ -48,6 +49,7 @@ from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_core.openai.resume import IDS_HEADER, ids_line
 from cgn_core.text.prompt import PromptCodec
 from cgn_core.tracing import Tracer
+from cgn_infer import lora_api
 from cgn_infer.adapters import Adapters
 from cgn_infer.detokenizer import IncrementalText
 from cgn_infer.engine import Engine, Job
@@ -84,7 +86,8 @@ class Serving:
     engine_id: str = ""  # this engine's name in a prefill leg's answer
     transfer_source: TransferSource | None = None  # holds prefill legs' KV (role != decode)
     transfer_sink: TransferSink | None = None  # fetches decode legs' KV (role != prefill)
-    adapters: Adapters | None = None  # the LoRA adapters it serves (--lora)
+    adapters: Adapters | None = None  # the LoRA adapters it serves (--lora, run-time loads)
+    lora_dirs: tuple[Path, ...] = ()  # where run-time loads may read adapter files
 
 
 @dataclass(slots=True)
@@ -104,6 +107,8 @@ class InferenceService:
         """The model is loaded: from now on requests run (once; a service never reloads)."""
         assert self.serving is None, "a service is given its engine once"
         self.serving = serving
+        for name in serving.adapters.listing() if serving.adapters else ():
+            self.metrics.lora_loaded.set(name)
 
     def ready(self) -> Serving:
         """What serves requests; Unavailable (503) while the model loads."""
@@ -114,7 +119,7 @@ class InferenceService:
     def prepare(self, req: ParsedRequest) -> GenerationRequest:
         """Template, tokenize and bound a validated request."""
         serving = self.ready()
-        lora = self._adapter(req, serving)
+        self._check_adapter(req, serving)
         if req.kind == "chat":
             prompt = serving.codec.encode_chat(req.messages, req.tools.rendered)
         elif req.prompt_text is not None:
@@ -138,6 +143,9 @@ class InferenceService:
             constraint = serving.grammars.resumed(req.grammar, resumed, compiled)
             self.metrics.constrained.inc()
         transfer = req.kv_transfer
+        lora = None  # NOTE: held last: nothing below refuses the request (`release` frees it)
+        if req.model != self.model_name and serving.adapters is not None:
+            lora = serving.adapters.acquire(req.model, req.lora_scale)
         return GenerationRequest(
             constraint=constraint,
             export_kv=transfer is not None and transfer.do_remote_decode,
@@ -154,21 +162,21 @@ class InferenceService:
             lora=lora,
         )
 
-    def _adapter(self, req: ParsedRequest, serving: Serving) -> tuple[int, float] | None:
-        """The slot and scale of the LoRA adapter `req` names (None: the model itself);
-        NotFound for a name neither is."""
+    def _check_adapter(self, req: ParsedRequest, serving: Serving) -> None:
+        """NotFound for a `model` that is neither the model nor a loaded adapter; 400 for a
+        `lora_scale` on the model itself."""
         if req.model == self.model_name:
             if req.lora_scale != 1.0:
                 raise InvalidRequest(f"'lora_scale' scales a LoRA adapter: '{req.model}' is "
                                      "the model", param="lora_scale")  # fmt: skip
-            return None
+            return
         if serving.adapters is None:
             raise NotFound(
                 f"model '{req.model}' is not served here (this engine serves '{self.model_name}')",
                 code="model_not_found",
                 param="model",
             )
-        return serving.adapters.resolve(req.model, req.lora_scale)
+        serving.adapters.check(req.model)
 
     def check_transfer(self, params: TransferParams | None, trusted: bool) -> None:
         """Refuse a leg this engine's role cannot run, or one from an untrusted caller (a
@@ -273,6 +281,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", lambda r: _complete(svc, r, "chat"))
     app.router.add_post("/v1/completions", lambda r: _complete(svc, r, "completion"))
     app.router.add_get("/v1/models", lambda r: _models(svc))
+    lora_api.add_routes(app, svc)
     app.router.add_get("/v1/kv/events", lambda r: serve_sse(svc.kv_events, r))
     app.router.add_get("/health", lambda r: _health(svc))
     app.router.add_get("/metrics", lambda r: _metrics(svc))
@@ -312,10 +321,26 @@ async def _complete_traced(
         raise Forbidden(f"'{RESUME_FIELD}' is accepted from the router only", param=RESUME_FIELD)
     serving = svc.ready()  # 503 while the model loads
     gen = await _prepared(svc, parsed, len(raw), trace)
+    try:  # a request holds its adapter until it ends, however it ends
+        return await _generated(svc, request, parsed, gen, serving, trace)
+    finally:
+        if gen.lora is not None and serving.adapters is not None:
+            serving.adapters.release(parsed.model)
+
+
+async def _generated(
+    svc: InferenceService,
+    request: web.Request,
+    parsed: ParsedRequest,
+    gen: GenerationRequest,
+    serving: Serving,
+    trace: GenerationTrace,
+) -> web.StreamResponse:
+    trusted = request.get("authenticated", True)
     restored, note = await svc.restore(gen, parsed.kv_transfer, trace)
     headers = {TRANSFER_HEADER: note} if note else {}
     build = ResponseBuilder(
-        kind,
+        parsed.kind,
         parsed.model,  # the model's name, or its adapter's
         serving.codec.tokenizer.token_text,
         parsed.params.logprobs is not None,

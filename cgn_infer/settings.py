@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from cgn_core.errors import ConfigError
+from cgn_core.keys import NAME
 from cgn_core.net import is_host_port
 from cgn_core.settings import (
     ListenSettings,
@@ -18,6 +19,16 @@ from cgn_core.settings import (
     TracingSettings,
     ranged,
 )
+
+MAX_LORAS = 64  # adapters one engine holds at once (the catalog's max_adapters, at most)
+
+
+def parse_lora_flag(value: str) -> tuple[str, Path]:
+    """`NAME=PATH` of `--lora`; ValueError says what is wrong."""
+    name, sep, path = value.partition("=")
+    if not sep or not NAME.match(name) or not path:
+        raise ValueError(f"--lora expects NAME=PATH (a name of [A-Za-z0-9._:-]), got {value!r}")
+    return name, Path(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +48,9 @@ class SimSettings:
     # Seconds the weights take to load, slept at start (not scaled by speed): a fleet's cold
     # start, for autoscaling benchmarks; /health says "loading" meanwhile.
     load_s: float = ranged(0.0, 0, 3600)
+    # Seconds a LoRA adapter takes to load at run time (not scaled by speed): residency
+    # benchmarks (cgn_infer/adapters.py)
+    lora_load_s: float = ranged(0.0, 0, 600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +161,12 @@ class InferSettings:
     kv_dtype: Literal["float32", "bfloat16", "float16"] = "float16"  # bytes: KV_DTYPE_BYTES
     # steps the head of the queue may be passed by smaller requests
     aging_steps: int = ranged(8, 0, 1 << 20)
-    # LoRA adapters loaded at start, as NAME=PATH (a GGUF LoRA file): a request names one in
-    # `model` (cgn_infer/adapters.py); torch backend with GGUF weights, whole model
+    # LoRA adapters loaded at start (pinned), as NAME=PATH (a GGUF LoRA file): a request names
+    # one in `model` (cgn_infer/adapters.py); torch backend with GGUF weights, or sim
     lora: tuple[str, ...] = ()
+    max_loras: int = ranged(4, 1, MAX_LORAS)  # adapters held at once (start's and run time's)
+    # where POST /v1/load_lora_adapter may read adapter files from; empty: no run-time loads
+    lora_dirs: tuple[Path, ...] = ()
     sim: SimSettings = SimSettings()
     kvcached: KvcachedClientSettings = KvcachedClientSettings()
     transfer: TransferSettings = TransferSettings()
@@ -177,15 +194,15 @@ class InferSettings:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        from cgn_infer.adapters import MAX_SLOTS, parse_lora_flag
-
-        if not self.lora:
+        if not self.lora and not self.lora_dirs:
             return
-        if self.backend != "torch" or self.pipeline.stages or self.weights != "gguf":
+        torch = self.backend == "torch" and not self.pipeline.stages and self.weights == "gguf"
+        if not torch and self.backend != "sim":
             raise ConfigError("LoRA adapters run on the torch backend with gguf weights and "
-                              "every layer in one process (no --stages)")  # fmt: skip
-        if len(self.lora) > MAX_SLOTS:
-            raise ConfigError(f"at most {MAX_SLOTS} LoRA adapters (--lora), got {len(self.lora)}")
+                              "every layer in one process (no --stages), or on sim")  # fmt: skip
+        if len(self.lora) > self.max_loras:
+            raise ConfigError(f"{len(self.lora)} LoRA adapters (--lora), more than max_loras "
+                              f"{self.max_loras}")  # fmt: skip
         names = []
         for value in self.lora:
             try:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cgn_core.bundled_models import smollm2
+from cgn_core.errors import InvalidRequest, Unavailable
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.adapters import Adapters
@@ -123,7 +124,9 @@ def test_base_and_two_adapters_in_one_batch_give_what_each_gives_alone(
 def engine(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("lora-engine")
     loras = [a for name, path in files.items() for a in ("--lora", f"{name}={path}")]
-    with cgn_infer(tmp, *loras, "--threads", "1", "--model-name", "smol", model=smollm2()) as url:
+    dirs = f"lora_dirs={files['a1'].parent}"  # where run-time loads may read from
+    sets = ("--set", dirs, "--set", "max_loras=3", "--threads", "1", "--model-name", "smol")
+    with cgn_infer(tmp, *loras, *sets, model=smollm2()) as url:
         yield url
 
 
@@ -178,3 +181,66 @@ def test_the_engine_serves_adapters_by_name_each_in_its_own_kv(engine: str, tmp_
         done = routed["usage"]["completion_tokens"] + scaled["usage"]["completion_tokens"]
         got = metric(router.admin, "cgn_router_adapter_tokens_total", **labels, kind="completion")
         assert got == done
+
+
+def test_adapters_load_and_unload_at_run_time_least_recently_used_out(
+    engine: str, files: dict[str, Path]
+) -> None:
+    """vLLM's paths and bodies; the start's adapters are pinned, a full set evicts the least
+    recently used one nothing holds; a bad file, a path outside lora_dirs, a name taken: a
+    clear refusal, and the engine keeps serving."""
+    here = files["a1"].parent
+    for i in (3, 4):
+        write_adapter(smollm2(), here / f"a{i}.gguf", targets=("attn_q", "attn_v"), seed=i)
+
+    def post(path: str, **body: Any) -> httpx.Response:
+        return httpx.post(engine + path, json=body, timeout=60)
+
+    def loaded() -> set[str]:
+        return {m["id"] for m in httpx.get(engine + "/v1/models", timeout=30).json()["data"]}
+
+    ok = post("/v1/load_lora_adapter", lora_name="a3", lora_path=str(here / "a3.gguf"))
+    assert ok.status_code == 200 and "a3" in ok.text and loaded() == {"smol", "a1", "a2", "a3"}
+    assert complete(engine, "a3", "Hello")["model"] == "a3"
+    assert metric(engine, "cgn_infer_lora_loaded", model_name="smol", adapter="a3") == 1
+    # a full set: a3 (not pinned, idle) makes room for a4
+    assert post("/v1/load_lora_adapter", lora_name="a4", lora_path=str(here / "a4.gguf")).is_success
+    assert loaded() == {"smol", "a1", "a2", "a4"}
+    assert metric(engine, "cgn_infer_lora_evictions_total", model_name="smol") == 1
+    assert metric(engine, "cgn_infer_lora_load_seconds_count", model_name="smol") == 2
+    (here / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    for body, status, words in (
+        ({"lora_name": "a5", "lora_path": str(here / "junk.gguf")}, 400, "corrupt"),
+        ({"lora_name": "a5", "lora_path": str(smollm2())}, 403, "lora_dirs"),
+        ({"lora_name": "a5", "lora_path": "/etc/passwd"}, 403, "lora_dirs"),
+        ({"lora_name": "a4", "lora_path": str(here / "a3.gguf")}, 400, "already been loaded"),
+        ({"lora_name": "smol", "lora_path": str(here / "a3.gguf")}, 400, "model's own"),
+        ({"lora_name": "../x", "lora_path": str(here / "a3.gguf")}, 400, "lora_name"),
+        ({"lora_name": "a5", "lora_path": str(here / "a3.gguf"), "x": 1}, 400, "unsupported"),
+    ):
+        r = post("/v1/load_lora_adapter", **body)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    assert post("/v1/load_lora_adapter", lora_name="a5", lora_path=str(here / "a3.gguf")).is_success
+    assert loaded() == {"smol", "a1", "a2", "a5"}  # a4, idle, went
+    assert post("/v1/unload_lora_adapter", lora_name="a5").is_success
+    r = post("/v1/unload_lora_adapter", lora_name="a5")
+    assert r.status_code == 404 and loaded() == {"smol", "a1", "a2"}
+    assert complete(engine, "smol", "Hello")["choices"][0]["text"]  # serving throughout
+
+
+def test_a_full_set_of_pinned_or_held_adapters_refuses_a_load(
+    files: dict[str, Path], smollm2_gguf: GGUFFile
+) -> None:
+    args = args_from_gguf(smollm2_gguf)
+    adapters = Adapters("smol", smollm2(), args, args.n_layers, slots=2)
+    adapters.load("a1", files["a1"], pin=True)
+    adapters.load("a2", files["a2"])
+    adapters.acquire("a2", 1.0)  # a request holds it
+    with pytest.raises(Unavailable, match="pinned or serving a request"):
+        adapters.install("a3", adapters.read(files["a1"]))
+    with pytest.raises(InvalidRequest, match="serving 1 request"):
+        adapters.unload("a2")
+    adapters.release("a2")
+    _, evicted = adapters.install("a3", adapters.read(files["a1"]))
+    assert evicted == "a2" and set(adapters.listing()) == {"a1", "a3"}
+    assert adapters.resolve("a3", 0.5) == (1, 0.5)  # a2's slot, emptied and reused
