@@ -88,7 +88,8 @@ async def _load(svc: InferenceService, request: web.Request, lock: asyncio.Lock)
     svc.metrics.lora_loaded.set(name)
     log.info("LoRA adapter %s loaded from %s in %.2f s%s", name, path, took,
              f" (evicted {evicted})" if evicted else "")  # fmt: skip
-    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+    headers = {"x-cgn-evicted": evicted} if evicted else {}  # the router updates its view
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.", headers=headers)
 
 
 async def _unload(svc: InferenceService, request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ class ModelEntry:
     # the time to first token a request is held at the router for (hold.py); None: none
     ttft_slo_s: float | None = None
     adapters: tuple[str, ...] = ()  # its LoRA adapters' names
+    # each adapter's GGUF file, where the catalog names one (an engine may load it at run time)
+    adapter_files: Mapping[str, str] = field(default_factory=dict)
 
 
 def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
@@ -56,7 +58,8 @@ def entry_from_settings(name: str, s: ModelSettings) -> ModelEntry:
         s.tokenizer,
         across_engines=s.migrate_across_engines,
         ttft_slo_s=s.ttft_slo_ms / 1000 if s.ttft_slo_ms else None,
-        adapters=_adapter_names(name, list(s.adapters)),
+        adapters=_adapter_names(name, s.adapters),
+        adapter_files=_adapter_files(name, s.adapters),
     )
 
 
@@ -97,7 +100,23 @@ def entry_from_etcd(name: str, data: Any) -> ModelEntry:
         across_engines=across,
         ttft_slo_s=_ttft_slo_s(name, data.get("slo")),
         adapters=_adapter_names(name, data.get("adapters", {})),
+        adapter_files=_adapter_files(name, data.get("adapters", {})),
     )
+
+
+def _adapter_files(name: str, adapters: Any) -> dict[str, str]:
+    """name → absolute file of the adapters that name one (cgn-ctl's {source: ...}, or a
+    settings string); `_adapter_names` has checked the names."""
+    out = {}
+    for adapter, spec in adapters.items() if isinstance(adapters, dict) else ():
+        source = spec.get("source") if isinstance(spec, dict) else spec
+        if source in (None, ""):
+            continue
+        if not isinstance(source, str) or not source.startswith("/") or len(source) > 4096:
+            raise ValueError(f"catalog entry {name}: adapter {adapter}'s source must be an "
+                             "absolute path")  # fmt: skip
+        out[adapter] = source
+    return out
 
 
 def _adapter_names(name: str, adapters: Any) -> tuple[str, ...]:

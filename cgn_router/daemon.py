@@ -35,6 +35,7 @@ from cgn_core.revocation import follow_revocations
 from cgn_core.settings import ListenSettings
 from cgn_core.tls import client_ssl_context, server_ssl_context, warn_if_plaintext
 from cgn_core.tracing import SpanCounts, Tracer
+from cgn_router.adapters import RUNTIME_LORA_ENGINES
 from cgn_router.admin import build_admin_app
 from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
@@ -49,7 +50,7 @@ from cgn_router.registry import Registry, endpoint_from_static
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.routing.lifecycle import Observer
-from cgn_router.scrape import engine_load, name_map
+from cgn_router.scrape import engine_load, loaded_adapters, name_map
 from cgn_router.server import build_front
 from cgn_router.service import RouterService
 from cgn_router.sessions import Sessions
@@ -352,6 +353,8 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
         if load is not None:
             load = replace(load, own_in_flight=state.in_flight)
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
+        if state.endpoint.engine in RUNTIME_LORA_ENGINES:  # what it holds now (#60)
+            state.adapters = loaded_adapters(text)
         svc.registry.requeue(state, time.monotonic())
 
     while True:  # one pass: every endpoint once, in even slices over the pass's period

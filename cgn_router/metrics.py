@@ -160,6 +160,19 @@ class RouterMetrics:
             "band",
             "reason",
         )
+        self.adapter_loads = counter(
+            "cgn_router_adapter_loads",
+            "LoRA adapter loads this router asked engines for, by model and result (loaded, "
+            "present: it was already, failed).",
+            "model",
+            "result",
+        )
+        self.adapter_load_seconds = histogram(
+            "cgn_router_adapter_load_seconds",
+            "Time a LoRA adapter load took, asked to answer.",
+            LATENCY_BUCKETS,
+            "model",
+        )
         self.queue_depth = gauge("cgn_router_queue_depth", "Requests waiting, per band.", "band")
         self.saturation = gauge(
             "cgn_router_pool_saturation",

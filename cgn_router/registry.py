@@ -78,6 +78,12 @@ class EndpointState:
     waiting: dict[int, Lease] = field(default_factory=dict)
     queued: float = 0.0  # prefill tokens still to compute as of `queued_at` (the drain clock)
     queued_at: float = 0.0
+    # LoRA adapters loaded at run time, as last scraped and since loaded by this router
+    adapters: set[str] = field(default_factory=set)
+
+    def holds(self, adapter: str) -> bool:
+        """Whether LoRA `adapter` is loaded here (at start, or at run time)."""
+        return adapter in self.endpoint.adapters or adapter in self.adapters
 
     def counted(self) -> None:
         """`in_flight` or `pending_prefill` changed: tell the other workers."""
@@ -368,7 +374,7 @@ class Registry:
         return [
             self._view(peers[eid], matched.get(eid, 0), owner == eid, req, now)
             for eid in picked
-            if eid not in exclude and (adapter is None or adapter in peers[eid].endpoint.adapters)
+            if eid not in exclude and (adapter is None or peers[eid].holds(adapter))
         ]
 
     def _short_list(

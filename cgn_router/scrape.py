@@ -6,10 +6,24 @@ unknown, and the scorers demote it.
 
 from __future__ import annotations
 
+import re
+
 from cgn_core.engine_metrics import NAME_MAPS, VLLM, NameMap, name_map, parse_samples
+from cgn_core.keys import NAME
+from cgn_core.lora import MAX_PER_REPLICA
 from cgn_router.types import EngineLoad
 
-__all__ = ["NAME_MAPS", "VLLM", "NameMap", "engine_load", "name_map", "parse_samples"]
+__all__ = [
+    "NAME_MAPS",
+    "VLLM",
+    "NameMap",
+    "engine_load",
+    "loaded_adapters",
+    "name_map",
+    "parse_samples",
+]
+LORA_LOADED = "cgn_infer_lora_loaded"  # cgn-infer's gauge: 1 per adapter it holds
+_ADAPTER_LABEL = re.compile(r'[{,]adapter="([^"\\]{1,128})"')
 
 
 def engine_load(text: str, names: NameMap, now: float) -> EngineLoad | None:
@@ -30,3 +44,18 @@ def engine_load(text: str, names: NameMap, now: float) -> EngineLoad | None:
         min(max(kv or 0.0, 0.0), 1.0),
         now,
     )
+
+
+def loaded_adapters(text: str) -> set[str]:
+    """The LoRA adapters a cgn-infer page says it holds (`cgn_infer_lora_loaded`, value 1):
+    names checked, at most MAX_PER_REPLICA (the page is the engine's word)."""
+    out: set[str] = set()
+    for line in text.splitlines():
+        if not line.startswith(LORA_LOADED + "{") or not line.rstrip().endswith(" 1.0"):
+            continue
+        m = _ADAPTER_LABEL.search(line)
+        if m is not None and NAME.match(m.group(1)):
+            out.add(m.group(1))
+            if len(out) >= MAX_PER_REPLICA:
+                break
+    return out

@@ -51,6 +51,7 @@ from cgn_core.kv.blockhash import adapter_salt
 from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
 from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD, lora_scale, sampling_fields
 from cgn_core.openai.resume import FIELD as RESUME_FIELD
+from cgn_router.adapters import place
 from cgn_router.auth import Principal, may_use, visible
 from cgn_router.context import RequestContext
 from cgn_router.legs import PATHS, attempt, disaggregate, held, route
@@ -288,6 +289,9 @@ async def _serve(
 ) -> Relayed:
     """Try the request's models in order, each on up to `attempts` endpoints."""
     await _cold_start(svc, ctx, acct)
+    barred = frozenset[EndpointId]()  # endpoints this request may not go to
+    if ctx.adapter is not None:  # a replica must hold its adapter (loaded here if need be)
+        barred = await place(svc, ctx.model, ctx.adapter[0], ctx.deadline)
     last: AttemptFailed | None = None
     for served in ctx.chain:
         prompt = (
@@ -304,7 +308,7 @@ async def _serve(
         payload = ctx.payload(served)
         tried: set[EndpointId] = set()
         for _ in range(max(1, svc.settings.attempts)):
-            view = route(svc, req, frozenset(tried), acct)
+            view = route(svc, req, frozenset(tried) | barred, acct)
             headers = dict[str, str]()
             if view is not None and not tried and served == ctx.model:
                 view, headers = await held(svc, ctx, req, view, acct)

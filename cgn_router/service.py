@@ -50,6 +50,15 @@ SHORT_LIST = 16
 SHORT_PICKS = 4
 
 
+@dataclass
+class AdapterLoads:
+    """LoRA adapter loads in flight (cgn_router/adapters.py): one per (endpoint, adapter),
+    which later requests wait on, and the background ones (kept from the collector)."""
+
+    pending: dict[tuple[EndpointId, str], asyncio.Task[bool]] = field(default_factory=dict)
+    background: set[asyncio.Task[bool]] = field(default_factory=set)
+
+
 @dataclass(slots=True)
 class RouterService:
     settings: RouterSettings
@@ -65,6 +74,7 @@ class RouterService:
     limiter: Limiter = field(default_factory=Limiter)
     gate: Gate | None = None  # admission; None when switched off
     holds: Holds = field(default_factory=Holds)  # requests waiting for a TTFT SLO (hold.py)
+    loads: AdapterLoads = field(default_factory=lambda: AdapterLoads())  # adapters.py's
     tracer: Tracer | None = None  # OpenTelemetry spans; None when tracing is off
     ledger: Ledger | None = None  # tenants' usage against their budgets; None: no etcd
     revoked: RevocationList = field(default_factory=RevocationList)  # certificates refused

@@ -40,9 +40,10 @@ class ModelSettings:
     # the TTFT SLO a request waits at the router for, with `routing.hold_for_slo` and a
     # `time` scorer (cgn_router/hold.py); 0: none (etcd's catalog: `slo.ttft_p90_ms`)
     ttft_slo_ms: float = ranged(0.0, 0, 3_600_000)
-    # LoRA adapters of this model a client may name in `model` (etcd's catalog: `adapters`);
-    # a request for one goes to the endpoints that list it loaded (`endpoints.<e>.adapters`)
-    adapters: tuple[str, ...] = ()
+    # LoRA adapters of this model a client may name in `model`, each with its GGUF file (for
+    # engines that load at run time; "" for none) (etcd's catalog: `adapters`). A request
+    # for one goes to an endpoint holding it (`endpoints.<e>.adapters` or loaded at run time)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,13 @@ class RoutingSettings:
     # Off by default: on the real mixed fleet, under load, it made TTFT p90 worse
     # (bench/results/mixed_fleet_held.md); the SLO alone also drives the autoscaler.
     hold_for_slo: bool = False
+    # LoRA adapters (cgn_router/adapters.py): residency routes a request to a replica that
+    # holds its adapter and loads it on one (the least busy) where none does, and on one
+    # more when every holder has `adapter_widen_queue` requests or more; random loads it
+    # wherever a random replica is (the baseline bench/lora_placement.py compares against)
+    adapter_placement: Literal["residency", "random"] = "residency"
+    adapter_widen_queue: int = ranged(4, 1, 1 << 20)
+    adapter_load_s: float = ranged(30.0, 0.1, 600)  # the most a request waits for a load
 
     def index_budget_bytes(self) -> int:
         if self.index_budget_mb:

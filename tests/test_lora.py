@@ -94,7 +94,9 @@ def test_real_llama_cpp_loads_the_adapters_the_tests_write(tmp_path: Path) -> No
         # prompt cache: it reuses one adapter's KV for another's prompt, llama.cpp#26207)
         endpoint = {"url": lazy, "model": "smol", "engine": "llamacpp"}
         config = {
-            "models": {"smol": {"adapters": ["loud", "quiet"], "tokenizer": str(smollm2())}},
+            "models": {
+                "smol": {"adapters": {"loud": "", "quiet": ""}, "tokenizer": str(smollm2())}
+            },
             "endpoints": {"l": {**endpoint, "adapters": ["quiet", "loud"]}},
         }
         with cgn_router(tmp_path, config) as router:

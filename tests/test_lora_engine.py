@@ -169,7 +169,7 @@ def test_the_engine_serves_adapters_by_name_each_in_its_own_kv(engine: str, tmp_
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     # Through the router: the name as the model, the scale passed on
     endpoint = {"url": engine, "model": "smol", "adapters": ["a2", "a1"]}
-    config = {"models": {"smol": {"adapters": ["a1", "a2"], "tokenizer": str(smollm2())}},
+    config = {"models": {"smol": {"adapters": {"a1": "", "a2": ""}, "tokenizer": str(smollm2())}},
               "endpoints": {"e": endpoint}}  # fmt: skip
     with cgn_router(tmp_path, config) as router:
         routed = complete(router.url, "a1", prompt)
@@ -184,7 +184,7 @@ def test_the_engine_serves_adapters_by_name_each_in_its_own_kv(engine: str, tmp_
 
 
 def test_adapters_load_and_unload_at_run_time_least_recently_used_out(
-    engine: str, files: dict[str, Path]
+    engine: str, files: dict[str, Path], tmp_path: Path
 ) -> None:
     """vLLM's paths and bodies; the start's adapters are pinned, a full set evicts the least
     recently used one nothing holds; a bad file, a path outside lora_dirs, a name taken: a
@@ -226,6 +226,16 @@ def test_adapters_load_and_unload_at_run_time_least_recently_used_out(
     r = post("/v1/unload_lora_adapter", lora_name="a5")
     assert r.status_code == 404 and loaded() == {"smol", "a1", "a2"}
     assert complete(engine, "smol", "Hello")["choices"][0]["text"]  # serving throughout
+    # The router loads an adapter no replica holds, once, on the replica, and routes to it
+    adapters = {"a1": "", "a2": "", "a6": str(here / "a3.gguf")}
+    config = {"models": {"smol": {"adapters": adapters, "tokenizer": str(smollm2())}},
+              "endpoints": {"e": {"url": engine, "model": "smol", "adapters": ["a2", "a1"]}}}  # fmt: skip
+    with cgn_router(tmp_path, config) as router:
+        for _ in range(2):
+            assert complete(router.url, "a6", "Hello")["model"] == "a6"
+        loads = metric(router.admin, "cgn_router_adapter_loads_total", model="smol",
+                       result="loaded")  # fmt: skip
+        assert loads == 1 and "a6" in loaded()
 
 
 def test_a_full_set_of_pinned_or_held_adapters_refuses_a_load(
