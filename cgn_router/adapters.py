@@ -27,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 
 from cgn_core.errors import Unavailable
 from cgn_core.http import bearer_header
@@ -64,13 +66,18 @@ async def place(
         return frozenset(st.endpoint.id for st in peers if st is not pick)
     holders = [st for st in peers if st.holds(adapter)]
     others = [st for st in loadable if not st.holds(adapter)]
+    now = time.monotonic()
+    for st in holders:
+        st.adapter_used[adapter] = now
     if not holders:
         if others:
-            await _wait(svc, _least_busy(others, svc.rng), adapter, source, deadline)
+            target = _coldest(others, svc.loads.pending, svc.rng)
+            await _wait(svc, target, adapter, source, deadline)
+            target.adapter_used[adapter] = time.monotonic()
         return frozenset()
     busiest_free = min(_queue(st) for st in holders)
     if others and busiest_free >= svc.settings.routing.adapter_widen_queue:
-        best = _least_busy(others, svc.rng)
+        best = _least_busy(others, svc.loads.pending, svc.rng)
         if _queue(best) < busiest_free and (best.endpoint.id, adapter) not in svc.loads.pending:
             task = _start(svc, best, adapter, source)
             svc.loads.background.add(task)
@@ -100,9 +107,41 @@ def _queue(st: EndpointState) -> float:
     return queue_length(st.router_counts()[0], st.load)
 
 
-def _least_busy(states: Iterable[EndpointState], rng: random.Random) -> EndpointState:
-    """Fewest requests in flight, then fewest adapters held, then at random."""
-    return min(states, key=lambda st: (_queue(st), len(st.adapters), rng.random()))
+def _coldest(
+    states: Iterable[EndpointState], loading: Mapping[tuple[EndpointId, str], object],
+    rng: random.Random,
+) -> EndpointState:  # fmt: skip
+    """Where to load an adapter none holds: the replica holding the fewest adapters (it has
+    a slot free, or will evict least), then the one whose least recently asked-for adapter
+    is the oldest (its engine evicts that one: a global LRU over every replica's slots,
+    not one per replica), then the least busy."""
+    busy = Counter(eid for eid, _ in loading)
+
+    def victim(st: EndpointState) -> float:
+        return min((st.adapter_used.get(a, -math.inf) for a in st.adapters), default=-math.inf)
+
+    return min(
+        states,
+        key=lambda st: (
+            len(st.adapters) + busy[st.endpoint.id],
+            victim(st),
+            _queue(st),
+            rng.random(),
+        ),
+    )
+
+
+def _least_busy(
+    states: Iterable[EndpointState], loading: Mapping[tuple[EndpointId, str], object],
+    rng: random.Random,
+) -> EndpointState:  # fmt: skip
+    """Fewest requests in flight and loads under way (an engine loads one at a time), then
+    fewest adapters held, then at random."""
+    busy = Counter(eid for eid, _ in loading)
+    return min(
+        states,
+        key=lambda st: (_queue(st) + busy[st.endpoint.id], len(st.adapters), rng.random()),
+    )
 
 
 def _source(svc: RouterService, model: str, adapter: str) -> str:
@@ -115,14 +154,16 @@ async def _wait(
 ) -> None:
     """`adapter` loaded on `st` (sharing a load already under way), or Unavailable."""
     task = svc.loads.pending.get((st.endpoint.id, adapter)) or _start(svc, st, adapter, source)
-    wait = min(svc.settings.routing.adapter_load_s, deadline - time.monotonic())
+    wait = max(0.0, min(svc.settings.routing.adapter_load_s, deadline - time.monotonic()))
     try:
-        done = await asyncio.wait_for(asyncio.shield(task), max(0.0, wait))
+        done = await asyncio.wait_for(asyncio.shield(task), wait)
+        why = "failed (the router's log says why)"
     except TimeoutError:
-        done = False
+        done, why = False, f"did not finish within {wait:.0f} s"
     if not done:
         raise Unavailable(
-            f"LoRA adapter '{adapter}' could not be loaded on a replica in time",
+            f"LoRA adapter '{adapter}' is loaded on no replica, and loading it on "
+            f"{st.endpoint.id} {why}",
             code="adapter_load_failed",
             retry_after_s=5,
         )

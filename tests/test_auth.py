@@ -136,11 +136,13 @@ def test_a_keys_scope_reaches_an_adapter_only_where_it_names_it(
     tuned = ctl(etcd, "create", "--tenant", "acme", "--models", "other-sql")["key"]
     # routed (the sim engine answers for its own model only), so in the key's scope
     until(lambda: "x-cognitora-endpoint" in call(router, base, model="other")[1])
-    # in its scope, and no replica has it loaded (the endpoint lists no adapters): a 503
+    # in its scope, and no replica holds it (the endpoint lists none, and the sim engine,
+    # started without lora_dirs, loads none): a 503 that says so
     until(lambda: call(router, tuned, model="other-sql")[0] == 503)
     status, _, err = call(router, tuned, model="other-sql")
     assert err["error"]["message"] == (
-        "no ready endpoint serves model 'other' with LoRA adapter 'other-sql' loaded"
+        "LoRA adapter 'other-sql' is loaded on no replica, and loading it on other/e1 failed "
+        "(the router's log says why)"
     )
     for key, model, known in ((base, "other-sql", "other"), (tuned, "other", "other-sql")):
         status, _, err = call(router, key, model=model)

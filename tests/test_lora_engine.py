@@ -22,7 +22,7 @@ from cgn_infer.models import args_from_gguf
 from harness.lora import write_adapter
 from harness.metrics import metric
 from harness.parity import PROMPTS, reference_top2
-from harness.procs import cgn_infer, cgn_router, llamacpp
+from harness.procs import cgn_infer, cgn_infer_engines, cgn_router, llamacpp
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # llama.cpp's margin under which its own Q8 activations decide the order (as for the base:
@@ -254,3 +254,34 @@ def test_a_full_set_of_pinned_or_held_adapters_refuses_a_load(
     _, evicted = adapters.install("a3", adapters.read(files["a1"]))
     assert evicted == "a2" and set(adapters.listing()) == {"a1", "a3"}
     assert adapters.resolve("a3", 0.5) == (1, 0.5)  # a2's slot, emptied and reused
+
+
+def test_requests_go_where_their_adapter_is_and_load_where_it_is_not(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two sim engines (a load takes 0.3 s, modelled): an adapter is loaded once, on one
+    replica, and its requests follow it there; another adapter goes to the other replica
+    (it holds fewer)."""
+    sim = ("--backend", "sim", "--engines", "2", "--speed", "20", "--model-name", "smol",
+           "--set", "max_loras=1", "--set", "sim.lora_load_s=0.3",
+           "--set", f"lora_dirs={files['a1'].parent}")  # fmt: skip
+    with cgn_infer_engines(tmp_path, 1, *sim) as engines:
+        endpoints = {f"e{i}": {"url": e.url, "model": "smol"} for i, e in enumerate(engines)}
+        adapters = {name: str(path) for name, path in files.items()}
+        config = {"models": {"smol": {"adapters": adapters, "tokenizer": str(smollm2())}},
+                  "endpoints": endpoints}  # fmt: skip
+        with cgn_router(tmp_path, config) as router:
+
+            def where(model: str) -> str:
+                r = httpx.post(router.url + "/v1/completions", timeout=60,
+                               json={"model": model, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+                assert r.status_code == 200, r.text
+                return r.headers["x-cognitora-endpoint"]
+
+            first = where("a1")
+            assert {where("a1") for _ in range(4)} == {first}  # it stays where it is loaded
+            second = where("a2")
+            assert second != first  # the other replica held fewer adapters
+            loads = metric(router.admin, "cgn_router_adapter_loads_total", model="smol",
+                           result="loaded")  # fmt: skip
+            assert loads == 2
