@@ -203,14 +203,6 @@ def stage(
     weights: Annotated[
         str | None, flag("--dtype", "Weight storage, as for serve (default gguf).")
     ] = None,
-    lora: Annotated[
-        list[str] | None,
-        flag(
-            "--lora",
-            "A LoRA adapter to serve, NAME=PATH (a GGUF LoRA file, llama.cpp's format), "
-            "repeatable: a request names it in `model` and may scale it with `lora_scale`.",
-        ),
-    ] = None,
     config: Annotated[
         Path | None, flag("--config", "YAML settings file.", "CGN_INFER_CONFIG")
     ] = None,
@@ -235,10 +227,6 @@ def stage(
     }.items():
         if value is not None:
             flags[key] = str(value)
-    if lora:
-        if any("," in v for v in lora):
-            fail("--lora: a path with a comma is not supported (settings split lists on it)")
-        flags["lora"] = ",".join(lora)
     settings = load_service_settings(InferSettings, "infer", config, flags)
     setup_logging("infer", settings.log)
     _pin_cpu_path()
