@@ -244,6 +244,7 @@ class NodeAgent:
             advertise_host=self.advertise_host,
             rendezvous_port=rendezvous,
             nccl=multinode.nccl_env(multinode.fabric_adapters(links), inv.iface),
+            model_dirs=tuple(str(d) for d in self.model_dirs),
         )
         return DRIVERS[spec.engine].launch(spec, ctx, self.tools)
 

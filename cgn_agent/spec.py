@@ -42,6 +42,7 @@ Role = Literal["both", "prefill", "decode"]
 KvConnector = Literal["none", "lmcache", "nixl", "hicache", "kvbm"]
 ENGINES = ("cgn_infer", "llama_cpp", "vllm", "sglang", "mlx_lm", "trtllm", "openai_compat")
 MAX_LORA = MAX_PER_REPLICA
+MAX_LORA_SLOTS = 64  # cgn-infer's max_loras, at most (the catalog's max_adapters too)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -67,6 +68,9 @@ class EngineProfile:
     # llama_cpp: the model's GGUF LoRA adapters, by adapter name order (a request's `lora`
     # id is its index), loaded at start and applied only where a request asks
     lora: tuple[LoraFile, ...] = ()
+    # cgn_infer: adapters held at once (its max_loras, the catalog's max_adapters): with the
+    # agent's model_dirs as its lora_dirs, the router loads the others at run time
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +204,7 @@ def _profile(raw: Any, where: str) -> EngineProfile:
         raise ValueError(f"{where}: expected a JSON object")
     _no_unknown(raw, {f.name for f in dataclasses.fields(EngineProfile)}, where)
     out: dict[str, Any] = {}
-    for name in ("ctx", "threads", "tensor_parallel"):
+    for name in ("ctx", "threads", "tensor_parallel", "max_loras"):
         if raw.get(name) is not None:  # null: the engine's default
             if not _is_int(raw[name]) or raw[name] < 1:
                 raise ValueError(f"{where}: '{name}' must be a positive integer")
@@ -236,6 +240,8 @@ def _profile(raw: Any, where: str) -> EngineProfile:
         raise ValueError(f"{where}: 'env' must map names to strings")
     out["env"] = dict(env)
     out["lora"] = _lora(raw.get("lora", []), where)
+    if out.get("max_loras", 0) > MAX_LORA_SLOTS:
+        raise ValueError(f"{where}: 'max_loras' must be at most {MAX_LORA_SLOTS}")
     return EngineProfile(**out)
 
 

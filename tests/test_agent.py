@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -132,11 +133,12 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
     fleet: Fleet, smollm2_path: Path
 ) -> None:
     async with EtcdClient(fleet.settings()) as c:
+        adapter = write_adapter(smollm2_path, fleet.models / "sql.gguf")
         await c.put_json(PLACE + INFER, {
             "model": "smol-infer", "engine": "cgn_infer", "source": str(smollm2_path),
-            "profile": {"threads": 1, "ctx": 1024, "extra_args": ["--kv-pool-tokens", "4096"]},
+            "profile": {"threads": 1, "ctx": 1024, "extra_args": ["--kv-pool-tokens", "4096"],
+                        "lora": [{"name": "smol-fr", "path": str(adapter)}], "max_loras": 2},
         })  # fmt: skip
-        adapter = write_adapter(smollm2_path, fleet.models / "sql.gguf")
         await c.put_json(PLACE + LLAMA, {
             "model": "smol-llama", "engine": "llama_cpp", "source": str(smollm2_path),
             "profile": {"threads": 1, "ctx": 1024, "launcher": "xllamacpp",
@@ -150,7 +152,14 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
         assert (
             llama["endpoint"]["engine"] == "llamacpp" and "kv_events_url" not in llama["endpoint"]
         )
-        assert llama["endpoint"]["adapters"] == ["smol-sql"] and "adapters" not in ep  # #60
+        assert llama["endpoint"]["adapters"] == ["smol-sql"] and ep["adapters"] == ["smol-fr"]
+        # cgn-infer loads more at run time, from the agent's model dirs only (#60)
+        auth = {"Authorization": f"Bearer {ep['api_token']}"}
+        for path, status in ((adapter, 200), (smollm2_path, 403)):
+            body = {"lora_name": f"x{status}", "lora_path": str(path)}
+            r = await asyncio.to_thread(httpx.post, ep["url"] + "/v1/load_lora_adapter",
+                                        json=body, headers=auth, timeout=60)  # fmt: skip
+            assert r.status_code == status, r.text
         assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
         # The engine answers its router only: the secret is in its endpoint record.
         assert len(ep["api_token"]) > 30 and len(llama["endpoint"]["api_token"]) > 30

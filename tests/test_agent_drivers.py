@@ -237,7 +237,10 @@ def test_cgn_infer_and_xllamacpp_argv_use_flags_their_real_help_lists() -> None:
         adapted, CPU_NODE, replace(tools, files={"/m/smol.gguf", "/m/sql.gguf"})
     )
     argv = DRIVERS["cgn_infer"].launch(adapted, ctx, tools).argv
-    assert argv[argv.index("--lora") + 1] == "sql=/m/sql.gguf"
+    assert argv[argv.index("--lora") + 1] == "sql=/m/sql.gguf" and "max_loras=3" not in argv
+    slots = replace(adapted, profile=EngineProfile(lora=sql, max_loras=3))
+    argv = DRIVERS["cgn_infer"].launch(slots, replace(ctx, model_dirs=("/m", "/n")), tools).argv
+    assert "max_loras=3" in argv and "lora_dirs=/m,/n" in argv  # the rest at run time
     assert flags(argv) <= _help_flags([str(BIN / "cgn-infer"), "serve", "--help"])
     for bad, why in (
         (adapted, "does not exist"),

@@ -72,26 +72,29 @@ def test_places_one_replica_per_pass_with_the_agents_placement_document() -> Non
     )
 
 
-def test_a_llama_cpp_placement_lists_the_models_adapters_in_name_order() -> None:
-    """llama.cpp and cgn-infer (torch on GGUF weights) load a model's LoRA adapters at
-    start (llama.cpp: a request's `lora` id is the adapter's index in name order); the
-    engines that cannot load them yet get none."""
-    adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf"}}
+def test_a_placement_lists_the_adapters_its_engine_loads_at_start() -> None:
+    """llama.cpp loads all of a model's LoRA adapters at start (a request's `lora` id is the
+    adapter's index in name order); cgn-infer (torch on GGUF weights) the pinned ones, and
+    holds max_adapters at once (the router loads the others at run time); the engines that
+    cannot load them get none."""
+    adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf", "pin": True}}
     named = [{"name": "fr", "path": "/m/fr.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
-    for profile, lora in (
-        ({"engine": "llama_cpp"}, named),
-        ({"engine": "cgn_infer"}, named),
-        ({"engine": "cgn_infer", "backend": "sim"}, None),
-        ({"engine": "cgn_infer", "dtype": "float32"}, None),
+    for profile, lora, slots in (
+        ({"engine": "llama_cpp"}, named, None),
+        ({"engine": "cgn_infer"}, named[:1], 3),
+        ({"engine": "cgn_infer", "backend": "sim"}, None, None),
+        ({"engine": "cgn_infer", "dtype": "float32"}, None, None),
     ):
         engine = profile["engine"]
         spec = parse_model({"name": "m", "source": "/m/smol.gguf", "adapters": adapters,
-                            "profiles": [profile]})  # fmt: skip
+                            "max_adapters": 3, "profiles": [profile]})  # fmt: skip
         nodes = {n: {"accelerators": [], "engines": [engine]} for n in ("a",)}
         state = Snapshot.of(models={"m": spec}, nodes=nodes, placements={}, statuses={},
                             cordons={}, wall=1000.0)  # fmt: skip
         (put,) = reconcile(state, Memory(), 0.0, S)
-        assert isinstance(put, Put) and put.doc["profile"].get("lora") == lora, profile
+        assert isinstance(put, Put), profile
+        got = put.doc["profile"]
+        assert (got.get("lora"), got.get("max_loras")) == (lora, slots), profile
 
 
 def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() -> None:

@@ -96,6 +96,9 @@ class LaunchContext:
     # a multi-node rank's collective-library settings, from this node's inventory
     # (cgn_core/multinode.py: NCCL_IB_HCA, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
     nccl: Mapping[str, str] = field(default_factory=dict)
+    # where placements may load model files from (the agent's model_dirs): cgn-infer may
+    # load LoRA adapters from there at run time
+    model_dirs: tuple[str, ...] = ()
 
 
 class Toolbox(Protocol):

@@ -84,6 +84,10 @@ class CgnInferDriver:
         argv += ["--kvcached", ctx.kvcached] if ctx.kvcached else []
         argv += ["--role", spec.role] if spec.role != "both" else []
         argv += [a for f in p.lora for a in ("--lora", f"{f.name}={f.path}")]
+        if p.max_loras is not None:  # the rest load at run time, from the model dirs only
+            argv += ["--set", f"max_loras={p.max_loras}"]
+            if ctx.model_dirs and not any("," in d for d in ctx.model_dirs):
+                argv += ["--set", f"lora_dirs={','.join(ctx.model_dirs)}"]
         if spec.role != "decode":  # it holds prefill legs' KV for decode engines on any node
             argv += ["--set", f"transfer.host={ctx.host}"]
             argv += (

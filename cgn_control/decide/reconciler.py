@@ -392,9 +392,12 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     if spec.adapters and _loads_adapters(p):
-        profile["lora"] = [
-            {"name": name, "path": spec.adapters[name].source} for name in sorted(spec.adapters)
-        ]
+        # llama.cpp loads every adapter at start; cgn-infer the pinned ones, holding
+        # max_adapters at once (the router loads the others where they are needed)
+        start = sorted(n for n, a in spec.adapters.items() if a.pin or p.engine == "llama_cpp")
+        profile["lora"] = [{"name": n, "path": spec.adapters[n].source} for n in start]
+        if p.engine == "cgn_infer":
+            profile["max_loras"] = spec.max_adapters
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
     why = f"{why}, {role} pool" if role and spec.disaggregated else why
