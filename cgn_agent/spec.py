@@ -71,6 +71,7 @@ class EngineProfile:
     # cgn_infer: adapters held at once (its max_loras, the catalog's max_adapters): with the
     # agent's model_dirs as its lora_dirs, the router loads the others at run time
     max_loras: int | None = None
+    max_lora_rank: int | None = None  # vllm, sglang: the largest adapter rank (the catalog's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +205,7 @@ def _profile(raw: Any, where: str) -> EngineProfile:
         raise ValueError(f"{where}: expected a JSON object")
     _no_unknown(raw, {f.name for f in dataclasses.fields(EngineProfile)}, where)
     out: dict[str, Any] = {}
-    for name in ("ctx", "threads", "tensor_parallel", "max_loras"):
+    for name in ("ctx", "threads", "tensor_parallel", "max_loras", "max_lora_rank"):
         if raw.get(name) is not None:  # null: the engine's default
             if not _is_int(raw[name]) or raw[name] < 1:
                 raise ValueError(f"{where}: '{name}' must be a positive integer")
@@ -248,7 +249,7 @@ def _profile(raw: Any, where: str) -> EngineProfile:
 def _lora(raw: Any, where: str) -> tuple[LoraFile, ...]:
     """`profile.lora`: [{name, path}], distinct names, absolute .gguf paths."""
     bad = ValueError(f"{where}: 'lora' must list at most {MAX_LORA} {{name, path}} with "
-                     "distinct names and absolute .gguf paths")  # fmt: skip
+                     "distinct names and absolute paths")  # fmt: skip
     if not isinstance(raw, list) or len(raw) > MAX_LORA:
         raise bad
     files = []
@@ -258,7 +259,7 @@ def _lora(raw: Any, where: str) -> tuple[LoraFile, ...]:
         name, path = item["name"], item["path"]
         if not isinstance(name, str) or not NAME.match(name):
             raise bad
-        if not isinstance(path, str) or not path.startswith("/") or not path.endswith(".gguf"):
+        if not isinstance(path, str) or not path.startswith("/") or "," in path:
             raise bad
         files.append(LoraFile(name, path))
     if len({f.name for f in files}) != len(files):

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cgn_core import lora_peft
 from cgn_core.errors import InvalidRequest
+from cgn_core.lora_peft import PeftError
 from cgn_core.text.gguf_file import GGUFError, GGUFFile, dequantize
 
 MAX_RANK = 512
@@ -70,8 +72,11 @@ class Adapter:
 
 
 def check(path: Path, base: Path) -> Adapter:
-    """The adapter at `path`, checked against the base model's GGUF at `base` (headers
-    only); LoraError says why it is not one of that base's adapters."""
+    """The adapter at `path` (a GGUF file, or a PEFT directory), checked against the base
+    model's GGUF at `base` (a GGUF's headers only); LoraError says why it is not one of
+    that base's adapters."""
+    if lora_peft.is_peft(path):
+        return load(path, base)[0]
     try:
         with GGUFFile(path) as g, GGUFFile(base) as b:
             return _check(g, b)
@@ -83,21 +88,29 @@ def load(path: Path, base: Path) -> tuple[Adapter, dict[str, tuple[np.ndarray, n
     """The checked adapter and its pairs as float32 (A [rank, in], B [out, rank]) by base
     tensor name, copied out of the file."""
     try:
-        with GGUFFile(path) as g, GGUFFile(base) as b:
-            adapter = _check(g, b)
-            weights = {
-                p.tensor: (
-                    np.array(dequantize(g, p.tensor + ".lora_a"), np.float32),
-                    np.array(dequantize(g, p.tensor + ".lora_b"), np.float32),
-                )
-                for p in adapter.pairs
-            }
+        if lora_peft.is_peft(path):
+            with GGUFFile(base) as b:
+                adapter, weights = _peft(path, b)
+        else:
+            with GGUFFile(path) as g, GGUFFile(base) as b:
+                adapter = _check(g, b)
+                weights = _pairs(g, adapter)
     except GGUFError as exc:
         raise LoraError(f"adapter {path}: {exc.message}") from None
     for tensor, (lora_a, lora_b) in weights.items():
         if not (np.isfinite(lora_a).all() and np.isfinite(lora_b).all()):
             raise LoraError(f"adapter {path}: {tensor} holds a NaN or an infinity")
     return adapter, weights
+
+
+def _pairs(g: GGUFFile, adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    return {
+        p.tensor: (
+            np.array(dequantize(g, p.tensor + ".lora_a"), np.float32),
+            np.array(dequantize(g, p.tensor + ".lora_b"), np.float32),
+        )
+        for p in adapter.pairs
+    }
 
 
 def _check(g: GGUFFile, b: GGUFFile) -> Adapter:
@@ -130,18 +143,48 @@ def _check(g: GGUFFile, b: GGUFFile) -> Adapter:
     for tensor, ab in sorted(halves.items()):
         if set(ab) != {"a", "b"}:
             raise LoraError(f"adapter {path}: {tensor} has lora_{''.join(ab)} without its pair")
-        target = b.tensors.get(tensor)
-        if target is None:
-            raise LoraError(f"adapter {path}: {tensor} is not a tensor of its base {base}")
-        (rank, inputs), (out, rank_b) = ab["a"], ab["b"]
-        if (out, inputs) != tuple(target.shape) or rank != rank_b:
-            raise LoraError(
-                f"adapter {path}: {tensor} is lora_a {list(ab['a'])} and lora_b "
-                f"{list(ab['b'])}, which do not fit its base {base}'s {list(target.shape)}"
-            )
-        if not 1 <= rank <= MAX_RANK:
-            raise LoraError(f"adapter {path}: {tensor} has rank {rank} (1 to {MAX_RANK})")
-        pairs.append(Pair(tensor, rank, out, inputs))
+        pairs.append(_fit(path, b, tensor, ab["a"], ab["b"]))
+    return _adapter(path, str(arch), float(alpha), pairs)
+
+
+def _fit(path: Path, b: GGUFFile, tensor: str, a: tuple[int, ...], lb: tuple[int, ...]) -> Pair:
+    """The pair of `tensor` with A of shape `a` and B of shape `lb`, checked to fit the
+    base's matrix (A [rank, in], B [out, rank]) with a rank in bounds."""
+    target = b.tensors.get(tensor)
+    if target is None:
+        raise LoraError(f"adapter {path}: {tensor} is not a tensor of its base {b.path}")
+    if _TENSOR.match(tensor + ".lora_a") is None or tensor.split(".")[2] not in TARGETS:
+        raise LoraError(f"adapter {path}: {tensor} is not a matrix cgn-infer adapts")
+    (rank, inputs), (out, rank_b) = a, lb
+    if (out, inputs) != tuple(target.shape) or rank != rank_b:
+        raise LoraError(
+            f"adapter {path}: {tensor} is lora_a {list(a)} and lora_b {list(lb)}, which do "
+            f"not fit its base {b.path}'s {list(target.shape)}"
+        )
+    if not 1 <= rank <= MAX_RANK:
+        raise LoraError(f"adapter {path}: {tensor} has rank {rank} (1 to {MAX_RANK})")
+    return Pair(tensor, rank, out, inputs)
+
+
+def _adapter(path: Path, arch: str, alpha: float, pairs: list[Pair]) -> Adapter:
     if not pairs:
         raise LoraError(f"adapter {path} adapts nothing")
-    return Adapter(path, str(arch), float(alpha), tuple(pairs))
+    return Adapter(path, arch, alpha, tuple(pairs))
+
+
+def _peft(path: Path, b: GGUFFile) -> tuple[Adapter, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A PEFT directory (lora_peft.py) read in llama.cpp's layout and checked against the
+    base `b` as a GGUF adapter is."""
+    arch = str(b.get("general.architecture"))
+    keys = (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv")
+    heads = tuple(int(b.get(k, 0) or 0) for k in keys)
+    if not all(heads):
+        raise LoraError(f"adapter {path}: its base {b.path} names no attention heads")
+    try:
+        alpha, weights = lora_peft.read(path, arch, (heads[0], heads[1]))
+    except PeftError as exc:
+        raise LoraError(f"adapter {path}: {exc}") from None
+    if len(weights) > MAX_PAIRS:
+        raise LoraError(f"adapter {path}: {len(weights)} pairs, at most {MAX_PAIRS}")
+    pairs = [_fit(path, b, t, a.shape, lb.shape) for t, (a, lb) in weights.items()]
+    return _adapter(path, arch, alpha, pairs), weights

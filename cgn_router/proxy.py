@@ -217,6 +217,8 @@ def _with_adapter(payload: bytes, ep: Endpoint, adapter: tuple[str, float] | Non
             {"id": ep.adapters.index(adapter[0]), "scale": adapter[1]}
         ]  # fmt: skip
         body["cache_prompt"] = False
+    elif adapter is not None and ep.engine == "sglang":  # its OpenAI API's adapter field
+        body["lora_path"] = adapter[0]
     elif adapter is not None:
         body["model"] = adapter[0]
         if ep.engine in LORA_SCALE_ENGINES and adapter[1] != 1.0:

@@ -36,11 +36,13 @@ CTX = LaunchContext("0.0.0.0", 8100, python="/venv/bin/python")
 DOCUMENTED = {
     "vllm": {"--host", "--port", "--served-model-name", "--tensor-parallel-size",
              "--max-model-len", "--dtype", "--gpu-memory-utilization", "--kv-transfer-config",
-             "--kv-offloading-backend", "--kv-offloading-size"},
+             "--kv-offloading-backend", "--kv-offloading-size", "--enable-lora", "--max-loras",
+             "--max-lora-rank", "--lora-modules"},
     "sglang": {"--model-path", "--host", "--port", "--served-model-name", "--tp-size",
                "--context-length", "--dtype", "--mem-fraction-static", "--enable-metrics",
                "--enable-hierarchical-cache", "--enable-lmcache", "--disaggregation-mode",
-               "--disaggregation-transfer-backend", "--hicache-size"},
+               "--disaggregation-transfer-backend", "--hicache-size", "--enable-lora",
+               "--max-loras-per-batch", "--max-loaded-loras", "--max-lora-rank", "--lora-paths"},
     "trtllm": {"--host", "--port", "--backend", "--tp_size", "--max_seq_len", "--served_model_name"},
     "mlx_lm": {"--source", "--name", "--host", "--port"},  # cgn_agent/launchers/mlx_lm_server.py
     "llama_server": {"-m", "--host", "--port", "--alias", "--metrics", "-c", "-t", "-ngl",
@@ -112,6 +114,25 @@ def test_vllm_argv_env_and_documented_flags() -> None:
     assert launch.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
     assert launch.url == "http://127.0.0.1:8100" and launch.metrics_dialect == "vllm"
     assert flags(launch.argv[:-1]) <= DOCUMENTED["vllm"]
+
+
+def test_vllm_and_sglang_serve_the_models_peft_adapters() -> None:
+    """#60: the PEFT directories the reconciler lists, by name, the batch's adapter slots,
+    the largest rank; vLLM may load more at run time (its environment switch)."""
+    peft = (LoraFile("sql", "/m/sql"), LoraFile("fr", "/m/fr"))
+    profile = EngineProfile(lora=peft, max_loras=4, max_lora_rank=16)
+    v = DRIVERS["vllm"].launch(spec("vllm", devices=(0,), profile=profile), CTX, ALL_TOOLS)
+    assert v.argv[-8:] == ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
+                           "--lora-modules", "sql=/m/sql", "fr=/m/fr")  # fmt: skip
+    assert v.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert flags(v.argv) <= DOCUMENTED["vllm"]
+    g = DRIVERS["sglang"].launch(spec("sglang", devices=(0,), profile=profile), CTX, ALL_TOOLS)
+    assert g.argv[-10:] == ("--enable-lora", "--max-loras-per-batch", "4", "--max-loaded-loras",
+                            "4", "--max-lora-rank", "16", "--lora-paths", "sql=/m/sql",
+                            "fr=/m/fr")  # fmt: skip
+    assert flags(g.argv[3:]) <= DOCUMENTED["sglang"]
+    plain = DRIVERS["vllm"].launch(spec("vllm", devices=(0,)), CTX, ALL_TOOLS)
+    assert "--enable-lora" not in plain.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.env
 
 
 def test_sglang_argv_and_documented_flags() -> None:

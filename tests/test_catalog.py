@@ -190,7 +190,7 @@ def test_adapters_parse_and_round_trip() -> None:
         ({"adapters": {"m": {"source": "/a.gguf"}}}, "adapters.m: the model's own name"),
         ({"adapters": {"a": {}}}, "adapters.a.source: required"),
         ({"adapters": {"a": {"source": "a.gguf"}}}, "adapters.a.source: an absolute path"),
-        ({"adapters": {"a": {"source": "/peft/dir"}}}, "PEFT directories are not converted"),
+        ({"adapters": {"a": {"source": "/a,b"}}}, "adapters.a.source: an absolute path"),
         ({"adapters": {"a": {"source": "/a.gguf", "rank": 0}}}, "adapters.a.rank: expected"),
         ({"adapters": {"a": {"source": "/a.gguf", "pin": "yes"}}}, "adapters.a.pin: expected"),
         ({"adapters": {"a": {"source": "/a.gguf", "alpha": 1}}}, "adapters.a.alpha: unknown"),
@@ -224,7 +224,7 @@ def test_apply_reads_the_adapter_files_it_has_against_their_base(tmp_path: Path)
     files this machine does not have are left to the engine that loads them."""
     from cgn_control.decide.adapters import check_files
     from cgn_core.bundled_models import smollm2
-    from harness.lora import write_adapter
+    from harness.lora import write_adapter, write_peft
 
     good = write_adapter(smollm2(), tmp_path / "good.gguf", layers=(0,))
     foreign = write_adapter(smollm2(), tmp_path / "qwen.gguf", layers=(0,), arch="qwen2")
@@ -239,3 +239,10 @@ def test_apply_reads_the_adapter_files_it_has_against_their_base(tmp_path: Path)
     with pytest.raises(CatalogError) as err:
         check_files(ranked)
     assert "adapters.a.rank: 4, the file's is 8" in str(err.value)
+    peft = write_peft(smollm2(), good, tmp_path / "peft")  # a PEFT directory, checked alike
+    check_files(parse_model(model(source=base, adapters={"p": {"source": str(peft)}})))
+    (peft / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "use_dora": true}')
+    with pytest.raises(
+        CatalogError, match=r"adapters\.p: adapter .*: adapter_config\.json: use_dora"
+    ):
+        check_files(parse_model(model(source=base, adapters={"p": {"source": str(peft)}})))

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from cgn_core.bundled_models import smollm2
+from cgn_core.bundled_models import qwen_coder_05b, smollm2
 from cgn_core.lora import LoraError, check, load
-from harness.lora import write_adapter
+from harness.lora import write_adapter, write_peft
 from harness.procs import cgn_router, llamacpp
 
 RANK = 8
@@ -125,3 +126,48 @@ def _routes_adapters(url: str, prompt: str, plain: str, changed: str) -> None:
         body = {"prompt": prompt, "max_tokens": 2, **extra}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (extra, r.text)
+
+
+def test_a_peft_directory_reads_as_the_gguf_file_of_the_same_adapter(tmp_path: Path) -> None:
+    """PEFT's names and layout (a llama base's q/k B rows as HF keeps them) read into
+    llama.cpp's: the same pairs, the same scale, F16 too; rsLoRA's scale is alpha/sqrt(r)."""
+    targets = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    gguf = write_adapter(smollm2(), tmp_path / "a.gguf", targets=targets, layers=(0, 5))
+    want, pairs = load(gguf, smollm2())
+    got, read = load(write_peft(smollm2(), gguf, tmp_path / "peft"), smollm2())
+    assert (got.pairs, got.alpha, got.rank) == (want.pairs, want.alpha, want.rank)
+    for tensor, (a, b) in pairs.items():
+        assert np.array_equal(read[tensor][0], a) and np.array_equal(read[tensor][1], b), tensor
+    half = load(write_peft(smollm2(), gguf, tmp_path / "f16", dtype="F16"), smollm2())[1]
+    a16 = pairs["blk.0.attn_q.weight"][0].astype(np.float16).astype(np.float32)
+    assert np.array_equal(half["blk.0.attn_q.weight"][0], a16)
+    rs = check(write_peft(smollm2(), gguf, tmp_path / "rs", use_rslora=True), smollm2())
+    assert rs.scale(RANK) == pytest.approx(16 / RANK**0.5)
+
+
+def test_a_peft_directory_that_is_not_one_of_the_bases_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    gguf = write_adapter(smollm2(), tmp_path / "a.gguf", layers=(0,))
+    for i, (config, why) in enumerate((
+        ({"fan_in_fan_out": True}, "fan_in_fan_out not supported"),
+        ({"use_dora": True}, "use_dora not supported"),
+        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern not supported"),
+        ({"peft_type": "IA3"}, "not a LoRA adapter"),
+        ({"r": 0}, "'r' must be a positive number"),
+    )):  # fmt: skip
+        with pytest.raises(LoraError, match=why):
+            check(write_peft(smollm2(), gguf, tmp_path / f"bad{i}", **config), smollm2())
+    peft = write_peft(smollm2(), gguf, tmp_path / "p")
+    weights = peft / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LoraError, match="data offsets outside the file"):
+        check(peft, smollm2())
+    weights.unlink()
+    weights.symlink_to(tmp_path / "p" / "adapter_config.json")
+    with pytest.raises(LoraError, match="symlink"):
+        check(peft, smollm2())
+    qwen = write_peft(smollm2(), gguf, tmp_path / "q")
+    with pytest.raises(LoraError, match="do not fit its base"):
+        check(qwen, qwen_coder_05b())

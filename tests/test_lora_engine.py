@@ -19,7 +19,7 @@ from cgn_core.text.tokenizer import GGUFTokenizer
 from cgn_infer.adapters import Adapters
 from cgn_infer.backends.paged import BatchItem, blocks_for
 from cgn_infer.models import args_from_gguf
-from harness.lora import write_adapter
+from harness.lora import write_adapter, write_peft
 from harness.metrics import metric
 from harness.parity import PROMPTS, reference_top2
 from harness.procs import cgn_infer, cgn_infer_engines, cgn_router, llamacpp
@@ -50,6 +50,7 @@ def adapted(smollm2_torch: Any, files: dict[str, Path]) -> Iterator[tuple[Any, A
     adapters = Adapters("smol", gguf.path, args, args.n_layers)
     for name, path in files.items():
         adapters.load(name, path)
+    adapters.load("p1", write_peft(smollm2(), files["a1"], files["a1"].parent / "p1"))
     smollm2_torch.set_lora(adapters.tables)
     try:
         yield smollm2_torch, adapters
@@ -118,6 +119,9 @@ def test_base_and_two_adapters_in_one_batch_give_what_each_gives_alone(
         assert np.array_equal(together[rows[i] : rows[i + 1]], alone), i
     zero = logits(backend, [(ids[0], adapters.resolve("a1", 0.0))])
     assert np.array_equal(zero, together[: rows[1]])
+    # a1 as a PEFT directory (HF's names and q/k row order): the same adapter, exactly
+    assert np.array_equal(logits(backend, [(ids[1], adapters.resolve("p1", 1.0))]),
+                          together[rows[1] : rows[2]])  # fmt: skip
 
 
 @pytest.fixture(scope="module")

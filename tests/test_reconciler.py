@@ -77,24 +77,28 @@ def test_a_placement_lists_the_adapters_its_engine_loads_at_start() -> None:
     adapter's index in name order); cgn-infer (torch on GGUF weights) the pinned ones, and
     holds max_adapters at once (the router loads the others at run time); the engines that
     cannot load them get none."""
-    adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf", "pin": True}}
+    adapters = {"sql": {"source": "/m/sql.gguf"}, "fr": {"source": "/m/fr.gguf", "pin": True},
+                "de": {"source": "/m/de-peft", "rank": 16}}  # fmt: skip
     named = [{"name": "fr", "path": "/m/fr.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
     for profile, lora, slots in (
-        ({"engine": "llama_cpp"}, named, None),
+        ({"engine": "llama_cpp"}, named, None),  # GGUF files only
         ({"engine": "cgn_infer"}, named[:1], 3),
+        ({"engine": "vllm", "accelerator": "h100-80g"}, [{"name": "de", "path": "/m/de-peft"}], 3),
         ({"engine": "cgn_infer", "backend": "sim"}, None, None),
         ({"engine": "cgn_infer", "dtype": "float32"}, None, None),
     ):
         engine = profile["engine"]
         spec = parse_model({"name": "m", "source": "/m/smol.gguf", "adapters": adapters,
                             "max_adapters": 3, "profiles": [profile]})  # fmt: skip
-        nodes = {n: {"accelerators": [], "engines": [engine]} for n in ("a",)}
+        gpus = [{"index": 0, "accel_class": "h100-80g", "health": []}] if engine == "vllm" else []
+        nodes = {n: {"accelerators": gpus, "engines": [engine]} for n in ("a",)}
         state = Snapshot.of(models={"m": spec}, nodes=nodes, placements={}, statuses={},
                             cordons={}, wall=1000.0)  # fmt: skip
         (put,) = reconcile(state, Memory(), 0.0, S)
         assert isinstance(put, Put), profile
         got = put.doc["profile"]
         assert (got.get("lora"), got.get("max_loras")) == (lora, slots), profile
+        assert got.get("max_lora_rank") == (16 if engine == "vllm" else None)
 
 
 def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() -> None:

@@ -178,6 +178,7 @@ def test_an_adapters_request_reaches_each_engine_in_the_form_it_takes() -> None:
     llama = Endpoint(EndpointId("m/l"), "m", "http://l", engine="llamacpp",
                      adapters=("quiet", "loud"))  # fmt: skip
     vllm = dataclasses.replace(llama, engine="vllm")
+    sglang = dataclasses.replace(llama, engine="sglang")
     payload = json.dumps({"model": "m", "prompt": "hi"}).encode()
     call = Call(llama, "/v1/completions", payload, False, False, "m", 0.0, {})
     for c in (
@@ -186,6 +187,7 @@ def test_an_adapters_request_reaches_each_engine_in_the_form_it_takes() -> None:
         dataclasses.replace(call, endpoint=vllm, adapter=("loud", 1.0)),
         dataclasses.replace(call, endpoint=vllm),
         dataclasses.replace(call, endpoint=dataclasses.replace(llama, adapters=())),
+        dataclasses.replace(call, endpoint=sglang, adapter=("loud", 1.0)),
     ):
         proxy._post(c)
     sent = [json.loads(body) for body, _ in upstream.sent]
@@ -193,4 +195,5 @@ def test_an_adapters_request_reaches_each_engine_in_the_form_it_takes() -> None:
                        "lora": [{"id": 1, "scale": 0.5}]}  # fmt: skip
     assert sent[1] == {"model": "m", "prompt": "hi", "cache_prompt": False, "lora": []}
     assert sent[2] == {"model": "loud", "prompt": "hi"}
-    assert [body for body, _ in upstream.sent[3:]] == [payload, payload]
+    assert [body for body, _ in upstream.sent[3:5]] == [payload, payload]
+    assert sent[5] == {"model": "m", "prompt": "hi", "lora_path": "loud"}  # SGLang's field

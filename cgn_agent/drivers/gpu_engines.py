@@ -2,10 +2,13 @@
 
 * vLLM: `vllm serve <model> --host --port --served-model-name
   --tensor-parallel-size [--max-model-len] [--dtype] [--gpu-memory-utilization]
-  [--kv-transfer-config JSON]`; Prometheus /metrics in vLLM's names.
+  [--kv-transfer-config JSON] [--enable-lora --max-loras [--max-lora-rank]
+  --lora-modules NAME=DIR...]` (and VLLM_ALLOW_RUNTIME_LORA_UPDATING, so adapters also
+  load at run time); Prometheus /metrics in vLLM's names.
 * SGLang: `python -m sglang.launch_server --model-path --host --port
   --served-model-name --tp-size [--context-length] [--dtype]
-  [--mem-fraction-static] --enable-metrics [KV connector flags]`.
+  [--mem-fraction-static] --enable-metrics [KV connector flags] [--enable-lora
+  --max-loras-per-batch --max-loaded-loras [--max-lora-rank] --lora-paths NAME=DIR...]`.
 * TensorRT-LLM: `trtllm-serve <model> --host --port --backend --tp_size
   [--max_seq_len] --served_model_name`; its /metrics is JSON iteration
   statistics, not Prometheus, so no dialect is published.
@@ -79,6 +82,11 @@ class VllmDriver:
         argv += kv_connectors.vllm_args(p.kv_connector)
         argv += kv_connectors.offload_args("vllm", p.kv_connector, ctx.offload_gib)
         env = {**cuda_env(spec), **p.env}
+        if p.lora or p.max_loras:  # the router loads the others at run time
+            argv += ["--enable-lora", "--max-loras", str(p.max_loras or len(p.lora))]
+            argv += optional_flags(("--max-lora-rank", p.max_lora_rank))
+            argv += ["--lora-modules", *(f"{f.name}={f.path}" for f in p.lora)] if p.lora else []
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if ctx.token:  # vLLM's server reads it (as --api-key) and guards /v1/* with it
             env["VLLM_API_KEY"] = ctx.token
         serve = Launch(
@@ -113,6 +121,12 @@ class SglangDriver:
             argv += ["--mem-fraction-static", str(p.gpu_memory_utilization)]
         argv += ["--enable-metrics", *kv_connectors.sglang_args(p.kv_connector, spec.role)]
         argv += kv_connectors.offload_args("sglang", p.kv_connector, ctx.offload_gib)
+        if p.lora or p.max_loras:
+            batch = p.max_loras or len(p.lora)
+            argv += ["--enable-lora", "--max-loras-per-batch", str(batch)]
+            argv += ["--max-loaded-loras", str(max(batch, len(p.lora)))]
+            argv += optional_flags(("--max-lora-rank", p.max_lora_rank))
+            argv += ["--lora-paths", *(f"{f.name}={f.path}" for f in p.lora)] if p.lora else []
         serve = Launch(
             (*exe, *http, *argv, *p.extra_args),
             {**cuda_env(spec), **p.env},

@@ -8,8 +8,10 @@
     max_adapters: 4                             # loaded at once per replica (default 4)
 
 An adapter's name is a name clients use, so it may be no model's name or alias
-(`check_names`). Its source is an absolute path to a GGUF LoRA file: PEFT directories
-are not converted yet (llama.cpp's convert_lora_to_gguf.py converts one). `rank`, where
+(`check_names`). Its source is an absolute path to a GGUF LoRA file (llama.cpp's
+format) or a PEFT directory (`adapter_config.json` and `adapter_model.safetensors`,
+read by `cgn_core/lora_peft.py`): llama.cpp replicas load the GGUF ones only, vLLM and
+SGLang the PEFT ones, cgn-infer both. `rank`, where
 given, is checked against the file's. The pinned adapters must fit in `max_adapters`.
 `check_files` reads the adapter and base files where they are on this machine
 (`cgn-ctl models apply`) and refuses an adapter of another base, naming both.
@@ -81,11 +83,11 @@ def _entry(entry: Any, where: str) -> AdapterSpec:
         raise CatalogError(f"{where}.{unknown[0]}: unknown field")
     source = entry.get("source")
     if not isinstance(source, str) or not source:
-        raise CatalogError(f"{where}.source: required, a path to a GGUF LoRA file")
-    if not source.startswith("/") or not source.endswith(".gguf"):
+        raise CatalogError(f"{where}.source: required, a GGUF LoRA file or a PEFT directory")
+    if not source.startswith("/") or len(source) > 4096 or "," in source:
         raise CatalogError(
-            f"{where}.source: an absolute path to a GGUF LoRA file, got {source[:80]!r} "
-            "(PEFT directories are not converted yet: llama.cpp's convert_lora_to_gguf.py does)"
+            f"{where}.source: an absolute path to a GGUF LoRA file or a PEFT directory "
+            f"(adapter_config.json and adapter_model.safetensors), got {source[:80]!r}"
         )
     rank = entry.get("rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
@@ -116,7 +118,7 @@ def check_files(spec: ModelSpec) -> None:
     named = {p.source or spec.source for p in spec.profiles if p.engine in gguf}
     bases = {b for b in named if b.endswith(".gguf") and Path(b).is_file()}
     for name, adapter in sorted(spec.adapters.items()):
-        if not Path(adapter.source).is_file():
+        if not Path(adapter.source).exists():
             continue
         for base in sorted(bases):
             try:

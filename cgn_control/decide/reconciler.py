@@ -96,11 +96,32 @@ OWNER = "reconciler"  # the `owner` of the placements this loop manages
 
 
 def _loads_adapters(p: Profile) -> bool:
-    """Whether replicas of profile `p` load the model's LoRA adapters (at start, all of
-    them): llama.cpp, and cgn-infer's torch backend on the GGUF weights."""
+    """Whether replicas of profile `p` load the model's LoRA adapters: llama.cpp, vLLM,
+    SGLang, and cgn-infer's torch backend on the GGUF weights."""
     if p.engine == "cgn_infer":
         return p.backend in (None, "torch") and p.dtype in (None, "gguf")
-    return p.engine == "llama_cpp"
+    return p.engine in ("llama_cpp", "vllm", "sglang")
+
+
+def _adapters_profile(spec: ModelSpec, p: Profile) -> dict[str, Any]:
+    """The adapters a replica of `p` loads at start, and how many it holds: llama.cpp all
+    of the GGUF ones (it loads none at run time); vLLM and SGLang all of the PEFT ones
+    (max_adapters in a batch); cgn-infer the pinned ones, holding max_adapters (the router
+    loads the others where they are needed)."""
+    peft = {n for n, a in spec.adapters.items() if not a.source.endswith(".gguf")}
+    if p.engine == "llama_cpp":
+        start = sorted(set(spec.adapters) - peft)
+    elif p.engine in ("vllm", "sglang"):
+        start = sorted(peft)
+    else:
+        start = sorted(n for n, a in spec.adapters.items() if a.pin)
+    doc: dict[str, Any] = {"lora": [{"name": n, "path": spec.adapters[n].source} for n in start]}
+    if p.engine != "llama_cpp":
+        doc["max_loras"] = spec.max_adapters
+    ranks = [spec.adapters[n].rank for n in start]
+    if p.engine in ("vllm", "sglang") and ranks and None not in ranks:
+        doc["max_lora_rank"] = max(r for r in ranks if r is not None)
+    return doc
 
 
 REFUSED_FOR_S = 600.0  # a node's agent refused a model's engine: not placed there again for
@@ -392,12 +413,7 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
     if spec.adapters and _loads_adapters(p):
-        # llama.cpp loads every adapter at start; cgn-infer the pinned ones, holding
-        # max_adapters at once (the router loads the others where they are needed)
-        start = sorted(n for n, a in spec.adapters.items() if a.pin or p.engine == "llama_cpp")
-        profile["lora"] = [{"name": n, "path": spec.adapters[n].source} for n in start]
-        if p.engine == "cgn_infer":
-            profile["max_loras"] = spec.max_adapters
+        profile |= _adapters_profile(spec, p)
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
     why = f"{why}, {role} pool" if role and spec.disaggregated else why
