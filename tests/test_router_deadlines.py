@@ -102,7 +102,9 @@ def test_a_stalled_engine_moves_the_requests_queued_on_it_too() -> None:
             done: list[float] = []
 
             def stream(i: int) -> None:
-                body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 120,
+                # NOTE: long enough (~1.4 s each) that a loaded CI machine's poll below sees
+                # both engines running at once (120 tokens: red once, "not within 15s")
+                body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 240,
                         "ignore_eos": True, "stream": True}  # fmt: skip
                 with httpx.stream("POST", router.url + "/v1/completions", json=body,
                                   timeout=60) as resp:  # fmt: skip
