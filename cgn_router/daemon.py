@@ -39,6 +39,7 @@ from cgn_router.adapters import RUNTIME_LORA_ENGINES
 from cgn_router.admin import build_admin_app
 from cgn_router.auth import Limiter
 from cgn_router.catalog import Catalog, entry_from_settings
+from cgn_router.endpoint_records import endpoint_from_static
 from cgn_router.fleetshare import STALE_PERIODS
 from cgn_router.followers import EtcdFollowers
 from cgn_router.gate import Gate
@@ -46,7 +47,7 @@ from cgn_router.kv_follow import KvFollowers
 from cgn_router.ledger import Ledger, publish, writer_name
 from cgn_router.metrics import RouterMetrics
 from cgn_router.proxy import Proxy
-from cgn_router.registry import Registry, endpoint_from_static
+from cgn_router.registry import Registry
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.routing.lifecycle import Observer

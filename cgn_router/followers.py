@@ -35,11 +35,8 @@ from cgn_core.etcd.types import KeyValue, WatchEvent
 from cgn_core.records import KvStore, RecordLog, cordon, efficiency, kvcached
 from cgn_router import fleetshare
 from cgn_router.catalog import entry_from_etcd
+from cgn_router.endpoint_records import endpoint_from_doc, endpoint_key_parts
 from cgn_router.fleetshare import Waiting
-from cgn_router.registry import (
-    endpoint_from_doc,
-    endpoint_key_parts,
-)
 from cgn_router.routing.chain import Policy, RoutingChain, chain_from_policy
 from cgn_router.service import RouterService
 from cgn_router.settings import RoutingSettings

@@ -4,12 +4,11 @@ observer that counts every request's records in them (cgn_router/routing/lifecyc
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cgn_router.registry import Registry
@@ -27,6 +26,7 @@ from cgn_router.routing.lifecycle import (
     Retried,
     Routed,
 )
+from cgn_router.tally import Tally, TallyCollector, TallyHistogram
 
 if TYPE_CHECKING:
     from cgn_control.loop import ControlState
@@ -46,84 +46,6 @@ class Labelled(Generic[M]):
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
         return child
-
-
-class Tally:
-    """A counter's series the request path adds to: plain numbers, no lock and no checks
-    (prometheus_client takes a lock and validates on every `inc`, 1-4 us each, a dozen a
-    request). The worker's event loop is the only writer; a scrape reads them between
-    its steps. `series(*labels)` is looked up once per label tuple and kept by the caller."""
-
-    def __init__(self, name: str, doc: str, *labels: str):
-        self.name, self.doc, self.labels = name, doc, labels
-        self._series: dict[tuple[str, ...], list[float]] = {}
-
-    def series(self, *values: str) -> list[float]:
-        """The one-element list to add to: `series[0] += n`."""
-        found = self._series.get(values)
-        if found is None:
-            found = self._series[values] = [0.0]
-        return found
-
-    def collect(self) -> CounterMetricFamily:
-        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, (total,) in list(self._series.items()):
-            family.add_metric(values, total)
-        return family
-
-
-class Buckets:
-    """One histogram series: counts per bucket (the last is +Inf) and the sum."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # le: the first bound >= value
-        self.sum += value
-
-
-class TallyHistogram:
-    """A histogram the request path observes into, as `Tally` is a counter."""
-
-    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], *labels: str):
-        self.name, self.doc, self.bounds, self.labels = name, doc, bounds, labels
-        self._series: dict[tuple[str, ...], Buckets] = {}
-
-    def series(self, *values: str) -> Buckets:
-        found = self._series.get(values)
-        if found is None:
-            found = self._series[values] = Buckets(self.bounds)
-        return found
-
-    def collect(self) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
-        les = [*(_le(b) for b in self.bounds), "+Inf"]
-        for values, b in list(self._series.items()):
-            cumulative, total = [], 0
-            for le, n in zip(les, list(b.counts), strict=True):
-                total += n
-                cumulative.append((le, float(total)))
-            family.add_metric(values, cumulative, b.sum)
-        return family
-
-
-def _le(bound: float) -> str:
-    """A bucket's bound as prometheus_client writes it (1 -> "1.0")."""
-    return repr(float(bound))
-
-
-class _TallyCollector(Collector):
-    def __init__(self, tallies: list[Tally | TallyHistogram]):
-        self.tallies = tallies
-
-    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        for tally in self.tallies:
-            yield tally.collect()
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -313,7 +235,7 @@ class RouterMetrics:
         )
 
         r.register(
-            _TallyCollector(
+            TallyCollector(
                 [
                     self.requests,
                     self.ttft,

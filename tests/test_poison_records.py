@@ -35,9 +35,9 @@ from cgn_core.kv.blockhash import tenant_salt
 from cgn_router import fleetshare
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import build_service
+from cgn_router.endpoint_records import endpoint_from_doc
 from cgn_router.followers import EtcdFollowers, routing_policy
 from cgn_router.kv_follow import KvFollowers
-from cgn_router.registry import endpoint_from_doc
 from cgn_router.settings import ReconcilerSettings, RouterSettings
 from cgn_router.upstream import Upstream
 

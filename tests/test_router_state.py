@@ -18,8 +18,9 @@ from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
 from cgn_router.catalog import entry_from_etcd
 from cgn_router.daemon import scrape_plan
+from cgn_router.endpoint_records import endpoint_from_etcd
 from cgn_router.prompts import PromptHasher
-from cgn_router.registry import LoadOrder, Registry, endpoint_from_etcd
+from cgn_router.registry import LoadOrder, Registry
 from cgn_router.routing.breaker import Breaker
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex
