@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cgn_core.files import open_regular, read_regular
+from cgn_core.files import read_regular
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG = 1 << 20
@@ -115,16 +114,9 @@ def _config(path: Path) -> dict[str, Any]:
 def _safetensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32, the file bounded before it is read."""
     try:
-        fd, st = open_regular(path, follow_links=False)
+        data = read_regular(path, MAX_FILE, follow_links=False)
     except OSError as exc:
         raise PeftError(f"{WEIGHTS}: {exc}") from None
-    try:
-        if st.st_size > MAX_FILE:
-            raise PeftError(f"{WEIGHTS}: larger than {MAX_FILE} bytes")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read()
-    finally:
-        os.close(fd)
     if len(data) < 8:
         raise PeftError(f"{WEIGHTS}: truncated")
     (n,) = struct.unpack("<Q", data[:8])

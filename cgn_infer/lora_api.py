@@ -112,6 +112,7 @@ def _allowed(raw: Any, dirs: tuple[Path, ...]) -> Path:
         where = ", ".join(str(d) for d in dirs)
         raise Forbidden(f"'lora_path' {raw} is not under the engine's lora_dirs ({where})",
                         param="lora_path")  # fmt: skip
-    if not path.is_file():
-        raise InvalidRequest(f"'lora_path' {raw} is not a file", param="lora_path")
+    if not (path.is_file() or path.is_dir()):  # a GGUF file or a PEFT directory
+        raise InvalidRequest(f"'lora_path' {raw} is neither a file nor a directory",
+                             param="lora_path")  # fmt: skip
     return path

@@ -20,6 +20,7 @@ holders (`Registry.views`); before that, `place` makes sure there is one:
 Loads are POST /v1/load_lora_adapter with vLLM's body and the engine's secret; one
 per replica and adapter at a time (later requests wait on the first's); an answer
 naming the adapter evicted (`x-cgn-evicted`) takes it off that replica here at once.
+Each load ends in an `AdapterLoaded` record to the service's observers (the metrics).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cgn_core.errors import Unavailable
 from cgn_core.http import bearer_header
 from cgn_core.keys import NAME
 from cgn_router.registry import EndpointState
+from cgn_router.routing.lifecycle import Account, AdapterLoaded
 from cgn_router.service import RouterService
 from cgn_router.types import EndpointId, queue_length
 from cgn_router.upstream import UpstreamError
@@ -195,8 +197,7 @@ async def _load(svc: RouterService, st: EndpointState, adapter: str, source: str
     except (UpstreamError, TimeoutError, OSError) as exc:
         log.warning("loading LoRA adapter %s on %s: %s", adapter, st.endpoint.id, exc)
         return False
-    finally:
-        svc.metrics.adapter_loads.labels(st.endpoint.model, result).inc()
-        svc.metrics.adapter_load_seconds.labels(st.endpoint.model).observe(
-            time.monotonic() - started
-        )
+    finally:  # no request's account: a load may serve several, or none (in the background)
+        seconds = time.monotonic() - started
+        ep = st.endpoint
+        Account(svc.observers).emit(AdapterLoaded(ep.model, ep.id, result, seconds))

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from cgn_router.registry import Registry
 from cgn_router.routing.lifecycle import (
+    AdapterLoaded,
     AttemptEnded,
     Ended,
     Fallback,
@@ -316,7 +317,12 @@ class MetricsObserver:
             PdDecided: lambda r: m.pd_decisions.labels(r.model, r.reason).inc(),
             PdFallback: lambda r: m.pd_fallbacks.labels(r.reason).inc(),
             Held: lambda r: m.held.labels(r.model, r.result).observe(r.held_s),
+            AdapterLoaded: self._adapter_loaded,
         }
+
+    def _adapter_loaded(self, r: AdapterLoaded) -> None:
+        self.m.adapter_loads.labels(r.model, r.result).inc()
+        self.m.adapter_load_seconds.labels(r.model).observe(r.seconds)
 
     def observe(self, record: Record) -> None:
         handler = self._on.get(type(record))

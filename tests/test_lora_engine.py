@@ -230,6 +230,9 @@ def test_adapters_load_and_unload_at_run_time_least_recently_used_out(
     r = post("/v1/unload_lora_adapter", lora_name="a5")
     assert r.status_code == 404 and loaded() == {"smol", "a1", "a2"}
     assert complete(engine, "smol", "Hello")["choices"][0]["text"]  # serving throughout
+    peft = write_peft(smollm2(), here / "a3.gguf", here / "a7-peft")  # a PEFT directory too
+    assert post("/v1/load_lora_adapter", lora_name="a7", lora_path=str(peft)).is_success
+    assert complete(engine, "a7", "Hello")["model"] == "a7"
     # The router loads an adapter no replica holds, once, on the replica, and routes to it
     adapters = {"a1": "", "a2": "", "a6": str(here / "a3.gguf")}
     config = {"models": {"smol": {"adapters": adapters, "tokenizer": str(smollm2())}},

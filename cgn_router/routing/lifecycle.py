@@ -125,6 +125,16 @@ class Held(NamedTuple):
     result: str  # released | expired | gone
 
 
+class AdapterLoaded(NamedTuple):
+    """The router asked a replica to load a LoRA adapter (cgn_router/adapters.py): for a
+    request that waits on it, or in the background for a hot adapter."""
+
+    model: str
+    endpoint: str
+    result: str  # loaded | present (it was already) | failed
+    seconds: float
+
+
 class PdDecided(NamedTuple):
     model: str
     reason: str
@@ -153,6 +163,7 @@ class Ended(NamedTuple):
 Record = (
     Asked
     | Held
+    | AdapterLoaded
     | Refused
     | Hashed
     | Admitted
