@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from cgn_agent.node import Invalid, NodeAgent, stray_engine_pids
 from cgn_agent.power import POWERMETRICS_QUERY, PowerMeter, PowerReading, parse_powermetrics
 from cgn_agent.power import rapl_zones as find_rapl_zones
 from cgn_agent.publisher import Publisher
-from cgn_agent.runner import RunnerContext
+from cgn_agent.runner import Probed, RunnerContext
 from cgn_agent.settings import AgentSettings
 from cgn_agent.spec import ReplicaSpec, parse_placement
 from cgn_agent.statefile import StateStore
@@ -59,6 +60,7 @@ from cgn_core.http import (
     loopback_middleware,
     mtls_middleware,
 )
+from cgn_core.keys import MAX_ADAPTERS, NAME
 from cgn_core.nodeid import node_id, primary_address
 from cgn_core.readiness import announce_ready, announce_stopping, bind_tcp
 from cgn_core.revocation import RevocationList, follow_revocations
@@ -80,6 +82,14 @@ async def _tcp_probe(url: str, timeout_s: float) -> tuple[bool, bool, str]:
     return True, True, ""
 
 
+def listed_adapters(cards: list[dict[str, Any]], served: str) -> frozenset[str]:
+    """The adapters a /v1/models page lists on `served` (vLLM's and cgn-infer's cards name
+    it as `parent`): valid names only, at most MAX_ADAPTERS (the page is the engine's word)."""
+    ids = (m.get("id") for m in cards if m.get("parent") == served)
+    valid = (n for n in ids if isinstance(n, str) and NAME.match(n))
+    return frozenset(itertools.islice(valid, MAX_ADAPTERS))
+
+
 class HttpProber:
     """Readiness over HTTP: the health path answers 200, then /v1/models lists the model."""
 
@@ -87,29 +97,27 @@ class HttpProber:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
+    async def probe(self, launch: Launch, served: str) -> Probed:
         if launch.probe == "tcp":
-            return await _tcp_probe(launch.url, self.timeout.total or 5.0)
+            return Probed(*await _tcp_probe(launch.url, self.timeout.total or 5.0))
         if launch.probe == "alive":  # a rank with no server of its own: alive is all it shows
-            return True, True, ""
+            return Probed(True, True)
         try:
             async with self.session.get(launch.url + launch.health_path, timeout=self.timeout) as r:
                 if r.status != 200:
-                    return False, False, f"{launch.health_path} answered {r.status}"
+                    return Probed(False, False, f"{launch.health_path} answered {r.status}")
             auth = bearer_header(launch.token)
             async with self.session.get(
                 launch.url + launch.models_path, timeout=self.timeout, headers=auth
             ) as r:
                 doc = await r.json(content_type=None) if r.status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON
-            return False, False, f"{launch.url}: {type(exc).__name__} {exc}".strip()
+            return Probed(False, False, f"{launch.url}: {type(exc).__name__} {exc}".strip())
         data = doc.get("data") if isinstance(doc, dict) else None
-        names = (
-            {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
-        )
-        if served not in names:
-            return True, False, f"{launch.models_path} does not list {served!r}"
-        return True, True, ""
+        cards = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if served not in {m.get("id") for m in cards}:
+            return Probed(True, False, f"{launch.models_path} does not list {served!r}")
+        return Probed(True, True, adapters=listed_adapters(cards, served))
 
     async def in_flight(self, launch: Launch) -> int | None:
         if launch.metrics_dialect is None:

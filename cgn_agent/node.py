@@ -163,7 +163,7 @@ class NodeAgent:
             if want is None:
                 await runner.observe(sv.Stop(self.ctx.clock()))
             elif want != runner.spec:
-                await runner.observe(sv.Stop(self.ctx.clock(), "placement changed"))
+                await runner.observe(sv.Stop(self.ctx.clock(), _changed(runner.spec, want)))
         for replica in list(self.refused):
             if replica not in self.desired:
                 del self.refused[replica]
@@ -290,3 +290,10 @@ class NodeAgent:
     async def close(self) -> None:
         for r in self.runners.values():
             await r.close()
+
+
+def _changed(was: ReplicaSpec, now: ReplicaSpec | Invalid) -> str:
+    """Why a replica whose placement changed stops (its status says it while it drains)."""
+    if isinstance(now, ReplicaSpec) and now.profile.lora != was.profile.lora:
+        return "adapters changed: restarting with the new set (the engine loads them at start)"
+    return "placement changed"

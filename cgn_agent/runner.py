@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from cgn_agent import shard
 from cgn_agent import supervisor as sv
@@ -32,10 +32,15 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 log = logging.getLogger(__name__)
 
 
+class Probed(NamedTuple):
+    health: bool  # the health path answered 200
+    models: bool  # /v1/models lists the served name
+    detail: str = ""  # why not, when not
+    adapters: frozenset[str] = frozenset()  # what /v1/models lists as its adapters (parent)
+
+
 class Prober(Protocol):
-    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
-        """(health ok, models lists `served`, detail when not ok)."""
-        ...
+    async def probe(self, launch: Launch, served: str) -> Probed: ...
 
     async def in_flight(self, launch: Launch) -> int | None:
         """Requests running + waiting on the engine, from its /metrics; None when unknown."""
@@ -66,6 +71,9 @@ class ReplicaRunner:
         self.forgotten = False
         self._last_probe = 0.0
         self._stopping: asyncio.Task[Any] | None = None
+        # the adapters it holds: those it loaded at start, and those the engine lists now
+        self.started_with = tuple(f.name for f in spec.profile.lora)
+        self.adapters = self.started_with
 
     # ---- keys ------------------------------------------------------------------------
 
@@ -129,6 +137,7 @@ class ReplicaRunner:
             "reason": s.reason,
             "since_unix": time.time() - (self.ctx.clock() - s.since),
             "log_tail": log_tail(self.log_path) if self.launch.spawn else [],
+            **({"adapters": list(self.adapters)} if self.adapters else {}),
             **self._pipeline_status(),
         }
 
@@ -181,13 +190,24 @@ class ReplicaRunner:
             due = s.phase == sv.Phase.LOADING or now - self._last_probe >= self.ctx.probe_interval_s
             if due:
                 self._last_probe = now
-                health, models, detail = await self.ctx.prober.probe(
+                got = await self.ctx.prober.probe(
                     self.launch, self.launch.served_name or self.spec.model
                 )
-                await self.observe(sv.Probe(self.ctx.clock(), health, models, detail))
+                await self.observe(sv.Probe(self.ctx.clock(), got.health, got.models, got.detail))
+                if got.models:  # a failed probe says nothing of them
+                    self._adapters_seen(got.adapters)
         if s.phase == sv.Phase.DRAINING and not s.terminating and self.launch.metrics_dialect:
             await self.observe(sv.Load(now, await self.ctx.prober.in_flight(self.launch)))
         await self.observe(sv.Tick(self.ctx.clock()))
+
+    def _adapters_seen(self, listed: frozenset[str]) -> None:
+        """A Ready replica whose adapters changed (cgn-infer and vLLM load and evict them at
+        run time) says so in its status: what `cgn-ctl replicas` shows."""
+        adapters = tuple(sorted(set(self.started_with) | listed))[: keys.MAX_ADAPTERS]
+        if adapters != self.adapters:
+            self.adapters = adapters
+            if self.state.phase == sv.Phase.READY:
+                self.ctx.publisher.set(self.status_key, self.status_doc())
 
     async def _run(self, actions: list[sv.Action]) -> None:
         for action in actions:

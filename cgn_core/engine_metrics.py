@@ -10,8 +10,12 @@ flight with them before it stops a draining engine.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from cgn_core.keys import NAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +130,34 @@ def in_flight(text: str, names: NameMap) -> int | None:
     if all(v is None for v in found):
         return None
     return int(sum(v or 0.0 for v in found))
+
+
+# ---- the LoRA adapters an engine holds, in its own vocabulary (#60) ------------------------
+
+LORA_LOADED = "cgn_infer_lora_loaded"  # cgn-infer: 1 per adapter it holds, {adapter}
+LORA_SLOTS = "cgn_infer_lora_slots"  # cgn-infer: how many it holds at most (max_loras)
+# vLLM: one series per label set it has shown, its value the time it was set; the newest
+# names the adapters with requests running or waiting (not those idle: vllm #45325)
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+
+
+def held_adapters(
+    samples: Iterable[tuple[str, Mapping[str, str], float]], limit: int
+) -> frozenset[str]:
+    """The adapters a scraped page says the engine holds, from (name, labels, value)
+    samples: valid names only, at most `limit` (the page is the engine's word)."""
+    held: list[str] = []
+    newest: tuple[float, Mapping[str, str]] | None = None
+    for name, labels, value in samples:
+        if name == LORA_LOADED and value == 1.0:
+            held.append(labels.get("adapter", ""))
+        elif (
+            name == VLLM_LORA_INFO
+            and math.isfinite(value)
+            and (newest is None or value > newest[0])
+        ):
+            newest = (value, labels)
+    if newest is not None:
+        for label in ("running_lora_adapters", "waiting_lora_adapters"):
+            held += newest[1].get(label, "")[: 64 << 10].split(",")
+    return frozenset(itertools.islice((a for a in held if NAME.match(a)), limit))

@@ -40,6 +40,8 @@ class ReplicaView:
     # its speed as the routers learned it from its answers (#57), once learned
     prefill_ms_per_token: float | None = None
     decode_ms_per_token: float | None = None
+    # LoRA adapters it holds: loaded at start, and what its metrics say it holds now (#60)
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +185,8 @@ def _value(kind: Any, value: Any) -> Any:
         row = args[0]
         if not isinstance(value, list | tuple):
             return ()
+        if row is str:  # names: one that is not a string is left out
+            return tuple(v for v in value if isinstance(v, str))
         return tuple(_read(row, r) for r in value if isinstance(r, Mapping))
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return _read(kind, value if isinstance(value, Mapping) else {})

@@ -4,6 +4,8 @@ import re
 
 # a model's, alias's or LoRA adapter's name: what clients put in `model` and keys hold
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_ADAPTERS = 256  # adapters one replica may list (the catalog names at most this many)
+MAX_LORA_RANK = 512  # an adapter's rank, at most
 
 ROOT = "/cognitora/"
 NODES = ROOT + "nodes/"  # <node>: inventory, leased by the agent

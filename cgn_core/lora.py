@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cgn_core import lora_peft
+from cgn_core import keys, lora_peft
 from cgn_core.errors import InvalidRequest
 from cgn_core.lora_peft import PeftError
 from cgn_core.text.gguf_file import GGUFError, GGUFFile, dequantize
 
-MAX_RANK = 512
-MAX_PER_REPLICA = 256  # adapters one replica may list (the catalog names at most this many)
+MAX_RANK = keys.MAX_LORA_RANK
+MAX_PER_REPLICA = keys.MAX_ADAPTERS  # adapters one replica may list
 MAX_PAIRS = 4096  # 7 matrices in each of up to ~585 blocks
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _TENSOR = re.compile(r"^blk\.(\d{1,4})\.([a-z_]+)\.weight\.lora_([ab])$")

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from cgn_core.net import is_host_port
 
 RANK_ENGINES = frozenset({"vllm", "sglang"})  # multi-node replicas as ranks of one group
 LAUNCH_MODES = ("ray", "mp")  # vLLM: a Ray cluster, or its multiprocessing multi-node flags
@@ -109,3 +112,61 @@ def fp8_refusal(field: str, caps: Mapping[int, str]) -> str:
 def pipeline_parallel(devices: int, nodes: int, tensor_parallel: int) -> int:
     """Pipeline stages of `devices` × `nodes` GPUs split into tensor-parallel groups."""
     return max(1, devices * nodes // max(1, tensor_parallel))
+
+
+# ---- parts of a multi-node replica (records read them: replica status, placement) -----
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Where a replica's process stands in its replica: part `part` of `parts` (a layer
+    pipeline, part 0 the head on node `head`); (0, 1) for a replica on one node. A head's
+    placement names its stages' addresses once they are Ready; a stage's status its own."""
+
+    part: int = 0
+    parts: int = 1
+    head: str = ""
+    stages: tuple[str, ...] = ()  # a pipeline head's placement: each stage's host:port
+    # a stage's status: where it listens; a vLLM or SGLang rank 0's: its rendezvous point
+    address: str = ""
+    rendezvous: str = ""  # the placement of a vLLM or SGLang rank > 0: rank 0's address
+
+    @property
+    def multi(self) -> bool:
+        return self.parts > 1
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"part": self.part, "parts": self.parts, "head": self.head}
+        if self.stages:
+            doc["stages"] = list(self.stages)
+        if self.address:
+            doc["address"] = self.address
+        if self.rendezvous:
+            doc["rendezvous"] = self.rendezvous
+        return doc
+
+
+SINGLE = Part()
+
+
+def part_of(doc: Mapping[str, Any]) -> Part:
+    """A record's `pipeline` field; a malformed one reads as a single-node replica (the
+    parts it names cannot be trusted to add up)."""
+    p = doc.get("pipeline")
+    if not isinstance(p, Mapping):
+        return SINGLE
+    part, parts = p.get("part"), p.get("parts")
+    if not (isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts <= 64):
+        return SINGLE
+    if parts == 1:
+        return SINGLE
+    stages = p.get("stages")
+    address, rendezvous = p.get("address"), p.get("rendezvous")
+    return Part(
+        part,
+        parts,
+        str(p.get("head", ""))[:256],
+        tuple(s for s in stages if is_host_port(s))[:64] if isinstance(stages, list) else (),
+        str(address) if is_host_port(address) else "",
+        str(rendezvous) if is_host_port(rendezvous) else "",
+    )

@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast, get_args
 
-from cgn_core import multinode
+from cgn_core import keys, multinode
 from cgn_core.errors import CognitoraError
+from cgn_core.multinode import SINGLE, Part
 from cgn_core.net import is_host_port, is_ip
 
 log = logging.getLogger(__name__)
@@ -112,71 +113,19 @@ def flag(doc: Mapping[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
-def strings(doc: Mapping[str, Any], name: str) -> tuple[str, ...]:
+def strings(
+    doc: Mapping[str, Any], name: str, most: int = MAX_INT, form: re.Pattern[str] | None = None
+) -> tuple[str, ...]:
+    """A list of strings (each cut at MAX_TEXT); with `most` and `form`, at most that many,
+    each matching `form` whole."""
     value = doc.get(name)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise RecordError(f"'{name}' must be a list of strings")
+    if len(value) > most or (form is not None and not all(form.match(v) for v in value)):
+        raise RecordError(f"'{name}' must list at most {most} names")
     return tuple(v[:MAX_TEXT] for v in value)
-
-
-# ---- parts of a multi-node replica --------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Where a replica's process stands in its replica: part `part` of `parts` (a layer
-    pipeline, part 0 the head on node `head`); (0, 1) for a replica on one node. A head's
-    placement names its stages' addresses once they are Ready; a stage's status its own."""
-
-    part: int = 0
-    parts: int = 1
-    head: str = ""
-    stages: tuple[str, ...] = ()  # a pipeline head's placement: each stage's host:port
-    # a stage's status: where it listens; a vLLM or SGLang rank 0's: its rendezvous point
-    address: str = ""
-    rendezvous: str = ""  # the placement of a vLLM or SGLang rank > 0: rank 0's address
-
-    @property
-    def multi(self) -> bool:
-        return self.parts > 1
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"part": self.part, "parts": self.parts, "head": self.head}
-        if self.stages:
-            doc["stages"] = list(self.stages)
-        if self.address:
-            doc["address"] = self.address
-        if self.rendezvous:
-            doc["rendezvous"] = self.rendezvous
-        return doc
-
-
-SINGLE = Part()
-
-
-def _part(doc: Mapping[str, Any]) -> Part:
-    """A record's `pipeline` field; a malformed one reads as a single-node replica (the
-    parts it names cannot be trusted to add up)."""
-    p = doc.get("pipeline")
-    if not isinstance(p, Mapping):
-        return SINGLE
-    part, parts = p.get("part"), p.get("parts")
-    if not (isinstance(part, int) and isinstance(parts, int) and 0 <= part < parts <= 64):
-        return SINGLE
-    if parts == 1:
-        return SINGLE
-    stages = p.get("stages")
-    address, rendezvous = p.get("address"), p.get("rendezvous")
-    return Part(
-        part,
-        parts,
-        str(p.get("head", ""))[:256],
-        tuple(s for s in stages if is_host_port(s))[:64] if isinstance(stages, list) else (),
-        str(address) if is_host_port(address) else "",
-        str(rendezvous) if is_host_port(rendezvous) else "",
-    )
 
 
 # ---- the kinds ----------------------------------------------------------------------------
@@ -194,6 +143,7 @@ class ReplicaStatus:
     url: str = ""
     log_tail: tuple[str, ...] = ()
     part: Part = SINGLE
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds now, as the agent last saw
 
     @property
     def ready(self) -> bool:
@@ -211,6 +161,8 @@ class ReplicaStatus:
         }
         if self.part.multi:
             doc["pipeline"] = self.part.to_json()
+        if self.adapters:
+            doc["adapters"] = list(self.adapters)
         return doc
 
 
@@ -224,7 +176,8 @@ def replica_status(doc: Any) -> ReplicaStatus:
         restarts=integer(d, "restarts", 0),
         url=text(d, "url"),
         log_tail=strings(d, "log_tail"),
-        part=_part(d),
+        part=multinode.part_of(d),
+        adapters=strings(d, "adapters", keys.MAX_ADAPTERS, keys.NAME),
     )
 
 
@@ -278,7 +231,7 @@ def placement(doc: Any) -> Placement:
         devices=tuple(devices),
         owner=text(d, "owner"),
         profile=profile,
-        part=_part(d),
+        part=multinode.part_of(d),
     )
 
 

@@ -10,6 +10,7 @@ the catalog refuses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -101,7 +102,7 @@ def explain_placement(
 ) -> None:
     """Where one more replica of MODEL would go now: every candidate and what rejected it;
     for vLLM or SGLang across nodes, what each rank runs and its NCCL/Gloo environment."""
-    d, ranks = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
+    d, ranks, adapters = with_etcd(etcd, config, lambda c: cluster_ops.explain(c, model, role))
     data = {
         "model": d.model,
         "role": role or "",
@@ -112,6 +113,7 @@ def explain_placement(
             for c in d.candidates
         ],
         "ranks": ranks,
+        "adapters": [dataclasses.asdict(a) for a in adapters],
     }
     _emit(data, as_json, render.explain)
 

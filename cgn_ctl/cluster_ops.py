@@ -16,7 +16,12 @@ from cgn_control.cluster_reader import read_snapshot
 from cgn_control.decide.catalog import pool_label, pool_record
 from cgn_control.decide.cluster import node_views
 from cgn_control.decide.placement import Decision, place, rank_plan
-from cgn_control.decide.views import model_replicas, node_states
+from cgn_control.decide.views import (
+    AdapterResidency,
+    adapter_residency,
+    model_replicas,
+    node_states,
+)
 from cgn_core import keys, multinode
 from cgn_core.errors import InvalidRequest, NotFound
 from cgn_core.etcd import EtcdClient
@@ -117,6 +122,7 @@ async def replicas(client: EtcdClient, model: str | None = None) -> list[dict[st
                 "reason": st.reason if st else "",
                 "node_state": states.get(node, "unreachable"),
                 "part": _part(p, st),
+                "adapters": list(st.adapters) if st else [],
             }
         )
     return out
@@ -139,9 +145,9 @@ def _part(p: Placement, status: ReplicaStatus | None) -> str:
 
 async def explain(
     client: EtcdClient, name: str, role: str | None = None
-) -> tuple[Decision, list[dict[str, Any]]]:
-    """Where one more replica of model `name` (of its pool of `role`) would go now, and, for
-    vLLM or SGLang across nodes, how each rank would launch."""
+) -> tuple[Decision, list[dict[str, Any]], list[AdapterResidency]]:
+    """Where one more replica of model `name` (of its pool of `role`) would go now; for
+    vLLM or SGLang across nodes, how each rank would launch; where its adapters are."""
     snap = await read_snapshot(client)
     spec = snap.models.get(name)
     if spec is None:
@@ -151,7 +157,7 @@ async def explain(
         raise InvalidRequest(f"model {name!r} has no {role} pool (its pools: {', '.join(roles)})")
     sub = spec.for_role(role) if role else spec
     decision = place(sub, node_views(snap, node_states(snap)))
-    return decision, rank_plan(sub, decision, snap.nodes)
+    return decision, rank_plan(sub, decision, snap.nodes), adapter_residency(snap, name)
 
 
 async def explain_scaling(client: EtcdClient, name: str) -> dict[str, Any]:

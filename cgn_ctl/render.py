@@ -62,6 +62,7 @@ def replicas(rows: list[dict[str, Any]]) -> None:
         "devices",
         "phase",
         "restarts",
+        "adapters",
         "reason",
     )
     for r in rows:
@@ -76,9 +77,16 @@ def replicas(rows: list[dict[str, Any]]) -> None:
             ",".join(map(str, r["devices"])) or "-",
             r["phase"],
             str(r["restarts"]),
+            _few(r.get("adapters") or []),
             r["reason"] or "-",
         )
     console.print(t if rows else "no replicas")
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    """A list a table cell can hold: the first `shown` names, then how many more."""
+    more = f" +{len(names) - shown}" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more if names else "-"
 
 
 def explain(d: dict[str, Any]) -> None:
@@ -99,6 +107,12 @@ def explain(d: dict[str, Any]) -> None:
             env = " ".join(f"{k}={v}" for k, v in sorted(rank["env"].items()))
             r.add_row(str(rank["rank"]), rank["node"], rank["runs"], rank["rendezvous"], env)
         console.print(r)
+    if d.get("adapters"):
+        a = Table("adapter", "held by", "why")
+        for row in d["adapters"]:
+            pin = " (pinned)" if row["pin"] else ""
+            a.add_row(row["adapter"] + pin, _few(row["held_by"]), row["why"])
+        console.print(a)
 
 
 def explain_scaling(d: dict[str, Any]) -> None:

@@ -100,6 +100,7 @@ class Adapters:
             raise ValueError(f"adapter slots must be 1-{MAX_SLOTS}, got {slots}")
         self.model, self.base, self.args, self.layers = model, base, args, layers
         self.load_s = load_s  # added to each read: the sim backend's modelled load time
+        self.slots = slots
         self.tables = [(LoraLayer * slots)() for _ in range(layers)]
         self.by_name: dict[str, Adapter] = {}
         self.free = list(range(slots))
@@ -171,10 +172,14 @@ class Adapters:
         return self.install(name, self.read(path), pin=pin)[0]
 
     def unload(self, name: str) -> None:
-        """NotFound for an adapter not loaded; 400 while a request holds it."""
+        """NotFound for an adapter not loaded; 400 for a pinned one, or while a request
+        holds it."""
         with self._lock:
             if name not in self.by_name:
                 raise NotFound(f"the LoRA adapter '{name}' is not loaded", param="lora_name")
+            if self.by_name[name].pinned:
+                raise InvalidRequest(f"the LoRA adapter '{name}' is pinned (--lora): it stays "
+                                     "loaded", param="lora_name")  # fmt: skip
             if self.holds[name]:
                 held = f"the LoRA adapter '{name}' is serving {self.holds[name]} request(s)"
                 raise InvalidRequest(held, param="lora_name")

@@ -88,6 +88,9 @@ class EngineMetrics:
         doc = "1 for each LoRA adapter loaded (its slot held)."
         loaded = Gauge("cgn_infer_lora_loaded", doc, [*labels, "adapter"], registry=r)
         self.lora_loaded = PerAdapter(loaded, model)
+        self.lora_slots = gauge(
+            "cgn_infer_lora_slots", "LoRA adapters it holds at most (max_loras)."
+        )
         self.lora_load_seconds = hist(
             "cgn_infer_lora_load_seconds", "Time to load a LoRA adapter at run time.",
             (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),

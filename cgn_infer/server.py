@@ -107,8 +107,10 @@ class InferenceService:
         """The model is loaded: from now on requests run (once; a service never reloads)."""
         assert self.serving is None, "a service is given its engine once"
         self.serving = serving
-        for name in serving.adapters.listing() if serving.adapters else ():
-            self.metrics.lora_loaded.set(name)
+        if serving.adapters is not None:
+            self.metrics.lora_slots.set(serving.adapters.slots)
+            for name in serving.adapters.listing():
+                self.metrics.lora_loaded.set(name)
 
     def ready(self) -> Serving:
         """What serves requests; Unavailable (503) while the model loads."""

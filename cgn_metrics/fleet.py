@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from cgn_core.engine_metrics import PREFIXES, NameMap, name_map
+from cgn_core.engine_metrics import PREFIXES, NameMap, held_adapters, name_map
 from cgn_core.fleet_view import (
     FleetView,
     ModelView,
@@ -32,6 +32,7 @@ from cgn_core.fleet_view import (
     TenantView,
     Totals,
 )
+from cgn_core.keys import MAX_ADAPTERS
 from cgn_metrics.series import Ring, increase, quantile
 from cgn_metrics.targets import Fleet, Target
 
@@ -319,7 +320,15 @@ def _replica(s: Scraped, w: _Window, speeds: Mapping[str, tuple[float, float]]) 
         tokens_per_s=w.per_s(out_tokens) if s.signal("generation_tokens") else None,
         prefill_ms_per_token=speed[0],
         decode_ms_per_token=speed[1],
+        adapters=_adapters(s),
     )
+
+
+def _adapters(s: Scraped) -> tuple[str, ...]:
+    """What an engine holds: its endpoint record's adapters and those its page names."""
+    samples = ((name, dict(labels), value) for (name, labels), value in s.latest.items())
+    held = held_adapters(samples, MAX_ADAPTERS) | set(s.target.adapters)
+    return tuple(sorted(held))[:MAX_ADAPTERS]
 
 
 def _node(

@@ -41,6 +41,7 @@ class Target:
     # the engine's per-replica secret from its endpoint record, sent as a bearer token (an
     # engine the agent starts with one may guard /metrics too: llama.cpp does); never shown
     token: str = field(default="", repr=False, compare=False)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its endpoint record says it loaded
 
     @property
     def id(self) -> str:
@@ -148,6 +149,7 @@ def _engines(endpoints: Mapping[str, bytes], rec: RecordLog, revision: int) -> l
                 replica=f"{node}.{replica}" if node else replica,
                 token=doc["token"],
                 engine=doc["engine"],
+                adapters=doc["adapters"],
             )
         )
     return out
@@ -167,6 +169,7 @@ def _endpoint(doc: Any) -> dict[str, Any]:
         "model": records.text(d, "model"),
         "token": records.text(d, "api_token"),
         "engine": records.text(d, "engine"),
+        "adapters": records.strings(d, "adapters", keys.MAX_ADAPTERS, keys.NAME),  # at start
     }
 
 

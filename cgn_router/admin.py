@@ -183,6 +183,9 @@ async def _endpoints(svc: RouterService) -> web.Response:
                 # the drain clock and the lag (registry.py): what the time scorer adds
                 "queued_tokens": round(s.queued_tokens(now, speed, lag := s.lag(now, speed))),
                 "lag": round(lag, 2),
+                # LoRA adapters it holds (at start and at run time) and at most (#60)
+                "adapters": sorted(set(ep.adapters) | s.adapters),
+                "adapter_slots": s.adapter_slots,
             }
         )
     return web.json_response({"weights": svc.chain.weights, "endpoints": out})

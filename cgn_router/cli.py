@@ -44,6 +44,15 @@ def serve(
     ready_file: Annotated[
         Path | None, flag("--ready-file", "Write {pid, ports} here once serving.")
     ] = None,
+    epp: Annotated[
+        bool,
+        typer.Option(
+            "--epp",
+            help="Also serve as a Kubernetes gateway's endpoint picker (Envoy ext_proc, "
+            "Gateway API Inference Extension) on epp.port (9002), health on "
+            "epp.health_port (9003); one process (--workers 1). See docs/gateway.md.",
+        ),
+    ] = False,
     workers: Annotated[
         int | None,
         flag(
@@ -65,7 +74,8 @@ def serve(
         "admin.port": admin_port,
         "etcd.endpoints": etcd,
         "discovery": "static" if static else None,
-        "workers": workers,
+        "workers": 1 if epp and workers is None else workers,
+        "epp.enabled": "true" if epp else None,
     }.items():
         if value is not None:
             flags[key] = str(value)

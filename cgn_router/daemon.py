@@ -19,6 +19,7 @@ import ssl
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -51,7 +52,7 @@ from cgn_router.registry import Registry
 from cgn_router.routing.chain import RoutingChain
 from cgn_router.routing.kv_index import PrefixIndex, TierIndex
 from cgn_router.routing.lifecycle import Observer
-from cgn_router.scrape import engine_load, loaded_adapters, name_map
+from cgn_router.scrape import adapter_slots, engine_load, loaded_adapters, name_map
 from cgn_router.server import build_front
 from cgn_router.service import RouterService
 from cgn_router.sessions import Sessions
@@ -161,6 +162,7 @@ async def serve(
         admin = await listeners.admin()
         if worker is None:
             await listeners.openai()
+        picker = await listeners.picker()
         _log_start(settings, worker, listeners.ports)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -178,6 +180,8 @@ async def serve(
                 # NOTE: the OpenAI listener closes and drains first, the admin one last:
                 # /metrics and /healthz answer through the drain
                 await listeners.front.shutdown(listeners.drain_s)
+                if picker is not None:
+                    await picker.stop(listeners.drain_s)
                 await admin.cleanup()
                 raise _Stop
         except* _Stop:
@@ -232,6 +236,20 @@ class _Listeners:
         ssl_ctx = None if private else _listener_ssl("admin", settings)
         await web.SockSite(runner, sock, ssl_context=ssl_ctx).start()
         return runner
+
+    async def picker(self) -> Any:
+        """The endpoint picker (epp.py), where enabled: its servers, to stop at the end."""
+        settings = self.svc.settings
+        if not settings.epp.enabled:
+            return None
+        from cgn_router import epp  # gRPC and Envoy's stubs: loaded where the picker runs
+
+        if not settings.epp_tls.enabled:
+            warn_if_plaintext(log, "endpoint picker (ext_proc)", settings.epp_tls)
+        picker, self.ports["epp"], self.ports["epp_health"] = await epp.serve(
+            self.svc, settings.epp, settings.epp_tls
+        )
+        return picker
 
     async def openai(self) -> None:
         settings = self.svc.settings
@@ -356,6 +374,7 @@ async def _scrape_loop(svc: RouterService, session: aiohttp.ClientSession) -> No
         state.load, state.scrape_error = load, "" if load else "no load metrics on the page"
         if state.endpoint.engine in RUNTIME_LORA_ENGINES:  # what it holds now (#60)
             state.adapters = loaded_adapters(text)
+            state.adapter_slots = adapter_slots(text)
         svc.registry.requeue(state, time.monotonic())
 
     while True:  # one pass: every endpoint once, in even slices over the pass's period

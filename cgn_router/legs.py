@@ -24,6 +24,7 @@ from cgn_router.context import RequestContext
 from cgn_router.hold import HOLD_MAX_S
 from cgn_router.proxy import AttemptFailed, Call, Relayed
 from cgn_router.registry import Lease
+from cgn_router.routing.chain import Decision
 from cgn_router.routing.disagg import costs, decide
 from cgn_router.routing.lifecycle import (
     Account,
@@ -90,11 +91,18 @@ def route(
     svc: RouterService, req: RequestInfo, tried: frozenset[EndpointId], acct: Account
 ) -> EndpointView | None:
     """The endpoint the chain picks (None: no candidate left)."""
+    return route_decision(svc, req, tried, acct).view
+
+
+def route_decision(
+    svc: RouterService, req: RequestInfo, tried: frozenset[EndpointId], acct: Account
+) -> Decision:
+    """The chain's decision, every candidate's total with it, on the record (Routed)."""
     started = time.perf_counter_ns()
     decision = svc.route(req, tried)
     took = time.perf_counter_ns() - started
     acct.emit(Routed(req.model, req.role, decision, svc.chain.weights, took))
-    return decision.view
+    return decision
 
 
 async def attempt(

@@ -226,6 +226,35 @@ def _with_adapter(payload: bytes, ep: Endpoint, adapter: tuple[str, float] | Non
     return json.dumps(body, ensure_ascii=False).encode()
 
 
+def upstream_request(call: Call) -> tuple[dict[str, str], bytes]:
+    """The headers and body `call` goes to its endpoint with (the proxy sends them; the
+    endpoint picker hands them to the gateway that does): the engine's secret, the
+    request's priority, KV salt and adapter in the engine's own fields."""
+    ep = call.endpoint
+    headers = {"Content-Type": "application/json", **bearer_header(ep.token)}
+    if call.request_id:
+        headers["x-request-id"] = call.request_id
+    if call.priority is not None:
+        headers[PRIORITY_HEADER] = str(call.priority)
+    payload = call.payload
+    if call.kv_salt is not None:
+        headers[KV_SALT_HEADER] = call.kv_salt
+        if ep.engine in BODY_SALT_ENGINES:
+            payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
+    if call.adapter is not None or (ep.adapters and ep.engine in LORA_ID_ENGINES):
+        payload = _with_adapter(payload, ep, call.adapter)
+    if call.track:
+        # NOTE: a continuation rewritten from /v1/completions (`translate`) is read from
+        # its events, kept: a cgn-infer taking one writes no ids lines to rewrite
+        if call.translate is None:
+            headers[resume.IDS_HEADER] = "1"
+        if ep.engine in RETURN_IDS_ENGINES:
+            payload = _with_field(payload, RETURN_IDS_FIELD, True)
+    if call.trace_headers:
+        headers.update(call.trace_headers)
+    return headers, payload
+
+
 class Proxy:
     def __init__(
         self, upstream: Upstream, deadlines: DeadlineSettings, max_response_bytes: int = 64 << 20
@@ -237,33 +266,11 @@ class Proxy:
         self.watches: dict[str, set[Watch]] = {}  # endpoint -> its tracked streams (withdraw)
 
     def _post(self, call: Call) -> Awaitable[Response]:
-        ep = call.endpoint
-        headers = {
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",  # the answer is relayed, parsed for usage and events
-            **bearer_header(ep.token),
-        }
-        if call.request_id:
-            headers["x-request-id"] = call.request_id
-        if call.priority is not None:
-            headers[PRIORITY_HEADER] = str(call.priority)
-        payload = call.payload
-        if call.kv_salt is not None:
-            headers[KV_SALT_HEADER] = call.kv_salt
-            if ep.engine in BODY_SALT_ENGINES:
-                payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
-        if call.adapter is not None or (ep.adapters and ep.engine in LORA_ID_ENGINES):
-            payload = _with_adapter(payload, ep, call.adapter)
-        if call.track:
-            # NOTE: a continuation rewritten from /v1/completions (`translate`) is read from
-            # its events, kept: a cgn-infer taking one writes no ids lines to rewrite
-            if call.translate is None:
-                headers[resume.IDS_HEADER] = "1"
-            if ep.engine in RETURN_IDS_ENGINES:
-                payload = _with_field(payload, RETURN_IDS_FIELD, True)
-        if call.trace_headers:
-            headers.update(call.trace_headers)
-        return self.upstream.post(ep.url, call.path, payload, headers, self.deadlines.connect_s)
+        headers, payload = upstream_request(call)
+        headers["Accept-Encoding"] = "identity"  # the answer is relayed, parsed for usage
+        return self.upstream.post(
+            call.endpoint.url, call.path, payload, headers, self.deadlines.connect_s
+        )
 
     async def run(self, request: Request, call: Call, lease: FirstByte) -> Relayed:
         """Send `call` upstream and relay the answer to `request`'s client."""

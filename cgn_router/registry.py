@@ -76,7 +76,7 @@ class EndpointState:
     queued_at: float = 0.0
     # LoRA adapters loaded at run time, as last scraped and since loaded by this router
     adapters: set[str] = field(default_factory=set)
-    adapter_used: dict[str, float] = field(default_factory=dict)  # last asked for, here
+    adapter_slots: int | None = None  # how many it holds at most, as scraped (None: unknown)
 
     def holds(self, adapter: str) -> bool:
         """Whether LoRA `adapter` is loaded here (at start, or at run time)."""

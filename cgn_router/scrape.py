@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import re
 
-from cgn_core.engine_metrics import NAME_MAPS, VLLM, NameMap, name_map, parse_samples
+from cgn_core.engine_metrics import (
+    LORA_LOADED,
+    LORA_SLOTS,
+    NAME_MAPS,
+    VLLM,
+    NameMap,
+    name_map,
+    parse_samples,
+)
+from cgn_core.keys import MAX_ADAPTERS as MAX_PER_REPLICA
 from cgn_core.keys import NAME
-from cgn_core.lora import MAX_PER_REPLICA
 from cgn_router.types import EngineLoad
 
 __all__ = [
     "NAME_MAPS",
     "VLLM",
     "NameMap",
+    "adapter_slots",
     "engine_load",
     "loaded_adapters",
     "name_map",
     "parse_samples",
 ]
-LORA_LOADED = "cgn_infer_lora_loaded"  # cgn-infer's gauge: 1 per adapter it holds
 _ADAPTER_LABEL = re.compile(r'[{,]adapter="([^"\\]{1,128})"')
 
 
@@ -44,6 +52,13 @@ def engine_load(text: str, names: NameMap, now: float) -> EngineLoad | None:
         min(max(kv or 0.0, 0.0), 1.0),
         now,
     )
+
+
+def adapter_slots(text: str) -> int | None:
+    """How many adapters a cgn-infer page says it holds at most (`cgn_infer_lora_slots`);
+    None where it does not say, or says something no engine could mean."""
+    slots = parse_samples(text, {LORA_SLOTS}).get(LORA_SLOTS)
+    return int(slots) if slots is not None and 1 <= slots <= MAX_PER_REPLICA else None
 
 
 def loaded_adapters(text: str) -> set[str]:

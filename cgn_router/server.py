@@ -31,41 +31,29 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from cgn_core.errors import (
     BadGateway,
     CognitoraError,
-    InvalidRequest,
     MethodNotAllowed,
     NotFound,
-    RateLimited,
     Unauthorized,
     Unavailable,
     UpstreamTimeout,
 )
 from cgn_core.h1 import Handler, Reply, Request, Server, StreamReply
-from cgn_core.http import CACHE_SALT_FIELD, parse_json
-from cgn_core.kv.blockhash import adapter_salt
-from cgn_core.kv.transfer import FIELD as TRANSFER_FIELD
-from cgn_core.openai.request import LORA_FIELD, LORA_SCALE_FIELD, lora_scale, sampling_fields
-from cgn_core.openai.resume import FIELD as RESUME_FIELD
 from cgn_router.adapters import place
-from cgn_router.auth import Principal, may_use, visible
+from cgn_router.admit import Admission, admission, budgeted, hash_prompt, own
+from cgn_router.auth import visible
 from cgn_router.context import RequestContext
 from cgn_router.legs import PATHS, attempt, disaggregate, held, route
 from cgn_router.load_signals import WINDOW_S
 from cgn_router.migration import migrate
-from cgn_router.prompts import CHARS_PER_TOKEN, HashedPrompt
 from cgn_router.proxy import AttemptFailed, Relayed
 from cgn_router.routing.lifecycle import (
     Account,
-    Admitted,
-    Asked,
     Ended,
     Fallback,
-    Hashed,
     Refused,
     Retried,
     Unrouted,
@@ -134,152 +122,46 @@ async def _handle_accounted(
     except Unauthorized:
         acct.emit(Refused("-", "unauthorized"))
         raise
-    if svc.ledger is not None:
-        try:  # NOTE: before the body is read: a tenant out of budget costs nothing more
-            svc.ledger.admit(who.tenant, who.key_id)
-        except RateLimited:
-            acct.emit(Refused(who.band, "budget_exhausted"))
-            raise
+    budgeted(svc, who, acct)
     raw = await request.read(svc.settings.http.body_timeout_s)
-    body, model, adapter, stream = _parse(svc, kind, raw, who, acct)
-    scale = lora_scale(body) if adapter else 1.0
-    salt = adapter_salt(who.kv_salt, adapter, scale)  # an adapter's KV is never its base's
-    estimate = len(raw) // CHARS_PER_TOKEN
-    try:
-        svc.limiter.acquire(who, estimate)
-    except RateLimited:
-        acct.emit(Refused(who.band, "rate_limited"))
-        raise
-    completion = cached = 0
-    try:
-        prompt = await _hash_off_loop(svc, kind, model, body, len(raw), acct, salt)
-        if prompt.tokens:
-            try:
-                svc.limiter.settle(who, estimate, prompt.tokens)
-            except RateLimited:
-                acct.emit(Refused(who.band, "rate_limited"))
-                raise
-        weight = who.record.weight if who.record is not None else 1.0
-        cost = float(prompt.tokens or estimate)
-        waited = (
-            await svc.gate.enter(who.band, who.tenant, model, cost, weight) if svc.gate else 0.0
-        )
-        acct.emit(Admitted(waited))
-        try:
-            admitted = (who, acct.started, waited)
-            ctx = _context(svc, request, kind, body, raw, model, stream, prompt, admitted)
-            if adapter is not None:
-                # NOTE: no fallback (another model has not this adapter); engines get the
-                # tenant's salt and salt an adapter's blocks themselves, as `salt` did here
-                ctx = dataclasses.replace(ctx, chain=(model,), adapter=(adapter, scale))
-            relayed = await _serve(svc, request, ctx, acct)
-            if relayed.usage is not None:
-                completion = relayed.usage.completion_tokens
-                cached = min(relayed.usage.cached_tokens, int(cost))  # work nobody computed
-        finally:
-            if svc.gate:
-                charge = float(completion - cached)
-                svc.gate.leave(model, (who.band, who.tenant, charge, weight))
+    async with admission(svc, kind, raw, who, acct) as adm:
+        ctx = _context(svc, request, kind, adm, raw)
+        if adm.adapter is not None:
+            # NOTE: no fallback (another model has not this adapter); engines get the
+            # tenant's salt and salt an adapter's blocks themselves, as `salt` did here
+            ctx = dataclasses.replace(ctx, chain=(adm.model,), adapter=(adm.adapter, adm.scale))
+        relayed = await _serve(svc, request, ctx, acct)
+        adm.settle(relayed.usage)
         return relayed
-    finally:
-        svc.limiter.release(who, completion)
-
-
-def _parse(
-    svc: RouterService, kind: str, raw: bytes, who: Principal, acct: Account
-) -> tuple[dict[str, Any], str, str | None, bool]:
-    """(body, the model it means, the LoRA adapter it names, stream?) of a request body;
-    400 or 404 when it is wrong. A model (or adapter) outside `who`'s scope is a 404 worded
-    as for one that does not exist, and the 404 names only the models and adapters `who`
-    may use: a key learns nothing of the others. A key's scope reaches an adapter where it
-    names the adapter (or is "*"): naming its base is not enough."""
-    body = parse_json(raw)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    asked = body.get("model")
-    if not isinstance(asked, str) or not asked:
-        raise InvalidRequest("'model' is required", param="model")
-    acct.emit(Asked(asked, who.tenant, who.band, who.key_id))
-    for field in (TRANSFER_FIELD, RESUME_FIELD):  # an engine dials what the first names, and
-        if field in body:  # the second passes someone else's tokens off as the model's
-            raise InvalidRequest(f"'{field}' is set by the router only", param=field)
-    if CACHE_SALT_FIELD in body:  # NOTE: a client's salt would let it join another's cache
-        raise InvalidRequest(
-            f"'{CACHE_SALT_FIELD}' is set by the router from your API key's tenant (or its "
-            "kv_share_group): leave it out",
-            param=CACHE_SALT_FIELD,
-        )
-    # What cgn-infer would refuse for its generation fields is refused here, before any work.
-    stream = kind != "embeddings" and sampling_fields(kind, body).stream
-    model, adapter = svc.model_for(asked), None
-    if model is None and (base := svc.catalog.adapters().get(asked)) is not None:
-        model, adapter = base, asked
-    _check_lora_fields(body, adapter)
-    if model is None or not may_use(who, adapter or model):
-        names = {**svc.known_models(), **_own(svc.catalog.adapters())}
-        known = ", ".join(sorted(visible(who, names))) or "none"
-        scoped = "" if who.record is None else " or this key may not use it"
-        raise NotFound(
-            f"model '{asked}' does not exist{scoped} (known: {known})",
-            code="model_not_found",
-            param="model",
-        )
-    acct.model, acct.adapter = model, adapter or ""
-    return body, model, adapter, stream
-
-
-def _check_lora_fields(body: Mapping[str, Any], adapter: str | None) -> None:
-    """A request names its adapter in `model` and may scale it (`lora_scale`, what
-    llama.cpp's `lora` field's scale means: 1 the adapter as trained, 0 the base); the
-    router writes the engine's own fields (an engine's adapter ids are its own)."""
-    if LORA_FIELD in body:
-        why = f"'{LORA_FIELD}' is set by the router: name the LoRA adapter in 'model'"
-        raise InvalidRequest(f"{why} (and scale it with '{LORA_SCALE_FIELD}')", param=LORA_FIELD)
-    if LORA_SCALE_FIELD in body:
-        if adapter is None:
-            raise InvalidRequest(f"'{LORA_SCALE_FIELD}' scales a LoRA adapter: name one in "
-                                 "'model'", param=LORA_SCALE_FIELD)  # fmt: skip
-        lora_scale(body)
-
-
-def _own(adapters: Mapping[str, str]) -> dict[str, str]:
-    """Adapter → itself: `visible` checks a key's scope against an adapter's own name."""
-    return {a: a for a in adapters}
 
 
 def _context(
-    svc: RouterService,
-    request: Request,
-    kind: str,
-    body: dict[str, Any],
-    raw: bytes,
-    model: str,
-    stream: bool,
-    prompt: HashedPrompt,
-    admitted: tuple[Principal, float, float],  # who, when the request came, how long it queued
+    svc: RouterService, request: Request, kind: str, adm: Admission, raw: bytes
 ) -> RequestContext:
-    who, started, waited = admitted
+    body, who = adm.body, adm.who
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     session = request.headers.get(svc.settings.routing.session_header) or body.get("user")
-    entry = svc.catalog.entry(model)
+    entry = svc.catalog.entry(adm.model)
     rid = request.headers.get("x-request-id", "")
     return RequestContext(
         kind=kind,
         asked=body["model"],
-        chain=(model, *(entry.fallbacks if entry else ())),
+        chain=(adm.model, *(entry.fallbacks if entry else ())),
         body=body,
         raw=raw,
-        stream=stream,
-        strip_usage=stream and not wants_usage,
+        stream=adm.stream,
+        strip_usage=adm.stream and not wants_usage,
         session=session if isinstance(session, str) else None,
         band=who.band,
         priority=svc.engine_priority(who.band),
         kv_salt=who.kv_salt,
-        started=started,
-        deadline=started + svc.settings.deadlines.total_s,
-        prompt=prompt,
-        response_headers={"x-cgn-queue-ms": str(round(waited * 1000))} if waited > 0 else {},
+        started=adm.started,
+        deadline=adm.started + svc.settings.deadlines.total_s,
+        prompt=adm.prompt,
+        response_headers=(
+            {"x-cgn-queue-ms": str(round(adm.waited * 1000))} if adm.waited > 0 else {}
+        ),
         request_id="" if "\r" in rid or "\n" in rid else rid,
     )
 
@@ -297,7 +179,7 @@ async def _serve(
         prompt = (
             ctx.prompt
             if served == ctx.model
-            else _hash(svc, ctx.kind, served, ctx.body, acct, ctx.kv_salt)
+            else hash_prompt(svc, ctx.kind, served, ctx.body, acct, ctx.kv_salt)
         )
         # a model with a prefill pool: the request goes to a decode (or both) replica, and
         # maybe (_disaggregate) its prompt to a prefill replica first
@@ -385,50 +267,6 @@ def _no_answer(
     return BadGateway(f"no engine could serve the request: {last.message}", code=last.cause)
 
 
-async def _hash_off_loop(
-    svc: RouterService,
-    kind: str,
-    model: str,
-    body: dict[str, Any],
-    size: int,
-    acct: Account,
-    salt: str | None,
-) -> HashedPrompt:
-    """`_hash`, on a worker thread when the body is big enough to stall other streams (the
-    record is emitted back on the loop: observers are not shared with threads)."""
-    if size < OFF_LOOP_BYTES:
-        return _hash(svc, kind, model, body, acct, salt)
-    hashed = await asyncio.to_thread(_prompt, svc, kind, model, body, salt)
-    return _noted(hashed, model, acct)
-
-
-def _hash(
-    svc: RouterService,
-    kind: str,
-    model: str,
-    body: Mapping[str, Any],
-    acct: Account,
-    salt: str | None,
-) -> HashedPrompt:
-    return _noted(_prompt(svc, kind, model, body, salt), model, acct)
-
-
-def _noted(hashed: HashedPrompt, model: str, acct: Account) -> HashedPrompt:
-    """`hashed`, its method recorded (an embedding's prompt is not hashed: no record)."""
-    if hashed.method != "none":
-        acct.emit(Hashed(model, hashed.method))
-    return hashed
-
-
-def _prompt(
-    svc: RouterService, kind: str, model: str, body: Mapping[str, Any], salt: str | None
-) -> HashedPrompt:
-    """The prompt's block hashes, salted by its tenant's `salt` (None: unsalted)."""
-    if kind == "embeddings":
-        return HashedPrompt((), 0, "none")
-    return svc.catalog.hasher(model).hash(kind, body, salt)
-
-
 async def _models(svc: RouterService, request: Request) -> Reply:
     try:  # listing models needs a key too, as on OpenAI's API
         who = svc.principal(request.headers.get("Authorization"))
@@ -446,7 +284,7 @@ async def _models(svc: RouterService, request: Request) -> Reply:
         for name, model in sorted(visible(who, svc.known_models()).items())
     ]
     adapters = svc.catalog.adapters()
-    for a in sorted(visible(who, _own(adapters))):  # as vLLM lists one: its base as parent
+    for a in sorted(visible(who, own(adapters))):  # as vLLM lists one: its base as parent
         base = adapters[a]
         data.append({"id": a, "object": "model", "created": svc.created,
                      "owned_by": "cognitora", "root": base, "parent": base})  # fmt: skip

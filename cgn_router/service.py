@@ -57,6 +57,8 @@ class AdapterLoads:
 
     pending: dict[tuple[EndpointId, str], asyncio.Task[bool]] = field(default_factory=dict)
     background: set[asyncio.Task[bool]] = field(default_factory=set)
+    # each adapter's requests, decayed: (count as of `at`, at); which one a load evicts
+    asked: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

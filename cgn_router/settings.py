@@ -125,6 +125,9 @@ class RoutingSettings:
     adapter_placement: Literal["residency", "random"] = "residency"
     adapter_widen_queue: int = ranged(4, 1, 1 << 20)
     adapter_load_s: float = ranged(30.0, 0.1, 600)  # the most a request waits for a load
+    # an adapter's request count halves over this: a full replica unloads the adapter
+    # with the fewest (residency; the engine's own LRU evicts with `random`)
+    adapter_half_life_s: float = ranged(300.0, 1, 86400)
 
     def index_budget_bytes(self) -> int:
         if self.index_budget_mb:
@@ -252,6 +255,23 @@ INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 
 @dataclass(frozen=True, slots=True)
+class EppSettings:
+    """The endpoint picker for a Kubernetes gateway (cgn_router/epp.py, issue #61): Envoy's
+    ext_proc over gRPC, beside the OpenAI surface. Off unless enabled (`serve --epp`);
+    GIE's default ports."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"  # 0.0.0.0 in a pod: the gateway dials it
+    port: int = ranged(9002, 0, 65535)  # ext_proc (0: any free port)
+    health_port: int = ranged(9003, 0, 65535)  # grpc.health.v1: liveness, readiness
+    body_timeout_s: float = ranged(60.0, 0.01, 3600)  # a request body must end within this
+    metadata_namespace: str = "envoy.lb"  # of the destination (and the served endpoint)
+    subset_namespace: str = "envoy.lb.subset_hint"  # of the gateway's subset hint
+    fallbacks: int = ranged(2, 0, 16)  # endpoints the gateway may retry after the chosen one
+    max_streams: int = ranged(4096, 1, 1 << 20)  # ext_proc streams (requests) at once
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSettings:
     http: ListenSettings = ListenSettings(port=8080)  # the OpenAI surface
     admin: ListenSettings = ListenSettings(port=9091)  # /metrics, /healthz, /readyz
@@ -288,6 +308,9 @@ class RouterSettings:
     # memory whole. Streamed answers are relayed line by line (one line: at most 16 MiB).
     max_response_bytes: int = ranged(64 << 20, 1024, 1 << 34)
     tracing: TracingSettings = TracingSettings()  # OpenTelemetry spans (cgn_core/tracing.py)
+    epp: EppSettings = EppSettings()  # the endpoint picker for a Kubernetes gateway (#61)
+    # mutual TLS on the endpoint picker (the gateway presents a client certificate)
+    epp_tls: TlsSettings = TlsSettings()
 
     def check(self) -> None:
         """The root's own ranges, then the rules across settings."""
@@ -303,6 +326,11 @@ class RouterSettings:
             raise ConfigError(
                 "auth.enabled needs etcd (API keys live in /cognitora/keys/); "
                 "set auth.enabled: false for a router-only run"
+            )
+        if self.epp.enabled and self.workers != 1:
+            raise ConfigError(
+                "epp.enabled: the endpoint picker runs in a single router process; set "
+                "workers: 1 (--workers 1)"
             )
         instance = self.budgets.instance
         if instance and not INSTANCE.match(instance):

@@ -11,9 +11,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -309,6 +309,7 @@ class Router:
     url: str  # the OpenAI surface
     admin: str  # /metrics, /healthz, /readyz, /endpoints
     proc: subprocess.Popen[bytes]
+    ports: Mapping[str, int] = field(default_factory=dict)  # every listener's (epp: #61)
 
 
 @contextmanager
@@ -341,7 +342,7 @@ def cgn_router(
     try:
         ports = wait_ready_file(ready, timeout_s=60, proc=proc)["ports"]
         yield Router(
-            f"http://127.0.0.1:{ports['http']}", f"http://127.0.0.1:{ports['admin']}", proc
+            f"http://127.0.0.1:{ports['http']}", f"http://127.0.0.1:{ports['admin']}", proc, ports
         )
     finally:
         stop(proc)

@@ -161,6 +161,16 @@ async def test_placements_become_ready_engines_serving_through_their_endpoints(
             r = await asyncio.to_thread(httpx.post, ep["url"] + "/v1/load_lora_adapter",
                                         json=body, headers=auth, timeout=60)  # fmt: skip
             assert r.status_code == status, r.text
+        assert infer["status"]["adapters"] == ["smol-fr"]
+        assert llama["status"]["adapters"] == ["smol-sql"]
+
+        async def loaded() -> list[str] | None:  # the next probe sees what the engine holds
+            adapters = (await get(c, status_key(INFER)))["adapters"]
+            return adapters if "x200" in adapters else None
+
+        assert await eventually(loaded, "the status to list x200", timeout_s=20) == [
+            "smol-fr", "x200"
+        ]  # fmt: skip
         assert infer["status"]["pid"] > 0 and infer["status"]["log_tail"]
         # The engine answers its router only: the secret is in its endpoint record.
         assert len(ep["api_token"]) > 30 and len(llama["endpoint"]["api_token"]) > 30

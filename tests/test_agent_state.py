@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from cgn_agent.inventory.nvidia import GpuProcess
 from cgn_agent.node import stray_engine_pids
 from cgn_agent.processes import EngineProcess, fingerprint, log_tail, matches, spawn
 from cgn_agent.publisher import Publisher
-from cgn_agent.runner import ReplicaRunner, RunnerContext
+from cgn_agent.runner import Probed, ReplicaRunner, RunnerContext
 from cgn_agent.spec import EngineProfile, ReplicaId, ReplicaSpec
 from cgn_agent.statefile import ReplicaRecord, StateStore
 from cgn_agent.supervisor import Phase, Policy
@@ -128,6 +129,18 @@ async def test_publisher_sends_changes_and_everything_after_an_outage() -> None:
     pub.resync = True  # a new lease: every key again, under it
     await pub.flush(etcd, lease=9)
     assert etcd.kv == {"/a": ('{"x":3}', 9)}
+
+
+def test_a_replica_whose_adapters_changed_says_so_as_it_stops() -> None:
+    """#60: a new set of start-loaded adapters restarts the replica, and its status says
+    why; any other change is a changed placement."""
+    from cgn_agent.node import _changed
+    from cgn_agent.spec import LoraFile
+
+    lora = (LoraFile("sql", "/m/sql.gguf"),)
+    adapted = dataclasses.replace(SPEC, profile=dataclasses.replace(SPEC.profile, lora=lora))
+    assert _changed(SPEC, adapted).startswith("adapters changed: restarting with the new set")
+    assert _changed(SPEC, dataclasses.replace(SPEC, port=8002)) == "placement changed"
 
 
 def test_stray_engines_are_engines_holding_gpus_that_we_did_not_start() -> None:
@@ -239,8 +252,8 @@ def running(marker: str) -> bool:
 
 
 class NeverReady:
-    async def probe(self, launch: Launch, served: str) -> tuple[bool, bool, str]:
-        return False, False, "not probed in this test"
+    async def probe(self, launch: Launch, served: str) -> Probed:
+        return Probed(False, False, "not probed in this test")
 
     async def in_flight(self, launch: Launch) -> int | None:
         return None

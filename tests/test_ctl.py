@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cgn_core.etcd.local import LocalEtcd
-from harness.procs import etcd_put
+from harness.procs import etcd_put, etcd_run
 
 pytestmark = pytest.mark.etcd
 CTL = str(Path(sys.executable).parent / "cgn-ctl")
@@ -152,6 +152,20 @@ def test_an_adapter_of_another_base_is_refused_at_apply_naming_both(
     assert res.returncode == 0, res.stderr
     stored = ok_json(etcd, "models", "get", "lora-m")
     assert stored["adapters"] == {"sql": {"source": str(good)}} and stored["max_adapters"] == 4
+    # where it is loaded, as the agents' status records say, and why
+    place, status = "/cognitora/placements/c9/r-a", "/cognitora/replicas/c9/r-a"
+    etcd_put(etcd.endpoint, place, {"model": "lora-m", "engine": "cgn_infer"})
+    etcd_put(etcd.endpoint, status, {"phase": "Ready", "model": "lora-m", "adapters": ["sql"]})
+    [row] = ok_json(etcd, "replicas", "--model", "lora-m")
+    assert row["adapters"] == ["sql"] and row["phase"] == "Ready"
+    [sql] = ok_json(etcd, "explain-placement", "lora-m")["adapters"]
+    assert sql == {"adapter": "sql", "source": str(good), "pin": False, "held_by": ["c9/r-a"],
+                   "why": "cgn_infer: loaded on demand where the router sends its requests; "
+                          "the least recently used idle adapter is evicted past max_adapters 4"}  # fmt: skip
+    text = ctl(etcd, "explain-placement", "lora-m").stdout
+    assert "held by" in text and "c9/r-a" in text and "loaded on demand" in text
+    etcd_run(etcd.endpoint, lambda c: c.delete("/cognitora/placements/c9/", prefix=True))
+    etcd_run(etcd.endpoint, lambda c: c.delete("/cognitora/replicas/c9/", prefix=True))
     assert ctl(etcd, "models", "delete", "lora-m").returncode == 0
 
 
@@ -172,7 +186,8 @@ def test_nodes_replicas_explain_cordon_and_status(etcd: LocalEtcd, tmp_path: Pat
     assert nodes["gone"]["state"] == "unreachable" and nodes["gone"]["replicas"] == ["r9"]
     reps = ok_json(etcd, "replicas")
     assert reps == [{"replica": "r9", "node": "gone", "model": "small", "engine": "cgn_infer", "role": "both", "devices": [],
-                     "phase": "Pending", "url": None, "restarts": 0, "reason": "", "node_state": "unreachable", "part": ""}]  # fmt: skip
+                     "phase": "Pending", "url": None, "restarts": 0, "reason": "", "node_state": "unreachable", "part": "",
+                     "adapters": []}]  # fmt: skip
     why = ok_json(etcd, "explain-placement", "gpu-model")
     assert why["profile"] is None
     assert {c["node"]: c["reason"] for c in why["candidates"]} == {

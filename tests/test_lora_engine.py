@@ -22,6 +22,7 @@ from cgn_infer.models import args_from_gguf
 from harness.lora import write_adapter, write_peft
 from harness.metrics import metric
 from harness.parity import PROMPTS, reference_top2
+from harness.poll import until
 from harness.procs import cgn_infer, cgn_infer_engines, cgn_router, llamacpp
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -257,6 +258,8 @@ def test_a_full_set_of_pinned_or_held_adapters_refuses_a_load(
         adapters.install("a3", adapters.read(files["a1"]))
     with pytest.raises(InvalidRequest, match="serving 1 request"):
         adapters.unload("a2")
+    with pytest.raises(InvalidRequest, match="pinned"):
+        adapters.unload("a1")
     adapters.release("a2")
     _, evicted = adapters.install("a3", adapters.read(files["a1"]))
     assert evicted == "a2" and set(adapters.listing()) == {"a1", "a3"}
@@ -292,3 +295,32 @@ def test_requests_go_where_their_adapter_is_and_load_where_it_is_not(
             loads = metric(router.admin, "cgn_router_adapter_loads_total", model="smol",
                            result="loaded")  # fmt: skip
             assert loads == 2
+
+
+def test_a_full_replica_makes_room_by_its_least_asked_for_adapter(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """One engine with two slots: a1 asked for 3 times, then a2 once. A third adapter
+    unloads a2, asked for least, where the engine's own LRU would have evicted a1."""
+    here = files["a1"].parent
+    sim = ("--backend", "sim", "--speed", "20", "--model-name", "smol",
+           "--set", "max_loras=2", "--set", "sim.lora_load_s=0.1", "--set", f"lora_dirs={here}")  # fmt: skip
+    with cgn_infer_engines(tmp_path, 1, *sim) as [engine]:
+        adapters = {"a1": str(files["a1"]), "a2": str(files["a2"]), "a3": str(files["a1"])}
+        config = {"models": {"smol": {"adapters": adapters, "tokenizer": str(smollm2())}},
+                  "endpoints": {"e": {"url": engine.url, "model": "smol"}}}  # fmt: skip
+        with cgn_router(tmp_path, config) as router:
+            for model in ("a1", "a1", "a1", "a2"):
+                assert complete(router.url, model, "Hi")["model"] == model
+
+            def scraped() -> bool:  # the router knows the engine is full
+                [ep] = httpx.get(router.admin + "/endpoints", timeout=10).json()["endpoints"]
+                return bool(ep["adapter_slots"] == 2 and ep["adapters"] == ["a1", "a2"])
+
+            until("the router to scrape the engine's slots", scraped, timeout_s=20)
+            assert complete(router.url, "a3", "Hi")["model"] == "a3"
+            held = {
+                m["id"] for m in httpx.get(engine.url + "/v1/models", timeout=10).json()["data"]
+            }
+            assert held == {"smol", "a1", "a3"}
+            assert metric(engine.url, "cgn_infer_lora_evictions_total", model_name="smol") == 0

@@ -232,6 +232,36 @@ def test_each_replica_shows_the_speed_a_router_learned_of_it() -> None:
     assert rows["b"]["prefill_ms_per_token"] is None and rows["b"]["decode_ms_per_token"] is None
 
 
+def test_each_replica_shows_the_adapters_it_holds_in_its_engines_vocabulary() -> None:
+    """#60: cgn-infer's `cgn_infer_lora_loaded{adapter}` 1s; vLLM's newest
+    `vllm:lora_requests_info` (older label sets linger; the value is when it was set);
+    and what the endpoint record says it loaded at start. Bad names are left out."""
+
+    def info(running: str, waiting: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        labels = (("max_lora", "4"), ("running_lora_adapters", running),
+                  ("waiting_lora_adapters", waiting))  # fmt: skip
+        return "vllm:lora_requests_info", labels
+
+    def loaded(name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return "cgn_infer_lora_loaded", (("adapter", name),)
+
+    infer = scraped(
+        Target("engine", "http://a:8000", node="a", model="m", replica="a.r", engine="cgn-infer",
+               adapters=("pinned",)),
+        {("vllm:num_requests_running", M): [0.0] * 4, loaded("sql"): [1.0] * 4,
+         loaded("gone"): [1.0, 1.0, 1.0, 0.0], loaded("../x"): [1.0] * 4},
+        TIMES,
+    )  # fmt: skip
+    vllm = scraped(
+        Target("engine", "http://b:8000", node="b", model="m", replica="b.r", engine="vllm"),
+        {("vllm:num_requests_running", M): [0.0] * 4, info("old", ""): [1.7e9] * 4,
+         info("fr,de", "it"): [1.8e9] * 4, info("nan", ""): [float("nan")] * 4},
+        TIMES,
+    )  # fmt: skip
+    rows = {r["node"]: list(r["adapters"]) for r in view(infer, vllm)["replicas"]}
+    assert rows == {"a": ["pinned", "sql"], "b": ["de", "fr", "it"]}
+
+
 def test_counter_restarts_do_not_make_negative_energy_or_tokens() -> None:
     v = view(engine("a", [500, 600, 20, 120]), agent("a", [1000, 1300, 100, 400]))
     (node,) = v["nodes"]

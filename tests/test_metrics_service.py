@@ -262,7 +262,10 @@ def test_the_dashboard_shows_a_hostile_api_as_text(stack: dict[str, Any], tmp_pa
     url = stack["url"]
     until("a measured view", lambda: fleet(url).get("totals"), timeout_s=30)
     tenant = {"tenant": "t", "tokens_per_s": 1.0, "prompt_tokens_per_s": 1.0, "hit_rate": 0.5}
-    view = {**_hostile({**fleet(url), "tenants": [tenant]}), "rounds": 5, "models": PAYLOAD}
+    now = fleet(url)
+    replicas = [{**r, "adapters": ["a", 5]} for r in now["replicas"]]  # hostile names too
+    view = {**_hostile({**now, "tenants": [tenant], "replicas": replicas}), "rounds": 5,
+            "models": PAYLOAD}  # fmt: skip
     history = _hostile(httpx.get(url + "/api/v1/history?prefix=fleet:", timeout=10).json())
     answers = {"/api/v1/fleet": view, "/api/v1/history": history}
 

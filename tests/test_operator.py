@@ -110,8 +110,8 @@ def test_every_model_in_the_docs_fits_the_crd_schema() -> None:
     validator = jsonschema.Draft4Validator(_spec_schema("CognitoraModel"))
     found = 0
     for doc in sorted((REPO / "docs").glob("*.md")):
-        for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S):
-            model = yaml.safe_load(block)
+        blocks = re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S)
+        for model in (m for block in blocks for m in yaml.safe_load_all(block)):
             if not isinstance(model, dict) or "profiles" not in model or "name" not in model:
                 continue
             parse_model(model)

@@ -59,7 +59,7 @@ FIELDS = st.sampled_from([
     "rps", "tokens_per_min", "concurrent", "expires_unix", "url", "engine", "role", "node",
     "block_size", "aliases", "fallbacks", "tokenizer", "source", "weights", "prefix", "load",
     "budget", "tokens_per_day", "tokens_per_month", "joules_per_day", "writer", "day", "month",
-    "used", "updated_unix",
+    "used", "updated_unix", "adapters",
 ])  # fmt: skip
 # Objects whose keys are the fields parsers read: arbitrary values where they look.
 RECORDS = st.recursive(
@@ -71,7 +71,8 @@ REFUSALS = (ValueError, CognitoraError)
 # One valid record of each kind: the property tests also corrupt these a field at a time,
 # the way a buggy or hostile writer would (random objects rarely hold every required field).
 VALID: dict[str, dict[str, Any]] = {
-    "replica_status": {"phase": "Failed", "reason": "exit 1", "failures": 2, "log_tail": ["x"]},
+    "replica_status": {"phase": "Ready", "reason": "", "failures": 2, "log_tail": ["x"],
+                       "adapters": ["sql", "fr"]},
     "placement": {"model": "m", "engine": "cgn_infer", "devices": [0], "owner": "reconciler",
                   "profile": {"ctx": 512, "extra_args": [], "env": {}}},
     "cordon": {"drain": True, "since_unix": 1.0, "grace_s": 30.0},

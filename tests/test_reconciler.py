@@ -101,6 +101,38 @@ def test_a_placement_lists_the_adapters_its_engine_loads_at_start() -> None:
         assert got.get("max_lora_rank") == (16 if engine == "vllm" else None)
 
 
+def test_replicas_that_load_adapters_at_start_roll_to_the_catalogs_new_set() -> None:
+    """The catalog adds `de` and drops `fr`: the llama.cpp replicas (they load adapters at
+    start only) get placements with the new set, one per pass and only while the other is
+    Ready; a replica with the right set, or whose engine takes none, is left alone."""
+    old = [{"name": "fr", "path": "/m/fr.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
+    spec = parse_model({"name": "m", "source": "/m/smol.gguf", "replicas": {"min": 2},
+                        "adapters": {"sql": {"source": "/m/sql.gguf"},
+                                     "de": {"source": "/m/de.gguf"}},
+                        "profiles": [{"engine": "llama_cpp"}]})  # fmt: skip
+    keys = [("a", "r1"), ("b", "r2")]
+
+    def state(statuses: dict[tuple[str, str], Any], lora: dict[tuple[str, str], Any]) -> Snapshot:
+        placed = {k: {"model": "m", "engine": "llama_cpp", "owner": "reconciler",
+                      "profile": {"threads": 1, "lora": lora[k]}} for k in keys}  # fmt: skip
+        return Snapshot.of(models={"m": spec}, nodes={n: CPU_NODE for n in "ab"},
+                           placements=placed, statuses=statuses, cordons={}, wall=1.0)  # fmt: skip
+
+    new = [{"name": "de", "path": "/m/de.gguf"}, {"name": "sql", "path": "/m/sql.gguf"}]
+    (put,) = reconcile(state(ready(*keys), dict.fromkeys(keys, old)), Memory(), 0.0, S)
+    assert isinstance(put, Put) and (put.node, put.replica) == keys[0]
+    assert (
+        put.doc["profile"] == {"threads": 1, "lora": new}
+        and put.why == "adapters changed: +de, -fr"
+    )
+    # r1 restarts with the new set: r2 waits until r1 is Ready again
+    rolled = {keys[0]: new, keys[1]: old}
+    assert reconcile(state(ready(keys[1]), rolled), Memory(), 1.0, S) == []
+    (put,) = reconcile(state(ready(*keys), rolled), Memory(), 2.0, S)
+    assert (put.node, put.replica) == keys[1]
+    assert reconcile(state(ready(*keys), dict.fromkeys(keys, new)), Memory(), 3.0, S) == []
+
+
 def test_a_vanished_node_is_unreachable_first_and_lost_after_the_grace_period() -> None:
     mem = Memory()
     placed = {("a", "r1"): "m"}

@@ -439,6 +439,12 @@ def _router(*argv: str) -> subprocess.CompletedProcess[str]:
         ("routing: {picker: best}\n", (), "routing: unknown picker 'best'"),
         ("routing: {prefix: 3}\n", (), "routing.prefix: unknown key"),
         ("deadlines: {idle_s: 0}\n", (), "deadlines.idle_s must be in [0.01, 86400], got 0.0"),
+        (
+            "epp: {enabled: true}\nworkers: 4\n",
+            (),
+            "epp.enabled: the endpoint picker runs in a single router process",
+        ),
+        ("epp: {port: 70000}\n", ("--epp",), "epp.port must be in [0, 65535]"),
     ],
 )
 def test_bad_router_settings_are_one_line_exit_2(

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgn_control.decide.names import NAME, CatalogError
-from cgn_core.lora import MAX_PER_REPLICA, MAX_RANK, LoraError, check
+from cgn_core.keys import MAX_ADAPTERS as MAX_PER_REPLICA
+from cgn_core.keys import MAX_LORA_RANK as MAX_RANK
 
 if TYPE_CHECKING:
     from cgn_control.decide.catalog import ModelSpec
+    from cgn_core.records import Placement
 
 MAX_ADAPTERS = MAX_PER_REPLICA  # named per model (a llama.cpp replica loads them all)
 MAX_LOADED = 64  # max_adapters, at most
@@ -114,6 +116,8 @@ def check_names(models: Mapping[str, ModelSpec]) -> None:
 def check_files(spec: ModelSpec) -> None:
     """Each adapter whose file and base GGUF are on this machine, read and checked against
     that base (LoraError's reason, naming both); the others are checked where they load."""
+    from cgn_core.lora import LoraError, check  # numpy: only where a catalog is applied
+
     gguf = ("cgn_infer", "llama_cpp")
     named = {p.source or spec.source for p in spec.profiles if p.engine in gguf}
     bases = {b for b in named if b.endswith(".gguf") and Path(b).is_file()}
@@ -128,3 +132,61 @@ def check_files(spec: ModelSpec) -> None:
             if adapter.rank is not None and got.rank != adapter.rank:
                 raise CatalogError(f"{spec.name}: adapters.{name}.rank: {adapter.rank}, the "
                                    f"file's is {got.rank}")  # fmt: skip
+
+
+ADAPTER_KEYS = ("lora", "max_loras", "max_lora_rank")  # what adapters_profile writes
+
+
+def adapters_profile(
+    spec: ModelSpec, engine: str, backend: str | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """The placement profile's adapter keys for a replica of `engine` ({} where it loads
+    none): the adapters it loads at start, and how many it holds. llama.cpp all of the
+    GGUF ones (it loads none at run time); vLLM and SGLang all of the PEFT ones
+    (max_adapters in a batch); cgn-infer's torch backend on the GGUF weights the pinned
+    ones, holding max_adapters (the router loads the others where they are needed)."""
+    if not spec.adapters:
+        return {}
+    if engine == "cgn_infer" and not (backend in (None, "torch") and dtype in (None, "gguf")):
+        return {}
+    peft = {n for n, a in spec.adapters.items() if not a.source.endswith(".gguf")}
+    if engine == "llama_cpp":
+        start = sorted(set(spec.adapters) - peft)
+    elif engine in ("vllm", "sglang"):
+        start = sorted(peft)
+    elif engine == "cgn_infer":
+        start = sorted(n for n, a in spec.adapters.items() if a.pin)
+    else:
+        return {}
+    doc: dict[str, Any] = {"lora": [{"name": n, "path": spec.adapters[n].source} for n in start]}
+    if engine != "llama_cpp":
+        doc["max_loras"] = spec.max_adapters
+    ranks = [spec.adapters[n].rank for n in start]
+    if engine in ("vllm", "sglang") and ranks and None not in ranks:
+        doc["max_lora_rank"] = max(r for r in ranks if r is not None)
+    return doc
+
+
+def stale_adapters(spec: ModelSpec, placement: Placement) -> dict[str, Any] | None:
+    """The profile `placement` should have now that the catalog's adapters changed (the
+    engine loads them at start, so its agent restarts it with the new set), or None where
+    it has the right ones already."""
+    prof = placement.profile
+    backend, dtype = prof.get("backend"), prof.get("dtype")
+    want = adapters_profile(spec, placement.engine, backend, dtype)
+    have = {k: prof[k] for k in ADAPTER_KEYS if k in prof}
+    if have == want:
+        return None
+    return {**{k: v for k, v in prof.items() if k not in ADAPTER_KEYS}, **want}
+
+
+def adapters_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """What a profile change does to the adapters loaded at start, as people read it."""
+
+    def names(prof: Mapping[str, Any]) -> set[str]:
+        lora = prof.get("lora", [])
+        return {str(f.get("name")) for f in lora if isinstance(f, Mapping)}
+
+    was, now = names(old), names(new)
+    parts = [f"+{n}" for n in sorted(now - was)] + [f"-{n}" for n in sorted(was - now)]
+    return "adapters changed: " + (", ".join(parts) or "the same names, other files or slots")

@@ -31,6 +31,10 @@ Per pass, in order:
    then the least cached prefix the router routes to it, then the node with the
    lowest measured tokens per joule (the agent lets its requests in flight
    finish before it stops the engine).
+6. Adapters: a replica that loads its LoRA adapters at start (llama.cpp, vLLM,
+   SGLang; cgn-infer its pinned ones) whose set the catalog has since changed
+   gets a placement with the new set, and its agent restarts it: one replica
+   of a model per pass, while the model's others are Ready.
 The reconciler manages only the placements it wrote (`owner: reconciler`);
 a placement written by hand is never moved or deleted, though the devices it
 holds are not given to anything else.
@@ -59,14 +63,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cgn_control.decide.catalog import ModelSpec, Profile, pool_label
+from cgn_control.decide.adapters import adapters_change, adapters_profile, stale_adapters
+from cgn_control.decide.catalog import ModelSpec, pool_label
 from cgn_control.decide.cluster import Key, Snapshot, node_views
 from cgn_control.decide.placement import Decision, NodeState, place
 from cgn_control.decide.scaling import Decision as ScaleDecision
 from cgn_control.decide.scaling import Pool as ScalePool
 from cgn_control.decide.scaling import ReplicaLoad, Sample, Scaler, Signals
 from cgn_core import multinode
-from cgn_core.records import Part, Placement, ReplicaStatus
+from cgn_core.multinode import Part
+from cgn_core.records import Placement, ReplicaStatus
 from cgn_core.settings import ranged
 
 
@@ -93,35 +99,6 @@ class ReconcilerSettings:
 
 
 OWNER = "reconciler"  # the `owner` of the placements this loop manages
-
-
-def _loads_adapters(p: Profile) -> bool:
-    """Whether replicas of profile `p` load the model's LoRA adapters: llama.cpp, vLLM,
-    SGLang, and cgn-infer's torch backend on the GGUF weights."""
-    if p.engine == "cgn_infer":
-        return p.backend in (None, "torch") and p.dtype in (None, "gguf")
-    return p.engine in ("llama_cpp", "vllm", "sglang")
-
-
-def _adapters_profile(spec: ModelSpec, p: Profile) -> dict[str, Any]:
-    """The adapters a replica of `p` loads at start, and how many it holds: llama.cpp all
-    of the GGUF ones (it loads none at run time); vLLM and SGLang all of the PEFT ones
-    (max_adapters in a batch); cgn-infer the pinned ones, holding max_adapters (the router
-    loads the others where they are needed)."""
-    peft = {n for n, a in spec.adapters.items() if not a.source.endswith(".gguf")}
-    if p.engine == "llama_cpp":
-        start = sorted(set(spec.adapters) - peft)
-    elif p.engine in ("vllm", "sglang"):
-        start = sorted(peft)
-    else:
-        start = sorted(n for n, a in spec.adapters.items() if a.pin)
-    doc: dict[str, Any] = {"lora": [{"name": n, "path": spec.adapters[n].source} for n in start]}
-    if p.engine != "llama_cpp":
-        doc["max_loras"] = spec.max_adapters
-    ranks = [spec.adapters[n].rank for n in start]
-    if p.engine in ("vllm", "sglang") and ranks and None not in ranks:
-        doc["max_lora_rank"] = max(r for r in ranks if r is not None)
-    return doc
 
 
 REFUSED_FOR_S = 600.0  # a node's agent refused a model's engine: not placed there again for
@@ -208,6 +185,7 @@ def reconcile(
     run.remove_broken(rand)
     live = {k: d for k, d in run.owned.items() if k not in run.gone}
     run.actions += _relay_stages(live, run.parts, snap)
+    run.actions += _refresh_adapters(snap, live)
     # a multi-node replica counts once, as its head (part 0)
     heads = {k: p for k, p in live.items() if p.part.part == 0}
     # a model's pools: one of role `spec.role` for an aggregated model, a prefill and a decode
@@ -412,8 +390,7 @@ def placement_for(spec: ModelSpec, decision: Decision, role: str | None = None) 
     for k in (*optional, "quantization", "launch_mode", "rendezvous_timeout_s"):
         if getattr(p, k) is not None:
             profile[k] = getattr(p, k)
-    if spec.adapters and _loads_adapters(p):
-        profile |= _adapters_profile(spec, p)
+    profile |= adapters_profile(spec, p.engine, p.backend, p.dtype)
     replica = f"{spec.name.replace(':', '-')[:48]}-{secrets.token_hex(3)}"
     why = f"profile {decision.profile} ({p.engine} on {p.accelerator})"
     why = f"{why}, {role} pool" if role and spec.disaggregated else why
@@ -449,6 +426,24 @@ def explain(
     sub = spec.for_role(role) if role else spec
     views = node_views(snap, node_states(snap, mem, now, policy))
     return place(sub, views, mem.refusals(spec, now))
+
+
+def _refresh_adapters(snap: Snapshot, live: Mapping[Key, Placement]) -> list[Action]:
+    """Replicas that load adapters at start whose set is no longer the catalog's, rewritten
+    with the new set (their agents restart them): one per model per pass, and only while
+    every other replica of the model is Ready, so a model keeps serving through it."""
+    out: list[Action] = []
+    done: set[str] = set()
+    for key, p in sorted(live.items()):
+        spec = snap.models.get(p.model)
+        if spec is None or p.part.multi or p.model in done:
+            continue
+        profile = stale_adapters(spec, p)
+        others = [k for k, q in live.items() if q.model == p.model and k != key]
+        if profile is not None and all(_ready(snap.statuses.get(k)) for k in others):
+            done.add(p.model)
+            out.append(Put(*key, replace(p, profile=profile), adapters_change(p.profile, profile)))
+    return out
 
 
 def _pipeline_parts(owned: Mapping[Key, Placement]) -> dict[str, dict[int, Key]]:

@@ -36,3 +36,55 @@ def model_replicas(snap: Snapshot, name: str) -> ModelReplicas:
         failed=len(failed),
         reasons=tuple(st.reason for st in failed if st.reason),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterResidency:
+    """Where one LoRA adapter of a model is loaded now, and the rule that put it there."""
+
+    adapter: str
+    source: str
+    pin: bool
+    held_by: tuple[str, ...]  # <node>/<replica> of each replica whose status lists it
+    why: str
+
+
+def adapter_residency(snap: Snapshot, name: str) -> list[AdapterResidency]:
+    """Model `name`'s adapters (the catalog's), each with the replicas that hold it (their
+    agents' status records) and why, per engine the model runs on (its placements', or
+    its profiles' before any is placed)."""
+    spec = snap.models.get(name)
+    if spec is None:
+        return []
+    mine = {k: p for k, p in snap.placements.items() if p.model == name and p.part.part == 0}
+    engines = sorted({p.engine for p in mine.values()} or {p.engine for p in spec.profiles})
+    out = []
+    for adapter, a in sorted(spec.adapters.items()):
+        held = tuple(
+            f"{node}/{replica}"
+            for (node, replica) in sorted(mine)
+            if (st := snap.statuses.get((node, replica))) is not None and adapter in st.adapters
+        )
+        gguf = a.source.endswith(".gguf")
+        why = "; ".join(_why(e, gguf, a.pin, spec.max_adapters) for e in engines)
+        out.append(AdapterResidency(adapter, a.source, a.pin, held, why))
+    return out
+
+
+def _why(engine: str, gguf: bool, pin: bool, max_adapters: int) -> str:
+    """How replicas of `engine` come to hold an adapter (reconciler.py's _adapters_profile
+    and the router's cgn_router/adapters.py decide; this says what they do)."""
+    if engine == "llama_cpp":
+        return "llama_cpp: loaded at start" if gguf else "llama_cpp: not loaded (PEFT, not GGUF)"
+    if engine in ("vllm", "sglang"):
+        return (
+            f"{engine}: loaded at start" if not gguf else f"{engine}: not loaded (GGUF, not PEFT)"
+        )
+    if engine == "cgn_infer":
+        if pin:
+            return "cgn_infer: pinned, loaded at start and never evicted"
+        return (
+            "cgn_infer: loaded on demand where the router sends its requests; the least "
+            f"recently used idle adapter is evicted past max_adapters {max_adapters}"
+        )
+    return f"{engine}: serves no adapters"

@@ -1,0 +1,234 @@
+"""cgn-router as a gateway's endpoint picker (#61), driven as Envoy drives one: Envoy's own
+ext_proc stubs, headers SENT, bodies FULL_DUPLEX_STREAMED (harness/gateway_standin.py, a
+test stand-in for the gateway). One router (OpenAI surface and picker in one process) over
+two cgn-infer sim engines for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cgn_core.bundled_models import smollm2
+from cgn_router.epp import address
+from harness.gateway_standin import (
+    ExtProc,
+    GatewayStandIn,
+    body_message,
+    headers_message,
+    response_headers_message,
+)
+from harness.poll import until
+from harness.procs import Router, cgn_infer_engines, cgn_router
+
+MODEL = "smol"
+CHAT = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, list[str]]]:
+    tmp = tmp_path_factory.mktemp("epp")
+    sim = ("--backend", "sim", "--engines", "2", "--speed", "50", "--model-name", MODEL)
+    with cgn_infer_engines(tmp, 1, *sim) as engines:
+        config = {
+            "discovery": "static",
+            "models": {MODEL: {"tokenizer": str(smollm2())}},
+            "endpoints": {f"e{i}": {"url": e.url, "model": MODEL} for i, e in enumerate(engines)},
+            "epp": {"enabled": True, "port": 0, "health_port": 0, "body_timeout_s": 1.0},
+            "max_body_bytes": 256 << 10,
+            "admission": {"bands": {
+                "gold": {"priority": 1}, "shed": {"priority": 2, "ceiling": 0.01, "queue": 0},
+            }},
+        }  # fmt: skip
+        with cgn_router(tmp, config) as router:
+            yield router, [e.url for e in engines]
+
+
+def picker(router: Router) -> str:
+    return f"127.0.0.1:{router.ports['epp']}"
+
+
+def chat(text: str, **extra: Any) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    return json.dumps({**body, **extra}).encode()
+
+
+def in_flight(router: Router) -> dict[str, int]:
+    eps = httpx.get(router.admin + "/endpoints", timeout=10).json()["endpoints"]
+    return {address(e["url"]): e["in_flight"] for e in eps}
+
+
+async def test_the_pick_is_in_the_header_and_the_metadata_alike_with_the_engines_body(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    router, urls = fleet
+    async with ExtProc(picker(router)) as ext:
+        body = chat("Hello there, how are you?")
+        got = await ext.pick(CHAT, body, chunk=7)  # a body in many chunks
+    assert got.status == 0 and got.header == got.metadata
+    first = got.header.split(",")
+    assert first[0] in {address(u) for u in urls} and len(first) == 2  # fallback: the other
+    assert json.loads(got.body) == json.loads(body)  # cgn-infer takes it as the client sent it
+    assert got.headers["content-length"] == str(len(got.body))
+
+
+async def test_a_subset_hint_is_obeyed_and_an_empty_or_foreign_one_is_a_503(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    router, urls = fleet
+    only = address(urls[1])
+    for i in range(3):
+        async with ExtProc(picker(router)) as ext:
+            got = await ext.pick(CHAT, chat(f"question {i}"), subset=[only])
+        assert got.header == only == got.metadata  # no fallback outside the subset
+    for subset in ([], ["10.9.9.9:8000"]):
+        async with ExtProc(picker(router)) as ext:
+            got = await ext.pick(CHAT, chat("anything"), subset=subset)
+        assert got.status == 503 and got.error["error"]["code"] == "no_endpoint", got
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "words"),
+    [
+        (CHAT, b"{not json", 400, "JSON"),
+        (CHAT, chat("hi", model="nope"), 404, "nope"),
+        ({**CHAT, ":path": "/v1/images"}, chat("hi"), 404, "no such path"),
+        (CHAT, chat("hi", lora="x"), 400, "lora"),
+        (CHAT, b"x" * (300 << 10), 413, "larger than"),
+    ],
+)  # fmt: skip
+async def test_bad_requests_get_an_immediate_openai_error(
+    fleet: tuple[Router, list[str]], headers: dict[str, str], body: bytes, status: int, words: str
+) -> None:
+    router, _ = fleet
+    async with ExtProc(picker(router)) as ext:
+        got = await ext.pick(headers, body, chunk=64 << 10)
+    assert got.status == status and words in got.error["error"]["message"], got
+
+
+async def test_a_body_that_never_ends_is_a_408_and_a_client_gone_mid_body_costs_nothing(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    router, _ = fleet
+    async with ExtProc(picker(router)) as ext:
+        await ext.send(headers_message(CHAT))
+        await ext.send(body_message(b'{"model": "smol", ', False))
+        got = await ext.picked()  # epp.body_timeout_s is 1 s here
+    assert got.status == 408, got
+    async with ExtProc(picker(router)) as ext:
+        await ext.send(headers_message(CHAT))
+        await ext.send(body_message(b'{"model": "smol", ', False))
+        await asyncio.sleep(0.2)
+        ext.cancel()
+    async with ExtProc(picker(router)) as ext:  # the picker serves on
+        assert (await ext.pick(CHAT, chat("still there?"))).header
+    until("nothing in flight", lambda: set(in_flight(router).values()) == {0}, timeout_s=10)
+
+
+async def test_shedding_is_a_429_and_the_served_endpoint_carries_the_load(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    """A request picked and not yet answered holds its place in admission and its lease:
+    the `shed` band (ceiling 0.01, no queue) is refused with GIE's 429 meanwhile. The
+    gateway reports it served the request elsewhere: the lease moves there. Its answer is
+    relayed chunk by chunk, each before the next is sent."""
+    router, urls = fleet
+    async with ExtProc(picker(router)) as held:
+        got = await held.pick(CHAT, chat("a long one", stream=True))
+        chosen = got.header.split(",")[0]
+        async with ExtProc(picker(router)) as ext:
+            shed = await ext.pick({**CHAT, "x-gateway-inference-objective": "shed"}, chat("hi"))
+        assert shed.status == 429, shed
+        other = next(address(u) for u in urls if address(u) != chosen)
+        assert in_flight(router) == {chosen: 1, other: 0}
+        await held.send(response_headers_message(200, "text/event-stream", other))
+        assert (await held.receive()).HasField("response_headers")
+        assert in_flight(router) == {chosen: 0, other: 1}
+        for chunk in (b'data: {"choices": []}\n\n', b"data: [DONE]\n\n"):
+            await held.send(body_message(chunk, False, response=True))
+            answer = await held.receive(timeout_s=5)  # unbuffered: before the next chunk
+            assert answer.response_body.response.body_mutation.streamed_response.body == chunk
+        await held.send(body_message(b"", True, response=True))
+        assert (await held.receive()).HasField("response_body")
+    until("nothing in flight", lambda: set(in_flight(router).values()) == {0}, timeout_s=10)
+
+
+async def test_health_says_live_at_once_and_ready_once_the_fleet_is_known(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    router, _ = fleet
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{router.ports['epp_health']}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            got = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def _hit_rate(answers: list[dict[str, Any]]) -> float:
+    prompt = sum(a["usage"]["prompt_tokens"] for a in answers)
+    cached = sum((a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                 for a in answers)  # fmt: skip
+    return cached / prompt
+
+
+async def test_behind_a_gateway_decisions_and_kv_hits_are_the_proxys(
+    fleet: tuple[Router, list[str]],
+) -> None:
+    """A conversation replay (4 chats × 4 turns, each turn the whole chat so far) through
+    the gateway stand-in: every pick is one the router's own decision allows at that
+    moment (`/debug/route`: the best total, ties included), and the prompt tokens served
+    from cache match the same replay through the OpenAI surface within 2 %."""
+    router, _ = fleet
+
+    async def replay(send: Any, seed: str, check: bool) -> list[dict[str, Any]]:
+        answers = []
+        chats: list[list[dict[str, str]]] = [[] for _ in range(4)]
+        async with httpx.AsyncClient(timeout=60) as client:
+            for turn in range(4):
+                for i, msgs in enumerate(chats):
+                    msgs.append(
+                        {
+                            "role": "user",
+                            "content": f"{seed} chat {i} turn {turn}: " + "words " * 40,
+                        }
+                    )
+                    body = {"model": MODEL, "messages": msgs, "max_tokens": 4}
+                    best = None
+                    if check:
+                        why = (
+                            await client.post(
+                                router.admin + "/debug/route",
+                                json={"model": MODEL, "messages": msgs},
+                            )
+                        ).json()
+                        top = max(c["total"] for c in why["candidates"] if c["total"] is not None)
+                        best = {
+                            c["id"]
+                            for c in why["candidates"]
+                            if c["total"] is not None and c["total"] >= top - 1e-9
+                        }
+                    r = await client.post(send + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    answer = r.json()
+                    if best is not None:
+                        eps = (await client.get(router.admin + "/endpoints")).json()["endpoints"]
+                        ids = {address(e["url"]): e["id"] for e in eps}
+                        assert ids[r.headers["x-cognitora-endpoint"]] in best
+                    answers.append(answer)
+                    msgs.append(
+                        {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+                    )
+        return answers
+
+    async with GatewayStandIn(picker(router)) as gateway:
+        through_gateway = await replay(gateway.url, "gw", check=True)
+    through_proxy = await replay(router.url, "px", check=False)
+    assert abs(_hit_rate(through_gateway) - _hit_rate(through_proxy)) <= 0.02, (
+        _hit_rate(through_gateway), _hit_rate(through_proxy))  # fmt: skip
+    assert _hit_rate(through_gateway) > 0.5  # the replay does reuse its prefixes
