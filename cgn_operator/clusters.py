@@ -12,7 +12,7 @@ import kopf
 from cgn_control.decide.cluster import Snapshot
 from cgn_core import pki
 from cgn_core.errors import CognitoraError
-from cgn_operator import children, status
+from cgn_operator import children, gateway, status
 from cgn_operator.kube import KubeError, object_path
 from cgn_operator.models import Body, Models, set_status, sweep
 from cgn_operator.state import State, cluster_ca, cluster_etcd, view
@@ -28,7 +28,7 @@ async def reconcile_cluster(
     try:
         c = children.cluster_from(body, state.settings.image)
         etcd = ",".join(c.endpoints())
-        objs = children.children(c)
+        objs = children.children(c) + gateway.objects(c)
         if c.tls:
             ca = await cluster_ca(state, c)
             nodes = [

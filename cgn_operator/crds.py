@@ -238,6 +238,19 @@ def cluster_spec_schema() -> dict[str, Any]:
             "ca": _obj(
                 {"secretName": _s("string", "Secret with ca.pem and ca.key; none: no mTLS")},
             ),
+            "gateway": _obj(
+                {
+                    "mode": _s(
+                        "string",
+                        "proxy: the router carries the requests; epp: your gateway does, the "
+                        "router picks the pod (an InferencePool and its endpoint picker)",
+                        enum=["proxy", "epp"],
+                    ),
+                    "poolName": _s("string", "the InferencePool's name (default: the cluster's)"),
+                    "targetPort": _s("integer", "the pool's port", minimum=1, maximum=65535),
+                    "failureMode": _s("string", enum=["FailClose", "FailOpen"]),
+                },
+            ),
         },
         "one Cognitora cluster: etcd, routers, agents on the selected nodes",
     )

@@ -35,6 +35,9 @@ KINDS = {
     "Deployment": ("apps", "deployments"),
     "DaemonSet": ("apps", "daemonsets"),
     "StatefulSet": ("apps", "statefulsets"),
+    # spec.gateway.mode epp (cgn_operator/gateway.py): the Gateway API Inference Extension's
+    "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+    "InferenceObjective": ("inference.networking.x-k8s.io", "inferenceobjectives"),
 }
 
 

@@ -1,5 +1,6 @@
 """cgn-router as the endpoint picker of a Kubernetes gateway (#61): the Gateway API Inference
-Extension's EPP protocol over Envoy's ext_proc (envoy.service.ext_proc.v3, from xds-protos).
+Extension's EPP protocol over Envoy's ext_proc (envoy.service.ext_proc.v3; the messages it
+uses, wire-compatible, in proto/cognitora/v1/ext_proc.proto).
 
 The gateway (Envoy Gateway, kgateway, Istio, GKE, NGINX Gateway Fabric) proxies the bytes;
 for each request it opens one ext_proc stream and this module picks the pod:
@@ -45,10 +46,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from cgn_core.errors import (
@@ -63,9 +60,13 @@ from cgn_core.errors import (
     Unavailable,
     openai_error_body,
 )
+from cgn_core.http import KV_SALT_HEADER, PRIORITY_HEADER
 from cgn_core.kv.blockhash import tenant_salt
+from cgn_core.kv.transfer import HEADER as TRANSFER_HEADER
+from cgn_core.openai.resume import IDS_HEADER
 from cgn_core.settings import TlsSettings
 from cgn_core.tls import server_credentials
+from cgn_proto.cognitora.v1 import ext_proc_pb2 as pb
 from cgn_router.adapters import place
 from cgn_router.admit import Admission, admission, budgeted
 from cgn_router.attempt import Attempt
@@ -88,6 +89,10 @@ MAX_SUBSET = 4096  # endpoints a subset hint may name
 MAX_HEADER = 8 << 10  # a header value read, at most (longer ones are cut)
 USAGE_TAIL = 64 << 10  # the end of an answer kept to read its usage
 KINDS = {path: kind for kind, path in PATHS.items()}
+# what an engine takes from its secret's bearer only, and the client's key (never an engine's)
+ROUTER_ONLY = frozenset(
+    {"authorization", KV_SALT_HEADER, PRIORITY_HEADER, IDS_HEADER, TRANSFER_HEADER}
+)
 
 
 def address(url: str) -> str:
@@ -98,7 +103,17 @@ def address(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+def handler(picker: Picker) -> grpc.GenericRpcHandler:
+    """The ext_proc service under Envoy's name (our messages are wire-compatible with its)."""
+    process = grpc.stream_stream_rpc_method_handler(
+        picker.Process,
+        request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=pb.ProcessingResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE, {"Process": process})
+
+
+class Picker:
     """The ext_proc service: one `_Stream` per gateway stream (one HTTP request)."""
 
     def __init__(self, svc: RouterService, settings: EppSettings):
@@ -138,6 +153,7 @@ class _Stream:
     first_byte: bool = False
     tail: bytearray = field(default_factory=bytearray)
     usage: Usage | None = None
+    trailers: bool = False  # the body ended with trailers: answered after it
     attempt: int = 0  # its number in the account (the trace's span)
     _exits: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
@@ -210,11 +226,14 @@ class _Stream:
             except Unauthorized:
                 acct.emit(Refused("-", "unauthorized"))
                 raise
-        tenant = self.headers.get(FAIRNESS, "")[:128] or auth.anonymous_tenant
-        band = self.headers.get(OBJECTIVE, "")
+        fairness = self.headers.get(FAIRNESS, "")[:128]
+        objective = self.headers.get(OBJECTIVE, "")
+        band = self.settings.objectives.get(objective, objective)
         band = band if band in self.svc.settings.admission.bands else auth.anonymous_band
-        salt = tenant_salt("tenant", tenant) if auth.kv_isolation and tenant else None
-        return Principal("", tenant, band, kv_salt=salt)
+        # NOTE: a fairness id is a tenant: its prompts are cached apart (as a key's tenant's
+        # are); without one, the anonymous tenant's are unsalted, as on the OpenAI surface
+        salt = tenant_salt("tenant", fairness) if auth.kv_isolation and fairness else None
+        return Principal("", fairness or auth.anonymous_tenant, band, kv_salt=salt)
 
     async def _body(self) -> None:
         """The request's body, whole: bounded in size and time."""
@@ -225,6 +244,7 @@ class _Stream:
             if msg is None:
                 raise InvalidRequest("the request ended before its body did")
             if msg.HasField("request_trailers"):
+                self.trailers = True
                 return
             if not msg.HasField("request_body"):
                 raise InvalidRequest("expected the request's body")
@@ -275,6 +295,8 @@ class _Stream:
         chosen = ",".join([address(view.endpoint.url), *self._fallbacks(decision.totals, view)])
         await self.context.write(_picked(chosen, headers, len(payload), self.settings))
         await self.context.write(_body_response(payload))
+        if self.trailers:
+            await self.context.write(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
 
     def _fallbacks(self, totals: Mapping[EndpointId, float], view: EndpointView) -> list[str]:
         """Where the gateway may retry: the next best endpoints of the decision that share
@@ -402,7 +424,7 @@ def _immediate(status: int, err: CognitoraError) -> pb.ProcessingResponse:
     mutation = pb.HeaderMutation(set_headers=[_header("content-type", "application/json")])
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            status=pb.HttpStatus(code=status),
             headers=mutation,
             body=body,
             details=(err.code or type(err).__name__)[:100],
@@ -410,26 +432,27 @@ def _immediate(status: int, err: CognitoraError) -> pb.ProcessingResponse:
     )
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
-    )
+def _header(key: str, value: str) -> pb.HeaderValueOption:
+    return pb.HeaderValueOption(header=pb.HeaderValue(key=key, raw_value=value.encode()))
 
 
 def _picked(
     chosen: str, headers: Mapping[str, str], length: int, settings: EppSettings
 ) -> pb.ProcessingResponse:
     """The request headers' answer: the destination in header and metadata (the same value),
-    the engine's headers, the body's new length."""
+    the engine's headers, the body's new length; and the headers only a router may send
+    removed where it sends none (the gateway passes the client's on: an engine trusts its
+    secret's bearer with them)."""
+    engine = {k.lower(): v for k, v in headers.items() if k.lower() != "content-type"}
     sets = [_header(DESTINATION, chosen), _header("content-length", str(length))]
-    sets += [_header(k.lower(), v) for k, v in headers.items() if k.lower() != "content-type"]
+    sets += [_header(k, v) for k, v in engine.items()]
+    removed = sorted(ROUTER_ONLY - set(engine))
     meta = struct_pb2.Struct()
     meta.fields[settings.metadata_namespace].struct_value.fields[DESTINATION].string_value = chosen
+    mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removed)
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True
-            )
+            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         ),
         dynamic_metadata=meta,
     )
@@ -503,7 +526,7 @@ async def serve(
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     server = grpc.aio.server(maximum_concurrent_rpcs=settings.max_streams)
-    pb_grpc.add_ExternalProcessorServicer_to_server(Picker(svc, settings), server)
+    server.add_generic_rpc_handlers((handler(Picker(svc, settings)),))
     where = f"{settings.host}:{settings.port}"
     if tls is not None and tls.enabled:
         port = server.add_secure_port(where, server_credentials(tls))

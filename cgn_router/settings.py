@@ -269,6 +269,9 @@ class EppSettings:
     subset_namespace: str = "envoy.lb.subset_hint"  # of the gateway's subset hint
     fallbacks: int = ranged(2, 0, 16)  # endpoints the gateway may retry after the chosen one
     max_streams: int = ranged(4096, 1, 1 << 20)  # ext_proc streams (requests) at once
+    # x-gateway-inference-objective -> admission band (an objective named as a band needs
+    # no entry); cgn-operator writes its InferenceObjectives' here
+    objectives: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """A TEST STAND-IN for a Kubernetes gateway (Envoy) in front of an endpoint picker (#61).
 
 No Envoy runs here, so this plays its part of the Gateway API Inference Extension's EPP
-protocol (docs/proposals/004-endpoint-picker-protocol) with Envoy's own ext_proc stubs
-(xds-protos), configured as GIE's reference Envoy is: request and response headers SENT,
-bodies FULL_DUPLEX_STREAMED, trailers SENT.
+protocol (docs/proposals/004-endpoint-picker-protocol) with Envoy's ext_proc messages (the
+subset in proto/cognitora/v1/ext_proc.proto, wire-compatible), configured as GIE's
+reference Envoy is: request and response headers SENT, bodies FULL_DUPLEX_STREAMED,
+trailers SENT.
 
 * `ExtProc`: one ext_proc stream driven message by message (the conformance tests).
 * `GatewayStandIn`: an HTTP server that, per request, asks the picker over ext_proc, sends
@@ -24,22 +25,23 @@ from typing import Any
 import aiohttp
 import grpc
 from aiohttp import web
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from cgn_proto.cognitora.v1 import ext_proc_pb2 as pb
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"  # Envoy's method
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
+HOP_BY_HOP = frozenset({"host", "connection", "content-length", "transfer-encoding", "keep-alive"})
 
 
 def headers_message(
     headers: Mapping[str, str], *, end: bool = False, subset: Iterable[str] | None = None
 ) -> pb.ProcessingRequest:
-    hm = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    hm = pb.HeaderMap(
+        headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
     )
     msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=end))
     if subset is not None:
@@ -59,9 +61,9 @@ def body_message(chunk: bytes, end: bool, *, response: bool = False) -> pb.Proce
 
 
 def response_headers_message(status: int, content_type: str, served: str) -> pb.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
-        base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()),
+    hm = pb.HeaderMap(headers=[
+        pb.HeaderValue(key=":status", raw_value=str(status).encode()),
+        pb.HeaderValue(key="content-type", raw_value=content_type.encode()),
     ])  # fmt: skip
     msg = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
     meta = struct_pb2.Struct()
@@ -78,6 +80,7 @@ class Picked:
     header: str = ""
     metadata: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
     body: bytes = b""
     status: int = 0  # an ImmediateResponse's status (0: none)
     error: dict[str, Any] = field(default_factory=dict)
@@ -94,8 +97,12 @@ class ExtProc:
 
     async def __aenter__(self) -> ExtProc:
         self.channel = grpc.aio.insecure_channel(self.target)
-        stub = pb_grpc.ExternalProcessorStub(self.channel)
-        self.call = stub.Process(self._messages())
+        process = self.channel.stream_stream(
+            PROCESS,
+            request_serializer=pb.ProcessingRequest.SerializeToString,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+        self.call = process(self._messages())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -144,8 +151,10 @@ class ExtProc:
             return Picked(status=ir.status.code, error=json.loads(ir.body or b"{}"))
         assert first.HasField("request_headers"), first
         out = Picked()
-        for h in first.request_headers.response.header_mutation.set_headers:
+        mutation = first.request_headers.response.header_mutation
+        for h in mutation.set_headers:
             out.headers[h.header.key] = h.header.raw_value.decode()
+        out.removed = list(mutation.remove_headers)
         out.header = out.headers.get(DESTINATION, "")
         lb = first.dynamic_metadata.fields.get("envoy.lb")
         if lb is not None:
@@ -203,9 +212,10 @@ class GatewayStandIn:
             assert picked.header == picked.metadata, (picked.header, picked.metadata)
             target = picked.header.split(",")[0]
             self.picks.append(target)
-            sent = {k: v for k, v in picked.headers.items()
-                    if k not in (DESTINATION, "content-length")}  # fmt: skip
-            sent.setdefault("content-type", "application/json")
+            # as Envoy does: the client's headers on, the picker's removed and set
+            sent = {k.lower(): v for k, v in request.headers.items()
+                    if k.lower() not in HOP_BY_HOP and k.lower() not in picked.removed}  # fmt: skip
+            sent |= {k: v for k, v in picked.headers.items() if k != DESTINATION}
             async with self.session.post(
                 f"http://{target}{request.path}", data=picked.body, headers=sent
             ) as upstream:

@@ -197,6 +197,82 @@ def test_a_cluster_renders_its_children_with_owner_references() -> None:
     assert next(o for o in objs if o["kind"] == "Deployment")["spec"]["replicas"] == 3
 
 
+# The Gateway API Inference Extension's objects, as its published Go types define them
+# (api/v1 InferencePool; apix/v1alpha2 InferenceObjective as of GIE v1.0): our reading,
+# written as JSON Schema here (its CRDs are not vendored).
+_NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 253}
+POOL_SPEC = {
+    "type": "object", "additionalProperties": False,
+    "required": ["selector", "targetPorts", "endpointPickerRef"],
+    "properties": {
+        "selector": {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
+                     "properties": {"matchLabels": {"type": "object", "minProperties": 1,
+                                                    "additionalProperties": {"type": "string"}}}},
+        "targetPorts": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+            "type": "object", "additionalProperties": False, "required": ["number"],
+            "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}},
+        "endpointPickerRef": {"type": "object", "additionalProperties": False, "required": ["name"],
+                              "properties": {
+            "group": {"type": "string"}, "kind": {"enum": ["Service"]}, "name": _NAME,
+            "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+            "failureMode": {"enum": ["FailOpen", "FailClose"]}}},
+    },
+}  # fmt: skip
+OBJECTIVE_SPEC = {
+    "type": "object", "additionalProperties": False, "required": ["poolRef"],
+    "properties": {
+        "priority": {"type": "integer"},
+        "poolRef": {"type": "object", "required": ["name"], "properties": {"name": _NAME}},
+    },
+}  # fmt: skip
+
+
+def test_an_epp_cluster_points_an_inference_pool_at_the_routers_picker(tmp_path: Path) -> None:
+    """#61: `spec.gateway.mode: epp` renders the picker's Service, an InferencePool over
+    the agents' pods with the router as its endpoint picker, one InferenceObjective per
+    admission band; the router's config turns the picker on and maps the objectives to
+    bands, and loads as the router's settings. Proxy mode renders none of them."""
+    from cgn_core.settings import load_settings
+    from cgn_operator import gateway
+    from cgn_router.settings import RouterSettings
+
+    spec = {**CLUSTER_BODY["spec"], "gateway": {"mode": "epp", "poolName": "llm",
+                                                "failureMode": "FailOpen"}}  # fmt: skip
+    jsonschema.Draft4Validator(_spec_schema("CognitoraCluster")).validate(spec)
+    c = children.cluster_from({**CLUSTER_BODY, "spec": spec}, "img:1")
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in gateway.objects(c)}
+    assert set(objs) == {("Service", "main-epp"), ("InferencePool", "llm"),
+                         *(("InferenceObjective", f"llm-{b}") for b in ("platinum", "gold", "bronze"))}  # fmt: skip
+    pool = objs[("InferencePool", "llm")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    jsonschema.Draft4Validator(POOL_SPEC).validate(pool["spec"])
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service", "name": "main-epp", "portNumber": 9002, "failureMode": "FailOpen"}  # fmt: skip
+    by = {(o["kind"], o["metadata"]["name"]): o for o in children.children(c)}
+    agent_labels = by[("DaemonSet", "main-agent")]["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"] == agent_labels  # the engines' pods
+    for band, priority in (("platinum", 2), ("gold", 1), ("bronze", 0)):
+        objective = objs[("InferenceObjective", f"llm-{band}")]
+        jsonschema.Draft4Validator(OBJECTIVE_SPEC).validate(objective["spec"])
+        assert objective["spec"] == {"priority": priority, "poolRef": {"name": "llm"}}
+    service = objs[("Service", "main-epp")]["spec"]
+    router = by[("Deployment", "main-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in router["ports"]} >= {"epp", "epp-health"}
+    assert (
+        service["selector"] == by[("Deployment", "main-router")]["spec"]["selector"]["matchLabels"]
+    )
+    assert {p["targetPort"] for p in service["ports"]} == {"epp", "epp-health"}
+    config = tmp_path / "router.yaml"
+    config.write_text(by[("ConfigMap", "main-config")]["data"]["router.yaml"])
+    settings = load_settings(RouterSettings, "router", yaml_path=config)
+    assert settings.epp.enabled and settings.epp.host == "0.0.0.0" and settings.workers == 1
+    assert settings.epp.objectives == {"llm-platinum": "platinum", "llm-gold": "gold",
+                                       "llm-bronze": "bronze"}  # fmt: skip
+    assert gateway.objects(children.cluster_from(CLUSTER_BODY, "img:1")) == []
+    with pytest.raises(children.SpecError, match=r"spec\.gateway\.poolName"):
+        children.cluster_from({**CLUSTER_BODY, "spec": {"gateway": {"poolName": "Bad_Name"}}}, "i")
+
+
 def test_cluster_spec_errors_name_the_field() -> None:
     bad = {**CLUSTER_BODY, "spec": {"etcd": {"endpoints": ["e:2379"], "replicas": 3}}}
     with pytest.raises(children.SpecError, match=r"^spec.etcd: replicas and storage"):
@@ -405,18 +481,27 @@ def test_rbac_is_least_privilege() -> None:
         "deployments",
         "daemonsets",
         "statefulsets",
+        "inferencepools",
+        "inferenceobjectives",
         "events",
         "leases",
     }
 
 
 def _every_manifest() -> list[dict[str, Any]]:
+    from cgn_operator import gateway
+
     c = children.cluster_from(CLUSTER_BODY, "img:1")
+    epp = children.cluster_from(
+        {**CLUSTER_BODY, "spec": {**CLUSTER_BODY["spec"], "gateway": {"mode": "epp"}}}, "img"
+    )
     tls = children.cluster_from({**CLUSTER_BODY, "spec": {"ca": {"secretName": "ca"}}}, "img")
     return [
         *manifests.manifests("cognitora", "img:1"),
         *children.children(c),
         *children.children(tls),
+        *children.children(epp),
+        *(o for o in gateway.objects(epp) if o["kind"] == "Service"),  # GIE's kinds: above
         *children.secrets(tls, pki.create_ca(), ["n1"], {}, _now()),
         yaml.safe_load((REPO / "configs/kubernetes/cluster.yaml").read_text()),
         yaml.safe_load((REPO / "configs/kubernetes/model-smollm2.yaml").read_text()),
