@@ -73,14 +73,14 @@ def env(r: int, **extra: str) -> dict[str, str]:
 TABLE: dict[tuple[str, str | None, int], tuple[list[tuple[list[str], dict[str, str], str]], str]] = {
     ("vllm", "ray", 0): ([
         (["/v/bin/ray", "start", "--head", "--port", "29500", "--node-ip-address", "10.0.0.1",
-          "--num-gpus", "4", "--block"], env(0, VLLM_HOST_IP="10.0.0.1"), ""),
+          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(0, VLLM_HOST_IP="10.0.0.1"), ""),
         (["/v/bin/vllm", "serve", MODEL[0], *HTTP, *MODEL[1:], "--distributed-executor-backend",
           "ray"], env(0, VLLM_HOST_IP="10.0.0.1", VLLM_API_KEY="t0k",
                       RAY_ADDRESS="10.0.0.1:29500"), "10.0.0.1:29500"),
     ], "http"),
     ("vllm", "ray", 1): ([
         (["/v/bin/ray", "start", "--address", "10.0.0.1:29500", "--node-ip-address", "10.0.0.2",
-          "--num-gpus", "4", "--block"], env(1, VLLM_HOST_IP="10.0.0.2"), "10.0.0.1:29500"),
+          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(1, VLLM_HOST_IP="10.0.0.2"), "10.0.0.1:29500"),
     ], "alive"),
     ("vllm", "mp", 0): ([
         (["/v/bin/vllm", "serve", MODEL[0], *HTTP, *MODEL[1:], "--nnodes", "2", "--node-rank", "0",
@@ -107,7 +107,8 @@ DOCUMENTED = {
     "vllm": {"--host", "--port", "--served-model-name", "--tensor-parallel-size",
              "--max-model-len", "--pipeline-parallel-size", "--distributed-executor-backend",
              "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"},
-    "ray": {"--head", "--port", "--address", "--node-ip-address", "--num-gpus", "--block"},
+    "ray": {"--head", "--port", "--address", "--node-ip-address", "--num-gpus", "--block",
+            "--disable-usage-stats"},
     "sglang": {"--model-path", "--host", "--port", "--served-model-name", "--tp-size",
                "--context-length", "--enable-metrics", "--pp-size", "--nnodes", "--node-rank",
                "--dist-init-addr"},

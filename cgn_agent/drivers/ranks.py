@@ -118,7 +118,9 @@ def launch(
 
     if engine == "vllm" and (p.launch_mode or multinode.DEFAULT_LAUNCH_MODE) == "ray":
         ray = tools.which("ray") or "ray"
-        gpus = ["--num-gpus", str(len(spec.devices)), "--block"]
+        # NOTE: real Ray (2.60, #62) enables usage stats on its own when its terminal is not
+        # interactive (an agent's never is), reporting the cluster to Anyscale: off
+        gpus = ["--num-gpus", str(len(spec.devices)), "--disable-usage-stats", "--block"]
         if part.part > 0:  # Ray runs vLLM's workers here: nothing else to start
             join = (ray, "start", "--address", rendezvous, "--node-ip-address", own, *gpus)
             return rank(join, base)
