@@ -288,3 +288,24 @@ async def test_behind_a_gateway_picks_are_the_routers_and_kv_hits_the_proxys(
     through_proxy = await _replay(router.url, "replay", 4, 4)
     gw, px = _hit_rate(through_gateway), _hit_rate(through_proxy)
     assert abs(gw - px) <= 0.02 and gw > 0.5, (gw, px)  # the replay reuses its prefixes
+
+
+async def test_health_is_not_ready_before_the_fleet_is_known(tmp_path: Path) -> None:
+    """etcd unreachable: the picker is alive (the gateway's liveness probe passes) but not
+    ready, so a gateway sends it nothing yet (readiness and the ext_proc service)."""
+    from cgn_core.etcd.local import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    config = {"etcd": {"endpoints": [dead], "timeout_s": 0.5},
+              "epp": {"enabled": True, "port": 0, "health_port": 0}}  # fmt: skip
+    with cgn_router(tmp_path, config) as router:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.ports['epp_health']}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service: str) -> int:
+                got = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                return int(got.status)
+
+            assert await status("liveness") == health_pb2.HealthCheckResponse.SERVING
+            for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
