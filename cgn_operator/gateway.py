@@ -19,14 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cgn_operator.children import (
-    BANDS,
-    EPP_HEALTH,
-    EPP_PORT,
-    Cluster,
-    labels,
-    owner_reference,
-)
+from cgn_operator.children import BANDS, EPP_HEALTH, EPP_PORT, Cluster, _meta, _obj, labels
 
 POOL_API = "inference.networking.k8s.io/v1"
 OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
@@ -38,7 +31,7 @@ def objects(c: Cluster) -> list[dict[str, Any]]:
     if not g.epp:
         return []
     picker = f"{c.name}-epp"
-    service = _obj("v1", "Service", _meta(c, picker), spec={
+    service = _obj("v1", "Service", _meta(c, picker, "gateway"), spec={
         "selector": labels(c, "router"),
         "ports": [
             {"name": "grpc-epp", "port": EPP_PORT, "targetPort": "epp", "appProtocol": "http2"},
@@ -46,7 +39,7 @@ def objects(c: Cluster) -> list[dict[str, Any]]:
              "appProtocol": "http2"},
         ],
     })  # fmt: skip
-    pool = _obj(POOL_API, "InferencePool", _meta(c, g.pool), spec={
+    pool = _obj(POOL_API, "InferencePool", _meta(c, g.pool, "gateway"), spec={
         "selector": {"matchLabels": labels(c, "agent")},
         "targetPorts": [{"number": g.target_port}],
         "endpointPickerRef": {
@@ -58,22 +51,9 @@ def objects(c: Cluster) -> list[dict[str, Any]]:
         _obj(
             OBJECTIVE_API,
             "InferenceObjective",
-            _meta(c, f"{g.pool}-{band}"),
+            _meta(c, f"{g.pool}-{band}", "gateway"),
             spec={"priority": priority, "poolRef": {"name": g.pool}},
         )
         for band, priority in BANDS.items()
     ]
     return [service, pool, *objectives]
-
-
-def _meta(c: Cluster, name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": c.namespace,
-        "labels": labels(c, "gateway"),
-        "ownerReferences": [owner_reference(c)],
-    }
-
-
-def _obj(api: str, kind: str, meta: dict[str, Any], **body: Any) -> dict[str, Any]:
-    return {"apiVersion": api, "kind": kind, "metadata": meta, **body}

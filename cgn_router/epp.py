@@ -72,7 +72,7 @@ from cgn_router.admit import Admission, admission, budgeted
 from cgn_router.attempt import Attempt
 from cgn_router.auth import Principal
 from cgn_router.legs import PATHS, route_decision
-from cgn_router.proxy import Call, upstream_request
+from cgn_router.proxy import Call, upstream_request, usage_chunk, usage_of
 from cgn_router.routing.lifecycle import Account, AttemptEnded, Ended, Refused
 from cgn_router.service import RouterService
 from cgn_router.settings import EppSettings
@@ -308,9 +308,9 @@ class _Stream:
         states = self.svc.registry.states
         out = []
         for eid, _ in ranked:
-            st = states.get(eid)
             if eid == view.id:
                 continue
+            st = states.get(eid)
             if st is not None and st.endpoint.token == view.endpoint.token:
                 out.append(address(st.endpoint.url))
             if len(out) >= self.settings.fallbacks:
@@ -474,32 +474,15 @@ def _body_response(
 
 def _usage(tail: bytes) -> Usage | None:
     """The usage in the end of an answer: a whole JSON body's, or a stream's last usage
-    chunk."""
+    chunk (read as the proxy reads them)."""
     text = tail.strip()
-    candidates = [text] if text.startswith(b"{") else []
-    candidates += [
-        ev[6:].strip() for ev in reversed(text.split(b"\n")) if ev.startswith(b"data: {")
-    ]
-    for raw in candidates:
-        if b'"usage"' not in raw:
-            continue
+    if text.startswith(b"{"):
         try:
-            doc = json.loads(raw)
+            return usage_of(json.loads(text))
         except ValueError:
-            continue
-        usage = doc.get("usage") if isinstance(doc, dict) else None
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-
-            def num(v: Any) -> int:
-                return (
-                    v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 else 0
-                )
-
-            return Usage(num(usage.get("prompt_tokens")), num(usage.get("completion_tokens")),
-                         num(cached))  # fmt: skip
-    return None
+            pass
+    lines = (line.strip() for line in reversed(text.split(b"\n")))
+    return next((got for line in lines if (got := usage_chunk(line)) is not None), None)
 
 
 @dataclass

@@ -344,7 +344,7 @@ class Proxy:
         usage = None
         if b'"usage"' in body:
             with contextlib.suppress(ValueError):
-                usage = _usage(json.loads(body))
+                usage = usage_of(json.loads(body))
         response = Reply(200, _headers(call, content_type), body)
         return Relayed(response, "ok", usage)
 
@@ -388,7 +388,7 @@ class Proxy:
                             event, failed = track(progress, event)
                             if failed:
                                 break
-                        got = _usage_chunk(event)
+                        got = usage_chunk(event)
                         usage = got or usage
                         if got is None or not call.strip_usage:
                             batch.append(event)
@@ -495,7 +495,7 @@ class Proxy:
         return dataclasses.replace(relayed, broken=None)
 
 
-def _usage_chunk(event: bytes) -> Usage | None:
+def usage_chunk(event: bytes) -> Usage | None:
     """The usage of a usage-only chunk (no choices), else None."""
     if b'"usage"' not in event or not event.startswith(b"data: {"):
         return None
@@ -505,7 +505,7 @@ def _usage_chunk(event: bytes) -> Usage | None:
         return None
     if not isinstance(chunk, dict) or chunk.get("choices"):
         return None
-    return _usage(chunk)
+    return usage_of(chunk)
 
 
 async def _break(out: StreamReply, cause: str, message: str) -> None:
@@ -558,7 +558,9 @@ async def _next_event(resp: Response) -> bytes | None:
         lines.append(line)
 
 
-def _usage(body: Any) -> Usage | None:
+def usage_of(body: Any) -> Usage | None:
+    """The usage of an answer's JSON body (or a usage chunk's), each figure bounded: a count
+    no answer could have (negative, not an integer, 2^40 or more) reads as 0."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return None
@@ -566,7 +568,7 @@ def _usage(body: Any) -> Usage | None:
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
 
     def num(v: Any) -> int:
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 else 0
 
     return Usage(num(usage.get("prompt_tokens")), num(usage.get("completion_tokens")), num(cached))
 

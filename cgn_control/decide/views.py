@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cgn_control.decide.adapters import AdapterSpec, adapters_profile
 from cgn_control.decide.cluster import Snapshot
 from cgn_control.decide.placement import NodeState
 
@@ -58,6 +59,8 @@ def adapter_residency(snap: Snapshot, name: str) -> list[AdapterResidency]:
         return []
     mine = {k: p for k, p in snap.placements.items() if p.model == name and p.part.part == 0}
     engines = sorted({p.engine for p in mine.values()} or {p.engine for p in spec.profiles})
+    # what each engine's replicas load at start: the placements' own rule
+    at_start = {e: {f["name"] for f in adapters_profile(spec, e).get("lora", [])} for e in engines}
     out = []
     for adapter, a in sorted(spec.adapters.items()):
         held = tuple(
@@ -65,26 +68,23 @@ def adapter_residency(snap: Snapshot, name: str) -> list[AdapterResidency]:
             for (node, replica) in sorted(mine)
             if (st := snap.statuses.get((node, replica))) is not None and adapter in st.adapters
         )
-        gguf = a.source.endswith(".gguf")
-        why = "; ".join(_why(e, gguf, a.pin, spec.max_adapters) for e in engines)
+        why = "; ".join(_why(e, adapter in at_start[e], a, spec.max_adapters) for e in engines)
         out.append(AdapterResidency(adapter, a.source, a.pin, held, why))
     return out
 
 
-def _why(engine: str, gguf: bool, pin: bool, max_adapters: int) -> str:
-    """How replicas of `engine` come to hold an adapter (reconciler.py's _adapters_profile
-    and the router's cgn_router/adapters.py decide; this says what they do)."""
-    if engine == "llama_cpp":
-        return "llama_cpp: loaded at start" if gguf else "llama_cpp: not loaded (PEFT, not GGUF)"
-    if engine in ("vllm", "sglang"):
-        return (
-            f"{engine}: loaded at start" if not gguf else f"{engine}: not loaded (GGUF, not PEFT)"
-        )
+def _why(engine: str, at_start: bool, a: AdapterSpec, max_adapters: int) -> str:
+    """How replicas of `engine` come to hold adapter `a`: at start (adapters_profile), or
+    for cgn-infer on demand (the router's cgn_router/adapters.py loads it)."""
+    if at_start:
+        pinned = "pinned, " if engine == "cgn_infer" else ""
+        return f"{engine}: {pinned}loaded at start" + (" and never evicted" if pinned else "")
     if engine == "cgn_infer":
-        if pin:
-            return "cgn_infer: pinned, loaded at start and never evicted"
         return (
             "cgn_infer: loaded on demand where the router sends its requests; the least "
             f"recently used idle adapter is evicted past max_adapters {max_adapters}"
         )
+    if engine in ("llama_cpp", "vllm", "sglang"):  # they load the other format only
+        kind = "GGUF, not PEFT" if a.source.endswith(".gguf") else "PEFT, not GGUF"
+        return f"{engine}: not loaded ({kind})"
     return f"{engine}: serves no adapters"
