@@ -190,8 +190,10 @@ def stop_pid_group(fp: Fingerprint, grace_s: float = 10.0) -> bool:
 
 
 def group_members(groups: Iterable[int], proc: Path = Path("/proc")) -> list[int]:
-    """Every live process whose process group is one of `groups` (Linux; [] without /proc):
-    the children an engine or a multi-node rank's sidecars started in its group."""
+    """Every live process whose process group or session is one of `groups` (Linux; []
+    without /proc): the children an engine or a multi-node rank's sidecars started. An
+    engine leads a session of its own, and a process that moved to a group of its own
+    stays in that session (Ray puts each of its workers in a new group)."""
     want = set(groups)
     out: list[int] = []
     if not want or not proc.is_dir():
@@ -201,6 +203,6 @@ def group_members(groups: Iterable[int], proc: Path = Path("/proc")) -> list[int
             continue
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            if int(fields[2]) in want:  # fields: state, ppid, pgrp, ...
+            if int(fields[2]) in want or int(fields[3]) in want:  # state, ppid, pgrp, session
                 out.append(int(entry.name))
     return sorted(out)

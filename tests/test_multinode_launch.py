@@ -69,18 +69,21 @@ def env(r: int, **extra: str) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": "0,1,2,3", **NCCL, **extra}
 
 
+# real Ray drains a node for 30 s on SIGTERM, its daemons running meanwhile (#62)
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 # (engine, launch mode, rank) -> (commands: (argv, env, wait_for) in order, probe)
 TABLE: dict[tuple[str, str | None, int], tuple[list[tuple[list[str], dict[str, str], str]], str]] = {
     ("vllm", "ray", 0): ([
         (["/v/bin/ray", "start", "--head", "--port", "29500", "--node-ip-address", "10.0.0.1",
-          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(0, VLLM_HOST_IP="10.0.0.1"), ""),
+          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(0, VLLM_HOST_IP="10.0.0.1", **NO_DRAIN), ""),
         (["/v/bin/vllm", "serve", MODEL[0], *HTTP, *MODEL[1:], "--distributed-executor-backend",
           "ray"], env(0, VLLM_HOST_IP="10.0.0.1", VLLM_API_KEY="t0k",
                       RAY_ADDRESS="10.0.0.1:29500"), "10.0.0.1:29500"),
     ], "http"),
     ("vllm", "ray", 1): ([
         (["/v/bin/ray", "start", "--address", "10.0.0.1:29500", "--node-ip-address", "10.0.0.2",
-          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(1, VLLM_HOST_IP="10.0.0.2"), "10.0.0.1:29500"),
+          "--num-gpus", "4", "--disable-usage-stats", "--block"], env(1, VLLM_HOST_IP="10.0.0.2", **NO_DRAIN),
+         "10.0.0.1:29500"),
     ], "alive"),
     ("vllm", "mp", 0): ([
         (["/v/bin/vllm", "serve", MODEL[0], *HTTP, *MODEL[1:], "--nnodes", "2", "--node-rank", "0",
@@ -307,11 +310,12 @@ def test_a_head_that_never_appears_fails_the_rank_with_the_reason(tmp_path: Path
 
 
 def test_no_sidecar_outlives_its_rank_nor_a_stop(tmp_path: Path) -> None:
-    """The sidecar (and a grandchild it started) goes when the rank exits, with the rank's
-    exit code; a SIGTERM to the shard alone stops everything too."""
+    """The sidecar (and a grandchild it started, which left for a process group of its own
+    as Ray's workers do) goes when the rank exits, with the rank's exit code; a SIGTERM to
+    the shard alone stops everything too."""
     nested = [sys.executable, "-c",
               "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-              "'import time; time.sleep(600)']); time.sleep(600)"]  # fmt: skip
+              "'import os, time; os.setpgid(0, 0); time.sleep(600)']); time.sleep(600)"]  # fmt: skip
     rank_exits = [sys.executable, "-c", "import time, sys; time.sleep(1.5); sys.exit(3)"]
     proc = shard(tmp_path, [Step(tuple(nested), {}, ""), Step(tuple(rank_exits), {}, "")])
     until("the sidecar and its child run", lambda: len(group_members([proc.pid])) >= 4,

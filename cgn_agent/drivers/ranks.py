@@ -121,14 +121,17 @@ def launch(
         # NOTE: real Ray (2.60, #62) enables usage stats on its own when its terminal is not
         # interactive (an agent's never is), reporting the cluster to Anyscale: off
         gpus = ["--num-gpus", str(len(spec.devices)), "--disable-usage-stats", "--block"]
+        # NOTE: on SIGTERM real Ray drains its node for up to 30 s first (for Ray Serve's
+        # replicas) and leaves its daemons running meanwhile; a rank is torn down whole
+        ray_env = {**base, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         if part.part > 0:  # Ray runs vLLM's workers here: nothing else to start
             join = (ray, "start", "--address", rendezvous, "--node-ip-address", own, *gpus)
-            return rank(join, base)
+            return rank(join, ray_env)
         head = (ray, "start", "--head", "--port", str(port), "--node-ip-address", own, *gpus)
         argv = (*serve.argv, *stages, "--distributed-executor-backend", "ray")
         # NOTE: vLLM may start before the head has every node: it waits for the GPUs it needs
         return rank(argv, {**serve.env, **base, "RAY_ADDRESS": rendezvous},
-                    sidecars=(Command(head, base),), wait_for=rendezvous)  # fmt: skip
+                    sidecars=(Command(head, ray_env),), wait_for=rendezvous)  # fmt: skip
     if engine == "vllm":  # multiprocessing across nodes
         ranks = ["--nnodes", str(part.parts), "--node-rank", str(part.part),
                  "--master-addr", host, "--master-port", str(port)]  # fmt: skip

@@ -1,20 +1,23 @@
-"""Stand-ins for multi-node vLLM, SGLang and Ray ranks that really rendezvous (no GPU needed).
+"""Stand-ins for multi-node vLLM and SGLang ranks that really rendezvous (no GPU needed).
 
 They behave like the real ranks at the process level, which is all the agent sees:
 
-* a rendezvous point (a Ray head, vLLM's master port, SGLang's dist-init address) listens on
-  its port; a worker connects, says `join <gpus>`, and stays connected; `count` answers the
-  GPUs joined so far. A worker whose connection ends exits 1 (its head went away).
+* a rendezvous point (vLLM's master port, SGLang's dist-init address) listens on its port;
+  a worker connects, says `join`, and stays connected. A worker whose connection ends exits
+  1 (its head went away).
+* vLLM on Ray runs against real Ray (`ray start`, from the test extras): `vllm serve` asks
+  Ray's own API (`ray.nodes()`) which nodes have joined and how many GPUs they declared,
+  prints them, and serves once they hold tensor-parallel × pipeline-parallel GPUs.
 * rank 0 serves `/health`, `/v1/models`, `/v1/chat/completions` and a vLLM-style `/metrics`
-  only once every rank has joined (SGLang and vLLM-mp: N-1 workers; vLLM on Ray: the Ray
-  cluster holds tensor-parallel × pipeline-parallel GPUs), and exits 1 when a rank is lost
-  afterwards (as NCCL's timeout would end the real one).
+  only once every rank has joined (SGLang and vLLM-mp: N-1 workers; vLLM on Ray: the GPUs
+  above), and exits 1 when a rank is lost afterwards (as NCCL's timeout would end the real
+  one).
 * every rank refuses to start (exit 2) when `CUDA_VISIBLE_DEVICES` does not name as many
   devices as it claims, or when `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` names an
   interface its network namespace does not have.
 `STUB_RENDEZVOUS_DELAY_S` delays opening the rendezvous port (a slow head: workers wait).
-Entry points: `bin/vllm`, `bin/ray`, `python -m sglang.launch_server` (this directory on
-PYTHONPATH), `bin/nvidia-smi` (recorded H100 output for the agent's inventory).
+Entry points: `bin/vllm`, `python -m sglang.launch_server` (this directory on PYTHONPATH),
+`bin/nvidia-smi` (recorded H100 output for the agent's inventory).
 """
 
 from __future__ import annotations
@@ -52,16 +55,16 @@ def check_env(gpus: int) -> None:
 
 
 class Rendezvous:
-    """The point workers join; `gpus` counts the GPUs of everyone joined (and its own)."""
+    """The point workers join; `workers` counts those joined, `lost` those gone since."""
 
-    def __init__(self, host: str, port: int, own_gpus: int):
+    def __init__(self, host: str, port: int):
         delay = float(os.environ.get("STUB_RENDEZVOUS_DELAY_S", "0"))
         if delay:
             say(f"opening the rendezvous point in {delay:g} s")
             time.sleep(delay)
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.lock = threading.Lock()
-        self.gpus, self.workers, self.lost = own_gpus, 0, 0
+        self.workers, self.lost = 0, 0
         threading.Thread(target=self._accept, daemon=True).start()
         say(f"rendezvous point open on {host}:{port}")
 
@@ -72,48 +75,31 @@ class Rendezvous:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rw") as f:
-            line = f.readline().split()
-            if line[:1] == ["count"]:
-                with self.lock:
-                    f.write(f"{self.gpus} {self.workers}\n")
+            if f.readline().split()[:1] != ["join"]:
                 return
-            if line[:1] != ["join"]:
-                return
-            gpus = int(line[1])
             with self.lock:
-                self.gpus, self.workers = self.gpus + gpus, self.workers + 1
+                self.workers += 1
             f.write("ok\n")
             f.flush()
             f.read()  # until the worker goes
             with self.lock:
-                self.gpus, self.workers = self.gpus - gpus, self.workers - 1
-                self.lost += 1
+                self.workers, self.lost = self.workers - 1, self.lost + 1
 
 
-def join(address: str, gpus: int) -> None:
+def join(address: str) -> None:
     """Join the rendezvous point at `address` and stay until it goes away, then exit 1."""
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
     sock.settimeout(None)
     with sock, sock.makefile("rw") as f:
-        f.write(f"join {gpus}\n")
+        f.write("join\n")
         f.flush()
         if f.readline().strip() != "ok":
             sys.exit(1)
-        say(f"joined {address} with {gpus} GPU(s)")
+        say(f"joined {address}")
         f.read()
     say(f"the rendezvous point {address} went away")
     sys.exit(1)
-
-
-def count(address: str) -> tuple[int, int]:
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
-    with sock, sock.makefile("rw") as f:
-        f.write("count\n")
-        f.flush()
-        gpus, workers = f.readline().split()
-    return int(gpus), int(workers)
 
 
 def serve_http(host: str, port: int, model: str, gpus: int, token: str) -> None:
@@ -181,22 +167,28 @@ def head(argv: list[str], ready: Any, gpus: int) -> None:
     sys.exit(1)
 
 
-def ray(argv: list[str]) -> None:
-    gpus = int(flag(argv, "--num-gpus", "0"))
-    check_env(gpus)
-    if "--head" in argv:
-        Rendezvous(flag(argv, "--node-ip-address"), int(flag(argv, "--port")), gpus)
-        while True:  # until SIGTERM
-            time.sleep(1)
-    join(flag(argv, "--address"), gpus)
+def ray_gpus(address: str, log: list[str]) -> int:
+    """The GPUs of the live nodes in the Ray cluster at `address`, asked of Ray's own API;
+    each new view of the nodes is printed (`ray cluster: 2 node(s) ...`)."""
+    import ray  # real Ray, from the test extras
+
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    nodes = sorted((n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0))
+                   for n in ray.nodes() if n["Alive"])  # fmt: skip
+    view = ", ".join(f"{host} with {gpus:g} GPU(s)" for host, gpus in nodes)
+    if view != (log[-1] if log else None):
+        log.append(view)
+        say(f"ray cluster: {len(nodes)} node(s): {view}")
+    return int(sum(gpus for _, gpus in nodes))
 
 
 def vllm(argv: list[str]) -> None:
     tp = int(flag(argv, "--tensor-parallel-size", "1"))
     pp = int(flag(argv, "--pipeline-parallel-size", "1"))
     if flag(argv, "--distributed-executor-backend") == "ray":  # Ray holds the GPUs
-        address = os.environ["RAY_ADDRESS"]
-        head(argv, lambda: count(address)[0] >= tp * pp, tp * pp)
+        address, seen = os.environ["RAY_ADDRESS"], []
+        head(argv, lambda: ray_gpus(address, seen) >= tp * pp, tp * pp)
         return
     nnodes = int(flag(argv, "--nnodes", "1"))
     check_env(tp * pp // nnodes)
@@ -215,9 +207,9 @@ def multi(argv: list[str], nnodes: int, address: str, gpus: int) -> None:
     """One process per rank: rank 0 opens the rendezvous point and serves, the others join."""
     rank = int(flag(argv, "--node-rank", "0"))
     if rank > 0:
-        join(address, 0)
+        join(address)
     host, _, port = address.rpartition(":")
-    point = Rendezvous(host.strip("[]"), int(port), 0)
+    point = Rendezvous(host.strip("[]"), int(port))
     head(argv, lambda: point.workers == nnodes - 1 and not point.lost, gpus)
 
 
@@ -225,9 +217,7 @@ def main(program: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     argv = sys.argv[1:]
     say(f"{program} {' '.join(argv)}")
-    if program == "ray" and argv[:1] == ["start"]:
-        ray(argv[1:])
-    elif program == "vllm" and argv[:1] == ["serve"]:
+    if program == "vllm" and argv[:1] == ["serve"]:
         vllm(argv[1:])
     elif program == "sglang":
         sglang(argv)
