@@ -207,7 +207,7 @@ def hash_prompt(
 def _noted(hashed: HashedPrompt, model: str, acct: Account) -> HashedPrompt:
     """`hashed`, its method recorded (an embedding's prompt is not hashed: no record)."""
     if hashed.method != "none":
-        acct.emit(Hashed(model, hashed.method))
+        acct.emit(Hashed(model, hashed.method, hashed.reused))
     return hashed
 
 

@@ -24,7 +24,8 @@ from cgn_core.keys import NAME
 from cgn_core.lora import MAX_PER_REPLICA
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.prompt import PromptCodec
-from cgn_router.prompts import PromptHasher
+from cgn_router.prompt_cache import PrefixCache
+from cgn_router.prompts import PromptHasher, codec_tag
 from cgn_router.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,13 @@ def _is_gguf(source: str) -> bool:
 
 
 class Catalog:
-    def __init__(self, chars_per_block: int):
+    def __init__(self, chars_per_block: int, prompt_cache_mib: int = 0):
         self.chars_per_block = chars_per_block
+        self.prompts = PrefixCache(prompt_cache_mib << 20)  # shared by every model's hasher
         self.entries: dict[str, dict[str, ModelEntry]] = {}  # source → name → entry
         self._hashers: dict[str, PromptHasher] = {}
         self._codecs: dict[Path, PromptCodec | None] = {}  # None: loading or failed
+        self._tags: dict[Path, bytes] = {}  # each codec's identity in the prefix cache's keys
         self._loading: set[asyncio.Task[None]] = set()
         self._merged: dict[str, ModelEntry] = {}
         self._names: dict[str, str] = {}
@@ -223,8 +226,11 @@ class Catalog:
         got = self._hashers.get(model)
         if got is None:
             entry = self.entry(model)
-            codec = self._codecs.get(entry.tokenizer) if entry and entry.tokenizer else None
-            got = self._hashers[model] = PromptHasher(model, codec, self.chars_per_block)
+            path = entry.tokenizer if entry else None
+            codec = self._codecs.get(path) if path else None
+            tag = self._tags.get(path) if path else None
+            got = PromptHasher(model, codec, self.chars_per_block, self.prompts, tag)
+            self._hashers[model] = got
         return got
 
     async def wait_loaded(self) -> None:
@@ -234,14 +240,15 @@ class Catalog:
 
     async def _load(self, path: Path) -> None:
         try:
-            codec = await asyncio.to_thread(_load_codec, path)
+            codec, tag = await asyncio.to_thread(_load_codec, path)
         except (CognitoraError, OSError) as exc:
             log.warning("tokenizer %s not loaded (prompts hashed by characters): %s", path, exc)
             return
-        self._codecs[path] = codec
+        self._codecs[path], self._tags[path] = codec, tag
         self._hashers.clear()
         log.info("tokenizer loaded from %s", path)
 
 
-def _load_codec(path: Path) -> PromptCodec:
-    return PromptCodec.from_gguf(GGUFFile(bundled_models.resolve(path)))
+def _load_codec(path: Path) -> tuple[PromptCodec, bytes]:
+    codec = PromptCodec.from_gguf(GGUFFile(bundled_models.resolve(path)))
+    return codec, codec_tag(codec)

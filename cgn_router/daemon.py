@@ -100,7 +100,7 @@ def build_service(
     metrics.watch(registry)
     svc = RouterService(
         settings,
-        Catalog(r.chars_per_block),
+        Catalog(r.chars_per_block, r.prompt_cache_mib),
         registry,
         chain,
         Proxy(upstream, settings.deadlines, settings.max_response_bytes),
@@ -112,6 +112,7 @@ def build_service(
         observers=observers,
     )
     metrics.watch_scaling(lambda: svc.control)
+    metrics.watch_prompts(lambda: svc.catalog.prompts.used)
     if ledger is not None:
         metrics.watch_budgets(ledger.remaining_rows)
     if settings.admission.enabled:

@@ -179,6 +179,23 @@ class RouterMetrics:
             "model",
             "method",
         )
+        self.prompt_cache = counter(
+            "cgn_router_prompt_cache_lookups",
+            "Prompts looked up in the prefix cache (prompt_cache.py), by model and result: hit "
+            "(resumed after a cached prefix) or miss (tokenized and hashed whole).",
+            "model",
+            "result",
+        )
+        self.prompt_cache_reused = counter(
+            "cgn_router_prompt_cache_tokens_reused",
+            "Prompt tokens taken from the prefix cache: neither tokenized nor hashed again.",
+            "model",
+        )
+        self.prompt_cache_bytes = gauge(
+            "cgn_router_prompt_cache_bytes",
+            "Bytes the prompt prefix cache holds (its budget: routing.prompt_cache_mib per "
+            "worker).",
+        )
         self.prediction_error = hist(
             "cgn_router_prediction_error_seconds",
             "Predicted minus actual time to first byte of answered attempts (the time scorer), "
@@ -262,6 +279,10 @@ class RouterMetrics:
         running out (the ledger's remaining_rows)."""
         self.registry.register(_BudgetCollector(rows))
 
+    def watch_prompts(self, held: Callable[[], float]) -> None:
+        """Export the bytes the prompt prefix cache holds, read at scrape time."""
+        self.prompt_cache_bytes.metric.set_function(held)
+
     def watch_scaling(self, control: Callable[[], ControlState | None]) -> None:
         """Export the autoscaler's targets (on the router leading the reconciler)."""
         self.registry.register(_ScalingCollector(control))
@@ -310,7 +331,7 @@ class MetricsObserver:
             Ended: self._ended,
             Routed: self._routed,
             Refused: lambda r: m.admission_rejections.labels(r.band, r.reason).inc(),
-            Hashed: lambda r: m.hashed.labels(r.model, r.method).inc(),
+            Hashed: self._hashed,
             Retried: lambda r: m.retries.labels(r.model).inc(),
             Fallback: lambda r: m.fallbacks.labels(r.model, r.served).inc(),
             Migrated: lambda r: m.migrations.labels(r.model, r.engine, r.cause, r.result).inc(),
@@ -319,6 +340,14 @@ class MetricsObserver:
             Held: lambda r: m.held.labels(r.model, r.result).observe(r.held_s),
             AdapterLoaded: self._adapter_loaded,
         }
+
+    def _hashed(self, r: Hashed) -> None:
+        m = self.m
+        m.hashed.labels(r.model, r.method).inc()
+        if r.reused is not None:  # looked up in the prefix cache
+            m.prompt_cache.labels(r.model, "hit" if r.reused else "miss").inc()
+            if r.reused:
+                m.prompt_cache_reused.labels(r.model).inc(r.reused)
 
     def _adapter_loaded(self, r: AdapterLoaded) -> None:
         self.m.adapter_loads.labels(r.model, r.result).inc()

@@ -9,6 +9,11 @@ Three methods, counted in `cgn_router_prompts_hashed_total{method}`:
   hashed in a separate namespace. Only the router's own approximate tracking
   can match these; an engine's KV events never do.
 
+With a tokenizer, a prompt whose leading part was hashed before (a conversation's history,
+resent with every turn) resumes from the prefix cache (prompt_cache.py) and tokenizes and
+hashes only what follows: the same ids and hashes as the whole computation, at the cost of
+what is new.
+
 A body the shared validation refuses is not refused here (the engine has the
 last word, and may accept more, e.g. image parts): it routes with no blocks.
 """
@@ -20,13 +25,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from blake3 import blake3
+
 from cgn_core.errors import InvalidRequest
-from cgn_core.kv.blockhash import BLOCK_SIZE, BlockHash, block_hashes, namespace, salted
+from cgn_core.kv.blockhash import (
+    BLOCK_SIZE,
+    ROOT,
+    BlockHash,
+    block_hashes,
+    namespace,
+    salted,
+)
 from cgn_core.openai.tools import tool_fields
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
+from cgn_router.prompt_cache import KEY_DOMAIN, Prefix, PrefixCache
 
 Method = Literal["token_ids", "tokenizer", "chars", "none"]
 CHARS_PER_TOKEN = 4  # for prompt-size estimates without a tokenizer
+MAX_CUTS = 256  # a prompt's last cuts looked up in the prefix cache (a conversation's turns)
+EMPTY = Prefix((), (), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +51,28 @@ class HashedPrompt:
     blocks: tuple[BlockHash, ...]
     tokens: int  # prompt length in tokens (estimated for `chars`)
     method: Method
+    reused: int | None = None  # tokens taken from the prefix cache (None: not looked up)
 
 
 class PromptHasher:
-    """Block hashes of one model's prompts."""
+    """Block hashes of one model's prompts; `cache` (shared by a router worker's hashers)
+    holds the prefixes of those hashed by a tokenizer."""
 
-    def __init__(self, model: str, codec: PromptCodec | None, chars_per_block: int = 64):
+    def __init__(
+        self,
+        model: str,
+        codec: PromptCodec | None,
+        chars_per_block: int = 64,
+        cache: PrefixCache | None = None,
+        tag: bytes | None = None,
+    ):
         self.ns = namespace(model)
         self.codec = codec
         self.chars_per_block = max(BLOCK_SIZE, chars_per_block)
+        self.cache = cache if codec is not None and cache is not None and cache.budget else None
+        self.tag = b""  # the codec's identity in the cache's keys (`codec_tag`)
+        if self.cache is not None and codec is not None:
+            self.tag = tag or codec_tag(codec)
 
     def hash(self, kind: str, body: Mapping[str, Any], salt: str | None = None) -> HashedPrompt:
         """The prompt's block hashes, in the namespace of `salt` (its tenant's) when set: what
@@ -53,8 +83,7 @@ class PromptHasher:
                 messages = chat_messages(body)
                 if self.codec is not None:
                     tools = tool_fields(body).rendered  # part of the prompt the engine hashes
-                    encoded = self.codec.encode_chat(messages, tools)
-                    return self._tokens(encoded, "tokenizer", ns)
+                    return self._text(self.codec.chat_text(messages, tools), False, ns)
                 joined = "".join(f"\x00{m['role']}\x00{m['content']}" for m in messages)
                 return self._chars(joined, ns)
             if kind == "completion":
@@ -63,11 +92,42 @@ class PromptHasher:
                     return self._tokens(list(ids), "token_ids", ns)
                 assert text is not None
                 if self.codec is not None:
-                    return self._tokens(self.codec.encode_text(text), "tokenizer", ns)
+                    return self._text(text, None, ns)
                 return self._chars(text, ns)
         except InvalidRequest:
             pass
         return HashedPrompt((), 0, "none")
+
+    def _text(self, text: str, add_bos: bool | None, ns: str) -> HashedPrompt:
+        """`text` through the tokenizer, resuming at the longest of its cuts (just after a
+        special token) the prefix cache holds, and leaving its last cut there."""
+        assert self.codec is not None
+        tk = self.codec.tokenizer
+        parts = tk.split(text)
+        if self.cache is None or len(parts) < 3:  # no cut to resume at
+            return self._tokens(tk.encode_parts(parts, add_bos=add_bos), "tokenizer", ns)
+        first, keys = self._keys(parts, ns)
+        last = len(parts) - 1  # the cut before the final segment
+        hit = self.cache.longest(keys)
+        start, prefix = (first + 2 * hit[0], hit[1]) if hit else (0, EMPTY)
+        at_last = _extend(prefix, tk.encode_parts(parts, start, last, add_bos=add_bos), ns)
+        if start != last and at_last.tokens >= BLOCK_SIZE:
+            self.cache.put(keys[-1], at_last)
+        whole = _extend(at_last, tk.encode_parts(parts, last, add_bos=add_bos), ns)
+        return HashedPrompt(whole.blocks, whole.tokens, "tokenizer", prefix.tokens)
+
+    def _keys(self, parts: list[str], ns: str) -> tuple[int, list[bytes]]:
+        """The keys of the prompt up to each of its last MAX_CUTS cuts (shortest first), and
+        the index in `parts` of the first of those cuts."""
+        first = max(2, len(parts) - 1 - 2 * (MAX_CUTS - 1))
+        h = blake3(KEY_DOMAIN + self.tag + b"\0" + ns.encode("utf-8") + b"\0")
+        h.update("".join(parts[: first - 1]).encode("utf-8", "surrogatepass"))
+        keys = []
+        for i in range(first - 1, len(parts) - 1):
+            h.update(parts[i].encode("utf-8", "surrogatepass"))
+            if i % 2:  # a special token: a cut after it
+                keys.append(h.copy().digest())
+        return first, keys
 
     def _tokens(self, ids: list[int], method: Method, ns: str) -> HashedPrompt:
         return HashedPrompt(tuple(block_hashes(ids, ns)), len(ids), method)
@@ -80,3 +140,19 @@ class PromptHasher:
         ]
         hashes = block_hashes(pseudo, ns + "|chars")
         return HashedPrompt(tuple(hashes), len(text) // CHARS_PER_TOKEN, "chars")
+
+
+def _extend(prefix: Prefix, ids: list[int], ns: str) -> Prefix:
+    """`prefix` followed by `ids`: the full blocks they complete hashed, chained on."""
+    seq = [*prefix.tail, *ids]
+    full = len(seq) - len(seq) % BLOCK_SIZE
+    parent = prefix.blocks[-1] if prefix.blocks else ROOT
+    blocks = prefix.blocks + tuple(block_hashes(seq[:full], ns, parent)) if full else prefix.blocks
+    return Prefix(blocks, tuple(seq[full:]), prefix.tokens + len(ids))
+
+
+def codec_tag(codec: PromptCodec) -> bytes:
+    """What tells one tokenizer and template from another in the prefix cache's keys."""
+    h = blake3(codec.template.source.encode("utf-8", "surrogatepass") + b"\0")
+    h.update("\0".join(codec.tokenizer.pieces).encode("utf-8", "surrogatepass"))
+    return h.digest()

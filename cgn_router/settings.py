@@ -107,6 +107,9 @@ class RoutingSettings:
     # there until its events confirm them (bursts of one prefix land together).
     optimistic_ttl_s: float = ranged(5.0, 0, 3600)
     chars_per_block: int = ranged(64, 1, 65536)  # character-block approximation (no tokenizer)
+    # Tokenized and hashed prompt prefixes (cgn_router/prompt_cache.py), in MiB per router
+    # worker: a conversation's next turn tokenizes and hashes only what is new. 0: off.
+    prompt_cache_mib: int = ranged(64, 0, 1 << 16)
     # Memory for what the engines and KV stores say they hold (KV events), in MiB; past
     # it, each source's oldest blocks are forgotten first. 0: 1/16 of this machine's
     # memory, at most 4096.

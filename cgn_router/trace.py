@@ -3,7 +3,8 @@
     chat SmolLM2                      SERVER, the request: model, served model, band,
     ├ admission                       tenant, key id, TTFT, usage, status
     ├ route                           candidates, chosen endpoint, matched blocks by tier,
-    │                                 the scorer that decided, predicted TTFTs (time scorer)
+    │                                 the scorer that decided, predicted TTFTs (time scorer),
+    │                                 prompt tokens from the prefix cache (tokens_reused)
     ├ prefill leg (P/D)               CLIENT, to the prefill replica
     ├ upstream                        CLIENT, one per attempt: endpoint, outcome; its
     │                                 `traceparent` goes to the engine, whose spans follow
@@ -33,6 +34,7 @@ from cgn_router.routing.lifecycle import (
     AttemptEnded,
     AttemptStarted,
     Ended,
+    Hashed,
     Record,
     Routed,
 )
@@ -76,6 +78,8 @@ class RequestTrace:
                 self.asked(record.asked, record.tenant, record.band, record.key_id)
             case Admitted():
                 self.admitted(record.waited_s)
+            case Hashed():
+                self.hashed(record.reused or 0)
             case Ended():
                 u = record.usage
                 self.finish(
@@ -112,6 +116,9 @@ class RequestTrace:
 
     def admitted(self, waited_s: float) -> None:
         """The admission span: the time the request queued (ending now)."""
+
+    def hashed(self, reused: int) -> None:
+        """The prompt's tokens taken from the prefix cache (on the route span)."""
 
     def routed(
         self, decision: Decision, role: str, weights: Mapping[str, float], took_ns: int
@@ -151,6 +158,7 @@ class _Sampled(RequestTrace):
             operation, ctx, kind="server", attributes={"gen_ai.operation.name": operation}
         )
         self.attempts: dict[int, Any] = {}  # attempt -> its upstream span, until it ends
+        self.reused = 0  # prompt tokens from the prefix cache
 
     def _attempt_started(self, record: AttemptStarted) -> Mapping[str, str] | None:
         span, headers = self.upstream(record.name, record.endpoint, record.url)
@@ -159,6 +167,9 @@ class _Sampled(RequestTrace):
 
     def _attempt_ended(self, record: AttemptEnded) -> None:
         end_upstream(self.attempts.pop(record.attempt, None), record.outcome, record.cause)
+
+    def hashed(self, reused: int) -> None:
+        self.reused = reused
 
     def admitted(self, waited_s: float) -> None:
         end = now_ns()
@@ -172,6 +183,7 @@ class _Sampled(RequestTrace):
         span = self.tracer.start("route", self.root, start_ns=now_ns() - took_ns)
         span.set_attribute("cognitora.route.candidates", len(decision.totals))
         span.set_attribute("cognitora.route.role", role)
+        span.set_attribute("cognitora.route.tokens_reused", self.reused)
         view = decision.view
         if view is not None:
             span.set_attributes(

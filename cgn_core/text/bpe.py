@@ -125,10 +125,18 @@ class BpeCodec:
         self.cache = SegmentCache()
 
     def encode(self, text: str) -> list[int]:
-        if self._split is None:
-            return self._segment(text)
+        return self.encode_parts(self.split(text), 0, None)
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut around the special tokens written in it: [segment, special, segment,
+        ..., segment] (segments may be empty)."""
+        return self._split.split(text) if self._split is not None else [text]
+
+    def encode_parts(self, parts: Sequence[str], start: int, stop: int | None) -> list[int]:
+        """The ids of `parts[start:stop]` of a `split`; `start` is a segment's index (even)."""
         out: list[int] = []
-        for i, part in enumerate(self._split.split(text)):
+        for i in range(start, len(parts) if stop is None else stop):
+            part = parts[i]
             if i % 2:  # the split keeps each special token between two segments
                 out.append(self._special[part])
             elif part:

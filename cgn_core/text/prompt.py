@@ -47,12 +47,20 @@ class PromptCodec:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of the templated conversation (the template writes any BOS itself).
-        `tools` go to a template that renders them; any other template gets them as a
-        system message in the Hermes format (`fallback_tool_messages`)."""
+        """Token ids of the templated conversation (the template writes any BOS itself)."""
+        return self.tokenizer.encode(self.chat_text(messages, tools), add_bos=False)
+
+    def chat_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The templated conversation. `tools` go to a template that renders them; any other
+        template gets them as a system message in the Hermes format
+        (`fallback_tool_messages`)."""
         if tools and not self.template.renders_tools:
             messages, tools = fallback_tool_messages(messages, tools), None
-        return self.tokenizer.encode(self.template.render(messages, tools=tools), add_bos=False)
+        return self.template.render(messages, tools=tools)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a completion prompt (BOS added where the model wants one)."""

@@ -41,16 +41,27 @@ class SpmCodec:
         self._special = {tokens[i]: i for i in special}
 
     def encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        after_special = True  # the start of the text counts as "after a special token"
-        pos = 0
+        return self.encode_parts(self.split(text), 0, None)
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut around the special tokens written in it: [segment, special, segment,
+        ..., segment] (segments may be empty)."""
+        parts, pos = [], 0
         for m in self._special_re.finditer(text) if self._special_re else ():
-            if m.start() > pos:
-                out += self._fragment(text[pos : m.start()], after_special)
-            out.append(self._special[m.group()])
-            after_special, pos = True, m.end()
-        if pos < len(text):
-            out += self._fragment(text[pos:], after_special)
+            parts += [text[pos : m.start()], m.group()]
+            pos = m.end()
+        parts.append(text[pos:])
+        return parts
+
+    def encode_parts(self, parts: Sequence[str], start: int, stop: int | None) -> list[int]:
+        """The ids of `parts[start:stop]` of a `split`; `start` is a segment's index (even).
+        Every segment starts the text or follows a special token: each gets the space prefix."""
+        out: list[int] = []
+        for i in range(start, len(parts) if stop is None else stop):
+            if i % 2:
+                out.append(self._special[parts[i]])
+            elif parts[i]:
+                out += self._fragment(parts[i], True)
         return out
 
     def _fragment(self, text: str, prefix: bool) -> list[int]:

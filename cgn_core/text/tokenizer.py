@@ -21,6 +21,8 @@ CONTROL, USER_DEFINED = 3, 4
 
 class Codec(Protocol):
     def encode(self, text: str) -> list[int]: ...
+    def split(self, text: str) -> list[str]: ...
+    def encode_parts(self, parts: Sequence[str], start: int, stop: int | None) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def token_bytes(self, piece: str) -> bytes: ...
 
@@ -92,7 +94,30 @@ class GGUFTokenizer:
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised."""
-        ids = self._codec.encode(text)
+        return self.encode_parts(self.split(text), add_bos=add_bos)
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut around the special tokens written in it: [segment, special, segment,
+        ..., segment]. Segments are tokenized independently (as llama.cpp and `tokenizers`
+        do), so where `i` is even (just after a special token) the ids of `parts[:i]` are
+        the leading ids of the whole text's, whatever follows: a safe place to resume."""
+        return self._codec.split(text)
+
+    def encode_parts(
+        self,
+        parts: Sequence[str],
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        add_bos: bool | None = None,
+    ) -> list[int]:
+        """The ids of `parts[start:stop]` of a `split` (`start` even); BOS is only ever put
+        first, where `start` is 0."""
+        if start % 2 or start < 0:
+            raise ValueError(f"parts resume at a segment (an even index), got {start}")
+        ids = self._codec.encode_parts(parts, start, stop)
+        if start:
+            return ids
         bos = self.special.bos
         wants_bos = self.special.add_bos if add_bos is None else add_bos
         if wants_bos and bos is not None and (not ids or ids[0] != bos):

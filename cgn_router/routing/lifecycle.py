@@ -52,6 +52,7 @@ class Refused(NamedTuple):
 class Hashed(NamedTuple):
     model: str
     method: str  # token_ids | tokenizer | chars
+    reused: int | None = None  # tokens from the prompt prefix cache (None: not looked up)
 
 
 class Admitted(NamedTuple):
