@@ -73,11 +73,14 @@ ENGINES = 4
 
 @contextmanager
 def gateways(
-    tmp: Path, workers: list[int], variants: dict[str, dict[str, Any]] | None = None
+    tmp: Path,
+    workers: list[int],
+    variants: dict[str, dict[str, Any]] | None = None,
+    smg: bool | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The fake engines, etcd with one API key, a cgn-router per worker count (`cgn<N>`)
     and smg; all stopped after. With `variants` (name → settings over the common ones),
-    those routers instead of one per worker count, and no smg."""
+    those routers instead of one per worker count, and no smg unless `smg`."""
     with ExitStack() as stack:
         ports = [free_port() for _ in range(ENGINES)]
         fake = [sys.executable, str(REPO / "bench/fake_engine.py"), *map(str, ports)]
@@ -97,7 +100,7 @@ def gateways(
             "log": {"level": "warning"}, "models": {"fake": {"tokenizer": "smollm2"}},
             "reconciler": {"enabled": False},
         }  # fmt: skip
-        with_smg = variants is None
+        with_smg = variants is None if smg is None else smg
         variants = variants or {f"cgn{n}": {"workers": n} for n in workers}
         cgns = {name: stack.enter_context(cgn_router(tmp, {**config, **extra}))
                 for name, extra in variants.items()}  # fmt: skip
@@ -107,16 +110,17 @@ def gateways(
                 assert time.monotonic() < deadline, "cgn-router never served"
                 time.sleep(0.1)
         first = next(iter(cgns.values()))
-        common = {"direct": urls[0], "key": key, "cgn_pid": first.proc.pid, "cgn_url": first.url}
+        common = {"direct": urls[0], "key": key, "cgn_pid": first.proc.pid, "cgn_url": first.url,
+                  "admins": {n: c.admin for n, c in cgns.items()}}  # fmt: skip
         if not with_smg:
             yield {**common, **{n: c.url for n, c in cgns.items()},
                    "pids": {n: c.proc.pid for n, c in cgns.items()}}  # fmt: skip
             return
         port = free_port()
-        smg = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+        argv = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
         smg_proc = stack.enter_context(
-            http_process(smg, f"http://127.0.0.1:{port}/health", tmp / "smg.log")
+            http_process(argv, f"http://127.0.0.1:{port}/health", tmp / "smg.log")
         )
         smg_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30

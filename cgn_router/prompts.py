@@ -39,11 +39,12 @@ from cgn_core.kv.blockhash import (
 from cgn_core.openai.tools import tool_fields
 from cgn_core.text.prompt import PromptCodec, chat_messages, completion_prompt
 from cgn_router.prompt_cache import KEY_DOMAIN, Prefix, PrefixCache
+from cgn_router.routing.kv_index import KeyedBlocks
+from cgn_router.routing.kv_index import key as index_key
 
 Method = Literal["token_ids", "tokenizer", "chars", "none"]
 CHARS_PER_TOKEN = 4  # for prompt-size estimates without a tokenizer
 MAX_CUTS = 256  # a prompt's last cuts looked up in the prefix cache (a conversation's turns)
-EMPTY = Prefix((), (), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,21 +101,29 @@ class PromptHasher:
 
     def _text(self, text: str, add_bos: bool | None, ns: str) -> HashedPrompt:
         """`text` through the tokenizer, resuming at the longest of its cuts (just after a
-        special token) the prefix cache holds, and leaving its last cut there."""
+        special token) the prefix cache holds, and leaving an entry at each cut after it that
+        completes a block."""
         assert self.codec is not None
         tk = self.codec.tokenizer
         parts = tk.split(text)
         if self.cache is None or len(parts) < 3:  # no cut to resume at
             return self._tokens(tk.encode_parts(parts, add_bos=add_bos), "tokenizer", ns)
         first, keys = self._keys(parts, ns)
-        last = len(parts) - 1  # the cut before the final segment
         hit = self.cache.longest(keys)
-        start, prefix = (first + 2 * hit[0], hit[1]) if hit else (0, EMPTY)
-        at_last = _extend(prefix, tk.encode_parts(parts, start, last, add_bos=add_bos), ns)
-        if start != last and at_last.tokens >= BLOCK_SIZE:
-            self.cache.put(keys[-1], at_last)
-        whole = _extend(at_last, tk.encode_parts(parts, last, add_bos=add_bos), ns)
-        return HashedPrompt(whole.blocks, whole.tokens, "tokenizer", prefix.tokens)
+        run = _Run(hit[1] if hit else None, ns)
+        done, pos = (hit[0] + 1, first + 2 * hit[0]) if hit else (0, 0)
+        made: list[Prefix] = []
+        for i in range(done, len(keys)):  # the cuts after the one resumed at
+            cut = first + 2 * i
+            run.add(tk.encode_parts(parts, pos, cut, add_bos=add_bos))
+            if run.own:  # a block completed since the last entry: an entry here
+                made.append(run.keep(keys[i]))
+            pos = cut
+        self.cache.put(made)
+        run.add(tk.encode_parts(parts, pos, add_bos=add_bos))
+        hashes, index_keys = run.keep(b"").blocks()
+        blocks = KeyedBlocks.of(hashes, index_keys)
+        return HashedPrompt(blocks, run.tokens, "tokenizer", hit[1].tokens if hit else 0)
 
     def _keys(self, parts: list[str], ns: str) -> tuple[int, list[bytes]]:
         """The keys of the prompt up to each of its last MAX_CUTS cuts (shortest first), and
@@ -142,13 +151,34 @@ class PromptHasher:
         return HashedPrompt(tuple(hashes), len(text) // CHARS_PER_TOKEN, "chars")
 
 
-def _extend(prefix: Prefix, ids: list[int], ns: str) -> Prefix:
-    """`prefix` followed by `ids`: the full blocks they complete hashed, chained on."""
-    seq = [*prefix.tail, *ids]
-    full = len(seq) - len(seq) % BLOCK_SIZE
-    parent = prefix.blocks[-1] if prefix.blocks else ROOT
-    blocks = prefix.blocks + tuple(block_hashes(seq[:full], ns, parent)) if full else prefix.blocks
-    return Prefix(blocks, tuple(seq[full:]), prefix.tokens + len(ids))
+class _Run:
+    """A prompt tokenized and hashed so far, from `start` (a cached entry; None: the
+    beginning): the blocks completed since the last entry made (`own`), the ids after them."""
+
+    def __init__(self, start: Prefix | None, ns: str):
+        self.ns, self.parent = ns, start
+        self.own: list[BlockHash] = []
+        self.tail: list[int] = list(start.tail) if start else []
+        self.tokens = start.tokens if start else 0
+        self.last = start.last if start else ROOT
+
+    def add(self, ids: list[int]) -> None:
+        self.tail += ids
+        self.tokens += len(ids)
+        full = len(self.tail) - len(self.tail) % BLOCK_SIZE
+        if full:
+            made = block_hashes(self.tail[:full], self.ns, self.last)
+            self.own += made
+            self.last = made[-1]
+            del self.tail[:full]
+
+    def keep(self, key: bytes) -> Prefix:
+        """An entry for the prompt so far under `key`; the next extends it."""
+        own = tuple(self.own)
+        p = Prefix(self.parent, key, own, tuple(map(index_key, own)), tuple(self.tail),
+                   self.tokens, self.last)  # fmt: skip
+        self.parent, self.own = p, []
+        return p
 
 
 def codec_tag(codec: PromptCodec) -> bytes:

@@ -194,11 +194,20 @@ LORA_SCALE_ENGINES = frozenset({"cgn-infer"})  # take `lora_scale` (vLLM and SGL
 RETURN_IDS_FIELD = "return_token_ids"
 
 
-def _with_field(payload: bytes, name: str, value: Any) -> bytes:
-    """The JSON body `payload` with `name` set (the router parsed it: it is an object)."""
-    body = json.loads(payload)
-    body[name] = value
-    return json.dumps(body, ensure_ascii=False).encode()
+def with_field(payload: bytes, name: str, value: Any) -> bytes:
+    """The JSON body `payload` (the router parsed it: an object) with `name` set to `value`.
+    Written before its closing brace, the rest of the bytes as they are: parsing and encoding
+    a long prompt's body again cost 2.5 ms per 100k tokens. Where `name` is written in it
+    already (as a key, or in a string), it is parsed and encoded whole instead, so that the
+    engine reads one key, the router's."""
+    end = payload.rstrip()
+    if name.encode() in payload or not end.endswith(b"}"):
+        body = json.loads(payload)
+        body[name] = value
+        return json.dumps(body, ensure_ascii=False).encode()
+    inner = end[:-1].rstrip()
+    comma = b"" if inner.endswith(b"{") else b","
+    return b"%s%s%s:%s}" % (inner, comma, json.dumps(name).encode(), json.dumps(value).encode())
 
 
 def _with_adapter(payload: bytes, ep: Endpoint, adapter: tuple[str, float] | None) -> bytes:
@@ -240,7 +249,7 @@ def upstream_request(call: Call) -> tuple[dict[str, str], bytes]:
     if call.kv_salt is not None:
         headers[KV_SALT_HEADER] = call.kv_salt
         if ep.engine in BODY_SALT_ENGINES:
-            payload = _with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
+            payload = with_field(payload, CACHE_SALT_FIELD, call.kv_salt)
     if call.adapter is not None or (ep.adapters and ep.engine in LORA_ID_ENGINES):
         payload = _with_adapter(payload, ep, call.adapter)
     if call.track:
@@ -249,7 +258,7 @@ def upstream_request(call: Call) -> tuple[dict[str, str], bytes]:
         if call.translate is None:
             headers[resume.IDS_HEADER] = "1"
         if ep.engine in RETURN_IDS_ENGINES:
-            payload = _with_field(payload, RETURN_IDS_FIELD, True)
+            payload = with_field(payload, RETURN_IDS_FIELD, True)
     if call.trace_headers:
         headers.update(call.trace_headers)
     return headers, payload

@@ -218,6 +218,27 @@ def test_a_huge_prompt_stalls_no_other_stream(router: Router, fleet: list[str]) 
         assert len(during) >= 3 and max(during) < (t1 - t0) / 3
 
 
+def test_a_conversations_next_turns_resume_from_the_prompt_cache(
+    router: Router, client: openai.OpenAI
+) -> None:
+    """Each turn resends the history; the router tokenizes and hashes only what is new after
+    the first (cgn_router/prompt_cache.py), and says so on /metrics."""
+    lookups = "cgn_router_prompt_cache_lookups_total"
+    hits0 = metric(router.admin, lookups, model=FLEET, result="hit")
+    misses0 = metric(router.admin, lookups, model=FLEET, result="miss")
+    reused0 = metric(router.admin, "cgn_router_prompt_cache_tokens_reused_total", model=FLEET)
+    messages = [{"role": "system", "content": f"{uuid.uuid4()} " + long_prompt("s", 400)}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question {turn}: " + long_prompt("q", 60)})
+        out = client.chat.completions.create(model=FLEET, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        messages.append({"role": "assistant", "content": out.choices[0].message.content or "."})
+    assert metric(router.admin, lookups, model=FLEET, result="miss") - misses0 == 1
+    assert metric(router.admin, lookups, model=FLEET, result="hit") - hits0 == 3
+    reused = metric(router.admin, "cgn_router_prompt_cache_tokens_reused_total", model=FLEET)
+    assert reused - reused0 > 3 * 400  # the system prompt at least, three times over
+    assert metric(router.admin, "cgn_router_prompt_cache_bytes") > 0
+
+
 def test_embeddings_are_routed_and_the_engines_answer_relayed(router: Router) -> None:
     """cgn-infer serves no embeddings: its 404 comes back as it answered, from a routed endpoint."""
     status, headers, doc = post(router.url + "/v1/embeddings", {"model": FLEET, "input": "x"})

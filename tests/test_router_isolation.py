@@ -19,7 +19,7 @@ import pytest
 
 from cgn_core.etcd.local import free_port
 from cgn_core.http import KV_SALT_HEADER
-from cgn_router.proxy import Call, Proxy
+from cgn_router.proxy import Call, Proxy, with_field
 from cgn_router.settings import DeadlineSettings
 from cgn_router.types import Endpoint, EndpointId
 from cgn_router.upstream import Upstream
@@ -166,6 +166,22 @@ def test_a_tenants_kv_salt_reaches_every_engine_in_the_form_it_takes(
     assert headers[KV_SALT_HEADER] == "s1" and KV_SALT_HEADER not in plain_headers
     assert json.loads(salted).get("cache_salt") == ("s1" if in_body else None)
     assert plain == payload
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b'{"model": "m", "prompt": "hi"}', b'{}', b'{ }\n', b'{"a": {"b": [1, {}]}}  \r\n',
+     b'{"model":"m","prompt":"x"}', b'{"return_token_ids": false, "prompt": "x"}',
+     b'{"prompt": "say return_token_ids"}', '{"prompt": "\u00e9t\u00e9 été 🤖"}'.encode()],
+)  # fmt: skip
+def test_a_field_is_written_into_the_body_without_encoding_it_again(payload: bytes) -> None:
+    """#64: the router's own field goes before the closing brace, the client's bytes as they
+    were; where the name is written already, the engine still reads one key, the router's."""
+    got = with_field(payload, "return_token_ids", True)
+    assert json.loads(got) == {**json.loads(payload), "return_token_ids": True}
+    assert got.count(b'"return_token_ids"') == 1
+    if b"return_token_ids" not in payload:
+        assert got.startswith(payload.rstrip()[:-1].rstrip())  # untouched before it
 
 
 def test_an_adapters_request_reaches_each_engine_in_the_form_it_takes() -> None:

@@ -30,6 +30,7 @@ from cgn_core.apikeys import Limits, create
 from cgn_core.etcd.local import LocalEtcd
 from cgn_router.workers.metrics_merge import merge_pages
 from cgn_router.workers.supervisor import HUNG_S
+from harness.metrics import metric
 from harness.poll import until
 from harness.procs import Router, cgn_infer_engines, cgn_router, etcd_put, runs
 
@@ -47,7 +48,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalEtcd
             etcd_put(etcd.endpoint, keys.ENDPOINTS + "sim/e1",
                      {"url": engines[0].url, "engine": "cgn-infer"})  # fmt: skip
             config = {"etcd": {"endpoints": [etcd.endpoint]}, "auth": {"enabled": True},
-                      "reconciler": {"enabled": False}, "workers": 2}  # fmt: skip
+                      "reconciler": {"enabled": False}, "workers": 2,
+                      "models": {"sim": {"tokenizer": "smollm2"}}}  # fmt: skip
             with cgn_router(tmp, config) as r:
                 yield etcd, r
     finally:
@@ -143,6 +145,32 @@ def samples(router: Router, admin: str) -> float:
     with urllib.request.urlopen(req, timeout=10) as resp:
         (row,) = json.load(resp)["endpoints"]
     return float(row["speed"]["samples"])
+
+
+def test_a_conversation_resumes_from_each_workers_prompt_cache(
+    router: tuple[LocalEtcd, Router],
+) -> None:
+    """Each worker keeps its own prompt prefix cache: a turn whose connection lands on a worker
+    that saw any earlier turn of the conversation resumes there, so at most the first turn
+    each worker sees is hashed whole."""
+    etcd, r = router
+    secret = key(etcd)
+    lookups = "cgn_router_prompt_cache_lookups_total"
+    hits0, misses0 = (metric(r.admin, lookups, result=x) for x in ("hit", "miss"))
+    messages = [{"role": "system", "content": "You are terse. " * 300}]
+    turns = 8
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"turn {turn}: " + "and why? " * 40})
+        body = json.dumps({"model": "sim", "messages": messages, "max_tokens": 2}).encode()
+        req = urllib.request.Request(r.url + "/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {secret}"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as resp:  # a connection of its own
+            answer = json.load(resp)["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": answer or "."})
+    hits, misses = (metric(r.admin, lookups, result=x) for x in ("hit", "miss"))
+    assert hits - hits0 + misses - misses0 == turns
+    assert 1 <= misses - misses0 <= 2  # one per worker at most
+    assert metric(r.admin, "cgn_router_prompt_cache_bytes") > 0  # the workers' added up
 
 
 def test_every_workers_answers_teach_each_worker_the_speed(

@@ -74,6 +74,19 @@ def key(h: bytes) -> int:
     return int.from_bytes(h[:8], "little")
 
 
+class KeyedBlocks(tuple[BlockHash, ...]):
+    """A prompt's block hashes with their index keys, computed once where they were hashed
+    (the prompt prefix cache keeps both): the index does not key them again."""
+
+    index_keys: list[int]
+
+    @classmethod
+    def of(cls, hashes: Sequence[BlockHash], keys: list[int]) -> KeyedBlocks:
+        out = cls(hashes)
+        out.index_keys = keys
+        return out
+
+
 @dataclass(slots=True)
 class _Slot:
     eid: EndpointId
@@ -117,7 +130,7 @@ class PrefixIndex:
         tuple: a request's blocks; anything mutable is keyed afresh)."""
         if hashes is self._memo[0]:
             return self._memo[1]
-        keys = [key(h) for h in hashes]
+        keys = hashes.index_keys if isinstance(hashes, KeyedBlocks) else [key(h) for h in hashes]
         if isinstance(hashes, tuple):
             self._memo = (hashes, keys)
         return keys
