@@ -2,7 +2,7 @@
 off, beside SGLang's Rust gateway (smg); and Mooncake's conversations replayed. One run.
 
     .venv/bin/python bench/router_conversations.py [--turns 30] [--lengths 10,1000,10000,100000]
-        [--trace-requests 150]
+        [--trace-requests 1000]
 
 The setup is bench/router_vs_smg.py's: four fake engines that answer at once, one API key in
 etcd, SmolLM2's tokenizer. Three gateways: cgn-router --workers 1 with
@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=30, help="turns per conversation length")
     p.add_argument("--lengths", default="10,1000,10000,100000",
                    help="history lengths in tokens, comma-separated")  # fmt: skip
-    p.add_argument("--trace-requests", type=int, default=150,
+    p.add_argument("--trace-requests", type=int, default=1000,
                    help="Mooncake requests replayed (0: none)")  # fmt: skip
     args = p.parse_args()
     if not (BIN / "smg").exists():
