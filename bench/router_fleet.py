@@ -71,8 +71,8 @@ def measure(
     tmp: Path, upstream: str, size: int, models: int, src: Path, args: Any
 ) -> dict[str, float]:
     with router(tmp, upstream, size, models, src, args.scrape_interval) as url:
-        c1 = sequential({"direct": upstream, "routed": url}, "unused", args.requests, LONG)
-        c64 = wrk(url, "unused", args.seconds, tmp, LONG)
+        c1 = sequential({"direct": upstream, "routed": url}, "unused", args.requests, [LONG])
+        c64 = wrk(url, "unused", args.seconds, tmp, [LONG])
     return {"added_c1_p50_ms": round(pct(c1["routed"], 0.5) - pct(c1["direct"], 0.5), 3),
             "added_c1_p99_ms": round(pct(c1["routed"], 0.99) - pct(c1["direct"], 0.99), 3),
             "c64_req_s": round(c64["req_s"]), "c64_p99_ms": round(c64["p99_ms"], 1)}  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from bench.router_vs_smg import gateways, measured_wrk, pct, sequential
+from bench.router_vs_smg import BODY, gateways, measured_wrk, pct, sequential
 
 RECEIVER = """
 import sys, time
@@ -67,9 +67,9 @@ def main() -> None:
             names = list(variants)
             for r in range(args.rounds):
                 targets = {k: g[k] for k in ("direct", *names)}
-                c1 = sequential(targets, g["key"], args.requests)
+                c1 = sequential(targets, g["key"], args.requests, [BODY])
                 order = names if r % 2 == 0 else names[::-1]
-                c64 = {k: measured_wrk(g["pids"][k], g[k], g["key"], args.seconds, Path(d))
+                c64 = {k: measured_wrk(g["pids"][k], g[k], g["key"], args.seconds, Path(d), [BODY])
                        for k in order}  # fmt: skip
                 one = {k: {"added_c1_p50_ms": pct(c1[k], 0.5) - pct(c1["direct"], 0.5),
                            "added_c1_p99_ms": pct(c1[k], 0.99) - pct(c1["direct"], 0.99),

@@ -50,9 +50,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
-from cgn_core import keys
+from cgn_core import bundled_models, keys
 from cgn_core.apikeys import create
 from cgn_core.etcd.local import LocalEtcd, free_port
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.prompt import PromptCodec
 from harness.procs import BIN, REPO, cgn_router, etcd_put, http_process
 
 SYSTEM = ("You are a careful assistant for a logistics company. Answer in short sentences, "
@@ -61,6 +63,27 @@ SYSTEM = ("You are a careful assistant for a logistics company. Answer in short 
 BODY = {"model": "fake", "max_tokens": 1,
         "messages": [{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": "Where is shipment NNNN?"}]}  # fmt: skip
+SHORT = {"model": "fake", "max_tokens": 1,
+         "messages": [{"role": "user", "content": "Where is shipment NNNN?"}]}  # fmt: skip
+QUESTION = ("Where is shipment NNNN? It left the Rotterdam depot on Monday with two pallets "
+            "of spare parts, and the customer says the tracking page has not moved since.")  # fmt: skip
+LONG_CHAT = {"model": "fake", "max_tokens": 1,
+             "messages": [{"role": "system", "content": SYSTEM * 3},
+                          {"role": "user", "content": QUESTION}]}  # fmt: skip
+
+
+def workload(name: str, conversations: int) -> list[dict[str, Any]]:
+    """The request bodies of a workload, sent in turn (NNNN: the request's number)."""
+    if name == "short":
+        return [SHORT]
+    if name == "long-chat":
+        return [LONG_CHAT]
+    if name == "conversations":  # every turn resends its history (bench/router_conversations)
+        from bench.router_conversations import Words, mooncake
+
+        codec = PromptCodec.from_gguf(GGUFFile(bundled_models.smollm2()))
+        return [json.loads(b) for b in mooncake(Words(codec), conversations)[0]]
+    return [BODY]
 
 
 def body(n: int, base: dict[str, Any] = BODY, **extra: object) -> bytes:
@@ -151,16 +174,18 @@ def _headers(key: str) -> dict[str, str]:
 
 
 def sequential(
-    urls: dict[str, str], key: str, n: int, base: dict[str, Any] = BODY, **extra: object
+    urls: dict[str, str], key: str, n: int, bases: list[dict[str, Any]], **extra: object
 ) -> dict[str, list[float]]:
-    """Alternate requests over one keep-alive connection per target; ms per request."""
+    """Alternate requests over one keep-alive connection per target, the bodies of `bases`
+    in turn; ms per request."""
     conns = {k: http.client.HTTPConnection(u.removeprefix("http://"), timeout=30)
              for k, u in urls.items()}  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in urls}
     for i in range(n + 50):
         for k, conn in conns.items():
             t = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", body(i, base, **extra), _headers(key))
+            payload = body(i, bases[i % len(bases)], **extra)
+            conn.request("POST", "/v1/chat/completions", payload, _headers(key))
             resp = conn.getresponse()
             resp.read()
             assert resp.status == 200, (k, resp.status)
@@ -175,16 +200,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 def wrk(
-    url: str, key: str, seconds: int, tmp: Path, base: dict[str, Any] = BODY
+    url: str, key: str, seconds: int, tmp: Path, bases: list[dict[str, Any]]
 ) -> dict[str, float]:
+    """`wrk` with the bodies of `bases` in turn, each request's number for NNNN."""
     script = tmp / "post.lua"
-    head, tail = body(0, base).decode().split('"Where is shipment 0?"')
+    pieces = [json.dumps(b).split("NNNN") for b in bases]
+    table = ",".join("{" + ",".join(json.dumps(p) for p in ps) + "}" for ps in pieces)
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {key}"\n'
-        f"local head, tail, n = {json.dumps(head)}, {json.dumps(tail)}, 0\n"
+        f"local bodies, n = {{{table}}}, 0\n"
         "request = function()\n  n = n + 1\n"
-        "  return wrk.format(nil, nil, nil, head .. '\"Where is shipment ' .. n .. '?\"' .. tail)\n"
+        "  local parts = bodies[(n - 1) % #bodies + 1]\n"
+        "  return wrk.format(nil, nil, nil, table.concat(parts, tostring(n)))\n"
         "end\n"
     )
     argv = ["wrk", "-t1", "-c64", f"-d{seconds}s", "--latency", "-s", str(script),
@@ -219,15 +247,19 @@ def cpu_s(pid: int) -> float:
     return sum(times.get(p, 0.0) for p in tree)
 
 
-def measured_wrk(pid: int, url: str, key: str, seconds: int, tmp: Path) -> dict[str, float]:
+def measured_wrk(
+    pid: int, url: str, key: str, seconds: int, tmp: Path, bases: list[dict[str, Any]]
+) -> dict[str, float]:
     """`wrk` on `url`, with the CPU µs the gateway under `pid` spent per request."""
     before = cpu_s(pid)
-    out = wrk(url, key, seconds, tmp)
+    out = wrk(url, key, seconds, tmp, bases)
     out["cpu_us_per_req"] = (cpu_s(pid) - before) / (out["req_s"] * seconds) * 1e6
     return out
 
 
-def profile(pid: int, seconds: int, url: str, key: str, tmp: Path) -> list[dict[str, Any]] | str:
+def profile(
+    pid: int, seconds: int, url: str, key: str, tmp: Path, bases: list[dict[str, Any]]
+) -> list[dict[str, Any]] | str:
     """cgn-router's hottest functions during a c=64 run, from py-spy's raw stacks."""
     spy = shutil.which("py-spy") or str(BIN / "py-spy")
     if not Path(spy).exists():
@@ -237,7 +269,7 @@ def profile(pid: int, seconds: int, url: str, key: str, tmp: Path) -> list[dict[
                             "--format", "raw", "--rate", "200", "--output", str(raw), "--nonblocking"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     time.sleep(0.5)
-    wrk(url, key, seconds, tmp)
+    wrk(url, key, seconds, tmp, bases)
     rec.wait(timeout=seconds + 30)
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
@@ -265,7 +297,14 @@ def main() -> None:
     p.add_argument("--workers", default=f"1,{cores}" if cores > 1 else "1",
                    help="cgn-router worker counts to measure, comma-separated (default: 1 and "
                         "one per core); the profile is of the first")  # fmt: skip
+    p.add_argument("--workload", choices=["chat", "short", "long-chat", "conversations"],
+                   default="chat", help="chat: a ~150-token shared system prompt and a new "
+                   "question per request; short: the question alone; long-chat: a ~450-token "
+                   "system prompt and a ~40-token question; conversations: Mooncake's first "
+                   "--conversations requests as chats, each resending its history, in turn")  # fmt: skip
+    p.add_argument("--conversations", type=int, default=200)
     args = p.parse_args()
+    bases = workload(args.workload, args.conversations)
     workers = sorted({int(w) for w in args.workers.split(",")})
     if not shutil.which("wrk"):
         sys.exit("install wrk (apt install wrk)")
@@ -278,10 +317,11 @@ def main() -> None:
             cgns = [f"cgn{n}" for n in workers]
             targets = {k: g[k] for k in ("direct", *cgns, "smg")}
             for r in range(args.rounds):
-                c1 = sequential(targets, g["key"], args.requests)
-                st = sequential(targets, g["key"], args.requests // 2, max_tokens=64, stream=True)
+                c1 = sequential(targets, g["key"], args.requests, bases)
+                st = sequential(targets, g["key"], args.requests // 2, bases, max_tokens=64,
+                                stream=True)  # fmt: skip
                 order = [*cgns, "smg"] if r % 2 == 0 else ["smg", *reversed(cgns)]
-                c64 = {k: measured_wrk(g["pids"][k], g[k], g["key"], args.seconds, tmp)
+                c64 = {k: measured_wrk(g["pids"][k], g[k], g["key"], args.seconds, tmp, bases)
                        for k in order}  # fmt: skip
                 one = {k: {"c1_p50_ms": pct(c1[k], 0.5), "c1_p99_ms": pct(c1[k], 0.99),
                            "stream64_p50_ms": pct(st[k], 0.5), **({} if k == "direct" else {
@@ -290,11 +330,12 @@ def main() -> None:
                        for k in targets}  # fmt: skip
                 print(f"round {r + 1}: {json.dumps(one)}", file=sys.stderr, flush=True)
                 rounds.append(one)
-            prof = profile(g["cgn_pid"], args.seconds, g["cgn_url"], g["key"], tmp)
+            prof = profile(g["cgn_pid"], args.seconds, g["cgn_url"], g["key"], tmp, bases)
     results = {"rounds": rounds, "workers": workers, "mean": mean(rounds, cgns),
-               "profile_cgn_c64": prof}  # fmt: skip
+               "profile_cgn_c64": prof, "workload": args.workload}  # fmt: skip
     command = " ".join([".venv/bin/python bench/router_vs_smg.py", *sys.argv[1:]])
-    write_result("router_vs_smg", command, results, render(results))
+    name = "router_vs_smg" + ("" if args.workload == "chat" else f"_{args.workload}")
+    write_result(name.replace("-", "_"), command, results, render(results))
 
 
 def mean(rounds: list[dict[str, Any]], cgns: list[str]) -> dict[str, Any]:

@@ -201,8 +201,8 @@ class Gate:
         heads = self.adm.heads()
         for band, pool in self._heads - heads.keys():
             self.shared.publish_head(f"{band}\0{pool}", None)
-        for (band, pool), start in heads.items():
-            self.shared.publish_head(f"{band}\0{pool}", start)
+        for (band, pool), (start, tenant) in heads.items():
+            self.shared.publish_head(f"{band}\0{pool}", start, tenant)
         self._heads = set(heads)
 
     def _elsewhere(self, pools: Iterable[str]) -> None:
@@ -216,11 +216,11 @@ class Gate:
             adm.workers[pool] = shared.admitted_elsewhere(pool)
         for band in adm.bands:
             for pool in pools:
-                start = shared.earliest_head(f"{band}\0{pool}")
-                if start is None:
+                head = shared.earliest_head(f"{band}\0{pool}")
+                if head is None:
                     adm.elsewhere.pop((band, pool), None)
                 else:
-                    adm.elsewhere[band, pool] = start
+                    adm.elsewhere[band, pool] = head
 
     def _publish(self, pool: str) -> None:
         if self.shared is not None:

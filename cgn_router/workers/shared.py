@@ -298,25 +298,29 @@ class SharedLoad:
         if at is not None:
             self.table.set_own(at, int(value * MILLI), 0)
 
-    def publish_head(self, where: str, start: float | None) -> None:
-        """This worker's earliest waiting start in `where` (band and pool); None: none."""
+    def publish_head(self, where: str, start: float | None, tenant: int = 0) -> None:
+        """This worker's earliest waiting start in `where` (band and pool), and its tenant's
+        16-bit tag (admission.tenant_tag); None: none. The tag rides in the low bits of the
+        time it was published."""
         at = self.table.slot(HEAD + where)
         if at is not None:
             now_ms = int(time.monotonic() * 1000) or 1  # 0 means none
-            self.table.set_own(at, *((0, 0) if start is None else (int(start * MILLI), now_ms)))
+            stamp = now_ms << 16 | tenant & 0xFFFF
+            self.table.set_own(at, *((0, 0) if start is None else (int(start * MILLI), stamp)))
 
-    def earliest_head(self, where: str) -> float | None:
-        """The earliest start the other workers published for `where` within HEAD_FRESH_S."""
+    def earliest_head(self, where: str) -> tuple[float, int] | None:
+        """The earliest start the other workers published for `where` within HEAD_FRESH_S,
+        with its tenant's tag."""
         at = self.table.slot(HEAD + where)
         if at is None:
             return None
         oldest = int((time.monotonic() - HEAD_FRESH_S) * 1000)
-        starts = [
-            start / MILLI
-            for w, (start, published) in enumerate(self.table.columns(at))
-            if w != self.table.worker and published and published >= oldest
+        heads = [
+            (start / MILLI, stamp & 0xFFFF)
+            for w, (start, stamp) in enumerate(self.table.columns(at))
+            if w != self.table.worker and stamp and stamp >> 16 >= oldest
         ]
-        return min(starts, default=None)
+        return min(heads, default=None)
 
     def publish_admitted(self, pool: str, admitted: int) -> None:
         self.publish(ADMITTED + pool, admitted, 0)
