@@ -181,6 +181,11 @@ if [ "$ENGINE" = 1 ]; then
             "--extra-index-url $TORCH_FROM"
     fi
     VENVS="$VENVS $ENGINE_VENV" EXES="$EXES $ENGINE_EXES"
+    if [ "$DRY" = 0 ] && { command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; }; then
+        say "building cgn-infer's CPU kernels for this CPU (once, so no engine compiles them at start)"
+        "$PIPX_HOME/venvs/$ENGINE_VENV/bin/python" -m cgn_infer.kernels >/dev/null \
+            || say "note: the kernels were not prebuilt; cgn-infer builds them on its first start"
+    fi
 else
     say "skipping the engine (--no-engine): no cgn-infer on this node"
 fi

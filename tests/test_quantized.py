@@ -149,6 +149,7 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
 ) -> None:
     monkeypatch.setenv("CGN_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "PREBUILT", tmp_path / "none")  # none prebuilt here
     compiler = kernels.compiler()
     assert compiler is not None
     path = kernels.library_path(compiler, kernels.current().isa)
@@ -163,15 +164,50 @@ def test_the_library_is_rebuilt_when_its_cache_file_is_corrupt_or_its_source_cha
 
 
 def test_no_compiler_means_dequantized_weights_not_a_failure(
-    smollm2_gguf: GGUFFile, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    smollm2_gguf: GGUFFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(kernels, "_loaded", None)
     monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.setattr(kernels, "PREBUILT", tmp_path / "none")  # none prebuilt here
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING):
         backend = TorchBackend(smollm2_gguf, args_from_gguf(smollm2_gguf), threads=2)
     assert backend.weights == "float32" and isinstance(backend.w.layers[0].wo, Linear)
     assert "weights dequantized to float32" in caplog.text
+
+
+def test_prebuilt_kernels_load_with_no_compiler_and_a_cpu_without_them_builds_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`python -m cgn_infer.kernels` (at install) builds this CPU's path into the package's
+    prebuilt/; an engine then loads it with no compiler at all (CC names none: had it
+    compiled, loading would have failed). Without a prebuilt path, the engine builds its own
+    into the cache and says why in its log."""
+    from cgn_infer.kernels.__main__ import main
+
+    prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
+    monkeypatch.setattr(kernels, "PREBUILT", prebuilt)
+    monkeypatch.setenv("CGN_KERNEL_CACHE", str(cache))
+    assert main([]) == 0
+    here = kernels.current().isa
+    assert [p.name for p in prebuilt.iterdir()] == [kernels.prebuilt_path(here).name]
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    for name in ("_loaded", "_failure"):
+        monkeypatch.setattr(kernels, name, None)
+    loaded = kernels.load()
+    assert loaded is not None and loaded.path == kernels.prebuilt_path(here), kernels.failure()
+    assert not cache.exists()  # nothing compiled
+    kernels.prebuilt_path(here).unlink()  # another CPU's install: no prebuilt path for it
+    monkeypatch.delenv("CC")
+    for name in ("_loaded", "_failure"):
+        monkeypatch.setattr(kernels, name, None)
+    with caplog.at_level(logging.INFO, logger="cgn_infer.kernels"):
+        loaded = kernels.load()
+    assert loaded is not None and loaded.path.parent == cache
+    assert f"no prebuilt kernels for the {here.name} path" in caplog.text
 
 
 def _with_f16_matrix(src: Path, dst: Path, name: str) -> Path:

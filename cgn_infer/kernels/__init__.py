@@ -1,5 +1,13 @@
-"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c, with half.h): built on first use
-for the CPU's path into one library, cached, loaded.
+"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c, with half.h): prebuilt at
+install for every instruction-set path, or built on first use for the CPU's path into one
+library, cached, loaded.
+
+Prebuilt: `python -m cgn_infer.kernels` (run by scripts/setup-dev.sh and bin/install.sh
+where there is a C compiler) compiles every path this machine's compiler can target into
+`prebuilt/` beside this file, named by the source and the flags. An engine whose path is
+there loads it at once: no compiler runs at start (the first start took 3-4 s longer, each
+path compiled). Otherwise it builds its own path into the cache below, as before, and says
+so in its log.
 
 The library is compiled with the system C compiler (`-O3 -fopenmp` and the flags of the
 instruction-set path `isa.py` chooses: `-mavx2 -mfma -mf16c`, or none for the portable
@@ -52,6 +60,41 @@ class Kernels:
 
 _loaded: Kernels | None = None
 _failure: str | None = None
+
+
+PREBUILT = Path(__file__).with_name("prebuilt")
+
+
+def prebuilt_path(isa: Isa, where: Path | None = None) -> Path:
+    """Where the prebuilt library of `isa` for this source and these flags lives (the
+    compiler that built it is not part of the name: whichever built the install)."""
+    flags = " ".join((*FLAGS, *isa.cflags))
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (*(s.read_text() for s in (*SOURCES, *HEADERS)), flags))
+    ).hexdigest()[:16]
+    return (where or PREBUILT) / f"qmatmul-{platform.machine()}-{isa.name}-{key}.so"
+
+
+def prebuild(isas: list[Isa], where: Path | None = None) -> tuple[list[Path], list[str]]:
+    """`isas` built into `where` (default PREBUILT), older builds there removed: (the
+    libraries, why each other path was not built)."""
+    cc = compiler()
+    if cc is None:
+        return [], [NO_COMPILER]
+    built, skipped = [], []
+    for isa in isas:
+        path = prebuilt_path(isa, where)
+        try:
+            if not path.is_file():
+                _build(cc, isa, path)
+            _bind(path)
+            built.append(path)
+        except (OSError, subprocess.SubprocessError) as e:  # e.g. x86 flags on an Arm compiler
+            skipped.append(f"{isa.name}: {e}")
+    for old in (where or PREBUILT).glob(f"qmatmul-{platform.machine()}-*.so"):
+        if old not in built:
+            old.unlink(missing_ok=True)
+    return built, skipped
 
 
 def cache_dir() -> Path:
@@ -173,12 +216,28 @@ def load() -> Kernels | None:
         return _loaded
     import torch  # noqa: F401  (its libgomp first: see the module docstring)
 
+    try:
+        choice = current()
+    except IsaError as e:
+        _failure = str(e)
+        return None
+    prebuilt = prebuilt_path(choice.isa)
+    if prebuilt.is_file():
+        try:
+            lib = _bind(prebuilt)
+            log.info("CPU kernels: %s (prebuilt: %s)", choice.why, prebuilt)
+            _loaded = Kernels(lib, prebuilt, choice.isa.name)
+            return _loaded
+        except OSError as e:
+            log.warning("prebuilt kernels %s did not load (%s); building them", prebuilt, e)
+    else:
+        log.info("no prebuilt kernels for the %s path in %s (python -m cgn_infer.kernels "
+                 "builds them at install)", choice.isa.name, prebuilt.parent)  # fmt: skip
     cc = compiler()
     if cc is None:
         _failure = NO_COMPILER
         return None
     try:
-        choice = current()
         path = library_path(cc, choice.isa)
         if not path.exists():
             log.info(
