@@ -50,6 +50,9 @@ class ChatTemplate:
             self._template = env.from_string(self.source)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequest(f"the model's chat template does not compile: {exc}") from None
+        # NOTE: a template's globals are a ChainMap over the environment's, which every render
+        # copies key by key in Python (14 -> 9 µs a render, flat; nothing changes them later)
+        self._template.globals = dict(self._template.globals)
         self.bos_token, self.eos_token = bos_token, eos_token
         # NOTE: a template that never reads `tools` would drop them silently
         self.renders_tools = "tools" in self.source
