@@ -13,8 +13,10 @@ only what follows the longest one found: its own history, or another conversatio
 opening.
 
 A key is the BLAKE3 of the prompt's text up to the cut, under the hash namespace (the model,
-salted per tenant and adapter) and the tokenizer and template: entries never cross models,
-templates or tenants, and an edited earlier message changes every later key, so it misses.
+salted per tenant and adapter), the tokenizer and template, and whether BOS leads (a chat's
+template writes its own; a completion of the same text may get one): entries never cross
+models, templates or tenants, and an edited earlier message changes every later key, so it
+misses.
 
 Entries are evicted least recently used first past a byte budget (`routing.prompt_cache_mib`,
 per router worker). An entry is always touched after the entries it extends, so those go

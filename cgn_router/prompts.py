@@ -108,7 +108,8 @@ class PromptHasher:
         parts = tk.split(text)
         if self.cache is None or len(parts) < 3:  # no cut to resume at
             return self._tokens(tk.encode_parts(parts, add_bos=add_bos), "tokenizer", ns)
-        first, keys = self._keys(parts, ns)
+        bos = tk.special.add_bos if add_bos is None else add_bos  # a chat's template writes its own
+        first, keys = self._keys(parts, ns, bos)
         hit = self.cache.longest(keys)
         run = _Run(hit[1] if hit else None, ns)
         done, pos = (hit[0] + 1, first + 2 * hit[0]) if hit else (0, 0)
@@ -125,11 +126,13 @@ class PromptHasher:
         blocks = KeyedBlocks.of(hashes, index_keys)
         return HashedPrompt(blocks, run.tokens, "tokenizer", hit[1].tokens if hit else 0)
 
-    def _keys(self, parts: list[str], ns: str) -> tuple[int, list[bytes]]:
+    def _keys(self, parts: list[str], ns: str, bos: bool) -> tuple[int, list[bytes]]:
         """The keys of the prompt up to each of its last MAX_CUTS cuts (shortest first), and
-        the index in `parts` of the first of those cuts."""
+        the index in `parts` of the first of those cuts. `bos`: whether the tokenizer puts
+        BOS first (a completion's text may be a chat's, templated by the client)."""
         first = max(2, len(parts) - 1 - 2 * (MAX_CUTS - 1))
-        h = blake3(KEY_DOMAIN + self.tag + b"\0" + ns.encode("utf-8") + b"\0")
+        head = KEY_DOMAIN + self.tag + b"\0" + ns.encode("utf-8") + (b"\0B" if bos else b"\0-")
+        h = blake3(head)
         _feed(h, "".join(parts[: first - 1]))
         keys = []
         for i in range(first - 1, len(parts) - 1):

@@ -215,6 +215,28 @@ def test_the_byte_budget_holds_under_a_flood_of_distinct_conversations(
     assert all(p.cost() <= budget // 4 for p in cache._entries.values())
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_a_completion_of_a_chats_own_text_does_not_take_the_chats_entries(
+    codecs: dict[str, PromptCodec], name: str
+) -> None:
+    """A client that templates the chat itself sends its text to /v1/completions, where the
+    tokenizer may put BOS first (the SentencePiece vocabulary does; a chat's template writes
+    its own): the entries are not shared."""
+    codec = codecs[name]
+    hasher = PromptHasher("m", codec, cache=PrefixCache(8 << 20))
+    # "</s>": a special token of the SentencePiece vocabulary, so its text has cuts too
+    body = {"messages": [{"role": "system", "content": "Rules. </s> " * 40},
+                         {"role": "user", "content": "A question </s> " * 40}]}  # fmt: skip
+    hasher.hash("chat", body)
+    text = {"prompt": codec.chat_text(body["messages"])}
+    got = hasher.hash("completion", text)
+    same(got, reference(codec, "completion", text, "m"))
+    if codec.tokenizer.special.add_bos:
+        assert got.reused == 0
+    else:  # the same ids either way: the chat's entries serve
+        assert got.reused
+
+
 def test_a_prompt_without_a_special_token_is_hashed_whole(codecs: dict[str, PromptCodec]) -> None:
     cache = PrefixCache(8 << 20)
     hasher = PromptHasher("m", codecs["smollm2"], cache=cache)
