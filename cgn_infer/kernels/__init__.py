@@ -76,8 +76,8 @@ def prebuilt_path(isa: Isa, where: Path | None = None) -> Path:
 
 
 def prebuild(isas: list[Isa], where: Path | None = None) -> tuple[list[Path], list[str]]:
-    """`isas` built into `where` (default PREBUILT), older builds there removed: (the
-    libraries, why each other path was not built)."""
+    """`isas` built into `where` (default PREBUILT), their older builds there (another
+    source) removed: (the libraries, why each other path was not built)."""
     cc = compiler()
     if cc is None:
         return [], [NO_COMPILER]
@@ -91,9 +91,10 @@ def prebuild(isas: list[Isa], where: Path | None = None) -> tuple[list[Path], li
             built.append(path)
         except (OSError, subprocess.SubprocessError) as e:  # e.g. x86 flags on an Arm compiler
             skipped.append(f"{isa.name}: {e}")
-    for old in (where or PREBUILT).glob(f"qmatmul-{platform.machine()}-*.so"):
-        if old not in built:
-            old.unlink(missing_ok=True)
+    for isa in isas:
+        for old in (where or PREBUILT).glob(f"qmatmul-{platform.machine()}-{isa.name}-*.so"):
+            if old not in built:
+                old.unlink(missing_ok=True)
     return built, skipped
 
 
