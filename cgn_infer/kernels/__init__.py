@@ -85,9 +85,11 @@ def prebuild(isas: list[Isa], where: Path | None = None) -> tuple[list[Path], li
     for isa in isas:
         path = prebuilt_path(isa, where)
         try:
-            if not path.is_file():
+            try:
+                _bind(path)
+            except OSError:  # missing, or a broken file: built (again)
                 _build(cc, isa, path)
-            _bind(path)
+                _bind(path)
             built.append(path)
         except (OSError, subprocess.SubprocessError) as e:  # e.g. x86 flags on an Arm compiler
             skipped.append(f"{isa.name}: {e}")
