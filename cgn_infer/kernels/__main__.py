@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     built, skipped = prebuild(list(ISAS.values()) if args.all else [here], args.into)
     for path in built:
-        print(f"cgn-infer kernels: built {path}")
+        print(f"cgn-infer kernels: ready {path}")
     for why in skipped:
         print(f"cgn-infer kernels: not built: {why}")
     print(f"cgn-infer kernels: {len(built)} path(s) in {time.monotonic() - started:.1f} s")
