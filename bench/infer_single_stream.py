@@ -1,14 +1,16 @@
 """cgn-infer (torch, CPU) against llama.cpp's server on the same GGUF, same machine, same run.
 
     python bench/infer_single_stream.py [--models smollm2 qwen] [--threads 2]
+        [--engines llama.cpp gguf float32 int8] [--prompts 500 1000 3900]
 
 For each model and engine (one at a time, never concurrently): load time to
 /health = 200 (warm: the kernels built and the files in the page cache; and for
 cgn-infer's default, first: a start with an empty kernel cache, which compiles
 them), single-stream decode tokens/s (64 tokens, greedy, EOS ignored,
-timed first token to last over SSE), prompt tokens/s (a fresh ~500-token
-prompt, one output token, so no prefix cache helps), and peak RSS (cgn-infer's
-KV pool holds as many tokens as llama.cpp's context). Results go to
+timed first token to last over SSE), prompt tokens/s (fresh prompts of up to
+500, 1,000 and 3,900 tokens of the model's vocabulary, one output token, so no
+prefix cache helps; the same texts for every engine), and peak RSS
+(cgn-infer's KV pool holds as many tokens as llama.cpp's 4,096-token context). Results go to
 bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp.
 """
 
@@ -27,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
+from cgn_core.text.gguf_file import GGUFFile
+from cgn_core.text.tokenizer import GGUFTokenizer
 
 MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
-ENGINES: list[tuple[str, str, tuple[str, ...]]] = [
-    ("llama.cpp", "llama.cpp", ()),
-    ("cgn-infer (default: gguf)", "cgn-infer", ()),
-    ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
-    ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
-]
+ENGINES: dict[str, tuple[str, str, tuple[str, ...]]] = {  # --engines name: label, kind, args
+    "llama.cpp": ("llama.cpp", "llama.cpp", ()),
+    "gguf": ("cgn-infer (default: gguf)", "cgn-infer", ()),
+    "float32": ("cgn-infer float32", "cgn-infer", ("--dtype", "float32")),
+    "int8": ("cgn-infer int8", "cgn-infer", ("--dtype", "int8")),
+}
 WORDS = [
     "alpha",
     "bravo",
@@ -54,13 +58,24 @@ WORDS = [
 
 
 def long_prompt(seed: int, words: int = 420) -> str:
-    """A fresh ~500-token prompt per seed (it starts with the seed, so no cached prefix)."""
+    """A fresh prompt per seed (it starts with the seed, so no cached prefix)."""
     return f"Document {seed}: " + " ".join(
         WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words)
     )
 
 
-def measure(url: str, reps: int, llama: bool) -> dict[str, float]:
+def sized_prompt(tokenizer: GGUFTokenizer, seed: int, tokens: int) -> str:
+    """long_prompt(seed) with as many words as fit in `tokens` of the model's vocabulary."""
+    lo, hi = 1, tokens
+    while lo < hi:  # the most words whose text encodes to at most `tokens`
+        mid = (lo + hi + 1) // 2
+        lo, hi = (
+            (mid, hi) if len(tokenizer.encode(long_prompt(seed, mid))) <= tokens else (lo, mid - 1)
+        )
+    return long_prompt(seed, lo)
+
+
+def measure(url: str, reps: int, llama: bool, prompts: dict[int, list[str]]) -> dict[str, Any]:
     name = model_id(url)
     # A fresh connection per request: llama.cpp's server closes idle keep-alive connections,
     # and a reused one then fails with "Server disconnected" (seen in earlier runs).
@@ -72,25 +87,27 @@ def measure(url: str, reps: int, llama: bool) -> dict[str, float]:
                     "temperature": 0, "ignore_eos": True}  # fmt: skip
             _, stamps = stream_completion(client, url, body)
             decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        prefill = []
-        for i in range(reps):
-            prompt = long_prompt(i)
-            n = (
-                len(httpx.post(url + "/tokenize", json={"content": prompt}).json()["tokens"])
-                if llama
-                else None
-            )
-            body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-            # NOTE: cgn-infer refuses fields it does not support, and a fresh prompt misses
-            # its prefix cache anyway; llama.cpp's slot cache is turned off by this one
-            if llama:
-                body["cache_prompt"] = False
-            resp = client.post(url + "/v1/completions", json=body, timeout=600)
-            elapsed = resp.elapsed.total_seconds()
-            tokens = resp.json()["usage"]["prompt_tokens"] if n is None else n
-            prefill.append(tokens / elapsed)
-    return {"decode_tok_s": statistics.median(decode), "prompt_tok_s": statistics.median(prefill),
-            "prompt_tokens": tokens}  # fmt: skip
+        prompt_rates = {}
+        for size, texts in prompts.items():
+            prefill = []
+            for prompt in texts:
+                n = (
+                    len(httpx.post(url + "/tokenize", json={"content": prompt}).json()["tokens"])
+                    if llama
+                    else None
+                )
+                body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+                # NOTE: cgn-infer refuses fields it does not support, and a fresh prompt misses
+                # its prefix cache anyway; llama.cpp's slot cache is turned off by this one
+                if llama:
+                    body["cache_prompt"] = False
+                resp = client.post(url + "/v1/completions", json=body, timeout=600)
+                resp.raise_for_status()
+                elapsed = resp.elapsed.total_seconds()
+                tokens = resp.json()["usage"]["prompt_tokens"] if n is None else n
+                prefill.append(tokens / elapsed)
+            prompt_rates[str(size)] = {"tok_s": statistics.median(prefill), "tokens": tokens}
+    return {"decode_tok_s": statistics.median(decode), "prompt": prompt_rates}
 
 
 def first_load_s(path: Path, threads: int) -> float:
@@ -111,31 +128,49 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--prompts", nargs="+", type=int, default=[500, 1000, 3900],
+                    help="prompt sizes in tokens, about (at most ~4,000: the context is 4,096)")  # fmt: skip
     opts = ap.parse_args()
+    if max(opts.prompts) > 4000 or min(opts.prompts) < 1:
+        ap.error("--prompts: sizes from 1 to 4000 tokens")
     results: dict[str, Any] = {}
-    rows = ["| model | engine | load s (first / warm) | decode tok/s | × llama.cpp | prompt tok/s | × llama.cpp | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    sizes = " | ".join(f"prompt ~{n} tok/s (× llama.cpp)" for n in opts.prompts)
+    rows = [f"| model | engine | load s (first / warm) | decode tok/s | × llama.cpp | {sizes} | peak RSS MiB |",
+            "|---|---|---|---|---|" + "---|" * len(opts.prompts) + "---|"]  # fmt: skip
     for model in opts.models:
         path = MODELS[model]()
         results[model] = {}
-        for label, kind, extra in ENGINES:
+        with GGUFFile(path) as gguf:  # the same texts for every engine, sized in its tokens
+            tokenizer = GGUFTokenizer(gguf)
+            prompts = {
+                n: [sized_prompt(tokenizer, i + 100 * n, n) for i in range(opts.reps)]
+                for n in opts.prompts
+            }
+        for name in opts.engines:
+            label, kind, extra = ENGINES[name]
             try:
-                first = first_load_s(path, opts.threads) if label == ENGINES[1][0] else None
+                first = first_load_s(path, opts.threads) if name == "gguf" else None
                 with engine(kind, path, opts.threads, *extra) as e:
-                    r = measure(e["url"], opts.reps, kind == "llama.cpp")
+                    r = measure(e["url"], opts.reps, kind == "llama.cpp", prompts)
                     r["load_s"], r["first_load_s"] = e["load_s"], first
                     r["peak_rss_mib"] = peak_rss_mib(e["pid"])
             except (httpx.HTTPError, RuntimeError, TimeoutError) as exc:  # report, keep measuring
-                rows.append(f"| {model} | {label} | failed: {exc} | | | | | |")
+                rows.append(
+                    f"| {model} | {label} | failed: {exc} |" + " |" * (4 + len(opts.prompts))
+                )
                 print(rows[-1], flush=True)
                 continue
             results[model][label] = r
             base = results[model].get("llama.cpp")
             r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
-            r["prompt_ratio"] = r["prompt_tok_s"] / base["prompt_tok_s"] if base else None
+            cells = []
+            for size, p in r["prompt"].items():
+                p["ratio"] = p["tok_s"] / base["prompt"][size]["tok_s"] if base else None
+                cells.append(f"{p['tok_s']:.0f} ({_ratio(p['ratio'])})")
             load = f"{r['load_s']:.1f}" if first is None else f"{first:.1f} / {r['load_s']:.1f}"
             rows.append(f"| {model} | {label} | {load} | {r['decode_tok_s']:.1f} | {_ratio(r['decode_ratio'])} | "
-                        f"{r['prompt_tok_s']:.0f} | {_ratio(r['prompt_ratio'])} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
+                        f"{' | '.join(cells)} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
             print(rows[-1], flush=True)
     command = "python bench/infer_single_stream.py " + " ".join(sys.argv[1:])
     write_result("infer_single_stream", command.strip(), results, "\n".join(rows))

@@ -44,14 +44,14 @@ def _blocks(qtype: Q, seed: int) -> np.ndarray:
     values, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (N, K // values, size), dtype=np.uint8)
     scales = rng.uniform(0.001, 0.05, (N, K // values, 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:  # d and dmin lead the block
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d and dmin lead the block
         raw[..., 0:4] = scales.reshape(N, K // values, 4)
     else:  # Q6_K: d closes it
         raw[..., size - 2 : size] = scales[..., :2].reshape(N, K // values, 2)
     return raw.reshape(N, -1)
 
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def _matrix(lib: kernels.Kernels, *parts: tuple[Q, np.ndarray]) -> QuantMatrix:
@@ -84,6 +84,24 @@ def test_products_track_float32_and_ignore_the_batch(lib: kernels.Kernels, qtype
     assert torch.equal(m(x[:7]), y[:7])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_are_exact_where_the_activations_quantize_losslessly(
+    lib: kernels.Kernels, qtype: Q
+) -> None:
+    """Activations that are int8 times a power of two, with 127 in every block, quantize
+    without error; then each product is the exact sum up to float32 rounding (1e-5 here),
+    so one wrong value, scale or min anywhere in a row shows as a whole quantization step."""
+    rows = _blocks(qtype, 5)
+    w = gguf.quants.dequantize(rows, qtype).reshape(N, K).astype(np.float64)
+    rng = np.random.default_rng(6)
+    q = rng.integers(-127, 128, (20, K))
+    q[:, ::32] = 127  # every 32-value group (so every block of 256 too) reaches 127
+    x = torch.from_numpy((q * 2.0**-7).astype(np.float32))
+    y = _matrix(lib, (qtype, rows))(x).numpy().astype(np.float64)
+    ref = x.numpy().astype(np.float64) @ w.T
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max()
+
+
 def _llamacpp_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, ...]:
     """ggml's quantize_row_q8_1 (block 32) and quantize_row_q8_K (block 256), in numpy."""
     v = x.reshape(-1, block)
@@ -107,9 +125,9 @@ def _q8(v: np.ndarray, block: int, shape: tuple[int, ...]) -> tuple[np.ndarray, 
     inv[~np.isfinite(inv)] = d[~np.isfinite(inv)] = 0  # subnormal blocks: zeros
     q = np.minimum(np.rint(v * inv[:, None]), 127).astype(np.int8).reshape(-1, 32)
     d = np.repeat(d, block // 32).astype(np.float32)
-    s = d * q.astype(np.int32).sum(axis=1).astype(np.float32)
-    if block == 32:  # q8_1 keeps d and s in float16
-        d, s = (a.astype(np.float16).astype(np.float32) for a in (d, s))
+    s = q.astype(np.int32).sum(axis=1).astype(np.float32)  # q8_K's bsums (per 32 here)
+    if block == 32:  # q8_1 keeps d and s = d * sum in float16
+        d, s = (a.astype(np.float16).astype(np.float32) for a in (d, d * s))
     return q.reshape(shape), d, s
 
 

@@ -447,7 +447,7 @@ class TorchBackend(SingleSequence):
         tables, seq, lengths = paged
         q = q.float().contiguous()
         att = torch.empty_like(q)
-        lib.lib.cgn_attend(
+        rc = lib.lib.cgn_attend(
             address(q),
             address(pool_k),
             address(pool_v),
@@ -463,6 +463,8 @@ class TorchBackend(SingleSequence):
             a.head_dim**-0.5,
             address(att),
         )
+        if rc != 0:
+            raise MemoryError("cgn_attend: no memory for the attention scores")
         return att
 
     def _attend_sdpa(

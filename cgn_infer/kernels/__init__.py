@@ -46,7 +46,7 @@ HEADERS = (Path(__file__).with_name("half.h"),)  # part of the cache key, not co
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name
-KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -183,7 +183,7 @@ def _bind(path: Path) -> ctypes.CDLL:
         ctypes.c_float,
         _ptr,
     ]
-    lib.cgn_attend.restype = None
+    lib.cgn_attend.restype = ctypes.c_int
     lib.cgn_matrix_product.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
     lib.cgn_matrix_product.restype = None
     lib.cgn_layer.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr]

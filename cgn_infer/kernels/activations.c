@@ -21,7 +21,9 @@ static inline float half_round(float x) { return half_to_float(float_to_half(x))
  *   block 256 (for the K-quants): per 256 values, m = the value of largest magnitude,
  *     q = min(127, round(x * -127 / m)), d = m / -127 in float32, repeated for its 8 groups.
  * A block so small that its inverse scale overflows (subnormal floats) becomes zeros.
- * sa = d * sum(q) per group of 32. Rows are independent (parallel only when large). */
+ * sa per group of 32: d * sum(q) for block 32 (q8_1's s), the integer sum(q) itself for
+ * block 256 (q8_K's bsums, per 32 here), which the K-quants' products sum in integers.
+ * Rows are independent (parallel only when large). */
 static void quantize_row(const float *x, int64_t K, int block, int8_t *qa, float *da, float *sa) {
     for (int64_t b = 0; b < K / block; b++) {
         const float *v = x + b * block;
@@ -42,7 +44,7 @@ static void quantize_row(const float *x, int64_t K, int block, int8_t *qa, float
                 sum += r;
             }
             da[i] = block == GROUP ? half_round(d) : d;
-            sa[i] = block == GROUP ? half_round(d * (float)sum) : d * (float)sum;
+            sa[i] = block == GROUP ? half_round(d * (float)sum) : (float)sum;
         }
     }
 }

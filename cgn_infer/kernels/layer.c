@@ -82,9 +82,9 @@ typedef struct {
 void cgn_quantize_rows(const float *x, int64_t M, int64_t K, int block, int8_t *qa, float *da,
                        float *sa);
 int cgn_block_values(int type);
-void cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
-                const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
-                int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out);
+int cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
+               const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
+               int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out);
 void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                  const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                  int64_t ldy);
@@ -239,8 +239,9 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
         kv_store(pool_k, s->slots[t], kvn, (int)s->kv_type, r + qn);
         kv_store(pool_v, s->slots[t], kvn, (int)s->kv_type, r + qn + kvn);
     }
-    cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq,
-               s->lengths, T, w->heads, w->kv_heads, hd, w->scale, att);
+    if (cgn_attend(q, pool_k, pool_v, (int)s->kv_type, s->tables, s->table_width, s->seq,
+                   s->lengths, T, w->heads, w->kv_heads, hd, w->scale, att) != 0)
+        return -1;
     cgn_matrix_product(&w->wo, att, T, qn, qa, da, sa, y);
     lora_add(w, s, L_O, att, qn, y, D, 0);
     for (int64_t i = 0; i < T * D; i++) x[i] += y[i];
@@ -265,50 +266,220 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
  * q [R, H, hd]; pool_k, pool_v: one layer's [blocks, 16, KVH, hd]; tables [G, nb] block ids;
  * row r attends to positions 0..lengths[r]-1 of the sequence whose blocks are tables[seq[r]]
  * (its own K/V already written); out [R, H, hd]. Query heads h share KV head h / (H / KVH).
- * Every row is computed by the same code in the same order, whatever else is in the step
- * and however its prompt was chunked, so results are exactly batch- and chunk-invariant. */
-void cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
-                const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
-                int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out) {
+ *
+ * Consecutive rows of one sequence (a prompt chunk) are taken up to QROWS at a time, and
+ * every query head of them that shares a KV head is one "query" of the block. The keys are
+ * read a tile of KT positions at a time, widened and transposed once for all the block's
+ * queries, and scored as KT sums side by side (QG queries at once, so that several sums
+ * are in flight); the values a tile of VT positions at a time, each query's output held in
+ * registers OC values at a time. A 4k-token prompt read its whole cache once per row
+ * before, one position at a time, with a horizontal sum per score and libm's expf per
+ * weight; this is ~5x faster there (bench/results/infer_single_stream.md).
+ *
+ * Each score is q . k summed over the head's dimensions in order, each output value the
+ * sum of p * v over positions in order (multiply-adds fused where the CPU has FMA), and
+ * the softmax's max and sum go over 8 fixed lanes: every row is computed by the same
+ * operations in the same order whatever else is in the step and however its prompt was
+ * chunked or blocked, so results are exactly batch- and chunk-invariant. Returns 0, or -1
+ * with out unfinished where memory for the scratch ran out. */
+#define QROWS 16
+#define SCORES_BYTES (4 << 20) /* a thread's scores for one block of rows, at most */
+#define KT 8                   /* key positions per tile: 8 scores, one vector */
+#define QG 4                   /* queries scored together */
+#define VT 32                  /* value positions per tile */
+#define OC 32                  /* output values summed together, per query */
+
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf(a, b, c)
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define NO_TRAPS __attribute__((optimize("no-trapping-math"))) /* lets GCC vectorize the
+    selects below; no value changes (this code raises no exception anyone reads) */
+
+/* e^x for x <= 0 (a softmax's scores less their max), in plain arithmetic the compiler
+ * vectorizes (libm's expf, one call per score, was a third of a long prompt's attention):
+ * 2^n e^r with n = x / ln 2 rounded to nearest (the 1.5 * 2^23 trick), |r| <= ln 2 / 2,
+ * and e^r by Cephes' expf polynomial; relative error about 1e-7 (libm's: half an ulp).
+ * Below -87, where e^x nears float's smallest normal, it is e^-87 (that is, 0 against
+ * the max's 1). NaN stays NaN. The same operations on every path and in every lane. */
+static inline NO_TRAPS float exp_le0(float x) {
+    const float big = 12582912.0f; /* 1.5 * 2^23 */
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + big) - big;
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* s[0..n) = softmax(s), its max and sum each over 8 fixed lanes (added in a fixed
+ * order), so that all of its loops vectorize. */
+static NO_TRAPS void softmax(float *s, int64_t n) {
+    float lane[8], mx, total;
+    for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; j++) lane[j] = s[t + j] > lane[j] ? s[t + j] : lane[j];
+    mx = lane[0];
+    for (int j = 1; j < 8; j++) mx = lane[j] > mx ? lane[j] : mx;
+    for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    for (t = 0; t < n; t++) s[t] = exp_le0(s[t] - mx);
+    for (int j = 0; j < 8; j++) lane[j] = 0.0f;
+    for (t = 0; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; j++) lane[j] += s[t + j];
+    total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; t < n; t++) total += s[t];
+    float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (t = 0; t < n; t++) s[t] *= inv;
+}
+
+/* dst[a][0..KT) = scale * (q[a] . key j of the tile) for a < nq <= QG; kt [hd][KT] holds
+ * the tile's keys transposed. A slot past nq repeats query 0 and is dropped. */
+static void score_tile(const float *kt, int64_t hd, const float *const *q, int nq, float scale,
+                       float *const *dst) {
+    const float *qa[QG];
+    for (int a = 0; a < QG; a++) qa[a] = q[a < nq ? a : 0];
+#if defined(__AVX2__) && defined(__FMA__) /* the loop below, which GCC leaves scalar */
+    __m256 acc[QG];
+    for (int a = 0; a < QG; a++) acc[a] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hd; i++) {
+        __m256 k = _mm256_loadu_ps(kt + i * KT);
+        for (int a = 0; a < QG; a++) acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(qa[a][i]), k, acc[a]);
+    }
+    for (int a = 0; a < nq; a++) _mm256_storeu_ps(dst[a], _mm256_mul_ps(acc[a], _mm256_set1_ps(scale)));
+#else
+    float acc[QG][KT] = {{0}};
+    for (int64_t i = 0; i < hd; i++)
+        for (int a = 0; a < QG; a++)
+            for (int j = 0; j < KT; j++) acc[a][j] = MADD(qa[a][i], kt[i * KT + j], acc[a][j]);
+    for (int a = 0; a < nq; a++)
+        for (int j = 0; j < KT; j++) dst[a][j] = acc[a][j] * scale;
+#endif
+}
+
+/* o[0..hd) += sum over t < n, in order, of p[t] * vt[t][..] (vt [n][hd]). */
+static void value_tile(const float *vt, int64_t hd, const float *p, int64_t n, float *o) {
+    int64_t i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) /* the loop below, in registers (GCC spills acc) */
+    for (; i0 + OC <= hd; i0 += OC) {
+        __m256 acc[OC / 8];
+        for (int j = 0; j < OC / 8; j++) acc[j] = _mm256_loadu_ps(o + i0 + 8 * j);
+        for (int64_t t = 0; t < n; t++) {
+            __m256 w = _mm256_set1_ps(p[t]);
+            for (int j = 0; j < OC / 8; j++)
+                acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + t * hd + i0 + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < OC / 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+    }
+#endif
+    for (; i0 + OC <= hd; i0 += OC) {
+        float acc[OC];
+        memcpy(acc, o + i0, sizeof acc);
+        for (int64_t t = 0; t < n; t++)
+            for (int j = 0; j < OC; j++) acc[j] = MADD(p[t], vt[t * hd + i0 + j], acc[j]);
+        memcpy(o + i0, acc, sizeof acc);
+    }
+    for (; i0 < hd; i0++) {
+        float acc = o[i0];
+        for (int64_t t = 0; t < n; t++) acc = MADD(p[t], vt[t * hd + i0], acc);
+        o[i0] = acc;
+    }
+}
+
+/* One job: rows b0..b0+nr-1 of one sequence (lengths len[0..nr)), KV head kvh. */
+static void attend_block(const float *q, const void *pool_k, const void *pool_v, int kv_type,
+                         const int64_t *table, const int64_t *len, int64_t b0, int64_t nr,
+                         int64_t kvh, int64_t H, int64_t KVH, int64_t group, int64_t hd,
+                         int64_t stride, float scale, float *scores, float *tile, float *row,
+                         float *out) {
+    int64_t most = 0, nq = nr * group;
+    for (int64_t b = 0; b < nr; b++) most = len[b] > most ? len[b] : most;
+    /* query a = (row a / group, head a % group): its q, out and scores */
+#define QUERY(a) (((b0 + (a) / group) * H + kvh * group + (a) % group) * hd)
+    for (int64_t t0 = 0; t0 < most; t0 += KT) {
+        for (int j = 0; j < KT; j++) { /* the tile's keys, transposed; zeros past `most` */
+            if (t0 + j < most) {
+                int64_t at = (table[(t0 + j) / 16] * 16 + (t0 + j) % 16) * KVH + kvh;
+                const float *k = kv_load(pool_k, at, hd, kv_type, row);
+                for (int64_t i = 0; i < hd; i++) tile[i * KT + j] = k[i];
+            } else {
+                for (int64_t i = 0; i < hd; i++) tile[i * KT + j] = 0.0f;
+            }
+        }
+        const float *qs[QG];
+        float *dst[QG];
+        int n = 0;
+        for (int64_t a = 0; a < nq; a++) {
+            if (t0 >= len[a / group]) continue;
+            qs[n] = q + QUERY(a);
+            dst[n++] = scores + a * stride + t0;
+            if (n == QG) score_tile(tile, hd, qs, n, scale, dst), n = 0;
+        }
+        if (n) score_tile(tile, hd, qs, n, scale, dst);
+    }
+    for (int64_t a = 0; a < nq; a++) {
+        softmax(scores + a * stride, len[a / group]);
+        memset(out + QUERY(a), 0, sizeof(float) * (size_t)hd);
+    }
+    for (int64_t t0 = 0; t0 < most; t0 += VT) {
+        int64_t n = most - t0 < VT ? most - t0 : VT;
+        for (int64_t t = 0; t < n; t++) {
+            int64_t at = (table[(t0 + t) / 16] * 16 + (t0 + t) % 16) * KVH + kvh;
+            const float *v = kv_load(pool_v, at, hd, kv_type, tile + t * hd);
+            if (v != tile + t * hd) memcpy(tile + t * hd, v, sizeof(float) * (size_t)hd);
+        }
+        for (int64_t a = 0; a < nq; a++) {
+            int64_t upto = len[a / group] - t0; /* this query's positions in the tile */
+            if (upto > 0)
+                value_tile(tile, hd, scores + a * stride + t0, upto < n ? upto : n, out + QUERY(a));
+        }
+    }
+#undef QUERY
+}
+
+int cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_type,
+               const int64_t *tables, int64_t nb, const int64_t *seq, const int64_t *lengths,
+               int64_t R, int64_t H, int64_t KVH, int64_t hd, float scale, float *out) {
     int64_t group = H / KVH, maxlen = 1;
     for (int64_t r = 0; r < R; r++) maxlen = lengths[r] > maxlen ? lengths[r] : maxlen;
+    int64_t stride = (maxlen + KT - 1) / KT * KT; /* a query's scores, whole tiles */
+    /* rows per block: as many as QROWS whose scores fit SCORES_BYTES (at least one) */
+    int64_t per = (int64_t)SCORES_BYTES / (int64_t)(sizeof(float) * group * stride);
+    per = per < 1 ? 1 : per > QROWS ? QROWS : per;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(R + 1)), blocks = 0;
+    if (starts == NULL) return -1;
+    for (int64_t r = 0; r < R; r++)
+        if (r == 0 || seq[r] != seq[r - 1] || r - starts[blocks - 1] == per) starts[blocks++] = r;
+    starts[blocks] = R;
+    int failed = 0;
+    size_t tile = (size_t)hd * (KT > VT ? KT : VT);
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * maxlen + hd));
-        float *row = scores + group * maxlen; /* a 16-bit pool's K or V row, widened */
+        float *scores = malloc(sizeof(float) * ((size_t)(per * group * stride) + tile + (size_t)hd));
+        if (scores == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < R * KVH; job++) {
-            int64_t r = job / KVH, kvh = job % KVH, len = lengths[r];
-            const int64_t *table = tables + seq[r] * nb;
-            const float *qh = q + (r * H + kvh * group) * hd;
-            float *oh = out + (r * H + kvh * group) * hd;
-            for (int64_t t = 0; t < len; t++) {
-                int64_t at = (table[t / 16] * 16 + t % 16) * KVH + kvh;
-                const float *k = kv_load(pool_k, at, hd, kv_type, row);
-                for (int64_t g = 0; g < group; g++) {
-                    float s = 0.0f;
-                    #pragma omp simd reduction(+ : s)
-                    for (int64_t i = 0; i < hd; i++) s += qh[g * hd + i] * k[i];
-                    scores[g * len + t] = s * scale;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len, mx = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
-                for (int64_t t = 0; t < len; t++) total += (sg[t] = expf(sg[t] - mx));
-                float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-                for (int64_t i = 0; i < hd; i++) oh[g * hd + i] = 0.0f;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                int64_t at = (table[t / 16] * 16 + t % 16) * KVH + kvh;
-                const float *v = kv_load(pool_v, at, hd, kv_type, row);
-                for (int64_t g = 0; g < group; g++) {
-                    float p = scores[g * len + t], *o = oh + g * hd;
-                    for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
-                }
-            }
+        for (int64_t job = 0; job < blocks * KVH; job++) {
+            if (scores == NULL) continue;
+            int64_t b0 = starts[job / KVH], nr = starts[job / KVH + 1] - b0;
+            float *t = scores + per * group * stride;
+            attend_block(q, pool_k, pool_v, kv_type, tables + seq[b0] * nb, lengths + b0, b0, nr,
+                         job % KVH, H, KVH, group, hd, stride, scale, scores, t, t + tile, out);
         }
         free(scores);
     }
+    free(starts);
+    return failed ? -1 : 0;
 }

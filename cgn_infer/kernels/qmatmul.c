@@ -34,7 +34,20 @@
 #define TILE 8   /* weight rows unpacked together (fits L1/L2 for K up to ~8k) */
 #define CHUNK 4  /* activation rows sharing one pass over a tile */
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+#define QK 256 /* values in a K-quant superblock */
+
+enum {
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
+};
+
+static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* Q4_1 and Q5_1 carry an offset m per 32 values; the others' m is 0, and the sum of m * sa
+ * they would add is +0 (sa is finite), which every AVX2 product skips alike (the K-quants
+ * sum their mins their own way). */
+static inline __attribute__((always_inline)) int has_min(const int type) {
+    return type == T_Q4_1 || type == T_Q5_1;
+}
 
 static inline float fp16(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
@@ -47,29 +60,57 @@ int cgn_block_bytes(int type) {
     case T_Q5_1: return 24;
     case T_Q8_0: return 34;
     case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
     case T_Q6_K: return 210;
     default: return 0;
     }
 }
 
-int cgn_block_values(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : 32; }
+int cgn_block_values(int type) { return is_k(type) ? QK : 32; }
 
-static void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+/* Q4_K's and Q5_K's eight 6-bit scales and eight 6-bit mins, packed in 12 bytes s: for
+ * j < 4, sc[j] and m[j] are the low 6 bits of s[j] and s[j + 4]; for j >= 4, the low and
+ * high nibbles of s[j + 4], each topped with the 2 spare high bits of s[j - 4] (sc) or of
+ * s[j] (m). Four bytes at a time, as 32-bit words. */
+static inline void scales_mins_k4(const uint8_t *restrict s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t w[3], out[4];
+    memcpy(w, s, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(m, out + 2, 8);
 }
 
-/* 16 bytes of nibbles -> 32 values: low nibbles first, then high (ggml's order), plus `add`. */
-static inline void nibbles16(const uint8_t *restrict qs, int8_t *restrict y, int add) {
 #ifdef __AVX2__
+/* 16 bytes of nibbles -> 32 values: low nibbles first, then high (ggml's order), plus `add`. */
+static inline __attribute__((always_inline)) __m256i nibbles(const uint8_t *restrict qs, int add) {
     __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
     __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-    _mm256_storeu_si256((__m256i *)y, _mm256_add_epi8(v, _mm256_set1_epi8((char)add)));
+    return _mm256_add_epi8(v, _mm256_set1_epi8((char)add));
+}
+
+/* Q5_0 / Q5_1: nibbles plus a fifth bit per value from qh (bit j for value j); `add` -16 or 0. */
+static inline __attribute__((always_inline)) __m256i fives(const uint8_t *restrict qh,
+                                                           const uint8_t *restrict qs, int add) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    /* byte j = 0xff where bit j of h is set */
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                         0x0101010101010101, 0));
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+    return _mm256_add_epi8(_mm256_or_si256(nibbles(qs, 0), _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
+                           _mm256_set1_epi8((char)add));
+}
+#endif
+
+/* nibbles() into y */
+static inline void nibbles16(const uint8_t *restrict qs, int8_t *restrict y, int add) {
+#ifdef __AVX2__
+    _mm256_storeu_si256((__m256i *)y, nibbles(qs, add));
 #else
     for (int j = 0; j < 16; j++) {
         y[j] = (int8_t)((qs[j] & 0xf) + add);
@@ -78,23 +119,14 @@ static inline void nibbles16(const uint8_t *restrict qs, int8_t *restrict y, int
 #endif
 }
 
-/* Q5_0 / Q5_1: nibbles plus a fifth bit per value from qh (bit j for value j); `add` -16 or 0. */
+/* fives() into y */
 static inline void fives32(const uint8_t *restrict qh, const uint8_t *restrict qs,
                            int8_t *restrict y, int add) {
+#ifdef __AVX2__
+    _mm256_storeu_si256((__m256i *)y, fives(qh, qs, add));
+#else
     uint32_t h;
     memcpy(&h, qh, 4);
-#ifdef __AVX2__
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
-    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-    /* byte j = 0xff where bit j of h is set */
-    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
-                                       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                         0x0101010101010101, 0));
-    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                             _mm256_set1_epi64x(-1));
-    v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
-    _mm256_storeu_si256((__m256i *)y, _mm256_add_epi8(v, _mm256_set1_epi8((char)add)));
-#else
     for (int j = 0; j < 16; j++) {
         y[j] = (int8_t)(((qs[j] & 0xf) | (((h >> j) & 1) << 4)) + add);
         y[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) + add);
@@ -145,16 +177,17 @@ static void unpack_row(int type, const uint8_t *restrict src, int64_t K, int8_t 
         }
         return;
     case T_Q4_K:
-        for (int64_t b = 0; b < nb; b++, src += 144) {
+    case T_Q5_K: /* Q5_K: Q4_K's scales, 32 bytes of fifth bits (bit j of byte l: value 32j + l), nibbles */
+        for (int64_t b = 0; b < nb; b++, src += (type == T_Q4_K ? 144 : 176)) {
             float d = fp16(src), dmin = fp16(src + 2);
-            const uint8_t *scales = src + 4, *qs = src + 16;
+            const uint8_t *qs = src + (type == T_Q4_K ? 16 : 48);
+            uint8_t sc[8], m[8];
+            scales_mins_k4(src + 4, sc, m);
             for (int j = 0; j < 4; j++, qs += 32) {
-                int sc, m;
                 for (int h = 0; h < 2; h++) {
-                    scale_min_k4(2 * j + h, scales, &sc, &m);
                     int64_t g = b * 8 + 2 * j + h;
-                    d16[2 * g] = d16[2 * g + 1] = d * sc;
-                    m32[g] = -dmin * m;
+                    d16[2 * g] = d16[2 * g + 1] = d * sc[2 * j + h];
+                    m32[g] = -dmin * m[2 * j + h];
                 }
                 int8_t *y = q + b * 256 + 64 * j;
 #ifdef __AVX2__
@@ -167,6 +200,11 @@ static void unpack_row(int type, const uint8_t *restrict src, int64_t K, int8_t 
                     y[32 + l] = (int8_t)(qs[l] >> 4);
                 }
 #endif
+                if (type == T_Q5_K)
+                    for (int l = 0; l < 32; l++) {
+                        y[l] |= (int8_t)(((src[16 + l] >> (2 * j)) & 1) << 4);
+                        y[32 + l] |= (int8_t)(((src[16 + l] >> (2 * j + 1)) & 1) << 4);
+                    }
             }
         }
         return;
@@ -250,7 +288,7 @@ static inline float hsum(__m256 v) {
  * (r, c) pair runs the same instructions in the same order whatever NR and NC are, so a
  * row's result never depends on the rows computed beside it. */
 static inline __attribute__((always_inline)) void
-block_dot(int64_t K, const int NR, const int8_t *restrict q, const float *restrict d16,
+block_dot(int64_t K, int with_min, const int NR, const int8_t *restrict q, const float *restrict d16,
           const float *restrict m32, const int NC, const int8_t *restrict qa,
           const float *restrict da, const float *restrict sa, float *restrict y, int64_t ldy) {
     int64_t groups = K / GROUP;
@@ -280,7 +318,8 @@ block_dot(int64_t K, const int NR, const int8_t *restrict q, const float *restri
         const float *wm = m32 + r * groups;
         for (int c = 0; c < NC; c++) {
             float mins = 0.0f;
-            for (int64_t g = 0; g < groups; g++) mins += wm[g] * sa[c * groups + g];
+            if (with_min)
+                for (int64_t g = 0; g < groups; g++) mins += wm[g] * sa[c * groups + g];
             y[c * ldy + r] = hsum(acc[r][c]) + mins;
         }
     }
@@ -288,7 +327,7 @@ block_dot(int64_t K, const int NR, const int8_t *restrict q, const float *restri
 #endif
 
 /* y[c][r] = row r of the unpacked tile against activation row c, for r < nr, c < nc. */
-static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *restrict d16,
+static void tile_dot(int64_t K, int type, int nr, const int8_t *restrict q, const float *restrict d16,
                      const float *restrict m32, int nc, const int8_t *restrict qa,
                      const float *restrict da, const float *restrict sa, float *restrict y,
                      int64_t ldy) {
@@ -298,7 +337,7 @@ static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *r
         const int8_t *wq = q + r * K;
         const float *wd = d16 + r * (K / 16), *wm = m32 + r * groups;
         float *out = y + r;
-#define BLOCK(NR, NC) block_dot(K, NR, wq, wd, wm, NC, qa, da, sa, out, ldy)
+#define BLOCK(NR, NC) block_dot(K, has_min(type), NR, wq, wd, wm, NC, qa, da, sa, out, ldy)
         if (r + 1 < nr) {
             switch (nc) {
             case 1: BLOCK(2, 1); break;
@@ -328,7 +367,8 @@ static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *r
                 for (int j = 0; j < 16; j++) lo += a[j] * b[j];
                 for (int j = 16; j < 32; j++) hi += a[j] * b[j];
                 total += da[c * groups + g] * (wd[2 * g] * lo + wd[2 * g + 1] * hi);
-                total += wm[g] * sa[c * groups + g];
+                /* the K-quants' activation sums are integers (q8_K's bsums), without d */
+                total += wm[g] * (is_k(type) ? da[c * groups + g] * sa[c * groups + g] : sa[c * groups + g]);
             }
             y[c * ldy + r] = total;
         }
@@ -337,68 +377,42 @@ static void tile_dot(int64_t K, int nr, const int8_t *restrict q, const float *r
 }
 
 #ifdef __AVX2__
-/* Group g (values 32g..32g+31) of a row of any supported type, straight from the blocks:
- * the same int8 values, 16-value scales and offset that unpack_row writes for it (same
- * expressions), for the paths of up to DIRECT_ROWS activation rows, which skip the
- * unpacked copy. */
+/* Group g (values 32g..32g+31) of a row of a 32-value type, straight from the blocks:
+ * the same int8 values, scale (unpack_row's d16 for both its halves) and offset that
+ * unpack_row writes for it (same expressions), for the paths of up to DIRECT_ROWS
+ * activation rows, which skip the unpacked copy. */
 static inline __attribute__((always_inline)) __m256i
-group_q(const int type, const uint8_t *restrict row, int64_t g, float *d0, float *d1, float *m) {
-    int8_t tmp[32];
+group_q(const int type, const uint8_t *restrict row, int64_t g, float *d, float *m) {
     switch (type) {
     case T_Q8_0: {
         const uint8_t *b = row + g * 34;
-        *d0 = *d1 = fp16(b);
+        *d = fp16(b);
         *m = 0.0f;
         return _mm256_loadu_si256((const __m256i *)(b + 2));
     }
     case T_Q4_0: case T_Q4_1: {
         const uint8_t *b = row + g * (type == T_Q4_0 ? 18 : 20);
-        *d0 = *d1 = fp16(b);
+        *d = fp16(b);
         *m = type == T_Q4_1 ? fp16(b + 2) : 0.0f;
-        nibbles16(b + (type == T_Q4_0 ? 2 : 4), tmp, type == T_Q4_0 ? -8 : 0);
-        return _mm256_loadu_si256((const __m256i *)tmp);
-    }
-    case T_Q4_K: { /* sub-block g % 8 of block g / 8: pair j's low or high nibbles */
-        const uint8_t *b = row + (g / 8) * 144;
-        int s = (int)(g % 8), sc, mn;
-        scale_min_k4(s, b + 4, &sc, &mn);
-        *d0 = *d1 = fp16(b) * sc;
-        *m = -fp16(b + 2) * mn;
-        __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s / 2)));
-        if (s & 1) v = _mm256_srli_epi16(v, 4);
-        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-    }
-    case T_Q6_K: { /* sixes128's quarter g % 4 of half (g % 8) / 4 of block g / 8 */
-        const uint8_t *b = row + (g / 8) * 210;
-        int s = (int)(g % 8), k = s % 4;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        float d = fp16(b + 208);
-        *d0 = d * sc[2 * s];
-        *d1 = d * sc[2 * s + 1];
-        *m = 0.0f;
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * (s / 4) + 32 * (k & 1)));
-        __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (s / 4)));
-        lo = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(0x0f));
-        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(0x03));
-        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+        return nibbles(b + (type == T_Q4_0 ? 2 : 4), type == T_Q4_0 ? -8 : 0);
     }
     default: { /* Q5_0, Q5_1 */
         const uint8_t *b = row + g * (type == T_Q5_0 ? 22 : 24);
-        *d0 = *d1 = fp16(b);
+        *d = fp16(b);
         *m = type == T_Q5_1 ? fp16(b + 2) : 0.0f;
         int h = type == T_Q5_0 ? 2 : 4;
-        fives32(b + h, b + h + 4, tmp, type == T_Q5_0 ? -16 : 0);
-        return _mm256_loadu_si256((const __m256i *)tmp);
+        return fives(b + h, b + h + 4, type == T_Q5_0 ? -16 : 0);
     }
     }
 }
 
+
 /* Sums of w * a per 4 values (int32): dot4 takes its first operand unsigned, so signed
  * weights go in as |w| with a's signs flipped where w < 0; the types whose values are never
- * negative (Q4_1, Q5_1, Q4_K) skip that, and the sums are the same integers either way. */
+ * negative (Q4_1, Q5_1) skip that, and the sums are the same integers either way. */
 static inline __attribute__((always_inline)) __m256i
 product(const int type, __m256i w, __m256i wabs, __m256i a) {
-    if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K) return dot4(w, a);
+    if (type == T_Q4_1 || type == T_Q5_1) return dot4(w, a);
     return dot4(wabs, _mm256_sign_epi8(a, w));
 }
 
@@ -410,15 +424,13 @@ row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *r
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
-        float d0, d1, m;
-        __m256i w = group_q(type, row, g, &d0, &d1, &m);
+        float d, m;
+        __m256i w = group_q(type, row, g, &d, &m);
         __m256i wabs = _mm256_sign_epi8(w, w);
-        __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
         __m256i a = _mm256_loadu_si256((const __m256i *)(qa + g * GROUP));
-        __m256 sd = _mm256_set1_ps(da[g]);
         __m256i p = product(type, w, wabs, a);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, sd), acc);
-        mins += m * sa[g];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * da[g]), acc);
+        if (has_min(type)) mins += m * sa[g];
     }
     return hsum(acc) + mins;
 }
@@ -442,13 +454,13 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
         __m256 scale[2];
         float m[2];
         for (int r = 0; r < NR; r++) {
-            float d0, d1;
+            float d;
             if (far) /* a few hundred bytes ahead in each row (row_bytes / groups per group) */
                 _mm_prefetch((const char *)(w + r * row_bytes + (g * row_bytes) / groups + 384),
                              _MM_HINT_T0);
-            wq[r] = group_q(type, w + r * row_bytes, g, &d0, &d1, &m[r]);
+            wq[r] = group_q(type, w + r * row_bytes, g, &d, &m[r]);
             wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
-            scale[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
+            scale[r] = _mm256_set1_ps(d);
         }
         for (int c = 0; c < NC; c++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
@@ -456,12 +468,129 @@ direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_
             for (int r = 0; r < NR; r++) {
                 __m256i p = product(type, wq[r], wabs[r], a);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale[r], sd), acc[r][c]);
-                mins[r][c] += m[r] * sa[c * groups + g];
+                if (has_min(type)) mins[r][c] += m[r] * sa[c * groups + g];
             }
         }
     }
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < NC; c++) y[c * ldy + r] = hsum(acc[r][c]) + mins[r][c];
+}
+
+/* The K-quants (Q4_K, Q5_K, Q6_K), a 256-value superblock at a time, in integers as ggml
+ * sums them. A superblock's value k is
+ *
+ *     d * sc[k / 16] * q[k] + m * mn[k / 32]        (sc, q, mn integers; d, m floats)
+ *
+ * (Q4_K, Q5_K: q 0..15 or 0..31 with 6-bit scales and mins, m = -dmin; Q6_K: q -32..31,
+ * int8 scales, no mins), and the activations' superblock is da * qa with integer sums bs
+ * per 32 values (activations.c), so its product is
+ *
+ *     d * da * sum_k sc * q * qa  +  m * da * sum_g mn * bs
+ *
+ * The first sum is exact in int32 lanes whatever order it is taken in, and each mn * bs
+ * is an exact float; the float work is two multiply-adds per superblock, where the
+ * 32-value types take one per 32 values. Every (weight row, activation row) pair runs the
+ * same float instructions for any number of rows, so batched rows equal rows alone. */
+typedef struct {
+    float d, m;   /* the superblock's factors (m = 0 for Q6_K) */
+    __m256i sc[2]; /* int16 scales, each 128-bit lane holding 8 (Q6_K: sc[0] groups 0-3, sc[1] 4-7) */
+    __m256 mn;    /* the 8 mins, as floats */
+} kscales;
+
+static inline __attribute__((always_inline)) int k_bytes(const int type) {
+    return type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+}
+
+static inline __attribute__((always_inline)) void k_scales(const int type, const uint8_t *restrict blk,
+                                                           kscales *restrict s) {
+    if (type == T_Q6_K) {
+        __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        s->sc[0] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+        s->sc[1] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
+        s->d = fp16(blk + 208);
+        s->m = 0.0f;
+        return;
+    }
+    uint8_t sm[16];
+    scales_mins_k4(blk + 4, sm, sm + 8);
+    __m128i v = _mm_loadu_si128((const __m128i *)sm);
+    s->sc[0] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+    s->mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    s->d = fp16(blk);
+    s->m = -fp16(blk + 2);
+}
+
+/* Group g's int16 scales for madd: scale 2g' in the low 128-bit lane (values 0-15) and
+ * 2g' + 1 in the high one (Q6_K, g' = g % 4), or scale g in both (Q4_K, Q5_K). */
+static inline __attribute__((always_inline)) __m256i k_scale(const int type, const kscales *s, int g) {
+    if (type == T_Q6_K) {
+        int lo = 2 * (g % 4), hi = lo + 1;
+        __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * hi + 1) << 8 | 2 * hi)),
+                                        _mm_set1_epi16((short)((2 * lo + 1) << 8 | 2 * lo)));
+        return _mm256_shuffle_epi8(s->sc[g / 4], pick);
+    }
+    return _mm256_shuffle_epi8(s->sc[0], _mm256_set1_epi16((short)((2 * g + 1) << 8 | 2 * g)));
+}
+
+/* Values 32g..32g+31 of superblock blk as int8: unpack_row's values for them. */
+static inline __attribute__((always_inline)) __m256i k_group(const int type, const uint8_t *restrict blk,
+                                                             int g) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == T_Q6_K) { /* sixes128's quarter g % 4 of half g / 4 */
+        int k = g % 4;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * (g / 4) + 32 * (k & 1)));
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * (g / 4)));
+        lo = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (k >> 1))), m4);
+        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(0x03));
+        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    }
+    /* Q4_K, Q5_K: pair g / 2's low (even g) or high nibbles; Q5_K's fifth bit is bit g */
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (type == T_Q4_K ? 16 : 48) + 32 * (g / 2)));
+    v = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (g & 1))), m4);
+    if (type == T_Q5_K) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        h = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
+    }
+    return v;
+}
+
+/* One weight row straight from its superblocks against NC activation rows. The int16
+ * pair sums of maddubs cannot saturate (|q| <= 32, |qa| <= 127), and madd scales them per
+ * 16 values into int32 lanes. */
+static inline __attribute__((always_inline)) void
+k_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC, const int8_t *restrict qa,
+      const float *restrict da, const float *restrict sa, float *restrict y, int64_t ldy) {
+    const int64_t groups = K / GROUP;
+    __m256 acc[CHUNK];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *blk = w + b * k_bytes(type);
+        kscales s;
+        k_scales(type, blk, &s);
+        __m256i isum[CHUNK];
+        for (int c = 0; c < NC; c++) isum[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256i wq = k_group(type, blk, g), wabs = _mm256_sign_epi8(wq, wq);
+            __m256i sc = k_scale(type, &s, g);
+            for (int c = 0; c < NC; c++) {
+                __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + b * QK + g * GROUP));
+                __m256i p = type == T_Q6_K ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, wq))
+                                           : _mm256_maddubs_epi16(wq, a);
+                isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(p, sc));
+            }
+        }
+        for (int c = 0; c < NC; c++) {
+            float dc = da[c * groups + b * 8];
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_set1_ps(s.d * dc), acc[c]);
+            if (type != T_Q6_K) { /* mn * bs: exact (integers below 2^18) */
+                __m256 bs = _mm256_loadu_ps(sa + c * groups + b * 8);
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(s.mn, bs), _mm256_set1_ps(s.m * dc), acc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < NC; c++) y[c * ldy] = hsum(acc[c]);
 }
 
 /* y [M, N] for M <= DIRECT_ROWS: pairs of weight rows in parallel,
@@ -506,8 +635,6 @@ static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N
     case T_Q4_1: DIRECT(T_Q4_1)
     case T_Q5_0: DIRECT(T_Q5_0)
     case T_Q5_1: DIRECT(T_Q5_1)
-    case T_Q4_K: DIRECT(T_Q4_K)
-    case T_Q6_K: DIRECT(T_Q6_K)
     default: DIRECT(T_Q8_0)
     }
 #undef DIRECT
@@ -529,6 +656,37 @@ static void rows_dot1(int type, const uint8_t *w, int64_t row_bytes, int64_t N, 
     }
 #undef ROWS
 }
+
+/* The K-quants, any M: one weight row at a time (one stream through memory per thread,
+ * which the hardware prefetches best; two interleaved rows ran at 40 % of it) against the
+ * activation rows CHUNK at a time. */
+static void rows_k(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
+                   const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
+                   int64_t ldy) {
+    int64_t groups = K / GROUP;
+#define D(T, NC)                                                                               \
+    k_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups, sa + c0 * groups,          \
+          y + c0 * ldy + n, ldy)
+#define KROWS(T)                                                                              \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int64_t n = 0; n < N; n++)                                                           \
+        for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {                                           \
+            switch (M - c0 < CHUNK ? M - c0 : CHUNK) {                                        \
+            case 1: D(T, 1); break;                                                            \
+            case 2: D(T, 2); break;                                                            \
+            case 3: D(T, 3); break;                                                            \
+            default: D(T, 4); break;                                                           \
+            }                                                                                  \
+        }                                                                                      \
+    return;
+    switch (type) {
+    case T_Q4_K: KROWS(T_Q4_K)
+    case T_Q5_K: KROWS(T_Q5_K)
+    default: KROWS(T_Q6_K)
+    }
+#undef KROWS
+#undef D
+}
 #endif
 
 /* y[M, N] (row stride ldy) = activations (from cgn_quantize_rows) @ W[N, K].T */
@@ -539,7 +697,11 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
 #ifdef __AVX2__
     /* decode: blocks straight into the dot products, no unpacked tile (1.5-2x faster at
      * one row: the tile's copy costs more than it saves when few rows share it) */
-    if (M == 1 && type != T_Q4_K && type != T_Q6_K) {
+    if (is_k(type)) {
+        rows_k(type, w, row_bytes, N, K, qa, da, sa, M, y, ldy);
+        return;
+    }
+    if (M == 1) {
         rows_dot1(type, w, row_bytes, N, K, qa, da, sa, y);
         return;
     }
@@ -562,7 +724,7 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
                            m32 + r * groups);
             for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
                 int nc = (int)(M - c0 < CHUNK ? M - c0 : CHUNK);
-                tile_dot(K, nr, q, d16, m32, nc, qa + c0 * K, da + c0 * groups, sa + c0 * groups,
+                tile_dot(K, type, nr, q, d16, m32, nc, qa + c0 * K, da + c0 * groups, sa + c0 * groups,
                          y + c0 * ldy + n0, ldy);
             }
         }
