@@ -3,15 +3,19 @@
     python bench/infer_single_stream.py [--models smollm2 qwen] [--threads 2]
         [--engines llama.cpp gguf float32 int8] [--prompts 500 1000 3900]
 
-For each model and engine (one at a time, never concurrently): load time to
-/health = 200 (warm: the kernels built and the files in the page cache; and for
-cgn-infer's default, first: a start with an empty kernel cache, which compiles
-them), single-stream decode tokens/s (64 tokens, greedy, EOS ignored,
+For each model, every engine is started in turn (its load time to /health = 200:
+warm, with the kernels built and the files in the page cache; and for cgn-infer's
+default also first, a start with an empty kernel cache, which compiles them), then
+all stay up and are measured in turn, request by request, never two at once (the
+machine's speed drifts by ±25 % over minutes; interleaved, each ratio compares
+the same minutes): single-stream decode tokens/s (64 tokens, greedy, EOS ignored,
 timed first token to last over SSE), prompt tokens/s (fresh prompts of up to
 500, 1,000 and 3,900 tokens of the model's vocabulary, one output token, so no
-prefix cache helps; the same texts for every engine), and peak RSS
-(cgn-infer's KV pool holds as many tokens as llama.cpp's 4,096-token context). Results go to
-bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp.
+prefix cache helps; the same texts for every engine), and at the end each one's
+peak RSS (cgn-infer's KV pool holds as many tokens as llama.cpp's 4,096-token
+context, and the 3,900-token prompts fill both). Results go to
+bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp and each
+run's figures in the JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -75,39 +80,68 @@ def sized_prompt(tokenizer: GGUFTokenizer, seed: int, tokens: int) -> str:
     return long_prompt(seed, lo)
 
 
-def measure(url: str, reps: int, llama: bool, prompts: dict[int, list[str]]) -> dict[str, Any]:
-    name = model_id(url)
+def _decode_once(client: httpx.Client, url: str, i: int) -> float:
+    body = {"model": model_id(url), "prompt": f"Story {i}: once upon a time", "max_tokens": 64,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    _, stamps = stream_completion(client, url, body)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _prompt_once(client: httpx.Client, url: str, llama: bool, prompt: str) -> tuple[float, int]:
+    """Prompt tokens/s of one fresh prompt, and its length in the engine's tokens."""
+    n = (
+        len(client.post(url + "/tokenize", json={"content": prompt}).json()["tokens"])
+        if llama
+        else 0
+    )
+    body = {"model": model_id(url), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    # NOTE: cgn-infer refuses fields it does not support, and a fresh prompt misses its
+    # prefix cache anyway; llama.cpp's slot cache is turned off by this one
+    if llama:
+        body["cache_prompt"] = False
+    resp = client.post(url + "/v1/completions", json=body, timeout=600)
+    resp.raise_for_status()
+    tokens = n or resp.json()["usage"]["prompt_tokens"]
+    return tokens / resp.elapsed.total_seconds(), tokens
+
+
+def measure(
+    urls: dict[str, tuple[str, bool]], reps: int, prompts: dict[int, list[str]]
+) -> dict[str, dict[str, Any]]:
+    """Every engine of `urls` (name: url, is llama.cpp) measured in turn, request by request:
+    one engine's decode, then the next's, and so on, each prompt sent to every engine before
+    the next prompt, the order reversed every round. The machine's speed drifts by ±25 %
+    over minutes; interleaved, each ratio compares the same minutes."""
+    decode: dict[str, list[float]] = {n: [] for n in urls}
+    rates: dict[str, dict[int, list[float]]] = {n: {s: [] for s in prompts} for n in urls}
+    tokens: dict[str, dict[int, int]] = {n: {} for n in urls}
     # A fresh connection per request: llama.cpp's server closes idle keep-alive connections,
     # and a reused one then fails with "Server disconnected" (seen in earlier runs).
     with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        stream_completion(client, url, {"model": name, "prompt": "warm up", "max_tokens": 4})
-        decode = []
+        for url, _ in urls.values():
+            stream_completion(client, url, {"model": model_id(url), "prompt": "warm up", "max_tokens": 4})  # fmt: skip
+        order = list(urls)
         for i in range(reps):
-            body = {"model": name, "prompt": f"Story {i}: once upon a time", "max_tokens": 64,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
-            _, stamps = stream_completion(client, url, body)
-            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        prompt_rates = {}
+            for name in order:
+                decode[name].append(_decode_once(client, urls[name][0], i))
+            order.reverse()
         for size, texts in prompts.items():
-            prefill = []
-            for prompt in texts:
-                n = (
-                    len(httpx.post(url + "/tokenize", json={"content": prompt}).json()["tokens"])
-                    if llama
-                    else None
-                )
-                body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-                # NOTE: cgn-infer refuses fields it does not support, and a fresh prompt misses
-                # its prefix cache anyway; llama.cpp's slot cache is turned off by this one
-                if llama:
-                    body["cache_prompt"] = False
-                resp = client.post(url + "/v1/completions", json=body, timeout=600)
-                resp.raise_for_status()
-                elapsed = resp.elapsed.total_seconds()
-                tokens = resp.json()["usage"]["prompt_tokens"] if n is None else n
-                prefill.append(tokens / elapsed)
-            prompt_rates[str(size)] = {"tok_s": statistics.median(prefill), "tokens": tokens}
-    return {"decode_tok_s": statistics.median(decode), "prompt": prompt_rates}
+            for text in texts:
+                for name in order:
+                    rate, tokens[name][size] = _prompt_once(client, *urls[name], text)
+                    rates[name][size].append(rate)
+                order.reverse()
+    return {
+        name: {
+            "decode_tok_s": statistics.median(decode[name]),
+            "decode_runs": decode[name],
+            "prompt": {
+                str(s): {"tok_s": statistics.median(r), "runs": r, "tokens": tokens[name][s]}
+                for s, r in rates[name].items()
+            },
+        }
+        for name in urls
+    }
 
 
 def first_load_s(path: Path, threads: int) -> float:
@@ -147,22 +181,27 @@ def main() -> None:
                 n: [sized_prompt(tokenizer, i + 100 * n, n) for i in range(opts.reps)]
                 for n in opts.prompts
             }
-        for name in opts.engines:
-            label, kind, extra = ENGINES[name]
-            try:
-                first = first_load_s(path, opts.threads) if name == "gguf" else None
-                with engine(kind, path, opts.threads, *extra) as e:
-                    r = measure(e["url"], opts.reps, kind == "llama.cpp", prompts)
-                    r["load_s"], r["first_load_s"] = e["load_s"], first
-                    r["peak_rss_mib"] = peak_rss_mib(e["pid"])
-            except (httpx.HTTPError, RuntimeError, TimeoutError) as exc:  # report, keep measuring
-                rows.append(
-                    f"| {model} | {label} | failed: {exc} |" + " |" * (4 + len(opts.prompts))
-                )
-                print(rows[-1], flush=True)
-                continue
+        with ExitStack() as up:  # every engine up at once, measured in turn (measure())
+            started: dict[str, dict[str, Any]] = {}
+            for name in opts.engines:
+                label, kind, extra = ENGINES[name]
+                try:
+                    first = first_load_s(path, opts.threads) if name == "gguf" else None
+                    started[name] = up.enter_context(engine(kind, path, opts.threads, *extra))
+                    started[name]["first_load_s"] = first
+                except (httpx.HTTPError, RuntimeError, TimeoutError) as exc:  # report the rest
+                    rows.append(f"| {model} | {label} | failed: {exc} |" + " |" * (4 + len(opts.prompts)))  # fmt: skip
+                    print(rows[-1], flush=True)
+            urls = {n: (e["url"], ENGINES[n][1] == "llama.cpp") for n, e in started.items()}
+            measured = measure(urls, opts.reps, prompts)
+            for name, r in measured.items():
+                e = started[name]
+                r["load_s"], r["first_load_s"] = e["load_s"], e["first_load_s"]
+                r["peak_rss_mib"] = peak_rss_mib(e["pid"])
+        for name, r in measured.items():
+            label, first = ENGINES[name][0], r["first_load_s"]
             results[model][label] = r
-            base = results[model].get("llama.cpp")
+            base = measured.get("llama.cpp")
             r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
             cells = []
             for size, p in r["prompt"].items():

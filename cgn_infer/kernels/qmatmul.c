@@ -2,23 +2,24 @@
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], where W's rows are the file's own blocks,
  * untouched: no float copy of the model exists. Activations are quantized per row
- * into int8 with a float scale and the scaled sum per 32 values (activations.c, as
- * llama.cpp quantizes them for each weight type), and each weight row is read, a
- * tile at a time or (for up to 16 rows) a group at a time, in a common form:
+ * into int8 with a float scale and a sum per 32 values (activations.c, as llama.cpp
+ * quantizes them for each weight type). The 32-value types (Q4_0..Q8_0) are read, a
+ * tile of rows at a time (unpacked) or (for up to 16 rows) a group at a time straight
+ * from the blocks, in a common form:
  *
  *     value[k] = d16[k / 16] * q[k] + m32[k / 32]        (q: int8)
  *
- * which holds every supported type exactly (Q6_K's scales are per 16 values, the
- * others' per 32 or more; Q4_1, Q5_1 and Q4_K carry the additive m). One product is
- * then integer dot products per 16 values, scaled in float:
+ * (Q4_1 and Q5_1 carry the additive m), and one product is integer dot products per 32
+ * values, scaled in float:
  *
  *     y = sum_g d16 * da[g] * (q . qa)_g + sum_g m32[g] * sa[g]
  *
+ * The K-quants are summed a 256-value superblock at a time in integers (k_dot below).
  * Each output row's arithmetic is the same whatever the number of rows M in the
  * call and whichever way the weights were read, so a sequence's result never
  * depends on the rows batched with it.
- * Parallel over weight-row tiles with OpenMP; loaded after torch, this library
- * shares torch's libgomp (same soname), so both use one thread pool.
+ * Parallel over weight rows with OpenMP; loaded after torch, this library shares
+ * torch's libgomp (same soname), so both use one thread pool.
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,9 +87,10 @@ static inline void scales_mins_k4(const uint8_t *restrict s, uint8_t sc[8], uint
 #ifdef __AVX2__
 /* 16 bytes of nibbles -> 32 values: low nibbles first, then high (ggml's order), plus `add`. */
 static inline __attribute__((always_inline)) __m256i nibbles(const uint8_t *restrict qs, int add) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
-    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-    return _mm256_add_epi8(v, _mm256_set1_epi8((char)add));
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    v = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    return add ? _mm256_add_epi8(v, _mm256_set1_epi8((char)add)) : v;
 }
 
 /* Q5_0 / Q5_1: nibbles plus a fifth bit per value from qh (bit j for value j); `add` -16 or 0. */
@@ -102,6 +104,8 @@ static inline __attribute__((always_inline)) __m256i fives(const uint8_t *restri
                                                          0x0101010101010101, 0));
     bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                              _mm256_set1_epi64x(-1));
+    if (add == -16) /* q - 16: the nibble where the bit is set, else the nibble with 0xf0 (-16 + it) */
+        return _mm256_or_si256(nibbles(qs, 0), _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xf0)));
     return _mm256_add_epi8(_mm256_or_si256(nibbles(qs, 0), _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
                            _mm256_set1_epi8((char)add));
 }
@@ -416,64 +420,33 @@ product(const int type, __m256i w, __m256i wabs, __m256i a) {
     return dot4(wabs, _mm256_sign_epi8(a, w));
 }
 
-/* One weight row against one activation row, with block_dot's arithmetic exactly. */
-static inline __attribute__((always_inline)) float
-row_dot1(const int type, const uint8_t *restrict row, int64_t K, const int8_t *restrict qa,
-         const float *restrict da, const float *restrict sa) {
+/* block_dot's arithmetic for one weight row read straight from its blocks (group_q)
+ * against NC activation rows: what up to DIRECT_ROWS rows take instead of the unpacked
+ * tile, whose copy costs more than it saves when few rows share it. One weight row at a
+ * time: a thread's single stream through memory is what the hardware prefetches best (two
+ * interleaved rows, even prefetched by hand, ran Qwen's decode products at 4 rows ~25 %
+ * slower, and an LM head at 2-4 rows at a third of one row's bandwidth unprefetched). */
+static inline __attribute__((always_inline)) void
+direct_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC,
+           const int8_t *restrict qa, const float *restrict da, const float *restrict sa,
+           float *restrict y, int64_t ldy) {
     int64_t groups = K / GROUP;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc[CHUNK];
+    float mins[CHUNK];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps(), mins[c] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         float d, m;
-        __m256i w = group_q(type, row, g, &d, &m);
-        __m256i wabs = _mm256_sign_epi8(w, w);
-        __m256i a = _mm256_loadu_si256((const __m256i *)(qa + g * GROUP));
-        __m256i p = product(type, w, wabs, a);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * da[g]), acc);
-        if (has_min(type)) mins += m * sa[g];
-    }
-    return hsum(acc) + mins;
-}
-
-/* block_dot's arithmetic for NR weight rows (pairs) read straight from their blocks
- * (group_q) against NC activation rows: what a few decode rows take instead of the
- * unpacked tile, whose copy costs more than it saves when few rows share it. `far`: the
- * matrix streams from memory, where two interleaved rows defeat the hardware prefetcher
- * (an LM head at 2-4 rows ran at a third of one row's bandwidth), so prefetch them. */
-static inline __attribute__((always_inline)) void
-direct_dot(const int type, const int NR, const uint8_t *restrict w, int64_t row_bytes, int64_t K,
-           const int far, const int NC, const int8_t *restrict qa, const float *restrict da,
-           const float *restrict sa, float *restrict y, int64_t ldy) {
-    int64_t groups = K / GROUP;
-    __m256 acc[2][CHUNK];
-    float mins[2][CHUNK];
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i wq[2], wabs[2];
-        __m256 scale[2];
-        float m[2];
-        for (int r = 0; r < NR; r++) {
-            float d;
-            if (far) /* a few hundred bytes ahead in each row (row_bytes / groups per group) */
-                _mm_prefetch((const char *)(w + r * row_bytes + (g * row_bytes) / groups + 384),
-                             _MM_HINT_T0);
-            wq[r] = group_q(type, w + r * row_bytes, g, &d, &m[r]);
-            wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
-            scale[r] = _mm256_set1_ps(d);
-        }
+        __m256i wq = group_q(type, w, g, &d, &m), wabs = _mm256_sign_epi8(wq, wq);
+        __m256 scale = _mm256_set1_ps(d);
         for (int c = 0; c < NC; c++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(qa + c * K + g * GROUP));
             __m256 sd = _mm256_set1_ps(da[c * groups + g]);
-            for (int r = 0; r < NR; r++) {
-                __m256i p = product(type, wq[r], wabs[r], a);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale[r], sd), acc[r][c]);
-                if (has_min(type)) mins[r][c] += m[r] * sa[c * groups + g];
-            }
+            __m256i p = product(type, wq, wabs, a);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, sd), acc[c]);
+            if (has_min(type)) mins[c] += m * sa[c * groups + g];
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) y[c * ldy + r] = hsum(acc[r][c]) + mins[r][c];
+    for (int c = 0; c < NC; c++) y[c * ldy] = hsum(acc[c]) + mins[c];
 }
 
 /* The K-quants (Q4_K, Q5_K, Q6_K), a 256-value superblock at a time, in integers as ggml
@@ -593,81 +566,20 @@ k_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC, const 
     for (int c = 0; c < NC; c++) y[c * ldy] = hsum(acc[c]);
 }
 
-/* y [M, N] for M <= DIRECT_ROWS: pairs of weight rows in parallel,
- * each pair against every activation row, CHUNK at a time, straight from the blocks. */
+/* y [M, N] straight from the blocks, for M <= DIRECT_ROWS of a 32-value type and any M of
+ * a K-quant: weight rows in parallel, one at a time per thread, each against the
+ * activation rows CHUNK at a time. */
 #define DIRECT_ROWS 16
-#define FAR_BYTES (8 << 20) /* a matrix this large is read from memory, not cache */
 static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                         int64_t ldy) {
     int64_t groups = K / GROUP;
-    const int far = N * row_bytes > FAR_BYTES;
-#define D(T, NR, NC) direct_dot(T, NR, rows, row_bytes, K, far, NC, a, d, s, out, ldy)
-#define DIRECT(T)                                                                              \
-    _Pragma("omp parallel for schedule(static)")                                              \
-    for (int64_t n = 0; n < N; n += 2) {                                                      \
-        for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {                                           \
-            int nc = (int)(M - c0 < CHUNK ? M - c0 : CHUNK);                                  \
-            const uint8_t *rows = w + n * row_bytes;                                           \
-            const int8_t *a = qa + c0 * K;                                                     \
-            const float *d = da + c0 * groups, *s = sa + c0 * groups;                          \
-            float *out = y + c0 * ldy + n;                                                     \
-            if (n + 1 < N) {                                                                   \
-                switch (nc) {                                                                  \
-                case 1: D(T, 2, 1); break;                                                     \
-                case 2: D(T, 2, 2); break;                                                     \
-                case 3: D(T, 2, 3); break;                                                     \
-                default: D(T, 2, 4); break;                                                    \
-                }                                                                              \
-            } else {                                                                           \
-                switch (nc) {                                                                  \
-                case 1: D(T, 1, 1); break;                                                     \
-                case 2: D(T, 1, 2); break;                                                     \
-                case 3: D(T, 1, 3); break;                                                     \
-                default: D(T, 1, 4); break;                                                    \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
-    return;
-    switch (type) {
-    case T_Q4_0: DIRECT(T_Q4_0)
-    case T_Q4_1: DIRECT(T_Q4_1)
-    case T_Q5_0: DIRECT(T_Q5_0)
-    case T_Q5_1: DIRECT(T_Q5_1)
-    default: DIRECT(T_Q8_0)
-    }
-#undef DIRECT
-#undef D
-}
-
-static void rows_dot1(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
-                      const int8_t *qa, const float *da, const float *sa, float *y) {
-#define ROWS(T)                                                                               \
-    _Pragma("omp parallel for schedule(static)")                                              \
-    for (int64_t n = 0; n < N; n++) y[n] = row_dot1(T, w + n * row_bytes, K, qa, da, sa);   \
-    return;
-    switch (type) {
-    case T_Q4_0: ROWS(T_Q4_0)
-    case T_Q4_1: ROWS(T_Q4_1)
-    case T_Q5_0: ROWS(T_Q5_0)
-    case T_Q5_1: ROWS(T_Q5_1)
-    default: ROWS(T_Q8_0)
-    }
-#undef ROWS
-}
-
-/* The K-quants, any M: one weight row at a time (one stream through memory per thread,
- * which the hardware prefetches best; two interleaved rows ran at 40 % of it) against the
- * activation rows CHUNK at a time. */
-static void rows_k(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
-                   const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
-                   int64_t ldy) {
-    int64_t groups = K / GROUP;
 #define D(T, NC)                                                                               \
-    k_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups, sa + c0 * groups,          \
-          y + c0 * ldy + n, ldy)
-#define KROWS(T)                                                                              \
+    (is_k(T) ? k_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups,               \
+                     sa + c0 * groups, y + c0 * ldy + n, ldy)                                  \
+             : direct_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups,          \
+                          sa + c0 * groups, y + c0 * ldy + n, ldy))
+#define DIRECT(T)                                                                              \
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int64_t n = 0; n < N; n++)                                                           \
         for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {                                           \
@@ -680,13 +592,19 @@ static void rows_k(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int
         }                                                                                      \
     return;
     switch (type) {
-    case T_Q4_K: KROWS(T_Q4_K)
-    case T_Q5_K: KROWS(T_Q5_K)
-    default: KROWS(T_Q6_K)
+    case T_Q4_0: DIRECT(T_Q4_0)
+    case T_Q4_1: DIRECT(T_Q4_1)
+    case T_Q5_0: DIRECT(T_Q5_0)
+    case T_Q5_1: DIRECT(T_Q5_1)
+    case T_Q4_K: DIRECT(T_Q4_K)
+    case T_Q5_K: DIRECT(T_Q5_K)
+    case T_Q6_K: DIRECT(T_Q6_K)
+    default: DIRECT(T_Q8_0)
     }
-#undef KROWS
+#undef DIRECT
 #undef D
 }
+
 #endif
 
 /* y[M, N] (row stride ldy) = activations (from cgn_quantize_rows) @ W[N, K].T */
@@ -696,16 +614,9 @@ void cgn_qmatmul(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64
     int64_t tiles = (N + TILE - 1) / TILE, groups = K / GROUP;
 #ifdef __AVX2__
     /* decode: blocks straight into the dot products, no unpacked tile (1.5-2x faster at
-     * one row: the tile's copy costs more than it saves when few rows share it) */
-    if (is_k(type)) {
-        rows_k(type, w, row_bytes, N, K, qa, da, sa, M, y, ldy);
-        return;
-    }
-    if (M == 1) {
-        rows_dot1(type, w, row_bytes, N, K, qa, da, sa, y);
-        return;
-    }
-    if (M <= DIRECT_ROWS) {
+     * one row: the tile's copy costs more than it saves when few rows share it); the
+     * K-quants always (their superblocks decode cheaply) */
+    if (M <= DIRECT_ROWS || is_k(type)) {
         rows_direct(type, w, row_bytes, N, K, qa, da, sa, M, y, ldy);
         return;
     }
