@@ -4,7 +4,7 @@
  * untouched: no float copy of the model exists. Activations are quantized per row
  * into int8 with a float scale and a sum per 32 values (activations.c, as llama.cpp
  * quantizes them for each weight type). The 32-value types (Q4_0..Q8_0) are read, a
- * tile of rows at a time (unpacked) or (for up to 16 rows) a group at a time straight
+ * tile of rows at a time (unpacked) or (for up to 8 rows) a group at a time straight
  * from the blocks, in a common form:
  *
  *     value[k] = d16[k / 16] * q[k] + m32[k / 32]        (q: int8)
@@ -569,7 +569,7 @@ k_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC, const 
 /* y [M, N] straight from the blocks, for M <= DIRECT_ROWS of a 32-value type and any M of
  * a K-quant: weight rows in parallel, one at a time per thread, each against the
  * activation rows CHUNK at a time. */
-#define DIRECT_ROWS 16
+#define DIRECT_ROWS 8 /* past it, the unpacked tile: Qwen's decode products at 16 rows, ~10 % faster */
 static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                         int64_t ldy) {
