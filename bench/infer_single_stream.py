@@ -1,6 +1,6 @@
 """cgn-infer (torch, CPU) against llama.cpp's server on the same GGUF, same machine, same run.
 
-    python bench/infer_single_stream.py [--models smollm2 qwen] [--threads 2]
+    python bench/infer_single_stream.py [--models smollm2 qwen synthetic-1b] [--threads 2]
         [--engines llama.cpp gguf float32 int8] [--prompts 500 1000 3900]
 
 For each model, every engine is started in turn (its load time to /health = 200:
@@ -33,11 +33,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import engine, model_id, peak_rss_mib, stream_completion, write_result
+from bench.synthetic_gguf import synthetic
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_core.text.tokenizer import GGUFTokenizer
 
-MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
+MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b, "synthetic-1b": synthetic}
+DEFAULT_MODELS = ["smollm2", "qwen"]  # synthetic-1b: random weights of a 1.1B shape, on request
 ENGINES: dict[str, tuple[str, str, tuple[str, ...]]] = {  # --engines name: label, kind, args
     "llama.cpp": ("llama.cpp", "llama.cpp", ()),
     "gguf": ("cgn-infer (default: gguf)", "cgn-infer", ()),
@@ -159,7 +161,7 @@ def _ratio(x: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
