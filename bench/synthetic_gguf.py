@@ -83,11 +83,11 @@ def write(shape: str, out: Path) -> Path:
             if key.startswith(COPIED):
                 sub = field.types[1] if len(field.types) > 1 else None
                 w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-        tensors: list[tuple[str, Any, Q, tuple[int, int]]] = [
+        tensors: list[tuple[str, Any, Q, tuple[int, ...]]] = [
             ("token_embd.weight", None, Q.Q4_K, (vocab, d)),
             ("output_norm.weight", np.ones(d, np.float32), Q.F32, (d,)),
             ("output.weight", None, Q.Q6_K, (vocab, d)),
-        ]  # type: ignore[list-item]
+        ]
         for i in range(s["layers"]):
             heavy = Q.Q6_K if i % 2 == 0 else Q.Q4_K  # Q4_K_M: every other layer's V and down
             tensors += [
@@ -100,7 +100,7 @@ def write(shape: str, out: Path) -> Path:
                 (f"blk.{i}.ffn_gate.weight", None, Q.Q4_K, (f, d)),
                 (f"blk.{i}.ffn_up.weight", None, Q.Q4_K, (f, d)),
                 (f"blk.{i}.ffn_down.weight", None, heavy, (d, f)),
-            ]  # type: ignore[list-item]
+            ]
         for name, data, qtype, dims in tensors:
             if data is None:
                 data = _blocks(rng, qtype, *dims)

@@ -46,10 +46,8 @@ HEADERS = (Path(__file__).with_name("half.h"),)  # part of the cache key, not co
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # ggml type ids with a kernel, by GGUF type name
-KERNEL_TYPES = {
-    **{"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8},
-    **{"Q4_K": 12, "Q5_K": 13, "Q6_K": 14},
-}
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+KERNEL_TYPES |= {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # the K-quants: 256-value superblocks
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
