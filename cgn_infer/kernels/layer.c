@@ -272,9 +272,9 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
  * read a tile of KT positions at a time, widened and transposed once for all the block's
  * queries, and scored as KT sums side by side (QG queries at once, so that several sums
  * are in flight); the values a tile of VT positions at a time, each query's output held in
- * registers OC values at a time. A 4k-token prompt read its whole cache once per row
- * before, one position at a time, with a horizontal sum per score and libm's expf per
- * weight; this is ~5x faster there (bench/results/infer_single_stream.md).
+ * registers OC values at a time. Before, every row read its whole cache alone, one
+ * position at a time, with a horizontal sum per score and a serial softmax: a
+ * 3,900-token SmolLM2 prompt took 38.8 s in process, 16.0 s now (docs/cgn-infer.md).
  *
  * Each score is q . k summed over the head's dimensions in order, each output value the
  * sum of p * v over positions in order (multiply-adds fused where the CPU has FMA), and
@@ -296,34 +296,13 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
 #endif
 
 #define NO_TRAPS __attribute__((optimize("no-trapping-math"))) /* lets GCC vectorize the
-    selects below; no value changes (this code raises no exception anyone reads) */
+    max's selects below; no value changes (this code raises no exception anyone reads) */
 
-/* e^x for x <= 0 (a softmax's scores less their max), in plain arithmetic the compiler
- * vectorizes (libm's expf, one call per score, was a third of a long prompt's attention):
- * 2^n e^r with n = x / ln 2 rounded to nearest (the 1.5 * 2^23 trick), |r| <= ln 2 / 2,
- * and e^r by Cephes' expf polynomial; relative error about 1e-7 (libm's: half an ulp).
- * Below -87, where e^x nears float's smallest normal, it is e^-87 (that is, 0 against
- * the max's 1). NaN stays NaN. The same operations on every path and in every lane. */
-static inline NO_TRAPS float exp_le0(float x) {
-    const float big = 12582912.0f; /* 1.5 * 2^23 */
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + big) - big;
-    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
-/* s[0..n) = softmax(s), its max and sum each over 8 fixed lanes (added in a fixed
- * order), so that all of its loops vectorize. */
+/* s[0..n) = softmax(s), its max and sum each over 8 fixed lanes (added in a fixed order),
+ * so that those loops vectorize (one running sum is one dependent add per position).
+ * libm's expf stays: a vectorized polynomial (relative error ~1e-7) measured no faster
+ * once the rest was tiled (3,900 SmolLM2 prompt tokens: 17.0 s against 16.8), and it
+ * moved an adapted SmolLM2's answer where llama.cpp's margin is 0.43 nats. */
 static NO_TRAPS void softmax(float *s, int64_t n) {
     float lane[8], mx, total;
     for (int j = 0; j < 8; j++) lane[j] = -INFINITY;
@@ -333,7 +312,7 @@ static NO_TRAPS void softmax(float *s, int64_t n) {
     mx = lane[0];
     for (int j = 1; j < 8; j++) mx = lane[j] > mx ? lane[j] : mx;
     for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-    for (t = 0; t < n; t++) s[t] = exp_le0(s[t] - mx);
+    for (t = 0; t < n; t++) s[t] = expf(s[t] - mx);
     for (int j = 0; j < 8; j++) lane[j] = 0.0f;
     for (t = 0; t + 8 <= n; t += 8)
         for (int j = 0; j < 8; j++) lane[j] += s[t + j];
@@ -461,11 +440,14 @@ int cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_ty
     for (int64_t r = 0; r < R; r++)
         if (r == 0 || seq[r] != seq[r - 1] || r - starts[blocks - 1] == per) starts[blocks++] = r;
     starts[blocks] = R;
+    int64_t widest = 1; /* the most rows in a block: decode steps have blocks of one */
+    for (int64_t i = 0; i < blocks; i++)
+        widest = starts[i + 1] - starts[i] > widest ? starts[i + 1] - starts[i] : widest;
     int failed = 0;
     size_t tile = (size_t)hd * (KT > VT ? KT : VT);
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * ((size_t)(per * group * stride) + tile + (size_t)hd));
+        float *scores = malloc(sizeof(float) * ((size_t)(widest * group * stride) + tile + (size_t)hd));
         if (scores == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -474,7 +456,7 @@ int cgn_attend(const float *q, const void *pool_k, const void *pool_v, int kv_ty
         for (int64_t job = 0; job < blocks * KVH; job++) {
             if (scores == NULL) continue;
             int64_t b0 = starts[job / KVH], nr = starts[job / KVH + 1] - b0;
-            float *t = scores + per * group * stride;
+            float *t = scores + widest * group * stride;
             attend_block(q, pool_k, pool_v, kv_type, tables + seq[b0] * nb, lengths + b0, b0, nr,
                          job % KVH, H, KVH, group, hd, stride, scale, scores, t, t + tile, out);
         }
