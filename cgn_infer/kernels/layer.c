@@ -274,7 +274,7 @@ int cgn_layer(const cgn_layer_weights *w, void *pool_k, void *pool_v, const cgn_
  * are in flight); the values a tile of VT positions at a time, each query's output held in
  * registers OC values at a time. Before, every row read its whole cache alone, one
  * position at a time, with a horizontal sum per score and a serial softmax: a
- * 3,900-token SmolLM2 prompt took 38.8 s in process, 16.0 s now (docs/cgn-infer.md).
+ * 3,900-token SmolLM2 prompt took 38.8 s in process, 16.8 s now (docs/cgn-infer.md).
  *
  * Each score is q . k summed over the head's dimensions in order, each output value the
  * sum of p * v over positions in order (multiply-adds fused where the CPU has FMA), and
