@@ -375,6 +375,11 @@ static void value_tile(const float *vt, int64_t hd, const float *p, int64_t n, f
     }
 }
 
+/* Position t's row of KV head kvh in a pool of 16-position blocks, through a block table. */
+static inline int64_t kv_row(const int64_t *table, int64_t t, int64_t KVH, int64_t kvh) {
+    return (table[t / 16] * 16 + t % 16) * KVH + kvh;
+}
+
 /* One job: rows b0..b0+nr-1 of one sequence (lengths len[0..nr)), KV head kvh. */
 static void attend_block(const float *q, const void *pool_k, const void *pool_v, int kv_type,
                          const int64_t *table, const int64_t *len, int64_t b0, int64_t nr,
@@ -388,8 +393,7 @@ static void attend_block(const float *q, const void *pool_k, const void *pool_v,
     for (int64_t t0 = 0; t0 < most; t0 += KT) {
         for (int j = 0; j < KT; j++) { /* the tile's keys, transposed; zeros past `most` */
             if (t0 + j < most) {
-                int64_t at = (table[(t0 + j) / 16] * 16 + (t0 + j) % 16) * KVH + kvh;
-                const float *k = kv_load(pool_k, at, hd, kv_type, row);
+                const float *k = kv_load(pool_k, kv_row(table, t0 + j, KVH, kvh), hd, kv_type, row);
                 for (int64_t i = 0; i < hd; i++) tile[i * KT + j] = k[i];
             } else {
                 for (int64_t i = 0; i < hd; i++) tile[i * KT + j] = 0.0f;
@@ -413,8 +417,7 @@ static void attend_block(const float *q, const void *pool_k, const void *pool_v,
     for (int64_t t0 = 0; t0 < most; t0 += VT) {
         int64_t n = most - t0 < VT ? most - t0 : VT;
         for (int64_t t = 0; t < n; t++) {
-            int64_t at = (table[(t0 + t) / 16] * 16 + (t0 + t) % 16) * KVH + kvh;
-            const float *v = kv_load(pool_v, at, hd, kv_type, tile + t * hd);
+            const float *v = kv_load(pool_v, kv_row(table, t0 + t, KVH, kvh), hd, kv_type, tile + t * hd);
             if (v != tile + t * hd) memcpy(tile + t * hd, v, sizeof(float) * (size_t)hd);
         }
         for (int64_t a = 0; a < nq; a++) {

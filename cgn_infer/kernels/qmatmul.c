@@ -52,8 +52,9 @@ static inline __attribute__((always_inline)) int has_min(const int type) {
 
 static inline float fp16(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
-/* Bytes of one block and values it holds, or 0 for a type without a kernel. */
-int cgn_block_bytes(int type) {
+/* Bytes of one block and values it holds, or 0 for a type without a kernel. block_bytes
+ * inlines, so that a K-quant row's superblock stride is a constant in its products. */
+static inline __attribute__((always_inline)) int block_bytes(int type) {
     switch (type) {
     case T_Q4_0: return 18;
     case T_Q4_1: return 20;
@@ -66,6 +67,8 @@ int cgn_block_bytes(int type) {
     default: return 0;
     }
 }
+
+int cgn_block_bytes(int type) { return block_bytes(type); }
 
 int cgn_block_values(int type) { return is_k(type) ? QK : 32; }
 
@@ -182,7 +185,7 @@ static void unpack_row(int type, const uint8_t *restrict src, int64_t K, int8_t 
         return;
     case T_Q4_K:
     case T_Q5_K: /* Q5_K: Q4_K's scales, 32 bytes of fifth bits (bit j of byte l: value 32j + l), nibbles */
-        for (int64_t b = 0; b < nb; b++, src += (type == T_Q4_K ? 144 : 176)) {
+        for (int64_t b = 0; b < nb; b++, src += block_bytes(type)) {
             float d = fp16(src), dmin = fp16(src + 2);
             const uint8_t *qs = src + (type == T_Q4_K ? 16 : 48);
             uint8_t sc[8], m[8];
@@ -410,7 +413,6 @@ group_q(const int type, const uint8_t *restrict row, int64_t g, float *d, float 
     }
 }
 
-
 /* Sums of w * a per 4 values (int32): dot4 takes its first operand unsigned, so signed
  * weights go in as |w| with a's signs flipped where w < 0; the types whose values are never
  * negative (Q4_1, Q5_1) skip that, and the sums are the same integers either way. */
@@ -469,10 +471,6 @@ typedef struct {
     __m256i sc[2]; /* int16 scales, each 128-bit lane holding 8 (Q6_K: sc[0] groups 0-3, sc[1] 4-7) */
     __m256 mn;    /* the 8 mins, as floats */
 } kscales;
-
-static inline __attribute__((always_inline)) int k_bytes(const int type) {
-    return type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
-}
 
 static inline __attribute__((always_inline)) void k_scales(const int type, const uint8_t *restrict blk,
                                                            kscales *restrict s) {
@@ -538,7 +536,7 @@ k_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC, const 
     __m256 acc[CHUNK];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *blk = w + b * k_bytes(type);
+        const uint8_t *blk = w + b * block_bytes(type);
         kscales s;
         k_scales(type, blk, &s);
         __m256i isum[CHUNK];
