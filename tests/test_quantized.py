@@ -33,22 +33,22 @@ def lib() -> kernels.Kernels:
     return loaded
 
 
-def _blocks(qtype: Q, seed: int) -> np.ndarray:
-    """[N, bytes per row] of `qtype`: quantized with gguf-py where it can, else random bits
+def _blocks(qtype: Q, seed: int, n: int = N, k: int = K) -> np.ndarray:
+    """[n, bytes per row] of `qtype`: quantized with gguf-py where it can, else random bits
     with sane float16 scales (the K-quants, which gguf-py only dequantizes)."""
     rng = np.random.default_rng(seed)
     try:
-        return np.asarray(gguf.quants.quantize(rng.standard_normal((N, K), np.float32), qtype))
+        return np.asarray(gguf.quants.quantize(rng.standard_normal((n, k), np.float32), qtype))
     except NotImplementedError:
         pass
     values, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (N, K // values, size), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.05, (N, K // values, 2)).astype(np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (n, k // values, 2)).astype(np.float16).view(np.uint8)
     if qtype in (Q.Q4_K, Q.Q5_K):  # d and dmin lead the block
-        raw[..., 0:4] = scales.reshape(N, K // values, 4)
+        raw[..., 0:4] = scales.reshape(n, k // values, 4)
     else:  # Q6_K: d closes it
-        raw[..., size - 2 : size] = scales[..., :2].reshape(N, K // values, 2)
-    return raw.reshape(N, -1)
+        raw[..., size - 2 : size] = scales[..., :2].reshape(n, k // values, 2)
+    return raw.reshape(n, -1)
 
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -100,6 +100,28 @@ def test_products_are_exact_where_the_activations_quantize_losslessly(
     y = _matrix(lib, (qtype, rows))(x).numpy().astype(np.float64)
     ref = x.numpy().astype(np.float64) @ w.T
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_prompt_products_in_passes_and_row_blocks_equal_rows_alone(
+    lib: kernels.Kernels, qtype: Q
+) -> None:
+    """A K-quant product of many rows takes its activation rows a pass at a time (as many
+    as stay in L2: 24 rows of 8,192 values) and its weight rows in blocks of 8: 53 rows (two
+    passes and a part, the last chunk short) against 13 weight rows (a block and a part)
+    must equal every row alone, and the exact sum where the activations quantize losslessly."""
+    n, k, m = 13, 8192, 53
+    rows = _blocks(qtype, 7, n, k)
+    w = gguf.quants.dequantize(rows, qtype).reshape(n, k).astype(np.float64)
+    q = np.random.default_rng(8).integers(-127, 128, (m, k))
+    q[:, ::32] = 127
+    x = torch.from_numpy((q * 2.0**-7).astype(np.float32))
+    mat = QuantMatrix(lib, [RawPart("w", qtype.name, rows, k)])
+    y = mat(x)
+    assert torch.equal(y, torch.cat([mat(x[i : i + 1]) for i in range(m)]))
+    ref = x.numpy().astype(np.float64) @ w.T
+    err = np.abs(y.numpy().astype(np.float64) - ref).max()
+    assert err <= 1e-5 * np.abs(ref).max(), err
 
 
 def _llamacpp_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, ...]:

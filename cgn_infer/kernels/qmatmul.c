@@ -566,28 +566,43 @@ k_dot(const int type, const uint8_t *restrict w, int64_t K, const int NC, const 
 
 /* y [M, N] straight from the blocks, for M <= DIRECT_ROWS of a 32-value type and any M of
  * a K-quant: weight rows in parallel, one at a time per thread, each against the
- * activation rows CHUNK at a time. */
+ * activation rows CHUNK at a time. A prompt's rows go a pass of PASS_BYTES at a time (so
+ * they stay in L2 while every weight row streams them), and each CHUNK of them meets
+ * ROW_BLOCK weight rows in turn while it is in L1: a K-quant product of 512 rows ran
+ * 15-30 % faster than with each weight row streaming all 512 from L3 (bench: a 1.1B
+ * model's shapes). Decode's few rows are one chunk, so it still reads the weights in one
+ * stream, row after row. Two weight rows sharing each activation load (a 2 x 4 register
+ * block) ran 10-20 % slower: their accumulators no longer fit the 16 registers. */
+#define PASS_BYTES (192 * 1024)
+#define ROW_BLOCK 8
 #define DIRECT_ROWS 8 /* past it, the unpacked tile: Qwen's decode products at 16 rows, ~10 % faster */
 static void rows_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                         const int8_t *qa, const float *da, const float *sa, int64_t M, float *y,
                         int64_t ldy) {
     int64_t groups = K / GROUP;
+    int64_t pass = PASS_BYTES / K / CHUNK * CHUNK;
+    if (pass < CHUNK) pass = CHUNK;
 #define D(T, NC)                                                                               \
     (is_k(T) ? k_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups,               \
                      sa + c0 * groups, y + c0 * ldy + n, ldy)                                  \
              : direct_dot(T, w + n * row_bytes, K, NC, qa + c0 * K, da + c0 * groups,          \
                           sa + c0 * groups, y + c0 * ldy + n, ldy))
 #define DIRECT(T)                                                                              \
-    _Pragma("omp parallel for schedule(static)")                                              \
-    for (int64_t n = 0; n < N; n++)                                                           \
-        for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {                                           \
-            switch (M - c0 < CHUNK ? M - c0 : CHUNK) {                                        \
-            case 1: D(T, 1); break;                                                            \
-            case 2: D(T, 2); break;                                                            \
-            case 3: D(T, 3); break;                                                            \
-            default: D(T, 4); break;                                                           \
-            }                                                                                  \
-        }                                                                                      \
+    _Pragma("omp parallel")                                                                   \
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {                                                \
+        int64_t m1 = M - m0 < pass ? M : m0 + pass;                                           \
+        _Pragma("omp for schedule(static) nowait")                                            \
+        for (int64_t n0 = 0; n0 < N; n0 += ROW_BLOCK)                                         \
+            for (int64_t c0 = m0; c0 < m1; c0 += CHUNK)                                       \
+                for (int64_t n = n0; n < N && n < n0 + ROW_BLOCK; n++) {                      \
+                    switch (m1 - c0 < CHUNK ? m1 - c0 : CHUNK) {                              \
+                    case 1: D(T, 1); break;                                                    \
+                    case 2: D(T, 2); break;                                                    \
+                    case 3: D(T, 3); break;                                                    \
+                    default: D(T, 4); break;                                                   \
+                    }                                                                          \
+                }                                                                              \
+    }                                                                                          \
     return;
     switch (type) {
     case T_Q4_0: DIRECT(T_Q4_0)
