@@ -14,7 +14,8 @@ timed first token to last over SSE), prompt tokens/s (fresh prompts of up to
 prefix cache helps; the same texts for every engine), and at the end each one's
 peak RSS (cgn-infer's KV pool holds as many tokens as llama.cpp's 4,096-token
 context, and the 3,900-token prompts fill both). Results go to
-bench/results/infer_single_stream.{json,md}, with ratios to llama.cpp and each
+bench/results/infer_single_stream.{json,md} (other models than the default pair:
+infer_single_stream_MODEL.{json,md}), with ratios to llama.cpp and each
 run's figures in the JSON.
 """
 
@@ -214,7 +215,11 @@ def main() -> None:
                         f"{' | '.join(cells)} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
             print(rows[-1], flush=True)
     command = "python bench/infer_single_stream.py " + " ".join(sys.argv[1:])
-    write_result("infer_single_stream", command.strip(), results, "\n".join(rows))
+    # other models than the default pair go to their own file (e.g. _synthetic-1b)
+    name = "infer_single_stream" + (
+        "" if opts.models == DEFAULT_MODELS else "_" + "_".join(opts.models)
+    )
+    write_result(name, command.strip(), results, "\n".join(rows))
 
 
 if __name__ == "__main__":
