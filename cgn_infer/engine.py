@@ -48,6 +48,7 @@ from cgn_infer.events import (
     TokenEvent,
 )
 from cgn_infer.grammar import Grammars
+from cgn_infer.kernels import loaded as loaded_kernels
 from cgn_infer.kv_tiering import KvTiering, RestoreCost
 from cgn_infer.metrics import EngineMetrics
 from cgn_infer.sampling import Sampled, Sampler
@@ -132,6 +133,9 @@ class Engine:
             aging_steps=config.aging_steps,
         )
         self.on_kv_events = on_kv_events
+        # temperature draws in C where the backend loaded the kernels (any backend then)
+        kernels = loaded_kernels()
+        self._sample_lib = kernels.lib if kernels is not None else None
         # The node's KV store (cgn-kvcached): blocks offered after requests, prompts restored.
         self.tiering: KvTiering | None = None
         if kvcache is not None:
@@ -285,7 +289,7 @@ class Engine:
                 active = _Active(
                     job,
                     seq,
-                    Sampler(req.params, prompt=req.prompt),
+                    Sampler(req.params, prompt=req.prompt, lib=self._sample_lib),
                     IncrementalText(self.tokenizer, req.stop),
                     req.stop_token_ids | eos,
                     job.enqueued,

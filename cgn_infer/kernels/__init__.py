@@ -1,4 +1,4 @@
-"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c, with half.h): prebuilt at
+"""cgn-infer's C kernels (qmatmul.c, activations.c, layer.c, sample.c, with half.h): prebuilt at
 install for every instruction-set path, or built on first use for the CPU's path into one
 library, cached, loaded.
 
@@ -41,7 +41,9 @@ from cgn_infer.kernels.isa import Isa, IsaError, current
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "activations.c", "layer.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("qmatmul.c", "activations.c", "layer.c", "sample.c")
+)
 HEADERS = (Path(__file__).with_name("half.h"),)  # part of the cache key, not compiled alone
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -189,6 +191,9 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.cgn_matrix_product.restype = None
     lib.cgn_layer.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr]
     lib.cgn_layer.restype = ctypes.c_int
+    _f32, _f64 = ctypes.c_float, ctypes.c_double
+    lib.cgn_sample.argtypes = [_ptr, _i64, _f32, _i64, _f64, _f32, _f64, _ptr, _ptr, _ptr]
+    lib.cgn_sample.restype = _i64
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree
         if lib.cgn_block_bytes(type_id) == 0:
             raise OSError(f"{path}: no kernel for {name}")
@@ -259,6 +264,12 @@ def load() -> Kernels | None:
         return None
     log.info("CPU kernels: %s", choice.why)
     _loaded = Kernels(lib, path, choice.isa.name)
+    return _loaded
+
+
+def loaded() -> Kernels | None:
+    """The kernels if this process has loaded them (the `gguf` weights did), without
+    loading them: what the sampler uses where they are there."""
     return _loaded
 
 
