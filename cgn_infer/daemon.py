@@ -383,9 +383,9 @@ def engine_layout(backend: Backend) -> Layout:
     """What this engine's serialized blocks are: the same for the node's store and for
     transfers to a decode engine (blocks of another layout are never exchanged)."""
     dtype, layers, kv_heads, head_dim = backend.kv_layout()
-    return Layout(
-        dtype, layers, kv_heads, head_dim, BLOCK_SIZE, f"cgn-infer {backend.name} {KV_FORMAT}"
-    )
+    # the C backend's pool is the torch backend's on CPU, block for block: one format
+    family = "torch" if backend.name == "c" else backend.name
+    return Layout(dtype, layers, kv_heads, head_dim, BLOCK_SIZE, f"cgn-infer {family} {KV_FORMAT}")
 
 
 async def _transfers(

@@ -35,7 +35,7 @@ def test_the_directory_started_from_comes_first(
     assert executables.find("not-executable") is None
 
 
-def test_an_engine_without_torch_says_what_to_install(
+def test_an_engine_without_torch_says_what_to_install_where_it_needs_it(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cgn_core.errors import ConfigError
@@ -50,4 +50,10 @@ def test_an_engine_without_torch_says_what_to_install(
     with pytest.raises(
         ConfigError, match="torch backend needs PyTorch: pip install cognitora-infer"
     ):
-        loader.load_model(InferSettings(model=smollm2_path, backend="torch"))
+        loader.load_model(InferSettings(model=smollm2_path, backend="torch", weights="float32"))
+    # its GGUF weights all have C kernels: the C backend serves it without torch
+    loaded = loader.load_model(InferSettings(model=smollm2_path, backend="torch"))
+    try:
+        assert loaded.backend.name == "c"
+    finally:
+        loaded.gguf.close()

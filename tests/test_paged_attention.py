@@ -74,8 +74,9 @@ def test_one_call_layers_track_the_torch_ops(smollm2_gguf: Any, smollm2_torch: A
     for positions, slots, what in (([0], [32], "KV slots"), ([10**7], [0], "positions")):
         with pytest.raises(ValueError, match=what):
             smollm2_torch._fused.run(
-                x, np.array(positions), np.array(slots), paged_rows, kv.k, kv.v
-            )
+                x.numpy(), np.array(positions), np.array(slots), paged_rows,
+                smollm2_torch.kv_pool(kv),
+            )  # fmt: skip
 
 
 def test_every_pool_type_takes_the_one_call_layers(

@@ -313,6 +313,7 @@ def test_the_vnni_path_computes_the_avx2_paths_bits(
     out = []
     for lib in (vnni, avx2):
         kv = b.new_kv(2)
-        layers = FusedLayers(lib, b.args, b.w.layers, b.rope)
-        out.append((layers.run(x, np.arange(20), np.arange(20), paged, kv.k, kv.v), kv))
+        layers = FusedLayers(lib, b.args, b.w.layers, torch.view_as_real(b.rope).numpy())
+        run = layers.run(x.numpy(), np.arange(20), np.arange(20), paged, b.kv_pool(kv))
+        out.append((torch.from_numpy(run), kv))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1].k, out[1][1].k)

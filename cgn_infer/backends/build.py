@@ -1,10 +1,14 @@
 """Which backend a model's settings ask for, built: torch or MLX over some layers (a whole
-model, a pipeline head, or a stage), or the sim's cost model. The only place that chooses."""
+model, a pipeline head, or a stage), or the sim's cost model. The only place that chooses.
+
+`--backend torch` with `--dtype gguf` on CPU, for a whole model whose every matrix has a C
+kernel, builds the C backend (c_backend.py): the same layers without importing torch."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +17,8 @@ from cgn_core.errors import ConfigError
 from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.models.args import Args
 from cgn_infer.settings import KV_DTYPE_BYTES, InferSettings
+
+log = logging.getLogger(__name__)
 
 
 def build_part(
@@ -31,6 +37,22 @@ def build_part(
         from cgn_infer.backends.mlx_backend import MlxBackend
 
         return MlxBackend(gguf, args, progress=progress, layers=layers, ends=ends)
+    whole = layers == (0, args.n_layers) and ends
+    if whole and settings.weights == "gguf" and settings.device == "cpu":
+        from cgn_infer.backends import c_backend
+        from cgn_infer.kernels import load
+
+        if c_backend.applies(gguf, args) and (lib := load()) is not None:
+            log.info("every matrix has a C kernel: the C backend runs the model (no torch)")
+            return c_backend.CBackend(
+                gguf,
+                args,
+                lib,
+                kv_dtype=settings.kv_dtype,
+                threads=settings.threads,
+                decode_threads=settings.decode_threads,
+                progress=progress,
+            )
     _require("torch", "the torch backend needs PyTorch: pip install cognitora-infer")
     from cgn_infer.backends.torch_backend import TorchBackend
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from cgn_core.kv.blockhash import BLOCK_SIZE
+from cgn_infer.backends.paged import BatchLayout
 from cgn_infer.backends.quantized import CMatrix, QuantMatrix, address
 from cgn_infer.kernels import Kernels
 from cgn_infer.models.args import Args
@@ -68,24 +69,54 @@ class _Step(ctypes.Structure):
     )
 
 
-# layer.c's KV_F32, KV_F16, KV_BF16: the pool's element type
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# layer.c's KV_F32, KV_F16, KV_BF16: the pool's element type, by its name (a torch
+# dtype's without "torch."; the C backend keeps bfloat16 as uint16 bits)
+KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
-def _vector(t: object) -> torch.Tensor:
-    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous()
+def _vector(t: Any) -> Any:
+    """A float32 contiguous vector (a torch tensor, or the C backend's numpy array)."""
+    if isinstance(t, np.ndarray):
+        assert t.dtype == np.float32 and t.flags.c_contiguous
+    else:
+        assert str(t.dtype) == "torch.float32" and t.is_contiguous()
     return t
+
+
+def rope_pairs(args: Args, max_pos: int) -> np.ndarray:
+    """RoPE's rotations for adjacent pairs: [max_pos, hd/2, 2] float32 (cos, sin), from
+    float64 angles; the torch backend's complex table is the same numbers."""
+    exps = np.arange(0, args.rope_dim, 2, dtype=np.float64) / args.rope_dim
+    ang = np.outer(np.arange(max_pos, dtype=np.float64), args.rope_theta**-exps)
+    return np.stack((np.cos(ang), np.sin(ang)), axis=-1).astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class KvPool:
+    """Where a KV pool's keys and values are ([layers, blocks, 16, KVH, hd] each, contiguous,
+    one element type), as layer.c reads them; the owner keeps the memory alive."""
+
+    k: int  # addresses of layer 0
+    v: int
+    layer_bytes: int
+    blocks: int
+    dtype: str  # a KV_TYPES name
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_TYPES:
+            raise ValueError(f"KV pool element type {self.dtype!r}: one of {', '.join(KV_TYPES)}")
 
 
 class FusedLayers:
     """A part's layers as layer.c descriptors; `run` is `run_layers` for them."""
 
     def __init__(
-        self, kernels: Kernels, args: Args, layers: Sequence[LayerWeights[Any]], rope: torch.Tensor
+        self, kernels: Kernels, args: Args, layers: Sequence[LayerWeights[Any]], rope: np.ndarray
     ):
+        """`rope`: [positions, hd/2, 2] float32 (cos, sin), `rope_pairs`."""
         self.lib = kernels.lib
         self.args = args
-        self.rope = torch.view_as_real(rope).contiguous()  # [positions, hd/2, 2] float32
+        self.rope = np.ascontiguousarray(rope, dtype=np.float32)
         self.layers = []
         for layer in layers:
             assert isinstance(layer.wqkv, QuantMatrix) and isinstance(layer.w_down, QuantMatrix)
@@ -129,27 +160,24 @@ class FusedLayers:
 
     def run(
         self,
-        x: torch.Tensor,
+        x: np.ndarray,
         positions: np.ndarray,
         slots: np.ndarray,
         paged: tuple[np.ndarray, np.ndarray, np.ndarray],
-        pool_k: torch.Tensor,
-        pool_v: torch.Tensor,
+        pool: KvPool,
         lora: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> torch.Tensor:
-        """x [T, D] after every layer; pool_k/pool_v [layers, blocks, 16, KVH, hd], float32,
-        float16 or bfloat16 (both alike); `lora`: each row's adapter slot (-1: none) and
-        scale, None where no row has one."""
+    ) -> np.ndarray:
+        """x [T, D] float32 after every layer (a new array); `pool` the KV pool's layers;
+        `lora`: each row's adapter slot (-1: none) and scale, None where no row has one."""
         tables, seq, lengths = paged
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         slot = np.ascontiguousarray(slots, dtype=np.int64)
-        capacity = pool_k.shape[1] * BLOCK_SIZE
+        capacity = pool.blocks * BLOCK_SIZE
         if len(pos) and (pos.min() < 0 or pos.max() >= self.rope.shape[0]):
             raise ValueError(f"positions must lie in 0..{self.rope.shape[0] - 1}")
         if len(slot) and (slot.min() < 0 or slot.max() >= capacity):
             raise ValueError(f"KV slots must lie in 0..{capacity - 1}")
-        assert pool_k.is_contiguous() and pool_v.is_contiguous() and pool_k.dtype == pool_v.dtype
-        x = x.float().contiguous().clone()  # updated in place: never the caller's buffer
+        x = np.array(x, dtype=np.float32, order="C")  # updated in place: never the caller's
         slots_of = scales = None
         if lora is not None:
             slots_of = np.ascontiguousarray(lora[0], dtype=np.int64)
@@ -158,7 +186,7 @@ class FusedLayers:
         step = _Step(
             rows=x.shape[0],
             table_width=tables.shape[1],
-            kv_type=KV_TYPES[pool_k.dtype],
+            kv_type=KV_TYPES[pool.dtype],
             positions=address(pos),
             slots=address(slot),
             tables=address(tables),
@@ -168,16 +196,47 @@ class FusedLayers:
             lora_slot=None if slots_of is None else address(slots_of),
             lora_scale=None if scales is None else address(scales),
         )
-        per_layer = pool_k.stride(0) * pool_k.element_size()
-        k0, v0 = pool_k.data_ptr(), pool_v.data_ptr()
         for i, desc in enumerate(self.layers):
             rc = self.lib.cgn_layer(
                 ctypes.byref(desc),
-                _ptr(k0 + i * per_layer),
-                _ptr(v0 + i * per_layer),
+                _ptr(pool.k + i * pool.layer_bytes),
+                _ptr(pool.v + i * pool.layer_bytes),
                 ctypes.byref(step),
                 address(x),
             )
             if rc != 0:
                 raise MemoryError("cgn_layer: no memory for the step's scratch")
         return x
+
+
+def paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The C attention's view of a step: every sequence's block table (padded), the table
+    each row reads and how many positions it attends to. Checked here, because the kernel
+    trusts them: every block inside the pool, every length inside its table."""
+    parts = [(d.rows, np.arange(len(d.rows)), d.lengths, list(d.tables)) for d in lay.decodes]
+    parts += [
+        (
+            np.arange(p.rows.start, p.rows.stop),
+            np.zeros(p.length - p.start, np.int64),
+            np.arange(p.start + 1, p.length + 1),
+            [p.table],
+        )
+        for p in lay.prefills
+    ]
+    all_rows = np.concatenate([r for r, *_ in parts])
+    order = np.argsort(all_rows, kind="stable")
+    tables: list[np.ndarray] = []
+    seq_parts, length_parts = [], []
+    for _, local, lens, tabs in parts:
+        seq_parts.append(local + len(tables))
+        length_parts.append(lens)
+        tables.extend(tabs)
+    seq = np.concatenate(seq_parts)[order]
+    lengths = np.concatenate(length_parts)[order].astype(np.int64, copy=False)
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+    if padded.min() < 0 or padded.max() >= pool_blocks or lengths.max() > width * BLOCK_SIZE:
+        raise ValueError(f"block tables reach outside the KV pool of {pool_blocks} blocks")
+    return padded, seq, lengths

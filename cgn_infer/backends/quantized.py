@@ -22,7 +22,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 
 from cgn_infer.kernels import KERNEL_TYPES, Kernels
 from cgn_infer.weights import RawPart
@@ -32,9 +31,10 @@ MAX_PARTS = 4  # kernels/layer.c's MAX_PARTS
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-def address(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
-    """A tensor's or array's data, as the kernels take it."""
-    return ctypes.c_void_p(t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data)
+def address(t: Any) -> ctypes.c_void_p:
+    """A numpy array's or a torch tensor's data, as the kernels take it (torch is never
+    imported here: the C backend runs without it)."""
+    return ctypes.c_void_p(t.ctypes.data if isinstance(t, np.ndarray) else t.data_ptr())
 
 
 _buffers = threading.local()
@@ -102,23 +102,40 @@ class QuantMatrix:
             p.type_name in KERNEL_TYPES and p.cols % _GROUP == 0 for p in parts
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, out] float32
-        x = x.float().contiguous()
+    def __call__(self, x: Any) -> Any:
+        """[M, in] float32 -> [M, out] float32: a numpy array for a numpy array, a (CPU)
+        torch tensor for a torch tensor."""
+        if isinstance(x, np.ndarray):
+            return self.product(x)
+        import torch  # the caller's: already imported
+
+        return torch.from_numpy(self.product(x.float().contiguous().numpy()))
+
+    def product(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
         m, k = x.shape
-        y = torch.empty((m, self.out), dtype=torch.float32)
+        y = np.empty((m, self.out), dtype=np.float32)
         qa, da, sa = _activation_buffers(m, k)
         self.kernels.lib.cgn_matrix_product(
             ctypes.byref(self.desc), address(x), m, k, qa, da, sa, address(y)
         )
         return y
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as float32 [len(ids), in] (one part only: an embedding table)."""
+    def rows(self, ids: Any) -> Any:
+        """Rows `ids` as float32 [len(ids), in] (one part only: an embedding table): a numpy
+        array for numpy ids, a torch tensor for torch ids."""
+        if isinstance(ids, np.ndarray):
+            return self.rows_of(ids)
+        import torch  # the caller's: already imported
+
+        return torch.from_numpy(self.rows_of(ids.cpu().numpy()))
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
         ((type_id, rows, ptr),) = self.parts
-        idx = ids.to(torch.int64).contiguous()
-        if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < rows.shape[0]):
+        idx = np.ascontiguousarray(ids, dtype=np.int64)
+        if idx.size and not (int(idx.min()) >= 0 and int(idx.max()) < rows.shape[0]):
             raise IndexError(f"row ids must lie in 0..{rows.shape[0] - 1}")
-        out = torch.empty((idx.shape[0], self.cols), dtype=torch.float32)
+        out = np.empty((idx.shape[0], self.cols), dtype=np.float32)
         self.kernels.lib.cgn_dequantize_rows(
             type_id, ptr, rows.shape[1], self.cols, address(idx), idx.shape[0], address(out)
         )

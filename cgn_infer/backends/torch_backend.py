@@ -40,7 +40,7 @@ from cgn_core.kv.blockhash import BLOCK_SIZE
 from cgn_core.text.gguf_file import GGUFError, GGUFFile
 from cgn_infer import kernels
 from cgn_infer.backends.base import SingleSequence
-from cgn_infer.backends.fused import KV_TYPES, FusedLayers
+from cgn_infer.backends.fused import KV_TYPES, FusedLayers, KvPool, paged_rows, rope_pairs
 from cgn_infer.backends.paged import BatchItem, BatchLayout, layout
 from cgn_infer.backends.quantized import QuantMatrix, address
 from cgn_infer.kernels import KERNEL_TYPES
@@ -147,10 +147,8 @@ class StepTensors:
 
 
 def rope_table(args: Args, max_pos: int, device: torch.device) -> torch.Tensor:
-    """Complex rotations [max_pos, hd/2] for adjacent-pair RoPE."""
-    exps = torch.arange(0, args.rope_dim, 2, dtype=torch.float64) / args.rope_dim
-    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), args.rope_theta**-exps)
-    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(device)
+    """Complex rotations [max_pos, hd/2] for adjacent-pair RoPE (`fused.rope_pairs`)."""
+    return torch.view_as_complex(torch.from_numpy(rope_pairs(args, max_pos))).to(device)
 
 
 def _load(
@@ -248,7 +246,7 @@ class TorchBackend(SingleSequence):
         self._attend = lib
         self.rope = rope_table(args, args.ctx_len, self.device)
         self._fused = (
-            FusedLayers(self._attend, args, self.w.layers, self.rope)
+            FusedLayers(self._attend, args, self.w.layers, torch.view_as_real(self.rope).numpy())
             if fused and self._attend is not None and FusedLayers.applies(self.w.layers)
             else None
         )
@@ -294,6 +292,14 @@ class TorchBackend(SingleSequence):
             return torch.from_numpy(np.zeros(shape, dtype=raw)).view(self.kv_dtype)
 
         return PagedKV(pool(), pool())
+
+    @staticmethod
+    def kv_pool(kv: PagedKV) -> KvPool:
+        """The pool as the one-call C layers read it."""
+        assert kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.dtype == kv.v.dtype
+        layer_bytes = kv.k.stride(0) * kv.k.element_size()
+        dtype = str(kv.k.dtype).removeprefix("torch.")
+        return KvPool(kv.k.data_ptr(), kv.v.data_ptr(), layer_bytes, kv.k.shape[1], dtype)
 
     def kv_nbytes(self, kv: PagedKV) -> int:
         return kv.k.nbytes + kv.v.nbytes
@@ -349,8 +355,10 @@ class TorchBackend(SingleSequence):
         if not self.w.layers:
             return x
         if self._fused is not None:
-            paged = _paged_rows(lay, kv.k.shape[1])
-            return self._fused.run(x, lay.positions, lay.slots, paged, kv.k, kv.v, lay.lora)
+            paged = paged_rows(lay, kv.k.shape[1])
+            rows = x.float().contiguous().numpy()
+            out = self._fused.run(rows, lay.positions, lay.slots, paged, self.kv_pool(kv), lay.lora)
+            return torch.from_numpy(out)
         if lay.lora is not None:  # Adapters refuses to load where the layers are not fused
             raise RuntimeError("LoRA adapters run on the fused C layers only")
         step = self._step_tensors(lay, kv.k.shape[1])
@@ -395,7 +403,7 @@ class TorchBackend(SingleSequence):
         only = len(lay.decodes) == 1 and len(lay.decodes[0].rows) == len(lay.ids)
         step = StepTensors(t(lay.slots), [], only, [])
         if self._attend is not None:  # every row: one kernel, one way (module docstring)
-            step.paged = tuple(t(a) for a in _paged_rows(lay, pool_blocks))  # type: ignore[assignment]
+            step.paged = tuple(t(a) for a in paged_rows(lay, pool_blocks))  # type: ignore[assignment]
             return step
         for d in lay.decodes:
             width = d.tables.shape[1] * BLOCK_SIZE
@@ -451,7 +459,7 @@ class TorchBackend(SingleSequence):
             address(q),
             address(pool_k),
             address(pool_v),
-            KV_TYPES[self.kv_dtype],
+            KV_TYPES[str(self.kv_dtype).removeprefix("torch.")],
             address(tables),
             tables.shape[1],
             address(seq),
@@ -501,39 +509,6 @@ class TorchBackend(SingleSequence):
 
 
 Weight = torch.Tensor | Linear | QuantMatrix
-
-
-def _paged_rows(lay: BatchLayout, pool_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The C attention's view of a step: every sequence's block table (padded), the table
-    each row reads and how many positions it attends to. Checked here, because the kernel
-    trusts them: every block inside the pool, every length inside its table."""
-    parts = [(d.rows, np.arange(len(d.rows)), d.lengths, list(d.tables)) for d in lay.decodes]
-    parts += [
-        (
-            np.arange(p.rows.start, p.rows.stop),
-            np.zeros(p.length - p.start, np.int64),
-            np.arange(p.start + 1, p.length + 1),
-            [p.table],
-        )
-        for p in lay.prefills
-    ]
-    all_rows = np.concatenate([r for r, *_ in parts])
-    order = np.argsort(all_rows, kind="stable")
-    tables: list[np.ndarray] = []
-    seq_parts, length_parts = [], []
-    for _, local, lens, tabs in parts:
-        seq_parts.append(local + len(tables))
-        length_parts.append(lens)
-        tables.extend(tabs)
-    seq = np.concatenate(seq_parts)[order]
-    lengths = np.concatenate(length_parts)[order].astype(np.int64, copy=False)
-    width = max(len(t) for t in tables)
-    padded = np.zeros((len(tables), width), dtype=np.int64)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = t
-    if padded.min() < 0 or padded.max() >= pool_blocks or lengths.max() > width * BLOCK_SIZE:
-        raise ValueError(f"block tables reach outside the KV pool of {pool_blocks} blocks")
-    return padded, seq, lengths
 
 
 def _t(x: Weight | None) -> torch.Tensor:

@@ -19,9 +19,10 @@ place, so concurrent engines never load a half-written library; one that fails t
 load is rebuilt once. Without a compiler, `load()` returns None with the reason,
 and the engine falls back to dequantized weights (and logs why).
 
-Load it after torch: it links libgomp.so.1, which the dynamic linker then resolves
-to the copy torch already loaded, so both share one OpenMP thread pool and
-`torch.set_num_threads` governs both.
+It links libgomp.so.1, as torch's own libraries do (torch ships one under that name):
+whichever loads first, the dynamic linker resolves the other's to it, so a process that
+runs both has one OpenMP thread pool, and `torch.set_num_threads` and
+`cgn_set_threads` govern the same threads. The C backend never imports torch.
 """
 
 from __future__ import annotations
@@ -194,6 +195,12 @@ def _bind(path: Path) -> ctypes.CDLL:
     _f32, _f64 = ctypes.c_float, ctypes.c_double
     lib.cgn_sample.argtypes = [_ptr, _i64, _f32, _i64, _f64, _f32, _f64, _ptr, _ptr, _ptr]
     lib.cgn_sample.restype = _i64
+    lib.cgn_set_threads.argtypes = [ctypes.c_int]
+    lib.cgn_set_threads.restype = None
+    lib.cgn_threads.argtypes = []
+    lib.cgn_threads.restype = ctypes.c_int
+    lib.cgn_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _f32, _ptr]
+    lib.cgn_rms_norm.restype = None
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree
         if lib.cgn_block_bytes(type_id) == 0:
             raise OSError(f"{path}: no kernel for {name}")
@@ -223,8 +230,6 @@ def load() -> Kernels | None:
     global _loaded, _failure
     if _loaded is not None or _failure is not None:
         return _loaded
-    import torch  # noqa: F401  (its libgomp first: see the module docstring)
-
     try:
         choice = current()
     except IsaError as e:

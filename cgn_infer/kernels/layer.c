@@ -28,6 +28,28 @@
 
 #include "half.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The OpenMP threads of the calling thread's next parallel regions (its products and
+ * layers): torch.set_num_threads' effect, for a process without torch. */
+void cgn_set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n > 0 ? n : 1);
+#else
+    (void)n;
+#endif
+}
+
+int cgn_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 #define GROUP 32
 #define MAX_PARTS 4
 
@@ -167,6 +189,11 @@ static void rms_norm(const float *x, const float *w, int64_t T, int64_t D, float
         float inv = 1.0f / sqrtf((float)(ss / (double)D) + eps);
         for (int64_t i = 0; i < D; i++) out[t * D + i] = r[i] * inv * w[i];
     }
+}
+
+/* rms_norm for the model's last norm (the C backend's, before the LM head). */
+void cgn_rms_norm(const float *x, const float *w, int64_t T, int64_t D, float eps, float *out) {
+    rms_norm(x, w, T, D, eps, out);
 }
 
 /* Row i (n values) of a pool: written from float32, rounded to the pool's type. */
