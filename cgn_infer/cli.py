@@ -35,7 +35,12 @@ def serve(
     ] = None,
     backend: Annotated[
         str | None,
-        flag("--backend", "torch | mlx | sim (modelled compute, deterministic tokens)."),
+        flag(
+            "--backend",
+            "torch | mlx | sim (modelled compute, deterministic tokens). With "
+            "torch, GGUF weights whose every matrix has a C kernel run on the C kernels "
+            "alone, without importing torch.",
+        ),
     ] = None,
     max_batch: Annotated[
         int | None, flag("--max-batch", "Sequences running at once (default 8).")

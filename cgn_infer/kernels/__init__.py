@@ -197,8 +197,6 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.cgn_sample.restype = _i64
     lib.cgn_set_threads.argtypes = [ctypes.c_int]
     lib.cgn_set_threads.restype = None
-    lib.cgn_threads.argtypes = []
-    lib.cgn_threads.restype = ctypes.c_int
     lib.cgn_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _f32, _ptr]
     lib.cgn_rms_norm.restype = None
     for name, type_id in KERNEL_TYPES.items():  # the C side and this table must agree

@@ -42,14 +42,6 @@ void cgn_set_threads(int n) {
 #endif
 }
 
-int cgn_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 #define GROUP 32
 #define MAX_PARTS 4
 
