@@ -121,24 +121,12 @@ class CBackend(SingleSequence):
             return QuantMatrix(lib, parts) if QuantMatrix.supports(parts) else None
 
         self.w = load_weights(gguf, args, convert, progress, rope_pairs=True, raw=raw)
-        self.first, self.end = 0, args.n_layers
-        self.weights = "gguf"
         self._fused = FusedLayers(lib, args, self.w.layers, rope_pairs(args, args.ctx_len))
         assert isinstance(self.w.output, QuantMatrix) and self.w.out_norm is not None
 
     def set_lora(self, tables: Sequence[Any]) -> None:
         """The loaded LoRA adapters' tables, per layer (cgn_infer/adapters.py)."""
         self._fused.set_lora(tables)
-
-    def weight_bytes(self) -> int:
-        """Bytes held by the weight matrices (what a decode step streams from memory)."""
-        total = sum(
-            m.nbytes()
-            for layer in self.w.layers
-            for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-        )
-        out = self.w.output
-        return int(total + (out.nbytes() if isinstance(out, QuantMatrix) else 0))
 
     def kv_bytes_per_token(self) -> int:
         a = self.args

@@ -232,6 +232,7 @@ class TorchBackend(SingleSequence):
         self.args = args
         self.device = torch.device(device)
         self.kv_dtype = _FLOAT[kv_dtype]
+        self.kv_name = kv_dtype  # the pool's element type by name (fused.KV_TYPES, kv_layout)
 
         lib = None
         if weights == "gguf":
@@ -306,8 +307,7 @@ class TorchBackend(SingleSequence):
 
     def kv_layout(self) -> tuple[str, int, int, int]:
         a = self.args
-        dtype = str(self.kv_dtype).removeprefix("torch.")
-        return dtype, len(self.w.layers), a.n_kv_heads, a.head_dim
+        return self.kv_name, len(self.w.layers), a.n_kv_heads, a.head_dim
 
     @torch.inference_mode()
     def read_blocks(self, kv: PagedKV, ids: Sequence[int]) -> np.ndarray:
@@ -459,7 +459,7 @@ class TorchBackend(SingleSequence):
             address(q),
             address(pool_k),
             address(pool_v),
-            KV_TYPES[str(self.kv_dtype).removeprefix("torch.")],
+            KV_TYPES[self.kv_name],
             address(tables),
             tables.shape[1],
             address(seq),

@@ -154,7 +154,7 @@ static const float BOUNDS[LEVELS - 1] = {1.0f, 0x1p-2f, 0x1p-4f, 0x1p-6f, 0x1p-8
 
 /* mass[level]: the float32 sum of the p at or above each bound (an estimate) */
 static void masses(const float *p, int64_t n, float *mass) {
-    for (int l = 0; l < LEVELS; l++) mass[l] = 0.0f;
+    for (int l = 0; l < LEVELS - 1; l++) mass[l] = 0.0f;
     int64_t i = 0;
 #ifdef __AVX2__
     __m256 acc[LEVELS - 1];
@@ -266,7 +266,7 @@ int64_t cgn_sample(const float *x, int64_t n, float temperature, int64_t top_k, 
         /* the highest of the bounds 1, 1/4, 1/16, ... whose tokens at or above hold the
          * goal, by float32 sums (an estimate: a sorted prefix that still falls short takes
          * the next bound down, and the last bound is 0, every token) */
-        float mass[LEVELS];
+        float mass[LEVELS - 1];
         masses(p, n, mass);
         int level = 0;
         while (level < LEVELS - 1 && !(mass[level] >= goal * (1.0 + 1e-4))) level++;
