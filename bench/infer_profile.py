@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result
 from cgn_core.bundled_models import qwen_coder_05b, smollm2
+from cgn_core.text.gguf_file import GGUFFile
 from cgn_infer.backends.fused import FusedLayers
 from cgn_infer.backends.paged import BatchItem
 from cgn_infer.backends.quantized import QuantMatrix
-from cgn_infer.loader import load_model
-from cgn_infer.settings import InferSettings
+from cgn_infer.backends.torch_backend import TorchBackend
+from cgn_infer.models import args_from_gguf
 
 MODELS = {"smollm2": smollm2, "qwen": qwen_coder_05b}
 CONTEXT = 128  # tokens already in the pool when decode starts
@@ -83,8 +84,10 @@ def decode_items(rows: int) -> list[BatchItem]:
 
 def profile_one(model: str, weights: str, threads: int) -> dict[str, Any]:
     chosen = weights.removesuffix("-ops")
-    m = load_model(InferSettings(model=MODELS[model](), weights=chosen, threads=threads))  # type: ignore[arg-type]
-    b: Any = m.backend
+    # NOTE: the torch backend itself, not load_model's choice (which takes the C backend for
+    # gguf weights): its ops are what this profile buckets, with the C calls traced among them
+    gguf = GGUFFile(MODELS[model]())
+    b: Any = TorchBackend(gguf, args_from_gguf(gguf), weights=chosen, threads=threads)
     if weights.endswith("-ops"):
         b._fused = None  # the op-by-op path the one-call layers replaced, for the comparison
     kv = b.new_kv(16 * (-(-(CONTEXT + STEPS + 8) // 16)))
